@@ -1,0 +1,78 @@
+//! What a backend can do, declared so the suite and the waiting loop adapt.
+
+use std::time::Duration;
+
+use crate::LockError;
+
+/// What a backend declares about itself.
+///
+/// The conformance suite reads it to decide which cases apply (a case a
+/// backend cannot support shows as `ignored` with the reason), and the
+/// shared code reads it to round TTLs and to choose how to wait.
+///
+/// ```
+/// use std::time::Duration;
+/// use lock_core::Capabilities;
+/// let caps = Capabilities {
+///     min_ttl: Duration::from_secs(1),
+///     ttl_granularity: Duration::from_secs(1),
+///     ..Capabilities::default()
+/// };
+/// // Shorter TTLs are rounded up, never dropped.
+/// assert_eq!(caps.effective_ttl(Duration::from_millis(1500))?, Duration::from_secs(2));
+/// assert!(caps.effective_ttl(Duration::ZERO).is_err());
+/// # Ok::<(), lock_core::LockError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Capabilities {
+    /// The shortest TTL the server honours; shorter requests are rounded up.
+    pub min_ttl: Duration,
+    /// TTLs are rounded up to a multiple of this (etcd leases: whole seconds).
+    pub ttl_granularity: Duration,
+    /// The longest TTL accepted; longer requests are refused as invalid input.
+    pub max_ttl: Duration,
+    /// The server wakes waiters (pub/sub, watch, NOTIFY) through
+    /// [`DistributedLock::watch`](crate::DistributedLock::watch).
+    pub native_wait: bool,
+    /// How often a waiter retries when the backend has no native wake-up.
+    pub retry_interval: Duration,
+    /// Lock data (and so fencing order) survives a server restart.
+    pub durable: bool,
+}
+
+impl Default for Capabilities {
+    fn default() -> Self {
+        Self {
+            min_ttl: Duration::from_millis(1),
+            ttl_granularity: Duration::from_millis(1),
+            max_ttl: Duration::from_secs(365 * 24 * 3600),
+            native_wait: false,
+            retry_interval: Duration::from_millis(50),
+            durable: false,
+        }
+    }
+}
+
+impl Capabilities {
+    /// The TTL the backend will really use for a request of `ttl`: refused if
+    /// zero or above [`max_ttl`](Self::max_ttl), raised to
+    /// [`min_ttl`](Self::min_ttl), rounded up to the granularity.
+    pub fn effective_ttl(&self, ttl: Duration) -> Result<Duration, LockError> {
+        if ttl.is_zero() {
+            return Err(LockError::invalid_input(
+                "TTL is zero; a lock needs a positive time to live",
+            ));
+        }
+        if ttl > self.max_ttl {
+            return Err(LockError::invalid_input(format!(
+                "TTL {ttl:?} is above this backend's maximum of {:?}; use a shorter TTL and let the guard renew it",
+                self.max_ttl
+            )));
+        }
+        let ttl = ttl.max(self.min_ttl);
+        let step = self.ttl_granularity.as_nanos().max(1);
+        let rounded = ttl.as_nanos().div_ceil(step) * step;
+        // Cannot overflow: max_ttl bounds ttl and is itself a Duration.
+        Ok(Duration::from_nanos(u64::try_from(rounded).unwrap_or(u64::MAX)))
+    }
+}

@@ -1,0 +1,74 @@
+//! The shared waiting loop: subscribe, attempt, sleep until woken, repeat.
+
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use crate::{AcquireAttempt, DistributedLock, Lease, LockError, LockKey, ReleaseWatch};
+
+/// Extra wait after a holder's predicted expiry, so the retry lands after the
+/// server expired it rather than just before.
+const EXPIRY_SLACK: Duration = Duration::from_millis(2);
+
+/// The default [`DistributedLock::acquire`]: waits for `key` until `deadline`,
+/// woken by the server's release notifications or the holder's expiry.
+pub async fn acquire_by_watching<B: DistributedLock + ?Sized>(
+    backend: &B,
+    key: &LockKey,
+    ttl: Duration,
+    deadline: Instant,
+) -> Result<Option<Lease>, LockError> {
+    acquire_until_cancelled(backend, key, ttl, deadline, &CancellationToken::new()).await
+}
+
+/// As [`acquire_by_watching`], but gives up (`Ok(None)`) when `cancel` fires.
+/// Cancellation is only observed between attempts, never while an attempt
+/// is in flight, so a lock the server granted is always returned.
+pub(crate) async fn acquire_until_cancelled<B: DistributedLock + ?Sized>(
+    backend: &B,
+    key: &LockKey,
+    ttl: Duration,
+    deadline: Instant,
+    cancel: &CancellationToken,
+) -> Result<Option<Lease>, LockError> {
+    let caps = backend.capabilities();
+    // Subscribe before the first attempt: a release between a failed attempt
+    // and a later subscription would otherwise be missed.
+    let mut watch = if caps.native_wait && Instant::now() < deadline {
+        backend.watch(key).await?
+    } else {
+        None
+    };
+    let poll = watch.is_none().then_some(caps.retry_interval);
+    let mut never = ReleaseWatch::never();
+    let mut attempts = 0u64;
+    loop {
+        attempts += 1;
+        let expires_in = match backend.try_acquire(key, ttl).await? {
+            AcquireAttempt::Acquired(lease) => {
+                tracing::debug!(key = %key, fencing = %lease.fencing_token(), attempts, "lock acquired");
+                return Ok(Some(lease));
+            }
+            AcquireAttempt::Held { expires_in } => expires_in,
+        };
+        let now = Instant::now();
+        if now >= deadline {
+            tracing::debug!(key = %key, attempts, "lock still held at deadline");
+            return Ok(None);
+        }
+        let mut wake_at = deadline;
+        if let Some(expires_in) = expires_in {
+            wake_at = wake_at.min(now + expires_in + EXPIRY_SLACK);
+        }
+        if let Some(poll) = poll {
+            wake_at = wake_at.min(now + poll);
+        }
+        tracing::trace!(key = %key, ?expires_in, "waiting for release");
+        let watch_ref = watch.as_mut().unwrap_or(&mut never);
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(None),
+            woke = watch_ref.released() => woke?,
+            _ = tokio::time::sleep_until(wake_at.into()) => {}
+        }
+    }
+}

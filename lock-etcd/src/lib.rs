@@ -1,0 +1,1 @@
+//! distlock backend for etcd (work in progress).

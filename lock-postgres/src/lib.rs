@@ -1,0 +1,1 @@
+//! distlock backend for postgres (work in progress).

@@ -1,0 +1,1 @@
+//! distlock backend for redis (work in progress).
