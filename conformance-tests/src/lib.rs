@@ -1,1 +1,2 @@
-//! x
+//! The distlock conformance suite (work in progress).
+pub mod server;

@@ -5,16 +5,17 @@
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 mod etcd;
 mod postgres;
 mod redis;
 
-pub use self::etcd::Etcd;
-pub use self::postgres::Postgres;
-pub use self::redis::Redis;
+// pub use self::etcd::Etcd;
+// pub use self::postgres::Postgres;
+// pub use self::redis::Redis;
 
 /// A kind of lock server the harness knows how to run.
 ///
@@ -49,14 +50,141 @@ pub trait ServerKind: Send + Sync + 'static {
     }
 }
 
-/// A server process owned by the harness. Killed when dropped.
-#[derive(Debug)]
+/// A server process owned by the harness, in its own temporary directory on
+/// its own loopback port. Killed and its directory removed when dropped.
 pub struct ServerProcess {
-    kind_name: &'static str,
+    kind: Arc<dyn ServerKind>,
     dir: PathBuf,
     port: u16,
-    child: Option<Child>,
-    command: fn(&Self) -> Command,
+    child: Mutex<Option<Child>>,
+}
+
+impl std::fmt::Debug for ServerProcess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerProcess")
+            .field("kind", &self.kind.name())
+            .field("port", &self.port)
+            .field("dir", &self.dir)
+            .finish()
+    }
+}
+
+/// How long a server may take to start.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl ServerProcess {
+    /// Starts a server of `kind` on a free loopback port. Fails with a clear
+    /// message if the binary is missing (never a silent pass).
+    pub fn start(kind: Arc<dyn ServerKind>) -> io::Result<Self> {
+        let dir = std::env::temp_dir().join(format!(
+            "distlock-{}-{}-{:x}",
+            kind.name(),
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        std::fs::create_dir_all(&dir)?;
+        let port = free_port()?;
+        let server = Self {
+            kind,
+            dir,
+            port,
+            child: Mutex::new(None),
+        };
+        server.kind.prepare(&server.dir)?;
+        server.spawn()?;
+        Ok(server)
+    }
+
+    fn spawn(&self) -> io::Result<()> {
+        let mut command = self.kind.command(&self.dir, self.port);
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(std::fs::File::create(self.dir.join("server.log"))?));
+        let program = command.get_program().to_string_lossy().into_owned();
+        let child = command.spawn().map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "cannot start the {} server `{program}`: {e}. Install it (the README's test command does) or set {} to an existing server",
+                    self.kind.name(),
+                    self.kind.url_env_var()
+                ),
+            )
+        })?;
+        *self.child.lock().unwrap_or_else(|e| e.into_inner()) = Some(child);
+        let ready = wait_for_port(self.port, START_TIMEOUT)
+            .and_then(|()| self.kind.wait_ready(&self.dir, self.port));
+        if let Err(e) = ready {
+            let log = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
+            self.kill();
+            return Err(io::Error::new(
+                e.kind(),
+                format!("{} server did not start: {e}\n{log}", self.kind.name()),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The kind of server.
+    pub fn kind(&self) -> &Arc<dyn ServerKind> {
+        &self.kind
+    }
+
+    /// The loopback port it listens on (kept across restarts).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `127.0.0.1:port`.
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
+    /// The client URL of this server.
+    pub fn url(&self) -> String {
+        self.kind.url(self.addr())
+    }
+
+    /// The server's data directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Kills the process with SIGKILL and reaps it. Idempotent.
+    pub fn kill(&self) {
+        if let Some(mut child) = self.child.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Kills (if running) and starts the server again on the same port with
+    /// the same data directory.
+    pub fn restart(&self) -> io::Result<()> {
+        self.kill();
+        // The port may linger briefly after the kill; retry the start.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match self.spawn() {
+                Ok(()) => return Ok(()),
+                Err(e) if Instant::now() >= deadline => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+    }
+
+    /// Whether the process is running (as far as the harness knows).
+    pub fn is_running(&self) -> bool {
+        self.child.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 /// Where the suite's server is: one the harness runs, or an external one.
@@ -67,6 +195,32 @@ pub enum ServerHandle {
     /// Named by an environment variable; fault cases that need to control
     /// the process are ignored.
     External(String),
+}
+
+impl ServerHandle {
+    /// The server named by `kind`'s environment variable, or a new one.
+    pub fn from_env_or_start(kind: Arc<dyn ServerKind>) -> io::Result<Self> {
+        match std::env::var(kind.url_env_var()) {
+            Ok(url) if !url.is_empty() => Ok(ServerHandle::External(url)),
+            _ => ServerProcess::start(kind).map(ServerHandle::Owned),
+        }
+    }
+
+    /// The client URL.
+    pub fn url(&self) -> String {
+        match self {
+            ServerHandle::Owned(server) => server.url(),
+            ServerHandle::External(url) => url.clone(),
+        }
+    }
+
+    /// The owned process, if the harness runs it.
+    pub fn process(&self) -> Option<&ServerProcess> {
+        match self {
+            ServerHandle::Owned(server) => Some(server),
+            ServerHandle::External(_) => None,
+        }
+    }
 }
 
 /// Picks a free loopback port (bind to port 0, read it, close).

@@ -1,0 +1,1 @@
+//! The etcd server (to be written).

@@ -1,0 +1,1 @@
+//! The postgres server (to be written).

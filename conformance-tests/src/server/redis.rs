@@ -1,0 +1,1 @@
+//! The redis server (to be written).
