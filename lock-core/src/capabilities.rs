@@ -73,6 +73,8 @@ impl Capabilities {
         let step = self.ttl_granularity.as_nanos().max(1);
         let rounded = ttl.as_nanos().div_ceil(step) * step;
         // Cannot overflow: max_ttl bounds ttl and is itself a Duration.
-        Ok(Duration::from_nanos(u64::try_from(rounded).unwrap_or(u64::MAX)))
+        Ok(Duration::from_nanos(
+            u64::try_from(rounded).unwrap_or(u64::MAX),
+        ))
     }
 }

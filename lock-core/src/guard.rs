@@ -44,7 +44,10 @@ impl LostSignal {
 
     /// Why the lock was lost, once it was.
     pub fn reason(&self) -> Option<LostReason> {
-        self.reason.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Waits until the lock is lost. Cancel-safe.

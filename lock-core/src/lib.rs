@@ -26,6 +26,7 @@
 
 mod backend;
 mod capabilities;
+mod client_options;
 mod error;
 mod guard;
 mod key;
@@ -39,6 +40,7 @@ pub mod wait;
 
 pub use backend::{AcquireAttempt, DistributedLock};
 pub use capabilities::Capabilities;
+pub use client_options::{with_timeout, ClientOptions, DEFAULT_NAMESPACE};
 pub use error::{ErrorKind, LockError};
 pub use guard::{LockGuard, LostReason, LostSignal};
 pub use key::{LockKey, MAX_KEY_BYTES};

@@ -60,11 +60,13 @@ impl ReleaseNotifier {
     {
         let (watch, ready) = {
             let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
-            let entry = channels.entry(channel.to_owned()).or_insert_with(|| Channel {
-                wake: watch::channel(0).0,
-                subscribers: 0,
-                ready: Arc::new(OnceCell::new()),
-            });
+            let entry = channels
+                .entry(channel.to_owned())
+                .or_insert_with(|| Channel {
+                    wake: watch::channel(0).0,
+                    subscribers: 0,
+                    ready: Arc::new(OnceCell::new()),
+                });
             entry.subscribers += 1;
             let watch = ReleaseWatch {
                 rx: Some(entry.wake.subscribe()),
