@@ -1,2 +1,38 @@
-//! The distlock conformance suite (work in progress).
+//! The distlock conformance suite: one set of cases every backend — ours and
+//! third parties' — runs against a real server.
+//!
+//! A backend opts in with a test target of about five lines
+//! (`harness = false` in its `Cargo.toml`):
+//!
+//! ```no_run
+//! // tests/conformance.rs
+//! use std::sync::Arc;
+//! use conformance_tests::{server, Suite};
+//! use lock_core::{DistributedLock, LockError, MemoryLock};
+//!
+//! # async fn connect_my_backend(_url: &str) -> Result<MemoryLock, LockError> { Ok(MemoryLock::new()) }
+//! fn main() -> std::process::ExitCode {
+//!     Suite::new("my-backend", |url: String| async move {
+//!         let lock = connect_my_backend(&url).await?;
+//!         Ok(Arc::new(lock) as Arc<dyn DistributedLock>)
+//!     })
+//!     .server(server::Redis::default()) // or your own `server::ServerKind`
+//!     .run()
+//! }
+//! ```
+//!
+//! Every case becomes its own test named `group::case` (`basic::`, `input::`,
+//! `fencing::`, `wait::`, `guard::`, `exclusion::`, `run::`, `fault::`), so
+//! new cases reach every backend automatically. A case the backend cannot
+//! support (per its declared [`Capabilities`](lock_core::Capabilities)) is
+//! reported as `ignored` with the reason, never as a pass. Each case uses
+//! fresh random keys; nothing wipes shared state.
+#![warn(missing_docs)]
+
+pub mod cases;
+mod context;
 pub mod server;
+mod suite;
+
+pub use context::{CaseError, CaseResult, ClientFuture, ConnectFn, TestContext};
+pub use suite::Suite;

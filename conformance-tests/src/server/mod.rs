@@ -14,8 +14,8 @@ mod postgres;
 mod redis;
 
 // pub use self::etcd::Etcd;
-// pub use self::postgres::Postgres;
-// pub use self::redis::Redis;
+pub use self::postgres::Postgres;
+pub use self::redis::Redis;
 
 /// A kind of lock server the harness knows how to run.
 ///
@@ -100,7 +100,9 @@ impl ServerProcess {
         command
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::from(std::fs::File::create(self.dir.join("server.log"))?));
+            .stderr(Stdio::from(std::fs::File::create(
+                self.dir.join("server.log"),
+            )?));
         let program = command.get_program().to_string_lossy().into_owned();
         let child = command.spawn().map_err(|e| {
             io::Error::new(
@@ -176,7 +178,10 @@ impl ServerProcess {
 
     /// Whether the process is running (as far as the harness knows).
     pub fn is_running(&self) -> bool {
-        self.child.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+        self.child
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
     }
 }
 

@@ -1,0 +1,147 @@
+//! What a case gets: independent clients, fresh keys, the backend's
+//! capabilities, and (for fault cases) control of the server.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lock_core::{Capabilities, DistributedLock, LockError, LockKey, Locker};
+
+use crate::server::ServerHandle;
+
+/// The future a client factory returns.
+pub type ClientFuture =
+    Pin<Box<dyn Future<Output = Result<Arc<dyn DistributedLock>, LockError>> + Send>>;
+
+/// Opens a new, independent client for a server URL.
+pub type ConnectFn = Arc<dyn Fn(String) -> ClientFuture + Send + Sync>;
+
+/// Why a case failed: a message saying what was expected and what happened.
+#[derive(Debug)]
+pub struct CaseError(pub String);
+
+impl fmt::Display for CaseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<LockError> for CaseError {
+    fn from(e: LockError) -> Self {
+        CaseError(format!("unexpected error: {e} ({:?})", e.kind()))
+    }
+}
+
+impl From<String> for CaseError {
+    fn from(s: String) -> Self {
+        CaseError(s)
+    }
+}
+
+impl From<&str> for CaseError {
+    fn from(s: &str) -> Self {
+        CaseError(s.to_owned())
+    }
+}
+
+/// What a case returns.
+pub type CaseResult = Result<(), CaseError>;
+
+/// Fails the case with a message unless `cond` holds.
+#[macro_export]
+macro_rules! check {
+    ($cond:expr, $($msg:tt)+) => {
+        if !$cond {
+            return Err($crate::CaseError(format!("{} (failed: {})", format!($($msg)+), stringify!($cond))));
+        }
+    };
+}
+
+/// Fails the case unless `left == right`, showing both.
+#[macro_export]
+macro_rules! check_eq {
+    ($left:expr, $right:expr, $($msg:tt)+) => {
+        let (l, r) = (&$left, &$right);
+        if l != r {
+            return Err($crate::CaseError(format!("{}: left {:?} != right {:?}", format!($($msg)+), l, r)));
+        }
+    };
+}
+
+/// The environment of one case.
+#[derive(Clone)]
+pub struct TestContext {
+    pub(crate) backend: String,
+    pub(crate) connect: ConnectFn,
+    pub(crate) url: String,
+    pub(crate) server: Option<Arc<ServerHandle>>,
+    pub(crate) capabilities: Capabilities,
+}
+
+impl fmt::Debug for TestContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TestContext")
+            .field("backend", &self.backend)
+            .field("url", &self.url)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TestContext {
+    /// The backend's name as given to the suite.
+    pub fn backend_name(&self) -> &str {
+        &self.backend
+    }
+
+    /// Opens a new client with its own connections.
+    pub async fn client(&self) -> Result<Arc<dyn DistributedLock>, CaseError> {
+        self.client_at(&self.url).await
+    }
+
+    /// Opens a new client for another URL (e.g. through a fault proxy).
+    pub async fn client_at(&self, url: &str) -> Result<Arc<dyn DistributedLock>, CaseError> {
+        (self.connect)(url.to_owned())
+            .await
+            .map_err(|e| CaseError(format!("cannot open a client for {url:?}: {e}")))
+    }
+
+    /// A [`Locker`] over a new client.
+    pub async fn locker(&self) -> Result<Locker, CaseError> {
+        Ok(Locker::new(self.client().await?))
+    }
+
+    /// A fresh random key, so cases never share state.
+    pub fn key(&self, label: &str) -> LockKey {
+        LockKey::new(format!("{label}-{:016x}", rand::random::<u64>())).expect("valid test key")
+    }
+
+    /// The backend's declared capabilities.
+    pub fn capabilities(&self) -> &Capabilities {
+        &self.capabilities
+    }
+
+    /// The shortest TTL worth testing expiry with: the backend's minimum, at
+    /// least 200 ms.
+    pub fn short_ttl(&self) -> Duration {
+        self.capabilities
+            .effective_ttl(Duration::from_millis(200))
+            .unwrap_or(Duration::from_secs(1))
+    }
+
+    /// A TTL no case outlives.
+    pub fn long_ttl(&self) -> Duration {
+        Duration::from_secs(60)
+    }
+
+    /// The server URL the suite runs against.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The server, if the harness runs one (fault cases use it).
+    pub fn server(&self) -> Option<&ServerHandle> {
+        self.server.as_deref()
+    }
+}
