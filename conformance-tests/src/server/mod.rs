@@ -13,7 +13,7 @@ mod etcd;
 mod postgres;
 mod redis;
 
-// pub use self::etcd::Etcd;
+pub use self::etcd::Etcd;
 pub use self::postgres::Postgres;
 pub use self::redis::Redis;
 
