@@ -29,6 +29,7 @@ mod capabilities;
 mod client_options;
 mod error;
 mod guard;
+mod job_key;
 mod key;
 mod lease;
 mod locker;
@@ -36,6 +37,7 @@ mod memory;
 mod notify;
 mod options;
 mod run;
+mod schedule;
 pub mod wait;
 
 pub use backend::{AcquireAttempt, DistributedLock};
@@ -43,6 +45,7 @@ pub use capabilities::Capabilities;
 pub use client_options::{with_timeout, ClientOptions, DEFAULT_NAMESPACE};
 pub use error::{ErrorKind, LockError};
 pub use guard::{LockGuard, LostReason, LostSignal};
+pub use job_key::JobKey;
 pub use key::{LockKey, MAX_KEY_BYTES};
 pub use lease::{FencingToken, Lease, LeaseIssuer, OwnerToken};
 pub use locker::Locker;
@@ -50,6 +53,7 @@ pub use memory::MemoryLock;
 pub use notify::{ReleaseNotifier, ReleaseWatch};
 pub use options::{LockOptions, Renewal};
 pub use run::{run_exclusive, JobContext, OnLost, RunOptions, RunOutcome};
+pub use schedule::{Fire, ScheduledJob, ScheduledOutcome, SkipReason};
 
 /// Re-exported so backends implement [`DistributedLock`] with the same
 /// `async_trait` version.

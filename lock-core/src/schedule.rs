@@ -1,0 +1,205 @@
+//! Exactly one run per schedule fire, across instances whose tickers are
+//! shifted and whose clocks are skewed.
+//!
+//! A plain lock is not enough for scheduled jobs: when the job is short and
+//! the instances' tickers are not aligned, each instance takes and releases
+//! the lock in turn and the job runs once *per instance* per fire. Here every
+//! fire has its own key, derived from the fire time the scheduler intended,
+//! and the key is kept after the run so any instance that wakes late for the
+//! same fire skips it. A second key per job keeps runs of consecutive fires
+//! from overlapping when a run outlasts its period.
+
+use std::future::Future;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crate::{
+    FencingToken, LockError, LockKey, LockOptions, Locker, LostReason, OnLost, RunOptions,
+    RunOutcome,
+};
+
+/// Which fire of the schedule a call is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fire {
+    /// The fire time the scheduler intended (a cron's "12:00:00"), by its own
+    /// clock: instances label the same fire alike whatever their skew.
+    At(SystemTime),
+    /// The fire slot that contains this instance's current time.
+    Now,
+}
+
+/// Why a scheduled run did not run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SkipReason {
+    /// Another instance ran (or is running) this fire.
+    FireAlreadyTaken,
+    /// The run of an earlier fire is still going.
+    PreviousStillRunning,
+}
+
+/// How one scheduled fire ended on this instance; log it as it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum ScheduledOutcome<T> {
+    /// This instance ran the fire.
+    Ran {
+        /// What the job returned.
+        output: T,
+        /// How long it ran.
+        duration: Duration,
+        /// The fencing token it ran under.
+        fencing_token: FencingToken,
+    },
+    /// This instance skipped the fire.
+    Skipped(SkipReason),
+    /// The lock was lost mid-run (the job was stopped unless
+    /// [`OnLost::Continue`]).
+    Lost {
+        /// The output, if the job was allowed to finish.
+        output: Option<T>,
+        /// The fencing token it ran under.
+        fencing_token: FencingToken,
+        /// Why.
+        reason: LostReason,
+    },
+}
+
+/// A job that fires every `period`, run at most once per fire across all
+/// instances.
+///
+/// ```
+/// use std::time::Duration;
+/// use lock_core::{Fire, Locker, MemoryLock, ScheduledJob, ScheduledOutcome};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), lock_core::LockError> {
+/// let server = MemoryLock::new();
+/// let job = ScheduledJob::new("nightly-report", Duration::from_secs(60))?;
+/// let fire = Fire::At(std::time::SystemTime::now());
+/// let a = job.run(&Locker::new(server.client()), fire, |_| async { "done" }).await?;
+/// let b = job.run(&Locker::new(server.client()), fire, |_| async { "done" }).await?;
+/// assert!(matches!(a, ScheduledOutcome::Ran { .. }));
+/// assert!(matches!(b, ScheduledOutcome::Skipped(_)));
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct ScheduledJob {
+    name: String,
+    period: Duration,
+    window: Duration,
+    ttl: Duration,
+    on_lost: OnLost,
+}
+
+impl ScheduledJob {
+    /// A job called `name` that fires every `period`. The fire key is kept
+    /// for one period after the run plus twice the skew window (default: one
+    /// period), so instances whose tickers are up to a period late or whose
+    /// clocks are up to a window apart skip the fire.
+    pub fn new(name: impl Into<String>, period: Duration) -> Result<Self, LockError> {
+        let name = name.into();
+        if period.is_zero() {
+            return Err(LockError::invalid_input("schedule period is zero"));
+        }
+        // Validate the longest key we derive now, not at the first fire.
+        LockKey::new(format!("{name}@fire:{}", u64::MAX))?;
+        Ok(Self {
+            name,
+            period,
+            window: period,
+            ttl: Duration::from_secs(30).min(period.max(Duration::from_secs(1))),
+            on_lost: OnLost::Stop,
+        })
+    }
+
+    /// The clock skew (and ticker lateness) tolerated between instances.
+    pub fn window(mut self, window: Duration) -> Self {
+        self.window = window;
+        self
+    }
+
+    /// The TTL of the running lock (renewed while the job runs).
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// What to do if the lock is lost mid-run.
+    pub fn on_lost(mut self, on_lost: OnLost) -> Self {
+        self.on_lost = on_lost;
+        self
+    }
+
+    /// The fire slot number of `fire`: whole periods since the Unix epoch.
+    pub fn slot(&self, fire: Fire) -> u64 {
+        let at = match fire {
+            Fire::At(at) => at,
+            Fire::Now => SystemTime::now(),
+        };
+        let since_epoch = at.duration_since(UNIX_EPOCH).unwrap_or_default();
+        (since_epoch.as_nanos() / self.period.as_nanos().max(1)) as u64
+    }
+
+    /// The key of one fire.
+    pub fn fire_key(&self, fire: Fire) -> Result<LockKey, LockError> {
+        LockKey::new(format!("{}@fire:{}", self.name, self.slot(fire)))
+    }
+
+    /// The key held while a run of this job is going.
+    pub fn running_key(&self) -> Result<LockKey, LockError> {
+        LockKey::new(format!("{}@running", self.name))
+    }
+
+    /// Runs `job` for `fire` unless another instance took this fire or the
+    /// previous run is still going.
+    pub async fn run<F, Fut, T>(
+        &self,
+        locker: &Locker,
+        fire: Fire,
+        job: F,
+    ) -> Result<ScheduledOutcome<T>, LockError>
+    where
+        F: FnOnce(crate::JobContext) -> Fut,
+        Fut: Future<Output = T>,
+    {
+        let fire_key = self.fire_key(fire)?;
+        let keep_fire_for = self.period + self.window * 2;
+        let fire_options = LockOptions::new(self.ttl).hold_at_least(keep_fire_for);
+        let Some(fire_guard) = locker.try_lock(&fire_key, &fire_options).await? else {
+            tracing::info!(job = %self.name, key = %fire_key, "fire already taken by another instance; skipping");
+            return Ok(ScheduledOutcome::Skipped(SkipReason::FireAlreadyTaken));
+        };
+        let started = Instant::now();
+        let run_options = RunOptions::new(LockOptions::new(self.ttl)).on_lost(self.on_lost);
+        let outcome = locker
+            .run_exclusive(&self.running_key()?, &run_options, job)
+            .await;
+        // Keeps the fire key until the hold-at-least time, then it expires.
+        if let Err(e) = fire_guard.release().await {
+            tracing::warn!(job = %self.name, key = %fire_key, error = %e, "could not keep the fire key; late instances may run this fire");
+        }
+        Ok(match outcome? {
+            RunOutcome::Completed {
+                output,
+                fencing_token,
+                ..
+            } => ScheduledOutcome::Ran {
+                output,
+                duration: started.elapsed(),
+                fencing_token,
+            },
+            RunOutcome::Skipped => {
+                tracing::info!(job = %self.name, "previous run still going; skipping this fire");
+                ScheduledOutcome::Skipped(SkipReason::PreviousStillRunning)
+            }
+            RunOutcome::Lost {
+                output,
+                fencing_token,
+                reason,
+            } => ScheduledOutcome::Lost {
+                output,
+                fencing_token,
+                reason,
+            },
+        })
+    }
+}
