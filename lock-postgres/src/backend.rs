@@ -1,0 +1,446 @@
+//! [`PostgresLock`]: the lease-table mode.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use lock_core::{
+    AcquireAttempt, Capabilities, ClientOptions, DistributedLock, FencingToken, Lease, LeaseIssuer,
+    LockError, LockKey, OwnerToken, ReleaseWatch,
+};
+use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
+use sqlx::Row;
+use tokio::sync::OnceCell;
+
+use crate::config::PostgresConfig;
+use crate::errors;
+use crate::keys::{channel_name, is_owner_token, qualified_table};
+use crate::sql::Statements;
+use crate::waiters::Waiters;
+
+/// A lock client on a PostgreSQL lock table.
+///
+/// Each lock is one row `(namespace, key, owner, fencing, expires_at)` of a
+/// table the client creates on first use (`public.distlock_locks` unless
+/// configured; idempotent, safe when many clients start at once; PostgreSQL
+/// 13 or newer). Expiry is computed by the database clock. Acquire, extend
+/// and release are one statement each; rows stay after release (owner set
+/// to NULL) so the fencing counter of a key keeps growing.
+///
+/// No session state is used — no advisory locks, no `SET`, nothing that
+/// assumes the same server session across statements — so it works through a
+/// transaction-pooling proxy such as PgBouncer in transaction mode (sqlx's
+/// prepared statements need a proxy that supports them, e.g. PgBouncer 1.21+
+/// with `max_prepared_statements`). Waiters are woken by `LISTEN`/`NOTIFY` on
+/// one extra connection per client; that connection must reach the server
+/// directly or through a session-mode pool.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use lock_core::{DistributedLock, LockKey};
+/// use lock_postgres::PostgresLock;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), lock_core::LockError> {
+/// let lock = PostgresLock::connect("postgres://app:secret@127.0.0.1:5432/app?namespace=jobs").await?;
+/// let key = LockKey::new("nightly-report")?;
+/// if let Some(lease) = lock.try_acquire(&key, Duration::from_secs(30)).await?.lease() {
+///     println!("fencing token {}", lease.fencing_token());
+///     lock.release(&lease).await?;
+/// }
+/// # Ok(()) }
+/// ```
+pub struct PostgresLock {
+    pool: PgPool,
+    options: ClientOptions,
+    schema: String,
+    table: String,
+    sql: Statements,
+    table_ready: OnceCell<()>,
+    waiters: Waiters,
+    issuer: LeaseIssuer,
+}
+
+impl fmt::Debug for PostgresLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresLock")
+            .field("namespace", &self.options.namespace)
+            .field("table", &qualified_table(&self.schema, &self.table))
+            .field("channel", &self.waiters.channel())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PostgresLock {
+    /// Connects to the server in `url`
+    /// (`postgres://user:password@host:port/database`, plus the query
+    /// parameters of [`PostgresConfig::from_url`]) and creates the lock table
+    /// if it does not exist.
+    ///
+    /// Errors: [`ErrorKind::Config`](lock_core::ErrorKind) for a bad URL,
+    /// failed authentication or missing privileges;
+    /// [`ErrorKind::Unavailable`](lock_core::ErrorKind) if the server cannot
+    /// be reached within the connect timeout.
+    pub async fn connect(url: &str) -> Result<Self, LockError> {
+        Self::with_config(PostgresConfig::from_url(url)?).await
+    }
+
+    /// Connects with `config` and creates the lock table if needed.
+    pub async fn with_config(config: PostgresConfig) -> Result<Self, LockError> {
+        config.validate()?;
+        let Some(connect) = config.connect.clone() else {
+            return Err(LockError::config(
+                "the PostgresConfig names no server; build it with PostgresConfig::from_url or PostgresConfig::new, or use PostgresLock::from_pool",
+            ));
+        };
+        let timeout = config.client.connect_timeout;
+        let pool = lock_core::with_timeout(timeout, "connecting to PostgreSQL", async {
+            PgPoolOptions::new()
+                .max_connections(config.max_connections)
+                .min_connections(0)
+                .acquire_timeout(timeout)
+                .idle_timeout(Some(Duration::from_secs(60)))
+                .connect_with(connect)
+                .await
+                .map_err(|e| errors::map(e, "connecting to PostgreSQL", None, timeout))
+        })
+        .await?;
+        let lock = Self::from_pool(pool, config)?;
+        lock.ensure_table().await?;
+        Ok(lock)
+    }
+
+    /// A client on an existing pool. The lock table is created on first use;
+    /// waiters get one extra connection with the pool's connect options.
+    /// The pool's acquire timeout should not exceed the connect timeout.
+    ///
+    /// Must be called inside a tokio runtime.
+    pub fn from_pool(pool: PgPool, config: PostgresConfig) -> Result<Self, LockError> {
+        config.validate()?;
+        let connect_timeout = config.client.connect_timeout;
+        let listener_pool = PgPoolOptions::new()
+            .max_connections(1)
+            .min_connections(0)
+            .acquire_timeout(connect_timeout)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .connect_lazy_with((*pool.connect_options()).clone());
+        let channel = channel_name(&config.schema, &config.table, &config.client.namespace);
+        Ok(Self {
+            sql: Statements::new(&config.schema, &config.table),
+            waiters: Waiters::new(listener_pool, channel, connect_timeout),
+            pool,
+            options: config.client,
+            schema: config.schema,
+            table: config.table,
+            table_ready: OnceCell::new(),
+            issuer: LeaseIssuer::random(),
+        })
+    }
+
+    /// The pool this client runs its statements on.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The namespace and timeouts.
+    pub fn client_options(&self) -> &ClientOptions {
+        &self.options
+    }
+
+    /// The quoted, schema-qualified name of the lock table
+    /// (`"public"."distlock_locks"`).
+    pub fn table(&self) -> String {
+        qualified_table(&self.schema, &self.table)
+    }
+
+    fn map_err(&self, error: sqlx::Error, what: &str, key: Option<&LockKey>) -> LockError {
+        errors::map(
+            error,
+            what,
+            key.map(LockKey::as_str),
+            self.options.connect_timeout,
+        )
+    }
+
+    /// Creates schema and table once per client (cheap afterwards).
+    async fn ensure_table(&self) -> Result<(), LockError> {
+        self.table_ready
+            .get_or_try_init(|| {
+                self.options
+                    .timed("creating the lock table", self.create_table())
+            })
+            .await
+            .map(|_| ())
+    }
+
+    async fn create_table(&self) -> Result<(), LockError> {
+        let what = "creating the lock table";
+        let qualified = self.table();
+        let exists: bool = sqlx::query(&self.sql.table_exists)
+            .bind(&qualified)
+            .fetch_one(&self.pool)
+            .await
+            .and_then(|row| row.try_get("exists"))
+            .map_err(|e| self.map_err(e, what, None))?;
+        if exists {
+            return Ok(());
+        }
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match self.create_table_once().await {
+                Ok(()) => {
+                    tracing::debug!(table = %qualified, "lock table ready");
+                    return Ok(());
+                }
+                // Another client created it at the same moment: try again,
+                // IF NOT EXISTS then sees it.
+                Err(e) if errors::is_concurrent_create(&e) && attempt < 5 => {
+                    tracing::debug!(table = %qualified, "lock table created concurrently; checking again");
+                }
+                Err(e) => return Err(self.map_err(e, what, None)),
+            }
+        }
+    }
+
+    async fn create_table_once(&self) -> Result<(), sqlx::Error> {
+        let schema_exists: bool = sqlx::query(&self.sql.schema_exists)
+            .bind(&self.schema)
+            .fetch_one(&self.pool)
+            .await?
+            .try_get("exists")?;
+        if !schema_exists {
+            sqlx::query(&self.sql.create_schema)
+                .persistent(false)
+                .execute(&self.pool)
+                .await?;
+        }
+        sqlx::query(&self.sql.create_table)
+            .persistent(false)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Reads column `name` of a row, reporting an unexpected type as corruption.
+    fn column<'r, T>(&self, row: &'r PgRow, name: &str, key: &LockKey) -> Result<T, LockError>
+    where
+        T: sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
+    {
+        row.try_get(name)
+            .map_err(|e| self.map_err(e, "reading the lock row", Some(key)))
+    }
+
+    /// Checks the row found at `key` for states distlock never writes.
+    fn check_row(
+        &self,
+        key: &LockKey,
+        owner: Option<&str>,
+        fencing: Option<i64>,
+        expected_fencing: Option<u64>,
+    ) -> Result<(), LockError> {
+        let table = self.table();
+        if let Some(owner) = owner {
+            if !is_owner_token(owner) {
+                return Err(LockError::corrupted(format!(
+                    "the row for lock {:?} in namespace {:?} of {table} has an owner distlock did not write; it is left untouched",
+                    key.as_str(),
+                    self.options.namespace
+                )));
+            }
+        }
+        match fencing {
+            Some(f) if f < 0 => Err(LockError::corrupted(format!(
+                "the row for lock {:?} in namespace {:?} of {table} has a negative fencing counter ({f}); it is left untouched",
+                key.as_str(),
+                self.options.namespace
+            ))),
+            Some(f) if expected_fencing.is_some_and(|e| (f as u64) < e) => Err(LockError::corrupted(format!(
+                "the fencing counter of lock {:?} in namespace {:?} of {table} went backwards (row {f}, lease {}); the row was edited outside distlock",
+                key.as_str(),
+                self.options.namespace,
+                expected_fencing.unwrap_or_default()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Interprets the reply of extend or release: `done` rows changed, and
+    /// the row as it was before the statement.
+    fn check_outcome(&self, lease: &Lease, row: &PgRow, what: &str) -> Result<(), LockError> {
+        let key = lease.key();
+        let done: i64 = self.column(row, "done", key)?;
+        let owner: Option<String> = self.column(row, "owner", key)?;
+        let fencing: Option<i64> = self.column(row, "fencing", key)?;
+        let expected = lease.fencing_token().get();
+        self.check_row(key, owner.as_deref(), fencing, Some(expected))?;
+        if owner.as_deref() == Some(lease.owner().to_hex().as_str())
+            && fencing.is_some_and(|f| f as u64 != expected)
+        {
+            return Err(LockError::corrupted(format!(
+                "the row for lock {:?} in namespace {:?} of {} has this lease's owner with another fencing token; the row was edited outside distlock",
+                key.as_str(),
+                self.options.namespace,
+                self.table()
+            )));
+        }
+        if done > 0 {
+            return Ok(());
+        }
+        Err(LockError::not_held(format!(
+            "cannot {what} lock {:?}: this lease no longer holds it (released, expired or taken over)",
+            key.as_str()
+        )))
+    }
+
+    fn fencing_param(lease: &Lease) -> Result<i64, LockError> {
+        i64::try_from(lease.fencing_token().get()).map_err(|_| {
+            LockError::invalid_input("the lease's fencing token is out of PostgreSQL's bigint range")
+        })
+    }
+}
+
+/// A TTL as whole milliseconds for SQL (the capabilities round TTLs to 1 ms).
+fn ttl_millis(ttl: Duration) -> Result<i64, LockError> {
+    i64::try_from(ttl.as_millis())
+        .map_err(|_| LockError::invalid_input(format!("TTL {ttl:?} is too long")))
+}
+
+#[async_trait]
+impl DistributedLock for PostgresLock {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            min_ttl: Duration::from_millis(1),
+            ttl_granularity: Duration::from_millis(1),
+            native_wait: true,
+            durable: true,
+            ..Capabilities::default()
+        }
+    }
+
+    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<AcquireAttempt, LockError> {
+        let ttl = self.capabilities().effective_ttl(ttl)?;
+        let ttl_ms = ttl_millis(ttl)?;
+        self.ensure_table().await?;
+        let owner = OwnerToken::random();
+        let sent_at = Instant::now();
+        let row = self
+            .options
+            .timed("acquire", async {
+                sqlx::query(&self.sql.acquire)
+                    .bind(&self.options.namespace)
+                    .bind(key.as_str())
+                    .bind(owner.to_hex())
+                    .bind(ttl_ms)
+                    .fetch_optional(&self.pool)
+                    .await
+                    .map_err(|e| self.map_err(e, "acquire", Some(key)))
+            })
+            .await?;
+        let Some(row) = row else {
+            // Someone inserted the first row for this key concurrently and
+            // this statement's snapshot cannot see it yet: try again soon.
+            tracing::debug!(key = %key, "lock held (just created by another client)");
+            return Ok(AcquireAttempt::Held {
+                expires_in: Some(Duration::ZERO),
+            });
+        };
+        let acquired: bool = self.column(&row, "acquired", key)?;
+        let fencing: Option<i64> = self.column(&row, "fencing", key)?;
+        if acquired {
+            let fencing = fencing
+                .and_then(|f| u64::try_from(f).ok())
+                .filter(|f| *f >= 1)
+                .ok_or_else(|| {
+                    LockError::corrupted(format!(
+                        "acquiring lock {:?} returned an impossible fencing token {fencing:?}",
+                        key.as_str()
+                    ))
+                })?;
+            tracing::debug!(key = %key, fencing, "lock acquired");
+            return Ok(AcquireAttempt::Acquired(Lease::new(
+                key.clone(),
+                owner,
+                FencingToken::new(fencing),
+                sent_at,
+                ttl,
+                self.issuer,
+            )));
+        }
+        let holder: Option<String> = self.column(&row, "owner", key)?;
+        self.check_row(key, holder.as_deref(), fencing, None)?;
+        if fencing.is_none() {
+            return Err(LockError::corrupted(format!(
+                "the row for lock {:?} in {} has no fencing counter; it is left untouched",
+                key.as_str(),
+                self.table()
+            )));
+        }
+        let expires_in = match holder {
+            // The row changed after this statement's snapshot: retry soon.
+            None => Some(Duration::ZERO),
+            Some(_) => {
+                let ms: Option<i64> = self.column(&row, "expires_in_ms", key)?;
+                ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)))
+            }
+        };
+        tracing::debug!(key = %key, ?expires_in, "lock held by another owner");
+        Ok(AcquireAttempt::Held { expires_in })
+    }
+
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
+        lease.check_issuer(self.issuer)?;
+        let ttl = self.capabilities().effective_ttl(ttl)?;
+        let ttl_ms = ttl_millis(ttl)?;
+        let fencing = Self::fencing_param(lease)?;
+        self.ensure_table().await?;
+        let key = lease.key();
+        let sent_at = Instant::now();
+        let row = self
+            .options
+            .timed("extend", async {
+                sqlx::query(&self.sql.extend)
+                    .bind(&self.options.namespace)
+                    .bind(key.as_str())
+                    .bind(lease.owner().to_hex())
+                    .bind(fencing)
+                    .bind(ttl_ms)
+                    .fetch_one(&self.pool)
+                    .await
+                    .map_err(|e| self.map_err(e, "extend", Some(key)))
+            })
+            .await?;
+        self.check_outcome(lease, &row, "extend")?;
+        tracing::debug!(key = %key, fencing = %lease.fencing_token(), ?ttl, "lock extended");
+        Ok(lease.renewed(sent_at, ttl))
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<(), LockError> {
+        lease.check_issuer(self.issuer)?;
+        let fencing = Self::fencing_param(lease)?;
+        self.ensure_table().await?;
+        let key = lease.key();
+        let row = self
+            .options
+            .timed("release", async {
+                sqlx::query(&self.sql.release)
+                    .bind(&self.options.namespace)
+                    .bind(key.as_str())
+                    .bind(lease.owner().to_hex())
+                    .bind(fencing)
+                    .bind(self.waiters.channel())
+                    .fetch_one(&self.pool)
+                    .await
+                    .map_err(|e| self.map_err(e, "release", Some(key)))
+            })
+            .await?;
+        self.check_outcome(lease, &row, "release")?;
+        tracing::debug!(key = %key, fencing = %lease.fencing_token(), "lock released");
+        Ok(())
+    }
+
+    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        self.waiters.watch(key).await.map(Some)
+    }
+}

@@ -1,0 +1,190 @@
+//! Server-driven wake-up: one `LISTEN` connection per client, feeding a
+//! [`ReleaseNotifier`].
+//!
+//! Release runs `pg_notify(channel, key)` in the same statement that frees the
+//! row, so the notification is delivered when (and only if) the release
+//! commits. Each client listens on the one channel of its namespace and table
+//! (see [`channel_name`](crate::channel_name)) on a single connection, started
+//! when the first waiter subscribes; a background task turns notifications
+//! into [`ReleaseNotifier::notify`] calls for the key in the payload. When
+//! that connection is lost, the task reconnects, listens again and calls
+//! [`ReleaseNotifier::reset`] so every waiter retries (notifications sent
+//! meanwhile are lost). Holders that crash without releasing are covered by
+//! the waiters' timers set to the holder's remaining lease.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use lock_core::{LockError, LockKey, ReleaseNotifier, ReleaseWatch};
+use sqlx::postgres::{PgListener, PgPool};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::errors;
+
+/// What the listener task is doing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum State {
+    /// (Re)connecting.
+    Connecting,
+    /// `LISTEN` is confirmed on the current connection.
+    Listening,
+    /// The last attempt to connect failed; retrying after a pause.
+    Failed(String),
+}
+
+/// One client's listener: started lazily, stopped when the client is dropped.
+#[derive(Debug)]
+pub(crate) struct Waiters {
+    notifier: ReleaseNotifier,
+    channel: String,
+    pool: PgPool,
+    connect_timeout: Duration,
+    state: watch::Sender<State>,
+    task: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Waiters {
+    /// `pool` is a pool of one connection, used only for listening.
+    pub(crate) fn new(pool: PgPool, channel: String, connect_timeout: Duration) -> Self {
+        Self {
+            notifier: ReleaseNotifier::new(),
+            channel,
+            pool,
+            connect_timeout,
+            state: watch::channel(State::Connecting).0,
+            task: Mutex::new(None),
+        }
+    }
+
+    /// The LISTEN/NOTIFY channel of this client's namespace and table.
+    pub(crate) fn channel(&self) -> &str {
+        &self.channel
+    }
+
+    /// Registers a waiter for `key`; returns once the server listens.
+    pub(crate) async fn watch(&self, key: &LockKey) -> Result<ReleaseWatch, LockError> {
+        self.notifier
+            .subscribe(key.as_str(), || self.ensure_listening())
+            .await
+    }
+
+    /// Starts the listener task if needed and waits until `LISTEN` is
+    /// confirmed, or the connection attempt fails, or the connect timeout.
+    async fn ensure_listening(&self) -> Result<(), LockError> {
+        let mut rx = self.state.subscribe();
+        {
+            let mut task = self.task.lock().unwrap_or_else(|e| e.into_inner());
+            if task.is_none() {
+                let state = self.state.clone();
+                *task = Some(tokio::spawn(listen(
+                    self.pool.clone(),
+                    self.channel.clone(),
+                    self.notifier.clone(),
+                    state,
+                    self.connect_timeout,
+                )));
+            }
+        }
+        if *rx.borrow_and_update() == State::Listening {
+            return Ok(());
+        }
+        // Wait for the outcome of the attempt in flight (or the next one).
+        let wait = async {
+            loop {
+                if rx.changed().await.is_err() {
+                    return Err(LockError::unavailable(
+                        "the PostgreSQL listener for waiters stopped",
+                    ));
+                }
+                match &*rx.borrow_and_update() {
+                    State::Listening => return Ok(()),
+                    State::Failed(message) => {
+                        return Err(LockError::unavailable(format!(
+                            "cannot listen for lock releases: {message}"
+                        )))
+                    }
+                    State::Connecting => {}
+                }
+            }
+        };
+        let limit = self.connect_timeout * 2;
+        lock_core::with_timeout(limit, "listening for lock releases", wait).await
+    }
+}
+
+impl Drop for Waiters {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            task.abort();
+        }
+    }
+}
+
+/// The listener task: connect, LISTEN, forward notifications; on loss,
+/// reconnect with a growing pause and reset the waiters.
+async fn listen(
+    pool: PgPool,
+    channel: String,
+    notifier: ReleaseNotifier,
+    state: watch::Sender<State>,
+    connect_timeout: Duration,
+) {
+    let mut pause = Duration::from_millis(50);
+    let mut connected_before = false;
+    loop {
+        state.send_replace(State::Connecting);
+        let attempt = lock_core::with_timeout(connect_timeout, "connecting the listener", async {
+            let mut listener = PgListener::connect_with(&pool)
+                .await
+                .map_err(|e| errors::map(e, "connecting the listener", None, connect_timeout))?;
+            listener.ignore_pool_close_event(true);
+            listener.eager_reconnect(false);
+            listener
+                .listen(&channel)
+                .await
+                .map_err(|e| errors::map(e, "LISTEN", None, connect_timeout))?;
+            Ok(listener)
+        })
+        .await;
+        let mut listener = match attempt {
+            Ok(listener) => listener,
+            Err(e) => {
+                tracing::debug!(error = %e, "listener for lock releases cannot connect; retrying");
+                state.send_replace(State::Failed(e.to_string()));
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(1));
+                continue;
+            }
+        };
+        pause = Duration::from_millis(50);
+        state.send_replace(State::Listening);
+        tracing::debug!(channel = %channel, "listening for lock releases");
+        if connected_before {
+            // Releases may have happened while we were not listening.
+            notifier.reset();
+        }
+        connected_before = true;
+        loop {
+            match listener.try_recv().await {
+                Ok(Some(notification)) => {
+                    tracing::trace!(key = notification.payload(), "release notification");
+                    notifier.notify(notification.payload());
+                }
+                Ok(None) => {
+                    tracing::debug!("listener connection lost; reconnecting");
+                    break;
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "listener failed; reconnecting");
+                    break;
+                }
+            }
+        }
+        state.send_replace(State::Connecting);
+        drop(listener);
+        // Wake everyone now: they retry (and fail fast if the server is
+        // gone) instead of waiting for a notification that cannot come.
+        notifier.reset();
+    }
+}
