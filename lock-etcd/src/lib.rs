@@ -1,1 +1,52 @@
-//! distlock backend for etcd (work in progress).
+//! The etcd v3 backend of distlock.
+//!
+//! A lock is an etcd key in the client's namespace (`NS/lock/<escaped key>`)
+//! attached to an etcd lease with the lock's TTL, written by a transaction
+//! that succeeds only if the key does not exist. etcd deletes the key when
+//! the lease runs out, by its own clock, so a crashed holder cannot wedge a
+//! lock. The fencing token is the key's `create_revision`, from etcd's
+//! global, durable revision counter. Waiters are woken by an etcd watch on
+//! the holder's key, not by polling.
+//!
+//! TTLs are whole seconds: shorter or fractional TTLs are rounded up (1.2 s
+//! becomes 2 s), and a server with default settings grants at least 2 s
+//! (1.5 × its election timeout). [`EtcdLock::capabilities`](lock_core::DistributedLock::capabilities)
+//! declares a 1 s minimum and 1 s granularity.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use lock_core::{Locker, LockKey, LockOptions};
+//! use lock_etcd::EtcdLock;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), lock_core::LockError> {
+//! let lock = EtcdLock::connect("etcd://locker:secret@127.0.0.1:2379?namespace=jobs").await?;
+//! let locker = Locker::new(Arc::new(lock));
+//! let key = LockKey::new("nightly-report")?;
+//! if let Some(guard) = locker.try_lock(&key, &LockOptions::new(Duration::from_secs(30))).await? {
+//!     // ... run the job; the guard renews the lease ...
+//!     guard.release().await?;
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! With authentication enabled in etcd, the URL's user needs a role with
+//! readwrite permission on the prefix `NS/lock/` (see
+//! [`EtcdLock::key_prefix`]); a wrong password is reported as
+//! [`ErrorKind::Config`](lock_core::ErrorKind::Config).
+#![warn(missing_docs)]
+
+mod backend;
+mod config;
+mod errors;
+mod keys;
+mod txn;
+mod waiters;
+
+pub use backend::EtcdLock;
+pub use config::{EtcdConfig, DEFAULT_PORT};
+
+/// The etcd client crate this backend is built on, for
+/// [`EtcdLock::from_client`].
+pub use etcd_client;

@@ -1,0 +1,387 @@
+//! [`EtcdLock`]: the [`DistributedLock`] implementation on etcd v3.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use etcd_client::{Client, ConnectOptions, KvClient, LeaseClient};
+use lock_core::{
+    AcquireAttempt, Capabilities, ClientOptions, DistributedLock, Lease, LeaseIssuer, LockError,
+    LockKey, OwnerToken, ReleaseWatch,
+};
+
+use crate::config::EtcdConfig;
+use crate::errors;
+use crate::keys::{encode_value, KeyLayout};
+use crate::txn::{self, AcquireOutcome};
+use crate::waiters::Watcher;
+
+/// The smallest lease etcd grants with its default settings is 2 s
+/// (1.5 × the 1 s election timeout, rounded up); a server tuned for short
+/// election timeouts grants 1 s. We ask for what the caller wants, rounded up
+/// to whole seconds, and use the TTL the server reports.
+const MIN_TTL: Duration = Duration::from_secs(1);
+
+/// etcd's largest lease TTL (`MaxLeaseTTL`, 9 000 000 000 s); we cap lower,
+/// at lock-core's default of a year.
+const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// HTTP/2 keep-alive ping interval. etcd's default enforcement policy
+/// rejects pings more often than every 5 s.
+const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
+
+/// A distributed lock on etcd v3.
+///
+/// A lock is the key `NS/lock/<escaped key>` attached to an etcd lease
+/// whose TTL is the lock's TTL, so etcd itself deletes it when the holder
+/// stops renewing, by the server's clock. The fencing token is the key's
+/// `create_revision`: etcd's global revision counter, strictly increasing
+/// across releases, expiries and server restarts, unchanged by renewals.
+///
+/// Costs, in round trips to the server:
+/// - `try_acquire`: 2 (grant a lease, then one transaction that creates the
+///   key only if absent); on refusal the unused lease is revoked in the
+///   background (not waited for).
+/// - `extend`: 2 (grant a lease with the new TTL, then one transaction that
+///   moves the key to it only if the value and create revision are still
+///   ours); the old lease is revoked in the background.
+/// - `release`: 1 transaction that compares owner and revision, then
+///   deletes; the lease is revoked in the background.
+///
+/// Waiting is woken by an etcd watch on the holder's key (one watch stream
+/// per client, one watch per key with waiters): a release or lease expiry
+/// deletes the key and wakes the waiters at once.
+///
+/// TTLs are whole seconds (at least 1 s, or the server's minimum lease TTL
+/// if larger); shorter or fractional TTLs are rounded up.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use lock_core::{DistributedLock, LockKey};
+/// use lock_etcd::EtcdLock;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), lock_core::LockError> {
+/// let lock = EtcdLock::connect("etcd://127.0.0.1:2379?namespace=jobs").await?;
+/// let key = LockKey::new("nightly-report")?;
+/// if let Some(lease) = lock.try_acquire(&key, Duration::from_secs(30)).await?.lease() {
+///     println!("fencing token {}", lease.fencing_token());
+///     lock.release(&lease).await?;
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct EtcdLock {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    kv: KvClient,
+    leases: LeaseClient,
+    layout: KeyLayout,
+    options: ClientOptions,
+    issuer: LeaseIssuer,
+    watcher: Watcher,
+}
+
+impl EtcdLock {
+    /// Connects to the cluster named by an `etcd://` URL (see
+    /// [`EtcdConfig::from_url`]).
+    pub async fn connect(url: &str) -> Result<Self, LockError> {
+        Self::with_config(EtcdConfig::from_url(url)?).await
+    }
+
+    /// Connects with `config`: authenticates if it has a user, and checks
+    /// the cluster answers, within the connect timeout. A wrong password is an
+    /// [`ErrorKind::Config`](lock_core::ErrorKind) error.
+    pub async fn with_config(config: EtcdConfig) -> Result<Self, LockError> {
+        config.validate()?;
+        let options = config.options().clone();
+        let mut connect = ConnectOptions::new()
+            .with_connect_timeout(options.connect_timeout)
+            .with_timeout(options.operation_timeout)
+            .with_keep_alive(KEEP_ALIVE_INTERVAL, options.operation_timeout)
+            .with_auto_token_refresh(true);
+        if let Some((name, password)) = config.credentials() {
+            connect = connect.with_user(name.clone(), password.clone());
+        }
+        let endpoints = config.endpoints().to_vec();
+        let what = format!("connecting to etcd at {}", endpoints.join(","));
+        let client = lock_core::with_timeout(options.connect_timeout, &what, async {
+            Client::connect(&endpoints, Some(connect))
+                .await
+                .map_err(|e| errors::map(&what, e))
+        })
+        .await
+        .map_err(unreachable_on_timeout)?;
+        let lock = Self::from_client(client, options)?;
+        lock.probe(&what).await?;
+        tracing::debug!(endpoints = ?config.endpoints(), namespace = %lock.inner.options.namespace, "connected to etcd");
+        Ok(lock)
+    }
+
+    /// Uses an existing client (its endpoints, credentials and TLS), with
+    /// `options` for namespace and timeouts. Does not contact the server.
+    pub fn from_client(client: Client, options: ClientOptions) -> Result<Self, LockError> {
+        options.validate()?;
+        let layout = KeyLayout::new(&options.namespace);
+        let watcher = Watcher::new(client.watch_client(), layout.clone(), options.clone());
+        Ok(Self {
+            inner: Arc::new(Inner {
+                kv: client.kv_client(),
+                leases: client.lease_client(),
+                layout,
+                options,
+                issuer: LeaseIssuer::random(),
+                watcher,
+            }),
+        })
+    }
+
+    /// The namespace and timeouts in use.
+    pub fn options(&self) -> &ClientOptions {
+        &self.inner.options
+    }
+
+    /// The prefix of every etcd key this client touches (`NS/lock/`): a
+    /// restricted etcd user needs a role with readwrite permission on it.
+    pub fn key_prefix(&self) -> &str {
+        self.inner.layout.prefix()
+    }
+
+    /// One read inside the namespace, to fail fast on an unreachable cluster
+    /// or a user without permission.
+    async fn probe(&self, what: &str) -> Result<(), LockError> {
+        let mut kv = self.inner.kv.clone();
+        let key = self.inner.layout.prefix().as_bytes().to_vec();
+        lock_core::with_timeout(self.inner.options.connect_timeout, what, async {
+            kv.get(key, None)
+                .await
+                .map(|_| ())
+                .map_err(|e| errors::map(what, e))
+        })
+        .await
+        .map_err(unreachable_on_timeout)
+    }
+
+    /// Grants an etcd lease of `ttl` (whole seconds); returns its id and
+    /// the TTL the server granted.
+    async fn grant(&self, ttl: Duration) -> Result<(i64, Duration), LockError> {
+        let seconds = i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX).max(1);
+        let mut leases = self.inner.leases.clone();
+        let reply = self
+            .inner
+            .options
+            .timed("etcd lease grant", async {
+                leases
+                    .grant(seconds, None)
+                    .await
+                    .map_err(errors::mapper("etcd lease grant"))
+            })
+            .await?;
+        if !reply.error().is_empty() {
+            return Err(LockError::unavailable(format!(
+                "etcd refused to grant a lease: {}",
+                reply.error()
+            )));
+        }
+        let granted = u64::try_from(reply.ttl()).unwrap_or(0);
+        if granted == 0 || reply.id() <= 0 {
+            return Err(LockError::unavailable(format!(
+                "etcd granted an unusable lease (id {}, ttl {})",
+                reply.id(),
+                reply.ttl()
+            )));
+        }
+        Ok((reply.id(), Duration::from_secs(granted)))
+    }
+
+    /// Revokes a lease in the background, bounded by the operation timeout.
+    /// Failing only means the lease lives until its TTL runs out.
+    fn revoke_later(&self, lease_id: i64) {
+        let mut leases = self.inner.leases.clone();
+        let options = self.inner.options.clone();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(async move {
+            let result = options
+                .timed("etcd lease revoke", async {
+                    leases
+                        .revoke(lease_id)
+                        .await
+                        .map(|_| ())
+                        .map_err(errors::mapper("etcd lease revoke"))
+                })
+                .await;
+            if let Err(e) = result {
+                tracing::debug!(lease_id, error = %e, "could not revoke an etcd lease; it expires by its TTL");
+            }
+        });
+    }
+
+    async fn run_txn(
+        &self,
+        what: &'static str,
+        txn: etcd_client::Txn,
+    ) -> Result<etcd_client::TxnResponse, LockError> {
+        let mut kv = self.inner.kv.clone();
+        self.inner
+            .options
+            .timed(what, async {
+                kv.txn(txn).await.map_err(errors::mapper(what))
+            })
+            .await
+    }
+
+    fn not_held(lease: &Lease) -> LockError {
+        LockError::not_held(format!(
+            "lock {:?} is no longer held by this lease (released, expired or taken over)",
+            lease.key().as_str()
+        ))
+    }
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdLock")
+            .field("namespace", &self.options.namespace)
+            .field("issuer", &self.issuer)
+            .field("watcher", &self.watcher)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A timeout while connecting means the cluster is unreachable.
+fn unreachable_on_timeout(error: LockError) -> LockError {
+    if error.kind() == lock_core::ErrorKind::Timeout {
+        LockError::unavailable(error.message().to_owned()).with_source(error)
+    } else {
+        error
+    }
+}
+
+#[async_trait]
+impl DistributedLock for EtcdLock {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            min_ttl: MIN_TTL,
+            ttl_granularity: Duration::from_secs(1),
+            max_ttl: MAX_TTL,
+            native_wait: true,
+            durable: true,
+            ..Capabilities::default()
+        }
+    }
+
+    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<AcquireAttempt, LockError> {
+        let ttl = self.capabilities().effective_ttl(ttl)?;
+        let etcd_key = self.inner.layout.lock_key(key);
+        let owner = OwnerToken::random();
+        let value = encode_value(owner);
+        let sent_at = Instant::now();
+        let (lease_id, granted) = self.grant(ttl).await?;
+        let reply = match self
+            .run_txn("etcd acquire", txn::acquire(&etcd_key, &value, lease_id))
+            .await
+        {
+            Ok(reply) => reply,
+            Err(e) => {
+                // Unknown outcome: the lease bounds the lock's life either
+                // way; revoking it frees a lock we may have taken.
+                self.revoke_later(lease_id);
+                return Err(e);
+            }
+        };
+        match txn::acquire_outcome(key, &reply) {
+            Ok(AcquireOutcome::Created(fencing)) => {
+                tracing::debug!(key = %key, fencing = %fencing, ttl = ?granted, "etcd lock acquired");
+                Ok(AcquireAttempt::Acquired(
+                    Lease::new(key.clone(), owner, fencing, sent_at, granted, self.inner.issuer)
+                        .with_handle(u64::try_from(lease_id).unwrap_or(0)),
+                ))
+            }
+            Ok(AcquireOutcome::Held { lease_id: holder }) => {
+                self.revoke_later(lease_id);
+                tracing::trace!(key = %key, holder_lease = holder, "etcd lock held by another owner");
+                Ok(AcquireAttempt::Held { expires_in: None })
+            }
+            Ok(AcquireOutcome::Gone) => {
+                self.revoke_later(lease_id);
+                Ok(AcquireAttempt::Held {
+                    expires_in: Some(Duration::ZERO),
+                })
+            }
+            Err(e) => {
+                self.revoke_later(lease_id);
+                tracing::debug!(key = %key, error = %e, "foreign value at an etcd lock key");
+                Err(e)
+            }
+        }
+    }
+
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
+        lease.check_issuer(self.inner.issuer)?;
+        let ttl = self.capabilities().effective_ttl(ttl)?;
+        let etcd_key = self.inner.layout.lock_key(lease.key());
+        let value = encode_value(lease.owner());
+        let sent_at = Instant::now();
+        let (new_lease, granted) = self.grant(ttl).await?;
+        let reply = match self
+            .run_txn(
+                "etcd extend",
+                txn::extend(&etcd_key, &value, lease.fencing_token(), new_lease),
+            )
+            .await
+        {
+            Ok(reply) => reply,
+            Err(e) => {
+                // Unknown outcome. If the move happened, the key now lives on
+                // `new_lease`, so it is not revoked (that would delete a lock
+                // we still hold); it expires by its TTL, and a retried extend
+                // moves the key on again.
+                return Err(e);
+            }
+        };
+        if !reply.succeeded() {
+            self.revoke_later(new_lease);
+            tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), "etcd lock not held on extend");
+            return Err(Self::not_held(lease));
+        }
+        let old = i64::try_from(lease.handle()).unwrap_or(0);
+        if old > 0 && old != new_lease {
+            self.revoke_later(old);
+        }
+        tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), ttl = ?granted, "etcd lock extended");
+        Ok(lease
+            .renewed(sent_at, granted)
+            .with_handle(u64::try_from(new_lease).unwrap_or(0)))
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<(), LockError> {
+        lease.check_issuer(self.inner.issuer)?;
+        let etcd_key = self.inner.layout.lock_key(lease.key());
+        let value = encode_value(lease.owner());
+        let reply = self
+            .run_txn(
+                "etcd release",
+                txn::release(&etcd_key, &value, lease.fencing_token()),
+            )
+            .await?;
+        if !reply.succeeded() {
+            tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), "etcd lock not held on release");
+            return Err(Self::not_held(lease));
+        }
+        if let Ok(id) = i64::try_from(lease.handle()) {
+            if id > 0 {
+                self.revoke_later(id);
+            }
+        }
+        tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), "etcd lock released");
+        Ok(())
+    }
+
+    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        self.inner.watcher.subscribe(key).await.map(Some)
+    }
+}

@@ -1,0 +1,99 @@
+//! Mapping lock keys into the namespace, and the value format of a lock.
+//!
+//! A lock on user key `k` in namespace `NS` is the etcd key
+//! `NS/lock/<escape(k)>`, where `escape` percent-encodes `%` and `/`
+//! (`%25`, `%2F`) and keeps every other byte. The escape is injective (it
+//! can be undone), so two distinct user keys never map to the same etcd key,
+//! and an escaped key never contains `/`, so no lock key is a path below
+//! another. The backend only reads, writes and watches single keys (never a
+//! range or prefix), and every key it touches starts with `NS/lock/`.
+//!
+//! The value is `dl1:<32 hex digits of the owner token>`; anything else at a
+//! lock key was not written by distlock and is reported as corrupted.
+
+use lock_core::{LockKey, OwnerToken};
+
+/// Prefix of every value we write.
+const VALUE_PREFIX: &str = "dl1:";
+
+/// The etcd key layout of one namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct KeyLayout {
+    prefix: String,
+}
+
+impl KeyLayout {
+    /// The layout for `namespace` (already validated: ASCII letters, digits,
+    /// `_`, `-`, `.`; so it contains no `/`).
+    pub(crate) fn new(namespace: &str) -> Self {
+        Self {
+            prefix: format!("{namespace}/lock/"),
+        }
+    }
+
+    /// The prefix every lock key starts with (`NS/lock/`): the range a
+    /// restricted etcd user needs readwrite permission on.
+    pub(crate) fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The etcd key of the lock on `key`.
+    pub(crate) fn lock_key(&self, key: &LockKey) -> Vec<u8> {
+        let mut out = String::with_capacity(self.prefix.len() + key.as_str().len() + 8);
+        out.push_str(&self.prefix);
+        for c in key.as_str().chars() {
+            match c {
+                '%' => out.push_str("%25"),
+                '/' => out.push_str("%2F"),
+                c => out.push(c),
+            }
+        }
+        out.into_bytes()
+    }
+}
+
+/// The value stored at a lock key held by `owner`.
+pub(crate) fn encode_value(owner: OwnerToken) -> Vec<u8> {
+    format!("{VALUE_PREFIX}{}", owner.to_hex()).into_bytes()
+}
+
+/// Parses a value found at a lock key; `None` if distlock did not write it.
+pub(crate) fn decode_value(value: &[u8]) -> Option<OwnerToken> {
+    let text = std::str::from_utf8(value).ok()?;
+    OwnerToken::from_hex(text.strip_prefix(VALUE_PREFIX)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn look_alike_keys_do_not_collide() {
+        let layout = KeyLayout::new("distlock");
+        let keys = [
+            "a", "a/b", "a%2Fb", "a%b", "a:b", "a{b}", "a/", "/a", "a//b", "a%2F", "ключ", "a b",
+            "%", "%25", "/",
+        ];
+        let mapped: HashSet<Vec<u8>> = keys
+            .iter()
+            .map(|k| layout.lock_key(&LockKey::new(*k).unwrap()))
+            .collect();
+        assert_eq!(mapped.len(), keys.len());
+        for m in &mapped {
+            let rest = &m[layout.prefix().len()..];
+            assert!(m.starts_with(layout.prefix().as_bytes()));
+            assert!(!rest.contains(&b'/'));
+        }
+        assert_eq!(layout.lock_key(&LockKey::new("a/b").unwrap()), b"distlock/lock/a%2Fb");
+    }
+
+    #[test]
+    fn values_round_trip() {
+        let owner = OwnerToken::random();
+        assert_eq!(decode_value(&encode_value(owner)), Some(owner));
+        assert_eq!(decode_value(b"hello"), None);
+        assert_eq!(decode_value(b"dl1:xyz"), None);
+        assert_eq!(decode_value(&[0xff, 0xfe]), None);
+    }
+}

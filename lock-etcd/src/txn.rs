@@ -1,0 +1,120 @@
+//! The etcd transactions behind acquire, extend and release.
+//!
+//! Each is one `Txn` request, so the comparison and the write happen
+//! atomically on the server:
+//!
+//! - acquire: `if create_revision(key) == 0 then put(key, value, lease) else get(key)`;
+//!   the put's revision (the transaction's header revision) is the key's
+//!   `create_revision` and becomes the fencing token.
+//! - extend: `if value(key) == ours and create_revision(key) == fencing then
+//!   put(key, value, new_lease)`; a missing key fails the comparison, so an
+//!   expired lock is never recreated.
+//! - release: `if value(key) == ours and create_revision(key) == fencing then delete(key)`.
+
+use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse};
+use lock_core::{FencingToken, LockError, LockKey, OwnerToken};
+
+use crate::keys::decode_value;
+
+/// The acquire transaction.
+pub(crate) fn acquire(key: &[u8], value: &[u8], lease_id: i64) -> Txn {
+    Txn::new()
+        .when([Compare::create_revision(key, CompareOp::Equal, 0)])
+        .and_then([TxnOp::put(
+            key,
+            value,
+            Some(PutOptions::new().with_lease(lease_id)),
+        )])
+        .or_else([TxnOp::get(key, None)])
+}
+
+/// The comparisons that prove the lock is still this acquisition's.
+fn ours(key: &[u8], value: &[u8], fencing: FencingToken) -> Vec<Compare> {
+    vec![
+        Compare::value(key, CompareOp::Equal, value),
+        Compare::create_revision(
+            key,
+            CompareOp::Equal,
+            i64::try_from(fencing.get()).unwrap_or(i64::MAX),
+        ),
+    ]
+}
+
+/// The extend transaction: moves the key to `new_lease_id`.
+pub(crate) fn extend(key: &[u8], value: &[u8], fencing: FencingToken, new_lease_id: i64) -> Txn {
+    Txn::new().when(ours(key, value, fencing)).and_then([TxnOp::put(
+        key,
+        value,
+        Some(PutOptions::new().with_lease(new_lease_id)),
+    )])
+}
+
+/// The release transaction.
+pub(crate) fn release(key: &[u8], value: &[u8], fencing: FencingToken) -> Txn {
+    Txn::new()
+        .when(ours(key, value, fencing))
+        .and_then([TxnOp::delete(key, None)])
+}
+
+/// What the acquire transaction found.
+#[derive(Debug)]
+pub(crate) enum AcquireOutcome {
+    /// We created the key; its create revision.
+    Created(FencingToken),
+    /// A valid lock of someone else's, attached to this etcd lease.
+    Held {
+        /// The holder's etcd lease id.
+        lease_id: i64,
+    },
+    /// The key vanished between compare and get (cannot happen in one
+    /// transaction, but a reply without the key is treated as "try again").
+    Gone,
+}
+
+/// Reads the acquire transaction's reply. A value we did not write, or a
+/// lock without a lease (it would never expire), is `Corrupted`.
+pub(crate) fn acquire_outcome(key: &LockKey, reply: &TxnResponse) -> Result<AcquireOutcome, LockError> {
+    if reply.succeeded() {
+        let revision = reply.header().map(|h| h.revision()).unwrap_or(0);
+        return u64::try_from(revision)
+            .ok()
+            .filter(|r| *r > 0)
+            .map(|r| AcquireOutcome::Created(FencingToken::new(r)))
+            .ok_or_else(|| {
+                LockError::unavailable(format!(
+                    "etcd acquired lock {:?} but returned no revision (header {revision})",
+                    key.as_str()
+                ))
+            });
+    }
+    for op in reply.op_responses() {
+        if let TxnOpResponse::Get(get) = op {
+            let Some(kv) = get.kvs().first() else {
+                return Ok(AcquireOutcome::Gone);
+            };
+            check_found(key, kv.value(), kv.lease())?;
+            return Ok(AcquireOutcome::Held {
+                lease_id: kv.lease(),
+            });
+        }
+    }
+    Ok(AcquireOutcome::Gone)
+}
+
+/// Refuses a value distlock did not write at a lock key.
+pub(crate) fn check_found(key: &LockKey, value: &[u8], lease_id: i64) -> Result<OwnerToken, LockError> {
+    let Some(owner) = decode_value(value) else {
+        return Err(LockError::corrupted(format!(
+            "the etcd key for lock {:?} holds a value distlock did not write ({} bytes); it was left untouched — remove it or use another namespace",
+            key.as_str(),
+            value.len()
+        )));
+    };
+    if lease_id == 0 {
+        return Err(LockError::corrupted(format!(
+            "the etcd key for lock {:?} has no lease, so it would never expire; distlock never writes that — it was left untouched, delete it by hand",
+            key.as_str()
+        )));
+    }
+    Ok(owner)
+}

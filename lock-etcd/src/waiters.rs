@@ -1,0 +1,421 @@
+//! Server-driven wake-up: one etcd watch stream per client.
+//!
+//! A background task owns a single gRPC watch stream and multiplexes one etcd
+//! watch per lock key with local waiters on it (etcd watch ids, chosen by the
+//! client so creations and replies match). A `DELETE` event on a watched key
+//! — a release, or the holder's lease expiring — wakes that key's waiters
+//! through the [`ReleaseNotifier`]. A watch is registered (the server
+//! confirmed it with a `created` reply) before [`Watcher::subscribe`]
+//! returns, so a release after the subscription is never missed.
+//!
+//! Watches whose key has no waiters left are cancelled within a second. When
+//! the stream breaks (server restart, network), the task reconnects with
+//! backoff, re-creates the watches of keys that still have waiters, and then
+//! calls [`ReleaseNotifier::reset`] so every waiter retries once (a release
+//! may have happened while the stream was down).
+
+use std::collections::HashMap;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use etcd_client::{
+    EventType, WatchClient, WatchOptions, WatchRequestSender, WatchResponse, WatchResponseStream,
+};
+use lock_core::{ClientOptions, LockError, LockKey, ReleaseNotifier, ReleaseWatch};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::errors;
+use crate::keys::KeyLayout;
+
+/// How often watches without waiters are cancelled.
+const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+/// First and longest pause between reconnection attempts.
+const BACKOFF_MIN: Duration = Duration::from_millis(50);
+const BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+type Reply = oneshot::Sender<Result<(), LockError>>;
+
+struct WatchCommand {
+    channel: String,
+    key: Vec<u8>,
+    reply: Reply,
+}
+
+/// The client side of the watch task: started on first use, in the runtime
+/// of the first waiter.
+pub(crate) struct Watcher {
+    client: WatchClient,
+    layout: KeyLayout,
+    options: ClientOptions,
+    notifier: ReleaseNotifier,
+    commands: OnceLock<mpsc::UnboundedSender<WatchCommand>>,
+}
+
+impl std::fmt::Debug for Watcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watcher")
+            .field("waiting_keys", &self.notifier.channels().len())
+            .field("started", &self.commands.get().is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for WatchCommand {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WatchCommand")
+            .field("channel", &self.channel)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Watcher {
+    pub(crate) fn new(client: WatchClient, layout: KeyLayout, options: ClientOptions) -> Self {
+        Self {
+            client,
+            layout,
+            options,
+            notifier: ReleaseNotifier::new(),
+            commands: OnceLock::new(),
+        }
+    }
+
+    fn commands(&self) -> &mpsc::UnboundedSender<WatchCommand> {
+        self.commands.get_or_init(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let task = WatchTask {
+                client: self.client.clone(),
+                options: self.options.clone(),
+                notifier: self.notifier.clone(),
+                commands: rx,
+                entries: HashMap::new(),
+                by_id: HashMap::new(),
+                next_id: 1,
+                recreating: 0,
+            };
+            tokio::spawn(task.run());
+            tx
+        })
+    }
+
+    /// Registers a waiter for `key`; the etcd watch is live when this returns.
+    pub(crate) async fn subscribe(&self, key: &LockKey) -> Result<ReleaseWatch, LockError> {
+        let channel = key.as_str();
+        self.notifier
+            .subscribe(channel, || async {
+                let (reply, confirmed) = oneshot::channel();
+                self.commands()
+                    .send(WatchCommand {
+                        channel: channel.to_owned(),
+                        key: self.layout.lock_key(key),
+                        reply,
+                    })
+                    .map_err(|_| LockError::unavailable("the etcd watch task has stopped"))?;
+                self.options
+                    .timed("etcd watch create", async {
+                        confirmed.await.map_err(|_| {
+                            LockError::unavailable("the etcd watch task dropped the request")
+                        })?
+                    })
+                    .await
+            })
+            .await
+    }
+}
+
+/// One etcd watch, for one channel (lock key) with local waiters.
+struct Entry {
+    key: Vec<u8>,
+    id: i64,
+    created: bool,
+    /// Subscribers waiting for the `created` confirmation.
+    pending: Vec<Reply>,
+}
+
+struct WatchTask {
+    client: WatchClient,
+    options: ClientOptions,
+    notifier: ReleaseNotifier,
+    commands: mpsc::UnboundedReceiver<WatchCommand>,
+    entries: HashMap<String, Entry>,
+    by_id: HashMap<i64, String>,
+    next_id: i64,
+    /// Watches re-created after a reconnect, not yet confirmed; when it
+    /// drops to zero, every waiter is woken once.
+    recreating: usize,
+}
+
+enum Exit {
+    /// The client was dropped: stop.
+    Dropped,
+    /// No watches left: close the stream until the next waiter.
+    Idle,
+    /// The stream failed: reconnect.
+    Broken(LockError),
+}
+
+struct Stream {
+    sender: WatchRequestSender,
+    responses: WatchResponseStream,
+}
+
+impl WatchTask {
+    async fn run(mut self) {
+        let mut backoff = BACKOFF_MIN;
+        let mut reconnecting = false;
+        loop {
+            self.sweep();
+            if self.entries.is_empty() {
+                // Idle: no stream until someone waits.
+                match self.commands.recv().await {
+                    Some(command) => {
+                        self.add(command);
+                    }
+                    None => return,
+                }
+                continue;
+            }
+            match self.open(reconnecting).await {
+                Ok(stream) => {
+                    backoff = BACKOFF_MIN;
+                    match self.serve(stream).await {
+                        Exit::Dropped => return,
+                        Exit::Idle => reconnecting = false,
+                        Exit::Broken(e) => {
+                            tracing::debug!(error = %e, "etcd watch stream broke; reconnecting");
+                            reconnecting = true;
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot open the etcd watch stream; retrying");
+                    // Subscribers wait under their own timeout; fail them
+                    // now with the reason instead.
+                    for entry in self.entries.values_mut() {
+                        for reply in entry.pending.drain(..) {
+                            let _ = reply.send(Err(LockError::unavailable(format!(
+                                "cannot watch the lock in etcd: {e}"
+                            ))));
+                        }
+                    }
+                    reconnecting = true;
+                    let sleep = tokio::time::sleep(backoff);
+                    backoff = (backoff * 2).min(BACKOFF_MAX);
+                    tokio::pin!(sleep);
+                    loop {
+                        tokio::select! {
+                            _ = &mut sleep => break,
+                            command = self.commands.recv() => match command {
+                                Some(command) => {
+                                    self.add(command);
+                                }
+                                None => return,
+                            },
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn fresh_id(&mut self) -> i64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    /// Records a subscription; the watch is sent on the stream by the caller.
+    /// Returns the id to create, if a new server watch is needed.
+    fn add(&mut self, command: WatchCommand) -> Option<i64> {
+        if let Some(entry) = self.entries.get_mut(&command.channel) {
+            if entry.created {
+                let _ = command.reply.send(Ok(()));
+            } else {
+                entry.pending.push(command.reply);
+            }
+            return None;
+        }
+        let id = self.fresh_id();
+        self.by_id.insert(id, command.channel.clone());
+        self.entries.insert(
+            command.channel,
+            Entry {
+                key: command.key,
+                id,
+                created: false,
+                pending: vec![command.reply],
+            },
+        );
+        Some(id)
+    }
+
+    /// Forgets entries whose channel has no local waiters and nobody waiting
+    /// for creation; returns their watch ids (to cancel on the server).
+    fn sweep(&mut self) -> Vec<i64> {
+        let notifier = &self.notifier;
+        let mut gone = Vec::new();
+        self.entries.retain(|channel, entry| {
+            entry.pending.retain(|reply| !reply.is_closed());
+            let keep = !entry.pending.is_empty() || notifier.has_waiters(channel);
+            if !keep {
+                gone.push(entry.id);
+            }
+            keep
+        });
+        for id in &gone {
+            self.by_id.remove(id);
+        }
+        gone
+    }
+
+    fn watch_options(id: i64) -> WatchOptions {
+        WatchOptions::new().with_watch_id(id)
+    }
+
+    /// Opens the stream and (re-)creates every entry's watch on it.
+    async fn open(&mut self, reconnecting: bool) -> Result<Stream, LockError> {
+        // Fresh ids: the old stream's ids mean nothing on the new one.
+        self.by_id.clear();
+        let channels: Vec<String> = self.entries.keys().cloned().collect();
+        for channel in &channels {
+            let id = self.fresh_id();
+            self.by_id.insert(id, channel.clone());
+            if let Some(entry) = self.entries.get_mut(channel) {
+                entry.id = id;
+                entry.created = false;
+            }
+        }
+        self.recreating = if reconnecting { channels.len() } else { 0 };
+        let mut requests = channels.iter().filter_map(|c| {
+            self.entries
+                .get(c)
+                .map(|e| (e.key.clone(), Self::watch_options(e.id)))
+        });
+        let Some((first_key, first_options)) = requests.next() else {
+            return Err(LockError::unavailable("nothing to watch"));
+        };
+        let rest: Vec<_> = requests.collect();
+        let mut client = self.client.clone();
+        let stream = lock_core::with_timeout(
+            self.options.connect_timeout,
+            "etcd watch stream",
+            async {
+                client
+                    .watch(first_key, Some(first_options))
+                    .await
+                    .map_err(errors::mapper("etcd watch"))
+            },
+        )
+        .await?;
+        let (mut sender, responses) = stream.split();
+        for (key, options) in rest {
+            sender
+                .watch(key, Some(options))
+                .await
+                .map_err(errors::mapper("etcd watch"))?;
+        }
+        Ok(Stream { sender, responses })
+    }
+
+    /// Runs the stream until it breaks, has nothing left to watch, or the
+    /// client is dropped.
+    async fn serve(&mut self, stream: Stream) -> Exit {
+        match self.serve_inner(stream).await {
+            Ok(exit) => exit,
+            Err(e) => Exit::Broken(e),
+        }
+    }
+
+    async fn serve_inner(&mut self, mut stream: Stream) -> Result<Exit, LockError> {
+        let mut sweep = tokio::time::interval(SWEEP_INTERVAL);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                command = self.commands.recv() => {
+                    let Some(command) = command else { return Ok(Exit::Dropped) };
+                    let key = command.key.clone();
+                    if let Some(id) = self.add(command) {
+                        stream
+                            .sender
+                            .watch(key, Some(Self::watch_options(id)))
+                            .await
+                            .map_err(errors::mapper("etcd watch"))?;
+                    }
+                }
+                message = stream.responses.message() => {
+                    match message.map_err(errors::mapper("etcd watch stream"))? {
+                        Some(response) => self.handle(response),
+                        None => return Err(LockError::unavailable("etcd closed the watch stream")),
+                    }
+                }
+                _ = sweep.tick() => {
+                    for id in self.sweep() {
+                        stream.sender.cancel(id).await.map_err(errors::mapper("etcd watch cancel"))?;
+                    }
+                    if self.entries.is_empty() {
+                        // Close the stream; the run loop idles until the next waiter.
+                        return Ok(Exit::Idle);
+                    }
+                }
+            }
+        }
+    }
+
+    fn handle(&mut self, response: WatchResponse) {
+        let id = response.watch_id();
+        let Some(channel) = self.by_id.get(&id).cloned() else {
+            // A cancelled watch's late events, or a progress notification.
+            return;
+        };
+        if response.canceled() {
+            let reason = response.cancel_reason().to_owned();
+            tracing::debug!(channel = %channel, reason = %reason, "etcd cancelled a lock watch");
+            self.by_id.remove(&id);
+            if let Some(entry) = self.entries.remove(&channel) {
+                let error = if reason.contains("permission denied") {
+                    LockError::config(format!(
+                        "etcd refused to watch the lock {channel:?}: {reason}; grant the user's role read permission on the lock namespace prefix"
+                    ))
+                } else {
+                    LockError::unavailable(format!(
+                        "etcd cancelled the watch of lock {channel:?}: {reason}"
+                    ))
+                };
+                let was_created = entry.created;
+                for reply in entry.pending {
+                    let _ = reply.send(Err(LockError::new(error.kind(), error.message())));
+                }
+                if was_created {
+                    // Waiters can no longer rely on this watch; wake them so
+                    // they retry, and let the next waiter watch again.
+                    self.notifier.reset();
+                }
+            }
+            return;
+        }
+        if response.created() {
+            if let Some(entry) = self.entries.get_mut(&channel) {
+                if !entry.created {
+                    entry.created = true;
+                    for reply in entry.pending.drain(..) {
+                        let _ = reply.send(Ok(()));
+                    }
+                    if self.recreating > 0 {
+                        self.recreating -= 1;
+                        if self.recreating == 0 {
+                            tracing::debug!("etcd watches re-created after reconnect; waking waiters");
+                            self.notifier.reset();
+                        }
+                    }
+                }
+            }
+        }
+        let released = response
+            .events()
+            .iter()
+            .any(|event| event.event_type() == EventType::Delete);
+        if released {
+            tracing::trace!(channel = %channel, "etcd reported a lock key deleted");
+            self.notifier.notify(&channel);
+        }
+    }
+}
