@@ -30,6 +30,7 @@
 #![warn(missing_docs)]
 
 pub mod cases;
+pub mod checker;
 mod context;
 pub mod server;
 mod suite;

@@ -1,5 +1,12 @@
-//! `basic::` — acquire, refuse, release, extend, expire.
+//! `basic::` — acquire, refuse, release, extend, expire, owner checks.
 
+use std::time::Duration;
+
+use lock_core::{AcquireAttempt, ErrorKind};
+
+use super::support::{
+    acquire, eventually_acquire, expect_kind, expiry_bound, key_with, refused, stem,
+};
 use crate::context::{CaseResult, TestContext};
 use crate::{check, check_eq};
 
@@ -29,5 +36,420 @@ pub async fn held_key_is_refused(ctx: TestContext) -> CaseResult {
         "a held key must be refused to another client"
     );
     a.release(&lease.unwrap()).await?;
+    Ok(())
+}
+
+/// The same client cannot take a key it already holds a second time.
+pub async fn held_key_is_refused_to_same_client(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let key = ctx.key("basic");
+    let lease = acquire(&a, &key, ctx.long_ttl(), "first acquire").await?;
+    refused(&a, &key, "second acquire by the same client").await?;
+    a.release(&lease).await?;
+    Ok(())
+}
+
+/// A refusal's `expires_in`, when given, is within the holder's TTL.
+pub async fn held_reports_remaining_ttl(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let b = ctx.client().await?;
+    let key = ctx.key("basic");
+    let ttl = Duration::from_secs(30);
+    let lease = acquire(&a, &key, ttl, "holder").await?;
+    match b.try_acquire(&key, ttl).await? {
+        AcquireAttempt::Held {
+            expires_in: Some(left),
+        } => check!(
+            left <= lease.ttl(),
+            "expires_in {left:?} exceeds the holder's TTL {:?}",
+            lease.ttl()
+        ),
+        AcquireAttempt::Held { expires_in: None } => {}
+        AcquireAttempt::Acquired(_) => {
+            return Err("a held key was granted to another client".into())
+        }
+    }
+    a.release(&lease).await?;
+    Ok(())
+}
+
+pub async fn release_frees_key_for_other_client(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let b = ctx.client().await?;
+    let key = ctx.key("basic");
+    let lease = acquire(&a, &key, ctx.long_ttl(), "holder").await?;
+    refused(&b, &key, "while held").await?;
+    a.release(&lease).await?;
+    let lease_b = acquire(&b, &key, ctx.long_ttl(), "after release").await?;
+    refused(&a, &key, "held by the second client").await?;
+    b.release(&lease_b).await?;
+    Ok(())
+}
+
+pub async fn release_twice_is_not_held(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let key = ctx.key("basic");
+    let lease = acquire(&a, &key, ctx.long_ttl(), "holder").await?;
+    a.release(&lease).await?;
+    expect_kind(
+        a.release(&lease).await,
+        ErrorKind::NotHeld,
+        "second release",
+    )?;
+    Ok(())
+}
+
+/// Extending keeps the lock, its key and fencing token.
+pub async fn extend_keeps_lock(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let b = ctx.client().await?;
+    let key = ctx.key("basic");
+    let lease = acquire(&a, &key, ctx.long_ttl(), "holder").await?;
+    let renewed = a.extend(&lease, ctx.long_ttl()).await?;
+    check_eq!(renewed.key(), &key, "extended lease key");
+    check_eq!(
+        renewed.fencing_token(),
+        lease.fencing_token(),
+        "extend keeps the fencing token"
+    );
+    check_eq!(
+        renewed.owner(),
+        lease.owner(),
+        "extend keeps the owner token"
+    );
+    refused(&b, &key, "after extend").await?;
+    // Both the original and the renewed lease name the same acquisition.
+    a.release(&renewed).await?;
+    expect_kind(
+        a.release(&lease).await,
+        ErrorKind::NotHeld,
+        "release of the pre-extend lease after release",
+    )?;
+    acquire(&b, &key, ctx.long_ttl(), "after release").await?;
+    Ok(())
+}
+
+/// Extending pushes the expiry out: a short lock extended to a long TTL
+/// survives its original TTL.
+pub async fn extend_pushes_expiry(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let b = ctx.client().await?;
+    let key = ctx.key("basic");
+    let short = ctx.short_ttl();
+    let lease = acquire(&a, &key, short, "holder").await?;
+    let renewed = a.extend(&lease, ctx.long_ttl()).await?;
+    check!(
+        renewed.ttl() >= ctx.long_ttl(),
+        "renewed TTL {:?} shorter than asked",
+        renewed.ttl()
+    );
+    tokio::time::sleep(short * 2).await;
+    refused(&b, &key, "after the original TTL, extended").await?;
+    a.release(&renewed).await?;
+    Ok(())
+}
+
+/// A lock nobody renews is free after its TTL.
+pub async fn ttl_expiry_frees_key(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let b = ctx.client().await?;
+    let key = ctx.key("basic");
+    let ttl = ctx.short_ttl();
+    let lease = acquire(&a, &key, ttl, "holder").await?;
+    refused(&b, &key, "right after acquire").await?;
+    tokio::time::sleep(ttl).await;
+    let next = eventually_acquire(&b, &key, ctx.long_ttl(), expiry_bound(ttl), "after TTL").await?;
+    check!(
+        next.fencing_token() > lease.fencing_token(),
+        "token grows across expiry"
+    );
+    b.release(&next).await?;
+    Ok(())
+}
+
+/// A client cannot release a lock with the owner token of an earlier
+/// acquisition of the same key, even its own.
+pub async fn stale_owner_release_refused(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let c = ctx.client().await?;
+    let key = ctx.key("basic");
+    let old = acquire(&a, &key, ctx.long_ttl(), "first").await?;
+    a.release(&old).await?;
+    let current = acquire(&a, &key, ctx.long_ttl(), "second, same client").await?;
+    expect_kind(
+        a.release(&old).await,
+        ErrorKind::NotHeld,
+        "release with the old lease",
+    )?;
+    refused(&c, &key, "current holder keeps it").await?;
+    a.extend(&current, ctx.long_ttl()).await?;
+    a.release(&current).await?;
+    Ok(())
+}
+
+/// Same for extend: the old lease cannot extend the current holder's lock.
+pub async fn stale_owner_extend_refused(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let c = ctx.client().await?;
+    let key = ctx.key("basic");
+    let old = acquire(&a, &key, ctx.long_ttl(), "first").await?;
+    a.release(&old).await?;
+    let current = acquire(&a, &key, ctx.short_ttl(), "second, same client").await?;
+    expect_kind(
+        a.extend(&old, ctx.long_ttl()).await,
+        ErrorKind::NotHeld,
+        "extend with the old lease",
+    )?;
+    refused(&c, &key, "current holder keeps it").await?;
+    a.release(&current).await?;
+    Ok(())
+}
+
+/// Foreign release: A's old lease cannot release B's lock.
+pub async fn foreign_release_refused(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let b = ctx.client().await?;
+    let c = ctx.client().await?;
+    let key = ctx.key("basic");
+    let old = acquire(&a, &key, ctx.long_ttl(), "A").await?;
+    a.release(&old).await?;
+    let held = acquire(&b, &key, ctx.long_ttl(), "B").await?;
+    expect_kind(
+        a.release(&old).await,
+        ErrorKind::NotHeld,
+        "A releasing B's lock",
+    )?;
+    refused(&c, &key, "B keeps the lock").await?;
+    b.extend(&held, ctx.long_ttl()).await?;
+    b.release(&held).await?;
+    Ok(())
+}
+
+/// Foreign extend: A's old lease cannot extend B's lock.
+pub async fn foreign_extend_refused(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let b = ctx.client().await?;
+    let c = ctx.client().await?;
+    let key = ctx.key("basic");
+    let old = acquire(&a, &key, ctx.long_ttl(), "A").await?;
+    a.release(&old).await?;
+    let held = acquire(&b, &key, ctx.long_ttl(), "B").await?;
+    expect_kind(
+        a.extend(&old, ctx.long_ttl()).await,
+        ErrorKind::NotHeld,
+        "A extending B's lock",
+    )?;
+    refused(&c, &key, "B keeps the lock").await?;
+    b.release(&held).await?;
+    acquire(&c, &key, ctx.long_ttl(), "after B released").await?;
+    Ok(())
+}
+
+/// A holder whose lock expired and was taken over cannot release the next
+/// holder's lock.
+pub async fn release_after_expiry_keeps_next_holder(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let b = ctx.client().await?;
+    let c = ctx.client().await?;
+    let key = ctx.key("basic");
+    let ttl = ctx.short_ttl();
+    let old = acquire(&a, &key, ttl, "A").await?;
+    tokio::time::sleep(ttl).await;
+    let next = eventually_acquire(
+        &b,
+        &key,
+        ctx.long_ttl(),
+        expiry_bound(ttl),
+        "B after A's TTL",
+    )
+    .await?;
+    expect_kind(
+        a.release(&old).await,
+        ErrorKind::NotHeld,
+        "A's release after expiry",
+    )?;
+    refused(&c, &key, "B keeps the lock after A's late release").await?;
+    b.extend(&next, ctx.long_ttl()).await?;
+    b.release(&next).await?;
+    Ok(())
+}
+
+/// An expired lease cannot be extended, and the failed extend does not
+/// bring the lock back.
+pub async fn extend_after_expiry_fails(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let b = ctx.client().await?;
+    let key = ctx.key("basic");
+    let ttl = ctx.short_ttl();
+    let old = acquire(&a, &key, ttl, "A").await?;
+    // Well past the TTL by any clock.
+    tokio::time::sleep(ttl + ttl / 2 + Duration::from_millis(300)).await;
+    expect_kind(
+        a.extend(&old, ctx.long_ttl()).await,
+        ErrorKind::NotHeld,
+        "extend after expiry",
+    )?;
+    let next = eventually_acquire(
+        &b,
+        &key,
+        ctx.long_ttl(),
+        expiry_bound(ttl),
+        "key free after the refused extend",
+    )
+    .await?;
+    b.release(&next).await?;
+    Ok(())
+}
+
+/// An expired lease cannot extend the next holder's lock.
+pub async fn extend_after_expiry_keeps_next_holder(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let b = ctx.client().await?;
+    let c = ctx.client().await?;
+    let key = ctx.key("basic");
+    let ttl = ctx.short_ttl();
+    let old = acquire(&a, &key, ttl, "A").await?;
+    tokio::time::sleep(ttl).await;
+    let next = eventually_acquire(
+        &b,
+        &key,
+        ctx.long_ttl(),
+        expiry_bound(ttl),
+        "B after A's TTL",
+    )
+    .await?;
+    expect_kind(
+        a.extend(&old, ctx.long_ttl()).await,
+        ErrorKind::NotHeld,
+        "A's extend after expiry",
+    )?;
+    refused(&c, &key, "B keeps the lock").await?;
+    b.release(&next).await?;
+    acquire(
+        &c,
+        &key,
+        ctx.long_ttl(),
+        "after B released (A's extend did not resurrect)",
+    )
+    .await?;
+    Ok(())
+}
+
+/// A released lease cannot be extended, and the key stays free.
+pub async fn extend_after_release_fails(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let b = ctx.client().await?;
+    let key = ctx.key("basic");
+    let lease = acquire(&a, &key, ctx.long_ttl(), "A").await?;
+    a.release(&lease).await?;
+    expect_kind(
+        a.extend(&lease, ctx.long_ttl()).await,
+        ErrorKind::NotHeld,
+        "extend after release",
+    )?;
+    let next = acquire(
+        &b,
+        &key,
+        ctx.long_ttl(),
+        "key stays free after the refused extend",
+    )
+    .await?;
+    b.release(&next).await?;
+    Ok(())
+}
+
+/// Keys that look alike in some encoding (paths, Redis hash tags, URL
+/// escapes, globs, Unicode normal forms, trailing space) are independent.
+pub async fn lookalike_keys_independent(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let b = ctx.client().await?;
+    let stem = stem("look");
+    let suffixes = [
+        "a",
+        "a/b",
+        "a:b",
+        "a{b}",
+        "{a}b",
+        "a%2Fb",
+        "a%2fb",
+        "a*",
+        "a?",
+        "a[b]",
+        "a\\b",
+        "a.b",
+        "a b",
+        "a ",
+        "A",
+        "a/",
+        "a//b",
+        "a_b",
+        "a-b",
+        "é",
+        "e\u{301}",
+        "日本",
+        "ab",
+        "a\nb",
+        "a'b",
+        "a\"b",
+        "a%",
+        "a_",
+        "a\u{1F512}",
+    ];
+    let mut leases = Vec::new();
+    for suffix in suffixes {
+        let key = key_with(&stem, suffix)?;
+        let lease = acquire(
+            &a,
+            &key,
+            ctx.long_ttl(),
+            &format!("look-alike {suffix:?} (collides with an earlier one?)"),
+        )
+        .await?;
+        leases.push(lease);
+    }
+    // Also the bare stem (a prefix of every other key).
+    let bare = key_with(stem.trim_end_matches('-'), "")?;
+    let bare_lease = acquire(&a, &bare, ctx.long_ttl(), "the bare stem").await?;
+    for lease in &leases {
+        refused(&b, lease.key(), "held look-alike").await?;
+    }
+    // Release every other key: exactly those become free.
+    for (i, lease) in leases.iter().enumerate() {
+        if i % 2 == 0 {
+            a.release(lease).await?;
+        }
+    }
+    for (i, lease) in leases.iter().enumerate() {
+        if i % 2 == 0 {
+            let got = acquire(&b, lease.key(), ctx.long_ttl(), "released look-alike").await?;
+            b.release(&got).await?;
+        } else {
+            refused(&b, lease.key(), "look-alike not released").await?;
+            a.release(lease).await?;
+        }
+    }
+    refused(&b, &bare, "bare stem still held").await?;
+    a.release(&bare_lease).await?;
+    Ok(())
+}
+
+/// One client holds many keys at once; releasing one frees only that one.
+pub async fn many_keys_per_client(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let b = ctx.client().await?;
+    let stem = stem("many");
+    let mut leases = Vec::new();
+    for i in 0..20 {
+        let key = key_with(&stem, &i.to_string())?;
+        leases.push(acquire(&a, &key, ctx.long_ttl(), "one of many").await?);
+    }
+    let first = leases.remove(0);
+    a.release(&first).await?;
+    let got = acquire(&b, first.key(), ctx.long_ttl(), "the released one").await?;
+    for lease in &leases {
+        refused(&b, lease.key(), "the others").await?;
+        a.release(lease).await?;
+    }
+    b.release(&got).await?;
     Ok(())
 }

@@ -6,6 +6,13 @@ use std::pin::Pin;
 use crate::context::{CaseResult, TestContext};
 
 mod basic;
+mod exclusion;
+mod fencing;
+mod guard;
+mod input;
+mod run;
+mod support;
+mod wait;
 
 /// What a case needs from the backend beyond the core contract; a case whose
 /// need is not met shows as `ignored` with the reason.
@@ -70,6 +77,89 @@ macro_rules! cases {
 /// Every case, in a stable order.
 pub fn all() -> Vec<Case> {
     let mut all = Vec::new();
-    all.extend(cases!(basic: acquire_then_release, held_key_is_refused));
+    all.extend(cases!(basic:
+        acquire_then_release,
+        held_key_is_refused,
+        held_key_is_refused_to_same_client,
+        held_reports_remaining_ttl,
+        release_frees_key_for_other_client,
+        release_twice_is_not_held,
+        extend_keeps_lock,
+        extend_pushes_expiry,
+        ttl_expiry_frees_key,
+        stale_owner_release_refused,
+        stale_owner_extend_refused,
+        foreign_release_refused,
+        foreign_extend_refused,
+        release_after_expiry_keeps_next_holder,
+        extend_after_expiry_fails,
+        extend_after_expiry_keeps_next_holder,
+        extend_after_release_fails,
+        lookalike_keys_independent,
+        many_keys_per_client,
+    ));
+    all.extend(cases!(input:
+        empty_key_rejected,
+        oversized_key_rejected,
+        nul_key_rejected,
+        max_length_multibyte_key_works,
+        zero_ttl_rejected,
+        ttl_above_max_rejected,
+        short_ttl_rounded_up,
+        lease_used_after_release,
+        lease_from_other_client,
+        lease_from_other_backend,
+        past_deadline_is_one_attempt,
+        keys_used_verbatim,
+    ));
+    all.extend(cases!(fencing:
+        increases_across_release,
+        increases_across_expiry,
+        increases_across_clients,
+        unchanged_by_extend,
+        unchanged_by_guard_renewal,
+        increases_per_key_interleaved,
+        increases_for_successive_waiters,
+    ));
+    all.extend(cases!(wait:
+        waiter_gets_lock_after_release,
+        raw_acquire_waits_for_release,
+        waiter_gets_lock_after_crashed_holder,
+        deadline_respected,
+        cancelled_waiters_leave_nothing_held,
+        sixteen_waiters_each_once,
+        waiter_on_free_key_not_blocked_by_other_key,
+    ));
+    all.extend(cases!(guard:
+        renewal_keeps_lock_past_ttl,
+        renewal_every_period,
+        renewal_off_expires,
+        lost_fires_when_taken,
+        lost_fires_when_deleted,
+        max_hold_stops_renewal,
+        drop_releases,
+        hold_at_least_keeps_key,
+        hold_at_least_elapsed_releases,
+        try_lock_and_accessors,
+        release_is_not_loss,
+    ));
+    all.extend(cases!(exclusion:
+        counter_is_exact,
+        try_lock_never_overlaps,
+        run_exclusive_never_overlaps,
+        distinct_keys_run_concurrently,
+    ));
+    all.extend(cases!(run:
+        completed_returns_output_and_token,
+        completed_releases_lock,
+        skipped_when_held,
+        waits_then_runs,
+        hold_at_least_skips_next_tick,
+        lost_stops_job,
+        lost_continue_lets_job_finish,
+        job_finishing_after_loss_is_not_completed,
+        dyn_job_code_runs_unchanged,
+        sequential_runs_grow_tokens,
+    ));
     all
 }

@@ -1,0 +1,330 @@
+//! `guard::` — renewal, the lost signal, max hold, drop, hold-at-least.
+
+use std::time::Duration;
+
+use lock_core::{ErrorKind, LockOptions, LostReason, Renewal};
+
+use super::support::{
+    acquire, background_bound, eventually_acquire, expect_kind, expiry_bound, refused, within,
+};
+use crate::context::{CaseResult, TestContext};
+use crate::{check, check_eq};
+
+/// Default renewal (every ttl/3) keeps the lock for 3x its TTL; another
+/// client is refused throughout.
+pub async fn renewal_keeps_lock_past_ttl(ctx: TestContext) -> CaseResult {
+    let locker = ctx.locker().await?;
+    let other = ctx.client().await?;
+    let key = ctx.key("guard");
+    let ttl = ctx.short_ttl();
+    let guard = locker
+        .try_lock(&key, &LockOptions::new(ttl))
+        .await?
+        .ok_or("free key refused")?;
+    let until = tokio::time::Instant::now() + ttl * 3;
+    let mut checks = 0;
+    while tokio::time::Instant::now() < until {
+        refused(&other, &key, &format!("while renewed (check {checks})")).await?;
+        check!(!guard.is_lost(), "the guard lost its lock while renewing");
+        checks += 1;
+        tokio::time::sleep(ttl / 4).await;
+    }
+    check!(checks >= 4, "only {checks} checks ran");
+    guard.release().await?;
+    let after = acquire(&other, &key, ctx.long_ttl(), "after release").await?;
+    other.release(&after).await?;
+    Ok(())
+}
+
+/// A custom renewal period works the same way.
+pub async fn renewal_every_period(ctx: TestContext) -> CaseResult {
+    let locker = ctx.locker().await?;
+    let other = ctx.client().await?;
+    let key = ctx.key("guard");
+    let ttl = ctx.short_ttl();
+    let options = LockOptions::new(ttl).renewal(Renewal::Every(ttl / 5));
+    let guard = locker
+        .try_lock(&key, &options)
+        .await?
+        .ok_or("free key refused")?;
+    for i in 0..4 {
+        tokio::time::sleep(ttl / 2).await;
+        refused(&other, &key, &format!("renewed, check {i}")).await?;
+    }
+    check!(!guard.is_lost(), "guard lost");
+    guard.release().await?;
+    Ok(())
+}
+
+/// With renewal off the lock runs out after its TTL and the guard says so.
+pub async fn renewal_off_expires(ctx: TestContext) -> CaseResult {
+    let locker = ctx.locker().await?;
+    let other = ctx.client().await?;
+    let key = ctx.key("guard");
+    let ttl = ctx.short_ttl();
+    let options = LockOptions::new(ttl).renewal(Renewal::Off);
+    let guard = locker
+        .try_lock(&key, &options)
+        .await?
+        .ok_or("free key refused")?;
+    let reason = within(
+        expiry_bound(ttl),
+        guard.lost(),
+        "lost after the TTL without renewal",
+    )
+    .await?;
+    check_eq!(reason, LostReason::Expired, "lost reason");
+    check!(guard.is_lost(), "is_lost after lost()");
+    let next = eventually_acquire(
+        &other,
+        &key,
+        ctx.long_ttl(),
+        expiry_bound(ttl),
+        "after expiry",
+    )
+    .await?;
+    expect_kind(
+        guard.release().await,
+        ErrorKind::NotHeld,
+        "releasing an expired guard",
+    )?;
+    refused(&ctx.client().await?, &key, "the next holder keeps it").await?;
+    other.release(&next).await?;
+    Ok(())
+}
+
+/// The lock is deleted behind the guard's back and taken by someone else:
+/// the next renewal is refused and `lost` fires.
+pub async fn lost_fires_when_taken(ctx: TestContext) -> CaseResult {
+    let client = ctx.client().await?;
+    let locker = lock_core::Locker::new(client.clone());
+    let other = ctx.client().await?;
+    let key = ctx.key("guard");
+    let ttl = ctx.short_ttl();
+    let guard = locker
+        .try_lock(&key, &LockOptions::new(ttl))
+        .await?
+        .ok_or("free key refused")?;
+    let signal = guard.lost_signal();
+    check!(!signal.is_lost(), "lost before anything happened");
+    // Delete it through the raw lease on the same client, then take it.
+    client.release(&guard.lease()).await?;
+    let theirs = acquire(
+        &other,
+        &key,
+        ctx.long_ttl(),
+        "other client after the delete",
+    )
+    .await?;
+    let reason = within(
+        expiry_bound(ttl),
+        guard.lost(),
+        "lost after the key was taken",
+    )
+    .await?;
+    check_eq!(reason, LostReason::Refused, "lost reason");
+    check!(
+        signal.is_lost() && guard.is_lost(),
+        "every handle sees the loss"
+    );
+    check_eq!(signal.reason(), Some(LostReason::Refused), "signal reason");
+    expect_kind(
+        guard.release().await,
+        ErrorKind::NotHeld,
+        "releasing a lost guard",
+    )?;
+    refused(&ctx.client().await?, &key, "the new holder keeps it").await?;
+    other.release(&theirs).await?;
+    Ok(())
+}
+
+/// The lock is deleted behind the guard's back and nobody takes it: the
+/// renewal is refused (never recreates the key) and `lost` fires.
+pub async fn lost_fires_when_deleted(ctx: TestContext) -> CaseResult {
+    let client = ctx.client().await?;
+    let locker = lock_core::Locker::new(client.clone());
+    let key = ctx.key("guard");
+    let ttl = ctx.short_ttl();
+    let guard = locker
+        .try_lock(&key, &LockOptions::new(ttl))
+        .await?
+        .ok_or("free key refused")?;
+    client.release(&guard.lease()).await?;
+    let reason = within(
+        expiry_bound(ttl),
+        guard.lost(),
+        "lost after the key was deleted",
+    )
+    .await?;
+    check_eq!(reason, LostReason::Refused, "lost reason");
+    // The refused renewal did not resurrect the key.
+    let other = ctx.client().await?;
+    let lease = acquire(&other, &key, ctx.long_ttl(), "key free after the loss").await?;
+    other.release(&lease).await?;
+    drop(guard);
+    Ok(())
+}
+
+/// The max hold time stops renewal: the lock is free after max_hold + ttl
+/// and `lost` fires.
+pub async fn max_hold_stops_renewal(ctx: TestContext) -> CaseResult {
+    let locker = ctx.locker().await?;
+    let other = ctx.client().await?;
+    let key = ctx.key("guard");
+    let ttl = ctx.short_ttl();
+    let max_hold = ttl + ttl / 2;
+    let options = LockOptions::new(ttl).max_hold(max_hold);
+    let guard = locker
+        .try_lock(&key, &options)
+        .await?
+        .ok_or("free key refused")?;
+    refused(&other, &key, "within max hold").await?;
+    let reason = within(
+        max_hold + expiry_bound(ttl),
+        guard.lost(),
+        "lost after max hold",
+    )
+    .await?;
+    check_eq!(reason, LostReason::Expired, "lost reason");
+    let next = eventually_acquire(
+        &other,
+        &key,
+        ctx.long_ttl(),
+        expiry_bound(ttl),
+        "free after max hold",
+    )
+    .await?;
+    other.release(&next).await?;
+    drop(guard);
+    Ok(())
+}
+
+/// Dropping a guard releases the lock in the background (long before its
+/// TTL).
+pub async fn drop_releases(ctx: TestContext) -> CaseResult {
+    let locker = ctx.locker().await?;
+    let key = ctx.key("guard");
+    let guard = locker
+        .try_lock(&key, &LockOptions::new(ctx.long_ttl()))
+        .await?
+        .ok_or("free key refused")?;
+    let token = guard.fencing_token();
+    drop(guard);
+    let other = ctx.locker().await?;
+    let options = LockOptions::new(ctx.long_ttl()).wait(background_bound());
+    let next = other.acquire(&key, &options).await?.ok_or(
+        "a dropped guard's lock was not released (it would only expire after the long TTL)",
+    )?;
+    check!(next.fencing_token() > token, "token grows");
+    next.release().await?;
+    Ok(())
+}
+
+/// Hold-at-least: after an early release the key stays held until the
+/// minimum time, then it is free.
+pub async fn hold_at_least_keeps_key(ctx: TestContext) -> CaseResult {
+    let locker = ctx.locker().await?;
+    let other = ctx.client().await?;
+    let key = ctx.key("guard");
+    let min = (ctx.short_ttl() * 2).max(Duration::from_secs(1));
+    let options = LockOptions::new(ctx.long_ttl()).hold_at_least(min);
+    let guard = locker
+        .try_lock(&key, &options)
+        .await?
+        .ok_or("free key refused")?;
+    guard.release().await?;
+    refused(
+        &other,
+        &key,
+        "right after an early release with hold-at-least",
+    )
+    .await?;
+    // Free after the minimum, far before the long TTL.
+    tokio::time::sleep(min / 2).await;
+    let next = eventually_acquire(
+        &other,
+        &key,
+        ctx.long_ttl(),
+        expiry_bound(min),
+        "after the minimum hold",
+    )
+    .await?;
+    other.release(&next).await?;
+    Ok(())
+}
+
+/// Hold-at-least that has already passed releases normally, at once.
+pub async fn hold_at_least_elapsed_releases(ctx: TestContext) -> CaseResult {
+    let locker = ctx.locker().await?;
+    let other = ctx.client().await?;
+    let key = ctx.key("guard");
+    let min = Duration::from_millis(100);
+    let options = LockOptions::new(ctx.long_ttl()).hold_at_least(min);
+    let guard = locker
+        .try_lock(&key, &options)
+        .await?
+        .ok_or("free key refused")?;
+    tokio::time::sleep(min * 2).await;
+    guard.release().await?;
+    let next = acquire(
+        &other,
+        &key,
+        ctx.long_ttl(),
+        "right after a release past the minimum",
+    )
+    .await?;
+    other.release(&next).await?;
+    Ok(())
+}
+
+/// try_lock gives None for a held key and a guard for a free one; the
+/// guard's accessors describe the acquisition.
+pub async fn try_lock_and_accessors(ctx: TestContext) -> CaseResult {
+    let a = ctx.locker().await?;
+    let b = ctx.locker().await?;
+    let key = ctx.key("guard");
+    let options = LockOptions::new(ctx.long_ttl());
+    let guard = a
+        .try_lock(&key, &options)
+        .await?
+        .ok_or("free key refused")?;
+    check_eq!(guard.key(), key, "guard key");
+    check_eq!(guard.lease().key().clone(), key, "lease key");
+    check_eq!(
+        guard.lease().fencing_token(),
+        guard.fencing_token(),
+        "tokens agree"
+    );
+    check!(!guard.is_lost(), "fresh guard is lost");
+    check!(
+        b.try_lock(&key, &options).await?.is_none(),
+        "held key granted to try_lock"
+    );
+    guard.release().await?;
+    let second = b
+        .try_lock(&key, &options)
+        .await?
+        .ok_or("released key refused")?;
+    second.release().await?;
+    Ok(())
+}
+
+/// A released guard's lost signal never fires (release is not loss).
+pub async fn release_is_not_loss(ctx: TestContext) -> CaseResult {
+    let locker = ctx.locker().await?;
+    let key = ctx.key("guard");
+    let ttl = ctx.short_ttl();
+    let guard = locker
+        .try_lock(&key, &LockOptions::new(ttl))
+        .await?
+        .ok_or("free key refused")?;
+    let signal = guard.lost_signal();
+    guard.release().await?;
+    tokio::time::sleep(ttl + ttl / 2).await;
+    check!(
+        !signal.is_lost(),
+        "a released guard reported its lock lost ({:?})",
+        signal.reason()
+    );
+    Ok(())
+}

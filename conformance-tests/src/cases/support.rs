@@ -1,0 +1,149 @@
+//! Helpers shared by the cases (free functions over the public contract).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lock_core::{AcquireAttempt, DistributedLock, ErrorKind, Lease, LockError, LockKey};
+
+use crate::context::{CaseError, TestContext};
+
+/// How often a case re-checks something that becomes true "eventually"
+/// (a TTL ran out on the server, a background release landed).
+pub const POLL: Duration = Duration::from_millis(25);
+
+/// A generous bound for a lock of `ttl` to be freed by the server after its
+/// TTL: the TTL twice over plus 5 s for servers that expire in batches
+/// (etcd revokes expired leases periodically). Not a timing assertion: a
+/// conforming backend frees the key long before; this only stops a broken
+/// one from hanging the case.
+pub fn expiry_bound(ttl: Duration) -> Duration {
+    ttl * 2 + Duration::from_secs(5)
+}
+
+/// A bound for things that should happen "at once" but go through a
+/// background task and a network round trip (a dropped guard's release).
+/// Far below [`TestContext::long_ttl`], so expiry cannot be what happened.
+pub fn background_bound() -> Duration {
+    Duration::from_secs(10)
+}
+
+/// A key `"{stem}{suffix}"`, failing the case if it is invalid.
+pub fn key_with(stem: &str, suffix: &str) -> Result<LockKey, CaseError> {
+    LockKey::new(format!("{stem}{suffix}"))
+        .map_err(|e| CaseError(format!("test key {stem:?}+{suffix:?} refused: {e}")))
+}
+
+/// A random stem for a family of keys built with [`key_with`].
+pub fn stem(label: &str) -> String {
+    format!("{label}-{:016x}-", rand::random::<u64>())
+}
+
+/// `try_acquire` that must succeed.
+pub async fn acquire(
+    lock: &Arc<dyn DistributedLock>,
+    key: &LockKey,
+    ttl: Duration,
+    what: &str,
+) -> Result<Lease, CaseError> {
+    match lock.try_acquire(key, ttl).await {
+        Ok(AcquireAttempt::Acquired(lease)) => Ok(lease),
+        Ok(AcquireAttempt::Held { expires_in }) => Err(CaseError(format!(
+            "{what}: key {key:?} should be free but is held (expires_in {expires_in:?})"
+        ))),
+        Err(e) => Err(CaseError(format!(
+            "{what}: try_acquire of {key:?} failed: {e}"
+        ))),
+    }
+}
+
+/// `try_acquire` that must be refused; a wrongly granted lease is released
+/// before failing.
+pub async fn refused(
+    lock: &Arc<dyn DistributedLock>,
+    key: &LockKey,
+    what: &str,
+) -> Result<(), CaseError> {
+    match lock.try_acquire(key, Duration::from_secs(5)).await {
+        Ok(AcquireAttempt::Held { .. }) => Ok(()),
+        Ok(AcquireAttempt::Acquired(lease)) => {
+            let _ = lock.release(&lease).await;
+            Err(CaseError(format!(
+                "{what}: key {key:?} should be held by someone else, but another client acquired it"
+            )))
+        }
+        Err(e) => Err(CaseError(format!(
+            "{what}: try_acquire of {key:?} failed: {e}"
+        ))),
+    }
+}
+
+/// Polls `try_acquire` until it succeeds or `bound` passes.
+pub async fn eventually_acquire(
+    lock: &Arc<dyn DistributedLock>,
+    key: &LockKey,
+    ttl: Duration,
+    bound: Duration,
+    what: &str,
+) -> Result<Lease, CaseError> {
+    let give_up = tokio::time::Instant::now() + bound;
+    loop {
+        match lock.try_acquire(key, ttl).await {
+            Ok(AcquireAttempt::Acquired(lease)) => return Ok(lease),
+            Ok(AcquireAttempt::Held { .. }) => {}
+            Err(e) => {
+                return Err(CaseError(format!(
+                    "{what}: try_acquire of {key:?} failed: {e}"
+                )))
+            }
+        }
+        if tokio::time::Instant::now() >= give_up {
+            return Err(CaseError(format!(
+                "{what}: key {key:?} was still held after {bound:?}"
+            )));
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// Fails unless `result` is an error of `kind`.
+pub fn expect_kind<T: std::fmt::Debug>(
+    result: Result<T, LockError>,
+    kind: ErrorKind,
+    what: &str,
+) -> Result<(), CaseError> {
+    match result {
+        Err(e) if e.kind() == kind => Ok(()),
+        Err(e) => Err(CaseError(format!(
+            "{what}: expected a {kind:?} error, got {:?}: {e}",
+            e.kind()
+        ))),
+        Ok(v) => Err(CaseError(format!(
+            "{what}: expected a {kind:?} error, got success: {v:?}"
+        ))),
+    }
+}
+
+/// Awaits `future`, failing the case if it takes longer than `bound` (a
+/// liveness bound against hangs, never a performance assertion).
+pub async fn within<F: Future>(
+    bound: Duration,
+    future: F,
+    what: &str,
+) -> Result<F::Output, CaseError> {
+    tokio::time::timeout(bound, future)
+        .await
+        .map_err(|_| CaseError(format!("{what}: did not happen within {bound:?}")))
+}
+
+/// A fresh client, for cases that open many.
+pub async fn clients(
+    ctx: &TestContext,
+    n: usize,
+) -> Result<Vec<Arc<dyn DistributedLock>>, CaseError> {
+    let mut all = Vec::with_capacity(n);
+    for _ in 0..n {
+        all.push(ctx.client().await?);
+    }
+    Ok(all)
+}

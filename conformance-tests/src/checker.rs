@@ -1,0 +1,280 @@
+//! The exclusion checker: records every critical section run under a lock
+//! and proves mutual exclusion after the fact.
+//!
+//! Each section is recorded with its key, its fencing token, and start/end
+//! sequence numbers drawn from one global atomic counter, so "A ended before
+//! B started" is a fact about the program's order of events, not about
+//! clocks. [`ExclusionChecker::verify`] then proves, per key:
+//!
+//! - no two sections overlap;
+//! - fencing tokens strictly grow in the order sections started;
+//! - a deliberately non-atomic counter (read, yield, write — a lost update
+//!   whenever two sections interleave) lost no increment.
+//!
+//! ```
+//! use conformance_tests::checker::ExclusionChecker;
+//! use lock_core::{FencingToken, LockKey};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let checker = ExclusionChecker::new();
+//! let key = LockKey::new("jobs").unwrap();
+//! // ... acquire the lock, then:
+//! checker.critical_section(&key, FencingToken::new(1)).await;
+//! // ... release; later, another holder:
+//! checker.critical_section(&key, FencingToken::new(2)).await;
+//! let report = checker.verify().expect("exclusion held");
+//! assert_eq!(report.sections, 2);
+//! assert_eq!(report.counters[&key], 2);
+//! # }
+//! ```
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use lock_core::{FencingToken, LockKey};
+
+/// One recorded critical section.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Section {
+    /// The lock key it ran under.
+    pub key: LockKey,
+    /// The fencing token of the acquisition it ran under.
+    pub token: FencingToken,
+    /// Global sequence number taken when the section started.
+    pub start: u64,
+    /// Global sequence number taken when the section ended.
+    pub end: u64,
+    /// Whether it incremented the key's non-atomic counter.
+    pub incremented: bool,
+}
+
+/// What [`ExclusionChecker::verify`] found when everything held.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckReport {
+    /// How many sections were recorded, over all keys.
+    pub sections: usize,
+    /// Per key: the final value of its non-atomic counter (equal to the
+    /// number of incrementing sections on that key).
+    pub counters: HashMap<LockKey, u64>,
+    /// Per key: how many sections ran on it.
+    pub sections_per_key: HashMap<LockKey, usize>,
+}
+
+/// Records critical sections from many tasks and clients and proves they
+/// never overlapped. Share it behind an [`Arc`].
+#[derive(Debug, Default)]
+pub struct ExclusionChecker {
+    seq: AtomicU64,
+    sections: Mutex<Vec<Section>>,
+    counters: Mutex<HashMap<LockKey, Arc<AtomicU64>>>,
+}
+
+/// An open critical section; close it with [`SectionHandle::exit`] while
+/// the lock is still held. Dropping it without `exit` records nothing.
+#[must_use = "a section is only recorded when exit() is called"]
+pub struct SectionHandle<'a> {
+    checker: &'a ExclusionChecker,
+    key: LockKey,
+    token: FencingToken,
+    start: u64,
+    incremented: bool,
+}
+
+impl fmt::Debug for SectionHandle<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SectionHandle")
+            .field("key", &self.key)
+            .field("token", &self.token)
+            .field("start", &self.start)
+            .finish()
+    }
+}
+
+impl SectionHandle<'_> {
+    /// Runs the non-atomic increment of this key's counter: reads it, yields
+    /// to the scheduler, writes the read value plus one. Two overlapping
+    /// sections doing this lose an update, which [`ExclusionChecker::verify`]
+    /// then reports.
+    pub async fn increment(&mut self) {
+        let counter = self.checker.counter(&self.key);
+        let read = counter.load(Ordering::SeqCst);
+        tokio::task::yield_now().await;
+        counter.store(read + 1, Ordering::SeqCst);
+        self.incremented = true;
+    }
+
+    /// Ends the section and records it. Call it before releasing the lock.
+    pub fn exit(self) {
+        let end = self.checker.next_seq();
+        let section = Section {
+            key: self.key,
+            token: self.token,
+            start: self.start,
+            end,
+            incremented: self.incremented,
+        };
+        self.checker
+            .sections
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(section);
+    }
+}
+
+impl ExclusionChecker {
+    /// An empty checker, ready to share.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    fn next_seq(&self) -> u64 {
+        self.seq.fetch_add(1, Ordering::SeqCst)
+    }
+
+    fn counter(&self, key: &LockKey) -> Arc<AtomicU64> {
+        self.counters
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(key.clone())
+            .or_default()
+            .clone()
+    }
+
+    /// Starts a critical section on `key` under the acquisition `token`.
+    /// Call it right after the lock was acquired.
+    pub fn enter(&self, key: &LockKey, token: FencingToken) -> SectionHandle<'_> {
+        SectionHandle {
+            checker: self,
+            key: key.clone(),
+            token,
+            start: self.next_seq(),
+            incremented: false,
+        }
+    }
+
+    /// The usual section: enter, increment the non-atomic counter, exit.
+    pub async fn critical_section(&self, key: &LockKey, token: FencingToken) {
+        let mut section = self.enter(key, token);
+        section.increment().await;
+        section.exit();
+    }
+
+    /// Every section recorded so far, in the order they ended.
+    pub fn sections(&self) -> Vec<Section> {
+        self.sections
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Proves exclusion over everything recorded: no overlap per key, tokens
+    /// strictly growing in start order per key, no lost increment. Returns a
+    /// message naming the first violation otherwise.
+    pub fn verify(&self) -> Result<CheckReport, String> {
+        let mut by_key: HashMap<LockKey, Vec<Section>> = HashMap::new();
+        for section in self.sections() {
+            by_key.entry(section.key.clone()).or_default().push(section);
+        }
+        let mut report = CheckReport {
+            sections: 0,
+            counters: HashMap::new(),
+            sections_per_key: HashMap::new(),
+        };
+        for (key, mut sections) in by_key {
+            sections.sort_by_key(|s| s.start);
+            let mut latest: Option<&Section> = None;
+            for section in &sections {
+                if let Some(prev) = latest {
+                    if prev.end > section.start {
+                        return Err(format!(
+                            "key {key:?}: critical sections overlap: token {} ran from #{} to #{} and token {} started at #{}",
+                            prev.token, prev.start, prev.end, section.token, section.start
+                        ));
+                    }
+                    if section.token <= prev.token {
+                        return Err(format!(
+                            "key {key:?}: fencing token did not grow: section starting at #{} has token {} after token {} (started at #{})",
+                            section.start, section.token, prev.token, prev.start
+                        ));
+                    }
+                }
+                // Sections never overlap past this point, so the latest
+                // start also has the latest end.
+                latest = Some(section);
+            }
+            let increments = sections.iter().filter(|s| s.incremented).count() as u64;
+            let counted = self.counter(&key).load(Ordering::SeqCst);
+            if counted != increments {
+                return Err(format!(
+                    "key {key:?}: the guarded counter is {counted} after {increments} increments: {} lost",
+                    increments.saturating_sub(counted)
+                ));
+            }
+            report.sections += sections.len();
+            report.counters.insert(key.clone(), counted);
+            report.sections_per_key.insert(key, sections.len());
+        }
+        Ok(report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(name: &str) -> LockKey {
+        LockKey::new(name).unwrap()
+    }
+
+    #[tokio::test]
+    async fn sequential_sections_pass() {
+        let checker = ExclusionChecker::new();
+        for i in 1..=5 {
+            checker
+                .critical_section(&key("a"), FencingToken::new(i))
+                .await;
+            checker
+                .critical_section(&key("b"), FencingToken::new(i * 10))
+                .await;
+        }
+        let report = checker.verify().unwrap();
+        assert_eq!(report.sections, 10);
+        assert_eq!(report.counters[&key("a")], 5);
+    }
+
+    #[tokio::test]
+    async fn overlap_is_caught() {
+        let checker = ExclusionChecker::new();
+        let first = checker.enter(&key("a"), FencingToken::new(1));
+        let second = checker.enter(&key("a"), FencingToken::new(2));
+        first.exit();
+        second.exit();
+        assert!(checker.verify().unwrap_err().contains("overlap"));
+    }
+
+    #[tokio::test]
+    async fn shrinking_token_is_caught() {
+        let checker = ExclusionChecker::new();
+        checker
+            .critical_section(&key("a"), FencingToken::new(2))
+            .await;
+        checker
+            .critical_section(&key("a"), FencingToken::new(2))
+            .await;
+        assert!(checker.verify().unwrap_err().contains("did not grow"));
+    }
+
+    #[tokio::test]
+    async fn lost_increment_is_caught() {
+        let checker = ExclusionChecker::new();
+        let counter = checker.counter(&key("a"));
+        checker
+            .critical_section(&key("a"), FencingToken::new(1))
+            .await;
+        counter.store(0, Ordering::SeqCst); // an interleaved writer's stale value
+        assert!(checker.verify().unwrap_err().contains("lost"));
+    }
+}
