@@ -296,7 +296,9 @@ impl PostgresLock {
 
     fn fencing_param(lease: &Lease) -> Result<i64, LockError> {
         i64::try_from(lease.fencing_token().get()).map_err(|_| {
-            LockError::invalid_input("the lease's fencing token is out of PostgreSQL's bigint range")
+            LockError::invalid_input(
+                "the lease's fencing token is out of PostgreSQL's bigint range",
+            )
         })
     }
 }

@@ -211,7 +211,9 @@ fn percent_decode(value: &str) -> Result<String, LockError> {
             let hex = value
                 .get(i + 1..i + 3)
                 .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| LockError::config(format!("bad %-escape in URL parameter {value:?}")))?;
+                .ok_or_else(|| {
+                    LockError::config(format!("bad %-escape in URL parameter {value:?}"))
+                })?;
             out.push(hex);
             i += 3;
         } else {

@@ -33,13 +33,23 @@ pub(crate) fn sqlstate(error: &sqlx::Error) -> Option<String> {
 pub(crate) fn is_concurrent_create(error: &sqlx::Error) -> bool {
     matches!(
         sqlstate(error).as_deref(),
-        Some(code::UNIQUE_VIOLATION | code::DUPLICATE_TABLE | code::DUPLICATE_SCHEMA | code::DUPLICATE_OBJECT)
+        Some(
+            code::UNIQUE_VIOLATION
+                | code::DUPLICATE_TABLE
+                | code::DUPLICATE_SCHEMA
+                | code::DUPLICATE_OBJECT
+        )
     )
 }
 
 /// Maps a driver error met while doing `what` (on `key`, if any) to a
 /// [`LockError`] a caller can match on.
-pub(crate) fn map(error: sqlx::Error, what: &str, key: Option<&str>, connect_timeout: Duration) -> LockError {
+pub(crate) fn map(
+    error: sqlx::Error,
+    what: &str,
+    key: Option<&str>,
+    connect_timeout: Duration,
+) -> LockError {
     let on_key = key.map(|k| format!(" on lock {k:?}")).unwrap_or_default();
     let mapped = match &error {
         sqlx::Error::Configuration(e) => {

@@ -60,7 +60,10 @@ pub fn channel_name(schema: &str, table: &str, namespace: &str) -> String {
 
 /// Whether `owner` is in the form distlock writes: 32 lowercase hex digits.
 pub(crate) fn is_owner_token(owner: &str) -> bool {
-    owner.len() == 32 && owner.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    owner.len() == 32
+        && owner
+            .bytes()
+            .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
 #[cfg(test)]
@@ -82,10 +85,7 @@ mod tests {
         assert!(a.len() <= MAX_IDENTIFIER_BYTES);
         assert_eq!(a, channel_name("public", "distlock_locks", "distlock"));
         assert_ne!(a, channel_name("public", "distlock_locks", "other"));
-        assert_ne!(
-            channel_name("ab", "c", "ns"),
-            channel_name("a", "bc", "ns")
-        );
+        assert_ne!(channel_name("ab", "c", "ns"), channel_name("a", "bc", "ns"));
     }
 
     #[test]

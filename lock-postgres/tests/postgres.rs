@@ -1,0 +1,404 @@
+//! PostgreSQL-specific tests beyond the conformance suite, against a real
+//! server started by the harness (or `DISTLOCK_POSTGRES_URL`).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use conformance_tests::server::{Postgres, ServerHandle};
+use lock_core::{
+    AcquireAttempt, Capabilities, DistributedLock, ErrorKind, Lease, LockError, LockKey,
+    ReleaseWatch,
+};
+use lock_postgres::{PostgresConfig, PostgresLock};
+
+fn server() -> &'static ServerHandle {
+    static SERVER: OnceLock<ServerHandle> = OnceLock::new();
+    SERVER.get_or_init(|| {
+        ServerHandle::from_env_or_start(Arc::new(Postgres))
+            .unwrap_or_else(|e| panic!("cannot start or reach PostgreSQL: {e}"))
+    })
+}
+
+fn random_name(prefix: &str) -> String {
+    format!("{prefix}_{:016x}", rand::random::<u64>())
+}
+
+/// A client in a fresh namespace (so tests never see each other's rows).
+async fn client(namespace: &str) -> PostgresLock {
+    let url = format!("{}?namespace={namespace}", server().url());
+    PostgresLock::connect(&url).await.expect("connect")
+}
+
+fn key(name: &str) -> LockKey {
+    LockKey::new(name).expect("valid key")
+}
+
+/// Runs SQL as the superuser of the test server.
+async fn admin(lock: &PostgresLock, sql: &str) {
+    sqlx::query(sql)
+        .execute(lock.pool())
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+/// The URL of the test server with other credentials.
+fn url_with_user(user: &str, password: &str) -> String {
+    let url = server().url();
+    let rest = url
+        .split_once('@')
+        .map(|(_, rest)| rest.to_owned())
+        .expect("URL with credentials");
+    format!("postgres://{user}:{password}@{rest}")
+}
+
+#[tokio::test]
+async fn password_authentication_through_the_url() {
+    let admin_client = client("auth").await;
+    let role = random_name("distlock_role");
+    let password = format!("pw'{}\\x", rand::random::<u32>());
+    let escaped = password.replace('\'', "''");
+    admin(
+        &admin_client,
+        &format!("CREATE ROLE {role} LOGIN PASSWORD '{escaped}'"),
+    )
+    .await;
+    admin(
+        &admin_client,
+        &format!("GRANT CREATE, USAGE ON SCHEMA public TO {role}"),
+    )
+    .await;
+    let table = random_name("auth_locks");
+    let encoded: String = password
+        .bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect();
+    let url = format!("{}?table={table}", url_with_user(&role, &encoded));
+    let lock = PostgresLock::connect(&url)
+        .await
+        .expect("the role connects with its password");
+    let k = key("auth");
+    let lease = lock
+        .try_acquire(&k, Duration::from_secs(5))
+        .await
+        .unwrap()
+        .lease()
+        .expect("free");
+    lock.release(&lease).await.unwrap();
+
+    let wrong = format!("{}?table={table}", url_with_user(&role, "not-the-password"));
+    let err = PostgresLock::connect(&wrong).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+    assert!(
+        err.to_string().contains("authentication failed")
+            && err.to_string().contains("user and password"),
+        "{err}"
+    );
+    let unknown = format!("{}?table={table}", url_with_user("no_such_role", "x"));
+    let err = PostgresLock::connect(&unknown).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+}
+
+#[tokio::test]
+async fn row_edited_into_an_impossible_state_is_reported_not_overwritten() {
+    let ns = random_name("corrupt");
+    let a = client(&ns).await;
+    let b = client(&ns).await;
+    let table = a.table();
+    let ttl = Duration::from_secs(30);
+
+    // A foreign owner value.
+    let k = key("owner");
+    let lease = a.try_acquire(&k, ttl).await.unwrap().lease().expect("free");
+    admin(
+        &a,
+        &format!(
+            "UPDATE {table} SET owner = 'not-a-token' WHERE namespace = '{ns}' AND key = 'owner'"
+        ),
+    )
+    .await;
+    let err = b.try_acquire(&k, ttl).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupted, "{err}");
+    assert!(err.to_string().contains("owner"), "{err}");
+    assert_eq!(
+        a.release(&lease).await.unwrap_err().kind(),
+        ErrorKind::Corrupted
+    );
+    assert_eq!(
+        a.extend(&lease, ttl).await.unwrap_err().kind(),
+        ErrorKind::Corrupted
+    );
+    // Expired, still never taken over.
+    admin(&a, &format!("UPDATE {table} SET expires_at = now() - interval '1 hour' WHERE namespace = '{ns}' AND key = 'owner'")).await;
+    assert_eq!(
+        b.try_acquire(&k, ttl).await.unwrap_err().kind(),
+        ErrorKind::Corrupted
+    );
+    let owner: String = sqlx::query_scalar(&format!(
+        "SELECT owner FROM {table} WHERE namespace = $1 AND key = 'owner'"
+    ))
+    .bind(&ns)
+    .fetch_one(a.pool())
+    .await
+    .unwrap();
+    assert_eq!(owner, "not-a-token", "the foreign row is left untouched");
+
+    // A negative fencing counter.
+    let k = key("negative");
+    let lease = a.try_acquire(&k, ttl).await.unwrap().lease().expect("free");
+    admin(
+        &a,
+        &format!("UPDATE {table} SET fencing = -5 WHERE namespace = '{ns}' AND key = 'negative'"),
+    )
+    .await;
+    assert_eq!(
+        b.try_acquire(&k, ttl).await.unwrap_err().kind(),
+        ErrorKind::Corrupted
+    );
+    assert_eq!(
+        a.release(&lease).await.unwrap_err().kind(),
+        ErrorKind::Corrupted
+    );
+
+    // A fencing counter lower than the lease's (reset by hand).
+    let k = key("backwards");
+    let first = a.try_acquire(&k, ttl).await.unwrap().lease().expect("free");
+    a.release(&first).await.unwrap();
+    let lease = a.try_acquire(&k, ttl).await.unwrap().lease().expect("free");
+    assert!(lease.fencing_token() > first.fencing_token());
+    admin(&a, &format!("UPDATE {table} SET fencing = 0, owner = NULL WHERE namespace = '{ns}' AND key = 'backwards'")).await;
+    let err = a.release(&lease).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupted, "{err}");
+    assert!(err.to_string().contains("backwards"), "{err}");
+    assert_eq!(
+        a.extend(&lease, ttl).await.unwrap_err().kind(),
+        ErrorKind::Corrupted
+    );
+}
+
+#[tokio::test]
+async fn awkward_keys_are_bind_parameters() {
+    let ns = random_name("keys");
+    let a = client(&ns).await;
+    let b = client(&ns).await;
+    let names = vec![
+        "a".to_owned(),
+        "a/b".to_owned(),
+        "a:b".to_owned(),
+        "a{b}".to_owned(),
+        "a%2Fb".to_owned(),
+        "it's".to_owned(),
+        "\"quoted\"".to_owned(),
+        "back\\slash\\".to_owned(),
+        "'); DROP TABLE distlock_locks; --".to_owned(),
+        "ünïcødé ключ 鍵 🔒".to_owned(),
+        "x".repeat(512),
+        "é".repeat(256),
+        "$1".to_owned(),
+        "%".to_owned(),
+        "_".to_owned(),
+    ];
+    let ttl = Duration::from_secs(30);
+    let mut leases = Vec::new();
+    for name in &names {
+        let k = key(name);
+        let lease = a
+            .try_acquire(&k, ttl)
+            .await
+            .unwrap()
+            .lease()
+            .unwrap_or_else(|| panic!("{name:?} is free"));
+        assert!(
+            matches!(
+                b.try_acquire(&k, ttl).await.unwrap(),
+                AcquireAttempt::Held { .. }
+            ),
+            "{name:?} is held"
+        );
+        leases.push(lease);
+    }
+    // Waiting works for such keys too (the key is the NOTIFY payload).
+    let k = key(&"é".repeat(256));
+    let mut watch = b.watch(&k).await.unwrap().expect("native wait");
+    for lease in &leases {
+        a.release(lease).await.unwrap();
+    }
+    tokio::time::timeout(Duration::from_secs(10), watch.released())
+        .await
+        .expect("notified")
+        .unwrap();
+    for name in &names {
+        let lease = b.try_acquire(&key(name), ttl).await.unwrap().lease();
+        assert!(lease.is_some(), "{name:?} is free again");
+    }
+}
+
+/// Wraps a backend and counts acquire attempts.
+#[derive(Debug)]
+struct Counting {
+    inner: PostgresLock,
+    attempts: AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl DistributedLock for Counting {
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<AcquireAttempt, LockError> {
+        self.attempts.fetch_add(1, Ordering::SeqCst);
+        self.inner.try_acquire(key, ttl).await
+    }
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
+        self.inner.extend(lease, ttl).await
+    }
+    async fn release(&self, lease: &Lease) -> Result<(), LockError> {
+        self.inner.release(lease).await
+    }
+    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        self.inner.watch(key).await
+    }
+}
+
+#[tokio::test]
+async fn blocked_waiter_is_woken_by_notify_not_polling() {
+    let ns = random_name("wait");
+    let holder = client(&ns).await;
+    let waiter = Counting {
+        inner: client(&ns).await,
+        attempts: AtomicUsize::new(0),
+    };
+    let k = key("job");
+    let lease = holder
+        .try_acquire(&k, Duration::from_secs(30))
+        .await
+        .unwrap()
+        .lease()
+        .expect("free");
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        holder.release(&lease).await.unwrap();
+        lease
+    });
+    let got = waiter
+        .acquire(
+            &k,
+            Duration::from_secs(30),
+            Instant::now() + Duration::from_secs(20),
+        )
+        .await
+        .unwrap()
+        .expect("acquired after the release");
+    let released = release.await.unwrap();
+    assert!(got.fencing_token() > released.fencing_token());
+    let attempts = waiter.attempts.load(Ordering::SeqCst);
+    assert!(
+        attempts <= 2,
+        "{attempts} acquire attempts while blocked for 2 s"
+    );
+}
+
+#[tokio::test]
+async fn many_clients_create_the_table_at_once() {
+    let table = random_name("race");
+    let base = server().url();
+    let connects = (0..8).map(|i| {
+        let url = format!("{base}?table={table}&namespace=n{i}");
+        tokio::spawn(async move { PostgresLock::connect(&url).await })
+    });
+    for task in connects {
+        let lock = task
+            .await
+            .unwrap()
+            .expect("connect while others create the table");
+        let lease = lock
+            .try_acquire(&key("k"), Duration::from_secs(5))
+            .await
+            .unwrap()
+            .lease()
+            .expect("free");
+        lock.release(&lease).await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn schema_and_table_are_configurable_and_quoted() {
+    let schema = random_name("Sch\"ema");
+    let url = server().url();
+    let config = PostgresConfig::from_url(&url)
+        .unwrap()
+        .schema(schema.clone())
+        .table("my \"locks\"")
+        .namespace("cfg");
+    let lock = PostgresLock::with_config(config).await.unwrap();
+    let lease = lock
+        .try_acquire(&key("k"), Duration::from_secs(5))
+        .await
+        .unwrap()
+        .lease()
+        .expect("free");
+    let n: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {} WHERE owner IS NOT NULL",
+        lock.table()
+    ))
+    .fetch_one(lock.pool())
+    .await
+    .unwrap();
+    assert_eq!(n, 1);
+    lock.release(&lease).await.unwrap();
+}
+
+#[tokio::test]
+async fn expiry_uses_the_database_clock_and_is_never_revived() {
+    let ns = random_name("expiry");
+    let a = client(&ns).await;
+    let b = client(&ns).await;
+    let k = key("short");
+    let lease = a
+        .try_acquire(&k, Duration::from_millis(200))
+        .await
+        .unwrap()
+        .lease()
+        .expect("free");
+    match b.try_acquire(&k, Duration::from_secs(5)).await.unwrap() {
+        AcquireAttempt::Held { expires_in } => {
+            let left = expires_in.expect("the server says how long");
+            assert!(left <= Duration::from_millis(200), "{left:?}");
+        }
+        other => panic!("expected held, got {other:?}"),
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(
+        a.extend(&lease, Duration::from_secs(5))
+            .await
+            .unwrap_err()
+            .kind(),
+        ErrorKind::NotHeld
+    );
+    assert_eq!(
+        a.release(&lease).await.unwrap_err().kind(),
+        ErrorKind::NotHeld
+    );
+    let next = b
+        .try_acquire(&k, Duration::from_secs(5))
+        .await
+        .unwrap()
+        .lease()
+        .expect("expired");
+    assert!(next.fencing_token() > lease.fencing_token());
+}
+
+#[tokio::test]
+async fn unreachable_server_is_unavailable_in_bounded_time() {
+    let port = conformance_tests::server::free_port().unwrap();
+    let url =
+        format!("postgres://postgres:postgres@127.0.0.1:{port}/postgres?connect_timeout_ms=500");
+    let err = PostgresLock::connect(&url).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+}
