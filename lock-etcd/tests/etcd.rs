@@ -1,0 +1,346 @@
+//! etcd-specific tests beyond the shared suite, against real etcd servers
+//! started by the harness (or `DISTLOCK_ETCD_URL` where the test does not
+//! need to control the process).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use conformance_tests::server::{self, ServerHandle, ServerProcess};
+use lock_core::{
+    AcquireAttempt, Capabilities, DistributedLock, ErrorKind, Lease, LockError, LockKey,
+    ReleaseWatch,
+};
+use lock_etcd::etcd_client::{self, Client, Permission};
+use lock_etcd::EtcdLock;
+
+fn random() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new().build_hasher().finish()
+}
+
+fn key(label: &str) -> LockKey {
+    LockKey::new(format!("{label}-{:016x}", random())).expect("valid key")
+}
+
+/// A server for tests that do not control the process.
+fn any_server() -> ServerHandle {
+    ServerHandle::from_env_or_start(Arc::new(server::Etcd)).expect("etcd must start")
+}
+
+/// A server this test owns (kill, restart, auth setup).
+fn own_server() -> ServerProcess {
+    ServerProcess::start(Arc::new(server::Etcd)).expect("etcd must start")
+}
+
+fn endpoint(url: &str) -> String {
+    url.strip_prefix("etcd://")
+        .expect("etcd URL")
+        .split('?')
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+async fn raw_client(url: &str) -> Client {
+    Client::connect([endpoint(url)], None)
+        .await
+        .expect("raw etcd client")
+}
+
+async fn acquire(lock: &EtcdLock, key: &LockKey, ttl: Duration) -> Lease {
+    match lock.try_acquire(key, ttl).await.expect("try_acquire") {
+        AcquireAttempt::Acquired(lease) => lease,
+        AcquireAttempt::Held { .. } => panic!("{key} unexpectedly held"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquire_extend_release_and_fencing() {
+    let server = any_server();
+    let a = EtcdLock::connect(&server.url()).await.expect("connect a");
+    let b = EtcdLock::connect(&server.url()).await.expect("connect b");
+    let k = key("basic");
+
+    let first = acquire(&a, &k, Duration::from_millis(300)).await;
+    // Rounded up to whole seconds.
+    assert_eq!(first.ttl(), Duration::from_secs(1));
+    assert!(matches!(
+        b.try_acquire(&k, Duration::from_secs(5)).await.unwrap(),
+        AcquireAttempt::Held { .. }
+    ));
+
+    // Extending keeps the fencing token and resets the TTL, also to a shorter one.
+    let long = a.extend(&first, Duration::from_secs(30)).await.expect("extend");
+    assert_eq!(long.fencing_token(), first.fencing_token());
+    assert_eq!(long.ttl(), Duration::from_secs(30));
+    let short = a.extend(&long, Duration::from_secs(1)).await.expect("extend shorter");
+    assert_eq!(short.ttl(), Duration::from_secs(1));
+    // The shorter TTL is real: the lock expires after about a second.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let second = acquire(&b, &k, Duration::from_secs(5)).await;
+    assert!(second.fencing_token() > first.fencing_token());
+    // The expired lease can neither be extended nor released; the new holder keeps it.
+    assert_eq!(a.extend(&short, Duration::from_secs(5)).await.unwrap_err().kind(), ErrorKind::NotHeld);
+    assert_eq!(a.release(&short).await.unwrap_err().kind(), ErrorKind::NotHeld);
+    // A lease from another client is refused.
+    assert_eq!(a.release(&second).await.unwrap_err().kind(), ErrorKind::InvalidInput);
+
+    b.release(&second).await.expect("release");
+    assert_eq!(b.release(&second).await.unwrap_err().kind(), ErrorKind::NotHeld);
+    assert_eq!(b.extend(&second, Duration::from_secs(5)).await.unwrap_err().kind(), ErrorKind::NotHeld);
+    let third = acquire(&a, &k, Duration::from_secs(5)).await;
+    assert!(third.fencing_token() > second.fencing_token());
+    a.release(&third).await.expect("release third");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_stay_in_namespace_and_foreign_values_are_reported() {
+    let server = any_server();
+    let url = server.url();
+    let ns = format!("ns{:x}", random() as u32);
+    let lock = EtcdLock::connect(&format!("{url}?namespace={ns}")).await.expect("connect");
+    let mut raw = raw_client(&url).await;
+
+    let look_alikes = ["a", "a/b", "a%2Fb", "a:b", "a{b}", "ключ/🔒"];
+    let mut leases = Vec::new();
+    for k in look_alikes {
+        leases.push(acquire(&lock, &LockKey::new(k).unwrap(), Duration::from_secs(10)).await);
+    }
+    let all = raw
+        .get(ns.as_bytes(), Some(etcd_client::GetOptions::new().with_prefix()))
+        .await
+        .unwrap();
+    assert_eq!(all.kvs().len(), look_alikes.len());
+    for kv in all.kvs() {
+        let k = kv.key_str().unwrap();
+        assert!(k.starts_with(&format!("{ns}/lock/")), "{k}");
+        assert!(!k[ns.len() + 6..].contains('/'), "{k}");
+    }
+    for lease in &leases {
+        lock.release(lease).await.unwrap();
+    }
+
+    // A value distlock did not write is reported and left alone.
+    let foreign = LockKey::new("foreign").unwrap();
+    let etcd_key = format!("{ns}/lock/foreign");
+    raw.put(etcd_key.as_str(), "someone else's", None).await.unwrap();
+    let err = lock.try_acquire(&foreign, Duration::from_secs(5)).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupted);
+    assert!(err.message().contains("foreign"), "{err}");
+    // Our format but without a lease: would never expire.
+    let no_lease = LockKey::new("no-lease").unwrap();
+    raw.put(
+        format!("{ns}/lock/no-lease"),
+        format!("dl1:{}", "0".repeat(32)),
+        None,
+    )
+    .await
+    .unwrap();
+    let err = lock.try_acquire(&no_lease, Duration::from_secs(5)).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupted);
+    let value = raw.get(etcd_key.as_str(), None).await.unwrap();
+    assert_eq!(value.kvs()[0].value(), b"someone else's");
+    raw.delete(ns.as_bytes(), Some(etcd_client::DeleteOptions::new().with_prefix()))
+        .await
+        .unwrap();
+}
+
+/// Forwards to an [`EtcdLock`], counting acquisition attempts.
+#[derive(Debug)]
+struct Counting {
+    inner: EtcdLock,
+    attempts: AtomicU64,
+}
+
+#[lock_core::async_trait]
+impl DistributedLock for Counting {
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<AcquireAttempt, LockError> {
+        self.attempts.fetch_add(1, Ordering::SeqCst);
+        self.inner.try_acquire(key, ttl).await
+    }
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
+        self.inner.extend(lease, ttl).await
+    }
+    async fn release(&self, lease: &Lease) -> Result<(), LockError> {
+        self.inner.release(lease).await
+    }
+    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        self.inner.watch(key).await
+    }
+}
+
+/// A waiter blocked for 2 s makes at most 2 attempts: it is woken by the
+/// watch, not by polling. The operation timeout is shorter than the wait,
+/// so the watch stream must outlive it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_is_woken_by_the_server_not_polling() {
+    let server = any_server();
+    let url = format!("{}?operation_timeout_ms=500", server.url());
+    let holder = EtcdLock::connect(&url).await.expect("holder");
+    let waiter = Arc::new(Counting {
+        inner: EtcdLock::connect(&url).await.expect("waiter"),
+        attempts: AtomicU64::new(0),
+    });
+    let k = key("wake");
+    let held = acquire(&holder, &k, Duration::from_secs(30)).await;
+
+    let task = {
+        let waiter = waiter.clone();
+        let k = k.clone();
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            waiter.acquire(&k, Duration::from_secs(30), deadline).await
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(waiter.attempts.load(Ordering::SeqCst), 1, "no polling while held");
+    holder.release(&held).await.expect("release");
+    let lease = task.await.unwrap().expect("acquire").expect("acquired before the deadline");
+    assert!(lease.fencing_token() > held.fencing_token());
+    let attempts = waiter.attempts.load(Ordering::SeqCst);
+    assert!(attempts <= 2, "{attempts} attempts");
+    waiter.release(&lease).await.unwrap();
+}
+
+/// A holder that stops renewing (crashed) is noticed when etcd expires its
+/// lease: the deletion wakes the waiter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_is_woken_by_lease_expiry() {
+    let server = any_server();
+    let holder = EtcdLock::connect(&server.url()).await.expect("holder");
+    let waiter = Counting {
+        inner: EtcdLock::connect(&server.url()).await.expect("waiter"),
+        attempts: AtomicU64::new(0),
+    };
+    let k = key("expiry");
+    let held = acquire(&holder, &k, Duration::from_secs(2)).await;
+    drop(holder);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let lease = waiter
+        .acquire(&k, Duration::from_secs(5), deadline)
+        .await
+        .expect("acquire")
+        .expect("acquired after expiry");
+    assert!(lease.fencing_token() > held.fencing_token());
+    assert!(waiter.attempts.load(Ordering::SeqCst) <= 2);
+}
+
+/// Fencing tokens survive a restart; a waiter's watch reconnects by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_keeps_fencing_order_and_watches_reconnect() {
+    let server = own_server();
+    let url = format!("{}?operation_timeout_ms=1000&connect_timeout_ms=1000", server.url());
+    let holder = EtcdLock::connect(&url).await.expect("holder");
+    let waiter = Arc::new(EtcdLock::connect(&url).await.expect("waiter"));
+    let k = key("restart");
+    let before = acquire(&holder, &k, Duration::from_secs(30)).await;
+
+    let task = {
+        let waiter = waiter.clone();
+        let k = k.clone();
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(25);
+            waiter.acquire(&k, Duration::from_secs(30), deadline).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::task::block_in_place(|| server.kill());
+    // A dead server gives a typed error in bounded time.
+    let err = holder.extend(&before, Duration::from_secs(30)).await.unwrap_err();
+    assert!(err.is_transient(), "{err}");
+    tokio::task::block_in_place(|| server.restart()).expect("restart");
+    // The holder's lock survived (etcd keeps leases across restarts).
+    let mut renewed = None;
+    for _ in 0..50 {
+        match holder.extend(&before, Duration::from_secs(30)).await {
+            Ok(lease) => {
+                renewed = Some(lease);
+                break;
+            }
+            Err(e) if e.is_transient() => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(e) => panic!("extend after restart: {e}"),
+        }
+    }
+    let renewed = renewed.expect("the client reconnects after a restart");
+    // Give the waiter's watch time to be re-created, then release.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    holder.release(&renewed).await.expect("release after restart");
+    let after = task
+        .await
+        .unwrap()
+        .expect("acquire across restart")
+        .expect("woken after the release");
+    assert!(after.fencing_token() > before.fencing_token());
+    waiter.release(&after).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_server_gives_unavailable_in_bounded_time() {
+    let port = server::free_port().unwrap();
+    let err = EtcdLock::connect(&format!("etcd://127.0.0.1:{port}?connect_timeout_ms=500"))
+        .await
+        .unwrap_err();
+    assert!(err.is_transient(), "{err}");
+}
+
+/// An etcd with authentication: a root user and a lock user whose role may
+/// only read and write the lock namespace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn authentication_through_the_url() {
+    let server = own_server();
+    let url = server.url();
+    let ns = "authns";
+    let prefix = format!("{ns}/lock/");
+    {
+        let mut admin = raw_client(&url).await;
+        admin.user_add("root", "rootpw", None).await.expect("add root");
+        admin.user_grant_role("root", "root").await.expect("grant root");
+        admin.role_add("locker").await.expect("add role");
+        admin
+            .role_grant_permission("locker", Permission::read_write(prefix.as_str()).with_prefix())
+            .await
+            .expect("grant permission");
+        admin.user_add("locker", "p@ss:word", None).await.expect("add user");
+        admin.user_grant_role("locker", "locker").await.expect("grant role");
+        admin.auth_enable().await.expect("auth enable");
+    }
+    let addr = endpoint(&url);
+    let good = format!("etcd://locker:p%40ss%3Aword@{addr}?namespace={ns}");
+    let a = EtcdLock::connect(&good).await.expect("connect with the lock user");
+    let b = Counting {
+        inner: EtcdLock::connect(&good).await.expect("second client"),
+        attempts: AtomicU64::new(0),
+    };
+    assert_eq!(a.key_prefix(), prefix);
+    let k = key("auth");
+    let lease = acquire(&a, &k, Duration::from_secs(10)).await;
+    let lease = a.extend(&lease, Duration::from_secs(10)).await.expect("extend");
+    let waiter = async {
+        b.acquire(&k, Duration::from_secs(5), Instant::now() + Duration::from_secs(20))
+            .await
+    };
+    let releaser = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        a.release(&lease).await
+    };
+    let (got, released) = tokio::join!(waiter, releaser);
+    released.expect("release");
+    let got = got.expect("waiter under auth").expect("acquired");
+    assert!(b.attempts.load(Ordering::SeqCst) <= 2);
+    b.release(&got).await.unwrap();
+
+    let wrong = format!("etcd://locker:nope@{addr}?namespace={ns}");
+    let err = EtcdLock::connect(&wrong).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+    assert!(err.message().contains("authentication failed"), "{err}");
+    assert!(err.message().contains("user and password"), "{err}");
+
+    // Outside its namespace the user has no permission: a clear config error.
+    let outside = format!("etcd://locker:p%40ss%3Aword@{addr}?namespace=other");
+    let err = EtcdLock::connect(&outside).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+}
