@@ -205,8 +205,8 @@ impl RedisLock {
     }
 }
 
-/// Loads the scripts so the first acquire is one EVALSHA. Best effort: an
-/// ACL user without SCRIPT LOAD still works (EVAL fallback).
+/// Loads the scripts so the first acquire is one EVALSHA; this also proves
+/// the credentials work.
 async fn preload(
     conn: &mut redis::aio::MultiplexedConnection,
     options: &lock_core::ClientOptions,
@@ -214,19 +214,19 @@ async fn preload(
     for script in scripts::all() {
         let result = options
             .timed("redis SCRIPT LOAD", async {
-                script
-                    .load_async(conn)
-                    .await
-                    .map_err(|e| errors::map(e, "redis SCRIPT LOAD"))
+                match script.load_async(conn).await {
+                    Ok(_) => Ok(true),
+                    // An ACL user without SCRIPT LOAD still works (EVAL fallback).
+                    Err(e) if e.code() == Some("NOPERM") => {
+                        tracing::debug!(error = %e, "cannot preload scripts; they will be sent with EVAL");
+                        Ok(false)
+                    }
+                    Err(e) => Err(errors::map(e, "redis SCRIPT LOAD")),
+                }
             })
-            .await;
-        match result {
-            Ok(_) => {}
-            Err(e) if e.kind() == lock_core::ErrorKind::Config && e.message().contains("ACL") => {
-                tracing::debug!(error = %e, "cannot preload scripts; they will be sent with EVAL");
-                return Ok(());
-            }
-            Err(e) => return Err(e),
+            .await?;
+        if !result {
+            break;
         }
     }
     Ok(())

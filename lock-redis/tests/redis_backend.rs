@@ -1,0 +1,452 @@
+//! Redis-specific tests beyond the shared suite, each against its own
+//! `redis-server` started on a loopback port (never an external server,
+//! so command counts are exact).
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use conformance_tests::server::{self, ServerProcess};
+use futures_util::StreamExt;
+use lock_core::{AcquireAttempt, DistributedLock, ErrorKind, Lease, LockKey};
+use lock_redis::redis::{self, aio::MultiplexedConnection, AsyncCommands};
+use lock_redis::{RedisConfig, RedisLock};
+
+fn start(kind: server::Redis) -> ServerProcess {
+    ServerProcess::start(Arc::new(kind)).expect("cannot start redis-server (is it installed?)")
+}
+
+fn unique(prefix: &str) -> LockKey {
+    LockKey::new(format!("{prefix}-{:016x}", rand_u64())).unwrap()
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos(),
+    );
+    h.finish()
+}
+
+async fn raw(url: &str) -> MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .expect("raw connection to the test server")
+}
+
+fn acquired(attempt: AcquireAttempt) -> Lease {
+    match attempt {
+        AcquireAttempt::Acquired(lease) => lease,
+        AcquireAttempt::Held { .. } => panic!("expected the lock to be free"),
+    }
+}
+
+/// Watches the server with MONITOR and splits what clients sent into phases.
+struct Monitor {
+    lines: Arc<Mutex<Vec<String>>>,
+    conn: MultiplexedConnection,
+    marks: u32,
+}
+
+impl Monitor {
+    async fn start(url: &str) -> Self {
+        let monitor = redis::Client::open(url)
+            .unwrap()
+            .get_async_monitor()
+            .await
+            .expect("MONITOR connection");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let sink = lines.clone();
+        tokio::spawn(async move {
+            let mut stream = monitor.into_on_message::<String>();
+            while let Some(line) = stream.next().await {
+                sink.lock().unwrap().push(line);
+            }
+        });
+        let mut monitor = Self {
+            lines,
+            conn: raw(url).await,
+            marks: 0,
+        };
+        monitor.mark().await;
+        monitor
+    }
+
+    /// The commands clients sent since the previous mark (commands run by
+    /// scripts excluded), as (name, first argument) pairs.
+    async fn mark(&mut self) -> Vec<(String, String)> {
+        self.marks += 1;
+        let marker = format!("distlock-test-mark-{}", self.marks);
+        let _: String = redis::cmd("ECHO")
+            .arg(&marker)
+            .query_async(&mut self.conn)
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            {
+                let mut lines = self.lines.lock().unwrap();
+                if let Some(at) = lines.iter().position(|l| l.contains(&marker)) {
+                    let phase: Vec<String> = lines.drain(..=at).collect();
+                    return phase
+                        .iter()
+                        .filter(|l| !l.contains("distlock-test-mark-"))
+                        .filter_map(|l| parse_monitor_line(l))
+                        .collect();
+                }
+            }
+            assert!(Instant::now() < deadline, "MONITOR never showed {marker}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// `1700000000.123456 [0 127.0.0.1:5555] "evalsha" "abc" "2" ...` ->
+/// `("evalsha", "abc")`; `None` for commands a script ran (`[0 lua]`).
+fn parse_monitor_line(line: &str) -> Option<(String, String)> {
+    let (client, rest) = line.split_once('[')?.1.split_once(']')?;
+    if client.ends_with("lua") {
+        return None;
+    }
+    let mut quoted = rest.split('"').skip(1).step_by(2);
+    let name = quoted.next()?.to_ascii_lowercase();
+    let arg = quoted.next().unwrap_or("").to_owned();
+    Some((name, arg))
+}
+
+fn names(commands: &[(String, String)]) -> Vec<&str> {
+    commands.iter().map(|(n, _)| n.as_str()).collect()
+}
+
+#[tokio::test]
+async fn acquire_extend_release_are_one_command_each() {
+    let server = start(server::Redis::default());
+    let url = server.url();
+    let lock = RedisLock::connect(&url).await.unwrap();
+    // Warm up the lazily connected command connection.
+    let warm = acquired(
+        lock.try_acquire(&unique("warm"), Duration::from_secs(5))
+            .await
+            .unwrap(),
+    );
+    lock.release(&warm).await.unwrap();
+    let mut monitor = Monitor::start(&url).await;
+    let acquire_sha = lock_redis::acquire_script_sha();
+
+    let key = unique("count");
+    let lease = acquired(
+        lock.try_acquire(&key, Duration::from_secs(5))
+            .await
+            .unwrap(),
+    );
+    let acquire = monitor.mark().await;
+    let lease = lock.extend(&lease, Duration::from_secs(5)).await.unwrap();
+    let extend = monitor.mark().await;
+    lock.release(&lease).await.unwrap();
+    let release = monitor.mark().await;
+
+    assert_eq!(names(&acquire), ["evalsha"], "acquire: {acquire:?}");
+    assert_eq!(acquire[0].1, acquire_sha);
+    assert_eq!(names(&extend), ["evalsha"], "extend: {extend:?}");
+    assert_ne!(extend[0].1, acquire_sha);
+    assert_eq!(names(&release), ["evalsha"], "release: {release:?}");
+    assert_ne!(release[0].1, acquire_sha);
+
+    // A refused attempt is one command too, and reports the holder's PTTL.
+    let holder = acquired(
+        lock.try_acquire(&key, Duration::from_secs(30))
+            .await
+            .unwrap(),
+    );
+    monitor.mark().await;
+    match lock
+        .try_acquire(&key, Duration::from_secs(5))
+        .await
+        .unwrap()
+    {
+        AcquireAttempt::Held { expires_in } => {
+            let expires_in = expires_in.expect("redis reports the holder's PTTL");
+            assert!(expires_in <= Duration::from_secs(30) && expires_in > Duration::ZERO);
+        }
+        AcquireAttempt::Acquired(_) => panic!("the lock is held"),
+    }
+    assert_eq!(names(&monitor.mark().await), ["evalsha"]);
+    lock.release(&holder).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_blocked_waiter_attempts_at_most_twice() {
+    let server = start(server::Redis::default());
+    let url = server.url();
+    let holder = RedisLock::connect(&url).await.unwrap();
+    let waiter = Arc::new(RedisLock::connect(&url).await.unwrap());
+    let key = unique("wait");
+
+    let lease = acquired(
+        holder
+            .try_acquire(&key, Duration::from_secs(10))
+            .await
+            .unwrap(),
+    );
+    let mut monitor = Monitor::start(&url).await;
+    let task = {
+        let waiter = waiter.clone();
+        let key = key.clone();
+        tokio::spawn(async move {
+            waiter
+                .acquire(
+                    &key,
+                    Duration::from_secs(10),
+                    Instant::now() + Duration::from_secs(30),
+                )
+                .await
+        })
+    };
+    // The holder keeps the lock for 2 s.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!task.is_finished(), "the waiter must not get a held lock");
+    let while_held = monitor.mark().await;
+    holder.release(&lease).await.unwrap();
+    let got = task
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("the waiter gets the lock after the release");
+    let after_release = monitor.mark().await;
+
+    let acquire_sha = lock_redis::acquire_script_sha();
+    let attempts = |phase: &[(String, String)]| {
+        phase
+            .iter()
+            .filter(|(n, a)| (n == "evalsha" && a == acquire_sha) || n == "eval")
+            .count()
+    };
+    assert_eq!(attempts(&while_held), 1, "while held: {while_held:?}");
+    assert!(
+        names(&while_held).contains(&"subscribe"),
+        "the waiter subscribed: {while_held:?}"
+    );
+    let total = attempts(&while_held) + attempts(&after_release);
+    assert!(
+        total <= 2,
+        "the waiter made {total} acquire attempts: {while_held:?} {after_release:?}"
+    );
+    assert!(got.fencing_token() > lease.fencing_token());
+    waiter.release(&got).await.unwrap();
+}
+
+#[tokio::test]
+async fn password_in_the_url_and_wrong_password() {
+    let server = start(server::Redis::with_password("s3cret-pw"));
+    let url = server.url();
+    assert!(url.starts_with("redis://:s3cret-pw@127.0.0.1:"));
+    let lock = RedisLock::connect(&url).await.unwrap();
+    let lease = acquired(
+        lock.try_acquire(&unique("auth"), Duration::from_secs(5))
+            .await
+            .unwrap(),
+    );
+    lock.release(&lease).await.unwrap();
+    // Waiting uses the same credentials on its pub/sub connection.
+    assert!(lock.watch(&unique("auth-watch")).await.unwrap().is_some());
+
+    let addr = server.addr();
+    for bad in [
+        format!("redis://:wrong@{addr}"),
+        format!("redis://{addr}"),
+        format!("redis://nobody:s3cret-pw@{addr}"),
+    ] {
+        let err = RedisLock::connect(&bad).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config, "{bad}: {err}");
+        assert!(
+            err.message().contains("authentication failed"),
+            "{bad}: unclear message: {err}"
+        );
+        assert!(
+            !err.to_string().contains("wrong"),
+            "the password leaked: {err}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn foreign_values_are_reported_and_untouched() {
+    let server = start(server::Redis::default());
+    let url = server.url();
+    let lock = RedisLock::connect(&format!("{url}/?namespace=fv"))
+        .await
+        .unwrap();
+    let mut conn = raw(&url).await;
+
+    // A foreign string at the lock key.
+    let key = LockKey::new("job:{a}").unwrap();
+    let redis_key = "fv:{job:%7Ba%7D}:lock";
+    let _: () = conn.set(redis_key, "someone else's value").await.unwrap();
+    let err = lock
+        .try_acquire(&key, Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupted, "{err}");
+    assert!(
+        err.message().contains(redis_key),
+        "the error names the key: {err}"
+    );
+    let value: String = conn.get(redis_key).await.unwrap();
+    assert_eq!(value, "someone else's value");
+    let ttl: i64 = conn.pttl(redis_key).await.unwrap();
+    assert_eq!(ttl, -1, "no expiry was added");
+
+    // Another type at the lock key.
+    let key2 = LockKey::new("hashed").unwrap();
+    let _: () = conn.hset("fv:{hashed}:lock", "f", "v").await.unwrap();
+    let err = lock
+        .try_acquire(&key2, Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupted, "{err}");
+    let field: String = conn.hget("fv:{hashed}:lock", "f").await.unwrap();
+    assert_eq!(field, "v");
+
+    // A lock we wrote, then overwritten by someone else: extend and release
+    // report it and leave it.
+    let key3 = LockKey::new("taken").unwrap();
+    let lease = acquired(
+        lock.try_acquire(&key3, Duration::from_secs(5))
+            .await
+            .unwrap(),
+    );
+    let _: () = conn.set("fv:{taken}:lock", "foreign").await.unwrap();
+    assert_eq!(
+        lock.extend(&lease, Duration::from_secs(5))
+            .await
+            .unwrap_err()
+            .kind(),
+        ErrorKind::Corrupted
+    );
+    assert_eq!(
+        lock.release(&lease).await.unwrap_err().kind(),
+        ErrorKind::Corrupted
+    );
+    let value: String = conn.get("fv:{taken}:lock").await.unwrap();
+    assert_eq!(value, "foreign");
+
+    // A foreign fencing counter.
+    let key4 = LockKey::new("fenced").unwrap();
+    let _: () = conn.set("fv:{fenced}:fence", "not a number").await.unwrap();
+    let err = lock
+        .try_acquire(&key4, Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupted, "{err}");
+    assert!(err.message().contains("fv:{fenced}:fence"), "{err}");
+    let exists: bool = conn.exists("fv:{fenced}:lock").await.unwrap();
+    assert!(!exists, "nothing was written");
+}
+
+#[tokio::test]
+async fn fencing_counter_expires_yet_tokens_keep_growing() {
+    let server = start(server::Redis::default());
+    let url = server.url();
+    let config = RedisConfig::from_url(&format!("{url}/?namespace=fr"))
+        .unwrap()
+        .fence_retention(Duration::from_millis(30));
+    let lock = RedisLock::with_config(config).await.unwrap();
+    let mut conn = raw(&url).await;
+    let key = unique("retention");
+
+    let mut last = 0;
+    for round in 0..4 {
+        let lease = acquired(
+            lock.try_acquire(&key, Duration::from_millis(10))
+                .await
+                .unwrap(),
+        );
+        assert!(lease.fencing_token().get() > last, "round {round}");
+        last = lease.fencing_token().get();
+        if round % 2 == 0 {
+            lock.release(&lease).await.unwrap();
+        }
+        // Past the lock TTL and the counter retention (max(30 ms, 2 * 10 ms)).
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        let left: Vec<String> = conn.keys("fr:*").await.unwrap();
+        assert!(left.is_empty(), "keys left behind: {left:?}");
+    }
+}
+
+#[tokio::test]
+async fn expired_lock_is_not_extended_or_recreated() {
+    let server = start(server::Redis::default());
+    let url = server.url();
+    let lock = RedisLock::connect(&format!("{url}/?namespace=ex"))
+        .await
+        .unwrap();
+    let mut conn = raw(&url).await;
+    let key = LockKey::new("short").unwrap();
+    let lease = acquired(
+        lock.try_acquire(&key, Duration::from_millis(20))
+            .await
+            .unwrap(),
+    );
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    assert_eq!(
+        lock.extend(&lease, Duration::from_secs(5))
+            .await
+            .unwrap_err()
+            .kind(),
+        ErrorKind::NotHeld
+    );
+    let exists: bool = conn.exists("ex:{short}:lock").await.unwrap();
+    assert!(!exists);
+    assert_eq!(
+        lock.release(&lease).await.unwrap_err().kind(),
+        ErrorKind::NotHeld
+    );
+}
+
+#[tokio::test]
+async fn survives_a_server_restart() {
+    let server = start(server::Redis::default());
+    let url = server.url();
+    let lock = RedisLock::connect(&format!(
+        "{url}/?operation_timeout_ms=500&connect_timeout_ms=500"
+    ))
+    .await
+    .unwrap();
+    let key = unique("restart");
+    let lease = acquired(
+        lock.try_acquire(&key, Duration::from_secs(5))
+            .await
+            .unwrap(),
+    );
+    lock.release(&lease).await.unwrap();
+
+    server.kill();
+    let err = lock
+        .try_acquire(&key, Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert!(
+        err.is_transient(),
+        "a dead server is Unavailable or Timeout: {err}"
+    );
+
+    server.restart().unwrap();
+    // The client reconnects by itself (the script cache is empty again:
+    // EVALSHA falls back to loading the script).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let lease = loop {
+        match lock.try_acquire(&key, Duration::from_secs(5)).await {
+            Ok(attempt) => break acquired(attempt),
+            Err(e) if e.is_transient() && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("no reconnect: {e}"),
+        }
+    };
+    lock.release(&lease).await.unwrap();
+}
