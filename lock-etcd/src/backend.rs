@@ -297,8 +297,15 @@ impl DistributedLock for EtcdLock {
             Ok(AcquireOutcome::Created(fencing)) => {
                 tracing::debug!(key = %key, fencing = %fencing, ttl = ?granted, "etcd lock acquired");
                 Ok(AcquireAttempt::Acquired(
-                    Lease::new(key.clone(), owner, fencing, sent_at, granted, self.inner.issuer)
-                        .with_handle(u64::try_from(lease_id).unwrap_or(0)),
+                    Lease::new(
+                        key.clone(),
+                        owner,
+                        fencing,
+                        sent_at,
+                        granted,
+                        self.inner.issuer,
+                    )
+                    .with_handle(u64::try_from(lease_id).unwrap_or(0)),
                 ))
             }
             Ok(AcquireOutcome::Held { lease_id: holder }) => {

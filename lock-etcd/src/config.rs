@@ -193,11 +193,7 @@ fn parse_endpoint(host: &str) -> Result<String, LockError> {
             Some((addr, "")) => (format!("[{addr}]"), None),
             Some((addr, port)) => match port.strip_prefix(':') {
                 Some(port) => (format!("[{addr}]"), Some(port)),
-                None => {
-                    return Err(LockError::config(format!(
-                        "invalid etcd endpoint {host:?}"
-                    )))
-                }
+                None => return Err(LockError::config(format!("invalid etcd endpoint {host:?}"))),
             },
             None => {
                 return Err(LockError::config(format!(
@@ -218,11 +214,13 @@ fn parse_endpoint(host: &str) -> Result<String, LockError> {
     }
     let port = match port {
         None => DEFAULT_PORT,
-        Some(port) => port.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| {
-            LockError::config(format!(
-                "invalid port {port:?} in etcd endpoint {host:?}"
-            ))
-        })?,
+        Some(port) => port
+            .parse::<u16>()
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| {
+                LockError::config(format!("invalid port {port:?} in etcd endpoint {host:?}"))
+            })?,
     };
     Ok(format!("http://{name}:{port}"))
 }
@@ -237,9 +235,7 @@ fn percent_decode(text: &str) -> Result<String, LockError> {
                 .get(i + 1..i + 3)
                 .and_then(|h| u8::from_str_radix(h, 16).ok())
                 .ok_or_else(|| {
-                    LockError::config(
-                        "bad percent-encoding in the etcd URL's user or password",
-                    )
+                    LockError::config("bad percent-encoding in the etcd URL's user or password")
                 })?;
             out.push(hex);
             i += 3;
@@ -264,8 +260,9 @@ mod tests {
         assert_eq!(c.endpoints(), ["http://127.0.0.1:2380"]);
         assert_eq!(c.user_name(), None);
 
-        let c = EtcdConfig::from_url("etcd://u%40x:p%3Aw:d@h1,h2:1,[::1]:5/?operation_timeout_ms=9")
-            .unwrap();
+        let c =
+            EtcdConfig::from_url("etcd://u%40x:p%3Aw:d@h1,h2:1,[::1]:5/?operation_timeout_ms=9")
+                .unwrap();
         assert_eq!(
             c.endpoints(),
             ["http://h1:2379", "http://h2:1", "http://[::1]:5"]

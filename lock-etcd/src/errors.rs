@@ -42,10 +42,10 @@ pub(crate) fn map(what: &str, error: etcd_client::Error) -> LockError {
         etcd_client::Error::InvalidArgs(_)
         | etcd_client::Error::InvalidUri(_)
         | etcd_client::Error::EndpointError(_)
-        | etcd_client::Error::InvalidMetadataValue(_) => {
-            LockError::config(format!("{what}: invalid etcd client configuration: {error}"))
-                .with_source(error)
-        }
+        | etcd_client::Error::InvalidMetadataValue(_) => LockError::config(format!(
+            "{what}: invalid etcd client configuration: {error}"
+        ))
+        .with_source(error),
         _ => LockError::unavailable(format!("{what}: etcd request failed: {error}"))
             .with_source(error),
     }

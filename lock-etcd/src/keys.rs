@@ -85,7 +85,10 @@ mod tests {
             assert!(m.starts_with(layout.prefix().as_bytes()));
             assert!(!rest.contains(&b'/'));
         }
-        assert_eq!(layout.lock_key(&LockKey::new("a/b").unwrap()), b"distlock/lock/a%2Fb");
+        assert_eq!(
+            layout.lock_key(&LockKey::new("a/b").unwrap()),
+            b"distlock/lock/a%2Fb"
+        );
     }
 
     #[test]

@@ -42,11 +42,13 @@ fn ours(key: &[u8], value: &[u8], fencing: FencingToken) -> Vec<Compare> {
 
 /// The extend transaction: moves the key to `new_lease_id`.
 pub(crate) fn extend(key: &[u8], value: &[u8], fencing: FencingToken, new_lease_id: i64) -> Txn {
-    Txn::new().when(ours(key, value, fencing)).and_then([TxnOp::put(
-        key,
-        value,
-        Some(PutOptions::new().with_lease(new_lease_id)),
-    )])
+    Txn::new()
+        .when(ours(key, value, fencing))
+        .and_then([TxnOp::put(
+            key,
+            value,
+            Some(PutOptions::new().with_lease(new_lease_id)),
+        )])
 }
 
 /// The release transaction.
@@ -73,7 +75,10 @@ pub(crate) enum AcquireOutcome {
 
 /// Reads the acquire transaction's reply. A value we did not write, or a
 /// lock without a lease (it would never expire), is `Corrupted`.
-pub(crate) fn acquire_outcome(key: &LockKey, reply: &TxnResponse) -> Result<AcquireOutcome, LockError> {
+pub(crate) fn acquire_outcome(
+    key: &LockKey,
+    reply: &TxnResponse,
+) -> Result<AcquireOutcome, LockError> {
     if reply.succeeded() {
         let revision = reply.header().map(|h| h.revision()).unwrap_or(0);
         return u64::try_from(revision)
@@ -102,7 +107,11 @@ pub(crate) fn acquire_outcome(key: &LockKey, reply: &TxnResponse) -> Result<Acqu
 }
 
 /// Refuses a value distlock did not write at a lock key.
-pub(crate) fn check_found(key: &LockKey, value: &[u8], lease_id: i64) -> Result<OwnerToken, LockError> {
+pub(crate) fn check_found(
+    key: &LockKey,
+    value: &[u8],
+    lease_id: i64,
+) -> Result<OwnerToken, LockError> {
     let Some(owner) = decode_value(value) else {
         return Err(LockError::corrupted(format!(
             "the etcd key for lock {:?} holds a value distlock did not write ({} bytes); it was left untouched — remove it or use another namespace",

@@ -295,17 +295,14 @@ impl WatchTask {
         };
         let rest: Vec<_> = requests.collect();
         let mut client = self.client.clone();
-        let stream = lock_core::with_timeout(
-            self.options.connect_timeout,
-            "etcd watch stream",
-            async {
+        let stream =
+            lock_core::with_timeout(self.options.connect_timeout, "etcd watch stream", async {
                 client
                     .watch(first_key, Some(first_options))
                     .await
                     .map_err(errors::mapper("etcd watch"))
-            },
-        )
-        .await?;
+            })
+            .await?;
         let (mut sender, responses) = stream.split();
         for (key, options) in rest {
             sender
@@ -402,7 +399,9 @@ impl WatchTask {
                     if self.recreating > 0 {
                         self.recreating -= 1;
                         if self.recreating == 0 {
-                            tracing::debug!("etcd watches re-created after reconnect; waking waiters");
+                            tracing::debug!(
+                                "etcd watches re-created after reconnect; waking waiters"
+                            );
                             self.notifier.reset();
                         }
                     }

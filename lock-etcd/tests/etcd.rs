@@ -16,7 +16,9 @@ use lock_etcd::EtcdLock;
 
 fn random() -> u64 {
     use std::hash::{BuildHasher, Hasher};
-    std::collections::hash_map::RandomState::new().build_hasher().finish()
+    std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish()
 }
 
 fn key(label: &str) -> LockKey {
@@ -71,24 +73,51 @@ async fn acquire_extend_release_and_fencing() {
     ));
 
     // Extending keeps the fencing token and resets the TTL, also to a shorter one.
-    let long = a.extend(&first, Duration::from_secs(30)).await.expect("extend");
+    let long = a
+        .extend(&first, Duration::from_secs(30))
+        .await
+        .expect("extend");
     assert_eq!(long.fencing_token(), first.fencing_token());
     assert_eq!(long.ttl(), Duration::from_secs(30));
-    let short = a.extend(&long, Duration::from_secs(1)).await.expect("extend shorter");
+    let short = a
+        .extend(&long, Duration::from_secs(1))
+        .await
+        .expect("extend shorter");
     assert_eq!(short.ttl(), Duration::from_secs(1));
     // The shorter TTL is real: the lock expires after about a second.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let second = acquire(&b, &k, Duration::from_secs(5)).await;
     assert!(second.fencing_token() > first.fencing_token());
     // The expired lease can neither be extended nor released; the new holder keeps it.
-    assert_eq!(a.extend(&short, Duration::from_secs(5)).await.unwrap_err().kind(), ErrorKind::NotHeld);
-    assert_eq!(a.release(&short).await.unwrap_err().kind(), ErrorKind::NotHeld);
+    assert_eq!(
+        a.extend(&short, Duration::from_secs(5))
+            .await
+            .unwrap_err()
+            .kind(),
+        ErrorKind::NotHeld
+    );
+    assert_eq!(
+        a.release(&short).await.unwrap_err().kind(),
+        ErrorKind::NotHeld
+    );
     // A lease from another client is refused.
-    assert_eq!(a.release(&second).await.unwrap_err().kind(), ErrorKind::InvalidInput);
+    assert_eq!(
+        a.release(&second).await.unwrap_err().kind(),
+        ErrorKind::InvalidInput
+    );
 
     b.release(&second).await.expect("release");
-    assert_eq!(b.release(&second).await.unwrap_err().kind(), ErrorKind::NotHeld);
-    assert_eq!(b.extend(&second, Duration::from_secs(5)).await.unwrap_err().kind(), ErrorKind::NotHeld);
+    assert_eq!(
+        b.release(&second).await.unwrap_err().kind(),
+        ErrorKind::NotHeld
+    );
+    assert_eq!(
+        b.extend(&second, Duration::from_secs(5))
+            .await
+            .unwrap_err()
+            .kind(),
+        ErrorKind::NotHeld
+    );
     let third = acquire(&a, &k, Duration::from_secs(5)).await;
     assert!(third.fencing_token() > second.fencing_token());
     a.release(&third).await.expect("release third");
@@ -99,7 +128,9 @@ async fn keys_stay_in_namespace_and_foreign_values_are_reported() {
     let server = any_server();
     let url = server.url();
     let ns = format!("ns{:x}", random() as u32);
-    let lock = EtcdLock::connect(&format!("{url}?namespace={ns}")).await.expect("connect");
+    let lock = EtcdLock::connect(&format!("{url}?namespace={ns}"))
+        .await
+        .expect("connect");
     let mut raw = raw_client(&url).await;
 
     let look_alikes = ["a", "a/b", "a%2Fb", "a:b", "a{b}", "ключ/🔒"];
@@ -108,7 +139,10 @@ async fn keys_stay_in_namespace_and_foreign_values_are_reported() {
         leases.push(acquire(&lock, &LockKey::new(k).unwrap(), Duration::from_secs(10)).await);
     }
     let all = raw
-        .get(ns.as_bytes(), Some(etcd_client::GetOptions::new().with_prefix()))
+        .get(
+            ns.as_bytes(),
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
         .await
         .unwrap();
     assert_eq!(all.kvs().len(), look_alikes.len());
@@ -124,8 +158,13 @@ async fn keys_stay_in_namespace_and_foreign_values_are_reported() {
     // A value distlock did not write is reported and left alone.
     let foreign = LockKey::new("foreign").unwrap();
     let etcd_key = format!("{ns}/lock/foreign");
-    raw.put(etcd_key.as_str(), "someone else's", None).await.unwrap();
-    let err = lock.try_acquire(&foreign, Duration::from_secs(5)).await.unwrap_err();
+    raw.put(etcd_key.as_str(), "someone else's", None)
+        .await
+        .unwrap();
+    let err = lock
+        .try_acquire(&foreign, Duration::from_secs(5))
+        .await
+        .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Corrupted);
     assert!(err.message().contains("foreign"), "{err}");
     // Our format but without a lease: would never expire.
@@ -137,13 +176,19 @@ async fn keys_stay_in_namespace_and_foreign_values_are_reported() {
     )
     .await
     .unwrap();
-    let err = lock.try_acquire(&no_lease, Duration::from_secs(5)).await.unwrap_err();
+    let err = lock
+        .try_acquire(&no_lease, Duration::from_secs(5))
+        .await
+        .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Corrupted);
     let value = raw.get(etcd_key.as_str(), None).await.unwrap();
     assert_eq!(value.kvs()[0].value(), b"someone else's");
-    raw.delete(ns.as_bytes(), Some(etcd_client::DeleteOptions::new().with_prefix()))
-        .await
-        .unwrap();
+    raw.delete(
+        ns.as_bytes(),
+        Some(etcd_client::DeleteOptions::new().with_prefix()),
+    )
+    .await
+    .unwrap();
 }
 
 /// Forwards to an [`EtcdLock`], counting acquisition attempts.
@@ -197,9 +242,17 @@ async fn waiter_is_woken_by_the_server_not_polling() {
         })
     };
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(waiter.attempts.load(Ordering::SeqCst), 1, "no polling while held");
+    assert_eq!(
+        waiter.attempts.load(Ordering::SeqCst),
+        1,
+        "no polling while held"
+    );
     holder.release(&held).await.expect("release");
-    let lease = task.await.unwrap().expect("acquire").expect("acquired before the deadline");
+    let lease = task
+        .await
+        .unwrap()
+        .expect("acquire")
+        .expect("acquired before the deadline");
     assert!(lease.fencing_token() > held.fencing_token());
     let attempts = waiter.attempts.load(Ordering::SeqCst);
     assert!(attempts <= 2, "{attempts} attempts");
@@ -233,7 +286,10 @@ async fn waiter_is_woken_by_lease_expiry() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_keeps_fencing_order_and_watches_reconnect() {
     let server = own_server();
-    let url = format!("{}?operation_timeout_ms=1000&connect_timeout_ms=1000", server.url());
+    let url = format!(
+        "{}?operation_timeout_ms=1000&connect_timeout_ms=1000",
+        server.url()
+    );
     let holder = EtcdLock::connect(&url).await.expect("holder");
     let waiter = Arc::new(EtcdLock::connect(&url).await.expect("waiter"));
     let k = key("restart");
@@ -250,7 +306,10 @@ async fn restart_keeps_fencing_order_and_watches_reconnect() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     tokio::task::block_in_place(|| server.kill());
     // A dead server gives a typed error in bounded time.
-    let err = holder.extend(&before, Duration::from_secs(30)).await.unwrap_err();
+    let err = holder
+        .extend(&before, Duration::from_secs(30))
+        .await
+        .unwrap_err();
     assert!(err.is_transient(), "{err}");
     tokio::task::block_in_place(|| server.restart()).expect("restart");
     // The holder's lock survived (etcd keeps leases across restarts).
@@ -268,7 +327,10 @@ async fn restart_keeps_fencing_order_and_watches_reconnect() {
     let renewed = renewed.expect("the client reconnects after a restart");
     // Give the waiter's watch time to be re-created, then release.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    holder.release(&renewed).await.expect("release after restart");
+    holder
+        .release(&renewed)
+        .await
+        .expect("release after restart");
     let after = task
         .await
         .unwrap()
@@ -297,20 +359,37 @@ async fn authentication_through_the_url() {
     let prefix = format!("{ns}/lock/");
     {
         let mut admin = raw_client(&url).await;
-        admin.user_add("root", "rootpw", None).await.expect("add root");
-        admin.user_grant_role("root", "root").await.expect("grant root");
+        admin
+            .user_add("root", "rootpw", None)
+            .await
+            .expect("add root");
+        admin
+            .user_grant_role("root", "root")
+            .await
+            .expect("grant root");
         admin.role_add("locker").await.expect("add role");
         admin
-            .role_grant_permission("locker", Permission::read_write(prefix.as_str()).with_prefix())
+            .role_grant_permission(
+                "locker",
+                Permission::read_write(prefix.as_str()).with_prefix(),
+            )
             .await
             .expect("grant permission");
-        admin.user_add("locker", "p@ss:word", None).await.expect("add user");
-        admin.user_grant_role("locker", "locker").await.expect("grant role");
+        admin
+            .user_add("locker", "p@ss:word", None)
+            .await
+            .expect("add user");
+        admin
+            .user_grant_role("locker", "locker")
+            .await
+            .expect("grant role");
         admin.auth_enable().await.expect("auth enable");
     }
     let addr = endpoint(&url);
     let good = format!("etcd://locker:p%40ss%3Aword@{addr}?namespace={ns}");
-    let a = EtcdLock::connect(&good).await.expect("connect with the lock user");
+    let a = EtcdLock::connect(&good)
+        .await
+        .expect("connect with the lock user");
     let b = Counting {
         inner: EtcdLock::connect(&good).await.expect("second client"),
         attempts: AtomicU64::new(0),
@@ -318,10 +397,17 @@ async fn authentication_through_the_url() {
     assert_eq!(a.key_prefix(), prefix);
     let k = key("auth");
     let lease = acquire(&a, &k, Duration::from_secs(10)).await;
-    let lease = a.extend(&lease, Duration::from_secs(10)).await.expect("extend");
+    let lease = a
+        .extend(&lease, Duration::from_secs(10))
+        .await
+        .expect("extend");
     let waiter = async {
-        b.acquire(&k, Duration::from_secs(5), Instant::now() + Duration::from_secs(20))
-            .await
+        b.acquire(
+            &k,
+            Duration::from_secs(5),
+            Instant::now() + Duration::from_secs(20),
+        )
+        .await
     };
     let releaser = async {
         tokio::time::sleep(Duration::from_millis(500)).await;

@@ -46,9 +46,7 @@ fn healthy(port: u16) -> io::Result<bool> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_millis(500))?;
     stream.set_read_timeout(Some(Duration::from_secs(2)))?;
     stream.set_write_timeout(Some(Duration::from_secs(2)))?;
-    stream.write_all(
-        b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
-    )?;
+    stream.write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")?;
     let mut reply = String::new();
     stream.read_to_string(&mut reply)?;
     Ok(reply.starts_with("HTTP/1.1 200") && reply.contains("\"health\":\"true\""))
@@ -119,7 +117,9 @@ impl ServerKind for Etcd {
             if Instant::now() >= deadline {
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
-                    format!("etcd on port {port} did not report healthy in {HEALTH_TIMEOUT:?}: {last}"),
+                    format!(
+                        "etcd on port {port} did not report healthy in {HEALTH_TIMEOUT:?}: {last}"
+                    ),
                 ));
             }
             std::thread::sleep(Duration::from_millis(20));
