@@ -92,7 +92,8 @@ mod tests {
         assert!(parse_duration("").is_err());
         assert!(parse_duration("s").is_err());
         assert!(parse_duration("5x").is_err());
-        assert!(parse_duration("5.").is_ok());
+        assert!(parse_duration("5.").is_err());
+        assert!(parse_duration("1.5.3s").is_err());
         assert!(parse_duration("1e400s").is_err());
     }
 

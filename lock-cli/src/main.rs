@@ -11,7 +11,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use distlock::{AcquireAttempt, DistributedLock, ErrorKind, LockError, LockKey, LockOptions, Locker};
+use distlock::{
+    AcquireAttempt, DistributedLock, ErrorKind, LockError, LockKey, LockOptions, Locker,
+};
 use tokio::signal::unix::{signal, SignalKind};
 
 mod duration;
@@ -178,7 +180,11 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => {
             let _ = e.print();
-            return ExitCode::from(if e.use_stderr() { code::USAGE } else { code::OK });
+            return ExitCode::from(if e.use_stderr() {
+                code::USAGE
+            } else {
+                code::OK
+            });
         }
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -368,7 +374,12 @@ async fn probe(backend: &dyn DistributedLock, key: &LockKey) -> Result<AcquireAt
         match backend.release(lease).await {
             Ok(()) => {}
             Err(e) if e.kind() == ErrorKind::NotHeld => {}
-            Err(e) => return Err(Failure::lock(&format!("cannot release probe of {key:?}"), &e)),
+            Err(e) => {
+                return Err(Failure::lock(
+                    &format!("cannot release probe of {key:?}"),
+                    &e,
+                ))
+            }
         }
     }
     Ok(attempt)
