@@ -364,7 +364,7 @@ fn against(kind: impl ServerKind) {
 
 #[test]
 fn redis() {
-    against(Redis);
+    against(Redis::default());
 }
 
 #[test]
