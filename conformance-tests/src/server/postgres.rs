@@ -8,8 +8,11 @@
 //! system user and the server runs as that user (set directly on the child,
 //! so killing the child kills the server itself).
 //!
-//! Authentication is SCRAM for every connection: the superuser `postgres`
-//! has the password `postgres`, and the URL carries it.
+//! Authentication: the superuser `postgres` (password `postgres`, carried in
+//! the URL) is trusted on loopback TCP, so the suite's many short-lived
+//! connections do not pay for SCRAM's key stretching (slow in debug builds);
+//! every other role authenticates with SCRAM-SHA-256, which is what the
+//! backend's password tests use (they create a role with a password).
 
 use std::io;
 use std::net::SocketAddr;
@@ -153,6 +156,15 @@ impl ServerKind for Postgres {
                 String::from_utf8_lossy(&output.stderr)
             )));
         }
+        // Replaces initdb's pg_hba.conf (the first matching line wins).
+        std::fs::write(
+            dir.join("data").join("pg_hba.conf"),
+            format!(
+                "local all all scram-sha-256\n\
+                 host all {SUPERUSER} 127.0.0.1/32 trust\n\
+                 host all all 127.0.0.1/32 scram-sha-256\n"
+            ),
+        )?;
         Ok(())
     }
 
