@@ -55,6 +55,10 @@ const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// TTLs are whole seconds (at least 1 s, or the server's minimum lease TTL
 /// if larger); shorter or fractional TTLs are rounded up.
 ///
+/// A client belongs to the tokio runtime it was created in: the gRPC
+/// channel runs its connection tasks there, so create it inside the runtime
+/// that uses it and do not use it after that runtime shut down.
+///
 /// ```no_run
 /// use std::time::Duration;
 /// use lock_core::{DistributedLock, LockKey};

@@ -15,7 +15,7 @@
 //! may have happened while the stream was down).
 
 use std::collections::HashMap;
-use std::sync::OnceLock;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use etcd_client::{
@@ -48,14 +48,23 @@ pub(crate) struct Watcher {
     layout: KeyLayout,
     options: ClientOptions,
     notifier: ReleaseNotifier,
-    commands: OnceLock<mpsc::UnboundedSender<WatchCommand>>,
+    /// The running task's command queue; replaced if the task stopped
+    /// (its runtime shut down) so the client keeps working in another runtime.
+    commands: Mutex<Option<mpsc::UnboundedSender<WatchCommand>>>,
 }
 
 impl std::fmt::Debug for Watcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Watcher")
             .field("waiting_keys", &self.notifier.channels().len())
-            .field("started", &self.commands.get().is_some())
+            .field(
+                "started",
+                &self
+                    .commands
+                    .lock()
+                    .map(|c| c.as_ref().is_some_and(|tx| !tx.is_closed()))
+                    .unwrap_or(false),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -75,26 +84,36 @@ impl Watcher {
             layout,
             options,
             notifier: ReleaseNotifier::new(),
-            commands: OnceLock::new(),
+            commands: Mutex::new(None),
         }
     }
 
-    fn commands(&self) -> &mpsc::UnboundedSender<WatchCommand> {
-        self.commands.get_or_init(|| {
-            let (tx, rx) = mpsc::unbounded_channel();
-            let task = WatchTask {
-                client: self.client.clone(),
-                options: self.options.clone(),
-                notifier: self.notifier.clone(),
-                commands: rx,
-                entries: HashMap::new(),
-                by_id: HashMap::new(),
-                next_id: 1,
-                recreating: 0,
-            };
-            tokio::spawn(task.run());
-            tx
-        })
+    /// The command queue of the watch task, started (in the current
+    /// runtime) on first use or if the previous task stopped.
+    fn commands(&self) -> mpsc::UnboundedSender<WatchCommand> {
+        let mut slot = self.commands.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(tx) = slot.as_ref().filter(|tx| !tx.is_closed()) {
+            return tx.clone();
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let task = WatchTask {
+            client: self.client.clone(),
+            options: self.options.clone(),
+            notifier: self.notifier.clone(),
+            commands: rx,
+            entries: HashMap::new(),
+            by_id: HashMap::new(),
+            next_id: 1,
+            recreating: 0,
+        };
+        if slot.is_some() {
+            // Watches of the stopped task are gone; the next waiter of each
+            // key must watch again.
+            self.notifier.reset();
+        }
+        tokio::spawn(task.run());
+        *slot = Some(tx.clone());
+        tx
     }
 
     /// Registers a waiter for `key`; the etcd watch is live when this returns.
@@ -127,6 +146,8 @@ struct Entry {
     key: Vec<u8>,
     id: i64,
     created: bool,
+    /// Wake the key's waiters once this (re-created) watch is confirmed.
+    wake_on_create: bool,
     /// Subscribers waiting for the `created` confirmation.
     pending: Vec<Reply>,
 }
@@ -242,6 +263,7 @@ impl WatchTask {
                 key: command.key,
                 id,
                 created: false,
+                wake_on_create: false,
                 pending: vec![command.reply],
             },
         );
@@ -340,7 +362,15 @@ impl WatchTask {
                 }
                 message = stream.responses.message() => {
                     match message.map_err(errors::mapper("etcd watch stream"))? {
-                        Some(response) => self.handle(response),
+                        Some(response) => {
+                            if let Some((key, id)) = self.handle(response) {
+                                stream
+                                    .sender
+                                    .watch(key, Some(Self::watch_options(id)))
+                                    .await
+                                    .map_err(errors::mapper("etcd watch"))?;
+                            }
+                        }
                         None => return Err(LockError::unavailable("etcd closed the watch stream")),
                     }
                 }
@@ -357,37 +387,54 @@ impl WatchTask {
         }
     }
 
-    fn handle(&mut self, response: WatchResponse) {
+    /// Handles one response; returns a watch to create again (a live watch
+    /// etcd cancelled, e.g. after a compaction) as `(key, new id)`.
+    fn handle(&mut self, response: WatchResponse) -> Option<(Vec<u8>, i64)> {
         let id = response.watch_id();
         let Some(channel) = self.by_id.get(&id).cloned() else {
             // A cancelled watch's late events, or a progress notification.
-            return;
+            return None;
         };
         if response.canceled() {
             let reason = response.cancel_reason().to_owned();
             tracing::debug!(channel = %channel, reason = %reason, "etcd cancelled a lock watch");
             self.by_id.remove(&id);
-            if let Some(entry) = self.entries.remove(&channel) {
-                let error = if reason.contains("permission denied") {
-                    LockError::config(format!(
-                        "etcd refused to watch the lock {channel:?}: {reason}; grant the user's role read permission on the lock namespace prefix"
-                    ))
-                } else {
-                    LockError::unavailable(format!(
-                        "etcd cancelled the watch of lock {channel:?}: {reason}"
-                    ))
-                };
-                let was_created = entry.created;
-                for reply in entry.pending {
-                    let _ = reply.send(Err(LockError::new(error.kind(), error.message())));
-                }
-                if was_created {
-                    // Waiters can no longer rely on this watch; wake them so
-                    // they retry, and let the next waiter watch again.
-                    self.notifier.reset();
-                }
+            let entry = self.entries.remove(&channel)?;
+            if entry.created && !reason.contains("permission denied") {
+                // Its waiters still rely on it: watch again (from now) and
+                // wake them once it is live, as a release may have been missed.
+                let new_id = self.fresh_id();
+                self.by_id.insert(new_id, channel.clone());
+                let key = entry.key.clone();
+                self.entries.insert(
+                    channel,
+                    Entry {
+                        id: new_id,
+                        created: false,
+                        wake_on_create: true,
+                        ..entry
+                    },
+                );
+                return Some((key, new_id));
             }
-            return;
+            let error = if reason.contains("permission denied") {
+                LockError::config(format!(
+                    "etcd refused to watch the lock {channel:?}: {reason}; grant the user's role read permission on the lock namespace prefix"
+                ))
+            } else {
+                LockError::unavailable(format!(
+                    "etcd cancelled the watch of lock {channel:?}: {reason}"
+                ))
+            };
+            for reply in entry.pending {
+                let _ = reply.send(Err(LockError::new(error.kind(), error.message())));
+            }
+            if entry.created {
+                // Waiters can no longer rely on this watch; wake them so
+                // they retry, and let the next waiter watch again.
+                self.notifier.reset();
+            }
+            return None;
         }
         if response.created() {
             if let Some(entry) = self.entries.get_mut(&channel) {
@@ -395,6 +442,9 @@ impl WatchTask {
                     entry.created = true;
                     for reply in entry.pending.drain(..) {
                         let _ = reply.send(Ok(()));
+                    }
+                    if std::mem::take(&mut entry.wake_on_create) {
+                        self.notifier.notify(&channel);
                     }
                     if self.recreating > 0 {
                         self.recreating -= 1;
@@ -416,5 +466,6 @@ impl WatchTask {
             tracing::trace!(channel = %channel, "etcd reported a lock key deleted");
             self.notifier.notify(&channel);
         }
+        None
     }
 }
