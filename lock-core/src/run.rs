@@ -152,33 +152,40 @@ where
         lost: guard.lost_signal(),
     };
     let started = Instant::now();
-    let outcome = match options.on_lost {
+    let stopped = match options.on_lost {
         OnLost::Stop => {
             let lost = guard.lost();
             tokio::select! {
                 biased;
-                output = job(context) => RunOutcome::Completed { output, fencing_token, duration: started.elapsed() },
+                output = job(context) => Ok(output),
                 reason = lost => {
                     tracing::warn!(key = %key, fencing = %fencing_token, %reason, "lock lost; job stopped");
-                    RunOutcome::Lost { output: None, fencing_token, reason }
+                    Err(reason)
                 }
             }
         }
-        OnLost::Continue => {
-            let output = job(context).await;
-            match guard.lost_signal().reason() {
-                Some(reason) => RunOutcome::Lost {
-                    output: Some(output),
-                    fencing_token,
-                    reason,
-                },
-                None => RunOutcome::Completed {
-                    output,
-                    fencing_token,
-                    duration: started.elapsed(),
-                },
-            }
-        }
+        OnLost::Continue => Ok(job(context).await),
+    };
+    let outcome = match stopped {
+        Err(reason) => RunOutcome::Lost {
+            output: None,
+            fencing_token,
+            reason,
+        },
+        // A job that returned after (or as) the lock was lost did not run
+        // exclusively to the end, whatever it returned.
+        Ok(output) => match guard.lost_signal().reason() {
+            Some(reason) => RunOutcome::Lost {
+                output: Some(output),
+                fencing_token,
+                reason,
+            },
+            None => RunOutcome::Completed {
+                output,
+                fencing_token,
+                duration: started.elapsed(),
+            },
+        },
     };
     if let Err(e) = guard.release().await {
         if e.kind() != ErrorKind::NotHeld || outcome.is_completed() {
