@@ -36,6 +36,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 pub use lock_core::*;
 
+#[cfg(feature = "tower")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
+pub mod layer;
+
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
 pub use lock_etcd as etcd;
