@@ -77,6 +77,12 @@ impl RedisLock {
             ));
         };
         let server = redact(url);
+        #[cfg(feature = "tls")]
+        {
+            // rustls needs a process-wide crypto provider; keep one the
+            // application installed, else install ring.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+        }
         let client = Client::open(url).map_err(|e| {
             LockError::config(format!("invalid redis URL {server}: {e}")).with_source(e)
         })?;

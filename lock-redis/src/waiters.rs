@@ -7,7 +7,8 @@
 //! connection drops, every waiter is woken (a release may have been missed),
 //! the channels that still have waiters are subscribed again on a new
 //! connection, and the waiters are woken once more. Channels without waiters
-//! are unsubscribed by a periodic sweep.
+//! are unsubscribed by a periodic sweep, which also PINGs the connection so a
+//! silently dead one (no FIN) is replaced.
 
 use std::collections::HashSet;
 use std::future::Future;
@@ -155,12 +156,27 @@ impl Inner {
         })
     }
 
-    /// Unsubscribes channels that have no local waiters any more.
-    async fn sweep(&self, generation: u64) {
+    /// Unsubscribes channels that have no local waiters any more, and
+    /// checks the connection with a PING. Returns false if the connection
+    /// did not answer.
+    async fn sweep(&self, generation: u64) -> bool {
         let mut live = self.live.lock().await;
         let Some(current) = live.as_mut().filter(|l| l.generation == generation) else {
-            return;
+            return true;
         };
+        let mut sink = current.sink.clone();
+        let ping = self
+            .options
+            .timed("redis pub/sub PING", async move {
+                sink.ping::<redis::Value>()
+                    .await
+                    .map_err(|e| errors::map(e, "redis pub/sub PING"))
+            })
+            .await;
+        if let Err(e) = ping {
+            tracing::debug!(error = %e, "redis pub/sub connection does not answer");
+            return false;
+        }
         let idle: Vec<String> = current
             .subscribed
             .iter()
@@ -168,7 +184,7 @@ impl Inner {
             .cloned()
             .collect();
         if idle.is_empty() {
-            return;
+            return true;
         }
         let mut sink = current.sink.clone();
         let request = idle.clone();
@@ -189,6 +205,7 @@ impl Inner {
             }
             Err(e) => tracing::debug!(error = %e, "unsubscribing idle channels failed"),
         }
+        true
     }
 
     /// After a lost connection: subscribe the channels that still have
@@ -241,7 +258,11 @@ async fn read(weak: Weak<Inner>, mut stream: PubSubStream, generation: u64) {
                 let Some(inner) = weak.upgrade() else { return };
                 // Sweeping waits for the server's confirmation, which the
                 // connection's own driver task reads, not this one.
-                inner.sweep(generation).await;
+                if !inner.sweep(generation).await {
+                    // A silently dead connection (no FIN, e.g. a network
+                    // black hole): treat it as lost.
+                    break;
+                }
             }
         }
     }
