@@ -450,3 +450,127 @@ async fn survives_a_server_restart() {
     };
     lock.release(&lease).await.unwrap();
 }
+
+#[tokio::test]
+async fn waiters_resubscribe_after_the_pubsub_connection_is_killed() {
+    let server = start(server::Redis::default());
+    let url = server.url();
+    let holder = RedisLock::connect(&url).await.unwrap();
+    let waiter = Arc::new(RedisLock::connect(&url).await.unwrap());
+    let mut conn = raw(&url).await;
+    let key = unique("resub");
+    // Held far beyond the waiter's deadline: only a notification can wake it.
+    let lease = acquired(
+        holder
+            .try_acquire(&key, Duration::from_secs(60))
+            .await
+            .unwrap(),
+    );
+    let task = {
+        let waiter = waiter.clone();
+        let key = key.clone();
+        tokio::spawn(async move {
+            waiter
+                .acquire(
+                    &key,
+                    Duration::from_secs(10),
+                    Instant::now() + Duration::from_secs(20),
+                )
+                .await
+        })
+    };
+    // Wait until the waiter is subscribed, then cut its pub/sub connection.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let channels: Vec<String> = redis::cmd("PUBSUB")
+            .arg("CHANNELS")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        if !channels.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the waiter never subscribed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("pubsub")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(killed, 1);
+    // The waiter's client subscribes again on a new connection by itself.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let channels: Vec<String> = redis::cmd("PUBSUB")
+            .arg("CHANNELS")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        if !channels.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the waiter never resubscribed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!task.is_finished());
+    holder.release(&lease).await.unwrap();
+    let got = task
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("the release notification reached the resubscribed waiter");
+    waiter.release(&got).await.unwrap();
+}
+
+#[tokio::test]
+async fn from_an_application_connection_manager() {
+    let server = start(server::Redis::default());
+    let url = server.url();
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let manager = redis::aio::ConnectionManager::new(client.clone())
+        .await
+        .unwrap();
+    let lock = Arc::new(
+        RedisLock::from_connection_manager(manager, client, RedisConfig::new().namespace("app"))
+            .unwrap(),
+    );
+    let other = RedisLock::connect(&format!("{url}/?namespace=app"))
+        .await
+        .unwrap();
+    let key = unique("shared");
+    let lease = acquired(
+        lock.try_acquire(&key, Duration::from_secs(5))
+            .await
+            .unwrap(),
+    );
+    assert!(matches!(
+        other
+            .try_acquire(&key, Duration::from_secs(5))
+            .await
+            .unwrap(),
+        AcquireAttempt::Held { .. }
+    ));
+    let waiting = {
+        let lock = lock.clone();
+        let key = key.clone();
+        tokio::spawn(async move {
+            lock.acquire(
+                &key,
+                Duration::from_secs(5),
+                Instant::now() + Duration::from_secs(20),
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    lock.release(&lease).await.unwrap();
+    let again = waiting
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("woken by the release");
+    lock.release(&again).await.unwrap();
+}
