@@ -26,8 +26,10 @@ const MIN_TTL: Duration = Duration::from_secs(1);
 /// at lock-core's default of a year.
 const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 
-/// HTTP/2 keep-alive ping interval. etcd's default enforcement policy
-/// rejects pings more often than every 5 s.
+/// HTTP/2 keep-alive ping interval, so a watch stream to a vanished server
+/// is noticed. etcd's enforcement policy rejects pings more often than every
+/// 5 s, and pings on a connection without open streams at all (so they are
+/// only sent while a stream is open).
 const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
 
 /// A distributed lock on etcd v3.
@@ -105,6 +107,7 @@ impl EtcdLock {
             .with_connect_timeout(options.connect_timeout)
             .with_timeout(options.operation_timeout)
             .with_keep_alive(KEEP_ALIVE_INTERVAL, options.operation_timeout)
+            .with_keep_alive_while_idle(false)
             .with_auto_token_refresh(true);
         if let Some((name, password)) = config.credentials() {
             connect = connect.with_user(name.clone(), password.clone());
