@@ -183,7 +183,7 @@ fn check_scheme(url: &str) -> Result<(), LockError> {
         "redis" | "unix" | "redis+unix" => Ok(()),
         "rediss" if cfg!(feature = "tls") => Ok(()),
         "rediss" => Err(LockError::config(
-            "rediss:// (TLS) needs the `tls` cargo feature of lock-redis; enable it or use redis://",
+            "rediss:// (TLS) needs the `tls` cargo feature of lock-redis (the `redis-tls` feature of distlock); enable it or use redis://",
         )),
         _ => Err(LockError::config(format!(
             "{} is not a redis URL; use redis://[user:password@]host[:port][/db], rediss://… or unix:///path",
