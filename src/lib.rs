@@ -91,6 +91,7 @@ fn memory_server(name: &str) -> MemoryLock {
     servers.entry(name.to_owned()).or_default().clone()
 }
 
+#[cfg(not(all(feature = "redis", feature = "etcd", feature = "postgres")))]
 fn missing_feature(feature: &str, url: &str) -> LockError {
     LockError::config(format!(
         "{url:?} needs the `{feature}` feature of distlock; enable it in Cargo.toml: distlock = {{ version = \"0.1\", features = [\"{feature}\"] }}"

@@ -77,10 +77,10 @@ impl Suite {
     pub fn trials(self) -> Vec<Trial> {
         // Started once for the whole binary; a failure to start fails every
         // case with the reason, never a silent pass.
-        let server = match &self.server {
-            Some(kind) => Some(ServerHandle::from_env_or_start(kind.clone()).map(Arc::new)),
-            None => None,
-        };
+        let server = self
+            .server
+            .as_ref()
+            .map(|kind| ServerHandle::from_env_or_start(kind.clone()).map(Arc::new));
         let server = match server {
             Some(Ok(handle)) => Ok(Some(handle)),
             Some(Err(e)) => Err(e.to_string()),
