@@ -11,6 +11,7 @@ mod code {
     pub const INVALID_CATALOG_NAME: &str = "3D000";
     pub const INSUFFICIENT_PRIVILEGE: &str = "42501";
     pub const UNDEFINED_COLUMN: &str = "42703";
+    pub const UNDEFINED_TABLE: &str = "42P01";
     pub const DATATYPE_MISMATCH: &str = "42804";
     pub const NUMERIC_VALUE_OUT_OF_RANGE: &str = "22003";
     pub const UNIQUE_VIOLATION: &str = "23505";
@@ -88,6 +89,10 @@ pub(crate) fn map(
                 )),
                 Some(code::INSUFFICIENT_PRIVILEGE) => LockError::config(format!(
                     "{what}{on_key} failed: permission denied ({message}); grant the user access to the lock table and its schema"
+                )),
+                Some(code::UNDEFINED_TABLE) => LockError::config(format!(
+                    "{what}{on_key} failed ({message}): the lock table was dropped after this client created it; \
+                     distlock does not recreate it behind your back (fencing tokens would restart), create a new client"
                 )),
                 Some(code::UNDEFINED_COLUMN | code::DATATYPE_MISMATCH) => LockError::config(format!(
                     "{what}{on_key} failed ({message}): the lock table exists but does not have the layout distlock expects; configure another table name"

@@ -402,3 +402,104 @@ async fn unreachable_server_is_unavailable_in_bounded_time() {
     let err = PostgresLock::connect(&url).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
 }
+
+#[tokio::test]
+async fn survives_a_server_kill_and_restart() {
+    use conformance_tests::server::ServerProcess;
+    // Its own server: this test kills it.
+    let server = tokio::task::spawn_blocking(|| ServerProcess::start(Arc::new(Postgres)))
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("cannot start PostgreSQL: {e}"));
+    let url = format!(
+        "{}?namespace=fault&connect_timeout_ms=1000&operation_timeout_ms=1000",
+        server.url()
+    );
+    let a = PostgresLock::connect(&url).await.unwrap();
+    let b = PostgresLock::connect(&url).await.unwrap();
+    let k = key("fault");
+    let lease = a
+        .try_acquire(&k, Duration::from_secs(60))
+        .await
+        .unwrap()
+        .lease()
+        .expect("free");
+    let mut watch = b.watch(&k).await.unwrap().expect("native wait");
+
+    let server = Arc::new(server);
+    let killer = server.clone();
+    tokio::task::spawn_blocking(move || killer.kill())
+        .await
+        .unwrap();
+    // A dead server: a typed error, never a hang (the outer timeout only
+    // guards the test run).
+    let err = tokio::time::timeout(
+        Duration::from_secs(30),
+        a.try_acquire(&key("other"), Duration::from_secs(5)),
+    )
+    .await
+    .expect("bounded")
+    .unwrap_err();
+    assert!(err.is_transient(), "{err}");
+    // The listener noticed and woke its waiters.
+    tokio::time::timeout(Duration::from_secs(30), watch.released())
+        .await
+        .expect("waiters woken when the listener connection died")
+        .unwrap();
+
+    let restarter = server.clone();
+    tokio::task::spawn_blocking(move || restarter.restart())
+        .await
+        .unwrap()
+        .expect("restart");
+    // The clients reconnect by themselves; the lease survived (durable).
+    let mut held = None;
+    for _ in 0..100 {
+        match b.try_acquire(&k, Duration::from_secs(5)).await {
+            Ok(attempt) => {
+                held = Some(attempt);
+                break;
+            }
+            Err(e) if e.is_transient() => {
+                eprintln!("retrying after: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(
+        matches!(held, Some(AcquireAttempt::Held { .. })),
+        "{held:?}"
+    );
+    // Waiting works again through the new listener connection: woken by the
+    // release long before the lease's 60 s run out.
+    let waiter = tokio::spawn(async move {
+        let got = b
+            .acquire(
+                &k,
+                Duration::from_secs(5),
+                Instant::now() + Duration::from_secs(20),
+            )
+            .await;
+        (b, got)
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut released = false;
+    for _ in 0..50 {
+        match a.release(&lease).await {
+            Ok(()) => {
+                released = true;
+                break;
+            }
+            Err(e) if e.is_transient() => {
+                eprintln!("retrying after: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(released);
+    let (_b, got) = waiter.await.unwrap();
+    let got = got.unwrap().expect("woken by NOTIFY after the restart");
+    assert!(got.fencing_token() > lease.fencing_token());
+}
