@@ -129,6 +129,7 @@ pub fn all() -> Vec<Case> {
         cancelled_waiters_leave_nothing_held,
         sixteen_waiters_each_once,
         waiter_on_free_key_not_blocked_by_other_key,
+        cancel_at_grant_leaves_nothing_held,
     ));
     all.extend(cases!(guard:
         renewal_keeps_lock_past_ttl,

@@ -257,3 +257,50 @@ pub async fn waiter_on_free_key_not_blocked_by_other_key(ctx: TestContext) -> Ca
     holder.release(&lease).await?;
     Ok(())
 }
+
+/// A waiter dropped at the very moment the lock is handed to it (the
+/// holder's release and the waiter's cancellation happen together, 100
+/// times) leaves no lock held: a grant the caller never saw is released.
+pub async fn cancel_at_grant_leaves_nothing_held(ctx: TestContext) -> CaseResult {
+    let holder = ctx.client().await?;
+    let locker = ctx.locker().await?;
+    for round in 0..100 {
+        let key = ctx.key("wait-race");
+        let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
+        let stop = Arc::new(tokio::sync::Notify::new());
+        let waiter = {
+            let locker = locker.clone();
+            let key = key.clone();
+            let stop = stop.clone();
+            // The waiter's grant would hold for the long TTL if leaked.
+            let options = LockOptions::new(ctx.long_ttl()).wait(Duration::from_secs(60));
+            tokio::spawn(async move {
+                tokio::select! {
+                    result = locker.acquire(&key, &options) => match result {
+                        Ok(Some(guard)) => guard.release().await,
+                        Ok(None) => Ok(()),
+                        Err(e) => Err(e),
+                    },
+                    _ = stop.notified() => Ok(()),
+                }
+            })
+        };
+        // Let the waiter start waiting, then release and cancel together.
+        tokio::time::sleep(Duration::from_millis(rand::random_range(1..5))).await;
+        holder.release(&lease).await?;
+        stop.notify_one();
+        within(Duration::from_secs(60), waiter, "waiter task")
+            .await?
+            .map_err(|e| format!("waiter task panicked: {e}"))??;
+        let fresh = eventually_acquire(
+            &holder,
+            &key,
+            ctx.long_ttl(),
+            background_bound(),
+            &format!("round {round}: a waiter cancelled as it was granted the lock leaked it"),
+        )
+        .await?;
+        holder.release(&fresh).await?;
+    }
+    Ok(())
+}
