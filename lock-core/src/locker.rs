@@ -113,7 +113,11 @@ impl Locker {
             }
         });
         let _cancel_on_drop = cancel.drop_guard();
-        answer
+        let mut answer = UnreadAnswer {
+            answer,
+            backend: self.backend.clone(),
+        };
+        (&mut answer.answer)
             .await
             .unwrap_or_else(|_| Err(LockError::unavailable("the acquire task panicked")))
     }
@@ -130,6 +134,33 @@ impl Locker {
         Fut: Future<Output = T>,
     {
         crate::run::run_exclusive(self, key, options, job).await
+    }
+}
+
+type AcquireAnswer = oneshot::Receiver<Result<Option<Lease>, LockError>>;
+
+/// The caller's end of an acquisition. If the caller's future is dropped
+/// after the task sent a lease but before it was read, the lease would be
+/// dropped unread and stay held for its whole TTL; on drop this releases it.
+struct UnreadAnswer {
+    answer: AcquireAnswer,
+    backend: Arc<dyn DistributedLock>,
+}
+
+impl Drop for UnreadAnswer {
+    fn drop(&mut self) {
+        // After close(), the task's send fails (and it releases itself), or
+        // the value it sent before is here to take.
+        self.answer.close();
+        if let Ok(Ok(Some(lease))) = self.answer.try_recv() {
+            let backend = self.backend.clone();
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), "waiter dropped as the lock was granted; releasing it");
+                runtime.spawn(async move {
+                    let _ = backend.release(&lease).await;
+                });
+            }
+        }
     }
 }
 
