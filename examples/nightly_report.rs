@@ -114,7 +114,9 @@ fn url_from_args() -> Result<String, String> {
         match arg.as_str() {
             "--url" => url = args.next().ok_or("--url needs a value")?,
             "-h" | "--help" => {
-                println!("usage: nightly_report [--url memory://|redis://...|etcd://...|postgres://...]");
+                println!(
+                    "usage: nightly_report [--url memory://|redis://...|etcd://...|postgres://...]"
+                );
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other:?}; try --help")),

@@ -29,7 +29,9 @@ async fn bad_urls_are_config_errors() {
 #[cfg(not(feature = "redis"))]
 #[tokio::test]
 async fn disabled_backend_names_its_feature() {
-    let err = distlock::connect("redis://127.0.0.1:6379").await.unwrap_err();
+    let err = distlock::connect("redis://127.0.0.1:6379")
+        .await
+        .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Config);
     assert!(err.to_string().contains("`redis` feature"), "{err}");
 }
