@@ -11,6 +11,7 @@ mod fencing;
 mod guard;
 mod input;
 mod run;
+mod schedule;
 mod support;
 mod wait;
 
@@ -161,6 +162,12 @@ pub fn all() -> Vec<Case> {
         job_finishing_after_loss_is_not_completed,
         dyn_job_code_runs_unchanged,
         sequential_runs_grow_tokens,
+    ));
+    all.extend(cases!(schedule:
+        plain_lock_runs_once_per_instance,
+        one_run_per_fire_with_shifted_tickers,
+        one_run_per_fire_with_skewed_clocks,
+        long_run_skips_next_fire,
     ));
     all
 }

@@ -1,0 +1,247 @@
+//! `schedule::` — one run per schedule fire, across instances whose tickers
+//! are shifted and whose clocks are skewed (and the plain-lock problem it
+//! solves, asserted).
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use lock_core::{
+    Fire, LockOptions, Locker, RunOptions, ScheduledJob, ScheduledOutcome, SkipReason,
+};
+
+use crate::context::{CaseResult, TestContext};
+use crate::{check, check_eq};
+
+const PERIOD: Duration = Duration::from_secs(1);
+const FIRES: u64 = 20;
+const TICKER_OFFSETS_MS: [u64; 3] = [0, 300, 700];
+const JOB: Duration = Duration::from_millis(50);
+
+/// One instance of a simulated scheduler.
+#[derive(Clone, Copy)]
+struct Instance {
+    /// How late its ticker fires after the schedule's fire time.
+    ticker_offset: Duration,
+    /// Its clock minus the true clock (positive: ahead), in milliseconds.
+    skew_ms: i64,
+}
+
+/// Which way an instance labels a fire.
+#[derive(Clone, Copy, PartialEq)]
+enum Labels {
+    /// A plain lock on the job name, no fire labels (the problem).
+    PlainLock,
+    /// `Fire::Now`: the slot of the instance's current time.
+    SlotOfNow,
+    /// `Fire::At(intended)`: the schedule's fire time by the instance's clock.
+    Intended,
+}
+
+/// A run that happened: which slot it was for and when it ran.
+#[derive(Debug, Clone, Copy)]
+struct Ran {
+    slot: u64,
+    start: Instant,
+    end: Instant,
+}
+
+/// Runs `FIRES` fires on three instances and returns every run.
+async fn simulate(
+    ctx: &TestContext,
+    instances: &[Instance],
+    labels: Labels,
+) -> Result<Vec<Ran>, crate::CaseError> {
+    let name = ctx.key("scheduled").as_str().to_owned();
+    let job = ScheduledJob::new(name.clone(), PERIOD)?.ttl(ctx.short_ttl());
+    // Fire 0 is the next slot boundary of the true clock, at least 1.5
+    // periods from now so early (skewed) instances are not yet late.
+    let now_sys = SystemTime::now();
+    let since_epoch = now_sys.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let period_ns = PERIOD.as_nanos();
+    let first_slot = since_epoch.as_nanos() / period_ns + 2;
+    let fire0_sys = UNIX_EPOCH + Duration::from_nanos((first_slot * period_ns) as u64);
+    let fire0 = Instant::now() + fire0_sys.duration_since(now_sys).unwrap_or_default();
+    let runs = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for instance in instances.iter().copied() {
+        let locker = Locker::new(ctx.client().await?);
+        let job = job.clone();
+        let runs = runs.clone();
+        let plain_key = lock_core::LockKey::new(name.clone())?;
+        tasks.push(tokio::spawn(async move {
+            let mut failures = Vec::new();
+            for fire in 0..FIRES {
+                // The instance's clock reads fire k's time `skew` before
+                // the true clock does; its ticker is `offset` late.
+                let local_fire = fire0 + PERIOD * fire as u32 + instance.ticker_offset;
+                let wake = shift(local_fire, -instance.skew_ms);
+                tokio::time::sleep_until(wake.into()).await;
+                let intended = fire0_sys + PERIOD * fire as u32;
+                let slot = first_slot as u64 + fire;
+                let body = |_| async move {
+                    let start = Instant::now();
+                    tokio::time::sleep(JOB).await;
+                    Ran {
+                        slot,
+                        start,
+                        end: Instant::now(),
+                    }
+                };
+                let result = match labels {
+                    Labels::PlainLock => locker
+                        .run_exclusive(
+                            &plain_key,
+                            &RunOptions::new(LockOptions::new(PERIOD * 5)),
+                            body,
+                        )
+                        .await
+                        .map(|o| match o {
+                            lock_core::RunOutcome::Completed { output, .. } => Some(output),
+                            _ => None,
+                        }),
+                    Labels::SlotOfNow | Labels::Intended => {
+                        let label = if labels == Labels::Intended {
+                            Fire::At(intended)
+                        } else {
+                            Fire::Now
+                        };
+                        job.run(&locker, label, body).await.map(|o| match o {
+                            ScheduledOutcome::Ran { output, .. } => Some(output),
+                            ScheduledOutcome::Skipped(SkipReason::FireAlreadyTaken) => None,
+                            other => {
+                                failures.push(format!("fire {fire}: unexpected outcome {other:?}"));
+                                None
+                            }
+                        })
+                    }
+                };
+                match result {
+                    Ok(Some(ran)) => runs.lock().unwrap_or_else(|e| e.into_inner()).push(ran),
+                    Ok(None) => {}
+                    Err(e) => failures.push(format!("fire {fire}: {e}")),
+                }
+            }
+            failures
+        }));
+    }
+    for task in tasks {
+        let failures = task
+            .await
+            .map_err(|e| format!("instance task failed: {e}"))?;
+        check!(
+            failures.is_empty(),
+            "instances reported failures: {failures:?}"
+        );
+    }
+    let runs = runs.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    Ok(runs)
+}
+
+fn shift(at: Instant, ms: i64) -> Instant {
+    if ms >= 0 {
+        at + Duration::from_millis(ms as u64)
+    } else {
+        at.checked_sub(Duration::from_millis(ms.unsigned_abs()))
+            .unwrap_or(at)
+    }
+}
+
+fn check_one_run_per_fire(runs: &[Ran]) -> CaseResult {
+    let mut runs = runs.to_vec();
+    runs.sort_by_key(|r| r.start);
+    check_eq!(runs.len() as u64, FIRES, "runs for {FIRES} fires: {runs:?}");
+    let mut slots: Vec<u64> = runs.iter().map(|r| r.slot).collect();
+    slots.dedup();
+    check_eq!(slots.len() as u64, FIRES, "each fire ran exactly once");
+    for pair in runs.windows(2) {
+        check!(
+            pair[1].start >= pair[0].end,
+            "two runs overlapped: {pair:?}"
+        );
+    }
+    Ok(())
+}
+
+fn shifted_tickers() -> Vec<Instance> {
+    TICKER_OFFSETS_MS
+        .iter()
+        .map(|ms| Instance {
+            ticker_offset: Duration::from_millis(*ms),
+            skew_ms: 0,
+        })
+        .collect()
+}
+
+/// The problem: with a plain lock and a short job, shifted tickers take the
+/// lock in turn and the job runs once per instance per fire.
+pub async fn plain_lock_runs_once_per_instance(ctx: TestContext) -> CaseResult {
+    let runs = simulate(&ctx, &shifted_tickers(), Labels::PlainLock).await?;
+    check!(
+        runs.len() as u64 > FIRES,
+        "a plain lock lets shifted tickers run a fire more than once ({} runs for {FIRES} fires)",
+        runs.len()
+    );
+    Ok(())
+}
+
+/// The fix: fire slots from the instances' clocks, keys kept after the run.
+pub async fn one_run_per_fire_with_shifted_tickers(ctx: TestContext) -> CaseResult {
+    let runs = simulate(&ctx, &shifted_tickers(), Labels::SlotOfNow).await?;
+    check_one_run_per_fire(&runs)
+}
+
+/// Clocks up to one window (= the period) apart, labels from the schedule.
+pub async fn one_run_per_fire_with_skewed_clocks(ctx: TestContext) -> CaseResult {
+    let instances: Vec<Instance> = TICKER_OFFSETS_MS
+        .iter()
+        .zip([0i64, 1000, -1000])
+        .map(|(ms, skew_ms)| Instance {
+            ticker_offset: Duration::from_millis(*ms),
+            skew_ms,
+        })
+        .collect();
+    let runs = simulate(&ctx, &instances, Labels::Intended).await?;
+    check_one_run_per_fire(&runs)
+}
+
+/// A run that outlasts its period makes the next fire skip as "previous
+/// still running", never run concurrently.
+pub async fn long_run_skips_next_fire(ctx: TestContext) -> CaseResult {
+    let job = ScheduledJob::new(ctx.key("long").as_str(), Duration::from_millis(500))?
+        .ttl(ctx.short_ttl());
+    let a = Locker::new(ctx.client().await?);
+    let b = Locker::new(ctx.client().await?);
+    let first = SystemTime::now();
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let long = {
+        let job = job.clone();
+        tokio::spawn(async move {
+            job.run(&a, Fire::At(first), |_| async move {
+                let _ = started_tx.send(());
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+            })
+            .await
+        })
+    };
+    started_rx.await.map_err(|_| "the long run never started")?;
+    let next = job
+        .run(
+            &b,
+            Fire::At(first + Duration::from_millis(500)),
+            |_| async {},
+        )
+        .await?;
+    check_eq!(
+        next,
+        ScheduledOutcome::Skipped(SkipReason::PreviousStillRunning),
+        "the next fire while the previous run is going"
+    );
+    let long = long
+        .await
+        .map_err(|e| format!("long run panicked: {e}"))??;
+    check!(
+        matches!(long, ScheduledOutcome::Ran { .. }),
+        "the long run completed: {long:?}"
+    );
+    Ok(())
+}
