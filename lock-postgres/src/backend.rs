@@ -94,12 +94,27 @@ impl PostgresLock {
             ));
         };
         let timeout = config.client.connect_timeout;
+        let operation_timeout = config.client.operation_timeout;
         let pool = lock_core::with_timeout(timeout, "connecting to PostgreSQL", async {
             PgPoolOptions::new()
                 .max_connections(config.max_connections)
                 .min_connections(0)
                 .acquire_timeout(timeout)
                 .idle_timeout(Some(Duration::from_secs(60)))
+                // A connection whose request timed out goes back to the pool
+                // with its reply outstanding; sqlx then pings it without a
+                // time limit, which on a black-holed network never ends and
+                // would hold a pool slot for good. Ping it here, bounded,
+                // and let the pool close it if the ping does not come back.
+                .after_release(move |conn, _| {
+                    Box::pin(async move {
+                        let ping = sqlx::Connection::ping(conn);
+                        Ok(matches!(
+                            tokio::time::timeout(operation_timeout, ping).await,
+                            Ok(Ok(()))
+                        ))
+                    })
+                })
                 .connect_with(connect)
                 .await
                 .map_err(|e| errors::map(e, "connecting to PostgreSQL", None, timeout))
@@ -112,23 +127,24 @@ impl PostgresLock {
 
     /// A client on an existing pool. The lock table is created on first use;
     /// waiters get one extra connection with the pool's connect options.
-    /// The pool's acquire timeout should not exceed the connect timeout.
+    /// The pool's acquire timeout should not exceed the connect timeout, and
+    /// the operation timeout only bounds this client's wait: configure the
+    /// pool as [`with_config`](Self::with_config) does (an `after_release`
+    /// ping with a time limit) if it must recover from a black-holed network.
     ///
     /// Must be called inside a tokio runtime.
     pub fn from_pool(pool: PgPool, config: PostgresConfig) -> Result<Self, LockError> {
         config.validate()?;
         let connect_timeout = config.client.connect_timeout;
-        let listener_pool = PgPoolOptions::new()
-            .max_connections(1)
-            .min_connections(0)
-            .acquire_timeout(connect_timeout)
-            .idle_timeout(None)
-            .max_lifetime(None)
-            .connect_lazy_with((*pool.connect_options()).clone());
         let channel = channel_name(&config.schema, &config.table, &config.client.namespace);
         Ok(Self {
             sql: Statements::new(&config.schema, &config.table),
-            waiters: Waiters::new(listener_pool, channel, connect_timeout),
+            waiters: Waiters::new(
+                (*pool.connect_options()).clone(),
+                channel,
+                connect_timeout,
+                config.client.operation_timeout,
+            ),
             pool,
             options: config.client,
             schema: config.schema,

@@ -16,7 +16,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use lock_core::{LockError, LockKey, ReleaseNotifier, ReleaseWatch};
-use sqlx::postgres::{PgListener, PgPool};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -38,20 +38,30 @@ enum State {
 pub(crate) struct Waiters {
     notifier: ReleaseNotifier,
     channel: String,
-    pool: PgPool,
+    connect: PgConnectOptions,
     connect_timeout: Duration,
+    operation_timeout: Duration,
     state: watch::Sender<State>,
     task: Mutex<Option<JoinHandle<()>>>,
 }
 
+/// How long the listener connection may be silent before it is pinged.
+const HEALTH_CHECK_AFTER: Duration = Duration::from_secs(10);
+
 impl Waiters {
-    /// `pool` is a pool of one connection, used only for listening.
-    pub(crate) fn new(pool: PgPool, channel: String, connect_timeout: Duration) -> Self {
+    /// `connect` reaches the server; the listener opens its own connection.
+    pub(crate) fn new(
+        connect: PgConnectOptions,
+        channel: String,
+        connect_timeout: Duration,
+        operation_timeout: Duration,
+    ) -> Self {
         Self {
             notifier: ReleaseNotifier::new(),
             channel,
-            pool,
+            connect,
             connect_timeout,
+            operation_timeout,
             state: watch::channel(State::Connecting).0,
             task: Mutex::new(None),
         }
@@ -78,11 +88,12 @@ impl Waiters {
             if task.is_none() {
                 let state = self.state.clone();
                 *task = Some(tokio::spawn(listen(
-                    self.pool.clone(),
+                    self.connect.clone(),
                     self.channel.clone(),
                     self.notifier.clone(),
                     state,
                     self.connect_timeout,
+                    self.operation_timeout,
                 )));
             }
         }
@@ -124,17 +135,29 @@ impl Drop for Waiters {
 /// The listener task: connect, LISTEN, forward notifications; on loss,
 /// reconnect with a growing pause and reset the waiters.
 async fn listen(
-    pool: PgPool,
+    connect: PgConnectOptions,
     channel: String,
     notifier: ReleaseNotifier,
     state: watch::Sender<State>,
     connect_timeout: Duration,
+    operation_timeout: Duration,
 ) {
     let mut pause = Duration::from_millis(50);
     let mut connected_before = false;
     loop {
         state.send_replace(State::Connecting);
         let attempt = lock_core::with_timeout(connect_timeout, "connecting the listener", async {
+            // A new pool of one per connection: a listener dropped after its
+            // connection went silent returns that connection in the
+            // background (UNLISTEN), which may never finish; it must not
+            // hold the slot the next connection needs.
+            let pool = PgPoolOptions::new()
+                .max_connections(1)
+                .min_connections(0)
+                .acquire_timeout(connect_timeout)
+                .idle_timeout(None)
+                .max_lifetime(None)
+                .connect_lazy_with(connect.clone());
             let mut listener = PgListener::connect_with(&pool)
                 .await
                 .map_err(|e| errors::map(e, "connecting the listener", None, connect_timeout))?;
@@ -166,7 +189,26 @@ async fn listen(
         }
         connected_before = true;
         loop {
-            match listener.try_recv().await {
+            // After a quiet spell, check the connection is alive: a
+            // black-holed connection is otherwise not noticed until TCP gives
+            // up, and its waiters would only wake at the holders' expiry.
+            let received = match tokio::time::timeout(HEALTH_CHECK_AFTER, listener.try_recv()).await
+            {
+                Ok(received) => received,
+                Err(_) => {
+                    // try_recv is cancel-safe (a partly read message stays
+                    // buffered); notifications arriving meanwhile are kept.
+                    let ping = sqlx::query("SELECT 1").execute(&mut listener);
+                    match tokio::time::timeout(operation_timeout, ping).await {
+                        Ok(Ok(_)) => continue,
+                        _ => {
+                            tracing::debug!("listener connection does not answer; reconnecting");
+                            break;
+                        }
+                    }
+                }
+            };
+            match received {
                 Ok(Some(notification)) => {
                     tracing::trace!(key = notification.payload(), "release notification");
                     notifier.notify(notification.payload());

@@ -503,3 +503,153 @@ async fn survives_a_server_kill_and_restart() {
     let got = got.unwrap().expect("woken by NOTIFY after the restart");
     assert!(got.fencing_token() > lease.fencing_token());
 }
+
+/// A loopback TCP proxy whose current connections can be black-holed: bytes
+/// are swallowed and never answered, and they stay dead after `heal` (as
+/// flows lost in a network partition); new connections forward normally.
+struct Proxy {
+    addr: std::net::SocketAddr,
+    generation: Arc<AtomicUsize>,
+}
+
+impl Proxy {
+    async fn start(target: std::net::SocketAddr) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let generation = Arc::new(AtomicUsize::new(0));
+        let live = generation.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let born = live.load(Ordering::SeqCst);
+                let live = live.clone();
+                tokio::spawn(async move {
+                    let Ok(server) = tokio::net::TcpStream::connect(target).await else {
+                        return;
+                    };
+                    let (cr, cw) = client.into_split();
+                    let (sr, sw) = server.into_split();
+                    let up = pipe(cr, sw, born, live.clone());
+                    let down = pipe(sr, cw, born, live);
+                    let _ = tokio::join!(up, down);
+                });
+            }
+        });
+        Self { addr, generation }
+    }
+
+    /// Black-holes every connection open now, for good.
+    fn black_hole_current(&self) {
+        self.generation.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    born: usize,
+    live: Arc<AtomicUsize>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if live.load(Ordering::SeqCst) != born {
+            continue; // swallowed
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+#[tokio::test]
+async fn black_holed_connections_time_out_and_the_client_recovers() {
+    let url = server().url();
+    let target: std::net::SocketAddr = url
+        .split_once('@')
+        .and_then(|(_, rest)| rest.split_once('/'))
+        .map(|(addr, _)| addr.parse().unwrap())
+        .unwrap();
+    let proxy = Proxy::start(target).await;
+    let proxied = url.replace(&target.to_string(), &proxy.addr.to_string());
+    let ns = random_name("blackhole");
+    let lock = PostgresLock::connect(&format!(
+        "{proxied}?namespace={ns}&connect_timeout_ms=500&operation_timeout_ms=500"
+    ))
+    .await
+    .unwrap();
+    let k = key("k");
+    let lease = lock
+        .try_acquire(&k, Duration::from_secs(60))
+        .await
+        .unwrap()
+        .lease()
+        .expect("free");
+    let mut watch = lock.watch(&k).await.unwrap().expect("native wait");
+
+    proxy.black_hole_current();
+    // Requests on the black-holed connections fail in bounded time with a
+    // typed error (the outer timeout only guards the run); the pool drops
+    // those connections and opens new ones, which work: the client recovers
+    // by itself. More requests than the pool has connections.
+    let mut failed = 0;
+    let mut last_ok = false;
+    for i in 0..20 {
+        let k = key(&format!("dead-{i}"));
+        let attempt = tokio::time::timeout(
+            Duration::from_secs(30),
+            lock.try_acquire(&k, Duration::from_secs(5)),
+        )
+        .await
+        .expect("bounded");
+        match attempt {
+            Ok(attempt) => last_ok = attempt.lease().is_some(),
+            Err(e) => {
+                assert!(e.is_transient(), "{e}");
+                failed += 1;
+                last_ok = false;
+            }
+        }
+    }
+    assert!(failed >= 1, "the black hole was not noticed");
+    assert!(last_ok, "the client never recovered from the black hole");
+    lock.extend(&lease, Duration::from_secs(60)).await.unwrap();
+    lock.release(&lease).await.unwrap();
+
+    // The listener's connection was black-holed too. After a quiet spell it
+    // pings, notices, reconnects and wakes its waiters; a waiter then gets
+    // a lock released by another client through NOTIFY, long before the
+    // holder's 60 s lease would run out.
+    tokio::time::timeout(Duration::from_secs(30), watch.released())
+        .await
+        .expect("the dead listener was noticed and its waiters woken")
+        .unwrap();
+    let holder = client(&ns).await;
+    let k2 = key("held-across-the-black-hole");
+    let held = holder
+        .try_acquire(&k2, Duration::from_secs(60))
+        .await
+        .unwrap()
+        .lease()
+        .expect("free");
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        holder.release(&held).await.unwrap();
+    });
+    let got = lock
+        .acquire(
+            &k2,
+            Duration::from_secs(5),
+            Instant::now() + Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+    release.await.unwrap();
+    assert!(
+        got.is_some(),
+        "woken by NOTIFY on the new listener connection"
+    );
+}
