@@ -5,10 +5,12 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use lock_core::{
-    AcquireAttempt, Capabilities, ClientOptions, DistributedLock, FencingToken, Lease, LeaseIssuer,
-    LockError, LockKey, OwnerToken, ReleaseWatch,
+    AcquireAttempt, Capabilities, ClientOptions, DistributedLock, ErrorKind, FencingToken, Lease,
+    LeaseIssuer, LockError, LockKey, OwnerToken, ReleaseWatch,
 };
-use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgArguments, PgPool, PgPoolOptions, PgRow};
+use sqlx::query::Query;
+use sqlx::Postgres;
 use sqlx::Row;
 use tokio::sync::OnceCell;
 
@@ -94,27 +96,12 @@ impl PostgresLock {
             ));
         };
         let timeout = config.client.connect_timeout;
-        let operation_timeout = config.client.operation_timeout;
         let pool = lock_core::with_timeout(timeout, "connecting to PostgreSQL", async {
             PgPoolOptions::new()
                 .max_connections(config.max_connections)
                 .min_connections(0)
                 .acquire_timeout(timeout)
                 .idle_timeout(Some(Duration::from_secs(60)))
-                // A connection whose request timed out goes back to the pool
-                // with its reply outstanding; sqlx then pings it without a
-                // time limit, which on a black-holed network never ends and
-                // would hold a pool slot for good. Ping it here, bounded,
-                // and let the pool close it if the ping does not come back.
-                .after_release(move |conn, _| {
-                    Box::pin(async move {
-                        let ping = sqlx::Connection::ping(conn);
-                        Ok(matches!(
-                            tokio::time::timeout(operation_timeout, ping).await,
-                            Ok(Ok(()))
-                        ))
-                    })
-                })
                 .connect_with(connect)
                 .await
                 .map_err(|e| errors::map(e, "connecting to PostgreSQL", None, timeout))
@@ -127,10 +114,7 @@ impl PostgresLock {
 
     /// A client on an existing pool. The lock table is created on first use;
     /// waiters get one extra connection with the pool's connect options.
-    /// The pool's acquire timeout should not exceed the connect timeout, and
-    /// the operation timeout only bounds this client's wait: configure the
-    /// pool as [`with_config`](Self::with_config) does (an `after_release`
-    /// ping with a time limit) if it must recover from a black-holed network.
+    /// The pool's acquire timeout should not exceed the connect timeout.
     ///
     /// Must be called inside a tokio runtime.
     pub fn from_pool(pool: PgPool, config: PostgresConfig) -> Result<Self, LockError> {
@@ -177,6 +161,53 @@ impl PostgresLock {
             key.map(LockKey::as_str),
             self.options.connect_timeout,
         )
+    }
+
+    /// Runs one lock statement: a pooled connection within the connect
+    /// timeout (the pool's acquire timeout), the statement within the
+    /// operation timeout. A connection whose statement timed out still has
+    /// its reply outstanding — on a black-holed network, forever — so it is
+    /// detached from the pool and closed instead of being returned (sqlx
+    /// would ping it on return without a time limit, holding a pool slot).
+    async fn fetch(
+        &self,
+        what: &str,
+        key: &LockKey,
+        query: Query<'_, Postgres, PgArguments>,
+    ) -> Result<Option<PgRow>, LockError> {
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(|e| self.map_err(e, what, Some(key)))?;
+        let result = self
+            .options
+            .timed(what, async {
+                query
+                    .fetch_optional(&mut *conn)
+                    .await
+                    .map_err(|e| self.map_err(e, what, Some(key)))
+            })
+            .await;
+        if matches!(&result, Err(e) if e.kind() == ErrorKind::Timeout) {
+            drop(conn.detach());
+        }
+        result
+    }
+
+    /// As [`fetch`](Self::fetch), for statements that always return a row.
+    async fn fetch_one(
+        &self,
+        what: &str,
+        key: &LockKey,
+        query: Query<'_, Postgres, PgArguments>,
+    ) -> Result<PgRow, LockError> {
+        self.fetch(what, key, query).await?.ok_or_else(|| {
+            LockError::corrupted(format!(
+                "{what} on lock {:?}: the lock table returned no row",
+                key.as_str()
+            ))
+        })
     }
 
     /// Creates schema and table once per client (cheap afterwards).
@@ -343,19 +374,12 @@ impl DistributedLock for PostgresLock {
         self.ensure_table().await?;
         let owner = OwnerToken::random();
         let sent_at = Instant::now();
-        let row = self
-            .options
-            .timed("acquire", async {
-                sqlx::query(&self.sql.acquire)
-                    .bind(&self.options.namespace)
-                    .bind(key.as_str())
-                    .bind(owner.to_hex())
-                    .bind(ttl_ms)
-                    .fetch_optional(&self.pool)
-                    .await
-                    .map_err(|e| self.map_err(e, "acquire", Some(key)))
-            })
-            .await?;
+        let query = sqlx::query(&self.sql.acquire)
+            .bind(&self.options.namespace)
+            .bind(key.as_str())
+            .bind(owner.to_hex())
+            .bind(ttl_ms);
+        let row = self.fetch("acquire", key, query).await?;
         let Some(row) = row else {
             // Someone inserted the first row for this key concurrently and
             // this statement's snapshot cannot see it yet: try again soon.
@@ -415,20 +439,13 @@ impl DistributedLock for PostgresLock {
         self.ensure_table().await?;
         let key = lease.key();
         let sent_at = Instant::now();
-        let row = self
-            .options
-            .timed("extend", async {
-                sqlx::query(&self.sql.extend)
-                    .bind(&self.options.namespace)
-                    .bind(key.as_str())
-                    .bind(lease.owner().to_hex())
-                    .bind(fencing)
-                    .bind(ttl_ms)
-                    .fetch_one(&self.pool)
-                    .await
-                    .map_err(|e| self.map_err(e, "extend", Some(key)))
-            })
-            .await?;
+        let query = sqlx::query(&self.sql.extend)
+            .bind(&self.options.namespace)
+            .bind(key.as_str())
+            .bind(lease.owner().to_hex())
+            .bind(fencing)
+            .bind(ttl_ms);
+        let row = self.fetch_one("extend", key, query).await?;
         self.check_outcome(lease, &row, "extend")?;
         tracing::debug!(key = %key, fencing = %lease.fencing_token(), ?ttl, "lock extended");
         Ok(lease.renewed(sent_at, ttl))
@@ -439,20 +456,13 @@ impl DistributedLock for PostgresLock {
         let fencing = Self::fencing_param(lease)?;
         self.ensure_table().await?;
         let key = lease.key();
-        let row = self
-            .options
-            .timed("release", async {
-                sqlx::query(&self.sql.release)
-                    .bind(&self.options.namespace)
-                    .bind(key.as_str())
-                    .bind(lease.owner().to_hex())
-                    .bind(fencing)
-                    .bind(self.waiters.channel())
-                    .fetch_one(&self.pool)
-                    .await
-                    .map_err(|e| self.map_err(e, "release", Some(key)))
-            })
-            .await?;
+        let query = sqlx::query(&self.sql.release)
+            .bind(&self.options.namespace)
+            .bind(key.as_str())
+            .bind(lease.owner().to_hex())
+            .bind(fencing)
+            .bind(self.waiters.channel());
+        let row = self.fetch_one("release", key, query).await?;
         self.check_outcome(lease, &row, "release")?;
         tracing::debug!(key = %key, fencing = %lease.fencing_token(), "lock released");
         Ok(())
