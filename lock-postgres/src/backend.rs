@@ -115,8 +115,6 @@ impl PostgresLock {
     /// A client on an existing pool. The lock table is created on first use;
     /// waiters get one extra connection with the pool's connect options.
     /// The pool's acquire timeout should not exceed the connect timeout.
-    ///
-    /// Must be called inside a tokio runtime.
     pub fn from_pool(pool: PgPool, config: PostgresConfig) -> Result<Self, LockError> {
         config.validate()?;
         let connect_timeout = config.client.connect_timeout;

@@ -9,8 +9,10 @@
 //! into [`ReleaseNotifier::notify`] calls for the key in the payload. When
 //! that connection is lost, the task reconnects, listens again and calls
 //! [`ReleaseNotifier::reset`] so every waiter retries (notifications sent
-//! meanwhile are lost). Holders that crash without releasing are covered by
-//! the waiters' timers set to the holder's remaining lease.
+//! meanwhile are lost). A connection that stays silent for 10 s is pinged
+//! (bounded by the operation timeout), so a black-holed connection is
+//! replaced too. Holders that crash without releasing are covered by the
+//! waiters' timers set to the holder's remaining lease.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -34,7 +36,6 @@ enum State {
 }
 
 /// One client's listener: started lazily, stopped when the client is dropped.
-#[derive(Debug)]
 pub(crate) struct Waiters {
     notifier: ReleaseNotifier,
     channel: String,
@@ -121,6 +122,16 @@ impl Waiters {
         };
         let limit = self.connect_timeout * 2;
         lock_core::with_timeout(limit, "listening for lock releases", wait).await
+    }
+}
+
+impl std::fmt::Debug for Waiters {
+    // By hand: the connect options hold the password.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waiters")
+            .field("channel", &self.channel)
+            .field("state", &*self.state.borrow())
+            .finish_non_exhaustive()
     }
 }
 
