@@ -100,6 +100,14 @@ async fn password_authentication_through_the_url() {
             && err.to_string().contains("user and password"),
         "{err}"
     );
+    let url = server().url();
+    let rest = url
+        .split_once('@')
+        .map(|(_, rest)| rest.to_owned())
+        .unwrap();
+    let no_password = format!("postgres://{role}@{rest}?table={table}");
+    let err = PostgresLock::connect(&no_password).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
     let unknown = format!("{}?table={table}", url_with_user("no_such_role", "x"));
     let err = PostgresLock::connect(&unknown).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Config, "{err}");
