@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use distlock::{
-    AcquireAttempt, DistributedLock, ErrorKind, LockError, LockKey, LockOptions, Locker,
+    AcquireAttempt, DistributedLock, ErrorKind, LockError, LockKey, LockOptions, LockState, Locker,
 };
 use tokio::signal::unix::{signal, SignalKind};
 
@@ -398,14 +398,36 @@ fn describe_held(key: &LockKey, expires_in: Option<Duration>) -> String {
 async fn status(args: StatusArgs) -> Result<u8, Failure> {
     let key = lock_key(&args.key)?;
     let backend = connect(&args.url.url).await?;
-    match probe(&*backend, &key).await? {
-        AcquireAttempt::Acquired(_) => {
+    let state = if backend.capabilities().admin {
+        backend
+            .inspect(&key)
+            .await
+            .map_err(|e| Failure::lock(&format!("cannot inspect lock {key:?}"), &e))?
+    } else {
+        // A backend without the operator calls: an attempt tells held or
+        // free (and uses up one fencing token value if free).
+        match probe(&*backend, &key).await? {
+            AcquireAttempt::Acquired(_) => LockState::Free,
+            AcquireAttempt::Held { expires_in } => {
+                println!("{}", describe_held(&key, expires_in));
+                return Ok(code::TEMPFAIL);
+            }
+        }
+    };
+    match state {
+        LockState::Held {
+            expires_in,
+            fencing_token,
+        } => {
+            println!(
+                "{}, fencing token {fencing_token}",
+                describe_held(&key, expires_in)
+            );
+            Ok(code::TEMPFAIL)
+        }
+        _ => {
             println!("{key}: free");
             Ok(code::OK)
-        }
-        AcquireAttempt::Held { expires_in } => {
-            println!("{}", describe_held(&key, expires_in));
-            Ok(code::TEMPFAIL)
         }
     }
 }
@@ -421,23 +443,14 @@ async fn release(args: ReleaseArgs) -> Result<u8, Failure> {
         ));
     }
     let backend = connect(&args.url.url).await?;
-    match probe(&*backend, &key).await? {
-        AcquireAttempt::Acquired(_) => {
-            println!("{key}: free; nothing to release");
-            Ok(code::OK)
-        }
-        AcquireAttempt::Held { expires_in } => Err(Failure::new(
-            code::UNAVAILABLE,
-            format!(
-                "force release is not supported: the lock contract only lets the owner release; {}",
-                match expires_in {
-                    Some(left) => format!(
-                        "{key:?} frees itself in {} if its holder is gone",
-                        format_duration(left)
-                    ),
-                    None => format!("{key:?} frees itself when its holder's TTL runs out"),
-                }
-            ),
-        )),
+    let was_held = backend
+        .force_release(&key)
+        .await
+        .map_err(|e| Failure::lock(&format!("cannot force-release lock {key:?}"), &e))?;
+    if was_held {
+        println!("{key}: released; its holder loses the lock at its next renewal");
+    } else {
+        println!("{key}: free; nothing to release");
     }
+    Ok(code::OK)
 }

@@ -275,7 +275,7 @@ fn fencing_token_is_exported() {
 }
 
 #[test]
-fn release_needs_force_and_force_is_not_supported_for_held_locks() {
+fn release_needs_force() {
     let output = distlock()
         .args(["release", "--url", "memory://", "k"])
         .output()
@@ -494,7 +494,7 @@ fn status_reports_held_and_free(url: &str) {
     let holder = run_sh(
         url,
         &key,
-        &[],
+        &["--ttl", "2s"],
         dir.path(),
         r#"touch "$DIR/held"; while [ ! -e "$DIR/go" ]; do sleep 0.05; done"#,
     )
@@ -507,18 +507,25 @@ fn status_reports_held_and_free(url: &str) {
         .expect("run");
     assert_eq!(code(&output), 75, "{}", stderr(&output));
     assert!(stdout(&output).contains("held"), "{}", stdout(&output));
+    assert!(
+        stdout(&output).contains("fencing token"),
+        "{}",
+        stdout(&output)
+    );
     let output = distlock()
         .args(["release", "--url", url, "--force", &key])
         .output()
         .expect("run");
-    assert_eq!(code(&output), 69, "{}", stderr(&output));
-    assert!(
-        stderr(&output).contains("not supported"),
-        "{}",
-        stderr(&output)
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    assert!(stdout(&output).contains("released"), "{}", stdout(&output));
+    // The holder learns at its next renewal: it stops its command and says so.
+    let held = finish(holder);
+    assert_eq!(
+        code(&held),
+        70,
+        "holder after a force release: {}",
+        stderr(&held)
     );
-    std::fs::write(dir.file("go"), "").expect("go");
-    assert_eq!(code(&finish(holder)), 0);
     let output = distlock()
         .args(["status", "--url", url, &key])
         .output()

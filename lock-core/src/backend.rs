@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
-use crate::{Capabilities, Lease, LockError, LockKey, ReleaseWatch};
+use crate::{Capabilities, FencingToken, Lease, LockError, LockKey, ReleaseWatch};
 
 /// The result of one atomic acquisition attempt.
 ///
@@ -32,6 +32,21 @@ impl AcquireAttempt {
             AcquireAttempt::Held { .. } => None,
         }
     }
+}
+
+/// What the server holds at a key, read without taking the lock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LockState {
+    /// Nobody holds the key (never locked, released, or expired).
+    Free,
+    /// Someone holds it.
+    Held {
+        /// Time left on the holder's lease by the server's clock, if known
+        /// (renewal may extend it).
+        expires_in: Option<Duration>,
+        /// The holder's fencing token.
+        fencing_token: FencingToken,
+    },
 }
 
 /// A lock server, reduced to the operations it must do atomically.
@@ -98,6 +113,30 @@ pub trait DistributedLock: Send + Sync + fmt::Debug {
     async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
         let _ = key;
         Ok(None)
+    }
+
+    /// Reads who holds `key`, without taking or changing anything. For
+    /// operators and status commands; a job should never decide to run on
+    /// it (the answer is stale as soon as it arrives). Optional: backends
+    /// that implement it declare [`Capabilities::admin`].
+    async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
+        let _ = key;
+        Err(LockError::unsupported(format!(
+            "{self:?} cannot inspect locks (Capabilities::admin is false)"
+        )))
+    }
+
+    /// Deletes the lock at `key` whoever holds it, waking waiters; returns
+    /// whether a lock was held. For an operator clearing a stuck lock: the
+    /// holder learns it lost the lock at its next renewal, and fencing
+    /// tokens keep growing. Never touches a value the library did not
+    /// write ([`ErrorKind::Corrupted`](crate::ErrorKind)). Optional:
+    /// backends that implement it declare [`Capabilities::admin`].
+    async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
+        let _ = key;
+        Err(LockError::unsupported(format!(
+            "{self:?} cannot force-release locks (Capabilities::admin is false)"
+        )))
     }
 
     /// Waits until the lock is acquired or `deadline` passes (`Ok(None)`).

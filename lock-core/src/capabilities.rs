@@ -38,6 +38,10 @@ pub struct Capabilities {
     pub retry_interval: Duration,
     /// Lock data (and so fencing order) survives a server restart.
     pub durable: bool,
+    /// The backend implements the operator calls
+    /// [`inspect`](crate::DistributedLock::inspect) and
+    /// [`force_release`](crate::DistributedLock::force_release).
+    pub admin: bool,
 }
 
 impl Default for Capabilities {
@@ -49,6 +53,7 @@ impl Default for Capabilities {
             native_wait: false,
             retry_interval: Duration::from_millis(50),
             durable: false,
+            admin: false,
         }
     }
 }

@@ -23,6 +23,9 @@ pub enum ErrorKind {
     Corrupted,
     /// The backend is misconfigured (bad URL, missing cargo feature).
     Config,
+    /// The backend does not implement this optional operation (see
+    /// [`Capabilities::admin`](crate::Capabilities::admin)).
+    Unsupported,
 }
 
 impl fmt::Display for ErrorKind {
@@ -34,6 +37,7 @@ impl fmt::Display for ErrorKind {
             ErrorKind::Timeout => "lock backend timed out",
             ErrorKind::Corrupted => "corrupted lock data",
             ErrorKind::Config => "configuration error",
+            ErrorKind::Unsupported => "operation not supported by this backend",
         })
     }
 }
@@ -97,6 +101,11 @@ impl LockError {
     /// Shorthand for [`ErrorKind::Corrupted`].
     pub fn corrupted(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Corrupted, message)
+    }
+
+    /// Shorthand for [`ErrorKind::Unsupported`].
+    pub fn unsupported(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Unsupported, message)
     }
 
     /// Shorthand for [`ErrorKind::Config`].

@@ -40,7 +40,7 @@ mod run;
 mod schedule;
 pub mod wait;
 
-pub use backend::{AcquireAttempt, DistributedLock};
+pub use backend::{AcquireAttempt, DistributedLock, LockState};
 pub use capabilities::Capabilities;
 pub use client_options::{with_timeout, ClientOptions, DEFAULT_NAMESPACE};
 pub use error::{ErrorKind, LockError};

@@ -10,12 +10,13 @@ use async_trait::async_trait;
 
 use crate::{
     AcquireAttempt, Capabilities, DistributedLock, FencingToken, Lease, LeaseIssuer, LockError,
-    LockKey, OwnerToken, ReleaseNotifier, ReleaseWatch,
+    LockKey, LockState, OwnerToken, ReleaseNotifier, ReleaseWatch,
 };
 
 #[derive(Debug)]
 struct Held {
     owner: OwnerToken,
+    fencing: FencingToken,
     expires_at: Instant,
 }
 
@@ -117,6 +118,7 @@ impl DistributedLock for MemoryLock {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             native_wait: true,
+            admin: true,
             ..Capabilities::default()
         }
     }
@@ -137,18 +139,19 @@ impl DistributedLock for MemoryLock {
             locks.retain(|_, h| h.expires_at > now);
         }
         let owner = OwnerToken::random();
-        let fencing = self.store.fencing.fetch_add(1, Ordering::SeqCst) + 1;
+        let fencing = FencingToken::new(self.store.fencing.fetch_add(1, Ordering::SeqCst) + 1);
         locks.insert(
             key.clone(),
             Held {
                 owner,
+                fencing,
                 expires_at: now + ttl,
             },
         );
         Ok(AcquireAttempt::Acquired(Lease::new(
             key.clone(),
             owner,
-            FencingToken::new(fencing),
+            fencing,
             now,
             ttl,
             self.issuer,
@@ -175,6 +178,29 @@ impl DistributedLock for MemoryLock {
         }
         self.store.releases.notify(lease.key().as_str());
         Ok(())
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
+        let now = Instant::now();
+        Ok(match self.store.locks().get(key) {
+            Some(held) if held.expires_at > now => LockState::Held {
+                expires_in: Some(held.expires_at - now),
+                fencing_token: held.fencing,
+            },
+            _ => LockState::Free,
+        })
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
+        let now = Instant::now();
+        let was_held = {
+            let mut locks = self.store.locks();
+            matches!(locks.remove(key), Some(held) if held.expires_at > now)
+        };
+        if was_held {
+            self.store.releases.notify(key.as_str());
+        }
+        Ok(was_held)
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use etcd_client::{Client, ConnectOptions, KvClient, LeaseClient};
 use lock_core::{
-    AcquireAttempt, Capabilities, ClientOptions, DistributedLock, Lease, LeaseIssuer, LockError,
-    LockKey, OwnerToken, ReleaseWatch,
+    AcquireAttempt, Capabilities, ClientOptions, DistributedLock, FencingToken, Lease, LeaseIssuer,
+    LockError, LockKey, LockState, OwnerToken, ReleaseWatch,
 };
 
 use crate::config::EtcdConfig;
@@ -241,6 +241,27 @@ impl EtcdLock {
             .await
     }
 
+    /// Reads the lock key: `None` if absent, else the key-value after
+    /// checking it is ours.
+    async fn read_lock(&self, key: &LockKey) -> Result<Option<etcd_client::KeyValue>, LockError> {
+        let etcd_key = self.inner.layout.lock_key(key);
+        let mut kv = self.inner.kv.clone();
+        let reply = self
+            .inner
+            .options
+            .timed("etcd get", async {
+                kv.get(etcd_key, None)
+                    .await
+                    .map_err(errors::mapper("etcd get"))
+            })
+            .await?;
+        let Some(found) = reply.kvs().first() else {
+            return Ok(None);
+        };
+        txn::check_found(key, found.value(), found.lease())?;
+        Ok(Some(found.clone()))
+    }
+
     fn not_held(lease: &Lease) -> LockError {
         LockError::not_held(format!(
             "lock {:?} is no longer held by this lease (released, expired or taken over)",
@@ -277,6 +298,7 @@ impl DistributedLock for EtcdLock {
             max_ttl: MAX_TTL,
             native_wait: true,
             durable: true,
+            admin: true,
             ..Capabilities::default()
         }
     }
@@ -393,6 +415,55 @@ impl DistributedLock for EtcdLock {
         }
         tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), "etcd lock released");
         Ok(())
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
+        let Some(found) = self.read_lock(key).await? else {
+            return Ok(LockState::Free);
+        };
+        let mut leases = self.inner.leases.clone();
+        let lease_id = found.lease();
+        let ttl = self
+            .inner
+            .options
+            .timed("etcd lease time-to-live", async {
+                leases
+                    .time_to_live(lease_id, None)
+                    .await
+                    .map_err(errors::mapper("etcd lease time-to-live"))
+            })
+            .await?;
+        Ok(LockState::Held {
+            // -1 once the lease expired (the key goes with it).
+            expires_in: u64::try_from(ttl.ttl()).ok().map(Duration::from_secs),
+            fencing_token: FencingToken::new(u64::try_from(found.create_revision()).unwrap_or(0)),
+        })
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
+        let Some(found) = self.read_lock(key).await? else {
+            return Ok(false);
+        };
+        // Delete exactly the lock that was read (and checked to be ours), so
+        // a value written in between is never removed unseen.
+        let etcd_key = self.inner.layout.lock_key(key);
+        let delete = etcd_client::Txn::new()
+            .when([etcd_client::Compare::mod_revision(
+                etcd_key.clone(),
+                etcd_client::CompareOp::Equal,
+                found.mod_revision(),
+            )])
+            .and_then([etcd_client::TxnOp::delete(etcd_key, None)]);
+        let reply = self.run_txn("etcd force release", delete).await?;
+        if !reply.succeeded() {
+            return Err(LockError::unavailable(format!(
+                "lock {:?} changed while it was being force-released; try again",
+                key.as_str()
+            )));
+        }
+        self.revoke_later(found.lease());
+        tracing::info!(key = %key, "etcd lock force-released");
+        Ok(true)
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {

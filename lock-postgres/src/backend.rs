@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use lock_core::{
     AcquireAttempt, Capabilities, ClientOptions, DistributedLock, ErrorKind, FencingToken, Lease,
-    LeaseIssuer, LockError, LockKey, OwnerToken, ReleaseWatch,
+    LeaseIssuer, LockError, LockKey, LockState, OwnerToken, ReleaseWatch,
 };
 use sqlx::postgres::{PgArguments, PgPool, PgPoolOptions, PgRow};
 use sqlx::query::Query;
@@ -362,6 +362,7 @@ impl DistributedLock for PostgresLock {
             ttl_granularity: Duration::from_millis(1),
             native_wait: true,
             durable: true,
+            admin: true,
             ..Capabilities::default()
         }
     }
@@ -464,6 +465,43 @@ impl DistributedLock for PostgresLock {
         self.check_outcome(lease, &row, "release")?;
         tracing::debug!(key = %key, fencing = %lease.fencing_token(), "lock released");
         Ok(())
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
+        self.ensure_table().await?;
+        let query = sqlx::query(&self.sql.inspect)
+            .bind(&self.options.namespace)
+            .bind(key.as_str());
+        let Some(row) = self.fetch("inspect", key, query).await? else {
+            return Ok(LockState::Free);
+        };
+        let held: bool = self.column(&row, "held", key)?;
+        let owner: Option<String> = self.column(&row, "owner", key)?;
+        let fencing: i64 = self.column(&row, "fencing", key)?;
+        let expires_in_ms: i64 = self.column(&row, "expires_in_ms", key)?;
+        self.check_row(key, owner.as_deref(), Some(fencing), None)?;
+        if !held {
+            return Ok(LockState::Free);
+        }
+        Ok(LockState::Held {
+            expires_in: u64::try_from(expires_in_ms).ok().map(Duration::from_millis),
+            fencing_token: FencingToken::new(u64::try_from(fencing).unwrap_or(0)),
+        })
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
+        self.ensure_table().await?;
+        let query = sqlx::query(&self.sql.force_release)
+            .bind(&self.options.namespace)
+            .bind(key.as_str())
+            .bind(self.waiters.channel());
+        let row = self.fetch_one("force release", key, query).await?;
+        let done: i64 = self.column(&row, "done", key)?;
+        let owner: Option<String> = self.column(&row, "owner", key)?;
+        let fencing: Option<i64> = self.column(&row, "fencing", key)?;
+        self.check_row(key, owner.as_deref(), fencing, None)?;
+        tracing::info!(key = %key, was_held = done > 0, "lock force-released");
+        Ok(done > 0)
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {

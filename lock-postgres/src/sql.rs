@@ -33,6 +33,13 @@ pub(crate) struct Statements {
     /// `done bigint, owner text, fencing bigint` (the row as it was before);
     /// sends `NOTIFY channel, key` when it released.
     pub release: String,
+    /// `$1` namespace, `$2` key -> `held bool, owner text, fencing bigint,
+    /// expires_in_ms bigint`, or no row for a key never locked.
+    pub inspect: String,
+    /// `$1` namespace, `$2` key, `$3` channel -> `done bigint, owner text,
+    /// fencing bigint` (the row as it was before); frees a live lock of any
+    /// owner distlock wrote and sends `NOTIFY channel, key`.
+    pub force_release: String,
 }
 
 impl Statements {
@@ -96,6 +103,26 @@ impl Statements {
                     RETURNING key
                 )
                 SELECT (SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done,
+                       h.owner AS owner, h.fencing AS fencing
+                FROM (VALUES (1)) AS one (x)
+                LEFT JOIN {t} AS h ON h.namespace = $1 AND h.key = $2"
+            ),
+            inspect: format!(
+                "SELECT (owner IS NOT NULL AND expires_at > clock_timestamp()) AS held, owner, fencing,
+                        greatest(0, ceil(extract(epoch FROM (expires_at - clock_timestamp())) * 1000))::bigint
+                            AS expires_in_ms
+                 FROM {t} WHERE namespace = $1 AND key = $2"
+            ),
+            force_release: format!(
+                "WITH done AS (
+                    UPDATE {t}
+                    SET owner = NULL
+                    WHERE namespace = $1 AND key = $2 AND owner IS NOT NULL
+                      AND owner ~ '^[0-9a-f]{{32}}$' AND fencing >= 0
+                      AND expires_at > clock_timestamp()
+                    RETURNING key
+                )
+                SELECT (SELECT count(*) FROM (SELECT pg_notify($3, done.key) FROM done) AS n) AS done,
                        h.owner AS owner, h.fencing AS fencing
                 FROM (VALUES (1)) AS one (x)
                 LEFT JOIN {t} AS h ON h.namespace = $1 AND h.key = $2"

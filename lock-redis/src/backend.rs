@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use lock_core::{
     with_timeout, AcquireAttempt, Capabilities, DistributedLock, FencingToken, Lease, LeaseIssuer,
-    LockError, LockKey, OwnerToken, ReleaseWatch,
+    LockError, LockKey, LockState, OwnerToken, ReleaseWatch,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncConnectionConfig, Client, Script, Value};
@@ -14,7 +14,9 @@ use redis::{AsyncConnectionConfig, Client, Script, Value};
 use crate::config::{redact, RedisConfig};
 use crate::errors;
 use crate::keys::RedisKeys;
-use crate::scripts::{self, ACQUIRE_SCRIPT, EXTEND_SCRIPT, RELEASE_SCRIPT};
+use crate::scripts::{
+    self, ACQUIRE_SCRIPT, EXTEND_SCRIPT, FORCE_RELEASE_SCRIPT, INSPECT_SCRIPT, RELEASE_SCRIPT,
+};
 use crate::waiters::Waiters;
 
 /// A distributed lock on a Redis server.
@@ -265,6 +267,7 @@ impl DistributedLock for RedisLock {
             ttl_granularity: Duration::from_millis(1),
             native_wait: true,
             durable: false,
+            admin: true,
             ..Capabilities::default()
         }
     }
@@ -385,6 +388,58 @@ impl DistributedLock for RedisLock {
                 )))
             }
             _ => Err(unexpected("release", key, &reply)),
+        }
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
+        let keys = self.keys(key);
+        let reply = self
+            .run(
+                "redis inspect",
+                key,
+                &keys,
+                &INSPECT_SCRIPT,
+                &[&keys.lock],
+                &[],
+            )
+            .await?;
+        let Value::Array(items) = &reply else {
+            return Err(unexpected("inspect", key, &reply));
+        };
+        match items.as_slice() {
+            [state] if as_int(state) == Some(0) => Ok(LockState::Free),
+            [state, pttl, token] if as_int(state) == Some(1) => {
+                let pttl = as_int(pttl).ok_or_else(|| unexpected("inspect", key, &reply))?;
+                let token = as_int(token)
+                    .and_then(|t| u64::try_from(t).ok())
+                    .ok_or_else(|| unexpected("inspect", key, &reply))?;
+                Ok(LockState::Held {
+                    expires_in: u64::try_from(pttl).ok().map(Duration::from_millis),
+                    fencing_token: FencingToken::new(token),
+                })
+            }
+            _ => Err(unexpected("inspect", key, &reply)),
+        }
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
+        let keys = self.keys(key);
+        let reply = self
+            .run(
+                "redis force release",
+                key,
+                &keys,
+                &FORCE_RELEASE_SCRIPT,
+                &[&keys.lock],
+                std::slice::from_ref(&keys.channel),
+            )
+            .await?;
+        match as_int(&reply) {
+            Some(n @ (0 | 1)) => {
+                tracing::info!(key = %key, was_held = n == 1, "redis lock force-released");
+                Ok(n == 1)
+            }
+            _ => Err(unexpected("force release", key, &reply)),
         }
     }
 

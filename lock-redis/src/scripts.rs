@@ -1,4 +1,5 @@
-//! The Lua scripts: acquire, extend and release, one round trip each.
+//! The Lua scripts: acquire, extend and release, one round trip each, and
+//! the operator calls inspect and force-release.
 //!
 //! The value at a lock key is `dl1:<32 hex owner>:<fencing token>`, with a
 //! PX expiry. Anything else there (another type, another format, no expiry)
@@ -90,6 +91,31 @@ if not ours(v) then return corrupt('lock', 'holds a value in a format distlock d
 return 0
 "#;
 
+/// KEYS: lock. Returns `{0}` when free, `{1, pttl, token}` when held.
+const INSPECT: &str = r#"
+local lt = kind(KEYS[1])
+if lt == 'none' then return {0} end
+if lt ~= 'string' then return corrupt('lock', 'holds a ' .. lt .. ', not a distlock lock') end
+local v = redis.call('GET', KEYS[1])
+if not ours(v) then return corrupt('lock', 'holds a value in a format distlock does not write') end
+local _, fence = string.match(v, '^dl1:(%x+):(%d+)$')
+return {1, redis.call('PTTL', KEYS[1]), fence}
+"#;
+
+/// KEYS: lock. ARGV: channel. Deletes the lock whoever holds it.
+/// Returns 1 when a lock was deleted (and published), 0 when free.
+const FORCE_RELEASE: &str = r#"
+local lt = kind(KEYS[1])
+if lt == 'none' then return 0 end
+if lt ~= 'string' then return corrupt('lock', 'holds a ' .. lt .. ', not a distlock lock') end
+if not ours(redis.call('GET', KEYS[1])) then
+  return corrupt('lock', 'holds a value in a format distlock does not write')
+end
+redis.call('DEL', KEYS[1])
+redis.call('PUBLISH', ARGV[1], 'released')
+return 1
+"#;
+
 fn script(body: &str) -> Script {
     // Redis < 5 needs effects replication for TIME before writes; newer
     // servers replicate effects anyway.
@@ -104,6 +130,11 @@ pub(crate) static ACQUIRE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(ACQ
 pub(crate) static EXTEND_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(EXTEND));
 /// The release script.
 pub(crate) static RELEASE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RELEASE));
+
+/// The inspect script (operators only; not preloaded).
+pub(crate) static INSPECT_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(INSPECT));
+/// The force-release script (operators only; not preloaded).
+pub(crate) static FORCE_RELEASE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(FORCE_RELEASE));
 
 /// The SHA1 of the acquire script (tests count its EVALSHA calls).
 pub fn acquire_script_sha() -> &'static str {
