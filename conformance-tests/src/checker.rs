@@ -174,6 +174,17 @@ impl ExclusionChecker {
     /// strictly growing in start order per key, no lost increment. Returns a
     /// message naming the first violation otherwise.
     pub fn verify(&self) -> Result<CheckReport, String> {
+        self.check(true)
+    }
+
+    /// As [`verify`](Self::verify), but without the fencing-token order: for
+    /// a server that lost its data in a restart (its token counter starts
+    /// over), where only exclusion itself can be proved.
+    pub fn verify_exclusion_only(&self) -> Result<CheckReport, String> {
+        self.check(false)
+    }
+
+    fn check(&self, token_order: bool) -> Result<CheckReport, String> {
         let mut by_key: HashMap<LockKey, Vec<Section>> = HashMap::new();
         for section in self.sections() {
             by_key.entry(section.key.clone()).or_default().push(section);
@@ -194,7 +205,7 @@ impl ExclusionChecker {
                             prev.token, prev.start, prev.end, section.token, section.start
                         ));
                     }
-                    if section.token <= prev.token {
+                    if token_order && section.token <= prev.token {
                         return Err(format!(
                             "key {key:?}: fencing token did not grow: section starting at #{} has token {} after token {} (started at #{})",
                             section.start, section.token, prev.token, prev.start

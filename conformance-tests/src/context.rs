@@ -3,13 +3,15 @@
 
 use std::fmt;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use lock_core::{Capabilities, DistributedLock, LockError, LockKey, Locker};
 
-use crate::server::ServerHandle;
+use crate::fault::{with_timeouts, Proxy};
+use crate::server::{ServerHandle, ServerKind, ServerProcess};
 
 /// The future a client factory returns.
 pub type ClientFuture =
@@ -77,8 +79,14 @@ pub struct TestContext {
     pub(crate) connect: ConnectFn,
     pub(crate) url: String,
     pub(crate) server: Option<Arc<ServerHandle>>,
+    pub(crate) kind: Option<Arc<dyn ServerKind>>,
     pub(crate) capabilities: Capabilities,
 }
+
+/// The connect timeout of clients in fault cases.
+pub const FAULT_CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+/// The operation timeout of clients in fault cases.
+pub const FAULT_OPERATION_TIMEOUT: Duration = Duration::from_millis(1000);
 
 impl fmt::Debug for TestContext {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -143,5 +151,85 @@ impl TestContext {
     /// The server, if the harness runs one (fault cases use it).
     pub fn server(&self) -> Option<&ServerHandle> {
         self.server.as_deref()
+    }
+
+    /// The kind of server the suite runs against, if any (`None` for an
+    /// in-process backend).
+    pub fn server_kind(&self) -> Option<&Arc<dyn ServerKind>> {
+        self.kind.as_ref()
+    }
+
+    /// Whether the harness runs the servers itself (a [`ServerKind`] and no
+    /// external URL override), so a case may start, kill and restart its own.
+    pub fn controls_servers(&self) -> bool {
+        self.kind.is_some() && self.server().is_some_and(|s| s.process().is_some())
+    }
+
+    /// The address of the shared server the harness started, if it did.
+    pub fn server_addr(&self) -> Option<SocketAddr> {
+        self.server().and_then(|s| s.process()).map(|p| p.addr())
+    }
+
+    /// Starts a dedicated server of the suite's kind for this case alone (a
+    /// fault case that kills or restarts it must not disturb the shared
+    /// server other cases run on). Killed when the last handle is dropped.
+    pub async fn start_server(&self) -> Result<Arc<ServerProcess>, CaseError> {
+        let kind = self
+            .kind
+            .clone()
+            .filter(|_| self.controls_servers())
+            .ok_or("this case needs a server the harness controls")?;
+        let name = kind.name();
+        tokio::task::spawn_blocking(move || ServerProcess::start(kind))
+            .await
+            .map_err(|e| format!("server start panicked: {e}"))?
+            .map(Arc::new)
+            .map_err(|e| CaseError(format!("cannot start a dedicated {name} server: {e}")))
+    }
+
+    /// Kills `server` (SIGKILL) and starts it again on the same port with
+    /// the same data.
+    pub async fn restart_server(&self, server: &Arc<ServerProcess>) -> Result<(), CaseError> {
+        let server = server.clone();
+        tokio::task::spawn_blocking(move || server.restart())
+            .await
+            .map_err(|e| format!("server restart panicked: {e}"))?
+            .map_err(|e| CaseError(format!("cannot restart the server: {e}")))
+    }
+
+    /// Kills `server` with SIGKILL (without blocking the runtime).
+    pub async fn kill_server(&self, server: &Arc<ServerProcess>) -> Result<(), CaseError> {
+        let server = server.clone();
+        tokio::task::spawn_blocking(move || server.kill())
+            .await
+            .map_err(|e| CaseError(format!("server kill panicked: {e}")))
+    }
+
+    /// The client URL for a server (or proxy) listening on `addr`, with the
+    /// short fault-case timeouts ([`FAULT_CONNECT_TIMEOUT`],
+    /// [`FAULT_OPERATION_TIMEOUT`]) appended.
+    pub fn fault_url(&self, addr: SocketAddr) -> Result<String, CaseError> {
+        let kind = self
+            .kind
+            .as_ref()
+            .ok_or("this case needs a server kind to build URLs")?;
+        Ok(with_timeouts(
+            &kind.url(addr),
+            FAULT_CONNECT_TIMEOUT,
+            FAULT_OPERATION_TIMEOUT,
+        ))
+    }
+
+    /// A new [`Proxy`] in front of `target` and a client that talks through
+    /// it (with the short fault-case timeouts).
+    pub async fn client_via_proxy(
+        &self,
+        target: SocketAddr,
+    ) -> Result<(Proxy, Arc<dyn DistributedLock>), CaseError> {
+        let proxy = Proxy::start(target)
+            .await
+            .map_err(|e| CaseError(format!("cannot start a fault proxy: {e}")))?;
+        let client = self.client_at(&self.fault_url(proxy.addr())?).await?;
+        Ok((proxy, client))
     }
 }

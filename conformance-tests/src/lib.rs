@@ -32,8 +32,12 @@
 pub mod cases;
 pub mod checker;
 mod context;
+pub mod fault;
 pub mod server;
 mod suite;
 
-pub use context::{CaseError, CaseResult, ClientFuture, ConnectFn, TestContext};
+pub use context::{
+    CaseError, CaseResult, ClientFuture, ConnectFn, TestContext, FAULT_CONNECT_TIMEOUT,
+    FAULT_OPERATION_TIMEOUT,
+};
 pub use suite::Suite;

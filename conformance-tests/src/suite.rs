@@ -65,7 +65,13 @@ impl Suite {
     }
 
     /// Parses the test command line, runs the cases and returns the exit code.
+    ///
+    /// If the binary was re-executed as a fault case's lock holder (see
+    /// [`fault::holder`](crate::fault::holder)), runs that instead.
     pub fn run(self) -> ExitCode {
+        if let Some(code) = crate::fault::holder::run_if_requested(&self.connect) {
+            return code;
+        }
         let mut args = Arguments::from_args();
         if args.test_threads.is_none() {
             args.test_threads = Some(DEFAULT_TEST_THREADS);
@@ -93,7 +99,8 @@ impl Suite {
                 let backend = self.name.clone();
                 let connect = self.connect.clone();
                 let server = server.clone();
-                Trial::ignorable_test(name, move || run_case(case, backend, connect, server))
+                let kind = self.server.clone();
+                Trial::ignorable_test(name, move || run_case(case, backend, connect, server, kind))
             })
             .collect()
     }
@@ -104,6 +111,7 @@ fn run_case(
     backend: String,
     connect: ConnectFn,
     server: Result<Option<Arc<ServerHandle>>, String>,
+    kind: Option<Arc<dyn ServerKind>>,
 ) -> Result<Completion, Failed> {
     let server =
         server.map_err(|e| Failed::from(format!("the {backend} server is not available: {e}")))?;
@@ -122,6 +130,7 @@ fn run_case(
             connect,
             url,
             server,
+            kind,
             capabilities: probe.capabilities(),
         };
         drop(probe);

@@ -5,8 +5,10 @@ use std::pin::Pin;
 
 use crate::context::{CaseResult, TestContext};
 
+mod admin;
 mod basic;
 mod exclusion;
+mod fault;
 mod fencing;
 mod guard;
 mod input;
@@ -21,12 +23,19 @@ mod wait;
 pub enum Needs {
     /// Only the core contract.
     Nothing,
+    /// The operator calls `inspect` and `force_release` (`Capabilities::admin`).
+    Admin,
     /// Server-driven wake-up of waiters (`Capabilities::native_wait`).
     NativeWait,
     /// Lock data survives a server restart (`Capabilities::durable`).
     Durable,
-    /// A server process the harness controls (kill, restart).
-    ServerControl,
+    /// A lock server in another process, reachable by URL (a holder in a
+    /// child process can share it; an in-process backend cannot).
+    Server,
+    /// Servers the harness runs itself (a `ServerKind` and no external URL
+    /// override): the case starts its own to kill and restart, or puts a
+    /// fault proxy in front of one.
+    ServerProcess,
 }
 
 impl Needs {
@@ -35,12 +44,19 @@ impl Needs {
         let caps = context.capabilities();
         match self {
             Needs::Nothing => None,
+            Needs::Admin => (!caps.admin).then(|| {
+                "backend declares no operator calls inspect/force_release (admin = false)".into()
+            }),
             Needs::NativeWait => (!caps.native_wait)
                 .then(|| "backend declares no server-driven wake-up (native_wait = false)".into()),
             Needs::Durable => (!caps.durable)
                 .then(|| "backend declares its lock data does not survive a restart (durable = false)".into()),
-            Needs::ServerControl => context.server().and_then(|s| s.process()).is_none().then(|| {
-                "no server process under the harness's control (in-process backend or external server URL)".into()
+            Needs::Server => context.server().is_none().then(|| {
+                "in-process backend: no server that another process could share".into()
+            }),
+            Needs::ServerProcess => (!context.controls_servers()).then(|| match context.server() {
+                None => "in-process backend: no server process to kill, restart or cut off".into(),
+                Some(_) => "the suite runs against an external server (URL in the environment): the harness cannot kill, restart or proxy it".into(),
             }),
         }
     }
@@ -163,11 +179,26 @@ pub fn all() -> Vec<Case> {
         dyn_job_code_runs_unchanged,
         sequential_runs_grow_tokens,
     ));
+    all.extend(cases!(admin:
+        inspect_reports_holder => Needs::Admin,
+        force_release_frees_key => Needs::Admin,
+        force_release_wakes_waiter => Needs::Admin,
+    ));
     all.extend(cases!(schedule:
         plain_lock_runs_once_per_instance,
         one_run_per_fire_with_shifted_tickers,
         one_run_per_fire_with_skewed_clocks,
         long_run_skips_next_fire,
+    ));
+    all.extend(cases!(fault:
+        killed_holder_process_expires => Needs::Server,
+        black_holed_holder_loses_first => Needs::ServerProcess,
+        resets_during_operations => Needs::ServerProcess,
+        server_restart_with_holders_and_waiters => Needs::ServerProcess,
+        server_down_at_acquire => Needs::ServerProcess,
+        dropped_waiters_leave_nothing_held,
+        run_exclusive_lost_to_partition => Needs::ServerProcess,
+        exclusion_torture,
     ));
     all
 }
