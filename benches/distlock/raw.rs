@@ -1,0 +1,241 @@
+//! The raw baselines: the same driver, the same kind of connection the
+//! backend uses (Redis: one multiplexed ConnectionManager; etcd: one gRPC
+//! channel; PostgreSQL: a pool of 8 with no health-check ping), issuing the
+//! minimal commands of an acquire + release itself.
+
+use std::time::Duration;
+
+use distlock::etcd::etcd_client::{
+    Client as EtcdClient, Compare, CompareOp, ConnectOptions, KvClient, LeaseClient, PutOptions,
+    Txn, TxnOp,
+};
+use distlock::redis::redis::{self, aio::ConnectionManager, Script};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+
+use crate::servers::Backend;
+
+/// Compare-and-delete: the minimal safe Redis release.
+const REDIS_RELEASE: &str =
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end";
+
+/// lock-postgres/src/sql.rs's acquire and release, same shape, same table.
+const PG_ACQUIRE: &str = "WITH taken AS (
+    INSERT INTO \"public\".\"distlock_locks\" AS t (namespace, key, owner, fencing, expires_at)
+    VALUES ($1, $2, $3, 1, clock_timestamp() + $4::bigint * interval '1 millisecond')
+    ON CONFLICT (namespace, key) DO UPDATE
+        SET owner = excluded.owner,
+            fencing = t.fencing + 1,
+            expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond'
+        WHERE (t.owner IS NULL OR t.expires_at <= clock_timestamp())
+          AND (t.owner IS NULL OR t.owner ~ '^[0-9a-f]{32}$')
+          AND t.fencing >= 0
+    RETURNING t.fencing
+)
+SELECT true AS acquired, taken.fencing AS fencing, NULL::text AS owner,
+       NULL::bigint AS expires_in_ms
+FROM taken
+UNION ALL
+SELECT false, h.fencing, h.owner,
+       greatest(0, ceil(extract(epoch FROM (h.expires_at - clock_timestamp())) * 1000))::bigint
+FROM \"public\".\"distlock_locks\" AS h
+WHERE h.namespace = $1 AND h.key = $2 AND NOT EXISTS (SELECT 1 FROM taken)";
+
+const PG_RELEASE: &str = "WITH done AS (
+    UPDATE \"public\".\"distlock_locks\"
+    SET owner = NULL
+    WHERE namespace = $1 AND key = $2 AND owner = $3 AND fencing = $4
+      AND expires_at > clock_timestamp()
+    RETURNING key
+)
+SELECT (SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done,
+       h.owner AS owner, h.fencing AS fencing
+FROM (VALUES (1)) AS one (x)
+LEFT JOIN \"public\".\"distlock_locks\" AS h ON h.namespace = $1 AND h.key = $2";
+
+/// A raw client for one backend.
+#[derive(Clone)]
+pub enum Raw {
+    Redis {
+        conn: ConnectionManager,
+        release: Script,
+    },
+    Etcd {
+        kv: KvClient,
+        leases: LeaseClient,
+    },
+    Postgres {
+        pool: PgPool,
+    },
+}
+
+fn owner_hex(n: u64) -> String {
+    format!("{:032x}", (n as u128) << 64 | 0x5eed)
+}
+
+impl Raw {
+    pub async fn connect(backend: Backend, url: &str, port: u16) -> Result<Self, String> {
+        match backend {
+            Backend::Memory => Err("no raw client for memory".to_owned()),
+            Backend::Redis => {
+                let client = redis::Client::open(url).map_err(|e| e.to_string())?;
+                let config = redis::aio::ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(Duration::from_secs(5)))
+                    .set_response_timeout(Some(Duration::from_secs(5)));
+                let mut conn = ConnectionManager::new_with_config(client, config)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let release = Script::new(REDIS_RELEASE);
+                release
+                    .load_async(&mut conn)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(Raw::Redis { conn, release })
+            }
+            Backend::Etcd => {
+                let options = ConnectOptions::new()
+                    .with_connect_timeout(Duration::from_secs(5))
+                    .with_timeout(Duration::from_secs(5));
+                let client =
+                    EtcdClient::connect([format!("http://127.0.0.1:{port}")], Some(options))
+                        .await
+                        .map_err(|e| e.to_string())?;
+                Ok(Raw::Etcd {
+                    kv: client.kv_client(),
+                    leases: client.lease_client(),
+                })
+            }
+            Backend::Postgres => {
+                let pool = PgPoolOptions::new()
+                    .max_connections(8)
+                    .min_connections(0)
+                    .test_before_acquire(false)
+                    .connect(url)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(Raw::Postgres { pool })
+            }
+        }
+    }
+
+    /// One plain server round trip: PING, an etcd range read, SELECT 1.
+    pub async fn ping(&self) -> Result<(), String> {
+        match self {
+            Raw::Redis { conn, .. } => {
+                let mut conn = conn.clone();
+                redis::cmd("PING")
+                    .query_async::<String>(&mut conn)
+                    .await
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+            }
+            Raw::Etcd { kv, .. } => {
+                let mut kv = kv.clone();
+                kv.get("rawbench/ping", None)
+                    .await
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+            }
+            Raw::Postgres { pool } => sqlx::query("SELECT 1")
+                .fetch_one(pool)
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string()),
+        }
+    }
+
+    /// Acquire `key` for `ttl` and release it, with the minimal commands.
+    pub async fn acquire_release(&self, key: &str, n: u64, ttl: Duration) -> Result<(), String> {
+        let owner = owner_hex(n);
+        match self {
+            Raw::Redis { conn, release } => {
+                let mut conn = conn.clone();
+                let key = format!("rawbench:{{{key}}}:lock");
+                let ok: Option<String> = redis::cmd("SET")
+                    .arg(&key)
+                    .arg(&owner)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(ttl.as_millis() as u64)
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if ok.is_none() {
+                    return Err(format!("raw SET NX refused on fresh key {key}"));
+                }
+                let deleted: i64 = release
+                    .key(&key)
+                    .arg(&owner)
+                    .invoke_async(&mut conn)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if deleted != 1 {
+                    return Err(format!("raw release did not delete {key}"));
+                }
+                Ok(())
+            }
+            Raw::Etcd { kv, leases } => {
+                let (mut kv, mut leases) = (kv.clone(), leases.clone());
+                let key = format!("rawbench/lock/{key}");
+                let lease = leases
+                    .grant(ttl.as_secs().max(1) as i64, None)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let put = Txn::new()
+                    .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
+                    .and_then([TxnOp::put(
+                        key.as_str(),
+                        owner.as_str(),
+                        Some(PutOptions::new().with_lease(lease.id())),
+                    )])
+                    .or_else([TxnOp::get(key.as_str(), None)]);
+                let reply = kv.txn(put).await.map_err(|e| e.to_string())?;
+                if !reply.succeeded() {
+                    return Err(format!("raw put txn refused on fresh key {key}"));
+                }
+                let delete = Txn::new()
+                    .when([Compare::value(
+                        key.as_str(),
+                        CompareOp::Equal,
+                        owner.as_str(),
+                    )])
+                    .and_then([TxnOp::delete(key.as_str(), None)]);
+                let reply = kv.txn(delete).await.map_err(|e| e.to_string())?;
+                if !reply.succeeded() {
+                    return Err(format!("raw delete txn refused for {key}"));
+                }
+                Ok(())
+            }
+            Raw::Postgres { pool } => {
+                use sqlx::Row;
+                let row = sqlx::query(PG_ACQUIRE)
+                    .bind("rawbench")
+                    .bind(key)
+                    .bind(&owner)
+                    .bind(ttl.as_millis() as i64)
+                    .fetch_optional(pool)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .ok_or_else(|| format!("raw acquire returned no row for {key}"))?;
+                let acquired: bool = row.try_get("acquired").map_err(|e| e.to_string())?;
+                let fencing: i64 = row.try_get("fencing").map_err(|e| e.to_string())?;
+                if !acquired {
+                    return Err(format!("raw acquire refused on fresh key {key}"));
+                }
+                let row = sqlx::query(PG_RELEASE)
+                    .bind("rawbench")
+                    .bind(key)
+                    .bind(&owner)
+                    .bind(fencing)
+                    .bind("distlock_rawbench")
+                    .fetch_one(pool)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let done: i64 = row.try_get("done").map_err(|e| e.to_string())?;
+                if done != 1 {
+                    return Err(format!("raw release did not release {key}"));
+                }
+                Ok(())
+            }
+        }
+    }
+}
