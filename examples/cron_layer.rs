@@ -87,7 +87,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     tokio::time::sleep(RUN_TAKES).await; // let a last run finish
 
     let mut runs = runs.lock().unwrap().clone();
-    runs.sort_by(|a, b| a.0.cmp(&b.0));
+    runs.sort_by_key(|run| run.0);
     let overlaps = runs.windows(2).filter(|w| w[1].0 < w[0].1).count();
     println!("\nsummary: {} runs, {overlaps} overlapping", runs.len());
     if overlaps > 0 || runs.is_empty() {
