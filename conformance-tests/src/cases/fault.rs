@@ -215,7 +215,9 @@ pub async fn black_holed_holder_loses_first(ctx: TestContext) -> CaseResult {
 }
 
 /// Connections reset at random points while three clients acquire, extend
-/// and release on three keys (bounded rounds): every failure is a typed
+/// and release on six keys (50 rounds each; before each operation a reset
+/// of that client's connections is scheduled 0-3 ms later with
+/// probability 0.3): every failure is a typed
 /// error (Unavailable, Timeout or NotHeld), the checker sees no two holders,
 /// and afterwards a fresh client gets every key within TTL + 10 s.
 pub async fn resets_during_operations(ctx: TestContext) -> CaseResult {
@@ -223,24 +225,52 @@ pub async fn resets_during_operations(ctx: TestContext) -> CaseResult {
     const ROUNDS: usize = 50;
     let addr = ctx.server_addr().ok_or("no server address")?;
     let ttl = fault_ttl(&ctx, Duration::from_secs(3))?;
-    let keys: Arc<Vec<LockKey>> = Arc::new((0..3).map(|_| ctx.key("fault-reset")).collect());
+    let keys: Arc<Vec<LockKey>> = Arc::new((0..6).map(|_| ctx.key("fault-reset")).collect());
     let checker = ExclusionChecker::new();
     let errors = Arc::new(ErrorTally::default());
-    let mut proxies = Vec::new();
+    let resets = Arc::new(AtomicUsize::new(0));
+    let refusals = Arc::new(AtomicUsize::new(0));
     let mut workers = Vec::new();
     for _ in 0..CLIENTS {
         let (proxy, client) = ctx.client_via_proxy(addr).await?;
-        proxies.push(Arc::new(proxy));
-        let (keys, checker, errors) = (keys.clone(), checker.clone(), errors.clone());
+        let proxy = Arc::new(proxy);
+        let (keys, checker, errors, resets, refusals) = (
+            keys.clone(),
+            checker.clone(),
+            errors.clone(),
+            resets.clone(),
+            refusals.clone(),
+        );
+        // Before an operation, maybe schedule a reset of this client's
+        // connections a random 0-3 ms later: mid-request, mid-reply, or
+        // just before or after.
+        let chaos = move || {
+            if rand::random_bool(0.3) {
+                let (proxy, resets) = (proxy.clone(), resets.clone());
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_micros(rand::random_range(0..3000))).await;
+                    proxy.drop_all();
+                    resets.fetch_add(1, Ordering::SeqCst);
+                });
+            }
+        };
         workers.push(tokio::spawn(async move {
             let mut held = 0usize;
             for _ in 0..ROUNDS {
                 let key = &keys[rand::random_range(0..keys.len())];
+                chaos();
                 let lease = match client.try_acquire(key, ttl).await {
                     Ok(AcquireAttempt::Acquired(lease)) => lease,
-                    Ok(AcquireAttempt::Held { .. }) => continue,
+                    Ok(AcquireAttempt::Held { .. }) => {
+                        // Possibly a grant whose answer a reset lost: it
+                        // runs out after its TTL.
+                        refusals.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(30)).await;
+                        continue;
+                    }
                     Err(e) => {
                         errors.record("try_acquire", e)?;
+                        tokio::time::sleep(Duration::from_millis(20)).await;
                         continue;
                     }
                 };
@@ -250,6 +280,7 @@ pub async fn resets_during_operations(ctx: TestContext) -> CaseResult {
                 // Give up on the extension well inside the lease: the
                 // section must end while the lease is surely valid.
                 let give_up = lease.sent_at() + ttl / 2;
+                chaos();
                 let extended =
                     tokio::time::timeout_at(give_up.into(), client.extend(&lease, ttl)).await;
                 section.exit();
@@ -266,6 +297,7 @@ pub async fn resets_during_operations(ctx: TestContext) -> CaseResult {
                     }
                     Err(_) => lease,
                 };
+                chaos();
                 if let Err(e) = client.release(&current).await {
                     errors.record("release", e)?;
                 }
@@ -273,24 +305,10 @@ pub async fn resets_during_operations(ctx: TestContext) -> CaseResult {
             Ok(held)
         }));
     }
-    let stop = Arc::new(AtomicBool::new(false));
-    let resets = Arc::new(AtomicUsize::new(0));
-    let chaos = {
-        let (proxies, stop, resets) = (proxies.clone(), stop.clone(), resets.clone());
-        tokio::spawn(async move {
-            while !stop.load(Ordering::SeqCst) {
-                tokio::time::sleep(Duration::from_millis(rand::random_range(0..15))).await;
-                proxies[rand::random_range(0..proxies.len())].drop_all();
-                resets.fetch_add(1, Ordering::SeqCst);
-            }
-        })
-    };
     let mut held = 0;
     for worker in workers {
         held += join(worker, Duration::from_secs(150), "a worker").await?;
     }
-    stop.store(true, Ordering::SeqCst);
-    let _ = chaos.await;
     checker.verify()?;
     // Nothing stays held past its TTL, whatever the resets left behind.
     let fresh = ctx.client().await?;
@@ -310,8 +328,9 @@ pub async fn resets_during_operations(ctx: TestContext) -> CaseResult {
         &ctx,
         "resets_during_operations",
         format_args!(
-            "{} resets, {held} acquisitions, errors {}; all keys free again after {:?} (TTL {ttl:?})",
+            "{} resets, {held} acquisitions, {} refusals, errors {}; all keys free again after {:?} (TTL {ttl:?})",
             resets.load(Ordering::SeqCst),
+            refusals.load(Ordering::SeqCst),
             errors.summary(),
             after.elapsed()
         ),
@@ -535,11 +554,13 @@ pub async fn server_down_at_acquire(ctx: TestContext) -> CaseResult {
     let locker_took = started.elapsed();
     match waited {
         Err(e) if matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::Timeout) => {}
-        Err(e) => return Err(format!(
+        Err(e) => {
+            return Err(format!(
             "Locker::acquire with the server down: expected Unavailable or Timeout, got {:?}: {e}",
             e.kind()
         )
-        .into()),
+            .into())
+        }
         Ok(got) => {
             return Err(format!("Locker::acquire with the server down returned {got:?}").into())
         }
@@ -804,9 +825,18 @@ pub async fn exclusion_torture(ctx: TestContext) -> CaseResult {
     let stats = Arc::new(TortureStats::default());
     let end = Instant::now() + run_for;
     let mut workers = Vec::new();
-    for locker in lockers {
-        let (keys, checker, errors, stats) =
-            (keys.clone(), checker.clone(), errors.clone(), stats.clone());
+    // Which clients hold a lock right now: partitions aim at them half the
+    // time, so guards really lose locks mid-section.
+    let holding: Arc<Vec<AtomicBool>> =
+        Arc::new((0..CLIENTS).map(|_| AtomicBool::new(false)).collect());
+    for (index, locker) in lockers.into_iter().enumerate() {
+        let (keys, checker, errors, stats, holding) = (
+            keys.clone(),
+            checker.clone(),
+            errors.clone(),
+            stats.clone(),
+            holding.clone(),
+        );
         workers.push(tokio::spawn(async move {
             while Instant::now() < end {
                 let key = &keys[rand::random_range(0..keys.len())];
@@ -838,8 +868,14 @@ pub async fn exclusion_torture(ctx: TestContext) -> CaseResult {
                     }
                 };
                 let mut section = checker.enter(key, guard.fencing_token());
+                holding[index].store(true, Ordering::SeqCst);
                 let lost = guard.lost();
-                let hold = Duration::from_millis(rand::random_range(0..400));
+                // Mostly short; sometimes past the TTL (renewal must work).
+                let hold = if rand::random_bool(0.2) {
+                    Duration::from_millis(rand::random_range(400..(ttl.as_millis() as u64 * 2)))
+                } else {
+                    Duration::from_millis(rand::random_range(0..400))
+                };
                 tokio::select! {
                     biased;
                     _ = lost => { stats.lost.fetch_add(1, Ordering::SeqCst); }
@@ -849,6 +885,7 @@ pub async fn exclusion_torture(ctx: TestContext) -> CaseResult {
                     } => {}
                 }
                 section.exit();
+                holding[index].store(false, Ordering::SeqCst);
                 stats.sections.fetch_add(1, Ordering::SeqCst);
                 if rand::random_bool(0.7) {
                     if let Err(e) = guard.release().await {
@@ -870,8 +907,16 @@ pub async fn exclusion_torture(ctx: TestContext) -> CaseResult {
             }
             let mut partitions = Vec::new();
             while Instant::now() + Duration::from_secs(2) < end {
-                tokio::time::sleep(Duration::from_millis(rand::random_range(100..600))).await;
-                let proxy = proxies[rand::random_range(0..proxies.len())].clone();
+                tokio::time::sleep(Duration::from_millis(rand::random_range(50..400))).await;
+                let holders: Vec<usize> = (0..proxies.len())
+                    .filter(|&i| holding[i].load(Ordering::SeqCst))
+                    .collect();
+                let target = if !holders.is_empty() && rand::random_bool(0.5) {
+                    holders[rand::random_range(0..holders.len())]
+                } else {
+                    rand::random_range(0..proxies.len())
+                };
+                let proxy = proxies[target].clone();
                 let roll = rand::random_range(0..100);
                 if roll < 45 {
                     proxy.drop_all();

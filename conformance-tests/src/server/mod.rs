@@ -115,7 +115,8 @@ impl ServerProcess {
             )
         })?;
         *self.child.lock().unwrap_or_else(|e| e.into_inner()) = Some(child);
-        let ready = wait_for_port(self.port, START_TIMEOUT)
+        let ready = self
+            .wait_for_port_while_running(START_TIMEOUT)
             .and_then(|()| self.kind.wait_ready(&self.dir, self.port));
         if let Err(e) = ready {
             let log = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
@@ -126,6 +127,41 @@ impl ServerProcess {
             ));
         }
         Ok(())
+    }
+
+    /// As [`wait_for_port`], but fails at once if the process exits (a
+    /// server refusing to start, e.g. while its old instance's children
+    /// still hold resources) instead of waiting out the timeout.
+    fn wait_for_port_while_running(&self, timeout: Duration) -> io::Result<()> {
+        let deadline = Instant::now() + timeout;
+        let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
+        loop {
+            if let Some(child) = self
+                .child
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_mut()
+            {
+                if let Ok(Some(status)) = child.try_wait() {
+                    return Err(io::Error::other(format!(
+                        "the server process exited during startup ({status})"
+                    )));
+                }
+            }
+            match TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+                Ok(_) => return Ok(()),
+                Err(e) if Instant::now() >= deadline => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!(
+                            "server on port {} did not come up in {timeout:?}: {e}",
+                            self.port
+                        ),
+                    ))
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
     }
 
     /// The kind of server.
@@ -165,8 +201,10 @@ impl ServerProcess {
     /// the same data directory.
     pub fn restart(&self) -> io::Result<()> {
         self.kill();
-        // The port may linger briefly after the kill; retry the start.
-        let deadline = Instant::now() + Duration::from_secs(10);
+        // The port may linger briefly after the kill, and a server's own
+        // children may take a moment to notice their parent died (PostgreSQL
+        // backends); retry the start.
+        let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             match self.spawn() {
                 Ok(()) => return Ok(()),
