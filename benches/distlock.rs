@@ -140,6 +140,9 @@ struct Samples {
     us: Vec<f64>,
     ops: usize,
     busy: Duration,
+    /// CPU ns used by this process / the server during the batches.
+    client_ns: u64,
+    server_ns: u64,
 }
 
 impl Samples {
@@ -150,6 +153,22 @@ impl Samples {
         self.us.extend(other.us);
         self.ops += other.ops;
         self.busy += other.busy;
+        self.client_ns += other.client_ns;
+        self.server_ns += other.server_ns;
+    }
+
+    /// "CPU µs/op client C, server S".
+    fn cpu_note(&self, server: bool) -> String {
+        let per_op = |ns: u64| ns as f64 / 1e3 / self.ops.max(1) as f64;
+        if server {
+            format!(
+                "CPU µs/op: client {:.1}, server {:.1}",
+                per_op(self.client_ns),
+                per_op(self.server_ns)
+            )
+        } else {
+            format!("CPU µs/op: {:.1}", per_op(self.client_ns))
+        }
     }
     fn pct(&self, p: f64) -> Option<f64> {
         if self.us.is_empty() {
@@ -468,7 +487,7 @@ async fn bench_backend(plan: &Plan, server: &Server) -> BenchResult<Vec<Row>> {
     // 1. Uncontended.
     let mut ping_p50 = None;
     for tasks in [1usize, 64] {
-        let (lib_s, raw_s, ping_s) = uncontended(plan, backend, &lib, raw.as_ref(), tasks).await?;
+        let (lib_s, raw_s, ping_s) = uncontended(plan, server, &lib, raw.as_ref(), tasks).await?;
         let raw_ops = raw_s.as_ref().and_then(Samples::ops_per_s);
         let lib_ops = lib_s.ops_per_s();
         let ops_ratio = raw_ops.zip(lib_ops).map(|(r, l)| r / l);
@@ -486,7 +505,10 @@ async fn bench_backend(plan: &Plan, server: &Server) -> BenchResult<Vec<Row>> {
         row.ops_per_s = lib_ops;
         row.ratio_vs_raw = ratio;
         row.round_trips = ping_p50.zip(lib_s.pct(0.5)).map(|(p, l)| l / p);
-        row.note = ops_ratio.map(|r| format!("cost ratio by ops/s {r:.2}"));
+        row.note = Some(match ops_ratio {
+            Some(r) => format!("ops/s ratio {r:.2}; {}", lib_s.cpu_note(true)),
+            None => lib_s.cpu_note(false),
+        });
         rows.push(row);
         if let Some(raw_s) = raw_s {
             let mut row = Row::new(backend, "uncontended_raw", format!("tasks={tasks}"));
@@ -494,6 +516,7 @@ async fn bench_backend(plan: &Plan, server: &Server) -> BenchResult<Vec<Row>> {
             row.p99_us = raw_s.pct(0.99);
             row.ops_per_s = raw_ops;
             row.round_trips = ping_p50.zip(raw_s.pct(0.5)).map(|(p, l)| l / p);
+            row.note = Some(raw_s.cpu_note(true));
             rows.push(row);
         }
         if let Some(ping_s) = ping_s {
@@ -620,11 +643,12 @@ enum Kind {
 /// tasks, library / raw / ping batches interleaved.
 async fn uncontended(
     plan: &Plan,
-    backend: Backend,
+    server: &Server,
     lib: &Arc<dyn DistributedLock>,
     raw: Option<&Raw>,
     tasks: usize,
 ) -> BenchResult<(Samples, Option<Samples>, Option<Samples>)> {
+    let backend = server.backend;
     let mut kinds = vec![Kind::Lib];
     if raw.is_some() {
         kinds.extend([Kind::Raw, Kind::Ping]);
@@ -643,7 +667,11 @@ async fn uncontended(
             } else {
                 plan.batch_64_per_task
             };
-            let s = run_batch(kind, backend, lib, raw, tasks, per_task, &SEQ).await?;
+            let client0 = servers::proc_cpu_ns(std::process::id());
+            let server0 = server.cpu_ns().unwrap_or(0);
+            let mut s = run_batch(kind, backend, lib, raw, tasks, per_task, &SEQ).await?;
+            s.client_ns = servers::proc_cpu_ns(std::process::id()).saturating_sub(client0);
+            s.server_ns = server.cpu_ns().unwrap_or(0).saturating_sub(server0);
             out.entry(kind as u8).or_default().merge(s);
         }
     }

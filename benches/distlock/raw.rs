@@ -60,8 +60,8 @@ pub enum Raw {
         release: Script,
     },
     Etcd {
-        kv: KvClient,
-        leases: LeaseClient,
+        kv: Box<KvClient>,
+        leases: Box<LeaseClient>,
     },
     Postgres {
         pool: PgPool,
@@ -100,8 +100,8 @@ impl Raw {
                         .await
                         .map_err(|e| e.to_string())?;
                 Ok(Raw::Etcd {
-                    kv: client.kv_client(),
-                    leases: client.lease_client(),
+                    kv: Box::new(client.kv_client()),
+                    leases: Box::new(client.lease_client()),
                 })
             }
             Backend::Postgres => {
@@ -129,7 +129,7 @@ impl Raw {
                     .map_err(|e| e.to_string())
             }
             Raw::Etcd { kv, .. } => {
-                let mut kv = kv.clone();
+                let mut kv = KvClient::clone(kv);
                 kv.get("rawbench/ping", None)
                     .await
                     .map(drop)
@@ -174,7 +174,7 @@ impl Raw {
                 Ok(())
             }
             Raw::Etcd { kv, leases } => {
-                let (mut kv, mut leases) = (kv.clone(), leases.clone());
+                let (mut kv, mut leases) = (KvClient::clone(kv), LeaseClient::clone(leases));
                 let key = format!("rawbench/lock/{key}");
                 let lease = leases
                     .grant(ttl.as_secs().max(1) as i64, None)

@@ -59,6 +59,8 @@ pub struct Server {
     pub url: String,
     /// How the server was pinned, for the header.
     pub pinning: String,
+    /// The process(es) listening on the server's port.
+    pub pids: Vec<u32>,
 }
 
 impl Server {
@@ -69,6 +71,7 @@ impl Server {
                 process: None,
                 url: "memory://bench".to_owned(),
                 pinning: "in-process".to_owned(),
+                pids: Vec::new(),
             });
         };
         let process = ServerProcess::start(kind)
@@ -78,12 +81,29 @@ impl Server {
             Some(cpu) => pin_server(process.dir(), process.port(), cpu),
             None => "not pinned (fewer than 2 CPUs)".to_owned(),
         };
+        let pids = listener_pids(process.port());
         Ok(Self {
             backend,
             process: Some(process),
             url,
             pinning,
+            pids,
         })
+    }
+
+    /// CPU time (ns) used so far by the server's processes and their live
+    /// children (PostgreSQL backends).
+    pub fn cpu_ns(&self) -> Option<u64> {
+        if self.pids.is_empty() {
+            return None;
+        }
+        let mut pids = self.pids.clone();
+        for (pid, (ppid, _)) in list_procs() {
+            if self.pids.contains(&ppid) {
+                pids.push(pid);
+            }
+        }
+        Some(pids.iter().map(|p| proc_cpu_ns(*p)).sum())
     }
 
     pub fn port(&self) -> Option<u16> {
@@ -195,6 +215,19 @@ pub fn taskset_all(pid: u32, cpu: usize) -> bool {
         .unwrap_or(false)
 }
 
+/// CPU time in ns used by all live threads of process `pid` (sum of
+/// /proc/PID/task/*/schedstat run times; precise, unlike utime/stime).
+pub fn proc_cpu_ns(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
 /// `Cpus_allowed_list` of this process.
 pub fn own_cpus() -> String {
     std::fs::read_to_string("/proc/self/status")
@@ -255,10 +288,7 @@ pub fn http_get(port: u16, path: &str) -> Result<String, String> {
 fn dechunk(body: &str) -> String {
     let mut out = String::new();
     let mut rest = body;
-    loop {
-        let Some((size, after)) = rest.split_once("\r\n") else {
-            break;
-        };
+    while let Some((size, after)) = rest.split_once("\r\n") {
         let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
             break;
         };
