@@ -27,6 +27,17 @@
 //! support (per its declared [`Capabilities`](lock_core::Capabilities)) is
 //! reported as `ignored` with the reason, never as a pass. Each case uses
 //! fresh random keys; nothing wipes shared state.
+//!
+//! The `fault::` cases inject real faults through the hooks in [`fault`]: a
+//! TCP proxy per client that resets or black-holes its connections, a
+//! dedicated server per case that is killed and restarted (never the shared
+//! one), and a lock holder in a child process (the test binary re-executed
+//! by [`Suite::run`]) killed with SIGKILL. They need nothing more from the
+//! backend's test target than the five lines above; where a hook cannot
+//! work (an in-process backend, a server given by URL in the environment)
+//! the case is ignored with the reason. `DISTLOCK_TORTURE_SECS` sets the
+//! length of `fault::exclusion_torture` (default 30), and
+//! `DISTLOCK_CONFORMANCE_MEASURE=1` prints the fault cases' measured times.
 #![warn(missing_docs)]
 
 pub mod cases;

@@ -290,3 +290,67 @@ async fn pump(
     reset(from.as_ref());
     reset(to.as_ref());
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// An echo server on a loopback port.
+    async fn echo() -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let (mut r, mut w) = stream.split();
+                    let _ = tokio::io::copy(&mut r, &mut w).await;
+                });
+            }
+        });
+        addr
+    }
+
+    async fn round_trip(stream: &mut TcpStream, text: &[u8]) -> io::Result<Vec<u8>> {
+        stream.write_all(text).await?;
+        let mut buf = vec![0; text.len()];
+        stream.read_exact(&mut buf).await?;
+        Ok(buf)
+    }
+
+    #[tokio::test]
+    async fn forwards_drops_black_holes_and_heals() {
+        let proxy = Proxy::start(echo().await).await.unwrap();
+        let mut stream = TcpStream::connect(proxy.addr()).await.unwrap();
+        assert_eq!(round_trip(&mut stream, b"ping").await.unwrap(), b"ping");
+
+        // Black hole: nothing comes back, even on a new connection.
+        proxy.black_hole();
+        let stalled =
+            tokio::time::timeout(Duration::from_millis(200), round_trip(&mut stream, b"lost"))
+                .await;
+        assert!(stalled.is_err(), "a black hole forwarded bytes");
+        let mut late = TcpStream::connect(proxy.addr()).await.unwrap();
+        late.write_all(b"late").await.unwrap();
+
+        // Heal: the queued bytes arrive, late.
+        proxy.heal();
+        let mut buf = [0; 4];
+        stream.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"lost");
+        late.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"late");
+
+        // Drop: live connections end; new ones work.
+        proxy.drop_all();
+        let mut buf = [0; 1];
+        let cut = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf))
+            .await
+            .expect("a dropped connection must end");
+        assert!(matches!(cut, Ok(0) | Err(_)), "read after drop: {cut:?}");
+        let mut fresh = TcpStream::connect(proxy.addr()).await.unwrap();
+        assert_eq!(round_trip(&mut fresh, b"again").await.unwrap(), b"again");
+        assert_eq!(proxy.connections_accepted(), 3);
+    }
+}
