@@ -871,7 +871,7 @@ pub async fn exclusion_torture(ctx: TestContext) -> CaseResult {
                 holding[index].store(true, Ordering::SeqCst);
                 let lost = guard.lost();
                 // Mostly short; sometimes past the TTL (renewal must work).
-                let hold = if rand::random_bool(0.2) {
+                let hold = if rand::random_bool(0.3) {
                     Duration::from_millis(rand::random_range(400..(ttl.as_millis() as u64 * 2)))
                 } else {
                     Duration::from_millis(rand::random_range(0..400))
@@ -911,7 +911,8 @@ pub async fn exclusion_torture(ctx: TestContext) -> CaseResult {
                 let holders: Vec<usize> = (0..proxies.len())
                     .filter(|&i| holding[i].load(Ordering::SeqCst))
                     .collect();
-                let target = if !holders.is_empty() && rand::random_bool(0.5) {
+                let aim_at_holder = !holders.is_empty() && rand::random_bool(0.5);
+                let target = if aim_at_holder {
                     holders[rand::random_range(0..holders.len())]
                 } else {
                     rand::random_range(0..proxies.len())
@@ -922,11 +923,15 @@ pub async fn exclusion_torture(ctx: TestContext) -> CaseResult {
                     proxy.drop_all();
                     stats.resets.fetch_add(1, Ordering::SeqCst);
                 } else if roll < 90 || !restarts_allowed {
-                    // Sometimes shorter than a renewal period, sometimes
-                    // longer than the TTL (the guard loses its lock).
-                    let length = Duration::from_millis(rand::random_range(
-                        100..(ttl.as_millis() as u64 * 2),
-                    ));
+                    // A partition aimed at a holder outlasts its lease (its guard
+                    // must lose the lock); others are random, sometimes
+                    // shorter than a renewal period.
+                    let ttl_ms = ttl.as_millis() as u64;
+                    let length = Duration::from_millis(if aim_at_holder {
+                        rand::random_range(ttl_ms..ttl_ms * 5 / 2)
+                    } else {
+                        rand::random_range(100..ttl_ms * 2)
+                    });
                     stats.black_holes.fetch_add(1, Ordering::SeqCst);
                     proxy.black_hole();
                     partitions.push(tokio::spawn(async move {
