@@ -52,7 +52,16 @@ async fn simulate(
     labels: Labels,
 ) -> Result<Vec<Ran>, crate::CaseError> {
     let name = ctx.key("scheduled").as_str().to_owned();
-    let job = ScheduledJob::new(name.clone(), PERIOD)?.ttl(ctx.short_ttl());
+    // The fire key must outlive the run until its release keeps it for the
+    // window: a TTL of a few hundred ms can run out while a loaded machine
+    // (the fault:: torture runs alongside) stalls the renewals, and a late
+    // instance then rightly runs the fire again. One TTL of 2 s costs
+    // nothing here: keys are released or kept per the schedule anyway.
+    let ttl = ctx
+        .capabilities()
+        .effective_ttl(Duration::from_secs(2))
+        .unwrap_or(Duration::from_secs(2));
+    let job = ScheduledJob::new(name.clone(), PERIOD)?.ttl(ttl);
     // Fire 0 is the next slot boundary of the true clock, at least 1.5
     // periods from now so early (skewed) instances are not yet late.
     let now_sys = SystemTime::now();
