@@ -13,8 +13,8 @@ use std::future::Future;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::{
-    FencingToken, LockError, LockKey, LockOptions, Locker, LostReason, OnLost, RunOptions,
-    RunOutcome,
+    AcquireAttempt, ErrorKind, FencingToken, LockError, LockKey, LockOptions, Locker, LostReason,
+    OnLost, RunOptions, RunOutcome,
 };
 
 /// Which fire of the schedule a call is for.
@@ -149,6 +149,34 @@ impl ScheduledJob {
         LockKey::new(format!("{}@running", self.name))
     }
 
+    /// The fire key's lease ran out during the run (its renewal failed): take
+    /// it again, owned by nobody, so it still lasts to the end of the window
+    /// and late instances skip this fire.
+    async fn retake_fire_key(
+        &self,
+        locker: &Locker,
+        fire_key: &LockKey,
+        keep_until: Instant,
+        error: LockError,
+    ) {
+        let remaining = keep_until.saturating_duration_since(Instant::now());
+        if error.kind() != ErrorKind::NotHeld || remaining.is_zero() {
+            tracing::warn!(job = %self.name, key = %fire_key, %error, "could not keep the fire key; late instances may run this fire");
+            return;
+        }
+        match locker.backend().try_acquire(fire_key, remaining).await {
+            Ok(AcquireAttempt::Acquired(_)) => {
+                tracing::debug!(job = %self.name, key = %fire_key, "fire key taken again until the end of its window");
+            }
+            Ok(AcquireAttempt::Held { .. }) => {
+                tracing::warn!(job = %self.name, key = %fire_key, "the fire key ran out during the run and another instance took this fire");
+            }
+            Err(e) => {
+                tracing::warn!(job = %self.name, key = %fire_key, error = %e, "could not take the fire key again; late instances may run this fire");
+            }
+        }
+    }
+
     /// Runs `job` for `fire` unless another instance took this fire or the
     /// previous run is still going.
     pub async fn run<F, Fut, T>(
@@ -174,8 +202,9 @@ impl ScheduledJob {
             .run_exclusive(&self.running_key()?, &run_options, job)
             .await;
         // Keeps the fire key until the hold-at-least time, then it expires.
+        let keep_until = fire_guard.lease().sent_at() + keep_fire_for;
         if let Err(e) = fire_guard.release().await {
-            tracing::warn!(job = %self.name, key = %fire_key, error = %e, "could not keep the fire key; late instances may run this fire");
+            self.retake_fire_key(locker, &fire_key, keep_until, e).await;
         }
         Ok(match outcome? {
             RunOutcome::Completed {
