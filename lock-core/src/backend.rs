@@ -94,6 +94,22 @@ pub trait DistributedLock: Send + Sync + fmt::Debug {
     /// after `ttl`. [`Locker`](crate::Locker) never drops it mid-flight.
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<AcquireAttempt, LockError>;
 
+    /// As [`try_acquire`](Self::try_acquire), for a lock its holder will keep
+    /// renewing (a [`LockGuard`](crate::LockGuard) with renewal on). A backend
+    /// may then attach it to a shared session that one keep-alive renews
+    /// (etcd: one lease per client and TTL), making acquisition one round
+    /// trip. The lock must still expire within `ttl` of the holder's last
+    /// renewal if the holder stops renewing, and an [`extend`](Self::extend)
+    /// with a shorter TTL (max hold, hold-at-least) must make it expire
+    /// then. The default is `try_acquire`.
+    async fn try_acquire_renewing(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+    ) -> Result<AcquireAttempt, LockError> {
+        self.try_acquire(key, ttl).await
+    }
+
     /// Resets the lease's TTL to `ttl` from now if, and only if, the server
     /// still holds it for this owner. Never recreates an expired or released
     /// lock. Returns the renewed lease (same owner and fencing token), or an

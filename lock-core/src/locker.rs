@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use crate::wait::acquire_until_cancelled;
+use crate::wait::{acquire_until_cancelled, Attempt};
 use crate::{DistributedLock, Lease, LockError, LockGuard, LockKey, LockOptions};
 
 /// The entry point for job code: acquires [`LockGuard`]s from any backend.
@@ -77,7 +77,14 @@ impl Locker {
         options: &LockOptions,
         deadline: Instant,
     ) -> Result<Option<LockGuard>, LockError> {
-        let lease = self.acquire_lease(key, options.ttl(), deadline).await?;
+        let attempt = if options.renewal_policy() == crate::Renewal::Off {
+            Attempt::Plain
+        } else {
+            Attempt::Renewing
+        };
+        let lease = self
+            .acquire_lease(key, options.ttl(), deadline, attempt)
+            .await?;
         match lease {
             Some(lease) => {
                 tracing::info!(key = %key, fencing = %lease.fencing_token(), "lock acquired");
@@ -98,6 +105,7 @@ impl Locker {
         key: &LockKey,
         ttl: Duration,
         deadline: Instant,
+        attempt: Attempt,
     ) -> Result<Option<Lease>, LockError> {
         let backend = self.backend.clone();
         let key = key.clone();
@@ -106,7 +114,8 @@ impl Locker {
         let (reply, answer) = oneshot::channel();
         tokio::spawn(async move {
             let result =
-                acquire_until_cancelled(&*backend, &key, ttl, deadline, &task_cancel).await;
+                acquire_until_cancelled(&*backend, &key, ttl, deadline, attempt, &task_cancel)
+                    .await;
             if let Err(Ok(Some(lease))) = reply.send(result) {
                 tracing::debug!(key = %key, fencing = %lease.fencing_token(), "waiter gone; releasing the lock it was granted");
                 let _ = backend.release(&lease).await;

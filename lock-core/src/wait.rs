@@ -18,7 +18,24 @@ pub async fn acquire_by_watching<B: DistributedLock + ?Sized>(
     ttl: Duration,
     deadline: Instant,
 ) -> Result<Option<Lease>, LockError> {
-    acquire_until_cancelled(backend, key, ttl, deadline, &CancellationToken::new()).await
+    acquire_until_cancelled(
+        backend,
+        key,
+        ttl,
+        deadline,
+        Attempt::Plain,
+        &CancellationToken::new(),
+    )
+    .await
+}
+
+/// Which acquisition call the waiting loop makes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Attempt {
+    /// [`DistributedLock::try_acquire`].
+    Plain,
+    /// [`DistributedLock::try_acquire_renewing`]: a guard will renew it.
+    Renewing,
 }
 
 /// As [`acquire_by_watching`], but gives up (`Ok(None)`) when `cancel` fires.
@@ -29,6 +46,7 @@ pub(crate) async fn acquire_until_cancelled<B: DistributedLock + ?Sized>(
     key: &LockKey,
     ttl: Duration,
     deadline: Instant,
+    attempt: Attempt,
     cancel: &CancellationToken,
 ) -> Result<Option<Lease>, LockError> {
     let caps = backend.capabilities();
@@ -44,7 +62,11 @@ pub(crate) async fn acquire_until_cancelled<B: DistributedLock + ?Sized>(
     let mut attempts = 0u64;
     loop {
         attempts += 1;
-        let expires_in = match backend.try_acquire(key, ttl).await? {
+        let result = match attempt {
+            Attempt::Plain => backend.try_acquire(key, ttl).await?,
+            Attempt::Renewing => backend.try_acquire_renewing(key, ttl).await?,
+        };
+        let expires_in = match result {
             AcquireAttempt::Acquired(lease) => {
                 tracing::debug!(key = %key, fencing = %lease.fencing_token(), attempts, "lock acquired");
                 return Ok(Some(lease));

@@ -167,6 +167,57 @@ pub async fn ttl_expiry_frees_key(ctx: TestContext) -> CaseResult {
     Ok(())
 }
 
+/// A lock taken with `try_acquire_renewing` (for a guard that will renew it)
+/// still expires after its TTL when nobody renews it, while the client that
+/// took it stays alive; and it is released, extended and fenced like any
+/// other.
+pub async fn renewing_acquire_expires_without_renewal(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let b = ctx.client().await?;
+    let key = ctx.key("basic");
+    let ttl = ctx.short_ttl();
+    let lease = match a.try_acquire_renewing(&key, ttl).await? {
+        lock_core::AcquireAttempt::Acquired(lease) => lease,
+        other => return Err(format!("a free key must be acquired, got {other:?}").into()),
+    };
+    refused(&b, &key, "right after the renewing acquire").await?;
+    let extended = a.extend(&lease, ttl).await?;
+    check_eq!(
+        extended.fencing_token(),
+        lease.fencing_token(),
+        "extend keeps the token"
+    );
+    tokio::time::sleep(ttl).await;
+    let next = eventually_acquire(
+        &b,
+        &key,
+        ctx.long_ttl(),
+        expiry_bound(ttl),
+        "after the TTL, with the first client still alive",
+    )
+    .await?;
+    check!(
+        next.fencing_token() > lease.fencing_token(),
+        "token grows across expiry"
+    );
+    b.release(&next).await?;
+    // And a renewing lock released normally frees the key at once.
+    let again = match a.try_acquire_renewing(&key, ttl).await? {
+        lock_core::AcquireAttempt::Acquired(lease) => lease,
+        other => return Err(format!("the released key must be free, got {other:?}").into()),
+    };
+    a.release(&again).await?;
+    let last = acquire(
+        &b,
+        &key,
+        ctx.long_ttl(),
+        "after releasing the renewing lock",
+    )
+    .await?;
+    b.release(&last).await?;
+    Ok(())
+}
+
 /// A client cannot release a lock with the owner token of an earlier
 /// acquisition of the same key, even its own.
 pub async fn stale_owner_release_refused(ctx: TestContext) -> CaseResult {

@@ -104,6 +104,7 @@ pub fn all() -> Vec<Case> {
         extend_keeps_lock,
         extend_pushes_expiry,
         ttl_expiry_frees_key,
+        renewing_acquire_expires_without_renewal,
         stale_owner_release_refused,
         stale_owner_extend_refused,
         foreign_release_refused,
