@@ -13,6 +13,7 @@ use lock_core::{
 use crate::config::EtcdConfig;
 use crate::errors;
 use crate::keys::{encode_value, KeyLayout};
+use crate::session::{self, Session, Sessions};
 use crate::txn::{self, AcquireOutcome};
 use crate::waiters::Watcher;
 
@@ -40,19 +41,40 @@ const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// `create_revision`: etcd's global revision counter, strictly increasing
 /// across releases, expiries and server restarts, unchanged by renewals.
 ///
+/// Locks whose holder renews them ([`try_acquire_renewing`], which
+/// [`Locker`](lock_core::Locker) uses for guards with renewal on) share a
+/// *session* lease instead: one etcd lease per client and TTL, granted on
+/// first use and kept alive by one keep-alive stream, as etcd's Go
+/// `concurrency.Session`. The session also deletes any of its locks whose
+/// holder has not renewed it for its TTL, so a holder that stops renewing
+/// still loses the lock after the TTL while the client lives on; if the
+/// client dies, etcd expires the session lease and its locks with it.
+/// Locks without renewal keep a lease of their own, so their TTL is exact.
+///
 /// Costs, in round trips to the server:
+/// - `try_acquire_renewing`: 1 transaction that creates the key on the
+///   session lease (plus 1 lease grant the first time a client uses a TTL).
+/// - `extend` of a session lock with its TTL (a guard's renewal, every
+///   third of the TTL by default): 1 transaction that only confirms the key
+///   is still ours and on the session lease.
+/// - session keep-alive: 1 message on the keep-alive stream per third of
+///   the TTL, per client and TTL in use, whatever the number of locks.
 /// - `try_acquire`: 2 (grant a lease, then one transaction that creates the
 ///   key only if absent); on refusal the unused lease is revoked in the
 ///   background (not waited for).
-/// - `extend`: 2 (grant a lease with the new TTL, then one transaction that
-///   moves the key to it only if the value and create revision are still
-///   ours); the old lease is revoked in the background.
+/// - `extend` of a lock on its own lease, or with another TTL (max hold,
+///   hold-at-least): 2 (grant a lease with the new TTL, then one
+///   transaction that moves the key to it only if the value and create
+///   revision are still ours); the old lease is revoked in the background
+///   unless it is a session lease (those are never revoked for one lock).
 /// - `release`: 1 transaction that compares owner and revision, then
-///   deletes; the lease is revoked in the background.
+///   deletes; a lock's own lease is revoked in the background.
 ///
 /// Waiting is woken by an etcd watch on the holder's key (one watch stream
 /// per client, one watch per key with waiters): a release or lease expiry
 /// deletes the key and wakes the waiters at once.
+///
+/// [`try_acquire_renewing`]: DistributedLock::try_acquire_renewing
 ///
 /// TTLs are whole seconds (at least 1 s, or the server's minimum lease TTL
 /// if larger); shorter or fractional TTLs are rounded up.
@@ -88,6 +110,7 @@ struct Inner {
     options: ClientOptions,
     issuer: LeaseIssuer,
     watcher: Watcher,
+    sessions: Sessions,
 }
 
 impl EtcdLock {
@@ -133,6 +156,7 @@ impl EtcdLock {
         options.validate()?;
         let layout = KeyLayout::new(&options.namespace);
         let watcher = Watcher::new(client.watch_client(), layout.clone(), options.clone());
+        let sessions = Sessions::new(client.kv_client(), client.lease_client(), options.clone());
         Ok(Self {
             inner: Arc::new(Inner {
                 kv: client.kv_client(),
@@ -141,6 +165,7 @@ impl EtcdLock {
                 options,
                 issuer: LeaseIssuer::random(),
                 watcher,
+                sessions,
             }),
         })
     }
@@ -262,6 +287,64 @@ impl EtcdLock {
         Ok(Some(found.clone()))
     }
 
+    /// The live session lease for `ttl`, granted (one round trip) if there
+    /// is none yet.
+    async fn session(&self, ttl: Duration) -> Result<Arc<Session>, LockError> {
+        let secs = ttl.as_secs();
+        if let Some(session) = self.inner.sessions.live(secs) {
+            return Ok(session);
+        }
+        let _creating = self.inner.sessions.creating().await;
+        if let Some(session) = self.inner.sessions.live(secs) {
+            return Ok(session);
+        }
+        let sent_at = Instant::now();
+        let (lease_id, granted) = self.grant(ttl).await?;
+        Ok(self.inner.sessions.start(secs, lease_id, granted, sent_at))
+    }
+
+    /// Renews a lock attached to the live `session` with the session's TTL:
+    /// one transaction confirms the key is still ours and on the session
+    /// lease; the session's keep-alives renew it.
+    async fn confirm_session_lock(
+        &self,
+        lease: &Lease,
+        session: &Session,
+    ) -> Result<Lease, LockError> {
+        let etcd_key = self.inner.layout.lock_key(lease.key());
+        let value = encode_value(lease.owner());
+        let sent_at = Instant::now();
+        let reply = self
+            .run_txn(
+                "etcd extend",
+                txn::confirm(&etcd_key, &value, lease.fencing_token(), session.lease_id()),
+            )
+            .await?;
+        if !reply.succeeded() {
+            session.untrack(&value);
+            tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), "etcd session lock not held on extend");
+            return Err(Self::not_held(lease));
+        }
+        let confirmed = match session.confirmed_sent_at() {
+            Some(confirmed) if session.renew(&value, sent_at) => confirmed,
+            _ => {
+                tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), "etcd session lock expired or its session was lost");
+                return Err(Self::not_held(lease));
+            }
+        };
+        tracing::trace!(key = %lease.key(), fencing = %lease.fencing_token(), "etcd session lock confirmed");
+        Ok(lease.renewed(sent_at.min(confirmed), session.ttl()))
+    }
+
+    /// Detaches a lock from its session's expiry tracking, if it had one.
+    fn untrack(&self, lease: &Lease) {
+        if let Some(id) = session::session_lease_of(lease.handle()) {
+            if let Some(session) = self.inner.sessions.by_lease(id) {
+                session.untrack(&encode_value(lease.owner()));
+            }
+        }
+    }
+
     fn not_held(lease: &Lease) -> LockError {
         LockError::not_held(format!(
             "lock {:?} is no longer held by this lease (released, expired or taken over)",
@@ -276,6 +359,7 @@ impl std::fmt::Debug for Inner {
             .field("namespace", &self.options.namespace)
             .field("issuer", &self.issuer)
             .field("watcher", &self.watcher)
+            .field("sessions", &self.sessions.len())
             .finish_non_exhaustive()
     }
 }
@@ -356,9 +440,78 @@ impl DistributedLock for EtcdLock {
         }
     }
 
+    async fn try_acquire_renewing(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+    ) -> Result<AcquireAttempt, LockError> {
+        let ttl = self.capabilities().effective_ttl(ttl)?;
+        let session = self.session(ttl).await?;
+        let etcd_key = self.inner.layout.lock_key(key);
+        let owner = OwnerToken::random();
+        let value = encode_value(owner);
+        let sent_at = Instant::now();
+        let reply = match self
+            .run_txn(
+                "etcd acquire",
+                txn::acquire(&etcd_key, &value, session.lease_id()),
+            )
+            .await
+        {
+            Ok(reply) => reply,
+            Err(e) => {
+                // Unknown outcome, and the session lease cannot be revoked
+                // for one lock: track it as already due, so the session
+                // deletes it (if it was created) at its next tick.
+                let due = sent_at.checked_sub(session.ttl()).unwrap_or(sent_at);
+                session.track(&etcd_key, &value, None, due);
+                return Err(e);
+            }
+        };
+        match txn::acquire_outcome(key, &reply) {
+            Ok(AcquireOutcome::Created(fencing)) => {
+                session.track(&etcd_key, &value, Some(fencing), sent_at);
+                let valid_from = session
+                    .confirmed_sent_at()
+                    .map_or(sent_at, |confirmed| confirmed.min(sent_at));
+                tracing::debug!(key = %key, fencing = %fencing, ttl = ?session.ttl(), "etcd lock acquired on the session lease");
+                Ok(AcquireAttempt::Acquired(
+                    Lease::new(
+                        key.clone(),
+                        owner,
+                        fencing,
+                        valid_from,
+                        session.ttl(),
+                        self.inner.issuer,
+                    )
+                    .with_handle(session::session_handle(session.lease_id())),
+                ))
+            }
+            Ok(AcquireOutcome::Held { lease_id: holder }) => {
+                tracing::trace!(key = %key, holder_lease = holder, "etcd lock held by another owner");
+                Ok(AcquireAttempt::Held { expires_in: None })
+            }
+            Ok(AcquireOutcome::Gone) => Ok(AcquireAttempt::Held {
+                expires_in: Some(Duration::ZERO),
+            }),
+            Err(e) => {
+                tracing::debug!(key = %key, error = %e, "foreign value at an etcd lock key");
+                Err(e)
+            }
+        }
+    }
+
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
         lease.check_issuer(self.inner.issuer)?;
         let ttl = self.capabilities().effective_ttl(ttl)?;
+        if let Some(session) = session::session_lease_of(lease.handle())
+            .and_then(|id| self.inner.sessions.by_lease(id))
+            .filter(|session| session.is_alive() && session.ttl() == ttl)
+        {
+            return self.confirm_session_lock(lease, &session).await;
+        }
+        // Any other TTL (max hold, hold-at-least), or a lost session: move
+        // the key to a lease of its own with exactly that TTL.
         let etcd_key = self.inner.layout.lock_key(lease.key());
         let value = encode_value(lease.owner());
         let sent_at = Instant::now();
@@ -379,14 +532,19 @@ impl DistributedLock for EtcdLock {
                 return Err(e);
             }
         };
+        // Off the session lease either way: its expiry tracking stops.
+        self.untrack(lease);
         if !reply.succeeded() {
             self.revoke_later(new_lease);
             tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), "etcd lock not held on extend");
             return Err(Self::not_held(lease));
         }
-        let old = i64::try_from(lease.handle()).unwrap_or(0);
-        if old > 0 && old != new_lease {
-            self.revoke_later(old);
+        // A session lease is shared: never revoked for one lock.
+        if session::session_lease_of(lease.handle()).is_none() {
+            let old = i64::try_from(lease.handle()).unwrap_or(0);
+            if old > 0 && old != new_lease {
+                self.revoke_later(old);
+            }
         }
         tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), ttl = ?granted, "etcd lock extended");
         Ok(lease
@@ -404,13 +562,18 @@ impl DistributedLock for EtcdLock {
                 txn::release(&etcd_key, &value, lease.fencing_token()),
             )
             .await?;
+        self.untrack(lease);
         if !reply.succeeded() {
             tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), "etcd lock not held on release");
             return Err(Self::not_held(lease));
         }
-        if let Ok(id) = i64::try_from(lease.handle()) {
-            if id > 0 {
-                self.revoke_later(id);
+        // A session lease (top bit set, so not a valid i64 id) is shared
+        // and never revoked for one lock.
+        if session::session_lease_of(lease.handle()).is_none() {
+            if let Ok(id) = i64::try_from(lease.handle()) {
+                if id > 0 {
+                    self.revoke_later(id);
+                }
             }
         }
         tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), "etcd lock released");
@@ -461,7 +624,9 @@ impl DistributedLock for EtcdLock {
                 key.as_str()
             )));
         }
-        self.revoke_later(found.lease());
+        // The key's lease is not revoked: it may be a session lease that
+        // other locks of the holder's client share. Without keys, it just
+        // runs out.
         tracing::info!(key = %key, "etcd lock force-released");
         Ok(true)
     }

@@ -8,6 +8,12 @@
 //! global, durable revision counter. Waiters are woken by an etcd watch on
 //! the holder's key, not by polling.
 //!
+//! A lock whose guard renews it goes on a lease shared by the client's
+//! renewed locks (one per TTL, kept alive by one keep-alive stream), so
+//! taking it costs one round trip and renewing it one small confirming
+//! request; locks without renewal get a lease of their own, two round trips,
+//! so their TTL is exact. See [`EtcdLock`] for the costs of each operation.
+//!
 //! TTLs are whole seconds: shorter or fractional TTLs are rounded up (1.2 s
 //! becomes 2 s), and a server with default settings grants at least 2 s
 //! (1.5 × its election timeout). [`EtcdLock::capabilities`](lock_core::DistributedLock::capabilities)
@@ -41,6 +47,7 @@ mod backend;
 mod config;
 mod errors;
 mod keys;
+mod session;
 mod txn;
 mod waiters;
 

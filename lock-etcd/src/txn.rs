@@ -9,6 +9,9 @@
 //! - extend: `if value(key) == ours and create_revision(key) == fencing then
 //!   put(key, value, new_lease)`; a missing key fails the comparison, so an
 //!   expired lock is never recreated.
+//! - confirm (renewing a lock on a session lease): `if value(key) == ours
+//!   and create_revision(key) == fencing and lease(key) == session` with no
+//!   operations; the session's keep-alive does the renewing.
 //! - release: `if value(key) == ours and create_revision(key) == fencing then delete(key)`.
 
 use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse};
@@ -49,6 +52,20 @@ pub(crate) fn extend(key: &[u8], value: &[u8], fencing: FencingToken, new_lease_
             value,
             Some(PutOptions::new().with_lease(new_lease_id)),
         )])
+}
+
+/// The confirm transaction for a lock on a session lease: succeeds, without
+/// writing anything, if the key is still this acquisition's and still
+/// attached to `session_lease_id`.
+pub(crate) fn confirm(
+    key: &[u8],
+    value: &[u8],
+    fencing: FencingToken,
+    session_lease_id: i64,
+) -> Txn {
+    let mut when = ours(key, value, fencing);
+    when.push(Compare::lease(key, CompareOp::Equal, session_lease_id));
+    Txn::new().when(when)
 }
 
 /// The release transaction.

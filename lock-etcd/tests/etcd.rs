@@ -430,3 +430,201 @@ async fn authentication_through_the_url() {
     let err = EtcdLock::connect(&outside).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Config, "{err}");
 }
+
+/// etcd's per-method gRPC request counters (`grpc_server_started_total`),
+/// read from its Prometheus endpoint on the client port with a plain
+/// HTTP/1.0 GET.
+async fn grpc_started(addr: std::net::SocketAddr) -> std::collections::BTreeMap<String, u64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect to etcd's metrics endpoint");
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .await
+        .expect("send the metrics request");
+    let mut body = String::new();
+    stream
+        .read_to_string(&mut body)
+        .await
+        .expect("read the metrics");
+    let mut counts = std::collections::BTreeMap::new();
+    for line in body.lines() {
+        let Some(rest) = line.strip_prefix("grpc_server_started_total{") else {
+            continue;
+        };
+        let method = rest
+            .split("grpc_method=\"")
+            .nth(1)
+            .and_then(|m| m.split('"').next())
+            .expect("grpc_method label");
+        let value: f64 = line
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse().ok())
+            .expect("counter value");
+        *counts.entry(method.to_owned()).or_insert(0) += value as u64;
+    }
+    assert!(
+        counts.contains_key("Range") || counts.contains_key("Txn"),
+        "etcd's /metrics has no grpc_server_started_total counters: {body:.500}"
+    );
+    counts
+}
+
+/// The gRPC requests started between two counter readings, by method,
+/// without the keep-alive stream (its messages are not requests).
+fn requests_between(
+    before: &std::collections::BTreeMap<String, u64>,
+    after: &std::collections::BTreeMap<String, u64>,
+) -> std::collections::BTreeMap<String, u64> {
+    after
+        .iter()
+        .filter(|(method, _)| method.as_str() != "LeaseKeepAlive")
+        .map(|(method, n)| (method.clone(), n - before.get(method).copied().unwrap_or(0)))
+        .filter(|(_, n)| *n > 0)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewing_acquire_is_one_round_trip_and_still_expires() {
+    // A server of its own, so no other test's requests are counted.
+    let server = own_server();
+    let a = EtcdLock::connect(&server.url()).await.expect("connect a");
+    let b = EtcdLock::connect(&server.url()).await.expect("connect b");
+    let long = Duration::from_secs(30);
+    let expect = |pairs: &[(&str, u64)]| -> std::collections::BTreeMap<String, u64> {
+        pairs.iter().map(|(m, n)| ((*m).to_owned(), *n)).collect()
+    };
+
+    // The first renewing acquire with a TTL starts the session: grant + txn.
+    let before = grpc_started(server.addr()).await;
+    let AcquireAttempt::Acquired(first) = a.try_acquire_renewing(&key("rt"), long).await.unwrap()
+    else {
+        panic!("a free key must be acquired");
+    };
+    let after = grpc_started(server.addr()).await;
+    assert_eq!(
+        requests_between(&before, &after),
+        expect(&[("LeaseGrant", 1), ("Txn", 1)]),
+        "first renewing acquire"
+    );
+
+    // Every further one is a single transaction on the session lease.
+    let before = grpc_started(server.addr()).await;
+    let AcquireAttempt::Acquired(second) = a.try_acquire_renewing(&key("rt"), long).await.unwrap()
+    else {
+        panic!("a free key must be acquired");
+    };
+    let after = grpc_started(server.addr()).await;
+    assert_eq!(
+        requests_between(&before, &after),
+        expect(&[("Txn", 1)]),
+        "second renewing acquire: one round trip"
+    );
+    assert_eq!(second.ttl(), first.ttl());
+
+    // Renewing it with its TTL is one confirming transaction.
+    let before = grpc_started(server.addr()).await;
+    let renewed = a.extend(&second, second.ttl()).await.expect("extend");
+    let after = grpc_started(server.addr()).await;
+    assert_eq!(
+        requests_between(&before, &after),
+        expect(&[("Txn", 1)]),
+        "renewal"
+    );
+    assert_eq!(renewed.fencing_token(), second.fencing_token());
+
+    // A plain acquire keeps its own lease (exact TTL): grant + txn.
+    let before = grpc_started(server.addr()).await;
+    let plain = acquire(&a, &key("rt"), long).await;
+    let after = grpc_started(server.addr()).await;
+    assert_eq!(
+        requests_between(&before, &after),
+        expect(&[("LeaseGrant", 1), ("Txn", 1)]),
+        "plain acquire"
+    );
+
+    // Releasing a session lock deletes only it: the session lease is not
+    // revoked, so the other lock on it stays held.
+    a.release(&renewed).await.expect("release the second");
+    assert!(matches!(
+        b.try_acquire(first.key(), long).await.unwrap(),
+        AcquireAttempt::Held { .. }
+    ));
+    a.release(&first).await.expect("release the first");
+    a.release(&plain).await.expect("release the plain lock");
+
+    // A renewing lock its holder stops renewing expires while the client
+    // (and its session) lives on.
+    let short = Duration::from_secs(1);
+    let k = key("unrenewed");
+    let AcquireAttempt::Acquired(stale) = a.try_acquire_renewing(&k, short).await.unwrap() else {
+        panic!("a free key must be acquired");
+    };
+    let give_up = Instant::now() + Duration::from_secs(30);
+    let taken = loop {
+        if let AcquireAttempt::Acquired(lease) = b.try_acquire(&k, long).await.unwrap() {
+            break lease;
+        }
+        assert!(Instant::now() < give_up, "the unrenewed lock never expired");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(taken.fencing_token() > stale.fencing_token());
+    assert_eq!(
+        a.extend(&stale, stale.ttl()).await.unwrap_err().kind(),
+        ErrorKind::NotHeld
+    );
+    // The session is still there for new locks: one round trip.
+    let before = grpc_started(server.addr()).await;
+    let AcquireAttempt::Acquired(again) = a.try_acquire_renewing(&key("rt"), short).await.unwrap()
+    else {
+        panic!("a free key must be acquired");
+    };
+    let after = grpc_started(server.addr()).await;
+    assert_eq!(
+        requests_between(&before, &after),
+        expect(&[("Txn", 1)]),
+        "renewing acquire after an expiry"
+    );
+    a.release(&again).await.expect("release");
+    b.release(&taken).await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_client_stops_its_session_keep_alive() {
+    let server = any_server();
+    let raw = raw_client(&server.url()).await;
+    let a = EtcdLock::connect(&server.url()).await.expect("connect a");
+    let AcquireAttempt::Acquired(lease) = a
+        .try_acquire_renewing(&key("session-drop"), Duration::from_secs(1))
+        .await
+        .unwrap()
+    else {
+        panic!("a free key must be acquired");
+    };
+    // The handle is the session lease id with the top bit set.
+    let session_lease = i64::try_from(lease.handle() & !(1 << 63)).expect("lease id");
+    // etcd reports the remaining whole seconds (0 in the last second), and
+    // -1 for a lease that no longer exists.
+    let alive = |ttl: i64| ttl >= 0;
+    let mut leases = raw.lease_client();
+    // Kept alive while the client lives, well past its 1 s TTL.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let ttl = leases.time_to_live(session_lease, None).await.unwrap().ttl();
+    assert!(alive(ttl), "the session lease must be kept alive (ttl {ttl})");
+    drop(a);
+    // Dropped: its keep-alive task stops and etcd expires the lease.
+    let give_up = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ttl = leases.time_to_live(session_lease, None).await.unwrap().ttl();
+        if !alive(ttl) {
+            break;
+        }
+        assert!(
+            Instant::now() < give_up,
+            "the session lease outlived its client"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
