@@ -611,13 +611,24 @@ async fn dropping_the_client_stops_its_session_keep_alive() {
     let mut leases = raw.lease_client();
     // Kept alive while the client lives, well past its 1 s TTL.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let ttl = leases.time_to_live(session_lease, None).await.unwrap().ttl();
-    assert!(alive(ttl), "the session lease must be kept alive (ttl {ttl})");
+    let ttl = leases
+        .time_to_live(session_lease, None)
+        .await
+        .unwrap()
+        .ttl();
+    assert!(
+        alive(ttl),
+        "the session lease must be kept alive (ttl {ttl})"
+    );
     drop(a);
     // Dropped: its keep-alive task stops and etcd expires the lease.
     let give_up = Instant::now() + Duration::from_secs(30);
     loop {
-        let ttl = leases.time_to_live(session_lease, None).await.unwrap().ttl();
+        let ttl = leases
+            .time_to_live(session_lease, None)
+            .await
+            .unwrap()
+            .ttl();
         if !alive(ttl) {
             break;
         }
