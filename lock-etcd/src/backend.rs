@@ -13,6 +13,7 @@ use lock_core::{
 use crate::config::EtcdConfig;
 use crate::errors;
 use crate::keys::{encode_value, KeyLayout};
+use crate::queue;
 use crate::session::{self, Session, Sessions};
 use crate::txn::{self, AcquireOutcome};
 use crate::waiters::Watcher;
@@ -21,7 +22,7 @@ use crate::waiters::Watcher;
 /// (1.5 × the 1 s election timeout, rounded up); a server tuned for short
 /// election timeouts grants 1 s. We ask for what the caller wants, rounded up
 /// to whole seconds, and use the TTL the server reports.
-const MIN_TTL: Duration = Duration::from_secs(1);
+pub(crate) const MIN_TTL: Duration = Duration::from_secs(1);
 
 /// etcd's largest lease TTL (`MaxLeaseTTL`, 9 000 000 000 s); we cap lower,
 /// at lock-core's default of a year.
@@ -70,9 +71,16 @@ const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// - `release`: 1 transaction that compares owner and revision, then
 ///   deletes; a lock's own lease is revoked in the background.
 ///
-/// Waiting is woken by an etcd watch on the holder's key (one watch stream
-/// per client, one watch per key with waiters): a release or lease expiry
-/// deletes the key and wakes the waiters at once.
+/// Waiting is FIFO and woken by the server, as etcd's Go
+/// `concurrency.Mutex`: each waiting call puts a queue entry
+/// `NS/lock/<escaped key>/waiters/<id>` on a short session lease of its
+/// client, and watches only the entry just before it; the first in line
+/// watches the lock key, whose deletion (release, or the holder's lease
+/// expiring) wakes exactly that waiter. A handoff costs the same few
+/// requests however many wait (release, acquire, the leaving waiter's
+/// queue-entry delete, one look-up by its successor); all watches share one
+/// watch stream per client. Acquiring without waiting (`try_acquire`)
+/// never queues, so it may overtake waiters.
 ///
 /// [`try_acquire_renewing`]: DistributedLock::try_acquire_renewing
 ///
@@ -100,16 +108,16 @@ const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// ```
 #[derive(Debug, Clone)]
 pub struct EtcdLock {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
-struct Inner {
-    kv: KvClient,
+pub(crate) struct Inner {
+    pub(crate) kv: KvClient,
     leases: LeaseClient,
-    layout: KeyLayout,
-    options: ClientOptions,
+    pub(crate) layout: KeyLayout,
+    pub(crate) options: ClientOptions,
     issuer: LeaseIssuer,
-    watcher: Watcher,
+    pub(crate) watcher: Watcher,
     sessions: Sessions,
 }
 
@@ -155,7 +163,7 @@ impl EtcdLock {
     pub fn from_client(client: Client, options: ClientOptions) -> Result<Self, LockError> {
         options.validate()?;
         let layout = KeyLayout::new(&options.namespace);
-        let watcher = Watcher::new(client.watch_client(), layout.clone(), options.clone());
+        let watcher = Watcher::new(client.watch_client(), options.clone());
         let sessions = Sessions::new(client.kv_client(), client.lease_client(), options.clone());
         Ok(Self {
             inner: Arc::new(Inner {
@@ -175,8 +183,9 @@ impl EtcdLock {
         &self.inner.options
     }
 
-    /// The prefix of every etcd key this client touches (`NS/lock/`): a
-    /// restricted etcd user needs a role with readwrite permission on it.
+    /// The prefix of every etcd key this client touches (`NS/lock/`, locks
+    /// and their waiter queues): a restricted etcd user needs a role with
+    /// readwrite permission on it.
     pub fn key_prefix(&self) -> &str {
         self.inner.layout.prefix()
     }
@@ -289,7 +298,7 @@ impl EtcdLock {
 
     /// The live session lease for `ttl`, granted (one round trip) if there
     /// is none yet.
-    async fn session(&self, ttl: Duration) -> Result<Arc<Session>, LockError> {
+    pub(crate) async fn session(&self, ttl: Duration) -> Result<Arc<Session>, LockError> {
         let secs = ttl.as_secs();
         if let Some(session) = self.inner.sessions.live(secs) {
             return Ok(session);
@@ -632,6 +641,6 @@ impl DistributedLock for EtcdLock {
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        self.inner.watcher.subscribe(key).await.map(Some)
+        queue::enqueue(self, key).await.map(Some)
     }
 }

@@ -5,8 +5,16 @@
 //! (`%25`, `%2F`) and keeps every other byte. The escape is injective (it
 //! can be undone), so two distinct user keys never map to the same etcd key,
 //! and an escaped key never contains `/`, so no lock key is a path below
-//! another. The backend only reads, writes and watches single keys (never a
-//! range or prefix), and every key it touches starts with `NS/lock/`.
+//! another.
+//!
+//! The waiters of `k` queue (FIFO) under `NS/lock/<escape(k)>/waiters/`,
+//! one key per waiting call: `NS/lock/<escape(k)>/waiters/<waiter id>`. The
+//! only range the backend reads is such a queue prefix. It ends with `/` and
+//! the escaped key in it contains none, so the queue prefix of `k` is never
+//! a prefix of another key's lock key or queue entries (`a` vs `a/b`, whose
+//! queue is `NS/lock/a%2Fb/waiters/`), and no lock key lies in any queue
+//! range. Every key the backend touches starts with `NS/lock/`, so one
+//! readwrite permission on that prefix covers locks and queues.
 //!
 //! The value is `dl1:<32 hex digits of the owner token>`; anything else at a
 //! lock key was not written by distlock and is reported as corrupted.
@@ -35,6 +43,20 @@ impl KeyLayout {
     /// restricted etcd user needs readwrite permission on.
     pub(crate) fn prefix(&self) -> &str {
         &self.prefix
+    }
+
+    /// The prefix of the waiter queue of `key` (ends with `/`).
+    pub(crate) fn queue_prefix(&self, key: &LockKey) -> Vec<u8> {
+        let mut out = self.lock_key(key);
+        out.extend_from_slice(b"/waiters/");
+        out
+    }
+
+    /// The queue entry of waiter `waiter_id` (hex digits) on `key`.
+    pub(crate) fn queue_entry(&self, key: &LockKey, waiter_id: &str) -> Vec<u8> {
+        let mut out = self.queue_prefix(key);
+        out.extend_from_slice(waiter_id.as_bytes());
+        out
     }
 
     /// The etcd key of the lock on `key`.
@@ -88,6 +110,45 @@ mod tests {
         assert_eq!(
             layout.lock_key(&LockKey::new("a/b").unwrap()),
             b"distlock/lock/a%2Fb"
+        );
+    }
+
+    #[test]
+    fn queue_prefixes_never_overlap() {
+        let layout = KeyLayout::new("distlock");
+        let keys = [
+            "a",
+            "a/b",
+            "a%2Fb",
+            "a%b",
+            "a:b",
+            "a/",
+            "/a",
+            "a//b",
+            "ключ",
+            "%",
+            "/",
+            "a/waiters",
+            "a/waiters/x",
+        ];
+        let keys: Vec<LockKey> = keys.iter().map(|k| LockKey::new(*k).unwrap()).collect();
+        for k in &keys {
+            let prefix = layout.queue_prefix(k);
+            assert!(prefix.ends_with(b"/"));
+            for other in &keys {
+                // No lock key lies in a queue range.
+                assert!(!layout.lock_key(other).starts_with(&prefix));
+                if other != k {
+                    let theirs = layout.queue_prefix(other);
+                    assert!(!theirs.starts_with(&prefix) && !prefix.starts_with(&theirs));
+                    assert!(!layout.queue_entry(other, "00ff").starts_with(&prefix));
+                }
+            }
+            assert!(layout.queue_entry(k, "00ff").starts_with(&prefix));
+        }
+        assert_eq!(
+            layout.queue_entry(&LockKey::new("a/b").unwrap(), "0a"),
+            b"distlock/lock/a%2Fb/waiters/0a"
         );
     }
 

@@ -47,6 +47,7 @@ mod backend;
 mod config;
 mod errors;
 mod keys;
+mod queue;
 mod session;
 mod txn;
 mod waiters;

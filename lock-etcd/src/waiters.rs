@@ -1,14 +1,16 @@
 //! Server-driven wake-up: one etcd watch stream per client.
 //!
 //! A background task owns a single gRPC watch stream and multiplexes one etcd
-//! watch per lock key with local waiters on it (etcd watch ids, chosen by the
-//! client so creations and replies match). A `DELETE` event on a watched key
-//! — a release, or the holder's lease expiring — wakes that key's waiters
-//! through the [`ReleaseNotifier`]. A watch is registered (the server
-//! confirmed it with a `created` reply) before [`Watcher::subscribe`]
-//! returns, so a release after the subscription is never missed.
+//! watch per channel with local subscribers (etcd watch ids, chosen by the
+//! client so creations and replies match). The waiter queue
+//! ([`crate::queue`]) gives each waiter its own channel, watching its
+//! predecessor's queue entry or the lock key. A `DELETE` event on a watched
+//! key wakes that channel's subscribers through the [`ReleaseNotifier`]. A
+//! watch is registered (the server confirmed it with a `created` reply)
+//! before [`Watcher::subscribe_key`] returns, and may start at a past
+//! revision, so a deletion after the caller's read is never missed.
 //!
-//! Watches whose key has no waiters left are cancelled within a second. When
+//! Watches whose channel has no subscribers left are cancelled within a second. When
 //! the stream breaks (server restart, network), the task reconnects with
 //! backoff, re-creates the watches of keys that still have waiters, and then
 //! calls [`ReleaseNotifier::reset`] so every waiter retries once (a release
@@ -21,11 +23,10 @@ use std::time::Duration;
 use etcd_client::{
     EventType, WatchClient, WatchOptions, WatchRequestSender, WatchResponse, WatchResponseStream,
 };
-use lock_core::{ClientOptions, LockError, LockKey, ReleaseNotifier, ReleaseWatch};
+use lock_core::{ClientOptions, LockError, ReleaseNotifier, ReleaseWatch};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::errors;
-use crate::keys::KeyLayout;
 
 /// How often watches without waiters are cancelled.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
@@ -38,6 +39,9 @@ type Reply = oneshot::Sender<Result<(), LockError>>;
 struct WatchCommand {
     channel: String,
     key: Vec<u8>,
+    /// Revision to watch from (0: from now), so events between a read at
+    /// `start_revision - 1` and the watch's creation are not missed.
+    start_revision: i64,
     reply: Reply,
 }
 
@@ -45,7 +49,6 @@ struct WatchCommand {
 /// of the first waiter.
 pub(crate) struct Watcher {
     client: WatchClient,
-    layout: KeyLayout,
     options: ClientOptions,
     notifier: ReleaseNotifier,
     /// The running task's command queue; replaced if the task stopped
@@ -78,10 +81,9 @@ impl std::fmt::Debug for WatchCommand {
 }
 
 impl Watcher {
-    pub(crate) fn new(client: WatchClient, layout: KeyLayout, options: ClientOptions) -> Self {
+    pub(crate) fn new(client: WatchClient, options: ClientOptions) -> Self {
         Self {
             client,
-            layout,
             options,
             notifier: ReleaseNotifier::new(),
             commands: Mutex::new(None),
@@ -116,16 +118,29 @@ impl Watcher {
         tx
     }
 
-    /// Registers a waiter for `key`; the etcd watch is live when this returns.
-    pub(crate) async fn subscribe(&self, key: &LockKey) -> Result<ReleaseWatch, LockError> {
-        let channel = key.as_str();
+    /// The registry that wakes this client's waiters.
+    pub(crate) fn notifier(&self) -> &ReleaseNotifier {
+        &self.notifier
+    }
+
+    /// Registers a subscriber on `channel` (a name of the caller's choice,
+    /// one etcd watch per channel) for deletions of the etcd key
+    /// `etcd_key` from `start_revision` on (0: from now); the etcd watch is
+    /// live when this returns.
+    pub(crate) async fn subscribe_key(
+        &self,
+        channel: &str,
+        etcd_key: Vec<u8>,
+        start_revision: i64,
+    ) -> Result<ReleaseWatch, LockError> {
         self.notifier
             .subscribe(channel, || async {
                 let (reply, confirmed) = oneshot::channel();
                 self.commands()
                     .send(WatchCommand {
                         channel: channel.to_owned(),
-                        key: self.layout.lock_key(key),
+                        key: etcd_key,
+                        start_revision,
                         reply,
                     })
                     .map_err(|_| LockError::unavailable("the etcd watch task has stopped"))?;
@@ -145,6 +160,9 @@ impl Watcher {
 struct Entry {
     key: Vec<u8>,
     id: i64,
+    /// Revision the first creation watches from (0 once created: a
+    /// re-created watch starts from now and its waiters are woken).
+    start_revision: i64,
     created: bool,
     /// Wake the key's waiters once this (re-created) watch is confirmed.
     wake_on_create: bool,
@@ -262,6 +280,7 @@ impl WatchTask {
             Entry {
                 key: command.key,
                 id,
+                start_revision: command.start_revision,
                 created: false,
                 wake_on_create: false,
                 pending: vec![command.reply],
@@ -289,8 +308,13 @@ impl WatchTask {
         gone
     }
 
-    fn watch_options(id: i64) -> WatchOptions {
-        WatchOptions::new().with_watch_id(id)
+    fn watch_options(id: i64, start_revision: i64) -> WatchOptions {
+        let options = WatchOptions::new().with_watch_id(id);
+        if start_revision > 0 {
+            options.with_start_revision(start_revision)
+        } else {
+            options
+        }
     }
 
     /// Opens the stream and (re-)creates every entry's watch on it.
@@ -310,7 +334,7 @@ impl WatchTask {
         let mut requests = channels.iter().filter_map(|c| {
             self.entries
                 .get(c)
-                .map(|e| (e.key.clone(), Self::watch_options(e.id)))
+                .map(|e| (e.key.clone(), Self::watch_options(e.id, e.start_revision)))
         });
         let Some((first_key, first_options)) = requests.next() else {
             return Err(LockError::unavailable("nothing to watch"));
@@ -352,10 +376,11 @@ impl WatchTask {
                 command = self.commands.recv() => {
                     let Some(command) = command else { return Ok(Exit::Dropped) };
                     let key = command.key.clone();
+                    let start_revision = command.start_revision;
                     if let Some(id) = self.add(command) {
                         stream
                             .sender
-                            .watch(key, Some(Self::watch_options(id)))
+                            .watch(key, Some(Self::watch_options(id, start_revision)))
                             .await
                             .map_err(errors::mapper("etcd watch"))?;
                     }
@@ -366,7 +391,7 @@ impl WatchTask {
                             if let Some((key, id)) = self.handle(response) {
                                 stream
                                     .sender
-                                    .watch(key, Some(Self::watch_options(id)))
+                                    .watch(key, Some(Self::watch_options(id, 0)))
                                     .await
                                     .map_err(errors::mapper("etcd watch"))?;
                             }
@@ -410,6 +435,7 @@ impl WatchTask {
                     channel,
                     Entry {
                         id: new_id,
+                        start_revision: 0,
                         created: false,
                         wake_on_create: true,
                         ..entry
@@ -440,6 +466,7 @@ impl WatchTask {
             if let Some(entry) = self.entries.get_mut(&channel) {
                 if !entry.created {
                     entry.created = true;
+                    entry.start_revision = 0;
                     for reply in entry.pending.drain(..) {
                         let _ = reply.send(Ok(()));
                     }

@@ -1,0 +1,389 @@
+//! FIFO wake-up of waiters (etcd's Go `concurrency.Mutex` recipe): each
+//! waiting call queues, and only the first in line watches the lock.
+//!
+//! [`enqueue`] (the backend's `watch`) puts a queue entry
+//! `NS/lock/<escaped key>/waiters/<waiter id>` on the client's short session
+//! lease, so a crashed client's entries vanish with its lease. Its
+//! `create_revision` is its place in line. In the same transaction it reads
+//! the entry with the greatest create revision below its own — its
+//! predecessor — and whether the lock key exists. A waiter with a
+//! predecessor watches only that entry's deletion; the first in line
+//! watches the lock key's deletion (a release, a force release, or the
+//! holder's lease expiring). Every watch starts just after the revision the
+//! transaction read, so nothing in between is missed.
+//!
+//! A background task per waiter moves it up the line: when its predecessor
+//! leaves, one transaction finds the next predecessor (or none: it is first
+//! now) and reads the lock key. The waiter's [`ReleaseWatch`] — on a channel
+//! of its own, so exactly one waiter is woken — fires only when it is first
+//! and the lock key was deleted, or when it just became first and the lock
+//! is free. A handoff therefore costs a constant number of requests however
+//! many wait: the release, the next waiter's acquire, the leaving waiter's
+//! queue-entry delete and its successor's look-up.
+//!
+//! When the waiting call ends (acquired, deadline, or its future dropped)
+//! its [`ReleaseWatch`] is dropped; the task notices within
+//! [`DEPARTURE_CHECK`] and deletes the queue entry in the background, so
+//! the successor moves up. A woken first waiter that finds the lock taken
+//! (another client acquired without queueing) stays first and keeps
+//! watching the lock key.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use etcd_client::{GetOptions, KeyValue, PutOptions, SortOrder, SortTarget, Txn, TxnOp};
+use etcd_client::{TxnOpResponse, TxnResponse};
+use lock_core::{LockError, LockKey, OwnerToken, ReleaseWatch};
+
+use crate::backend::{EtcdLock, Inner, MIN_TTL};
+use crate::errors;
+
+/// How often a waiter's task checks that its waiting call is still on
+/// (a local check, no request). lock-core has no drop hook on
+/// [`ReleaseWatch`], so a departure is noticed by this check.
+const DEPARTURE_CHECK: Duration = Duration::from_millis(20);
+/// Pauses between retries of a failed look-up or entry delete.
+const RETRY_MIN: Duration = Duration::from_millis(100);
+const RETRY_MAX: Duration = Duration::from_secs(2);
+
+/// The value of a queue entry (only its key and revisions matter).
+const ENTRY_VALUE: &[u8] = b"dl1-waiter";
+
+/// What one queue transaction read, at revision `revision`.
+struct Position {
+    /// The header revision: the state the reads saw.
+    revision: i64,
+    /// The queue entry just before ours, if any.
+    predecessor: Option<Vec<u8>>,
+    /// Whether the lock key exists.
+    lock_held: bool,
+    /// Whether our own entry exists.
+    queued: bool,
+}
+
+/// One waiting call's place in the queue of one lock key.
+struct Waiter {
+    client: Weak<Inner>,
+    key: LockKey,
+    /// Our queue entry's etcd key.
+    entry: Vec<u8>,
+    /// Its create revision: our place in line.
+    place: i64,
+    /// The channel of the caller's [`ReleaseWatch`].
+    channel: String,
+    /// Numbers the channels of our own watches (one per watched target).
+    watches: u64,
+    /// The etcd key watched now (predecessor entry or lock key) and the
+    /// subscription.
+    target: Vec<u8>,
+    watch: ReleaseWatch,
+}
+
+/// Queues a waiter on `key` and returns the watch that wakes it; the queue
+/// entry is written and its etcd watch is live when this returns.
+pub(crate) async fn enqueue(lock: &EtcdLock, key: &LockKey) -> Result<ReleaseWatch, LockError> {
+    let inner = &lock.inner;
+    let waiter_id = OwnerToken::random().to_hex();
+    let channel = format!("{}#{waiter_id}", key.as_str());
+    let entry = inner.layout.queue_entry(key, &waiter_id);
+    // Registered first: whatever the task notifies from now on is kept.
+    let caller = inner
+        .watcher
+        .notifier()
+        .subscribe(&channel, || async { Ok(()) })
+        .await?;
+    let placed = match put_entry(lock, key, &entry).await {
+        Ok(placed) => placed,
+        Err(e) => {
+            // The put may have happened: take it out again.
+            delete_later(Arc::downgrade(inner), entry);
+            return Err(e);
+        }
+    };
+    let (place, position) = placed;
+    let (target, start) = target_of(lock, key, &position);
+    let first_watch = format!("{channel}#0");
+    let watch = match inner
+        .watcher
+        .subscribe_key(&first_watch, target.clone(), start)
+        .await
+    {
+        Ok(watch) => watch,
+        Err(e) => {
+            delete_later(Arc::downgrade(inner), entry);
+            return Err(e);
+        }
+    };
+    tracing::trace!(key = %key, place, first = position.predecessor.is_none(), "etcd waiter queued");
+    let waiter = Waiter {
+        client: Arc::downgrade(inner),
+        key: key.clone(),
+        entry,
+        place,
+        channel,
+        watches: 1,
+        target,
+        watch,
+    };
+    // The caller tries right after this returns, so a free lock needs no
+    // wake-up here.
+    tokio::spawn(waiter.run());
+    Ok(caller)
+}
+
+/// The etcd key to watch from `position`, and the revision to watch from.
+fn target_of(lock: &EtcdLock, key: &LockKey, position: &Position) -> (Vec<u8>, i64) {
+    let target = position
+        .predecessor
+        .clone()
+        .unwrap_or_else(|| lock.inner.layout.lock_key(key));
+    (target, position.revision.saturating_add(1))
+}
+
+/// Reads of the predecessor of a waiter at create revision below `below`
+/// (0: any), and of the lock key.
+fn reads(lock: &EtcdLock, key: &LockKey, below: i64, limit: i64) -> [TxnOp; 2] {
+    let layout = &lock.inner.layout;
+    let mut queue = GetOptions::new()
+        .with_prefix()
+        .with_sort(SortTarget::Create, SortOrder::Descend)
+        .with_limit(limit)
+        .with_keys_only();
+    if below > 0 {
+        queue = queue.with_max_create_revision(below - 1);
+    }
+    [
+        TxnOp::get(layout.queue_prefix(key), Some(queue)),
+        TxnOp::get(
+            layout.lock_key(key),
+            Some(GetOptions::new().with_keys_only()),
+        ),
+    ]
+}
+
+async fn run_txn(lock: &EtcdLock, what: &'static str, txn: Txn) -> Result<TxnResponse, LockError> {
+    let mut kv = lock.inner.kv.clone();
+    lock.inner
+        .options
+        .timed(what, async {
+            kv.txn(txn).await.map_err(errors::mapper(what))
+        })
+        .await
+}
+
+fn ranges(reply: &TxnResponse) -> Vec<Vec<KeyValue>> {
+    reply
+        .op_responses()
+        .into_iter()
+        .filter_map(|op| match op {
+            TxnOpResponse::Get(get) => Some(get.kvs().to_vec()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn revision_of(reply: &TxnResponse) -> Result<i64, LockError> {
+    reply
+        .header()
+        .map(|h| h.revision())
+        .filter(|r| *r > 0)
+        .ok_or_else(|| LockError::unavailable("etcd answered a queue transaction without revision"))
+}
+
+/// Writes our queue entry on the client's session lease and reads our
+/// predecessor and the lock key, in one transaction. Returns our place
+/// (the entry's create revision) and what was read.
+async fn put_entry(
+    lock: &EtcdLock,
+    key: &LockKey,
+    entry: &[u8],
+) -> Result<(i64, Position), LockError> {
+    let session = lock.session(MIN_TTL).await?;
+    let [queue, held] = reads(lock, key, 0, 2);
+    let txn = Txn::new().and_then([
+        TxnOp::put(
+            entry,
+            ENTRY_VALUE,
+            Some(PutOptions::new().with_lease(session.lease_id())),
+        ),
+        queue,
+        held,
+    ]);
+    let reply = run_txn(lock, "etcd queue waiter", txn).await?;
+    let revision = revision_of(&reply)?;
+    // The put is the transaction's only write: its revision is ours.
+    let place = revision;
+    let ranges = ranges(&reply);
+    // Newest first; skip our own entry (whether or not the read saw it).
+    let predecessor = ranges
+        .first()
+        .and_then(|kvs| {
+            kvs.iter()
+                .find(|kv| kv.key() != entry && kv.create_revision() < place)
+        })
+        .map(|kv| kv.key().to_vec());
+    let lock_held = ranges.get(1).is_some_and(|kvs| !kvs.is_empty());
+    Ok((
+        place,
+        Position {
+            revision,
+            predecessor,
+            lock_held,
+            queued: true,
+        },
+    ))
+}
+
+/// Deletes a queue entry in the background, retrying (each attempt under
+/// the operation timeout) while the client lives; a dropped client's
+/// entries go with its session lease.
+fn delete_later(client: Weak<Inner>, entry: Vec<u8>) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(delete_entry(client, entry));
+}
+
+async fn delete_entry(client: Weak<Inner>, entry: Vec<u8>) {
+    let mut pause = RETRY_MIN;
+    loop {
+        let Some(inner) = client.upgrade() else {
+            return;
+        };
+        let mut kv = inner.kv.clone();
+        let result = inner
+            .options
+            .timed("etcd dequeue waiter", async {
+                kv.delete(entry.clone(), None)
+                    .await
+                    .map_err(errors::mapper("etcd dequeue waiter"))
+            })
+            .await;
+        drop(inner);
+        match result {
+            Ok(_) => return,
+            Err(e) => {
+                tracing::debug!(error = %e, "could not delete an etcd queue entry; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(RETRY_MAX);
+            }
+        }
+    }
+}
+
+impl Waiter {
+    fn lock(&self) -> Option<EtcdLock> {
+        self.client.upgrade().map(|inner| EtcdLock { inner })
+    }
+
+    /// Whether the waiting call is still on (its watch not dropped).
+    fn waiting(&self) -> bool {
+        self.client
+            .upgrade()
+            .is_some_and(|inner| inner.watcher.notifier().has_waiters(&self.channel))
+    }
+
+    fn is_first(&self, lock: &EtcdLock) -> bool {
+        self.target == lock.inner.layout.lock_key(&self.key)
+    }
+
+    fn wake_caller(&self, lock: &EtcdLock) {
+        lock.inner.watcher.notifier().notify(&self.channel);
+    }
+
+    async fn run(mut self) {
+        let mut check = tokio::time::interval(DEPARTURE_CHECK);
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Set after a failed look-up: retry then.
+        let mut retry: Option<Duration> = None;
+        loop {
+            let retry_sleep = async {
+                match retry {
+                    Some(pause) => tokio::time::sleep(pause).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let woken = tokio::select! {
+                _ = self.watch.released() => true,
+                _ = check.tick() => false,
+                _ = retry_sleep => true,
+            };
+            if !self.waiting() {
+                break;
+            }
+            if !woken {
+                continue;
+            }
+            let Some(lock) = self.lock() else {
+                return;
+            };
+            if retry.is_none() && self.is_first(&lock) {
+                // The lock key was deleted (or the watch stream reconnected,
+                // and a deletion may have been missed): try now.
+                tracing::trace!(key = %self.key, place = self.place, "etcd lock released; waking the first waiter");
+                self.wake_caller(&lock);
+                continue;
+            }
+            // Our predecessor left (or a reconnect): find our place again.
+            match self.move_up(&lock).await {
+                Ok(()) => retry = None,
+                Err(e) => {
+                    tracing::debug!(key = %self.key, error = %e, "etcd queue look-up failed; retrying");
+                    let pause = retry.map_or(RETRY_MIN, |p| (p * 2).min(RETRY_MAX));
+                    retry = Some(pause);
+                }
+            }
+        }
+        tracing::trace!(key = %self.key, place = self.place, "etcd waiter left the queue");
+        delete_entry(self.client.clone(), self.entry.clone()).await;
+    }
+
+    /// Reads our predecessor and the lock key; watches the new predecessor,
+    /// or the lock key if we are first now (waking the caller if the lock
+    /// is free).
+    async fn move_up(&mut self, lock: &EtcdLock) -> Result<(), LockError> {
+        let [queue, held] = reads(lock, &self.key, self.place, 1);
+        let txn = Txn::new().and_then([
+            queue,
+            held,
+            TxnOp::get(self.entry.clone(), Some(GetOptions::new().with_keys_only())),
+        ]);
+        let reply = run_txn(lock, "etcd queue look-up", txn).await?;
+        let revision = revision_of(&reply)?;
+        let ranges = ranges(&reply);
+        let mut position = Position {
+            revision,
+            predecessor: ranges
+                .first()
+                .and_then(|kvs| kvs.first())
+                .map(|kv| kv.key().to_vec()),
+            lock_held: ranges.get(1).is_some_and(|kvs| !kvs.is_empty()),
+            queued: ranges.get(2).is_some_and(|kvs| !kvs.is_empty()),
+        };
+        if !position.queued {
+            // Our entry is gone (our session lease was lost): queue again,
+            // at the end of the line.
+            let (place, again) = put_entry(lock, &self.key, &self.entry).await?;
+            tracing::debug!(key = %self.key, place, "etcd queue entry lost; queued again");
+            self.place = place;
+            position = again;
+        }
+        let (target, start) = target_of(lock, &self.key, &position);
+        if target != self.target {
+            let channel = format!("{}#{}", self.channel, self.watches);
+            self.watches += 1;
+            self.watch = lock
+                .inner
+                .watcher
+                .subscribe_key(&channel, target.clone(), start)
+                .await?;
+            self.target = target;
+        }
+        let first = position.predecessor.is_none();
+        tracing::trace!(key = %self.key, place = self.place, first, "etcd waiter moved up");
+        if first && !position.lock_held {
+            self.wake_caller(lock);
+        }
+        Ok(())
+    }
+}
