@@ -2,7 +2,9 @@
 //!
 //! A backend keeps one server subscription per channel (Redis pub/sub channel,
 //! PostgreSQL LISTEN channel, etcd watch) however many local waiters wait on
-//! it, and wakes them all when a message arrives.
+//! it, and wakes them all when a message arrives. A backend that wakes
+//! waiters one at a time (etcd's FIFO queue) gives each waiter a channel of
+//! its own.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -97,6 +99,22 @@ impl ReleaseNotifier {
         for entry in channels.values_mut() {
             entry.ready = Arc::new(OnceCell::new());
             entry.wake.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// Resolves once `channel` has no waiters left (every [`ReleaseWatch`]
+    /// on it dropped); at once if it has none now. A backend that keeps
+    /// per-waiter state on the server (a queue entry) learns here that the
+    /// waiting call ended. Cancel-safe.
+    pub fn closed(&self, channel: &str) -> impl Future<Output = ()> + Send + 'static {
+        let wake = {
+            let channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+            channels.get(channel).map(|entry| entry.wake.clone())
+        };
+        async move {
+            if let Some(wake) = wake {
+                wake.closed().await;
+            }
         }
     }
 

@@ -22,9 +22,9 @@
 //! queue-entry delete and its successor's look-up.
 //!
 //! When the waiting call ends (acquired, deadline, or its future dropped)
-//! its [`ReleaseWatch`] is dropped; the task notices within
-//! [`DEPARTURE_CHECK`] and deletes the queue entry in the background, so
-//! the successor moves up. A woken first waiter that finds the lock taken
+//! its [`ReleaseWatch`] is dropped; the task learns it at once
+//! ([`ReleaseNotifier::closed`](lock_core::ReleaseNotifier::closed)) and
+//! deletes the queue entry in the background, so the successor moves up. A woken first waiter that finds the lock taken
 //! (another client acquired without queueing) stays first and keeps
 //! watching the lock key.
 
@@ -38,10 +38,6 @@ use lock_core::{LockError, LockKey, OwnerToken, ReleaseWatch};
 use crate::backend::{EtcdLock, Inner, MIN_TTL};
 use crate::errors;
 
-/// How often a waiter's task checks that its waiting call is still on
-/// (a local check, no request). lock-core has no drop hook on
-/// [`ReleaseWatch`], so a departure is noticed by this check.
-const DEPARTURE_CHECK: Duration = Duration::from_millis(20);
 /// Pauses between retries of a failed look-up or entry delete.
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(2);
@@ -292,8 +288,12 @@ impl Waiter {
     }
 
     async fn run(mut self) {
-        let mut check = tokio::time::interval(DEPARTURE_CHECK);
-        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Resolves when the waiting call ends (its ReleaseWatch dropped).
+        let departed = match self.client.upgrade() {
+            Some(inner) => inner.watcher.notifier().closed(&self.channel),
+            None => return,
+        };
+        tokio::pin!(departed);
         // Set after a failed look-up: retry then.
         let mut retry: Option<Duration> = None;
         loop {
@@ -303,16 +303,13 @@ impl Waiter {
                     None => std::future::pending().await,
                 }
             };
-            let woken = tokio::select! {
-                _ = self.watch.released() => true,
-                _ = check.tick() => false,
-                _ = retry_sleep => true,
-            };
+            tokio::select! {
+                _ = self.watch.released() => {}
+                _ = &mut departed => break,
+                _ = retry_sleep => {}
+            }
             if !self.waiting() {
                 break;
-            }
-            if !woken {
-                continue;
             }
             let Some(lock) = self.lock() else {
                 return;
