@@ -75,6 +75,17 @@ impl DistributedLock for Counting {
         self.inner.try_acquire(key, ttl).await
     }
 
+    // Forwarded so guards take the backend's renewing path (etcd: the
+    // session lease), counted as an acquire attempt.
+    async fn try_acquire_renewing(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+    ) -> Result<AcquireAttempt, LockError> {
+        self.counters.try_acquire.fetch_add(1, Ordering::Relaxed);
+        self.inner.try_acquire_renewing(key, ttl).await
+    }
+
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
         self.counters.extend.fetch_add(1, Ordering::Relaxed);
         self.inner.extend(lease, ttl).await
