@@ -2,6 +2,7 @@
 //! free loopback port in a temporary directory, killable and restartable for
 //! fault cases; or an existing server named by an environment variable.
 
+use std::collections::BTreeSet;
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -69,6 +70,12 @@ impl std::fmt::Debug for ServerProcess {
     }
 }
 
+/// How often a start is tried on fresh ports before giving up.
+const START_ATTEMPTS: u32 = 5;
+
+/// The start error that means "try another port".
+const EXITED_DURING_STARTUP: &str = "the server process exited during startup";
+
 /// How long a server may take to start.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -83,16 +90,29 @@ impl ServerProcess {
             rand::random::<u64>()
         ));
         std::fs::create_dir_all(&dir)?;
-        let port = free_port()?;
-        let server = Self {
+        let mut server = Self {
             kind,
             dir,
-            port,
+            port: free_port()?,
             child: Mutex::new(None),
         };
         server.kind.prepare(&server.dir)?;
-        server.spawn()?;
-        Ok(server)
+        // A server that exits at once usually found its port taken (another
+        // process bound it after we chose it): try another port.
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            match server.spawn() {
+                Ok(()) => return Ok(server),
+                Err(e) if e.kind() == io::ErrorKind::NotFound || attempts >= START_ATTEMPTS => {
+                    return Err(e)
+                }
+                Err(e) if e.to_string().contains(EXITED_DURING_STARTUP) => {
+                    server.port = free_port()?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     fn spawn(&self) -> io::Result<()> {
@@ -144,7 +164,7 @@ impl ServerProcess {
             {
                 if let Ok(Some(status)) = child.try_wait() {
                     return Err(io::Error::other(format!(
-                        "the server process exited during startup ({status})"
+                        "{EXITED_DURING_STARTUP} ({status})"
                     )));
                 }
             }
@@ -267,8 +287,24 @@ impl ServerHandle {
 }
 
 /// Picks a free loopback port (bind to port 0, read it, close).
+///
+/// Ports come from 20000–31999, below Linux's ephemeral range (32768 and
+/// up), so an outgoing connection cannot take the port between the choice
+/// and the server's bind; and no port is handed out twice by one process,
+/// so servers started at once by parallel tests never collide.
 pub fn free_port() -> io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    static HANDED_OUT: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    for _ in 0..1000 {
+        let port = rand::random_range(20000..32000);
+        if !handed_out.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            handed_out.insert(port);
+            return Ok(port);
+        }
+    }
+    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    handed_out.insert(port);
+    Ok(port)
 }
 
 /// Waits until something accepts TCP connections on `port`.
