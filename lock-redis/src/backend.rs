@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use lock_core::{
-    with_timeout, AcquireAttempt, Capabilities, DistributedLock, FencingToken, Lease, LeaseIssuer,
-    LockError, LockKey, LockState, OwnerToken, ReleaseWatch,
+    with_timeout, AcquireAttempt, Capabilities, DistributedLock, ErrorKind, FencingToken, Lease,
+    LeaseIssuer, LockError, LockKey, LockState, OwnerToken, ReleaseWatch,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncConnectionConfig, Client, Script, Value};
@@ -97,17 +97,30 @@ impl RedisLock {
             .set_connection_timeout(Some(options.connect_timeout))
             .set_response_timeout(Some(options.operation_timeout));
         let what = format!("connecting to redis at {server}");
-        let mut probe = with_timeout(
-            options.connect_timeout + options.operation_timeout,
-            &what,
-            async {
-                client
-                    .get_multiplexed_async_connection_with_config(&probe_config)
-                    .await
-                    .map_err(|e| errors::map(e, &what))
-            },
-        )
-        .await?;
+        // A refused or reset connection is retried until the connect timeout
+        // (a server that is just starting or restarting); a wrong password
+        // or bad URL is reported at once.
+        let give_up = Instant::now() + options.connect_timeout;
+        let mut probe = loop {
+            let attempt = with_timeout(
+                options.connect_timeout + options.operation_timeout,
+                &what,
+                async {
+                    client
+                        .get_multiplexed_async_connection_with_config(&probe_config)
+                        .await
+                        .map_err(|e| errors::map(e, &what))
+                },
+            )
+            .await;
+            match attempt {
+                Err(e) if e.kind() == ErrorKind::Unavailable && Instant::now() < give_up => {
+                    tracing::debug!(server = %server, error = %e, "redis not reachable yet; retrying");
+                    tokio::time::sleep(CONNECT_RETRY_PAUSE).await;
+                }
+                other => break other?,
+            }
+        };
         preload(&mut probe, &options).await?;
         drop(probe);
 
@@ -239,6 +252,9 @@ async fn preload(
     }
     Ok(())
 }
+
+/// Pause between attempts of the first connection.
+const CONNECT_RETRY_PAUSE: Duration = Duration::from_millis(50);
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
