@@ -3,13 +3,14 @@
 #![cfg(feature = "tower")]
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
+use conformance_tests::ObservedLock;
 use distlock::layer::{LockLayer, LockServiceError, LockedResponse};
 use distlock::{
-    async_trait, AcquireAttempt, Capabilities, DistributedLock, ErrorKind, JobKey, Lease,
-    LockError, LockKey, LockOptions, Locker, LostReason, MemoryLock, ReleaseWatch,
+    DistributedLock, ErrorKind, JobKey, LockError, LockKey, LockOptions, Locker, LostReason,
+    MemoryLock,
 };
 use tokio::sync::mpsc;
 use tower::{service_fn, Layer, Service, ServiceExt};
@@ -22,37 +23,6 @@ struct Job {
 
 fn job_key(job: &Job) -> Result<LockKey, LockError> {
     JobKey::new(job.name).args(&job.customer)?.key()
-}
-
-/// A MemoryLock client that remembers the last lease it granted, so a test
-/// can release it behind the guard's back.
-#[derive(Debug)]
-struct Recording {
-    inner: Arc<MemoryLock>,
-    last: Mutex<Option<Lease>>,
-}
-
-#[async_trait]
-impl DistributedLock for Recording {
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<AcquireAttempt, LockError> {
-        let attempt = self.inner.try_acquire(key, ttl).await?;
-        if let AcquireAttempt::Acquired(lease) = &attempt {
-            *self.last.lock().unwrap() = Some(lease.clone());
-        }
-        Ok(attempt)
-    }
-    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
-        self.inner.extend(lease, ttl).await
-    }
-    async fn release(&self, lease: &Lease) -> Result<(), LockError> {
-        self.inner.release(lease).await
-    }
-    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        self.inner.watch(key).await
-    }
 }
 
 /// Sets its flag when dropped: proves an inner future was stopped.
@@ -233,10 +203,7 @@ async fn releases_when_the_response_future_is_dropped() {
 #[tokio::test]
 async fn lost_lock_stops_the_inner_future() {
     let server = MemoryLock::new();
-    let recording = Arc::new(Recording {
-        inner: server.client(),
-        last: Mutex::new(None),
-    });
+    let recording = Arc::new(ObservedLock::new(server.client()));
     let (started_tx, mut started) = mpsc::unbounded_channel();
     let dropped = Arc::new(AtomicBool::new(false));
     let service = LockLayer::new(Locker::new(recording.clone()), job_key)
@@ -247,7 +214,7 @@ async fn lost_lock_stops_the_inner_future() {
     started.recv().await.expect("inner started");
     // Behind the guard's back: release its lease through the raw backend,
     // and let another client take the key.
-    let lease = recording.last.lock().unwrap().clone().expect("a lease");
+    let lease = recording.last_granted().expect("a lease");
     recording.release(&lease).await.unwrap();
     let key = job_key(&job()).unwrap();
     let thief = Locker::new(server.client())

@@ -44,6 +44,7 @@ pub mod cases;
 pub mod checker;
 mod context;
 pub mod fault;
+mod observed;
 pub mod server;
 mod suite;
 
@@ -51,4 +52,5 @@ pub use context::{
     CaseError, CaseResult, ClientFuture, ConnectFn, TestContext, FAULT_CONNECT_TIMEOUT,
     FAULT_OPERATION_TIMEOUT,
 };
+pub use observed::ObservedLock;
 pub use suite::Suite;

@@ -2,15 +2,12 @@
 //! started by the harness (or `DISTLOCK_ETCD_URL` where the test does not
 //! need to control the process).
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use conformance_tests::server::{self, ServerHandle, ServerProcess};
-use lock_core::{
-    AcquireAttempt, Capabilities, DistributedLock, ErrorKind, Lease, LockError, LockKey,
-    ReleaseWatch,
-};
+use conformance_tests::ObservedLock;
+use lock_core::{AcquireAttempt, DistributedLock, ErrorKind, Lease, LockKey};
 use lock_etcd::etcd_client::{self, Client, Permission};
 use lock_etcd::EtcdLock;
 
@@ -191,33 +188,6 @@ async fn keys_stay_in_namespace_and_foreign_values_are_reported() {
     .unwrap();
 }
 
-/// Forwards to an [`EtcdLock`], counting acquisition attempts.
-#[derive(Debug)]
-struct Counting {
-    inner: EtcdLock,
-    attempts: AtomicU64,
-}
-
-#[lock_core::async_trait]
-impl DistributedLock for Counting {
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<AcquireAttempt, LockError> {
-        self.attempts.fetch_add(1, Ordering::SeqCst);
-        self.inner.try_acquire(key, ttl).await
-    }
-    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
-        self.inner.extend(lease, ttl).await
-    }
-    async fn release(&self, lease: &Lease) -> Result<(), LockError> {
-        self.inner.release(lease).await
-    }
-    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        self.inner.watch(key).await
-    }
-}
-
 /// A waiter blocked for 2 s makes at most 2 attempts: it is woken by the
 /// watch, not by polling. The operation timeout is shorter than the wait,
 /// so the watch stream must outlive it.
@@ -226,10 +196,9 @@ async fn waiter_is_woken_by_the_server_not_polling() {
     let server = any_server();
     let url = format!("{}?operation_timeout_ms=500", server.url());
     let holder = EtcdLock::connect(&url).await.expect("holder");
-    let waiter = Arc::new(Counting {
-        inner: EtcdLock::connect(&url).await.expect("waiter"),
-        attempts: AtomicU64::new(0),
-    });
+    let waiter = Arc::new(ObservedLock::new(Arc::new(
+        EtcdLock::connect(&url).await.expect("waiter"),
+    )));
     let k = key("wake");
     let held = acquire(&holder, &k, Duration::from_secs(30)).await;
 
@@ -242,11 +211,7 @@ async fn waiter_is_woken_by_the_server_not_polling() {
         })
     };
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(
-        waiter.attempts.load(Ordering::SeqCst),
-        1,
-        "no polling while held"
-    );
+    assert_eq!(waiter.attempts(), 1, "no polling while held");
     holder.release(&held).await.expect("release");
     let lease = task
         .await
@@ -254,7 +219,7 @@ async fn waiter_is_woken_by_the_server_not_polling() {
         .expect("acquire")
         .expect("acquired before the deadline");
     assert!(lease.fencing_token() > held.fencing_token());
-    let attempts = waiter.attempts.load(Ordering::SeqCst);
+    let attempts = waiter.attempts();
     assert!(attempts <= 2, "{attempts} attempts");
     waiter.release(&lease).await.unwrap();
 }
@@ -265,10 +230,9 @@ async fn waiter_is_woken_by_the_server_not_polling() {
 async fn waiter_is_woken_by_lease_expiry() {
     let server = any_server();
     let holder = EtcdLock::connect(&server.url()).await.expect("holder");
-    let waiter = Counting {
-        inner: EtcdLock::connect(&server.url()).await.expect("waiter"),
-        attempts: AtomicU64::new(0),
-    };
+    let waiter = ObservedLock::new(Arc::new(
+        EtcdLock::connect(&server.url()).await.expect("waiter"),
+    ));
     let k = key("expiry");
     let held = acquire(&holder, &k, Duration::from_secs(2)).await;
     drop(holder);
@@ -279,7 +243,7 @@ async fn waiter_is_woken_by_lease_expiry() {
         .expect("acquire")
         .expect("acquired after expiry");
     assert!(lease.fencing_token() > held.fencing_token());
-    assert!(waiter.attempts.load(Ordering::SeqCst) <= 2);
+    assert!(waiter.attempts() <= 2);
 }
 
 /// Fencing tokens survive a restart; a waiter's watch reconnects by itself.
@@ -390,10 +354,9 @@ async fn authentication_through_the_url() {
     let a = EtcdLock::connect(&good)
         .await
         .expect("connect with the lock user");
-    let b = Counting {
-        inner: EtcdLock::connect(&good).await.expect("second client"),
-        attempts: AtomicU64::new(0),
-    };
+    let b = ObservedLock::new(Arc::new(
+        EtcdLock::connect(&good).await.expect("second client"),
+    ));
     assert_eq!(a.key_prefix(), prefix);
     let k = key("auth");
     let lease = acquire(&a, &k, Duration::from_secs(10)).await;
@@ -416,7 +379,7 @@ async fn authentication_through_the_url() {
     let (got, released) = tokio::join!(waiter, releaser);
     released.expect("release");
     let got = got.expect("waiter under auth").expect("acquired");
-    assert!(b.attempts.load(Ordering::SeqCst) <= 2);
+    assert!(b.attempts() <= 2);
     b.release(&got).await.unwrap();
 
     let wrong = format!("etcd://locker:nope@{addr}?namespace={ns}");
@@ -654,10 +617,9 @@ async fn requests_per_handoff(
     let held = acquire(&holder, &k, Duration::from_secs(30)).await;
     let mut clients = Vec::new();
     for _ in 0..waiters {
-        clients.push(Arc::new(Counting {
-            inner: EtcdLock::connect(&server.url()).await.expect("waiter"),
-            attempts: AtomicU64::new(0),
-        }));
+        clients.push(Arc::new(ObservedLock::new(Arc::new(
+            EtcdLock::connect(&server.url()).await.expect("waiter"),
+        ))));
     }
     let tasks: Vec<_> = clients
         .iter()
@@ -678,10 +640,7 @@ async fn requests_per_handoff(
         })
         .collect();
     // Every waiter has made its first attempt (so it is subscribed and queued).
-    while clients
-        .iter()
-        .any(|c| c.attempts.load(Ordering::SeqCst) == 0)
-    {
+    while clients.iter().any(|c| c.attempts() == 0) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -698,7 +657,7 @@ async fn requests_per_handoff(
     tokens.dedup();
     assert_eq!(tokens.len(), waiters, "every waiter acquired once");
     for client in &clients {
-        let attempts = client.attempts.load(Ordering::SeqCst);
+        let attempts = client.attempts();
         assert!(attempts <= 3, "a waiter made {attempts} attempts");
     }
     requests_between(&before, &after)
@@ -766,10 +725,9 @@ async fn waiters_acquire_in_fifo_order_and_leave_no_queue_entries() {
     let order = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
     for i in 0..5usize {
-        let client = Arc::new(Counting {
-            inner: EtcdLock::connect(&url).await.expect("waiter"),
-            attempts: AtomicU64::new(0),
-        });
+        let client = Arc::new(ObservedLock::new(Arc::new(
+            EtcdLock::connect(&url).await.expect("waiter"),
+        )));
         let task = {
             let client = client.clone();
             let k = k.clone();
@@ -784,11 +742,11 @@ async fn waiters_acquire_in_fifo_order_and_leave_no_queue_entries() {
                 order.lock().unwrap().push(i);
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 client.release(&lease).await.expect("release");
-                client.attempts.load(Ordering::SeqCst)
+                client.attempts()
             })
         };
         // Queued (its first attempt made) before the next one starts.
-        while client.attempts.load(Ordering::SeqCst) == 0 {
+        while client.attempts() == 0 {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         tasks.push(task);
@@ -847,10 +805,9 @@ async fn waiters_on_look_alike_keys_are_independent() {
     let wait_on = |key: LockKey| {
         let url = url.clone();
         async move {
-            let client = Arc::new(Counting {
-                inner: EtcdLock::connect(&url).await.expect("waiter"),
-                attempts: AtomicU64::new(0),
-            });
+            let client = Arc::new(ObservedLock::new(Arc::new(
+                EtcdLock::connect(&url).await.expect("waiter"),
+            )));
             let task = {
                 let client = client.clone();
                 tokio::spawn(async move {
@@ -863,7 +820,7 @@ async fn waiters_on_look_alike_keys_are_independent() {
                         .await
                 })
             };
-            while client.attempts.load(Ordering::SeqCst) == 0 {
+            while client.attempts() == 0 {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
             (client, task)
@@ -890,11 +847,7 @@ async fn waiters_on_look_alike_keys_are_independent() {
         .expect("acquire a")
         .expect("acquired a");
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(
-        on_ab.attempts.load(Ordering::SeqCst),
-        1,
-        "a/b waiter woken by a"
-    );
+    assert_eq!(on_ab.attempts(), 1, "a/b waiter woken by a");
     on_a.release(&got_a).await.unwrap();
     holder.release(&held_ab).await.expect("release a/b");
     let got_ab = task_ab
@@ -902,7 +855,7 @@ async fn waiters_on_look_alike_keys_are_independent() {
         .unwrap()
         .expect("acquire a/b")
         .expect("acquired a/b");
-    assert_eq!(on_ab.attempts.load(Ordering::SeqCst), 2);
+    assert_eq!(on_ab.attempts(), 2);
     on_ab.release(&got_ab).await.unwrap();
     raw.delete(
         ns.as_bytes(),

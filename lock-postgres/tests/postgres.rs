@@ -6,10 +6,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use conformance_tests::server::{Postgres, ServerHandle};
-use lock_core::{
-    AcquireAttempt, Capabilities, DistributedLock, ErrorKind, Lease, LockError, LockKey,
-    ReleaseWatch,
-};
+use conformance_tests::ObservedLock;
+use lock_core::{AcquireAttempt, DistributedLock, ErrorKind, LockKey};
 use lock_postgres::{PostgresConfig, PostgresLock};
 
 fn server() -> &'static ServerHandle {
@@ -247,41 +245,11 @@ async fn awkward_keys_are_bind_parameters() {
     }
 }
 
-/// Wraps a backend and counts acquire attempts.
-#[derive(Debug)]
-struct Counting {
-    inner: PostgresLock,
-    attempts: AtomicUsize,
-}
-
-#[async_trait::async_trait]
-impl DistributedLock for Counting {
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<AcquireAttempt, LockError> {
-        self.attempts.fetch_add(1, Ordering::SeqCst);
-        self.inner.try_acquire(key, ttl).await
-    }
-    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
-        self.inner.extend(lease, ttl).await
-    }
-    async fn release(&self, lease: &Lease) -> Result<(), LockError> {
-        self.inner.release(lease).await
-    }
-    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        self.inner.watch(key).await
-    }
-}
-
 #[tokio::test]
 async fn blocked_waiter_is_woken_by_notify_not_polling() {
     let ns = random_name("wait");
     let holder = client(&ns).await;
-    let waiter = Counting {
-        inner: client(&ns).await,
-        attempts: AtomicUsize::new(0),
-    };
+    let waiter = ObservedLock::new(Arc::new(client(&ns).await));
     let k = key("job");
     let lease = holder
         .try_acquire(&k, Duration::from_secs(30))
@@ -305,7 +273,7 @@ async fn blocked_waiter_is_woken_by_notify_not_polling() {
         .expect("acquired after the release");
     let released = release.await.unwrap();
     assert!(got.fencing_token() > released.fencing_token());
-    let attempts = waiter.attempts.load(Ordering::SeqCst);
+    let attempts = waiter.attempts();
     assert!(
         attempts <= 2,
         "{attempts} acquire attempts while blocked for 2 s"

@@ -2,12 +2,12 @@
 //! code over `Arc<dyn DistributedLock>`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use lock_core::{
-    async_trait, AcquireAttempt, Capabilities, DistributedLock, ErrorKind, Lease, LockError,
-    LockKey, LockOptions, Locker, LostReason, OnLost, ReleaseWatch, RunOptions, RunOutcome,
+    AcquireAttempt, DistributedLock, ErrorKind, Lease, LockError, LockKey, LockOptions, Locker,
+    LostReason, OnLost, RunOptions, RunOutcome,
 };
 use tokio::sync::oneshot;
 
@@ -15,63 +15,7 @@ use super::support::{
     acquire, background_bound, eventually_acquire, expiry_bound, refused, within,
 };
 use crate::context::{CaseResult, TestContext};
-use crate::{check, check_eq};
-
-/// Wraps a client and remembers the leases it granted, so a case can
-/// delete a lock behind a guard's back through the same client (using only
-/// the contract).
-#[derive(Debug)]
-struct Recording {
-    inner: Arc<dyn DistributedLock>,
-    granted: Mutex<Vec<Lease>>,
-}
-
-impl Recording {
-    fn new(inner: Arc<dyn DistributedLock>) -> Arc<Self> {
-        Arc::new(Self {
-            inner,
-            granted: Mutex::new(Vec::new()),
-        })
-    }
-
-    fn last_granted(&self) -> Option<Lease> {
-        self.granted
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .last()
-            .cloned()
-    }
-}
-
-#[async_trait]
-impl DistributedLock for Recording {
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<AcquireAttempt, LockError> {
-        let attempt = self.inner.try_acquire(key, ttl).await?;
-        if let AcquireAttempt::Acquired(lease) = &attempt {
-            self.granted
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(lease.clone());
-        }
-        Ok(attempt)
-    }
-
-    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
-        self.inner.extend(lease, ttl).await
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<(), LockError> {
-        self.inner.release(lease).await
-    }
-
-    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        self.inner.watch(key).await
-    }
-}
+use crate::{check, check_eq, ObservedLock};
 
 pub async fn completed_returns_output_and_token(ctx: TestContext) -> CaseResult {
     let locker = ctx.locker().await?;
@@ -203,20 +147,20 @@ pub async fn hold_at_least_skips_next_tick(ctx: TestContext) -> CaseResult {
 /// start, releases the raw lease through the same client, then another
 /// client takes the key. Returns the other client's lease.
 async fn steal_when_started(
-    recording: Arc<Recording>,
+    recording: Arc<ObservedLock>,
     thief: Arc<dyn DistributedLock>,
     started: oneshot::Receiver<()>,
     ttl: Duration,
 ) -> Result<Lease, crate::CaseError> {
     started.await.map_err(|_| "the job never started")?;
     let lease = recording.last_granted().ok_or("no lease was granted")?;
-    recording.inner.release(&lease).await?;
+    recording.release(&lease).await?;
     acquire(&thief, lease.key(), ttl, "thief after the delete").await
 }
 
 /// OnLost::Stop (the default): the job is stopped when the lock is lost.
 pub async fn lost_stops_job(ctx: TestContext) -> CaseResult {
-    let recording = Recording::new(ctx.client().await?);
+    let recording = Arc::new(ObservedLock::new(ctx.client().await?));
     let locker = Locker::new(recording.clone());
     let thief = ctx.client().await?;
     let key = ctx.key("run");
@@ -273,7 +217,7 @@ pub async fn lost_stops_job(ctx: TestContext) -> CaseResult {
 /// OnLost::Continue: the job is told (ctx.lost) and finishes; the outcome is
 /// Lost with its output.
 pub async fn lost_continue_lets_job_finish(ctx: TestContext) -> CaseResult {
-    let recording = Recording::new(ctx.client().await?);
+    let recording = Arc::new(ObservedLock::new(ctx.client().await?));
     let locker = Locker::new(recording.clone());
     let thief = ctx.client().await?;
     let key = ctx.key("run");
@@ -318,7 +262,7 @@ pub async fn lost_continue_lets_job_finish(ctx: TestContext) -> CaseResult {
 /// Under OnLost::Stop, a job that returns right after observing the loss
 /// must not be reported as Completed (it did not complete under the lock).
 pub async fn job_finishing_after_loss_is_not_completed(ctx: TestContext) -> CaseResult {
-    let recording = Recording::new(ctx.client().await?);
+    let recording = Arc::new(ObservedLock::new(ctx.client().await?));
     let locker = Locker::new(recording.clone());
     let thief = ctx.client().await?;
     let key = ctx.key("run");
