@@ -1,36 +1,187 @@
-//! The contract every lock server implements: a few atomic operations.
+//! The raw contract a lock server implements: the few operations it must do
+//! atomically, over inputs the client already validated.
 
 use std::fmt;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
-use crate::{Capabilities, FencingToken, Lease, LockError, LockKey, ReleaseWatch};
+use crate::{Capabilities, FencingToken, LockError, LockKey, OwnerToken, ReleaseWatch};
 
-/// The result of one atomic acquisition attempt.
+/// What the client asks a backend to take.
 ///
-/// Unlike a bare `Option<Lease>`, a refusal carries the holder's remaining
-/// time as the server sees it, so a waiter can set one timer for a holder
-/// that crashed without releasing, instead of polling.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum AcquireAttempt {
-    /// The lock is ours.
-    Acquired(Lease),
+/// Everything in it is already checked: the key is valid, the owner token is
+/// fresh and random, the TTL is one the backend declared it can honour (see
+/// [`Capabilities::effective_ttl`]).
+#[derive(Debug, Clone, Copy)]
+pub struct AcquireRequest<'a> {
+    /// The lock to take.
+    pub key: &'a LockKey,
+    /// This acquisition's identity; store it, and compare it in `extend`
+    /// and `release`.
+    pub owner: OwnerToken,
+    /// How long the server keeps the lock unless extended.
+    pub ttl: Duration,
+    /// A guard will renew this lock: the backend may attach it to a shared
+    /// session that one keep-alive renews (etcd). It must still expire
+    /// within `ttl` of its last renewal if its holder stops renewing.
+    pub renewing: bool,
+}
+
+/// A lock the client holds, as the backend is asked to extend or release it.
+#[derive(Debug, Clone, Copy)]
+pub struct HeldLock<'a> {
+    /// The lock.
+    pub key: &'a LockKey,
+    /// The owner token it was acquired with.
+    pub owner: OwnerToken,
+    /// The fencing token the server gave it.
+    pub fencing: FencingToken,
+    /// What the backend attached to the grant ([`Grant::handle`]).
+    pub handle: u64,
+}
+
+/// What the server granted: the fencing token and how long the lock lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    /// Strictly greater than every earlier token for this key (on extend:
+    /// the lock's own token, unchanged).
+    pub fencing: FencingToken,
+    /// The TTL the server applied (the request's, or more if the server
+    /// rounds up; never less).
+    pub ttl: Duration,
+    /// A number the backend wants back in [`HeldLock::handle`] (an etcd
+    /// lease id, say); 0 if none.
+    pub handle: u64,
+    /// When the server's clock for this TTL may have started, if that can be
+    /// *before* the request was sent (a lock attached to a session lease
+    /// whose last confirmed keep-alive is older). The client dates the lease
+    /// from the earlier of this and its own send time; a session that is
+    /// already dead gives its last confirmed instant, so the lease comes
+    /// back expired and is never handed to a job.
+    pub clock_started: Option<Instant>,
+}
+
+impl Grant {
+    /// A grant of `fencing` for `ttl`, dated from the request's send time.
+    pub fn new(fencing: FencingToken, ttl: Duration) -> Self {
+        Self {
+            fencing,
+            ttl,
+            handle: 0,
+            clock_started: None,
+        }
+    }
+
+    /// Attaches a backend-defined number.
+    pub fn with_handle(mut self, handle: u64) -> Self {
+        self.handle = handle;
+        self
+    }
+
+    /// Dates the TTL from `at` if that is earlier than the send time.
+    pub fn clock_started(mut self, at: Instant) -> Self {
+        self.clock_started = Some(at);
+        self
+    }
+}
+
+/// The server's answer to one acquisition attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AcquireReply {
+    /// The lock is the requester's now.
+    Granted(Grant),
     /// Someone else holds it.
     Held {
         /// How long until the holder's lease runs out by the server's clock,
-        /// if the server said. Renewal may push it further.
+        /// if the server said (renewal may push it further). Lets a waiter
+        /// set one timer for a holder that crashed, instead of polling.
         expires_in: Option<Duration>,
     },
 }
 
-impl AcquireAttempt {
-    /// The lease, if acquired.
-    pub fn lease(self) -> Option<Lease> {
-        match self {
-            AcquireAttempt::Acquired(lease) => Some(lease),
-            AcquireAttempt::Held { .. } => None,
-        }
+/// The server's answer to an extend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExtendReply {
+    /// Still held by this owner; its TTL is reset (same fencing token).
+    Extended(Grant),
+    /// Not held by this owner (released, expired, taken over): nothing changed.
+    NotHeld,
+}
+
+/// The server's answer to a release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReleaseReply {
+    /// It was held by this owner and is free now (waiters notified).
+    Released,
+    /// Not held by this owner: nothing changed.
+    NotHeld,
+}
+
+/// A lock server, reduced to what it must do atomically.
+///
+/// Everything else — TTL validation, owner tokens, send times and lease
+/// deadlines, issuer checks, error wording, tracing and metrics, waiting,
+/// guards, renewal, `run_exclusive` — is written once in
+/// [`LockClient`](crate::LockClient) and [`Locker`](crate::Locker) on top of
+/// this trait, so a backend cannot get them wrong. A backend:
+///
+/// - keeps every key, row or channel inside its configured namespace and
+///   never reads or writes outside it;
+/// - stores the request's owner token and fencing token atomically in
+///   [`acquire`](Self::acquire), and compares both atomically in
+///   [`extend`](Self::extend) and [`release`](Self::release): never
+///   extends, releases or recreates a lock it does not hold;
+/// - measures TTLs by the server's clock;
+/// - reports a value it did not write as
+///   [`ErrorKind::Corrupted`](crate::ErrorKind), never overwrites it;
+/// - bounds every network call by its connect and operation timeouts
+///   ([`ErrorKind::Unavailable`](crate::ErrorKind) /
+///   [`ErrorKind::Timeout`](crate::ErrorKind));
+/// - is cancel-safe: a future dropped at any await point leaves nothing that
+///   outlives the TTL (the client drives acquisitions to completion on a
+///   task of their own, but the suite drops raw futures on purpose).
+///
+/// Object safe: the client holds an `Arc<dyn LockBackend>`. See the
+/// conformance-tests crate for a complete third-party backend.
+#[async_trait]
+pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
+    /// A short name for logs and metric labels (`redis`, `etcd`, ...).
+    fn name(&self) -> &'static str;
+
+    /// What this backend supports; constant for the life of the client.
+    fn capabilities(&self) -> Capabilities;
+
+    /// One atomic attempt: takes `request.key` for `request.ttl` if nobody
+    /// holds it (or its holder's TTL ran out), storing the owner token and
+    /// a fencing token greater than every earlier one for the key. Never
+    /// waits.
+    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError>;
+
+    /// Resets the lock's TTL to `ttl` from now if, and only if, the server
+    /// still holds it for this owner and fencing token. Never recreates an
+    /// expired or released lock. `ttl` may differ from the acquisition's
+    /// (max hold, hold-at-least).
+    async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError>;
+
+    /// Deletes the lock if, and only if, this owner still holds it, and
+    /// wakes the key's waiters. A lock that was deleted is `Released` even
+    /// if waking the waiters failed (they fall back to their timers).
+    async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError>;
+
+    /// Subscribes to release notifications for `key`. The client calls it
+    /// *before* an attempt, so a release between a failed attempt and the
+    /// wait is not missed. `None` (the default): no server-driven wake-up;
+    /// waiters retry every [`Capabilities::retry_interval`] and at the
+    /// holder's expiry.
+    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        let _ = key;
+        Ok(None)
+    }
+
+    /// The operator calls, if this backend has them.
+    fn admin(&self) -> Option<&dyn LockAdmin> {
+        None
     }
 }
 
@@ -49,128 +200,17 @@ pub enum LockState {
     },
 }
 
-/// A lock server, reduced to the operations it must do atomically.
-///
-/// Everything else — waiting with a deadline, guards that renew themselves,
-/// the lost signal, `run_exclusive` — is written once on top of this trait in
-/// [`Locker`](crate::Locker) and works for every backend. The trait is object
-/// safe: job code holds an `Arc<dyn DistributedLock>` and never names a
-/// backend.
-///
-/// Implementations must:
-/// - validate the TTL with [`Capabilities::effective_ttl`] and leases with
-///   [`Lease::check_issuer`];
-/// - generate a fresh [`OwnerToken`](crate::OwnerToken) per acquisition and
-///   compare it on the server in `extend` and `release`;
-/// - take `sent_at` for the [`Lease`] before sending the request;
-/// - never read or write outside their configured namespace, and report a
-///   value they did not write as [`ErrorKind::Corrupted`](crate::ErrorKind).
-///
-/// ```
-/// use std::sync::Arc;
-/// use std::time::Duration;
-/// use lock_core::{DistributedLock, LockKey, MemoryLock};
-///
-/// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), lock_core::LockError> {
-/// let lock: Arc<dyn DistributedLock> = Arc::new(MemoryLock::new());
-/// let key = LockKey::new("nightly-report")?;
-/// let lease = lock.try_acquire(&key, Duration::from_secs(30)).await?.lease().unwrap();
-/// assert!(lock.try_acquire(&key, Duration::from_secs(30)).await?.lease().is_none());
-/// lock.release(&lease).await?;
-/// # Ok(()) }
-/// ```
+/// Operator calls: read or clear a lock whoever holds it. For status
+/// commands and stuck locks, never for job decisions (the answer is stale as
+/// soon as it arrives).
 #[async_trait]
-pub trait DistributedLock: Send + Sync + fmt::Debug {
-    /// What this backend supports; constant for the life of the client.
-    fn capabilities(&self) -> Capabilities;
-
-    /// One atomic attempt: takes `key` for `ttl` if nobody holds it (or the
-    /// previous holder's TTL ran out), with a fresh owner token and a fencing
-    /// token greater than any earlier one for this key. Never waits.
-    ///
-    /// Cancel safety: if this future is dropped after the request was sent,
-    /// the server may have granted a lock nobody will release; it expires
-    /// after `ttl`. [`Locker`](crate::Locker) never drops it mid-flight.
-    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<AcquireAttempt, LockError>;
-
-    /// As [`try_acquire`](Self::try_acquire), for a lock its holder will keep
-    /// renewing (a [`LockGuard`](crate::LockGuard) with renewal on). A backend
-    /// may then attach it to a shared session that one keep-alive renews
-    /// (etcd: one lease per client and TTL), making acquisition one round
-    /// trip. The lock must still expire within `ttl` of the holder's last
-    /// renewal if the holder stops renewing, and an [`extend`](Self::extend)
-    /// with a shorter TTL (max hold, hold-at-least) must make it expire
-    /// then. The default is `try_acquire`.
-    async fn try_acquire_renewing(
-        &self,
-        key: &LockKey,
-        ttl: Duration,
-    ) -> Result<AcquireAttempt, LockError> {
-        self.try_acquire(key, ttl).await
-    }
-
-    /// Resets the lease's TTL to `ttl` from now if, and only if, the server
-    /// still holds it for this owner. Never recreates an expired or released
-    /// lock. Returns the renewed lease (same owner and fencing token), or an
-    /// [`ErrorKind::NotHeld`](crate::ErrorKind) error.
-    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError>;
-
-    /// Deletes the lock if, and only if, this owner still holds it; returns
-    /// an [`ErrorKind::NotHeld`](crate::ErrorKind) error otherwise (released
-    /// already, expired, or taken by someone else — whose lock stays).
-    async fn release(&self, lease: &Lease) -> Result<(), LockError>;
-
-    /// Subscribes to release notifications for `key` from the server.
-    /// Called *before* an attempt, so a release between the attempt and the
-    /// wait is not missed. `None` (the default) means the backend has no
-    /// server-driven wake-up and waiters retry every
-    /// [`Capabilities::retry_interval`].
-    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        let _ = key;
-        Ok(None)
-    }
-
-    /// Reads who holds `key`, without taking or changing anything. For
-    /// operators and status commands; a job should never decide to run on
-    /// it (the answer is stale as soon as it arrives). Optional: backends
-    /// that implement it declare [`Capabilities::admin`].
-    async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
-        let _ = key;
-        Err(LockError::unsupported(format!(
-            "{self:?} cannot inspect locks (Capabilities::admin is false)"
-        )))
-    }
+pub trait LockAdmin: Send + Sync {
+    /// Reads who holds `key`, without taking or changing anything.
+    async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError>;
 
     /// Deletes the lock at `key` whoever holds it, waking waiters; returns
-    /// whether a lock was held. For an operator clearing a stuck lock: the
-    /// holder learns it lost the lock at its next renewal, and fencing
-    /// tokens keep growing. Never touches a value the library did not
-    /// write ([`ErrorKind::Corrupted`](crate::ErrorKind)). Optional:
-    /// backends that implement it declare [`Capabilities::admin`].
-    async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
-        let _ = key;
-        Err(LockError::unsupported(format!(
-            "{self:?} cannot force-release locks (Capabilities::admin is false)"
-        )))
-    }
-
-    /// Waits until the lock is acquired or `deadline` passes (`Ok(None)`).
-    /// A deadline in the past means one attempt.
-    ///
-    /// The provided implementation subscribes with [`watch`](Self::watch),
-    /// then attempts, then sleeps until a release notification, the holder's
-    /// expiry or the deadline, and repeats. Backends with a better native
-    /// mechanism (a FIFO queue of waiters) may override it.
-    ///
-    /// Cancel safety: as for [`try_acquire`](Self::try_acquire); use
-    /// [`Locker::acquire`](crate::Locker::acquire) for a cancel-safe wait.
-    async fn acquire(
-        &self,
-        key: &LockKey,
-        ttl: Duration,
-        deadline: Instant,
-    ) -> Result<Option<Lease>, LockError> {
-        crate::wait::acquire_by_watching(self, key, ttl, deadline).await
-    }
+    /// whether a lock was held. The holder learns it lost the lock at its
+    /// next renewal; fencing tokens keep growing. Never touches a value the
+    /// library did not write ([`ErrorKind::Corrupted`](crate::ErrorKind)).
+    async fn force_release(&self, key: &LockKey) -> Result<bool, LockError>;
 }

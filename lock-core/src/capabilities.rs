@@ -32,16 +32,12 @@ pub struct Capabilities {
     /// The longest TTL accepted; longer requests are refused as invalid input.
     pub max_ttl: Duration,
     /// The server wakes waiters (pub/sub, watch, NOTIFY) through
-    /// [`DistributedLock::watch`](crate::DistributedLock::watch).
+    /// [`LockBackend::watch`](crate::LockBackend::watch).
     pub native_wait: bool,
     /// How often a waiter retries when the backend has no native wake-up.
     pub retry_interval: Duration,
     /// Lock data (and so fencing order) survives a server restart.
     pub durable: bool,
-    /// The backend implements the operator calls
-    /// [`inspect`](crate::DistributedLock::inspect) and
-    /// [`force_release`](crate::DistributedLock::force_release).
-    pub admin: bool,
 }
 
 impl Default for Capabilities {
@@ -53,7 +49,6 @@ impl Default for Capabilities {
             native_wait: false,
             retry_interval: Duration::from_millis(50),
             durable: false,
-            admin: false,
         }
     }
 }

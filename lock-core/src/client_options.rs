@@ -11,17 +11,18 @@ pub const DEFAULT_NAMESPACE: &str = "distlock";
 
 /// Namespace and timeouts of a backend client.
 ///
-/// Every backend accepts them in its URL's query string, so a URL alone
-/// configures a client: `namespace=NAME`, `connect_timeout_ms=N`,
-/// `operation_timeout_ms=N`. Other parameters are left for the driver.
+/// Every backend config embeds them, and every backend accepts them in its
+/// URL's query string (see [`LockUrl::take_client_options`](crate::LockUrl::take_client_options)):
+/// `namespace=NAME`, `connect_timeout_ms=N`, `operation_timeout_ms=N`.
 ///
 /// ```
 /// use std::time::Duration;
 /// use lock_core::ClientOptions;
-/// let (url, options) = ClientOptions::from_url("redis://127.0.0.1:6379/0?namespace=jobs&operation_timeout_ms=250")?;
-/// assert_eq!(url, "redis://127.0.0.1:6379/0");
-/// assert_eq!(options.namespace, "jobs");
-/// assert_eq!(options.operation_timeout, Duration::from_millis(250));
+/// let options = ClientOptions::default()
+///     .namespace("jobs")
+///     .operation_timeout(Duration::from_millis(250));
+/// options.validate()?;
+/// assert_eq!(options.connect_timeout, Duration::from_secs(5));
 /// # Ok::<(), lock_core::LockError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,32 +47,6 @@ impl Default for ClientOptions {
 }
 
 impl ClientOptions {
-    /// Splits distlock's own query parameters off `url`; returns the URL the
-    /// driver should see and the options.
-    pub fn from_url(url: &str) -> Result<(String, Self), LockError> {
-        let mut options = Self::default();
-        let Some((base, query)) = url.split_once('?') else {
-            return Ok((url.to_owned(), options));
-        };
-        let mut rest = Vec::new();
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-            match name {
-                "namespace" => options.namespace = value.to_owned(),
-                "connect_timeout_ms" => options.connect_timeout = parse_ms(name, value)?,
-                "operation_timeout_ms" => options.operation_timeout = parse_ms(name, value)?,
-                _ => rest.push(pair),
-            }
-        }
-        options.validate()?;
-        let url = if rest.is_empty() {
-            base.to_owned()
-        } else {
-            format!("{base}?{}", rest.join("&"))
-        };
-        Ok((url, options))
-    }
-
     /// Sets the namespace.
     pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
         self.namespace = namespace.into();
@@ -132,31 +107,5 @@ pub async fn with_timeout<T>(
         Err(_) => Err(LockError::timeout(format!(
             "{what} got no reply within {timeout:?}; the server may be down or overloaded"
         ))),
-    }
-}
-
-fn parse_ms(name: &str, value: &str) -> Result<Duration, LockError> {
-    value
-        .parse::<u64>()
-        .map(Duration::from_millis)
-        .map_err(|_| {
-            LockError::config(format!(
-                "URL parameter {name}={value:?} is not a whole number of milliseconds"
-            ))
-        })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn keeps_driver_parameters() {
-        let (url, options) =
-            ClientOptions::from_url("postgres://u@h/db?sslmode=disable&namespace=x").unwrap();
-        assert_eq!(url, "postgres://u@h/db?sslmode=disable");
-        assert_eq!(options.namespace, "x");
-        assert!(ClientOptions::from_url("redis://h/?namespace=a:b").is_err());
-        assert!(ClientOptions::from_url("redis://h/?connect_timeout_ms=soon").is_err());
     }
 }

@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use crate::{DistributedLock, ErrorKind, FencingToken, Lease, LockError, LockKey, LockOptions};
+use crate::{
+    instrument, ErrorKind, FencingToken, Lease, LockClient, LockError, LockKey, LockOptions,
+};
 
 /// Why a guard stopped holding its lock.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,7 +70,7 @@ impl LostSignal {
 
 #[derive(Debug)]
 struct Shared {
-    backend: Arc<dyn DistributedLock>,
+    client: LockClient,
     lease: Mutex<Lease>,
     lost: LostSignal,
     acquired_at: Instant,
@@ -83,7 +85,15 @@ impl Shared {
     fn mark_lost(&self, reason: LostReason) {
         if !self.lost.is_lost() {
             let lease = self.lease();
-            tracing::warn!(key = %lease.key(), fencing = %lease.fencing_token(), %reason, "lock lost");
+            tracing::warn!(backend = self.client.name(), key = %lease.key(), fencing = %lease.fencing_token(), %reason, "lock lost");
+            instrument::lost(
+                self.client.name(),
+                match reason {
+                    LostReason::Refused => "refused",
+                    LostReason::Expired => "expired",
+                },
+            );
+            instrument::held(self.client.name(), self.acquired_at.elapsed());
             self.lost.fire(reason);
         }
     }
@@ -92,16 +102,19 @@ impl Shared {
     /// the minimum hold time is over.
     async fn release(&self) -> Result<(), LockError> {
         let lease = self.lease();
+        if !self.lost.is_lost() {
+            instrument::held(self.client.name(), self.acquired_at.elapsed());
+        }
         if let Some(min) = self.hold_at_least {
             let keep_until = self.acquired_at + min;
             let now = Instant::now();
             if now < keep_until {
-                self.backend.extend(&lease, keep_until - now).await?;
+                self.client.extend(&lease, keep_until - now).await?;
                 tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), remaining = ?(keep_until - now), "lock kept until hold-at-least time");
                 return Ok(());
             }
         }
-        let result = self.backend.release(&lease).await;
+        let result = self.client.release(&lease).await;
         match &result {
             Ok(()) => {
                 tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), "lock released")
@@ -139,12 +152,12 @@ impl fmt::Debug for LockGuard {
 impl LockGuard {
     /// Wraps a freshly acquired lease and starts renewing it per `options`.
     /// Must be called within a tokio runtime.
-    pub fn new(backend: Arc<dyn DistributedLock>, lease: Lease, options: &LockOptions) -> Self {
+    pub fn new(client: LockClient, lease: Lease, options: &LockOptions) -> Self {
         let acquired_at = lease.sent_at();
         let renew_period = options.renew_period(lease.ttl());
         let renew_until = options.max_hold_time().map(|max| acquired_at + max);
         let shared = Arc::new(Shared {
-            backend,
+            client,
             lease: Mutex::new(lease),
             lost: LostSignal::default(),
             acquired_at,
@@ -258,7 +271,7 @@ async fn keep_alive(
             if ttl.is_zero() {
                 return Ok(None);
             }
-            shared.backend.extend(&lease, ttl).await.map(Some)
+            shared.client.extend(&lease, ttl).await.map(Some)
         };
         let result = tokio::select! {
             _ = stop.cancelled() => return,

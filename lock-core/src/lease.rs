@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use rand::RngCore;
 
-use crate::{LockError, LockKey};
+use crate::LockKey;
 
 /// A number that grows with every acquisition of a key.
 ///
@@ -92,11 +92,11 @@ impl fmt::Debug for OwnerToken {
 /// client or backend is refused with a clear error instead of acting on the
 /// wrong server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct LeaseIssuer(u64);
+pub(crate) struct LeaseIssuer(u64);
 
 impl LeaseIssuer {
-    /// A fresh random issuer id; a backend client makes one when it is created.
-    pub fn random() -> Self {
+    /// A fresh random issuer id; a client makes one when it is created.
+    pub(crate) fn random() -> Self {
         Self(rand::rng().next_u64())
     }
 }
@@ -126,9 +126,9 @@ pub struct Lease {
 }
 
 impl Lease {
-    /// Builds a lease. Backends call this after the server granted `key` to
-    /// `owner` for `ttl`, with `sent_at` taken *before* the request was sent.
-    pub fn new(
+    /// Builds a lease after the server granted `key` to `owner` for `ttl`,
+    /// with `sent_at` taken *before* the request was sent.
+    pub(crate) fn new(
         key: LockKey,
         owner: OwnerToken,
         fencing: FencingToken,
@@ -150,14 +150,14 @@ impl Lease {
     }
 
     /// Attaches a backend-defined number (an etcd lease id, say).
-    pub fn with_handle(mut self, handle: u64) -> Self {
+    pub(crate) fn with_handle(mut self, handle: u64) -> Self {
         self.handle = handle;
         self
     }
 
     /// The same lease, renewed: a new TTL counted from `sent_at`. Owner and
     /// fencing token stay.
-    pub fn renewed(&self, sent_at: Instant, ttl: Duration) -> Self {
+    pub(crate) fn renewed(&self, sent_at: Instant, ttl: Duration) -> Self {
         let mut lease = Self::new(
             self.key.clone(),
             self.owner,
@@ -207,26 +207,14 @@ impl Lease {
     }
 
     /// The client that issued this lease.
-    pub fn issuer(&self) -> LeaseIssuer {
+    pub(crate) fn issuer(&self) -> LeaseIssuer {
         self.issuer
     }
 
-    /// The backend-defined number attached with [`Lease::with_handle`].
+    /// The backend-defined number the server's grant carried
+    /// ([`Grant::handle`](crate::Grant::handle)).
     pub fn handle(&self) -> u64 {
         self.handle
-    }
-
-    /// Refuses a lease issued by another client or backend. Backends call
-    /// this first in `extend` and `release`.
-    pub fn check_issuer(&self, issuer: LeaseIssuer) -> Result<(), LockError> {
-        if self.issuer == issuer {
-            Ok(())
-        } else {
-            Err(LockError::invalid_input(format!(
-                "the lease for key {:?} was issued by another lock client; release or extend it through the client that acquired it",
-                self.key.as_str()
-            )))
-        }
     }
 }
 

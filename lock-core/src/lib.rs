@@ -1,10 +1,16 @@
 //! The distlock contract: one distributed-lock API over several lock servers.
 //!
-//! - [`DistributedLock`] is what a backend implements: a few operations the
-//!   server does atomically (try-acquire, extend, release, watch).
+//! - [`LockBackend`] is what a backend implements: the few operations the
+//!   server does atomically (acquire, extend, release, watch), over inputs
+//!   already validated; [`LockAdmin`] adds the optional operator calls.
+//! - [`LockClient`] wraps any backend and alone owns every lease rule: TTL
+//!   validation, owner tokens, send times, lease deadlines, issuer checks,
+//!   error wording, tracing and metrics.
 //! - [`Locker`], [`LockGuard`] and [`run_exclusive`] are built once on top
 //!   of it: waiting with a deadline, renewal, the lost signal, hold-at-least.
 //! - [`MemoryLock`] is the in-process backend.
+//! - [`LockUrl`] and [`Listener`] are the kits backends build on: one URL
+//!   parser, one notification listener.
 //!
 //! ```
 //! use std::time::Duration;
@@ -12,7 +18,7 @@
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), lock_core::LockError> {
-//! let locker = Locker::new(std::sync::Arc::new(MemoryLock::new()));
+//! let locker = Locker::new(MemoryLock::new());
 //! let key = LockKey::new("nightly-report")?;
 //! let options = RunOptions::new(LockOptions::new(Duration::from_secs(30)));
 //! match locker.run_exclusive(&key, &options, |ctx| async move { ctx.fencing_token }).await? {
@@ -26,35 +32,45 @@
 
 mod backend;
 mod capabilities;
+mod client;
 mod client_options;
 mod error;
 mod guard;
+pub mod instrument;
 mod job_key;
 mod key;
 mod lease;
+mod listener;
 mod locker;
 mod memory;
 mod notify;
 mod options;
 mod run;
 mod schedule;
-pub mod wait;
+mod url;
+mod wait;
 
-pub use backend::{AcquireAttempt, DistributedLock, LockState};
+pub use backend::{
+    AcquireReply, AcquireRequest, ExtendReply, Grant, HeldLock, LockAdmin, LockBackend, LockState,
+    ReleaseReply,
+};
 pub use capabilities::Capabilities;
+pub use client::{AcquireAttempt, LockClient};
 pub use client_options::{with_timeout, ClientOptions, DEFAULT_NAMESPACE};
 pub use error::{ErrorKind, LockError};
 pub use guard::{LockGuard, LostReason, LostSignal};
 pub use job_key::JobKey;
 pub use key::{LockKey, MAX_KEY_BYTES};
-pub use lease::{FencingToken, Lease, LeaseIssuer, OwnerToken};
+pub use lease::{FencingToken, Lease, OwnerToken};
+pub use listener::{Listener, NotificationSource};
 pub use locker::Locker;
 pub use memory::MemoryLock;
 pub use notify::{ReleaseNotifier, ReleaseWatch};
 pub use options::{LockOptions, Renewal};
 pub use run::{run_exclusive, JobContext, OnLost, RunOptions, RunOutcome};
 pub use schedule::{Fire, ScheduledJob, ScheduledOutcome, SkipReason};
+pub use url::{LockUrl, UrlHost};
 
-/// Re-exported so backends implement [`DistributedLock`] with the same
+/// Re-exported so backends implement [`LockBackend`] with the same
 /// `async_trait` version.
 pub use async_trait::async_trait;

@@ -1,14 +1,10 @@
 //! Acquiring guards over any backend, cancel-safely.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::oneshot;
-use tokio_util::sync::CancellationToken;
-
-use crate::wait::{acquire_until_cancelled, Attempt};
-use crate::{DistributedLock, Lease, LockError, LockGuard, LockKey, LockOptions};
+use crate::wait::Attempt;
+use crate::{LockClient, LockError, LockGuard, LockKey, LockOptions};
 
 /// The entry point for job code: acquires [`LockGuard`]s from any backend.
 ///
@@ -17,14 +13,12 @@ use crate::{DistributedLock, Lease, LockError, LockGuard, LockKey, LockOptions};
 /// before the drop (the grant is released in the background).
 ///
 /// ```
-/// use std::sync::Arc;
 /// use std::time::Duration;
-/// use lock_core::{DistributedLock, Locker, LockKey, LockOptions, MemoryLock};
+/// use lock_core::{Locker, LockKey, LockOptions, MemoryLock};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), lock_core::LockError> {
-/// let backend: Arc<dyn DistributedLock> = Arc::new(MemoryLock::new());
-/// let locker = Locker::new(backend);
+/// let locker = Locker::new(MemoryLock::new());
 /// let key = LockKey::new("invoices")?;
 /// let options = LockOptions::new(Duration::from_secs(10)).wait(Duration::from_secs(1));
 /// if let Some(guard) = locker.acquire(&key, &options).await? {
@@ -35,21 +29,24 @@ use crate::{DistributedLock, Lease, LockError, LockGuard, LockKey, LockOptions};
 /// ```
 #[derive(Debug, Clone)]
 pub struct Locker {
-    backend: Arc<dyn DistributedLock>,
+    client: LockClient,
 }
 
 impl Locker {
-    /// A locker over `backend`.
-    pub fn new(backend: Arc<dyn DistributedLock>) -> Self {
-        Self { backend }
+    /// A locker over `client` (a [`LockClient`], or any backend).
+    pub fn new(client: impl Into<LockClient>) -> Self {
+        Self {
+            client: client.into(),
+        }
     }
 
-    /// The backend.
-    pub fn backend(&self) -> &Arc<dyn DistributedLock> {
-        &self.backend
+    /// The lease-level client underneath.
+    pub fn client(&self) -> &LockClient {
+        &self.client
     }
 
-    /// One attempt, never waits (ignores [`LockOptions::wait`]).
+    /// One attempt, never waits (ignores [`LockOptions::wait`]); a
+    /// transient error is reported at once.
     pub async fn try_lock(
         &self,
         key: &LockKey,
@@ -59,7 +56,8 @@ impl Locker {
     }
 
     /// Acquires, waiting up to the options' wait time; `Ok(None)` if the lock
-    /// was still held then.
+    /// was still held then. Transient errors (`Unavailable`, `Timeout`) are
+    /// retried with backoff within the wait time.
     pub async fn acquire(
         &self,
         key: &LockKey,
@@ -83,52 +81,19 @@ impl Locker {
             Attempt::Renewing
         };
         let lease = self
-            .acquire_lease(key, options.ttl(), deadline, attempt)
+            .client
+            .acquire_until(key, options.ttl(), deadline, attempt)
             .await?;
         match lease {
             Some(lease) => {
                 tracing::info!(key = %key, fencing = %lease.fencing_token(), "lock acquired");
-                Ok(Some(LockGuard::new(self.backend.clone(), lease, options)))
+                Ok(Some(LockGuard::new(self.client.clone(), lease, options)))
             }
             None => {
                 tracing::info!(key = %key, "lock held elsewhere; not acquired");
                 Ok(None)
             }
         }
-    }
-
-    /// Runs the waiting loop on its own task so that dropping the caller's
-    /// future never abandons an attempt in flight: a lease granted after the
-    /// caller left is released at once.
-    async fn acquire_lease(
-        &self,
-        key: &LockKey,
-        ttl: Duration,
-        deadline: Instant,
-        attempt: Attempt,
-    ) -> Result<Option<Lease>, LockError> {
-        let backend = self.backend.clone();
-        let key = key.clone();
-        let cancel = CancellationToken::new();
-        let task_cancel = cancel.clone();
-        let (reply, answer) = oneshot::channel();
-        tokio::spawn(async move {
-            let result =
-                acquire_until_cancelled(&*backend, &key, ttl, deadline, attempt, &task_cancel)
-                    .await;
-            if let Err(Ok(Some(lease))) = reply.send(result) {
-                tracing::debug!(key = %key, fencing = %lease.fencing_token(), "waiter gone; releasing the lock it was granted");
-                let _ = backend.release(&lease).await;
-            }
-        });
-        let _cancel_on_drop = cancel.drop_guard();
-        let mut answer = UnreadAnswer {
-            answer,
-            backend: self.backend.clone(),
-        };
-        (&mut answer.answer)
-            .await
-            .unwrap_or_else(|_| Err(LockError::unavailable("the acquire task panicked")))
     }
 
     /// Runs `job` if the lock is free; see [`run_exclusive`](crate::run_exclusive).
@@ -143,33 +108,6 @@ impl Locker {
         Fut: Future<Output = T>,
     {
         crate::run::run_exclusive(self, key, options, job).await
-    }
-}
-
-type AcquireAnswer = oneshot::Receiver<Result<Option<Lease>, LockError>>;
-
-/// The caller's end of an acquisition. If the caller's future is dropped
-/// after the task sent a lease but before it was read, the lease would be
-/// dropped unread and stay held for its whole TTL; on drop this releases it.
-struct UnreadAnswer {
-    answer: AcquireAnswer,
-    backend: Arc<dyn DistributedLock>,
-}
-
-impl Drop for UnreadAnswer {
-    fn drop(&mut self) {
-        // After close(), the task's send fails (and it releases itself), or
-        // the value it sent before is here to take.
-        self.answer.close();
-        if let Ok(Ok(Some(lease))) = self.answer.try_recv() {
-            let backend = self.backend.clone();
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), "waiter dropped as the lock was granted; releasing it");
-                runtime.spawn(async move {
-                    let _ = backend.release(&lease).await;
-                });
-            }
-        }
     }
 }
 

@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 
 use crate::{
-    AcquireAttempt, Capabilities, DistributedLock, FencingToken, Lease, LeaseIssuer, LockError,
-    LockKey, LockState, OwnerToken, ReleaseNotifier, ReleaseWatch,
+    AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
+    LockAdmin, LockBackend, LockClient, LockError, LockKey, LockState, OwnerToken, ReleaseNotifier,
+    ReleaseReply, ReleaseWatch,
 };
 
 #[derive(Debug)]
@@ -35,12 +36,13 @@ impl Store {
     }
 }
 
-/// An in-memory lock server, shared by every clone and every
-/// [`client`](MemoryLock::client) of it.
+/// An in-memory lock server, shared by every clone.
 ///
 /// It is a product backend, not a test double: it passes the whole
 /// conformance suite. Time is the process's monotonic clock; waiters are
-/// woken on release; the map holds only live locks.
+/// woken on release; the map holds only live locks. Each
+/// [`client`](MemoryLock::client) is a separate client of the same server,
+/// as a separate process would have.
 ///
 /// ```
 /// use std::time::Duration;
@@ -58,34 +60,21 @@ impl Store {
 /// guard.release().await?;
 /// # Ok(()) }
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct MemoryLock {
     store: Arc<Store>,
-    issuer: LeaseIssuer,
-}
-
-impl Default for MemoryLock {
-    fn default() -> Self {
-        Self::new()
-    }
 }
 
 impl MemoryLock {
-    /// A new, empty lock server with one client handle.
+    /// A new, empty lock server.
     pub fn new() -> Self {
-        Self {
-            store: Arc::default(),
-            issuer: LeaseIssuer::random(),
-        }
+        Self::default()
     }
 
-    /// Another client of the same server, as a separate process would have:
-    /// leases it issues are refused by other clients.
-    pub fn client(&self) -> Arc<Self> {
-        Arc::new(Self {
-            store: self.store.clone(),
-            issuer: LeaseIssuer::random(),
-        })
+    /// A new client of this server: leases it issues are refused by other
+    /// clients.
+    pub fn client(&self) -> LockClient {
+        LockClient::new(self.clone())
     }
 
     /// How many keys are held right now (expired ones not counted).
@@ -98,38 +87,37 @@ impl MemoryLock {
             .count()
     }
 
-    fn check_owner<'a>(
+    /// The live lock at `lock.key` if `lock` holds it.
+    fn owned<'a>(
         locks: &'a mut HashMap<LockKey, Held>,
-        lease: &Lease,
+        lock: &HeldLock<'_>,
         now: Instant,
-    ) -> Result<&'a mut Held, LockError> {
-        match locks.get_mut(lease.key()) {
-            Some(held) if held.owner == lease.owner() && held.expires_at > now => Ok(held),
-            _ => Err(LockError::not_held(format!(
-                "lock {:?} is no longer held by this lease (released, expired or taken over)",
-                lease.key().as_str()
-            ))),
-        }
+    ) -> Option<&'a mut Held> {
+        locks.get_mut(lock.key).filter(|held| {
+            held.owner == lock.owner && held.fencing == lock.fencing && held.expires_at > now
+        })
     }
 }
 
 #[async_trait]
-impl DistributedLock for MemoryLock {
+impl LockBackend for MemoryLock {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             native_wait: true,
-            admin: true,
             ..Capabilities::default()
         }
     }
 
-    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<AcquireAttempt, LockError> {
-        let ttl = self.capabilities().effective_ttl(ttl)?;
+    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError> {
         let now = Instant::now();
         let mut locks = self.store.locks();
-        if let Some(held) = locks.get(key) {
+        if let Some(held) = locks.get(request.key) {
             if held.expires_at > now {
-                return Ok(AcquireAttempt::Held {
+                return Ok(AcquireReply::Held {
                     expires_in: Some(held.expires_at - now),
                 });
             }
@@ -138,48 +126,59 @@ impl DistributedLock for MemoryLock {
         if locks.len() >= 1024 && locks.len().is_power_of_two() {
             locks.retain(|_, h| h.expires_at > now);
         }
-        let owner = OwnerToken::random();
         let fencing = FencingToken::new(self.store.fencing.fetch_add(1, Ordering::SeqCst) + 1);
         locks.insert(
-            key.clone(),
+            request.key.clone(),
             Held {
-                owner,
+                owner: request.owner,
                 fencing,
-                expires_at: now + ttl,
+                expires_at: now + request.ttl,
             },
         );
-        Ok(AcquireAttempt::Acquired(Lease::new(
-            key.clone(),
-            owner,
-            fencing,
-            now,
-            ttl,
-            self.issuer,
-        )))
+        Ok(AcquireReply::Granted(Grant::new(fencing, request.ttl)))
     }
 
-    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
-        lease.check_issuer(self.issuer)?;
-        let ttl = self.capabilities().effective_ttl(ttl)?;
+    async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError> {
         let now = Instant::now();
         let mut locks = self.store.locks();
-        let held = Self::check_owner(&mut locks, lease, now)?;
-        held.expires_at = now + ttl;
-        Ok(lease.renewed(now, ttl))
+        Ok(match Self::owned(&mut locks, &lock, now) {
+            Some(held) => {
+                held.expires_at = now + ttl;
+                ExtendReply::Extended(Grant::new(lock.fencing, ttl))
+            }
+            None => ExtendReply::NotHeld,
+        })
     }
 
-    async fn release(&self, lease: &Lease) -> Result<(), LockError> {
-        lease.check_issuer(self.issuer)?;
+    async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
         let now = Instant::now();
         {
             let mut locks = self.store.locks();
-            Self::check_owner(&mut locks, lease, now)?;
-            locks.remove(lease.key());
+            if Self::owned(&mut locks, &lock, now).is_none() {
+                return Ok(ReleaseReply::NotHeld);
+            }
+            locks.remove(lock.key);
         }
-        self.store.releases.notify(lease.key().as_str());
-        Ok(())
+        self.store.releases.notify(lock.key.as_str());
+        Ok(ReleaseReply::Released)
     }
 
+    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        let watch = self
+            .store
+            .releases
+            .subscribe(key.as_str(), || async { Ok(()) })
+            .await?;
+        Ok(Some(watch))
+    }
+
+    fn admin(&self) -> Option<&dyn LockAdmin> {
+        Some(self)
+    }
+}
+
+#[async_trait]
+impl LockAdmin for MemoryLock {
     async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
         let now = Instant::now();
         Ok(match self.store.locks().get(key) {
@@ -201,14 +200,5 @@ impl DistributedLock for MemoryLock {
             self.store.releases.notify(key.as_str());
         }
         Ok(was_held)
-    }
-
-    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        let watch = self
-            .store
-            .releases
-            .subscribe(key.as_str(), || async { Ok(()) })
-            .await?;
-        Ok(Some(watch))
     }
 }

@@ -14,9 +14,13 @@ use tokio::sync::{watch, OnceCell};
 
 use crate::LockError;
 
+/// What a channel's watchers see: notifications so far, and resets so far
+/// (a reset means the server subscription is gone).
+type Wake = (u64, u64);
+
 #[derive(Debug)]
 struct Channel {
-    wake: watch::Sender<u64>,
+    wake: watch::Sender<Wake>,
     subscribers: usize,
     ready: Arc<OnceCell<()>>,
 }
@@ -65,13 +69,16 @@ impl ReleaseNotifier {
             let entry = channels
                 .entry(channel.to_owned())
                 .or_insert_with(|| Channel {
-                    wake: watch::channel(0).0,
+                    wake: watch::channel((0, 0)).0,
                     subscribers: 0,
                     ready: Arc::new(OnceCell::new()),
                 });
             entry.subscribers += 1;
+            let rx = entry.wake.subscribe();
+            let epoch = rx.borrow().1;
             let watch = ReleaseWatch {
-                rx: Some(entry.wake.subscribe()),
+                rx: Some(rx),
+                epoch,
                 channel: channel.to_owned(),
                 registry: Arc::downgrade(&self.channels),
             };
@@ -87,18 +94,21 @@ impl ReleaseNotifier {
     pub fn notify(&self, channel: &str) {
         let channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(entry) = channels.get(channel) {
-            entry.wake.send_modify(|n| *n = n.wrapping_add(1));
+            entry.wake.send_modify(|(n, _)| *n = n.wrapping_add(1));
         }
     }
 
-    /// Wakes every waiter, and forgets that channels were subscribed on the
-    /// server. Called after a reconnect: messages may have been missed, and
-    /// the next waiter of each channel subscribes again.
+    /// Forgets that channels were subscribed on the server and wakes every
+    /// waiter with an error from [`ReleaseWatch::released`], so each
+    /// subscribes again (reconnecting) before its next attempt. Called when
+    /// the notification connection is lost: messages may have been missed.
     pub fn reset(&self) {
         let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
         for entry in channels.values_mut() {
             entry.ready = Arc::new(OnceCell::new());
-            entry.wake.send_modify(|n| *n = n.wrapping_add(1));
+            entry
+                .wake
+                .send_modify(|(n, epoch)| (*n, *epoch) = (n.wrapping_add(1), *epoch + 1));
         }
     }
 
@@ -133,12 +143,13 @@ impl ReleaseNotifier {
 }
 
 /// One waiter's subscription to release notifications for a key; see
-/// [`DistributedLock::watch`](crate::DistributedLock::watch).
+/// [`LockBackend::watch`](crate::LockBackend::watch).
 ///
 /// Dropping it unregisters the waiter. Cancel-safe.
 #[derive(Debug)]
 pub struct ReleaseWatch {
-    rx: Option<watch::Receiver<u64>>,
+    rx: Option<watch::Receiver<Wake>>,
+    epoch: u64,
     channel: String,
     registry: Weak<Registry>,
 }
@@ -149,19 +160,27 @@ impl ReleaseWatch {
     pub fn never() -> Self {
         Self {
             rx: None,
+            epoch: 0,
             channel: String::new(),
             registry: Weak::new(),
         }
     }
 
     /// Resolves at the first notification after this watch was created, or
-    /// after the previous call returned.
+    /// after the previous call returned. An error means the server
+    /// subscription was lost (see [`ReleaseNotifier::reset`]): drop this
+    /// watch and subscribe again before the next attempt. Cancel-safe.
     pub async fn released(&mut self) -> Result<(), LockError> {
         match &mut self.rx {
             Some(rx) => {
                 if rx.changed().await.is_err() {
                     // The registry entry is gone; nobody will notify again.
                     std::future::pending::<()>().await;
+                }
+                if rx.borrow_and_update().1 != self.epoch {
+                    return Err(LockError::unavailable(
+                        "the release-notification connection was lost; subscribe again",
+                    ));
                 }
                 Ok(())
             }

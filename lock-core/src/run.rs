@@ -121,7 +121,7 @@ impl<T> RunOutcome<T> {
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), lock_core::LockError> {
-/// let locker = Locker::new(std::sync::Arc::new(MemoryLock::new()));
+/// let locker = Locker::new(MemoryLock::new());
 /// let key = LockKey::new("nightly-report")?;
 /// let options = RunOptions::new(LockOptions::new(Duration::from_secs(30)));
 /// let outcome = run_exclusive(&locker, &key, &options, |ctx| async move {

@@ -164,7 +164,7 @@ impl ScheduledJob {
             tracing::warn!(job = %self.name, key = %fire_key, %error, "could not keep the fire key; late instances may run this fire");
             return;
         }
-        match locker.backend().try_acquire(fire_key, remaining).await {
+        match locker.client().try_acquire(fire_key, remaining).await {
             Ok(AcquireAttempt::Acquired(_)) => {
                 tracing::debug!(job = %self.name, key = %fire_key, "fire key taken again until the end of its window");
             }

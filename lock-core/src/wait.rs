@@ -1,95 +1,104 @@
-//! The shared waiting loop: subscribe, attempt, sleep until woken, repeat.
+//! The shared waiting loop: subscribe, attempt, sleep until woken, repeat;
+//! transient errors are retried with backoff until the deadline.
 
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use crate::{AcquireAttempt, DistributedLock, Lease, LockError, LockKey, ReleaseWatch};
+use crate::{AcquireAttempt, Lease, LockClient, LockError, LockKey, ReleaseWatch};
 
 /// Extra wait after a holder's predicted expiry, so the retry lands after the
 /// server expired it rather than just before.
 const EXPIRY_SLACK: Duration = Duration::from_millis(2);
 
-/// The default [`DistributedLock::acquire`]: waits for `key` until `deadline`,
-/// woken by the server's release notifications or the holder's expiry.
-pub async fn acquire_by_watching<B: DistributedLock + ?Sized>(
-    backend: &B,
-    key: &LockKey,
-    ttl: Duration,
-    deadline: Instant,
-) -> Result<Option<Lease>, LockError> {
-    acquire_until_cancelled(
-        backend,
-        key,
-        ttl,
-        deadline,
-        Attempt::Plain,
-        &CancellationToken::new(),
-    )
-    .await
-}
+/// First and longest pause between attempts that failed transiently
+/// (a failover, a restarting server).
+const BACKOFF_MIN: Duration = Duration::from_millis(50);
+const BACKOFF_MAX: Duration = Duration::from_secs(1);
 
-/// Which acquisition call the waiting loop makes.
+/// Which acquisition the waiting loop makes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Attempt {
-    /// [`DistributedLock::try_acquire`].
+    /// A lock nobody will renew.
     Plain,
-    /// [`DistributedLock::try_acquire_renewing`]: a guard will renew it.
+    /// A lock a guard will renew (a backend may attach it to a session).
     Renewing,
 }
 
-/// As [`acquire_by_watching`], but gives up (`Ok(None)`) when `cancel` fires.
-/// Cancellation is only observed between attempts, never while an attempt
-/// is in flight, so a lock the server granted is always returned.
-pub(crate) async fn acquire_until_cancelled<B: DistributedLock + ?Sized>(
-    backend: &B,
+/// Waits for `key` until `deadline`; gives up (`Ok(None)`) when `cancel`
+/// fires. Cancellation is only observed between attempts, never while an
+/// attempt is in flight, so a lock the server granted is always returned.
+/// `Unavailable`/`Timeout` errors are retried with backoff while the
+/// deadline allows; the last one is returned when it passes.
+pub(crate) async fn acquire_until_cancelled(
+    client: &LockClient,
     key: &LockKey,
     ttl: Duration,
     deadline: Instant,
     attempt: Attempt,
     cancel: &CancellationToken,
 ) -> Result<Option<Lease>, LockError> {
-    let caps = backend.capabilities();
-    // Subscribe before the first attempt: a release between a failed attempt
-    // and a later subscription would otherwise be missed.
-    let mut watch = if caps.native_wait && Instant::now() < deadline {
-        backend.watch(key).await?
-    } else {
-        None
-    };
-    let poll = watch.is_none().then_some(caps.retry_interval);
+    let caps = client.capabilities().clone();
+    let mut watch: Option<ReleaseWatch> = None;
     let mut never = ReleaseWatch::never();
+    let mut backoff = BACKOFF_MIN;
     let mut attempts = 0u64;
     loop {
-        attempts += 1;
-        let result = match attempt {
-            Attempt::Plain => backend.try_acquire(key, ttl).await?,
-            Attempt::Renewing => backend.try_acquire_renewing(key, ttl).await?,
-        };
-        let expires_in = match result {
-            AcquireAttempt::Acquired(lease) => {
-                tracing::debug!(key = %key, fencing = %lease.fencing_token(), attempts, "lock acquired");
-                return Ok(Some(lease));
+        // Subscribe before the attempt: a release between a failed attempt
+        // and a later subscription would otherwise be missed.
+        let mut watch_error = None;
+        if watch.is_none() && caps.native_wait && Instant::now() < deadline {
+            match client.backend().watch(key).await {
+                Ok(subscribed) => watch = subscribed,
+                Err(e) if e.is_transient() => watch_error = Some(e),
+                Err(e) => return Err(e),
             }
-            AcquireAttempt::Held { expires_in } => expires_in,
+        }
+        attempts += 1;
+        let result = match watch_error {
+            // No subscription: an attempt now could miss the next release.
+            Some(e) => Err(e),
+            None => client.attempt(key, ttl, attempt).await,
         };
         let now = Instant::now();
-        if now >= deadline {
-            tracing::debug!(key = %key, attempts, "lock still held at deadline");
-            return Ok(None);
-        }
-        let mut wake_at = deadline;
-        if let Some(expires_in) = expires_in {
-            wake_at = wake_at.min(now + expires_in + EXPIRY_SLACK);
-        }
-        if let Some(poll) = poll {
-            wake_at = wake_at.min(now + poll);
-        }
-        tracing::trace!(key = %key, ?expires_in, "waiting for release");
+        let wake_at = match result {
+            Ok(AcquireAttempt::Acquired(lease)) => {
+                tracing::debug!(key = %key, fencing = %lease.fencing_token(), attempts, "lock acquired after waiting");
+                return Ok(Some(lease));
+            }
+            Ok(AcquireAttempt::Held { expires_in }) => {
+                if now >= deadline {
+                    tracing::debug!(key = %key, attempts, "lock still held at deadline");
+                    return Ok(None);
+                }
+                backoff = BACKOFF_MIN;
+                let mut wake_at = deadline;
+                if let Some(expires_in) = expires_in {
+                    wake_at = wake_at.min(now + expires_in.saturating_add(EXPIRY_SLACK));
+                }
+                if watch.is_none() {
+                    wake_at = wake_at.min(now + caps.retry_interval);
+                }
+                tracing::trace!(key = %key, ?expires_in, "waiting for release");
+                wake_at
+            }
+            Err(e) if e.is_transient() && now < deadline => {
+                tracing::debug!(key = %key, error = %e, retry_in = ?backoff, "transient error while waiting; retrying");
+                let wake_at = deadline.min(now + backoff);
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+                wake_at
+            }
+            Err(e) => return Err(e),
+        };
         let watch_ref = watch.as_mut().unwrap_or(&mut never);
         tokio::select! {
             _ = cancel.cancelled() => return Ok(None),
-            woke = watch_ref.released() => woke?,
+            woke = watch_ref.released() => {
+                if let Err(e) = woke {
+                    tracing::debug!(key = %key, error = %e, "release subscription failed; subscribing again");
+                    watch = None;
+                }
+            }
             _ = tokio::time::sleep_until(wake_at.into()) => {}
         }
     }

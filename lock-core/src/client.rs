@@ -1,0 +1,471 @@
+//! [`LockClient`]: any [`LockBackend`] wrapped in the one place that owns
+//! every lease rule.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::backend::{AcquireReply, AcquireRequest, ExtendReply, HeldLock, ReleaseReply};
+use crate::lease::LeaseIssuer;
+use crate::wait::{self, Attempt};
+use crate::{
+    instrument, Capabilities, Lease, LockAdmin, LockBackend, LockError, LockKey, LockState,
+    OwnerToken,
+};
+
+/// The result of one atomic acquisition attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AcquireAttempt {
+    /// The lock is ours.
+    Acquired(Lease),
+    /// Someone else holds it.
+    Held {
+        /// How long until the holder's lease runs out by the server's clock,
+        /// if the server said. Renewal may push it further.
+        expires_in: Option<Duration>,
+    },
+}
+
+impl AcquireAttempt {
+    /// The lease, if acquired.
+    pub fn lease(self) -> Option<Lease> {
+        match self {
+            AcquireAttempt::Acquired(lease) => Some(lease),
+            AcquireAttempt::Held { .. } => None,
+        }
+    }
+}
+
+/// A lock client over any backend: the lease-level API.
+///
+/// It alone validates TTLs, mints owner tokens, records when each request
+/// was sent, builds and checks leases (a lease from another client is
+/// refused), words the errors and emits tracing spans and metrics, so every
+/// backend behaves alike. Job code usually goes through [`Locker`](crate::Locker),
+/// which builds guards on top of it. Cheap to clone (clones are the same
+/// client).
+///
+/// ```
+/// use std::time::Duration;
+/// use lock_core::{LockClient, LockKey, MemoryLock};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), lock_core::LockError> {
+/// let server = MemoryLock::new();
+/// let client = LockClient::new(server.clone());
+/// let other = LockClient::new(server);
+/// let key = LockKey::new("nightly-report")?;
+/// let lease = client.try_acquire(&key, Duration::from_secs(30)).await?.lease().expect("free");
+/// assert!(other.try_acquire(&key, Duration::from_secs(30)).await?.lease().is_none());
+/// client.release(&lease).await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct LockClient {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    backend: Arc<dyn LockBackend>,
+    name: &'static str,
+    capabilities: Capabilities,
+    issuer: LeaseIssuer,
+}
+
+impl fmt::Debug for LockClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockClient")
+            .field("backend", &self.inner.backend)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: LockBackend> From<B> for LockClient {
+    fn from(backend: B) -> Self {
+        Self::new(backend)
+    }
+}
+
+impl From<Arc<dyn LockBackend>> for LockClient {
+    fn from(backend: Arc<dyn LockBackend>) -> Self {
+        Self::from_arc(backend)
+    }
+}
+
+impl LockClient {
+    /// A client over `backend`.
+    pub fn new(backend: impl LockBackend) -> Self {
+        Self::from_arc(Arc::new(backend))
+    }
+
+    /// A client over a shared backend. Leases it issues are refused by
+    /// every other client, even over the same backend.
+    pub fn from_arc(backend: Arc<dyn LockBackend>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                name: backend.name(),
+                capabilities: backend.capabilities(),
+                issuer: LeaseIssuer::random(),
+                backend,
+            }),
+        }
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<dyn LockBackend> {
+        &self.inner.backend
+    }
+
+    /// The backend's name (`redis`, `etcd`, ...).
+    pub fn name(&self) -> &'static str {
+        self.inner.name
+    }
+
+    /// What the backend declared it supports.
+    pub fn capabilities(&self) -> &Capabilities {
+        &self.inner.capabilities
+    }
+
+    /// The operator calls, if the backend has them.
+    pub fn admin(&self) -> Option<&dyn LockAdmin> {
+        self.inner.backend.admin()
+    }
+
+    /// One atomic attempt: takes `key` for `ttl` if nobody holds it (or its
+    /// holder's TTL ran out). Never waits.
+    ///
+    /// Errors: [`ErrorKind::InvalidInput`] for a zero or too long TTL;
+    /// [`ErrorKind::Unavailable`] / [`ErrorKind::Timeout`] if the server
+    /// cannot answer, or if its grant arrived after the lease would already
+    /// have expired (the grant is then released); [`ErrorKind::Corrupted`]
+    /// for a value at the key that distlock did not write.
+    ///
+    /// Cancel safety: if this future is dropped after the request was sent,
+    /// a lock the server granted is not released; it expires after `ttl`.
+    /// [`acquire`](Self::acquire) and [`Locker`](crate::Locker) never leave
+    /// a lock behind.
+    pub async fn try_acquire(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+    ) -> Result<AcquireAttempt, LockError> {
+        self.attempt(key, ttl, Attempt::Plain).await
+    }
+
+    /// As [`try_acquire`](Self::try_acquire), for a lock its holder will
+    /// keep renewing (what a [`LockGuard`](crate::LockGuard) with renewal
+    /// does): a backend may attach it to a session lease (etcd), making
+    /// acquisition one round trip.
+    pub async fn try_acquire_renewing(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+    ) -> Result<AcquireAttempt, LockError> {
+        self.attempt(key, ttl, Attempt::Renewing).await
+    }
+
+    /// Waits for `key` until `deadline` (`Ok(None)` if it is still held
+    /// then), woken by the server's release notifications or the holder's
+    /// expiry. Transient errors (`Unavailable`, `Timeout`) are retried with
+    /// backoff until the deadline, then the last one is returned; a deadline
+    /// in the past means one attempt.
+    ///
+    /// Cancel-safe: dropping the future leaves no lock held, even if the
+    /// server granted it at that moment (the grant is released).
+    pub async fn acquire(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+        deadline: Instant,
+    ) -> Result<Option<Lease>, LockError> {
+        self.acquire_until(key, ttl, deadline, Attempt::Plain).await
+    }
+
+    /// Resets the lease's TTL to `ttl` from now if, and only if, the server
+    /// still holds it for this owner; returns the renewed lease (same owner
+    /// and fencing token). [`ErrorKind::NotHeld`] if it does not: an expired
+    /// or released lock is never recreated.
+    pub async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
+        let span = tracing::debug_span!("distlock.extend", backend = self.name(), key = %lease.key(), fencing = %lease.fencing_token());
+        let result = async {
+            self.check_issuer(lease)?;
+            let ttl = self.inner.capabilities.effective_ttl(ttl)?;
+            let sent_at = Instant::now();
+            match self.inner.backend.extend(held(lease), ttl).await? {
+                ExtendReply::Extended(grant) => {
+                    if grant.fencing != lease.fencing_token() {
+                        return Err(LockError::corrupted(format!(
+                            "the {} backend extended lock {:?} under fencing token {} but it was acquired with {}",
+                            self.name(),
+                            lease.key().as_str(),
+                            grant.fencing,
+                            lease.fencing_token()
+                        )));
+                    }
+                    let renewed = lease
+                        .renewed(valid_from(sent_at, grant.clock_started), grant.ttl.max(ttl))
+                        .with_handle(grant.handle);
+                    tracing::trace!(ttl = ?ttl, "lock extended");
+                    Ok(renewed)
+                }
+                ExtendReply::NotHeld => {
+                    tracing::debug!("lock not held on extend");
+                    Err(LockError::not_held(format!(
+                        "lock {:?} is no longer held by this lease (released, expired or taken over); it was not extended",
+                        lease.key().as_str()
+                    )))
+                }
+            }
+        }
+        .instrument(span)
+        .await;
+        self.count_error("extend", &result);
+        result
+    }
+
+    /// Deletes the lock if, and only if, this lease still holds it, waking
+    /// waiters. [`ErrorKind::NotHeld`] if it does not (released already,
+    /// expired, or taken by someone else — whose lock stays).
+    pub async fn release(&self, lease: &Lease) -> Result<(), LockError> {
+        let span = tracing::debug_span!("distlock.release", backend = self.name(), key = %lease.key(), fencing = %lease.fencing_token());
+        let result = async {
+            self.check_issuer(lease)?;
+            match self.inner.backend.release(held(lease)).await? {
+                ReleaseReply::Released => {
+                    tracing::debug!("lock released");
+                    Ok(())
+                }
+                ReleaseReply::NotHeld => {
+                    tracing::debug!("lock not held on release");
+                    Err(LockError::not_held(format!(
+                        "lock {:?} is no longer held by this lease (released already, expired or taken over)",
+                        lease.key().as_str()
+                    )))
+                }
+            }
+        }
+        .instrument(span)
+        .await;
+        self.count_error("release", &result);
+        result
+    }
+
+    /// Reads who holds `key` (an operator call; [`ErrorKind::Unsupported`]
+    /// if the backend has none).
+    pub async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
+        let result = match self.admin() {
+            Some(admin) => admin.inspect(key).await,
+            None => Err(self.no_admin("inspect")),
+        };
+        self.count_error("inspect", &result);
+        result
+    }
+
+    /// Deletes the lock at `key` whoever holds it, waking waiters; returns
+    /// whether one was held (an operator call; [`ErrorKind::Unsupported`]
+    /// if the backend has none).
+    pub async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
+        let result = match self.admin() {
+            Some(admin) => {
+                let result = admin.force_release(key).await;
+                if let Ok(was_held) = &result {
+                    tracing::info!(backend = self.name(), key = %key, was_held, "lock force-released");
+                }
+                result
+            }
+            None => Err(self.no_admin("force-release")),
+        };
+        self.count_error("force_release", &result);
+        result
+    }
+
+    fn no_admin(&self, what: &str) -> LockError {
+        LockError::unsupported(format!(
+            "the {} backend cannot {what} locks (it has no operator calls)",
+            self.name()
+        ))
+    }
+
+    fn check_issuer(&self, lease: &Lease) -> Result<(), LockError> {
+        if lease.issuer() == self.inner.issuer {
+            Ok(())
+        } else {
+            Err(LockError::invalid_input(format!(
+                "the lease for key {:?} was issued by another lock client; release or extend it through the client that acquired it",
+                lease.key().as_str()
+            )))
+        }
+    }
+
+    fn count_error<T>(&self, op: &'static str, result: &Result<T, LockError>) {
+        if let Err(e) = result {
+            instrument::error(self.name(), op, e);
+        }
+    }
+
+    /// One attempt, inline (not cancel-safe by itself).
+    pub(crate) async fn attempt(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+        attempt: Attempt,
+    ) -> Result<AcquireAttempt, LockError> {
+        let span = tracing::debug_span!(
+            "distlock.try_acquire",
+            backend = self.name(),
+            key = %key,
+            fencing = tracing::field::Empty,
+        );
+        let result = async {
+            let ttl = self.inner.capabilities.effective_ttl(ttl)?;
+            let owner = OwnerToken::random();
+            let request = AcquireRequest {
+                key,
+                owner,
+                ttl,
+                renewing: attempt == Attempt::Renewing,
+            };
+            // Taken before the request leaves: the lease's deadline can
+            // only be earlier than the server's.
+            let sent_at = Instant::now();
+            match self.inner.backend.acquire(request).await? {
+                AcquireReply::Held { expires_in } => {
+                    instrument::attempt(self.name(), false);
+                    tracing::trace!(?expires_in, "lock held elsewhere");
+                    Ok(AcquireAttempt::Held { expires_in })
+                }
+                AcquireReply::Granted(grant) => {
+                    instrument::attempt(self.name(), true);
+                    tracing::Span::current().record("fencing", grant.fencing.get());
+                    let lease = Lease::new(
+                        key.clone(),
+                        owner,
+                        grant.fencing,
+                        valid_from(sent_at, grant.clock_started),
+                        grant.ttl.max(ttl),
+                        self.inner.issuer,
+                    )
+                    .with_handle(grant.handle);
+                    if lease.is_expired() {
+                        // The reply came too late (or the session behind it
+                        // died): someone else may hold the key already.
+                        self.release_in_background(lease.clone());
+                        return Err(late_grant(&lease, sent_at));
+                    }
+                    tracing::debug!("lock acquired");
+                    Ok(AcquireAttempt::Acquired(lease))
+                }
+            }
+        }
+        .instrument(span)
+        .await;
+        self.count_error("acquire", &result);
+        result
+    }
+
+    /// The waiting loop on a task of its own, so that dropping the
+    /// caller's future never abandons an attempt in flight: a lease granted
+    /// after the caller left is released.
+    pub(crate) async fn acquire_until(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+        deadline: Instant,
+        attempt: Attempt,
+    ) -> Result<Option<Lease>, LockError> {
+        let client = self.clone();
+        let key = key.clone();
+        let cancel = CancellationToken::new();
+        let task_cancel = cancel.clone();
+        let (reply, answer) = oneshot::channel();
+        let span = tracing::debug_span!("distlock.acquire", backend = self.name(), key = %key);
+        let started = Instant::now();
+        tokio::spawn(
+            async move {
+                let result =
+                    wait::acquire_until_cancelled(&client, &key, ttl, deadline, attempt, &task_cancel)
+                        .await;
+                let outcome = match &result {
+                    Ok(Some(_)) => "acquired",
+                    Ok(None) => "timed_out",
+                    Err(_) => "error",
+                };
+                instrument::waited(client.name(), outcome, started.elapsed());
+                if let Err(Ok(Some(lease))) = reply.send(result) {
+                    tracing::debug!(fencing = %lease.fencing_token(), "waiter gone; releasing the lock it was granted");
+                    let _ = client.release(&lease).await;
+                }
+            }
+            .instrument(span),
+        );
+        let _cancel_on_drop = cancel.drop_guard();
+        let mut answer = UnreadAnswer {
+            answer,
+            client: self.clone(),
+        };
+        (&mut answer.answer)
+            .await
+            .unwrap_or_else(|_| Err(LockError::unavailable("the acquire task panicked")))
+    }
+
+    /// Releases `lease` on the current runtime without waiting (a late
+    /// grant, a waiter that left). Failing only means it expires by its TTL.
+    pub(crate) fn release_in_background(&self, lease: Lease) {
+        let client = self.clone();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = client.release(&lease).await;
+            });
+        }
+    }
+}
+
+/// The instant a lease is dated from: the request's send time, or earlier
+/// if the server's clock for it started before (a session lease).
+fn valid_from(sent_at: Instant, clock_started: Option<Instant>) -> Instant {
+    clock_started.map_or(sent_at, |at| at.min(sent_at))
+}
+
+fn held(lease: &Lease) -> HeldLock<'_> {
+    HeldLock {
+        key: lease.key(),
+        owner: lease.owner(),
+        fencing: lease.fencing_token(),
+        handle: lease.handle(),
+    }
+}
+
+fn late_grant(lease: &Lease, sent_at: Instant) -> LockError {
+    LockError::timeout(format!(
+        "lock {:?} was granted (fencing token {}) {:?} after the request was sent, when its {:?} lease could already have expired; it was released, try again",
+        lease.key().as_str(),
+        lease.fencing_token(),
+        sent_at.elapsed(),
+        lease.ttl()
+    ))
+}
+
+/// The caller's end of a waiting acquisition. If the caller's future is
+/// dropped after the task sent a lease but before it was read, the lease
+/// would be dropped unread and stay held for its whole TTL; on drop this
+/// releases it.
+struct UnreadAnswer {
+    answer: oneshot::Receiver<Result<Option<Lease>, LockError>>,
+    client: LockClient,
+}
+
+impl Drop for UnreadAnswer {
+    fn drop(&mut self) {
+        // After close(), the task's send fails (and it releases itself), or
+        // the value it sent before is here to take.
+        self.answer.close();
+        if let Ok(Ok(Some(lease))) = self.answer.try_recv() {
+            tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), "waiter dropped as the lock was granted; releasing it");
+            self.client.release_in_background(lease);
+        }
+    }
+}

@@ -1,0 +1,374 @@
+//! One notification listener for every backend: a lazily opened server
+//! connection that carries release notifications to the waiters of one
+//! client.
+//!
+//! A backend describes its connection as a [`NotificationSource`] (Redis
+//! pub/sub, PostgreSQL `LISTEN`, an etcd watch stream); [`Listener`] does
+//! the rest, the same way for all of them:
+//!
+//! - connects on the first waiter, under the connect timeout;
+//! - subscribes a topic on the server when its first local waiter arrives,
+//!   and returns only once the server confirmed (so a waiter that subscribes
+//!   and then attempts never misses the release in between);
+//! - reads notifications on one task and wakes the waiters of their channel;
+//! - pings a connection that stayed quiet, so a silently dead one (a network
+//!   black hole) is noticed;
+//! - unsubscribes topics whose waiters all left;
+//! - treats *every* failure — the connection ending, a read error, a failed
+//!   ping, a failed or timed-out subscribe — as one event: the connection
+//!   is dropped and every waiter is woken with an error from
+//!   [`ReleaseWatch::released`], so each subscribes again (reconnecting)
+//!   before its next attempt. Releases published during the gap are
+//!   therefore never missed, and reconnection follows the waiting loop's
+//!   one backoff policy (waiters retry transient errors with backoff until
+//!   their deadline).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use tokio::task::JoinHandle;
+
+use crate::{with_timeout, ClientOptions, LockError, ReleaseNotifier, ReleaseWatch};
+
+/// A server connection that delivers release notifications, as a backend
+/// sees it. The [`Listener`] owns the lifecycle; this says how to talk.
+#[async_trait]
+pub trait NotificationSource: Send + Sync + 'static {
+    /// What a waiter subscribes to (a channel name; an etcd key and the
+    /// revision to watch from).
+    type Topic: Clone + Send + Sync + 'static;
+    /// Subscribes and pings while the stream is being read.
+    type Sink: Clone + Send + Sync + 'static;
+    /// The receiving side, read by the listener's task.
+    type Stream: Send + 'static;
+
+    /// The local channel a topic's notifications wake: the
+    /// [`ReleaseNotifier`] channel that [`next`](Self::next) returns for it.
+    fn channel(&self, topic: &Self::Topic) -> String;
+
+    /// Opens a connection (the listener bounds it by the connect timeout).
+    async fn connect(&self) -> Result<(Self::Sink, Self::Stream), LockError>;
+
+    /// Subscribes `topics`; resolves once the server confirmed (the
+    /// listener bounds it by the operation timeout).
+    async fn subscribe(&self, sink: &Self::Sink, topics: &[Self::Topic]) -> Result<(), LockError>;
+
+    /// Unsubscribes topics nobody waits on any more. The default keeps them
+    /// (right for a source with one server-side subscription for all).
+    async fn unsubscribe(
+        &self,
+        sink: &Self::Sink,
+        topics: &[Self::Topic],
+    ) -> Result<(), LockError> {
+        let _ = (sink, topics);
+        Ok(())
+    }
+
+    /// The next notification: the channel to wake. `None` or an error ends
+    /// the connection. Must be cancel-safe (the listener stops reading to
+    /// ping a quiet connection).
+    async fn next(&self, stream: &mut Self::Stream) -> Option<Result<String, LockError>>;
+
+    /// Checks that a quiet connection is alive (the listener bounds it by
+    /// the operation timeout). The default trusts the transport's own
+    /// keep-alive.
+    async fn ping(&self, sink: &Self::Sink, stream: &mut Self::Stream) -> Result<(), LockError> {
+        let _ = (sink, stream);
+        Ok(())
+    }
+}
+
+/// How long a connection may stay quiet before it is pinged, and how often
+/// topics without waiters are unsubscribed.
+const HEALTH_CHECK_AFTER: Duration = Duration::from_secs(10);
+
+/// The notification listener of one client; see the [module](self) docs.
+///
+/// ```
+/// use lock_core::{async_trait, ClientOptions, Listener, LockError, NotificationSource};
+/// use tokio::sync::mpsc;
+///
+/// /// A toy source: notifications come from an in-process channel.
+/// struct Toy(std::sync::Mutex<Option<mpsc::UnboundedReceiver<String>>>);
+///
+/// #[async_trait]
+/// impl NotificationSource for Toy {
+///     type Topic = String;
+///     type Sink = ();
+///     type Stream = mpsc::UnboundedReceiver<String>;
+///     fn channel(&self, topic: &String) -> String { topic.clone() }
+///     async fn connect(&self) -> Result<((), Self::Stream), LockError> {
+///         let rx = self.0.lock().unwrap().take();
+///         rx.map(|rx| ((), rx)).ok_or_else(|| LockError::unavailable("toy server gone"))
+///     }
+///     async fn subscribe(&self, _: &(), _: &[String]) -> Result<(), LockError> { Ok(()) }
+///     async fn next(&self, stream: &mut Self::Stream) -> Option<Result<String, LockError>> {
+///         stream.recv().await.map(Ok)
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), LockError> {
+/// let (server, rx) = mpsc::unbounded_channel();
+/// let listener = Listener::new(Toy(std::sync::Mutex::new(Some(rx))), &ClientOptions::default());
+/// let mut watch = listener.watch("jobs:report".to_owned()).await?;
+/// server.send("jobs:report".to_owned()).unwrap(); // a release on the server
+/// watch.released().await?;
+/// # Ok(()) }
+/// ```
+pub struct Listener<S: NotificationSource> {
+    inner: Arc<Inner<S>>,
+}
+
+impl<S: NotificationSource> std::fmt::Debug for Listener<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Listener")
+            .field("channels", &self.inner.notifier.channels().len())
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner<S: NotificationSource> {
+    source: Arc<S>,
+    options: ClientOptions,
+    health_check_after: Duration,
+    notifier: ReleaseNotifier,
+    /// Topics by channel, for channels subscribed on the current connection.
+    live: tokio::sync::Mutex<Option<Live<S>>>,
+    generation: AtomicU64,
+    /// The topic of each channel that has waiters (to unsubscribe it later).
+    topics: Mutex<HashMap<String, S::Topic>>,
+}
+
+struct Live<S: NotificationSource> {
+    sink: S::Sink,
+    generation: u64,
+    subscribed: HashSet<String>,
+    reader: JoinHandle<()>,
+}
+
+impl<S: NotificationSource> Drop for Inner<S> {
+    fn drop(&mut self) {
+        if let Some(live) = self.live.get_mut().take() {
+            live.reader.abort();
+        }
+    }
+}
+
+impl<S: NotificationSource> Listener<S> {
+    /// A listener over `source`, with the client's timeouts. Connects on
+    /// the first [`watch`](Self::watch).
+    pub fn new(source: S, options: &ClientOptions) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                source: Arc::new(source),
+                options: options.clone(),
+                health_check_after: HEALTH_CHECK_AFTER,
+                notifier: ReleaseNotifier::new(),
+                live: tokio::sync::Mutex::new(None),
+                generation: AtomicU64::new(0),
+                topics: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// Pings a connection quiet for `after` (default 10 s), and sweeps
+    /// unused topics as often.
+    pub fn health_check_after(mut self, after: Duration) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.health_check_after = after.max(Duration::from_millis(10));
+        }
+        self
+    }
+
+    /// The source.
+    pub fn source(&self) -> &S {
+        &self.inner.source
+    }
+
+    /// The local fan-out, for sources that wake channels themselves.
+    pub fn notifier(&self) -> &ReleaseNotifier {
+        &self.inner.notifier
+    }
+
+    /// Registers a waiter on `topic`; when this returns, the server
+    /// subscription is confirmed. An error leaves nothing registered.
+    pub async fn watch(&self, topic: S::Topic) -> Result<ReleaseWatch, LockError> {
+        let inner = &self.inner;
+        let channel = inner.source.channel(&topic);
+        inner
+            .topics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(channel.clone(), topic.clone());
+        inner
+            .notifier
+            .subscribe(&channel, || inner.subscribe(channel.clone(), topic))
+            .await
+    }
+}
+
+impl<S: NotificationSource> Inner<S> {
+    async fn subscribe(
+        self: &Arc<Self>,
+        channel: String,
+        topic: S::Topic,
+    ) -> Result<(), LockError> {
+        let mut live = self.live.lock().await;
+        if live.as_ref().is_none_or(|l| l.reader.is_finished()) {
+            *live = Some(self.connect().await?);
+        }
+        let Some(current) = live.as_mut() else {
+            return Err(LockError::unavailable(
+                "release-notification connection missing",
+            ));
+        };
+        let sink = current.sink.clone();
+        let result = with_timeout(
+            self.options.operation_timeout,
+            "subscribing to release notifications",
+            self.source.subscribe(&sink, std::slice::from_ref(&topic)),
+        )
+        .await;
+        match result {
+            Ok(()) => {
+                current.subscribed.insert(channel);
+                Ok(())
+            }
+            Err(e) => {
+                // The connection is in an unknown state: the one lost path.
+                let generation = current.generation;
+                self.lost(&mut live, generation, &e);
+                Err(e)
+            }
+        }
+    }
+
+    async fn connect(self: &Arc<Self>) -> Result<Live<S>, LockError> {
+        let (sink, stream) = with_timeout(
+            self.options.connect_timeout,
+            "connecting for release notifications",
+            self.source.connect(),
+        )
+        .await?;
+        let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        let reader = tokio::spawn(read(
+            Arc::downgrade(self),
+            self.source.clone(),
+            sink.clone(),
+            stream,
+            generation,
+            self.health_check_after,
+            self.options.operation_timeout,
+        ));
+        tracing::debug!(generation, "release-notification connection established");
+        Ok(Live {
+            sink,
+            generation,
+            subscribed: HashSet::new(),
+            reader,
+        })
+    }
+
+    /// The connection of `generation` is gone or must be assumed gone:
+    /// drop it and make every waiter subscribe again.
+    fn lost(&self, live: &mut Option<Live<S>>, generation: u64, why: &LockError) {
+        if let Some(current) = live.take_if(|l| l.generation == generation) {
+            current.reader.abort();
+            tracing::debug!(generation, error = %why, "release-notification connection lost; waiters subscribe again");
+            self.notifier.reset();
+        }
+    }
+
+    /// Unsubscribes channels without waiters on connection `generation`
+    /// (skipped while a subscribe is in flight: it may need this reader).
+    async fn sweep(&self, generation: u64) {
+        let Ok(mut live) = self.live.try_lock() else {
+            return;
+        };
+        let Some(current) = live.as_mut().filter(|l| l.generation == generation) else {
+            return;
+        };
+        let idle: Vec<String> = current
+            .subscribed
+            .iter()
+            .filter(|c| !self.notifier.has_waiters(c))
+            .cloned()
+            .collect();
+        if idle.is_empty() {
+            return;
+        }
+        let topics: Vec<S::Topic> = {
+            let mut known = self.topics.lock().unwrap_or_else(|e| e.into_inner());
+            idle.iter().filter_map(|c| known.remove(c)).collect()
+        };
+        let sink = current.sink.clone();
+        let result = with_timeout(
+            self.options.operation_timeout,
+            "unsubscribing idle release notifications",
+            self.source.unsubscribe(&sink, &topics),
+        )
+        .await;
+        match result {
+            Ok(()) => {
+                for channel in &idle {
+                    current.subscribed.remove(channel);
+                }
+            }
+            Err(e) => self.lost(&mut live, generation, &e),
+        }
+    }
+}
+
+/// Reads one connection's notifications until it fails; pings it when it
+/// stayed quiet and sweeps idle topics, every `every`.
+async fn read<S: NotificationSource>(
+    weak: Weak<Inner<S>>,
+    source: Arc<S>,
+    sink: S::Sink,
+    mut stream: S::Stream,
+    generation: u64,
+    every: Duration,
+    operation_timeout: Duration,
+) {
+    let mut tick = tokio::time::interval(every);
+    tick.tick().await;
+    let mut heard = Instant::now();
+    // Only a weak reference to the listener is held while waiting, so a
+    // dropped client aborts this task (and closes the connection).
+    let error = loop {
+        tokio::select! {
+            received = source.next(&mut stream) => match received {
+                Some(Ok(channel)) => {
+                    heard = Instant::now();
+                    let Some(inner) = weak.upgrade() else { return };
+                    inner.notifier.notify(&channel);
+                }
+                Some(Err(e)) => break e,
+                None => break LockError::unavailable("the server closed the notification connection"),
+            },
+            _ = tick.tick() => {
+                if heard.elapsed() >= every {
+                    let ping = with_timeout(
+                        operation_timeout,
+                        "pinging the release-notification connection",
+                        source.ping(&sink, &mut stream),
+                    )
+                    .await;
+                    match ping {
+                        Ok(()) => heard = Instant::now(),
+                        Err(e) => break e,
+                    }
+                }
+                let Some(inner) = weak.upgrade() else { return };
+                inner.sweep(generation).await;
+            }
+        }
+    };
+    let Some(inner) = weak.upgrade() else { return };
+    let mut live = inner.live.lock().await;
+    inner.lost(&mut live, generation, &error);
+}

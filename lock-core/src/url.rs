@@ -1,0 +1,481 @@
+//! Lock-server URLs, parsed once for every backend: scheme, hosts,
+//! credentials, path and query parameters.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::LockError;
+
+/// One `host[:port]` of a URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UrlHost {
+    /// The host name or address (IPv6 without its brackets).
+    pub name: String,
+    /// The port, if the URL gave one.
+    pub port: Option<u16>,
+}
+
+impl UrlHost {
+    /// `host:port`, with `default_port` when the URL gave none (IPv6 in
+    /// brackets).
+    pub fn address(&self, default_port: u16) -> String {
+        let port = self.port.unwrap_or(default_port);
+        if self.name.contains(':') {
+            format!("[{}]:{port}", self.name)
+        } else {
+            format!("{}:{port}", self.name)
+        }
+    }
+}
+
+/// A parsed lock-server URL:
+/// `scheme://[user[:password]@]host[:port][,host[:port]...][/path][?name=value&...]`.
+///
+/// User, password, path and parameter values are percent-decoded. A backend
+/// *takes* the parameters it understands; [`finish`](Self::finish) then
+/// refuses any left over, naming it, so a typo never passes silently.
+/// `Display` and `Debug` never show the password.
+///
+/// ```
+/// use std::time::Duration;
+/// use lock_core::LockUrl;
+/// let mut url = LockUrl::parse("etcd://locker:p%40ss@10.0.0.1:2379,10.0.0.2/?namespace=jobs&operation_timeout_ms=250")?;
+/// assert_eq!(url.scheme(), "etcd");
+/// assert_eq!(url.username(), Some("locker"));
+/// assert_eq!(url.password(), Some("p@ss"));
+/// assert_eq!(url.hosts()[1].address(2379), "10.0.0.2:2379");
+/// let options = url.take_client_options()?;
+/// assert_eq!(options.namespace, "jobs");
+/// assert_eq!(options.operation_timeout, Duration::from_millis(250));
+/// assert!(!url.to_string().contains("p@ss"));
+/// url.finish()?;
+///
+/// let mut typo = LockUrl::parse("redis://127.0.0.1/?namspace=jobs")?;
+/// typo.take_client_options()?;
+/// let err = typo.finish().unwrap_err();
+/// assert!(err.to_string().contains("namspace"));
+/// # Ok::<(), lock_core::LockError>(())
+/// ```
+#[derive(Clone, PartialEq, Eq)]
+pub struct LockUrl {
+    scheme: String,
+    username: Option<String>,
+    password: Option<String>,
+    hosts: Vec<UrlHost>,
+    path: String,
+    params: Vec<(String, String)>,
+    asked: Vec<&'static str>,
+}
+
+impl LockUrl {
+    /// Parses `url`. Errors are [`ErrorKind::Config`](crate::ErrorKind)
+    /// and never echo the password.
+    pub fn parse(url: &str) -> Result<Self, LockError> {
+        let Some((scheme, rest)) = url.split_once("://") else {
+            return Err(LockError::config(format!(
+                "{:?} is not a lock URL; expected scheme://host[:port]... (e.g. redis://127.0.0.1:6379)",
+                redact_raw(url)
+            )));
+        };
+        if scheme.is_empty()
+            || !scheme
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.'))
+        {
+            return Err(LockError::config(format!(
+                "{:?} has an invalid scheme {scheme:?}",
+                redact_raw(url)
+            )));
+        }
+        let (rest, query) = match rest.split_once('?') {
+            Some((rest, query)) => (rest, Some(query)),
+            None => (rest, None),
+        };
+        let (authority, path) = match rest.find('/') {
+            Some(slash) => (&rest[..slash], &rest[slash + 1..]),
+            None => (rest, ""),
+        };
+        let (userinfo, hosts) = match authority.rsplit_once('@') {
+            Some((userinfo, hosts)) => (Some(userinfo), hosts),
+            None => (None, authority),
+        };
+        let (username, password) = match userinfo {
+            None => (None, None),
+            Some(info) => {
+                let (user, password) = match info.split_once(':') {
+                    Some((user, password)) => (user, Some(password)),
+                    None => (info, None),
+                };
+                let user = decode(user, "the user name")?;
+                let password = password.map(|p| decode(p, "the password")).transpose()?;
+                ((!user.is_empty()).then_some(user), password)
+            }
+        };
+        let hosts = if hosts.is_empty() {
+            Vec::new()
+        } else {
+            hosts
+                .split(',')
+                .map(parse_host)
+                .collect::<Result<Vec<_>, _>>()?
+        };
+        let mut params = Vec::new();
+        for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let name = decode(name, "a parameter name")?;
+            let value = decode(value, &format!("parameter {name}"))?;
+            if params.iter().any(|(n, _)| *n == name) {
+                return Err(LockError::config(format!(
+                    "URL parameter {name} is given twice; give it once"
+                )));
+            }
+            params.push((name, value));
+        }
+        Ok(Self {
+            scheme: scheme.to_ascii_lowercase(),
+            username,
+            password,
+            hosts,
+            path: decode(path, "the path")?,
+            params,
+            asked: Vec::new(),
+        })
+    }
+
+    /// The scheme, lowercased (`redis`, `etcds`, `postgres`, ...).
+    pub fn scheme(&self) -> &str {
+        &self.scheme
+    }
+
+    /// The user name, if the URL has one (percent-decoded).
+    pub fn username(&self) -> Option<&str> {
+        self.username.as_deref()
+    }
+
+    /// The password, if the URL has one (percent-decoded).
+    pub fn password(&self) -> Option<&str> {
+        self.password.as_deref()
+    }
+
+    /// The hosts, in order (several for a cluster).
+    pub fn hosts(&self) -> &[UrlHost] {
+        &self.hosts
+    }
+
+    /// The path after the hosts, without its leading `/` (a database name
+    /// or number), percent-decoded; empty if none.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// Takes parameter `name` if present. Every name asked for is listed as
+    /// accepted by [`finish`](Self::finish)'s error.
+    pub fn take(&mut self, name: &'static str) -> Option<String> {
+        if !self.asked.contains(&name) {
+            self.asked.push(name);
+        }
+        let at = self.params.iter().position(|(n, _)| n == name)?;
+        Some(self.params.remove(at).1)
+    }
+
+    /// Takes a whole number of milliseconds.
+    pub fn take_millis(&mut self, name: &'static str) -> Result<Option<Duration>, LockError> {
+        Ok(self.take_u64(name)?.map(Duration::from_millis))
+    }
+
+    /// Takes a non-negative whole number.
+    pub fn take_u64(&mut self, name: &'static str) -> Result<Option<u64>, LockError> {
+        self.take(name)
+            .map(|value| {
+                value.parse::<u64>().map_err(|_| {
+                    LockError::config(format!(
+                        "URL parameter {name}={value:?} is not a non-negative whole number"
+                    ))
+                })
+            })
+            .transpose()
+    }
+
+    /// Takes a boolean (`true`/`false`, `1`/`0`, `on`/`off`, `yes`/`no`).
+    pub fn take_bool(&mut self, name: &'static str) -> Result<Option<bool>, LockError> {
+        self.take(name)
+            .map(|value| match value.to_ascii_lowercase().as_str() {
+                "true" | "1" | "on" | "yes" => Ok(true),
+                "false" | "0" | "off" | "no" => Ok(false),
+                _ => Err(LockError::config(format!(
+                    "URL parameter {name}={value:?} is not a boolean; use true or false"
+                ))),
+            })
+            .transpose()
+    }
+
+    /// Takes the parameters every backend shares (`namespace`,
+    /// `connect_timeout_ms`, `operation_timeout_ms`) into
+    /// [`ClientOptions`](crate::ClientOptions), validated.
+    pub fn take_client_options(&mut self) -> Result<crate::ClientOptions, LockError> {
+        let mut options = crate::ClientOptions::default();
+        if let Some(namespace) = self.take("namespace") {
+            options.namespace = namespace;
+        }
+        if let Some(timeout) = self.take_millis("connect_timeout_ms")? {
+            options.connect_timeout = timeout;
+        }
+        if let Some(timeout) = self.take_millis("operation_timeout_ms")? {
+            options.operation_timeout = timeout;
+        }
+        options.validate()?;
+        Ok(options)
+    }
+
+    /// Refuses the parameters nobody took, naming them and the accepted ones.
+    pub fn finish(self) -> Result<(), LockError> {
+        if self.params.is_empty() {
+            return Ok(());
+        }
+        let unknown: Vec<&str> = self.params.iter().map(|(n, _)| n.as_str()).collect();
+        let mut accepted = self.asked.clone();
+        accepted.sort_unstable();
+        Err(LockError::config(format!(
+            "unknown {} URL parameter{} {}; accepted: {}",
+            self.scheme,
+            if unknown.len() == 1 { "" } else { "s" },
+            unknown.join(", "),
+            if accepted.is_empty() {
+                "none".to_owned()
+            } else {
+                accepted.join(", ")
+            }
+        )))
+    }
+
+    /// Refuses a scheme not in `schemes`, naming the backend.
+    pub fn expect_scheme(&self, backend: &str, schemes: &[&str]) -> Result<(), LockError> {
+        if schemes.contains(&self.scheme.as_str()) {
+            Ok(())
+        } else {
+            Err(LockError::config(format!(
+                "{self} is not a {backend} URL; use {}",
+                schemes
+                    .iter()
+                    .map(|s| format!("{s}://"))
+                    .collect::<Vec<_>>()
+                    .join(" or ")
+            )))
+        }
+    }
+}
+
+impl fmt::Display for LockUrl {
+    /// The URL without password or parameters (for messages and logs).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}://", self.scheme)?;
+        if let Some(user) = &self.username {
+            write!(f, "{user}")?;
+        }
+        if self.password.is_some() {
+            f.write_str(":***")?;
+        }
+        if self.username.is_some() || self.password.is_some() {
+            f.write_str("@")?;
+        }
+        let hosts: Vec<String> = self
+            .hosts
+            .iter()
+            .map(|h| match h.port {
+                Some(port) => UrlHost {
+                    name: h.name.clone(),
+                    port: Some(port),
+                }
+                .address(port),
+                None if h.name.contains(':') => format!("[{}]", h.name),
+                None => h.name.clone(),
+            })
+            .collect();
+        f.write_str(&hosts.join(","))?;
+        if !self.path.is_empty() {
+            write!(f, "/{}", self.path)?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for LockUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockUrl")
+            .field("url", &self.to_string())
+            .field(
+                "params",
+                &self.params.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+fn parse_host(text: &str) -> Result<UrlHost, LockError> {
+    let (name, port) = if let Some(rest) = text.strip_prefix('[') {
+        let Some((name, after)) = rest.split_once(']') else {
+            return Err(LockError::config(format!(
+                "host {text:?} opens '[' without closing it"
+            )));
+        };
+        match after.strip_prefix(':') {
+            Some(port) => (name, Some(port)),
+            None if after.is_empty() => (name, None),
+            None => {
+                return Err(LockError::config(format!(
+                    "host {text:?}: expected ':port' after ']'"
+                )))
+            }
+        }
+    } else {
+        match text.rsplit_once(':') {
+            Some((name, port)) => (name, Some(port)),
+            None => (text, None),
+        }
+    };
+    if name.is_empty() {
+        return Err(LockError::config(format!(
+            "host {text:?} has no name; use host:port"
+        )));
+    }
+    let port = port
+        .map(|p| {
+            p.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(|| {
+                LockError::config(format!("host {text:?} has an invalid port {p:?}"))
+            })
+        })
+        .transpose()?;
+    Ok(UrlHost {
+        name: decode(name, "a host name")?,
+        port,
+    })
+}
+
+/// Percent-decodes `text` as UTF-8; `what` names it in the error.
+fn decode(text: &str, what: &str) -> Result<String, LockError> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes
+                .get(i + 1..i + 3)
+                .and_then(|h| std::str::from_utf8(h).ok())
+                .and_then(|h| u8::from_str_radix(h, 16).ok());
+            let Some(byte) = hex else {
+                return Err(LockError::config(format!(
+                    "{what} in the URL has a bad percent escape; write '%' as %25"
+                )));
+            };
+            out.push(byte);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out)
+        .map_err(|_| LockError::config(format!("{what} in the URL is not UTF-8 once decoded")))
+}
+
+/// `url` with everything between `://` and the last `@` of the authority
+/// replaced by `***`, for errors about URLs that did not parse.
+fn redact_raw(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => {
+            let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+            match rest[..authority_end].rfind('@') {
+                Some(at) => format!("{scheme}://***@{}", &rest[at + 1..]),
+                None => url.to_owned(),
+            }
+        }
+        None => match url.rfind('@') {
+            Some(at) => format!("***@{}", &url[at + 1..]),
+            None => url.to_owned(),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ErrorKind;
+
+    #[test]
+    fn parses_every_part() {
+        let url = LockUrl::parse("Redis://u%3Ax:p%2Fw@[::1]:7000,h2/3?a=1&b=%26").unwrap();
+        assert_eq!(url.scheme(), "redis");
+        assert_eq!(url.username(), Some("u:x"));
+        assert_eq!(url.password(), Some("p/w"));
+        assert_eq!(
+            url.hosts(),
+            [
+                UrlHost {
+                    name: "::1".into(),
+                    port: Some(7000)
+                },
+                UrlHost {
+                    name: "h2".into(),
+                    port: None
+                }
+            ]
+        );
+        assert_eq!(url.hosts()[0].address(1), "[::1]:7000");
+        assert_eq!(url.path(), "3");
+        let mut url = url;
+        assert_eq!(url.take("b").as_deref(), Some("&"));
+        assert_eq!(url.take("a").as_deref(), Some("1"));
+        url.finish().unwrap();
+    }
+
+    #[test]
+    fn password_only_and_empty_hosts() {
+        let url = LockUrl::parse("redis://:secret@127.0.0.1").unwrap();
+        assert_eq!(url.username(), None);
+        assert_eq!(url.password(), Some("secret"));
+        assert_eq!(url.to_string(), "redis://:***@127.0.0.1");
+        assert!(!format!("{url:?}").contains("secret"));
+        let url = LockUrl::parse("postgres:///db").unwrap();
+        assert!(url.hosts().is_empty());
+        assert_eq!(url.path(), "db");
+    }
+
+    #[test]
+    fn errors_are_config_and_redacted() {
+        for bad in [
+            "no-scheme",
+            "redis://u:pw@h:99999",
+            "redis://u:pw@h:x",
+            "redis://u:p%zzw@h",
+            "redis://h/?a=1&a=2",
+            "redis://[::1",
+            "re dis://h",
+        ] {
+            let err = LockUrl::parse(bad).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Config, "{bad}");
+            assert!(!err.to_string().contains("pw"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn typed_parameters() {
+        let mut url = LockUrl::parse("x://h?ms=10&flag=off&n=x").unwrap();
+        assert_eq!(
+            url.take_millis("ms").unwrap(),
+            Some(Duration::from_millis(10))
+        );
+        assert_eq!(url.take_bool("flag").unwrap(), Some(false));
+        assert!(url.take_u64("n").is_err());
+        assert_eq!(url.take_u64("missing").unwrap(), None);
+        url.finish().unwrap();
+    }
+
+    #[test]
+    fn unknown_parameters_are_named() {
+        let mut url = LockUrl::parse("etcd://h?namespace=a&bogus=1").unwrap();
+        url.take_client_options().unwrap();
+        let err = url.finish().unwrap_err();
+        assert!(err.to_string().contains("bogus"), "{err}");
+        assert!(err.to_string().contains("namespace"), "{err}");
+    }
+}
