@@ -32,9 +32,17 @@
 #![warn(missing_docs)]
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Mutex, OnceLock};
 
-pub use lock_core::*;
+pub use lock_core::{
+    run_exclusive, AcquireAttempt, Capabilities, ClientOptions, ErrorKind, FencingToken, Fire,
+    JobContext, JobKey, Lease, LockAdmin, LockBackend, LockClient, LockError, LockGuard, LockKey,
+    LockOptions, LockState, Locker, LostReason, LostSignal, MemoryLock, OnLost, OwnerToken,
+    Renewal, RunOptions, RunOutcome, ScheduledJob, ScheduledOutcome, SkipReason, DEFAULT_NAMESPACE,
+    MAX_KEY_BYTES,
+};
 
 #[cfg(feature = "tower")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
@@ -50,6 +58,56 @@ pub use lock_postgres as postgres;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use lock_redis as redis;
 
+type Connecting = Pin<Box<dyn Future<Output = Result<LockClient, LockError>> + Send>>;
+
+/// A backend the facade can open: the URL schemes it declares, the cargo
+/// feature that builds it, and how to connect (`None` when the feature is
+/// off).
+struct Backend {
+    feature: &'static str,
+    schemes: &'static [&'static str],
+    connect: Option<fn(String) -> Connecting>,
+}
+
+/// `Some(connect)` for a backend whose feature is on, else `None`.
+macro_rules! connector {
+    ($feature:literal, $lock:path) => {{
+        #[cfg(feature = $feature)]
+        let connect: Option<fn(String) -> Connecting> = Some(|url| {
+            Box::pin(async move {
+                use $lock as Backend;
+                Ok(LockClient::new(Backend::connect(&url).await?))
+            })
+        });
+        #[cfg(not(feature = $feature))]
+        let connect: Option<fn(String) -> Connecting> = None;
+        connect
+    }};
+}
+
+/// Every backend of the facade, whether or not its feature is on, so a URL
+/// for a disabled one names the feature to enable. The schemes are each
+/// backend crate's `SCHEMES` (checked by a test).
+fn backends() -> [Backend; 3] {
+    [
+        Backend {
+            feature: "redis",
+            schemes: &["redis", "rediss"],
+            connect: connector!("redis", lock_redis::RedisLock),
+        },
+        Backend {
+            feature: "etcd",
+            schemes: &["etcd"],
+            connect: connector!("etcd", lock_etcd::EtcdLock),
+        },
+        Backend {
+            feature: "postgres",
+            schemes: &["postgres", "postgresql"],
+            connect: connector!("postgres", lock_postgres::PostgresLock),
+        },
+    ]
+}
+
 /// Opens a lock client for `url`, choosing the backend by scheme.
 ///
 /// `memory://NAME` clients of one process share one in-memory server per
@@ -63,22 +121,40 @@ pub use lock_redis as redis;
 /// assert_eq!(err.kind(), distlock::ErrorKind::Config);
 /// # }
 /// ```
-pub async fn connect(url: &str) -> Result<Arc<dyn DistributedLock>, LockError> {
-    let scheme = url
-        .split_once("://")
-        .map(|(scheme, _)| scheme.to_ascii_lowercase())
-        .ok_or_else(|| {
-            LockError::config(format!(
-                "{url:?} is not a lock URL; expected memory://, redis://, rediss://, etcd:// or postgres://"
-            ))
-        })?;
-    match scheme.as_str() {
-        "memory" => Ok(memory_server(&url["memory://".len()..]).client()),
-        "redis" | "rediss" => connect_redis(url).await,
-        "etcd" => connect_etcd(url).await,
-        "postgres" | "postgresql" => connect_postgres(url).await,
-        other => Err(LockError::config(format!(
-            "unknown lock URL scheme {other:?}; expected memory://, redis://, rediss://, etcd:// or postgres://"
+pub async fn connect(url: &str) -> Result<LockClient, LockError> {
+    let known = || {
+        let mut schemes = vec!["memory://".to_owned()];
+        for backend in backends() {
+            schemes.extend(backend.schemes.iter().map(|s| format!("{s}://")));
+        }
+        schemes.join(", ")
+    };
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Err(LockError::config(format!(
+            "{:?} is not a lock URL; expected one of {}",
+            lock_core::LockUrl::parse(url)
+                .map_or_else(|_| "(unparsable)".to_owned(), |u| u.to_string()),
+            known()
+        )));
+    };
+    let scheme = scheme.to_ascii_lowercase();
+    if scheme == "memory" {
+        return Ok(memory_server(rest).client());
+    }
+    let Some(backend) = backends()
+        .into_iter()
+        .find(|b| b.schemes.contains(&scheme.as_str()))
+    else {
+        return Err(LockError::config(format!(
+            "unknown lock URL scheme {scheme:?}; expected one of {}",
+            known()
+        )));
+    };
+    match backend.connect {
+        Some(connect) => connect(url.to_owned()).await,
+        None => Err(LockError::config(format!(
+            "{scheme}:// URLs need the `{feature}` feature of distlock; enable it in Cargo.toml: distlock = {{ version = \"0.1\", features = [\"{feature}\"] }}",
+            feature = backend.feature
         ))),
     }
 }
@@ -91,36 +167,22 @@ fn memory_server(name: &str) -> MemoryLock {
     servers.entry(name.to_owned()).or_default().clone()
 }
 
-#[cfg(not(all(feature = "redis", feature = "etcd", feature = "postgres")))]
-fn missing_feature(feature: &str, url: &str) -> LockError {
-    LockError::config(format!(
-        "{url:?} needs the `{feature}` feature of distlock; enable it in Cargo.toml: distlock = {{ version = \"0.1\", features = [\"{feature}\"] }}"
-    ))
-}
-
-#[cfg(feature = "redis")]
-async fn connect_redis(url: &str) -> Result<Arc<dyn DistributedLock>, LockError> {
-    Ok(Arc::new(lock_redis::RedisLock::connect(url).await?))
-}
-#[cfg(not(feature = "redis"))]
-async fn connect_redis(url: &str) -> Result<Arc<dyn DistributedLock>, LockError> {
-    Err(missing_feature("redis", url))
-}
-
-#[cfg(feature = "etcd")]
-async fn connect_etcd(url: &str) -> Result<Arc<dyn DistributedLock>, LockError> {
-    Ok(Arc::new(lock_etcd::EtcdLock::connect(url).await?))
-}
-#[cfg(not(feature = "etcd"))]
-async fn connect_etcd(url: &str) -> Result<Arc<dyn DistributedLock>, LockError> {
-    Err(missing_feature("etcd", url))
-}
-
-#[cfg(feature = "postgres")]
-async fn connect_postgres(url: &str) -> Result<Arc<dyn DistributedLock>, LockError> {
-    Ok(Arc::new(lock_postgres::PostgresLock::connect(url).await?))
-}
-#[cfg(not(feature = "postgres"))]
-async fn connect_postgres(url: &str) -> Result<Arc<dyn DistributedLock>, LockError> {
-    Err(missing_feature("postgres", url))
+#[cfg(test)]
+mod tests {
+    /// The facade's scheme list is each backend crate's own.
+    #[test]
+    fn schemes_match_the_backend_crates() {
+        for backend in super::backends() {
+            let declared: &[&str] = match backend.feature {
+                #[cfg(feature = "redis")]
+                "redis" => lock_redis::SCHEMES,
+                #[cfg(feature = "etcd")]
+                "etcd" => lock_etcd::SCHEMES,
+                #[cfg(feature = "postgres")]
+                "postgres" => lock_postgres::SCHEMES,
+                _ => continue,
+            };
+            assert_eq!(backend.schemes, declared, "{}", backend.feature);
+        }
+    }
 }
