@@ -31,12 +31,134 @@ fn rand_u64() -> u64 {
     h.finish()
 }
 
+/// A plain connection for the test's own commands. No response timeout: a
+/// command sent while the test stalls the server waits for the stall's end.
 async fn raw(url: &str) -> MultiplexedConnection {
     redis::Client::open(url)
         .unwrap()
-        .get_multiplexed_async_connection()
+        .get_multiplexed_async_connection_with_config(
+            &redis::AsyncConnectionConfig::new().set_response_timeout(None),
+        )
         .await
         .expect("raw connection to the test server")
+}
+
+/// How many clients are subscribed to `channel`.
+async fn numsub(conn: &mut MultiplexedConnection, channel: &str) -> i64 {
+    let (_, count): (String, i64) = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(channel)
+        .query_async(conn)
+        .await
+        .unwrap();
+    count
+}
+
+/// Waits (up to 10 s) until `channel` has exactly `want` subscribers.
+async fn await_numsub(conn: &mut MultiplexedConnection, channel: &str, want: i64, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let count = numsub(conn, channel).await;
+        if count == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: {channel} has {count} subscribers, expected {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The server's clock (`TIME`) in microseconds.
+async fn server_time_us(conn: &mut MultiplexedConnection) -> u64 {
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(conn).await.unwrap();
+    secs * 1_000_000 + micros
+}
+
+/// `lock.acquire(key)` with a 10 s TTL on its own task, waiting up to `wait`.
+fn spawn_acquire(
+    lock: &Arc<RedisLock>,
+    key: &LockKey,
+    wait: Duration,
+) -> tokio::task::JoinHandle<Result<Option<Lease>, lock_core::LockError>> {
+    let lock = lock.clone();
+    let key = key.clone();
+    tokio::spawn(async move {
+        lock.acquire(&key, Duration::from_secs(10), Instant::now() + wait)
+            .await
+    })
+}
+
+/// A lock held for 60 s by one client and a waiter of another client,
+/// subscribed, that may wait 20 s: only a release notification can wake it.
+struct Waiting {
+    key: LockKey,
+    channel: String,
+    lease: Lease,
+    task: tokio::task::JoinHandle<Result<Option<Lease>, lock_core::LockError>>,
+}
+
+impl Waiting {
+    async fn start(
+        holder: &RedisLock,
+        waiter: &Arc<RedisLock>,
+        conn: &mut MultiplexedConnection,
+        prefix: &str,
+    ) -> Self {
+        let key = unique(prefix);
+        let channel = channel_of(&key);
+        let lease = acquired(
+            holder
+                .try_acquire(&key, Duration::from_secs(60))
+                .await
+                .unwrap(),
+        );
+        let task = spawn_acquire(waiter, &key, Duration::from_secs(20));
+        await_numsub(conn, &channel, 1, "the waiter subscribes").await;
+        Self {
+            key,
+            channel,
+            lease,
+            task,
+        }
+    }
+
+    /// Releases the holder's lock and returns the waiter's lease, checking
+    /// by the server's clock that the waiter got it while the holder's key
+    /// would still have been live (woken by the release, not by the TTL).
+    async fn release_wakes_the_waiter(
+        self,
+        holder: &RedisLock,
+        conn: &mut MultiplexedConnection,
+    ) -> Lease {
+        assert!(!self.task.is_finished(), "the lock is still held");
+        let now = server_time_us(conn).await;
+        let pttl: i64 = conn
+            .pttl(format!("distlock:{{{}}}:lock", self.key.as_str()))
+            .await
+            .unwrap();
+        let holder_expiry = now + u64::try_from(pttl).expect("the holder's key has a TTL") * 1000;
+        holder.release(&self.lease).await.unwrap();
+        let got = self
+            .task
+            .await
+            .unwrap()
+            .unwrap()
+            .expect("the release wakes the waiter");
+        let acquired_by = server_time_us(conn).await;
+        assert!(
+            acquired_by < holder_expiry,
+            "the waiter got the lock only after the holder's TTL ran out"
+        );
+        assert!(got.fencing_token() > self.lease.fencing_token());
+        got
+    }
+}
+
+/// The release channel of `key` in the default namespace (test keys need no escaping).
+fn channel_of(key: &LockKey) -> String {
+    format!("distlock:{{{}}}:released", key.as_str())
 }
 
 fn acquired(attempt: AcquireAttempt) -> Lease {
@@ -194,19 +316,7 @@ async fn a_blocked_waiter_attempts_at_most_twice() {
             .unwrap(),
     );
     let mut monitor = Monitor::start(&url).await;
-    let task = {
-        let waiter = waiter.clone();
-        let key = key.clone();
-        tokio::spawn(async move {
-            waiter
-                .acquire(
-                    &key,
-                    Duration::from_secs(10),
-                    Instant::now() + Duration::from_secs(30),
-                )
-                .await
-        })
-    };
+    let task = spawn_acquire(&waiter, &key, Duration::from_secs(30));
     // The holder keeps the lock for 2 s.
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(!task.is_finished(), "the waiter must not get a held lock");
@@ -458,41 +568,8 @@ async fn waiters_resubscribe_after_the_pubsub_connection_is_killed() {
     let holder = RedisLock::connect(&url).await.unwrap();
     let waiter = Arc::new(RedisLock::connect(&url).await.unwrap());
     let mut conn = raw(&url).await;
-    let key = unique("resub");
-    // Held far beyond the waiter's deadline: only a notification can wake it.
-    let lease = acquired(
-        holder
-            .try_acquire(&key, Duration::from_secs(60))
-            .await
-            .unwrap(),
-    );
-    let task = {
-        let waiter = waiter.clone();
-        let key = key.clone();
-        tokio::spawn(async move {
-            waiter
-                .acquire(
-                    &key,
-                    Duration::from_secs(10),
-                    Instant::now() + Duration::from_secs(20),
-                )
-                .await
-        })
-    };
-    // Wait until the waiter is subscribed, then cut its pub/sub connection.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let channels: Vec<String> = redis::cmd("PUBSUB")
-            .arg("CHANNELS")
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        if !channels.is_empty() {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the waiter never subscribed");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let waiting = Waiting::start(&holder, &waiter, &mut conn, "resub").await;
+    // Cut its pub/sub connection.
     let killed: i64 = redis::cmd("CLIENT")
         .arg("KILL")
         .arg("TYPE")
@@ -502,26 +579,8 @@ async fn waiters_resubscribe_after_the_pubsub_connection_is_killed() {
         .unwrap();
     assert_eq!(killed, 1);
     // The waiter's client subscribes again on a new connection by itself.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let channels: Vec<String> = redis::cmd("PUBSUB")
-            .arg("CHANNELS")
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        if !channels.is_empty() {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the waiter never resubscribed");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(!task.is_finished());
-    holder.release(&lease).await.unwrap();
-    let got = task
-        .await
-        .unwrap()
-        .unwrap()
-        .expect("the release notification reached the resubscribed waiter");
+    await_numsub(&mut conn, &waiting.channel, 1, "the waiter resubscribes").await;
+    let got = waiting.release_wakes_the_waiter(&holder, &mut conn).await;
     waiter.release(&got).await.unwrap();
 }
 
@@ -553,18 +612,7 @@ async fn from_an_application_connection_manager() {
             .unwrap(),
         AcquireAttempt::Held { .. }
     ));
-    let waiting = {
-        let lock = lock.clone();
-        let key = key.clone();
-        tokio::spawn(async move {
-            lock.acquire(
-                &key,
-                Duration::from_secs(5),
-                Instant::now() + Duration::from_secs(20),
-            )
-            .await
-        })
-    };
+    let waiting = spawn_acquire(&lock, &key, Duration::from_secs(20));
     tokio::time::sleep(Duration::from_millis(100)).await;
     lock.release(&lease).await.unwrap();
     let again = waiting
@@ -573,4 +621,47 @@ async fn from_an_application_connection_manager() {
         .unwrap()
         .expect("woken by the release");
     lock.release(&again).await.unwrap();
+}
+
+/// Issue 12, bug 3: a SUBSCRIBE that times out (the server stalled) used to
+/// drop the shared pub/sub connection without resubscribing: every other
+/// waiter of the client lost its subscription and slept until the holder's
+/// TTL although the lock was released.
+#[tokio::test]
+async fn a_timed_out_subscribe_leaves_other_waiters_subscribed() {
+    let server = start(server::Redis::default());
+    let url = server.url();
+    let holder = RedisLock::connect(&url).await.unwrap();
+    // The stall below lasts 1.6 operation timeouts: a SUBSCRIBE sent at its
+    // start times out, a request sent after that timeout is answered in time.
+    let waiter = Arc::new(
+        RedisLock::connect(&format!("{url}/?operation_timeout_ms=500"))
+            .await
+            .unwrap(),
+    );
+    let mut conn = raw(&url).await;
+    let waiting = Waiting::start(&holder, &waiter, &mut conn, "stalled").await;
+
+    // From the reply on, the server runs no client's command for 800 ms.
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(800)
+        .arg("ALL")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let other = waiter.watch(&unique("other")).await;
+    let err = other.expect_err("a SUBSCRIBE sent during the stall times out");
+    assert!(err.is_transient(), "{err}");
+
+    // The first waiter is subscribed again, and the release wakes it.
+    await_numsub(
+        &mut conn,
+        &waiting.channel,
+        1,
+        "the other waiter stays subscribed",
+    )
+    .await;
+    let got = waiting.release_wakes_the_waiter(&holder, &mut conn).await;
+    waiter.release(&got).await.unwrap();
 }
