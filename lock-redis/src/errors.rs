@@ -22,8 +22,10 @@ pub(crate) fn map(err: RedisError, what: &str) -> LockError {
     }
     if code == "NOPERM" {
         return LockError::config(format!(
-            "{what}: the redis ACL user may not run this command or touch these keys/channels; \
-             it needs EVAL/EVALSHA/SCRIPT LOAD, SUBSCRIBE and the distlock namespace"
+            "{what}: the redis ACL user is not allowed to do this ({}); distlock needs the \
+             permissions listed in the lock-redis docs (\"ACL users\") on its namespace's \
+             keys and channels",
+            err.detail().unwrap_or("NOPERM")
         ))
         .with_source(err);
     }
@@ -45,6 +47,50 @@ pub(crate) fn map(err: RedisError, what: &str) -> LockError {
         "{what}: the redis server refused the request: {err}"
     ))
     .with_source(err)
+}
+
+/// Whether the server refused `err` for lack of an ACL permission.
+pub(crate) fn is_noperm(err: &RedisError) -> bool {
+    err.code() == Some("NOPERM")
+}
+
+/// The server refused to run a script for `namespace` at all (`detail` is
+/// its NOPERM text): the command, or the keys it declares.
+pub(crate) fn acl_refused(what: &str, namespace: &str, detail: &str) -> LockError {
+    let grant = if detail.contains("key") {
+        format!("read and write access to the keys `~{namespace}:*`")
+    } else {
+        "the commands EVALSHA and EVAL (`+evalsha +eval`)".to_owned()
+    };
+    LockError::config(format!(
+        "{what}: the redis ACL user may not run distlock's scripts ({detail}); grant it {grant}. \
+         The permissions distlock needs are listed in the lock-redis docs (\"ACL users\")"
+    ))
+}
+
+/// The ACL probe found commands the user may not run in `namespace`, as
+/// (command, scope) pairs with scope `keys`, `channels` or empty.
+pub(crate) fn acl_denied(what: &str, namespace: &str, denied: &[(&str, &str)]) -> LockError {
+    let mut parts = Vec::new();
+    for (scope, grant) in [
+        ("keys", format!(" on the keys `~{namespace}:*`")),
+        ("channels", format!(" on the channels `&{namespace}:*`")),
+        ("", String::new()),
+    ] {
+        let commands: Vec<&str> = denied
+            .iter()
+            .filter(|(_, s)| *s == scope)
+            .map(|(c, _)| *c)
+            .collect();
+        if !commands.is_empty() {
+            parts.push(format!("{}{grant}", commands.join(", ")));
+        }
+    }
+    LockError::config(format!(
+        "{what}: the redis ACL user may not run {}; grant it those. The permissions distlock \
+         needs are listed in the lock-redis docs (\"ACL users\")",
+        parts.join("; ")
+    ))
 }
 
 /// Maps an error from one of our scripts on `key`: a `DISTLOCK_CORRUPT`

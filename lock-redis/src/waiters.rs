@@ -125,6 +125,10 @@ impl Inner {
             return Err(LockError::unavailable("redis pub/sub connection missing"));
         };
         let generation = current.generation;
+        // Recorded before the request: if this future is dropped while the
+        // SUBSCRIBE is in flight, the server still subscribes, and the sweep
+        // must know to unsubscribe the channel once nobody waits on it.
+        current.subscribed.extend(channels.iter().cloned());
         let mut sink = current.sink.clone();
         let channels_owned = channels.to_vec();
         let result = self
@@ -137,7 +141,6 @@ impl Inner {
             .await;
         match result {
             Ok(()) => {
-                current.subscribed.extend(channels.iter().cloned());
                 tracing::trace!(
                     channels = channels.len(),
                     "subscribed to release notifications"
