@@ -309,12 +309,13 @@ fn unexpected(what: &str, key: &LockKey, reply: &Value) -> LockError {
 /// Logs a deletion whose notification the server refused (`{1, error}`):
 /// the lock is free, but waiters of other clients are not woken and find
 /// out at the holder's expiry, when their timers fire.
-fn deleted(reply: &Value) -> Option<bool> {
+fn deleted(key: &LockKey, reply: &Value) -> Option<bool> {
     match reply {
         Value::Array(items) => match items.as_slice() {
             [flag, error] if as_int(flag) == Some(1) => {
                 let error = redis::from_redis_value_ref::<String>(error).unwrap_or_default();
                 tracing::warn!(
+                    key = %key,
                     error = %error,
                     "redis lock released, but the server refused the release notification \
                      (ACL channel permission?); other clients' waiters wake at the holder's expiry"
@@ -456,7 +457,7 @@ impl DistributedLock for RedisLock {
                 &args,
             )
             .await?;
-        match deleted(&reply) {
+        match deleted(key, &reply) {
             Some(true) => {
                 tracing::debug!(key = %key, fencing = %lease.fencing_token(), "redis lock released");
                 Ok(())
@@ -515,7 +516,7 @@ impl DistributedLock for RedisLock {
                 std::slice::from_ref(&keys.channel),
             )
             .await?;
-        match deleted(&reply) {
+        match deleted(key, &reply) {
             Some(was_held) => {
                 tracing::info!(key = %key, was_held, "redis lock force-released");
                 Ok(was_held)

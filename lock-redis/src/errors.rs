@@ -77,11 +77,13 @@ pub(crate) fn acl_denied(what: &str, namespace: &str, denied: &[(&str, &str)]) -
         ("channels", format!(" on the channels `&{namespace}:*`")),
         ("", String::new()),
     ] {
-        let commands: Vec<&str> = denied
-            .iter()
-            .filter(|(_, s)| *s == scope)
-            .map(|(c, _)| *c)
-            .collect();
+        let mut commands: Vec<&str> = Vec::new();
+        // The probe checks the lock and the fence key: name each command once.
+        for (command, _) in denied.iter().filter(|(_, s)| *s == scope) {
+            if !commands.contains(command) {
+                commands.push(command);
+            }
+        }
         if !commands.is_empty() {
             parts.push(format!("{}{grant}", commands.join(", ")));
         }
@@ -120,4 +122,32 @@ pub(crate) fn corrupted(key: &LockKey, redis_key: &str, detail: &str) -> LockErr
         "lock {key:?}: redis key {redis_key:?} {detail}; distlock did not write it and left it \
          untouched. Delete it if it is stale, or use another namespace"
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn acl_denied_names_each_command_once_with_its_pattern() {
+        let err = acl_denied(
+            "connecting",
+            "jobs",
+            &[
+                ("SET", "keys"),
+                ("PUBLISH", "channels"),
+                ("SET", "keys"),
+                ("TIME", ""),
+            ],
+        );
+        assert_eq!(err.kind(), lock_core::ErrorKind::Config);
+        let message = err.message();
+        assert!(message.contains("SET on the keys `~jobs:*`"), "{message}");
+        assert!(
+            message.contains("PUBLISH on the channels `&jobs:*`"),
+            "{message}"
+        );
+        assert!(message.contains("; TIME;"), "{message}");
+        assert_eq!(message.matches("SET").count(), 1, "{message}");
+    }
 }
