@@ -889,12 +889,44 @@ fn a_listener_whose_runtime_shut_down_is_restarted() {
             "the release was not delivered: the listener task died with its runtime",
         )
         .await;
-        let got = waiter
-            .try_acquire(&k, Duration::from_secs(5))
+    });
+
+    // The listener task now runs on `second`. A waiter on a third runtime is
+    // waiting when `second` shuts down: it must be woken, start a new
+    // listener, and get the lock released meanwhile long before its holder's
+    // 60 s TTL.
+    let waiter = Arc::new(ObservedLock::new(Arc::new(waiter)));
+    let third = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    third.block_on(async {
+        let holder = client(&ns).await;
+        let lease = take(&holder, &k, Duration::from_secs(60), "free").await;
+        let waiting = {
+            let waiter = waiter.clone();
+            let k = k.clone();
+            tokio::spawn(async move {
+                let deadline = Instant::now() + Duration::from_secs(60);
+                waiter.acquire(&k, Duration::from_secs(5), deadline).await
+            })
+        };
+        while waiter.attempts() == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::task::spawn_blocking(move || drop(second))
             .await
+            .unwrap();
+        holder.release(&lease).await.unwrap();
+        let got = tokio::time::timeout(Duration::from_secs(20), waiting)
+            .await
+            .expect("the waiter slept on: its listener task died with its runtime while it waited")
             .unwrap()
-            .lease();
-        assert!(got.is_some(), "released, so free");
+            .unwrap();
+        assert!(
+            got.is_some(),
+            "the waiter gave up although the lock was released"
+        );
     });
 }
 
