@@ -296,6 +296,9 @@ impl Drop for LockGuard {
     }
 }
 
+/// The shortest time between two renewal attempts of one guard.
+const MIN_RENEW_GAP: Duration = Duration::from_millis(5);
+
 /// Renews `shared`'s lease every `period` until `renew_until`, and fires the
 /// lost signal when renewal is refused or the lease reaches its stop moment.
 async fn keep_alive(
@@ -308,10 +311,21 @@ async fn keep_alive(
         return;
     }
     let mut next_renewal = period.map(|p| later(shared.acquired_at, p));
+    // When the current lease arrived.
+    let mut got_at = Instant::now();
     loop {
         let lease = shared.lease();
         let stop_at = shared.stop_moment(&lease);
-        let renew_at = next_renewal.filter(|at| renew_until.is_none_or(|until| *at < until));
+        // Renew every period, but at the latest halfway from the lease's
+        // arrival to its stop moment, so a renewal always has time to be
+        // retried. A lease may be valid for less than a period past its
+        // arrival: etcd dates a session lock from the session's last
+        // keep-alive, up to a third of the TTL back.
+        let halfway = later(got_at, stop_at.saturating_duration_since(got_at) / 2)
+            .max(later(got_at, MIN_RENEW_GAP));
+        let renew_at = next_renewal
+            .map(|at| at.min(halfway))
+            .filter(|at| renew_until.is_none_or(|until| *at < until));
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep_until(stop_at.into()) => {
@@ -343,7 +357,8 @@ async fn keep_alive(
             Ok(Some(renewed)) => {
                 tracing::trace!(key = %renewed.key(), fencing = %renewed.fencing_token(), "lock renewed");
                 *shared.lease.lock().unwrap_or_else(|e| e.into_inner()) = renewed;
-                next_renewal = period.map(|p| later(Instant::now(), p));
+                got_at = Instant::now();
+                next_renewal = period.map(|p| later(got_at, p));
             }
             Ok(None) => next_renewal = None,
             Err(e) if e.kind() == ErrorKind::NotHeld => {
@@ -353,7 +368,7 @@ async fn keep_alive(
             Err(e) => {
                 // Transient: retry soon, well before the stop moment.
                 let left = stop_at.saturating_duration_since(Instant::now());
-                let retry = (left / 4).max(Duration::from_millis(5));
+                let retry = (left / 4).max(MIN_RENEW_GAP);
                 tracing::warn!(key = %lease.key(), fencing = %lease.fencing_token(), error = %e, retry_in = ?retry, "lock renewal failed; retrying");
                 next_renewal = Some(later(Instant::now(), retry));
             }

@@ -105,7 +105,7 @@ impl Locker {
         cancel: C,
     ) -> Result<Option<LockGuard>, LockError> {
         self.check(options)?;
-        let attempt = if options.renewal_policy() == crate::Renewal::Off {
+        let attempt = if options.renew_period(options.request_ttl()).is_none() {
             Attempt::Plain
         } else {
             Attempt::Renewing

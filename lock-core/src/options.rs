@@ -11,6 +11,10 @@ pub enum Renewal {
     /// Every third of the TTL (the default): with the default stop margin
     /// (a third of the TTL) a failed renewal is retried for another third
     /// of the TTL before the job is stopped.
+    ///
+    /// Whatever the period, a guard renews at the latest halfway between
+    /// the arrival of its current lease and that lease's stop moment, so a
+    /// renewal always has time to be retried.
     #[default]
     ThirdOfTtl,
     /// At a fixed period. The first renewal must come before the stop
@@ -185,9 +189,7 @@ impl LockOptions {
                 "stop margin {margin:?} leaves no time to hold a lease of {ttl:?} (the guard trusts {usable:?} of it); use a shorter stop margin or a longer TTL"
             )));
         }
-        // With a max hold within the first lease, the guard never renews.
-        let renews = self.max_hold.is_none_or(|max| max > self.ttl);
-        if let Some(period) = self.renew_period(ttl).filter(|_| renews) {
+        if let Some(period) = self.renew_period(ttl) {
             let stop_after = usable - margin;
             if period >= stop_after {
                 return Err(LockError::invalid_input(format!(
@@ -198,8 +200,12 @@ impl LockOptions {
         Ok(())
     }
 
-    /// The renewal period for a lease of `ttl`, or `None` if off.
+    /// The renewal period for a lease of `ttl`, or `None` if the guard
+    /// does not renew: renewal off, or a max hold within the first lease.
     pub(crate) fn renew_period(&self, ttl: Duration) -> Option<Duration> {
+        if self.max_hold.is_some_and(|max| max <= self.ttl) {
+            return None;
+        }
         match self.renewal {
             Renewal::ThirdOfTtl => Some(ttl / 3),
             Renewal::Every(period) => Some(period),
