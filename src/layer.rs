@@ -13,7 +13,7 @@
 //!    (`ErrorKind::Timeout`) without calling the inner service;
 //! 3. if it is held elsewhere, the response is [`LockedResponse::Skipped`]
 //!    and the inner service is not called;
-//! 4. otherwise the inner service runs while the [`LockGuard`] lives in the
+//! 4. otherwise the inner service runs while the [`LockGuard`](crate::LockGuard) lives in the
 //!    response future, renewing the lease. The lock is released when the
 //!    inner future completes, and also when the response future is dropped
 //!    (tower's concurrency-limit pattern: the permit lives in the future);
