@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
+use crate::lease::later;
 use crate::wait::{acquire_until_cancelled, Attempt};
 use crate::{DistributedLock, Lease, LockError, LockGuard, LockKey, LockOptions};
 
@@ -55,80 +56,152 @@ impl Locker {
         key: &LockKey,
         options: &LockOptions,
     ) -> Result<Option<LockGuard>, LockError> {
-        self.lock_until(key, options, Instant::now()).await
+        self.lock_until(key, options, Instant::now(), std::future::pending())
+            .await
     }
 
     /// Acquires, waiting up to the options' wait time; `Ok(None)` if the lock
     /// was still held then.
+    ///
+    /// Fails with [`ErrorKind::InvalidInput`](crate::ErrorKind) before
+    /// sending anything if the options cannot work (see
+    /// [`LockOptions::validate`]), and with
+    /// [`ErrorKind::Timeout`](crate::ErrorKind) if the server granted the
+    /// lock so late that the lease was already inside its stop margin (the
+    /// lease is then released: a job must not start on it).
     pub async fn acquire(
         &self,
         key: &LockKey,
         options: &LockOptions,
     ) -> Result<Option<LockGuard>, LockError> {
-        let deadline = Instant::now()
-            .checked_add(options.wait_time())
-            .unwrap_or_else(far_future);
-        self.lock_until(key, options, deadline).await
+        self.acquire_unless(key, options, std::future::pending())
+            .await
     }
 
-    async fn lock_until(
+    /// As [`acquire`](Self::acquire), but gives up waiting when `cancel`
+    /// completes (a signal, a shutdown), returning `Ok(None)`. Unlike
+    /// dropping the future of `acquire` (which releases a late grant in the
+    /// background), this returns only once nothing is held: an attempt in
+    /// flight is finished, and a lease it got is released before returning.
+    /// Use it where the process may exit right after.
+    pub async fn acquire_unless<C>(
+        &self,
+        key: &LockKey,
+        options: &LockOptions,
+        cancel: C,
+    ) -> Result<Option<LockGuard>, LockError>
+    where
+        C: Future<Output = ()>,
+    {
+        let deadline = later(Instant::now(), options.wait_time());
+        self.lock_until(key, options, deadline, cancel).await
+    }
+
+    async fn lock_until<C: Future<Output = ()>>(
         &self,
         key: &LockKey,
         options: &LockOptions,
         deadline: Instant,
+        cancel: C,
     ) -> Result<Option<LockGuard>, LockError> {
-        let attempt = if options.renewal_policy() == crate::Renewal::Off {
+        self.check(options)?;
+        let attempt = if options.renew_period(options.request_ttl()).is_none() {
             Attempt::Plain
         } else {
             Attempt::Renewing
         };
         let lease = self
-            .acquire_lease(key, options.ttl(), deadline, attempt)
+            .acquire_lease(key, options.request_ttl(), deadline, attempt, cancel)
             .await?;
-        match lease {
-            Some(lease) => {
-                tracing::info!(key = %key, fencing = %lease.fencing_token(), "lock acquired");
-                Ok(Some(LockGuard::new(self.backend.clone(), lease, options)))
-            }
-            None => {
-                tracing::info!(key = %key, "lock held elsewhere; not acquired");
-                Ok(None)
-            }
+        let Some(lease) = lease else {
+            tracing::info!(key = %key, "lock held elsewhere; not acquired");
+            return Ok(None);
+        };
+        let margin = options.stop_margin_for(lease.ttl());
+        let stop_at = lease.valid_until().checked_sub(margin);
+        if stop_at.is_none_or(|at| Instant::now() >= at) {
+            let late = lease.sent_at().elapsed();
+            tracing::warn!(key = %key, fencing = %lease.fencing_token(), ?late, "lock granted inside its stop margin; releasing it unused");
+            let ttl = lease.ttl();
+            self.release_unused(lease).await;
+            return Err(LockError::timeout(format!(
+                "lock {key:?} was granted {late:?} after the request was sent, too late to use: less than the stop margin {margin:?} of its {ttl:?} TTL was left. It was released and nothing ran; the server or network is too slow for this TTL: retry, or use a longer TTL"
+            )));
         }
+        tracing::info!(key = %key, fencing = %lease.fencing_token(), "lock acquired");
+        Ok(Some(LockGuard::new(self.backend.clone(), lease, options)))
+    }
+
+    /// Refuses options that cannot work, before any request is sent.
+    fn check(&self, options: &LockOptions) -> Result<(), LockError> {
+        options.validate()?;
+        let max_ttl = self.backend.capabilities().max_ttl;
+        if let Some(min) = options.min_hold_time().filter(|min| *min > max_ttl) {
+            return Err(LockError::invalid_input(format!(
+                "hold-at-least {min:?} is above this backend's maximum TTL of {max_ttl:?}; use a shorter minimum hold time"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Releases a lease nobody will use, on its own task so that dropping
+    /// the caller's future cannot abandon the release; waits for it.
+    async fn release_unused(&self, lease: Lease) {
+        let backend = self.backend.clone();
+        let release = tokio::spawn(async move {
+            if let Err(e) = backend.release(&lease).await {
+                tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), error = %e, "releasing an unused lease failed; it expires after its TTL");
+            }
+        });
+        let _ = release.await;
     }
 
     /// Runs the waiting loop on its own task so that dropping the caller's
     /// future never abandons an attempt in flight: a lease granted after the
-    /// caller left is released at once.
-    async fn acquire_lease(
+    /// caller left is released at once. When `cancel` completes, the loop
+    /// stops at its next wait and a lease it got is released here.
+    async fn acquire_lease<C: Future<Output = ()>>(
         &self,
         key: &LockKey,
         ttl: Duration,
         deadline: Instant,
         attempt: Attempt,
+        cancel: C,
     ) -> Result<Option<Lease>, LockError> {
         let backend = self.backend.clone();
-        let key = key.clone();
-        let cancel = CancellationToken::new();
-        let task_cancel = cancel.clone();
+        let task_key = key.clone();
+        let stop_waiting = CancellationToken::new();
+        let task_cancel = stop_waiting.clone();
         let (reply, answer) = oneshot::channel();
         tokio::spawn(async move {
             let result =
-                acquire_until_cancelled(&*backend, &key, ttl, deadline, attempt, &task_cancel)
+                acquire_until_cancelled(&*backend, &task_key, ttl, deadline, attempt, &task_cancel)
                     .await;
             if let Err(Ok(Some(lease))) = reply.send(result) {
-                tracing::debug!(key = %key, fencing = %lease.fencing_token(), "waiter gone; releasing the lock it was granted");
+                tracing::debug!(key = %task_key, fencing = %lease.fencing_token(), "waiter gone; releasing the lock it was granted");
                 let _ = backend.release(&lease).await;
             }
         });
-        let _cancel_on_drop = cancel.drop_guard();
+        let _cancel_on_drop = stop_waiting.clone().drop_guard();
         let mut answer = UnreadAnswer {
             answer,
             backend: self.backend.clone(),
         };
-        (&mut answer.answer)
-            .await
-            .unwrap_or_else(|_| Err(LockError::unavailable("the acquire task panicked")))
+        let panicked = |_| Err(LockError::unavailable("the acquire task panicked"));
+        tokio::select! {
+            // Cancel first: a caller that was cancelled never gets a guard.
+            biased;
+            () = cancel => {
+                stop_waiting.cancel();
+                let result = (&mut answer.answer).await.unwrap_or_else(panicked);
+                if let Ok(Some(lease)) = result {
+                    tracing::debug!(key = %key, fencing = %lease.fencing_token(), "acquire cancelled as the lock was granted; releasing it");
+                    self.release_unused(lease).await;
+                }
+                Ok(None)
+            }
+            result = &mut answer.answer => result.unwrap_or_else(panicked),
+        }
     }
 
     /// Runs `job` if the lock is free; see [`run_exclusive`](crate::run_exclusive).
@@ -171,8 +244,4 @@ impl Drop for UnreadAnswer {
             }
         }
     }
-}
-
-fn far_future() -> Instant {
-    Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600)
 }

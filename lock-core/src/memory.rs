@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
+use crate::lease::later;
+
 use crate::{
     AcquireAttempt, Capabilities, DistributedLock, FencingToken, Lease, LeaseIssuer, LockError,
     LockKey, LockState, OwnerToken, ReleaseNotifier, ReleaseWatch,
@@ -145,7 +147,7 @@ impl DistributedLock for MemoryLock {
             Held {
                 owner,
                 fencing,
-                expires_at: now + ttl,
+                expires_at: later(now, ttl),
             },
         );
         Ok(AcquireAttempt::Acquired(Lease::new(
@@ -164,7 +166,7 @@ impl DistributedLock for MemoryLock {
         let now = Instant::now();
         let mut locks = self.store.locks();
         let held = Self::check_owner(&mut locks, lease, now)?;
-        held.expires_at = now + ttl;
+        held.expires_at = later(now, ttl);
         Ok(lease.renewed(now, ttl))
     }
 

@@ -4,6 +4,7 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
+use crate::lease::later;
 use crate::{AcquireAttempt, DistributedLock, Lease, LockError, LockKey, ReleaseWatch};
 
 /// Extra wait after a holder's predicted expiry, so the retry lands after the
@@ -79,11 +80,12 @@ pub(crate) async fn acquire_until_cancelled<B: DistributedLock + ?Sized>(
             return Ok(None);
         }
         let mut wake_at = deadline;
+        // Saturating: the server's answer is not trusted to be small.
         if let Some(expires_in) = expires_in {
-            wake_at = wake_at.min(now + expires_in + EXPIRY_SLACK);
+            wake_at = wake_at.min(later(now, expires_in.saturating_add(EXPIRY_SLACK)));
         }
         if let Some(poll) = poll {
-            wake_at = wake_at.min(now + poll);
+            wake_at = wake_at.min(later(now, poll));
         }
         tracing::trace!(key = %key, ?expires_in, "waiting for release");
         let watch_ref = watch.as_mut().unwrap_or(&mut never);
