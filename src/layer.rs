@@ -7,16 +7,21 @@
 //! 1. the key function derives a [`LockKey`] from the request (e.g. the job
 //!    name plus a hash of its arguments with [`JobKey`](crate::JobKey));
 //! 2. **inside the response future** (never in `poll_ready`), the lock is
-//!    acquired, waiting up to [`LockOptions::wait`] (zero: skip at once);
+//!    acquired, waiting up to [`LockOptions::wait`] (zero: skip at once); a
+//!    lease granted so late that it is already inside its stop margin is
+//!    released and the call fails with [`LockServiceError::Lock`]
+//!    (`ErrorKind::Timeout`) without calling the inner service;
 //! 3. if it is held elsewhere, the response is [`LockedResponse::Skipped`]
 //!    and the inner service is not called;
-//! 4. otherwise the inner service runs while the [`LockGuard`] lives in the
+//! 4. otherwise the inner service runs while the [`LockGuard`](crate::LockGuard) lives in the
 //!    response future, renewing the lease. The lock is released when the
 //!    inner future completes, and also when the response future is dropped
 //!    (tower's concurrency-limit pattern: the permit lives in the future);
 //! 5. if the lock is lost while the inner future runs (renewal refused, or
-//!    the lease ran out), the inner future is **dropped** — it stops at its
-//!    current `.await` — and the call fails with [`LockServiceError::Lost`].
+//!    the lease reached its stop moment, [`LockOptions::stop_margin`] before
+//!    it may run out), the inner future is **dropped** — it stops at its
+//!    current `.await` and is never polled again — and the call fails with
+//!    [`LockServiceError::Lost`].
 //!
 //! Needs a tokio runtime (the guard renews on a background task).
 //!
@@ -57,7 +62,7 @@ use std::time::Duration;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::{LockError, LockGuard, LockKey, LockOptions, Locker, LostReason};
+use crate::{LockError, LockKey, LockOptions, Locker, LostReason};
 
 /// What a [`LockService`] call produced when it did not fail.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -270,7 +275,8 @@ where
                 Ok(None) => return Ok(LockedResponse::Skipped),
                 Err(e) => return Err(LockServiceError::Lock(e)),
             };
-            let outcome = run_while_held(&guard, inner.call(request)).await;
+            // Lost first: once it fired, the inner future is never polled again.
+            let outcome = guard.while_held(inner.call(request)).await;
             match outcome {
                 Ok(result) => {
                     // The lock-core guard logs a failed release; the inner
@@ -287,21 +293,4 @@ where
             }
         })
     }
-}
-
-/// Polls `work` until it completes, or until the guard's lock is lost, in
-/// which case `work` is dropped unfinished.
-async fn run_while_held<F: Future>(guard: &LockGuard, work: F) -> Result<F::Output, LostReason> {
-    let lost = guard.lost();
-    let mut lost = std::pin::pin!(lost);
-    let mut work = std::pin::pin!(work);
-    std::future::poll_fn(move |cx| {
-        // Work first: a result that is ready counts even if the loss
-        // is noticed in the same poll.
-        if let Poll::Ready(output) = work.as_mut().poll(cx) {
-            return Poll::Ready(Ok(output));
-        }
-        lost.as_mut().poll(cx).map(Err)
-    })
-    .await
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use conformance_tests::ObservedLock;
+use conformance_tests::{Call, ObservedLock};
 use distlock::layer::{LockLayer, LockServiceError, LockedResponse};
 use distlock::{
     DistributedLock, ErrorKind, JobKey, LockError, LockKey, LockOptions, Locker, LostReason,
@@ -263,4 +263,42 @@ async fn inner_errors_pass_through_and_release() {
         .unwrap_err();
     assert!(matches!(error, LockServiceError::Inner(ref e) if e.to_string() == "report failed"));
     assert_eq!(server.held_count(), 0);
+}
+
+#[tokio::test]
+async fn expired_grant_is_never_handed_to_the_inner_service() {
+    let server = MemoryLock::new();
+    let slow = Arc::new(ObservedLock::new(server.client()));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let ttl = Duration::from_millis(200);
+    let service = LockLayer::new(Locker::new(slow.clone()), job_key)
+        .options(LockOptions::new(ttl))
+        .layer(counting(calls.clone()));
+    // The server grants the lock; its reply is held until the lease ran out
+    // and another client took the key.
+    slow.hold_replies(Call::Acquire);
+    let call = tokio::spawn(service.oneshot(job()));
+    slow.until_waiting(Call::Acquire, 1).await;
+    let key = job_key(&job()).unwrap();
+    let thief = Locker::new(server.client())
+        .acquire(
+            &key,
+            &LockOptions::new(Duration::from_secs(30)).wait(Duration::from_secs(60)),
+        )
+        .await
+        .unwrap()
+        .expect("the held grant expires");
+    slow.open(Call::Acquire);
+    let result = call.await.unwrap();
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        0,
+        "the inner service ran on an expired lease: {result:?}"
+    );
+    match result {
+        Err(LockServiceError::Lock(e)) => assert_eq!(e.kind(), ErrorKind::Timeout, "{e}"),
+        other => panic!("expected a Timeout lock error, got {other:?}"),
+    }
+    assert!(!thief.is_lost());
+    thief.release().await.unwrap();
 }

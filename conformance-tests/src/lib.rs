@@ -52,5 +52,5 @@ pub use context::{
     CaseError, CaseResult, ClientFuture, ConnectFn, TestContext, FAULT_CONNECT_TIMEOUT,
     FAULT_OPERATION_TIMEOUT,
 };
-pub use observed::ObservedLock;
+pub use observed::{Call, ObservedLock};
 pub use suite::Suite;

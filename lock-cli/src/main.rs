@@ -6,7 +6,7 @@
 //! `run` otherwise passes the command's exit code through (128+N when it
 //! died of signal N, 126/127 when it could not be started).
 
-use std::ffi::OsString;
+use std::ffi::{OsStr, OsString};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -17,8 +17,10 @@ use distlock::{
 use tokio::signal::unix::{signal, SignalKind};
 
 mod duration;
+mod watchdog;
 
 use duration::{format_duration, parse_duration};
+use watchdog::{signal_group, Watchdog, WATCHDOG_ARG};
 
 /// sysexits(3) codes.
 mod code {
@@ -66,23 +68,41 @@ enum Command {
     /// Run CMD while holding the lock KEY (renewed while CMD runs).
     ///
     /// If the lock is held elsewhere, prints one line and exits with the
-    /// conflict code (75) without running CMD. CMD gets the fencing token of
-    /// this acquisition in DISTLOCK_FENCING_TOKEN. If the lock is lost while
-    /// CMD runs, CMD gets SIGTERM, then SIGKILL after --kill-grace, and
-    /// distlock exits 70. SIGINT/SIGTERM sent to distlock are forwarded to
-    /// CMD; the lock is released when CMD exits.
+    /// conflict code (75) without running CMD. CMD runs in a process group
+    /// of its own and gets the fencing token of this acquisition in
+    /// DISTLOCK_FENCING_TOKEN. SIGINT/SIGTERM sent to distlock are forwarded
+    /// to the whole group. When CMD exits, whatever it left running in its
+    /// group is killed (SIGKILL) before the lock is released.
+    ///
+    /// Stop before expiry: if the lock is lost, or a renewal has not
+    /// succeeded by the stop moment (--stop-margin before the earliest moment
+    /// the server may expire the lease), the whole group gets SIGTERM, then
+    /// SIGKILL --kill-grace later, and distlock exits 70. --kill-grace must
+    /// be shorter than --stop-margin, so CMD is gone before another host can
+    /// get the lock. If distlock itself is killed, a watchdog process kills
+    /// the group at once. (CMD is not the terminal's foreground group: it
+    /// cannot read from the terminal.)
     #[command(after_help = EXAMPLES)]
     Run(RunArgs),
-    /// Say whether KEY is held and for how much longer (exit 0 free, 75 held).
+    /// Say whether KEY is held, by which fencing token and for how much
+    /// longer (exit 0 free, 75 held).
     ///
-    /// The contract has no read-only probe: a free key is found free by
-    /// taking it for the shortest TTL and releasing it at once. That consumes
-    /// one fencing token value; the holder's own fencing token cannot be
-    /// shown.
+    /// Reads the lock without taking it (the backend's inspect call):
+    /// nothing changes and no fencing token value is used up. The answer is
+    /// stale as soon as it is printed, so never decide on it whether to run a
+    /// job: `distlock run` decides atomically. (A backend without operator
+    /// calls is probed instead: the key is taken for the shortest TTL and
+    /// released at once, which uses up one fencing token value and cannot
+    /// show the holder's.)
     Status(StatusArgs),
-    /// Clear a stuck lock (needs --force). Not supported by the lock
-    /// contract yet: only the owner can release; a crashed owner's lock
-    /// expires after its TTL.
+    /// Clear a stuck lock whoever holds it (needs --force).
+    ///
+    /// Deletes the lock at KEY and wakes the processes waiting for it;
+    /// fencing tokens keep growing. The holder is not told at once: its
+    /// distlock finds out at its next renewal (within a third of its TTL)
+    /// that the lock is gone and stops its command, which may overlap the
+    /// next holder until then. Meant for a lock whose holder is known to be
+    /// gone; otherwise wait for its TTL.
     Release(ReleaseArgs),
 }
 
@@ -113,13 +133,20 @@ struct RunArgs {
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     hold_at_least: Option<Duration>,
     /// Stop renewing after this long: a hung CMD loses the lock (and is
-    /// stopped) instead of holding it forever.
+    /// stopped, --stop-margin before the lock ends) instead of holding it
+    /// forever.
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     max_hold: Option<Duration>,
-    /// After the lock is lost, how long CMD has to exit after SIGTERM before
-    /// it gets SIGKILL.
-    #[arg(long, default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
-    kill_grace: Duration,
+    /// How long before the earliest moment the server may expire an
+    /// unrenewed lease CMD is stopped (SIGTERM). Default: a third of --ttl
+    /// (10s of the default 30s).
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    stop_margin: Option<Duration>,
+    /// How long CMD has to exit after SIGTERM before its group gets SIGKILL
+    /// when the lock is lost. Must be shorter than --stop-margin. Default:
+    /// half the stop margin (5s with the default TTL).
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    kill_grace: Option<Duration>,
     /// Exit code when the lock is held elsewhere.
     #[arg(long, default_value_t = code::TEMPFAIL, value_name = "N")]
     conflict_exit_code: u8,
@@ -176,6 +203,9 @@ impl Failure {
 }
 
 fn main() -> ExitCode {
+    if std::env::args_os().nth(1).as_deref() == Some(OsStr::new(WATCHDOG_ARG)) {
+        return watchdog::run();
+    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
@@ -234,17 +264,6 @@ fn display_command(command: &[OsString]) -> String {
         .join(" ")
 }
 
-/// Sends `signal` to process `pid` (ignoring a process that already exited).
-fn send_signal(pid: Option<u32>, signal: libc::c_int) {
-    if let Some(pid) = pid.and_then(|p| libc::pid_t::try_from(p).ok()) {
-        // SAFETY: kill(2) with a pid we spawned and have not reaped yet
-        // (tokio reaps only in `wait`, which we have not completed).
-        unsafe {
-            libc::kill(pid, signal);
-        }
-    }
-}
-
 fn exit_code_of(status: std::process::ExitStatus) -> u8 {
     use std::os::unix::process::ExitStatusExt;
     if let Some(code) = status.code() {
@@ -257,9 +276,41 @@ fn exit_code_of(status: std::process::ExitStatus) -> u8 {
     }
 }
 
+/// The lock options of `run` and the kill grace, checked before connecting:
+/// the stop margin defaults to a third of the TTL, the kill grace to half
+/// the stop margin, and the grace must fit inside the margin.
+fn run_options(args: &RunArgs) -> Result<(LockOptions, Duration), Failure> {
+    let margin = args.stop_margin.unwrap_or(args.ttl / 3);
+    let kill_grace = args.kill_grace.unwrap_or(margin / 2);
+    if kill_grace >= margin {
+        return Err(Failure::new(
+            code::USAGE,
+            format!(
+                "--kill-grace {} does not fit in the stop margin {}: CMD could outlive the lock; use a shorter --kill-grace, or a longer --stop-margin (which must stay below --ttl)",
+                format_duration(kill_grace),
+                format_duration(margin)
+            ),
+        ));
+    }
+    let mut options = LockOptions::new(args.ttl)
+        .wait(args.wait)
+        .stop_margin(margin);
+    if let Some(min) = args.hold_at_least {
+        options = options.hold_at_least(min);
+    }
+    if let Some(max) = args.max_hold {
+        options = options.max_hold(max);
+    }
+    options
+        .validate()
+        .map_err(|e| Failure::lock("bad durations", &e))?;
+    Ok((options, kill_grace))
+}
+
 async fn run(args: RunArgs) -> Result<u8, Failure> {
     let key = lock_key(&args.key)?;
     let what = display_command(&args.command);
+    let (options, kill_grace) = run_options(&args)?;
     let mut interrupt = signal(SignalKind::interrupt())
         .map_err(|e| Failure::new(code::SOFTWARE, format!("cannot handle SIGINT: {e}")))?;
     let mut terminate = signal(SignalKind::terminate())
@@ -267,20 +318,21 @@ async fn run(args: RunArgs) -> Result<u8, Failure> {
 
     let backend = connect(&args.url.url).await?;
     let locker = Locker::new(backend);
-    let mut options = LockOptions::new(args.ttl).wait(args.wait);
-    if let Some(min) = args.hold_at_least {
-        options = options.hold_at_least(min);
-    }
-    if let Some(max) = args.max_hold {
-        options = options.max_hold(max);
-    }
 
-    // Waiting can be interrupted; Locker::acquire is cancel-safe.
-    let acquired = tokio::select! {
-        acquired = locker.acquire(&key, &options) => acquired,
-        _ = interrupt.recv() => return Ok(128 + libc::SIGINT as u8),
-        _ = terminate.recv() => return Ok(128 + libc::SIGTERM as u8),
-    };
+    // A signal ends the wait; a lock granted at that moment is released
+    // before this returns (the runtime is shut down right after).
+    let mut stopped_by = None;
+    let acquired = locker
+        .acquire_unless(&key, &options, async {
+            stopped_by = Some(tokio::select! {
+                _ = interrupt.recv() => libc::SIGINT,
+                _ = terminate.recv() => libc::SIGTERM,
+            });
+        })
+        .await;
+    if let Some(signal) = stopped_by {
+        return Ok(128 + signal as u8);
+    }
     let guard = match acquired {
         Ok(Some(guard)) => guard,
         Ok(None) => {
@@ -302,10 +354,26 @@ async fn run(args: RunArgs) -> Result<u8, Failure> {
         .command
         .split_first()
         .ok_or_else(|| Failure::new(code::USAGE, "no command given after `--`"))?;
+    // The group CMD joins; it outlives distlock only until the watchdog
+    // notices distlock is gone.
+    let mut watchdog = match Watchdog::spawn() {
+        Ok(watchdog) => watchdog,
+        Err(e) => {
+            let _ = guard.release().await;
+            return Err(Failure::new(
+                code::SOFTWARE,
+                format!(
+                    "cannot start the watchdog process that stops `{what}` if distlock dies: {e}"
+                ),
+            ));
+        }
+    };
+    let group = watchdog.group();
     let mut child = match tokio::process::Command::new(program)
         .args(program_args)
         .env("DISTLOCK_FENCING_TOKEN", fencing.to_string())
         .env("DISTLOCK_KEY", key.as_str())
+        .process_group(group)
         .spawn()
     {
         Ok(child) => child,
@@ -315,44 +383,46 @@ async fn run(args: RunArgs) -> Result<u8, Failure> {
             } else {
                 code::CANNOT_EXECUTE
             };
+            watchdog.stop_group().await;
             let _ = guard.release().await;
             return Err(Failure::new(code, format!("cannot run `{what}`: {e}")));
         }
     };
-    let pid = child.id();
     let lost = guard.lost();
     tokio::pin!(lost);
 
     let status = loop {
         tokio::select! {
-            status = child.wait() => break status,
-            _ = interrupt.recv() => send_signal(pid, libc::SIGINT),
-            _ = terminate.recv() => send_signal(pid, libc::SIGTERM),
+            biased;
             reason = &mut lost => {
                 eprintln!(
-                    "distlock: lost lock {key:?} (fencing token {fencing}) while `{what}` was running: {reason}; stopping it with SIGTERM"
+                    "distlock: lost lock {key:?} (fencing token {fencing}) while `{what}` was running: {reason}; stopping its process group with SIGTERM"
                 );
-                send_signal(pid, libc::SIGTERM);
-                let waited = tokio::select! {
-                    status = child.wait() => Some(status),
-                    _ = tokio::time::sleep(args.kill_grace) => None,
-                };
-                if waited.is_none() {
+                signal_group(group, libc::SIGTERM);
+                let exited = tokio::time::timeout(kill_grace, child.wait()).await.is_ok();
+                if !exited {
                     eprintln!(
                         "distlock: `{what}` did not exit within {} of SIGTERM; sending SIGKILL",
-                        format_duration(args.kill_grace)
+                        format_duration(kill_grace)
                     );
-                    let _ = child.start_kill();
-                    let _ = child.wait().await;
                 }
-                drop(guard);
+                // Also whatever the command left behind in its group.
+                watchdog.stop_group().await;
+                let _ = child.wait().await;
+                // Frees the key before its TTL if the server still had it.
+                let _ = guard.release().await;
                 return Err(Failure::new(
                     code::SOFTWARE,
                     format!("`{what}` was stopped because lock {key:?} was lost"),
                 ));
             }
+            status = child.wait() => break status,
+            _ = interrupt.recv() => signal_group(group, libc::SIGINT),
+            _ = terminate.recv() => signal_group(group, libc::SIGTERM),
         }
     };
+    // Nothing of CMD runs on once the lock is released.
+    watchdog.stop_group().await;
     let status = status
         .map_err(|e| Failure::new(code::SOFTWARE, format!("cannot wait for `{what}`: {e}")))?;
     if let Err(e) = guard.release().await {

@@ -325,7 +325,7 @@ fn lost_lock_stops_the_command_memory() {
                 "--max-hold",
                 "300ms",
                 "--kill-grace",
-                "200ms",
+                "50ms",
             ],
             dir.path(),
             r#"trap '' TERM; touch "$DIR/started"; while :; do sleep 0.05; done"#,
@@ -338,6 +338,187 @@ fn lost_lock_stops_the_command_memory() {
     assert!(err.contains("lost lock"), "{err}");
     assert!(err.contains("SIGKILL"), "{err}");
     assert!(dir.file("started").exists());
+}
+
+/// Whether process `pid` is gone or a zombie (it runs no more code).
+fn process_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state is the first field after the parenthesised name.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state == "Z" || state == "X"),
+        Err(_) => true,
+    }
+}
+
+/// The background job of [`GRANDCHILD`] (its pid is in `$DIR/bg`) is gone,
+/// and never created `$DIR/X`. Waits for whichever comes first (hang guard
+/// only): its death, or the file it writes 2 s after it started.
+fn assert_grandchild_stopped(dir: &TempDir) {
+    let Ok(pid) = std::fs::read_to_string(dir.file("bg")) else {
+        // Stopped before it forked its background job: nothing can write X.
+        assert!(!dir.file("X").exists());
+        return;
+    };
+    let pid: u32 = pid.trim().parse().expect("pid in $DIR/bg");
+    let deadline = Instant::now() + HANG;
+    while !process_gone(pid) && !dir.file("X").exists() {
+        assert!(
+            Instant::now() < deadline,
+            "background job {pid} still running"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        !dir.file("X").exists(),
+        "the command's background job outlived it and wrote X"
+    );
+    assert!(process_gone(pid), "background job {pid} still running");
+}
+
+/// A command that leaves a grandchild (a background subshell) which writes
+/// `$DIR/X` 2 s later unless it is stopped; `$DIR/started` once it exists.
+const GRANDCHILD: &str =
+    r#"(sleep 2; touch "$DIR/X") & echo $! > "$DIR/bg"; touch "$DIR/started"; wait"#;
+
+#[test]
+fn lost_lock_stops_the_whole_process_group() {
+    let dir = TempDir::new();
+    let output = finish(
+        run_sh(
+            "memory://",
+            "k",
+            &["--ttl", "1s", "--max-hold", "1s"],
+            dir.path(),
+            GRANDCHILD,
+        )
+        .spawn()
+        .expect("spawn"),
+    );
+    assert_eq!(code(&output), 70, "{}", stderr(&output));
+    assert!(stderr(&output).contains("lost lock"), "{}", stderr(&output));
+    assert_grandchild_stopped(&dir);
+}
+
+#[test]
+fn forwarded_sigterm_stops_the_whole_process_group() {
+    let dir = TempDir::new();
+    let child = run_sh("memory://", "k", &[], dir.path(), GRANDCHILD)
+        .spawn()
+        .expect("spawn");
+    wait_for_file(&dir.file("started"));
+    signal(child.id(), libc::SIGTERM);
+    let output = finish(child);
+    assert_eq!(code(&output), 128 + libc::SIGTERM, "{}", stderr(&output));
+    assert_grandchild_stopped(&dir);
+}
+
+#[test]
+fn killed_distlock_takes_its_command_along() {
+    let dir = TempDir::new();
+    let mut child = run_sh("memory://", "k", &[], dir.path(), GRANDCHILD)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    wait_for_file(&dir.file("started"));
+    child.kill().expect("SIGKILL distlock");
+    child.wait().expect("reap distlock");
+    assert_grandchild_stopped(&dir);
+}
+
+#[test]
+fn leftovers_are_stopped_before_the_lock_is_released() {
+    let dir = TempDir::new();
+    let output = finish(
+        run_sh(
+            "memory://",
+            "k",
+            &[],
+            dir.path(),
+            r#"(sleep 2; touch "$DIR/X") & echo $! > "$DIR/bg""#,
+        )
+        .spawn()
+        .expect("spawn"),
+    );
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    assert_grandchild_stopped(&dir);
+}
+
+#[test]
+fn status_and_release_help_describe_the_commands() {
+    let output = distlock().args(["status", "--help"]).output().expect("run");
+    assert_eq!(code(&output), 0);
+    let text = stdout(&output);
+    assert!(!text.contains("no read-only probe"), "{text}");
+    assert!(!text.contains("cannot be shown"), "{text}");
+    assert!(text.contains("without taking it"), "{text}");
+    assert!(text.contains("fencing token"), "{text}");
+    let output = distlock()
+        .args(["release", "--help"])
+        .output()
+        .expect("run");
+    assert_eq!(code(&output), 0);
+    let text = stdout(&output);
+    assert!(!text.contains("Not supported"), "{text}");
+    assert!(text.contains("whoever holds it"), "{text}");
+    assert!(text.contains("next renewal"), "{text}");
+}
+
+/// `distlock run --url memory:// --key k OPTIONS... -- true`.
+fn run_true(options: &[&str]) -> Output {
+    distlock()
+        .args(["run", "--url", "memory://", "--key", "k"])
+        .args(options)
+        .args(["--", "true"])
+        .output()
+        .expect("run")
+}
+
+#[test]
+fn huge_durations_are_usage_errors_or_mean_no_limit() {
+    let huge = "10000000000000000000";
+    // No limit: runs (was a panic, exit 101).
+    let output = run_true(&["--max-hold", huge]);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    for option in ["--hold-at-least", "--ttl", "--kill-grace", "--stop-margin"] {
+        let output = run_true(&[option, huge]);
+        assert_eq!(code(&output), 64, "{option} {huge}: {}", stderr(&output));
+        assert_eq!(stderr(&output).lines().count(), 1, "{}", stderr(&output));
+    }
+}
+
+#[test]
+fn kill_grace_must_fit_in_the_stop_margin() {
+    let output = run_true(&["--ttl", "30s", "--kill-grace", "20s"]);
+    assert_eq!(code(&output), 64, "{}", stderr(&output));
+    let err = stderr(&output);
+    assert!(err.contains("stop margin"), "{err}");
+    // A longer margin makes room for it.
+    let output = run_true(&[
+        "--ttl",
+        "30s",
+        "--kill-grace",
+        "20s",
+        "--stop-margin",
+        "25s",
+    ]);
+    assert_eq!(
+        code(&output),
+        64,
+        "renewal every 10s comes after the stop moment: {}",
+        stderr(&output)
+    );
+    let output = run_true(&[
+        "--ttl",
+        "60s",
+        "--kill-grace",
+        "10s",
+        "--stop-margin",
+        "15s",
+    ]);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
 }
 
 // ---------------------------------------------------------------------------
@@ -565,7 +746,20 @@ fn sigkill_of_holder_frees_key_after_ttl(url: &str) {
     );
     holder.kill().expect("SIGKILL the holder");
     holder.wait().expect("reap");
-    // The orphaned command keeps running, but nobody renews the lease.
+    // Its watchdog kills the orphaned command; nobody renews the lease.
+    let pid: u32 = std::fs::read_to_string(dir.file("pid"))
+        .expect("pid file")
+        .trim()
+        .parse()
+        .expect("pid");
+    let deadline = Instant::now() + HANG;
+    while !process_gone(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "the command outlived its killed distlock"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let next = finish(
         run_sh(
             url,
@@ -579,11 +773,6 @@ fn sigkill_of_holder_frees_key_after_ttl(url: &str) {
     );
     assert_eq!(code(&next), 0, "{}", stderr(&next));
     assert!(dir.file("next").exists());
-    if let Ok(pid) = std::fs::read_to_string(dir.file("pid")) {
-        if let Ok(pid) = pid.trim().parse::<u32>() {
-            signal(pid, libc::SIGKILL);
-        }
-    }
 }
 
 fn lost_lock_kills_the_command(url: &str) {
@@ -593,7 +782,7 @@ fn lost_lock_kills_the_command(url: &str) {
         run_sh(
             url,
             &key,
-            &["--ttl", "1s", "--max-hold", "1s", "--kill-grace", "500ms"],
+            &["--ttl", "1s", "--max-hold", "1s", "--kill-grace", "200ms"],
             dir.path(),
             r#"trap '' TERM; touch "$DIR/started"; while :; do sleep 0.05; done"#,
         )

@@ -2,6 +2,7 @@
 //! every lease rule.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -182,7 +183,8 @@ impl LockClient {
         ttl: Duration,
         deadline: Instant,
     ) -> Result<Option<Lease>, LockError> {
-        self.acquire_until(key, ttl, deadline, Attempt::Plain).await
+        self.acquire_until(key, ttl, deadline, Attempt::Plain, std::future::pending())
+            .await
     }
 
     /// Resets the lease's TTL to `ttl` from now if, and only if, the server
@@ -369,26 +371,35 @@ impl LockClient {
 
     /// The waiting loop on a task of its own, so that dropping the
     /// caller's future never abandons an attempt in flight: a lease granted
-    /// after the caller left is released.
-    pub(crate) async fn acquire_until(
+    /// after the caller left is released. When `cancel` completes, the loop
+    /// stops at its next wait and a lease it got is released before this
+    /// returns `Ok(None)`.
+    pub(crate) async fn acquire_until<C: Future<Output = ()>>(
         &self,
         key: &LockKey,
         ttl: Duration,
         deadline: Instant,
         attempt: Attempt,
+        cancel: C,
     ) -> Result<Option<Lease>, LockError> {
         let client = self.clone();
-        let key = key.clone();
-        let cancel = CancellationToken::new();
-        let task_cancel = cancel.clone();
+        let task_key = key.clone();
+        let stop_waiting = CancellationToken::new();
+        let task_cancel = stop_waiting.clone();
         let (reply, answer) = oneshot::channel();
         let span = tracing::debug_span!("distlock.acquire", backend = self.name(), key = %key);
         let started = Instant::now();
         tokio::spawn(
             async move {
-                let result =
-                    wait::acquire_until_cancelled(&client, &key, ttl, deadline, attempt, &task_cancel)
-                        .await;
+                let result = wait::acquire_until_cancelled(
+                    &client,
+                    &task_key,
+                    ttl,
+                    deadline,
+                    attempt,
+                    &task_cancel,
+                )
+                .await;
                 let outcome = match &result {
                     Ok(Some(_)) => "acquired",
                     Ok(None) => "timed_out",
@@ -402,14 +413,38 @@ impl LockClient {
             }
             .instrument(span),
         );
-        let _cancel_on_drop = cancel.drop_guard();
+        let _cancel_on_drop = stop_waiting.clone().drop_guard();
         let mut answer = UnreadAnswer {
             answer,
             client: self.clone(),
         };
-        (&mut answer.answer)
-            .await
-            .unwrap_or_else(|_| Err(LockError::unavailable("the acquire task panicked")))
+        let panicked = |_| Err(LockError::unavailable("the acquire task panicked"));
+        tokio::select! {
+            // Cancel first: a caller that was cancelled never gets a lease.
+            biased;
+            () = cancel => {
+                stop_waiting.cancel();
+                let result = (&mut answer.answer).await.unwrap_or_else(panicked);
+                if let Ok(Some(lease)) = result {
+                    tracing::debug!(key = %key, fencing = %lease.fencing_token(), "acquire cancelled as the lock was granted; releasing it");
+                    self.release_unused(lease).await;
+                }
+                Ok(None)
+            }
+            result = &mut answer.answer => result.unwrap_or_else(panicked),
+        }
+    }
+
+    /// Releases a lease nobody will use, on its own task so that dropping
+    /// the caller's future cannot abandon the release; waits for it.
+    pub(crate) async fn release_unused(&self, lease: Lease) {
+        let client = self.clone();
+        let release = tokio::spawn(async move {
+            if let Err(e) = client.release(&lease).await {
+                tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), error = %e, "releasing an unused lease failed; it expires after its TTL");
+            }
+        });
+        let _ = release.await;
     }
 
     /// Releases `lease` on the current runtime without waiting (a late

@@ -15,8 +15,10 @@ pub enum ErrorKind {
     /// The lock server could not be reached or refused the connection
     /// (including authentication failures). Retrying later may succeed.
     Unavailable,
-    /// A network operation did not finish within its configured timeout.
-    /// Whether it took effect on the server is unknown.
+    /// A network operation did not finish within its configured timeout
+    /// (whether it took effect on the server is unknown), or a lock was
+    /// granted too late to use: already inside its stop margin, so it was
+    /// released unused (see [`LockOptions::stop_margin`](crate::LockOptions::stop_margin)).
     Timeout,
     /// A value at a lock key was not written by distlock (or was edited into an
     /// impossible state). It is reported and never overwritten.
@@ -24,7 +26,7 @@ pub enum ErrorKind {
     /// The backend is misconfigured (bad URL, missing cargo feature).
     Config,
     /// The backend does not implement this optional operation (see
-    /// [`Capabilities::admin`](crate::Capabilities::admin)).
+    /// [`LockBackend::admin`](crate::LockBackend::admin)).
     Unsupported,
 }
 

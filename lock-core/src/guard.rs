@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
+use crate::lease::later;
 use crate::{
     instrument, ErrorKind, FencingToken, Lease, LockClient, LockError, LockKey, LockOptions,
 };
@@ -16,8 +17,10 @@ use crate::{
 pub enum LostReason {
     /// The server refused a renewal: the key is gone or has another owner.
     Refused,
-    /// The lease ran out before a renewal succeeded: the server was
-    /// unreachable, or renewal was off or stopped by the max hold time.
+    /// The lease reached its stop moment (the stop margin before it may
+    /// run out, see [`LockOptions::stop_margin`]) without a successful
+    /// renewal: the server was unreachable or slow, or renewal was off or
+    /// stopped by the max hold time.
     Expired,
 }
 
@@ -25,13 +28,16 @@ impl fmt::Display for LostReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             LostReason::Refused => "the server refused renewal (key deleted or taken over)",
-            LostReason::Expired => "the lease ran out before it could be renewed",
+            LostReason::Expired => {
+                "the lease was about to run out (within its stop margin) and could not be renewed"
+            }
         })
     }
 }
 
-/// Resolves when a guard no longer holds its lock. Cheap to clone; hand it to
-/// the job so it can stop writing.
+/// Resolves when a guard no longer holds its lock, or must stop using it: at
+/// the latest the stop margin before the lease may run out. Cheap to clone;
+/// hand it to the job so it can stop writing.
 #[derive(Debug, Clone, Default)]
 pub struct LostSignal {
     token: CancellationToken,
@@ -75,6 +81,7 @@ struct Shared {
     lost: LostSignal,
     acquired_at: Instant,
     hold_at_least: Option<Duration>,
+    stop_margin: Duration,
 }
 
 impl Shared {
@@ -98,19 +105,27 @@ impl Shared {
         }
     }
 
-    /// Releases, or, with hold-at-least, shortens the lease so it ends when
-    /// the minimum hold time is over.
-    async fn release(&self) -> Result<(), LockError> {
+    /// When the job must stop if `lease` is not renewed by then.
+    fn stop_moment(&self, lease: &Lease) -> Instant {
+        lease
+            .valid_until()
+            .checked_sub(self.stop_margin)
+            .unwrap_or_else(Instant::now)
+    }
+
+    /// Releases, or, with hold-at-least (unless `now`), shortens the lease
+    /// so it ends when the minimum hold time is over.
+    async fn release(&self, now: bool) -> Result<(), LockError> {
         let lease = self.lease();
         if !self.lost.is_lost() {
             instrument::held(self.client.name(), self.acquired_at.elapsed());
         }
-        if let Some(min) = self.hold_at_least {
-            let keep_until = self.acquired_at + min;
-            let now = Instant::now();
-            if now < keep_until {
-                self.client.extend(&lease, keep_until - now).await?;
-                tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), remaining = ?(keep_until - now), "lock kept until hold-at-least time");
+        if let Some(min) = self.hold_at_least.filter(|_| !now) {
+            let keep_until = later(self.acquired_at, min);
+            let remaining = keep_until.saturating_duration_since(Instant::now());
+            if !remaining.is_zero() {
+                self.client.extend(&lease, remaining).await?;
+                tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), ?remaining, "lock kept until hold-at-least time");
                 return Ok(());
             }
         }
@@ -132,7 +147,10 @@ impl Shared {
 /// While it lives, a background task renews the lease (by default every third
 /// of the TTL) until the optional max hold time. [`lost`](Self::lost)
 /// resolves as soon as the guard knows or must assume it no longer holds the
-/// lock. [`release`](Self::release) releases and reports; dropping the guard
+/// lock — renewal refused — and at the latest at the stop moment: the stop
+/// margin ([`LockOptions::stop_margin`], default a third of the TTL) before
+/// the earliest moment the server may expire a lease that was not renewed.
+/// [`release`](Self::release) releases and reports; dropping the guard
 /// releases in the background on the current tokio runtime.
 pub struct LockGuard {
     shared: Arc<Shared>,
@@ -151,18 +169,29 @@ impl fmt::Debug for LockGuard {
 
 impl LockGuard {
     /// Wraps a freshly acquired lease and starts renewing it per `options`.
-    /// Must be called within a tokio runtime.
+    /// Must be called within a tokio runtime. A lease already at its stop
+    /// moment gives a guard whose lost signal has fired; [`Locker`](crate::Locker)
+    /// never hands out such a guard (it releases the lease and reports).
     pub fn new(client: LockClient, lease: Lease, options: &LockOptions) -> Self {
         let acquired_at = lease.sent_at();
         let renew_period = options.renew_period(lease.ttl());
-        let renew_until = options.max_hold_time().map(|max| acquired_at + max);
+        // A huge max hold means no limit.
+        let renew_until = options
+            .max_hold_time()
+            .and_then(|max| acquired_at.checked_add(max));
+        let stop_margin = options.stop_margin_for(lease.ttl());
         let shared = Arc::new(Shared {
             client,
             lease: Mutex::new(lease),
             lost: LostSignal::default(),
             acquired_at,
             hold_at_least: options.min_hold_time(),
+            stop_margin,
         });
+        if Instant::now() >= shared.stop_moment(&shared.lease()) {
+            // Fired before anyone can poll the job, not later from the task.
+            shared.mark_lost(LostReason::Expired);
+        }
         let stop_renewal = CancellationToken::new();
         tokio::spawn(keep_alive(
             shared.clone(),
@@ -209,13 +238,52 @@ impl LockGuard {
         self.shared.lost.clone()
     }
 
+    /// When the job must stop unless the lease is renewed before: the stop
+    /// margin before the lease's conservative expiry.
+    pub fn stop_moment(&self) -> Instant {
+        self.shared.stop_moment(&self.shared.lease())
+    }
+
+    /// Polls `work` until it completes or the lock is lost, whichever comes
+    /// first. The lost signal is checked first at every poll, so once it
+    /// has fired `work` is dropped and never polled again (no further step
+    /// of the job runs); `Err` carries the reason.
+    ///
+    /// Cancel-safe as far as `work` is: dropping this future drops `work`.
+    pub async fn while_held<F: std::future::Future>(
+        &self,
+        work: F,
+    ) -> Result<F::Output, LostReason> {
+        let lost = self.lost();
+        tokio::select! {
+            biased;
+            reason = lost => Err(reason),
+            output = work => Ok(output),
+        }
+    }
+
     /// Stops renewal and releases the lock (or, with hold-at-least, lets it
     /// run out at the minimum hold time). Reports
     /// [`ErrorKind::NotHeld`] if the lock was no longer held.
-    pub async fn release(mut self) -> Result<(), LockError> {
-        self.released = true;
+    ///
+    /// Cancel-safe: if this future is dropped before the server answered,
+    /// the lock is released in the background as if the guard was dropped.
+    pub async fn release(self) -> Result<(), LockError> {
+        self.release_with(false).await
+    }
+
+    /// Releases at once, ignoring hold-at-least (the work it protected did
+    /// not happen, so late instances must not skip it).
+    pub(crate) async fn release_now(self) -> Result<(), LockError> {
+        self.release_with(true).await
+    }
+
+    async fn release_with(mut self, now: bool) -> Result<(), LockError> {
         self.stop_renewal.cancel();
-        self.shared.release().await
+        let result = self.shared.release(now).await;
+        // Only now: a drop before the answer must still release (Drop).
+        self.released = true;
+        result
     }
 }
 
@@ -229,7 +297,7 @@ impl Drop for LockGuard {
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 runtime.spawn(async move {
-                    let _ = shared.release().await;
+                    let _ = shared.release(false).await;
                 });
             }
             Err(_) => {
@@ -241,22 +309,39 @@ impl Drop for LockGuard {
     }
 }
 
+/// The shortest time between two renewal attempts of one guard.
+const MIN_RENEW_GAP: Duration = Duration::from_millis(5);
+
 /// Renews `shared`'s lease every `period` until `renew_until`, and fires the
-/// lost signal when renewal is refused or the lease runs out.
+/// lost signal when renewal is refused or the lease reaches its stop moment.
 async fn keep_alive(
     shared: Arc<Shared>,
     stop: CancellationToken,
     period: Option<Duration>,
     renew_until: Option<Instant>,
 ) {
-    let mut next_renewal = period.map(|p| shared.acquired_at + p);
+    if shared.lost.is_lost() {
+        return;
+    }
+    let mut next_renewal = period.map(|p| later(shared.acquired_at, p));
+    // When the current lease arrived.
+    let mut got_at = Instant::now();
     loop {
         let lease = shared.lease();
-        let valid_until = lease.valid_until();
-        let renew_at = next_renewal.filter(|at| renew_until.is_none_or(|until| *at < until));
+        let stop_at = shared.stop_moment(&lease);
+        // Renew every period, but at the latest halfway from the lease's
+        // arrival to its stop moment, so a renewal always has time to be
+        // retried. A lease may be valid for less than a period past its
+        // arrival: etcd dates a session lock from the session's last
+        // keep-alive, up to a third of the TTL back.
+        let halfway = later(got_at, stop_at.saturating_duration_since(got_at) / 2)
+            .max(later(got_at, MIN_RENEW_GAP));
+        let renew_at = next_renewal
+            .map(|at| at.min(halfway))
+            .filter(|at| renew_until.is_none_or(|until| *at < until));
         tokio::select! {
             _ = stop.cancelled() => return,
-            _ = tokio::time::sleep_until(valid_until.into()) => {
+            _ = tokio::time::sleep_until(stop_at.into()) => {
                 shared.mark_lost(LostReason::Expired);
                 return;
             }
@@ -275,7 +360,7 @@ async fn keep_alive(
         };
         let result = tokio::select! {
             _ = stop.cancelled() => return,
-            _ = tokio::time::sleep_until(valid_until.into()) => {
+            _ = tokio::time::sleep_until(stop_at.into()) => {
                 shared.mark_lost(LostReason::Expired);
                 return;
             }
@@ -285,7 +370,8 @@ async fn keep_alive(
             Ok(Some(renewed)) => {
                 tracing::trace!(key = %renewed.key(), fencing = %renewed.fencing_token(), "lock renewed");
                 *shared.lease.lock().unwrap_or_else(|e| e.into_inner()) = renewed;
-                next_renewal = period.map(|p| Instant::now() + p);
+                got_at = Instant::now();
+                next_renewal = period.map(|p| later(got_at, p));
             }
             Ok(None) => next_renewal = None,
             Err(e) if e.kind() == ErrorKind::NotHeld => {
@@ -293,11 +379,11 @@ async fn keep_alive(
                 return;
             }
             Err(e) => {
-                // Transient: retry soon, well before the lease runs out.
-                let left = valid_until.saturating_duration_since(Instant::now());
-                let retry = (left / 4).max(Duration::from_millis(5));
+                // Transient: retry soon, well before the stop moment.
+                let left = stop_at.saturating_duration_since(Instant::now());
+                let retry = (left / 4).max(MIN_RENEW_GAP);
                 tracing::warn!(key = %lease.key(), fencing = %lease.fencing_token(), error = %e, retry_in = ?retry, "lock renewal failed; retrying");
-                next_renewal = Some(Instant::now() + retry);
+                next_renewal = Some(later(Instant::now(), retry));
             }
         }
     }

@@ -103,8 +103,17 @@ impl LeaseIssuer {
 
 /// How much of a TTL the client does not trust: clocks of client and server
 /// may run at slightly different rates (1%) and timers fire late (2 ms).
-fn clock_drift(ttl: Duration) -> Duration {
+pub(crate) fn clock_drift(ttl: Duration) -> Duration {
     ttl / 100 + Duration::from_millis(2)
+}
+
+/// `at + duration`, saturating far in the future instead of panicking: a
+/// huge duration from user input or a server's reply means "never".
+pub(crate) fn later(at: Instant, duration: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+    at.checked_add(duration)
+        .or_else(|| at.checked_add(CENTURY))
+        .unwrap_or(at)
 }
 
 /// One successful acquisition of a key.
@@ -136,7 +145,7 @@ impl Lease {
         ttl: Duration,
         issuer: LeaseIssuer,
     ) -> Self {
-        let valid_until = sent_at + ttl.saturating_sub(clock_drift(ttl));
+        let valid_until = later(sent_at, ttl.saturating_sub(clock_drift(ttl)));
         Self {
             key,
             owner,

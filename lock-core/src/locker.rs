@@ -1,8 +1,9 @@
 //! Acquiring guards over any backend, cancel-safely.
 
 use std::future::Future;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
+use crate::lease::later;
 use crate::wait::Attempt;
 use crate::{LockClient, LockError, LockGuard, LockKey, LockOptions};
 
@@ -52,48 +53,95 @@ impl Locker {
         key: &LockKey,
         options: &LockOptions,
     ) -> Result<Option<LockGuard>, LockError> {
-        self.lock_until(key, options, Instant::now()).await
+        self.lock_until(key, options, Instant::now(), std::future::pending())
+            .await
     }
 
     /// Acquires, waiting up to the options' wait time; `Ok(None)` if the lock
-    /// was still held then. Transient errors (`Unavailable`, `Timeout`) are
-    /// retried with backoff within the wait time.
+    /// was still held then. Transient errors (`Unavailable`, `Timeout`: a
+    /// failover, a restarting server) are retried with backoff within the
+    /// wait time; the last one is returned if it runs out.
+    ///
+    /// Fails with [`ErrorKind::InvalidInput`](crate::ErrorKind) before
+    /// sending anything if the options cannot work (see
+    /// [`LockOptions::validate`]), and with
+    /// [`ErrorKind::Timeout`](crate::ErrorKind) if the server granted the
+    /// lock so late that the lease was already inside its stop margin (the
+    /// lease is then released: a job must not start on it).
     pub async fn acquire(
         &self,
         key: &LockKey,
         options: &LockOptions,
     ) -> Result<Option<LockGuard>, LockError> {
-        let deadline = Instant::now()
-            .checked_add(options.wait_time())
-            .unwrap_or_else(far_future);
-        self.lock_until(key, options, deadline).await
+        self.acquire_unless(key, options, std::future::pending())
+            .await
     }
 
-    async fn lock_until(
+    /// As [`acquire`](Self::acquire), but gives up waiting when `cancel`
+    /// completes (a signal, a shutdown), returning `Ok(None)`. Unlike
+    /// dropping the future of `acquire` (which releases a late grant in the
+    /// background), this returns only once nothing is held: an attempt in
+    /// flight is finished, and a lease it got is released before returning.
+    /// Use it where the process may exit right after.
+    pub async fn acquire_unless<C>(
+        &self,
+        key: &LockKey,
+        options: &LockOptions,
+        cancel: C,
+    ) -> Result<Option<LockGuard>, LockError>
+    where
+        C: Future<Output = ()>,
+    {
+        let deadline = later(Instant::now(), options.wait_time());
+        self.lock_until(key, options, deadline, cancel).await
+    }
+
+    async fn lock_until<C: Future<Output = ()>>(
         &self,
         key: &LockKey,
         options: &LockOptions,
         deadline: Instant,
+        cancel: C,
     ) -> Result<Option<LockGuard>, LockError> {
-        let attempt = if options.renewal_policy() == crate::Renewal::Off {
+        self.check(options)?;
+        let attempt = if options.renew_period(options.request_ttl()).is_none() {
             Attempt::Plain
         } else {
             Attempt::Renewing
         };
         let lease = self
             .client
-            .acquire_until(key, options.ttl(), deadline, attempt)
+            .acquire_until(key, options.request_ttl(), deadline, attempt, cancel)
             .await?;
-        match lease {
-            Some(lease) => {
-                tracing::info!(key = %key, fencing = %lease.fencing_token(), "lock acquired");
-                Ok(Some(LockGuard::new(self.client.clone(), lease, options)))
-            }
-            None => {
-                tracing::info!(key = %key, "lock held elsewhere; not acquired");
-                Ok(None)
-            }
+        let Some(lease) = lease else {
+            tracing::info!(key = %key, "lock held elsewhere; not acquired");
+            return Ok(None);
+        };
+        let margin = options.stop_margin_for(lease.ttl());
+        let stop_at = lease.valid_until().checked_sub(margin);
+        if stop_at.is_none_or(|at| Instant::now() >= at) {
+            let late = lease.sent_at().elapsed();
+            tracing::warn!(key = %key, fencing = %lease.fencing_token(), ?late, "lock granted inside its stop margin; releasing it unused");
+            let ttl = lease.ttl();
+            self.client.release_unused(lease).await;
+            return Err(LockError::timeout(format!(
+                "lock {key:?} was granted {late:?} after the request was sent, too late to use: less than the stop margin {margin:?} of its {ttl:?} TTL was left. It was released and nothing ran; the server or network is too slow for this TTL: retry, or use a longer TTL"
+            )));
         }
+        tracing::info!(key = %key, fencing = %lease.fencing_token(), "lock acquired");
+        Ok(Some(LockGuard::new(self.client.clone(), lease, options)))
+    }
+
+    /// Refuses options that cannot work, before any request is sent.
+    fn check(&self, options: &LockOptions) -> Result<(), LockError> {
+        options.validate()?;
+        let max_ttl = self.client.capabilities().max_ttl;
+        if let Some(min) = options.min_hold_time().filter(|min| *min > max_ttl) {
+            return Err(LockError::invalid_input(format!(
+                "hold-at-least {min:?} is above this backend's maximum TTL of {max_ttl:?}; use a shorter minimum hold time"
+            )));
+        }
+        Ok(())
     }
 
     /// Runs `job` if the lock is free; see [`run_exclusive`](crate::run_exclusive).
@@ -109,8 +157,4 @@ impl Locker {
     {
         crate::run::run_exclusive(self, key, options, job).await
     }
-}
-
-fn far_future() -> Instant {
-    Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600)
 }

@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
+use crate::lease::later;
+
 use crate::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
     LockAdmin, LockBackend, LockClient, LockError, LockKey, LockState, OwnerToken, ReleaseNotifier,
@@ -132,7 +134,7 @@ impl LockBackend for MemoryLock {
             Held {
                 owner: request.owner,
                 fencing,
-                expires_at: now + request.ttl,
+                expires_at: later(now, request.ttl),
             },
         );
         Ok(AcquireReply::Granted(Grant::new(fencing, request.ttl)))
@@ -143,7 +145,7 @@ impl LockBackend for MemoryLock {
         let mut locks = self.store.locks();
         Ok(match Self::owned(&mut locks, &lock, now) {
             Some(held) => {
-                held.expires_at = now + ttl;
+                held.expires_at = later(now, ttl);
                 ExtendReply::Extended(Grant::new(lock.fencing, ttl))
             }
             None => ExtendReply::NotHeld,

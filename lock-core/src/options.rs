@@ -2,14 +2,24 @@
 
 use std::time::Duration;
 
+use crate::lease::clock_drift;
+use crate::LockError;
+
 /// When a [`LockGuard`](crate::LockGuard) renews its lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Renewal {
-    /// Every third of the TTL (the default): two renewals may fail before the
-    /// lease runs out.
+    /// Every third of the TTL (the default): with the default stop margin
+    /// (a third of the TTL) a failed renewal is retried for another third
+    /// of the TTL before the job is stopped.
+    ///
+    /// Whatever the period, a guard renews at the latest halfway between
+    /// the arrival of its current lease and that lease's stop moment, so a
+    /// renewal always has time to be retried.
     #[default]
     ThirdOfTtl,
-    /// At a fixed period (must be shorter than the TTL to be useful).
+    /// At a fixed period. The first renewal must come before the stop
+    /// moment (TTL minus stop margin, see [`LockOptions::stop_margin`]);
+    /// a longer period is refused as invalid input.
     Every(Duration),
     /// Never: the lock expires after its TTL unless released sooner.
     Off,
@@ -17,14 +27,24 @@ pub enum Renewal {
 
 /// Options for one acquisition through a [`Locker`](crate::Locker).
 ///
+/// Every duration is checked when the lock is acquired (or by
+/// [`validate`](Self::validate)): a value that cannot work is a typed
+/// [`InvalidInput`](crate::ErrorKind::InvalidInput) error before any request
+/// is sent, never a panic.
+///
 /// ```
 /// use std::time::Duration;
 /// use lock_core::LockOptions;
 /// let options = LockOptions::new(Duration::from_secs(30))
 ///     .wait(Duration::from_secs(5))          // wait up to 5 s if held
 ///     .max_hold(Duration::from_secs(600))    // stop renewing after 10 min
-///     .hold_at_least(Duration::from_secs(20)); // keep it 20 s even if the job is quicker
+///     .hold_at_least(Duration::from_secs(20)) // keep it 20 s even if the job is quicker
+///     .stop_margin(Duration::from_secs(5));  // stop the job 5 s before the lease can run out
 /// assert_eq!(options.ttl(), Duration::from_secs(30));
+/// options.validate()?;
+/// // A stop margin must leave time to hold the lock at all.
+/// assert!(options.clone().stop_margin(Duration::from_secs(30)).validate().is_err());
+/// # Ok::<(), lock_core::LockError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LockOptions {
@@ -33,11 +53,13 @@ pub struct LockOptions {
     renewal: Renewal,
     max_hold: Option<Duration>,
     hold_at_least: Option<Duration>,
+    stop_margin: Option<Duration>,
 }
 
 impl LockOptions {
     /// Hold for `ttl` per lease (renewed by the guard), do not wait, renew
-    /// every `ttl / 3`, no max hold, no hold-at-least.
+    /// every `ttl / 3`, stop the job `ttl / 3` before the lease can run out,
+    /// no max hold, no hold-at-least.
     pub fn new(ttl: Duration) -> Self {
         Self {
             ttl,
@@ -45,6 +67,7 @@ impl LockOptions {
             renewal: Renewal::default(),
             max_hold: None,
             hold_at_least: None,
+            stop_margin: None,
         }
     }
 
@@ -61,7 +84,11 @@ impl LockOptions {
     }
 
     /// Stop renewing after `max_hold` since acquisition (ShedLock's
-    /// lockAtMostFor): a hung job cannot keep the lock forever.
+    /// lockAtMostFor): a hung job cannot keep the lock forever. The lock
+    /// ends at `max_hold` (rounded up to the backend's TTL granularity),
+    /// also when that is shorter than the TTL; the guard's lost signal fires
+    /// the stop margin before that. Zero is refused; a huge value means no
+    /// limit.
     pub fn max_hold(mut self, max_hold: Duration) -> Self {
         self.max_hold = Some(max_hold);
         self
@@ -72,6 +99,24 @@ impl LockOptions {
     /// a little late skip the same run.
     pub fn hold_at_least(mut self, min: Duration) -> Self {
         self.hold_at_least = Some(min);
+        self
+    }
+
+    /// Stop whatever the guard protects `margin` before the earliest moment
+    /// the server may expire the lease, if renewal has not succeeded by
+    /// then: the guard's [`lost`](crate::LockGuard::lost) signal fires at
+    /// [`Lease::valid_until`](crate::Lease::valid_until) minus `margin`, so
+    /// the job has `margin` to act on it (a job run by
+    /// [`run_exclusive`](crate::run_exclusive) is dropped at once; a child
+    /// process gets time to exit). A lease granted so late that it is
+    /// already inside the margin is released and reported, never handed out.
+    ///
+    /// Default: a third of the lease's TTL (10 s of a 30 s TTL). Must be
+    /// shorter than the TTL minus the clock-drift allowance and, with
+    /// renewal on, leave room for the first renewal before the stop moment.
+    /// Zero stops the job only at the conservative expiry itself.
+    pub fn stop_margin(mut self, margin: Duration) -> Self {
+        self.stop_margin = Some(margin);
         self
     }
 
@@ -100,8 +145,67 @@ impl LockOptions {
         self.hold_at_least
     }
 
-    /// The renewal period for a lease of `ttl`, or `None` if off.
+    /// The stop margin set with [`stop_margin`](Self::stop_margin), if any.
+    pub fn stop_margin_time(&self) -> Option<Duration> {
+        self.stop_margin
+    }
+
+    /// The stop margin for a lease of `ttl`: the one set, else `ttl / 3`.
+    pub fn stop_margin_for(&self, ttl: Duration) -> Duration {
+        self.stop_margin.unwrap_or(ttl / 3)
+    }
+
+    /// The TTL to request: the TTL, shortened to the max hold time so a
+    /// short max hold is not outlived by the first lease.
+    pub(crate) fn request_ttl(&self) -> Duration {
+        match self.max_hold {
+            Some(max) => self.ttl.min(max),
+            None => self.ttl,
+        }
+    }
+
+    /// Checks that the durations can work together: a positive TTL and max
+    /// hold, a stop margin that leaves time to hold the lock, and a renewal
+    /// period that renews before the stop moment. [`Locker`](crate::Locker)
+    /// calls it before sending anything; call it to check configuration
+    /// early.
+    pub fn validate(&self) -> Result<(), LockError> {
+        if self.ttl.is_zero() {
+            return Err(LockError::invalid_input(
+                "TTL is zero; a lock needs a positive time to live",
+            ));
+        }
+        if self.max_hold.is_some_and(|max| max.is_zero()) {
+            return Err(LockError::invalid_input(
+                "max hold is zero; leave it unset for no limit, or give the longest time a job may hold the lock",
+            ));
+        }
+        let ttl = self.request_ttl();
+        // The part of each lease the guard trusts (see Lease::valid_until).
+        let usable = ttl.saturating_sub(clock_drift(ttl));
+        let margin = self.stop_margin_for(ttl);
+        if margin >= usable {
+            return Err(LockError::invalid_input(format!(
+                "stop margin {margin:?} leaves no time to hold a lease of {ttl:?} (the guard trusts {usable:?} of it); use a shorter stop margin or a longer TTL"
+            )));
+        }
+        if let Some(period) = self.renew_period(ttl) {
+            let stop_after = usable - margin;
+            if period >= stop_after {
+                return Err(LockError::invalid_input(format!(
+                    "renewal period {period:?} is too long: the job is stopped {stop_after:?} into each lease of {ttl:?} (TTL minus drift allowance minus stop margin {margin:?}) unless renewed by then; renew more often, or use a shorter stop margin or a longer TTL"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The renewal period for a lease of `ttl`, or `None` if the guard
+    /// does not renew: renewal off, or a max hold within the first lease.
     pub(crate) fn renew_period(&self, ttl: Duration) -> Option<Duration> {
+        if self.max_hold.is_some_and(|max| max <= self.ttl) {
+            return None;
+        }
         match self.renewal {
             Renewal::ThirdOfTtl => Some(ttl / 3),
             Renewal::Every(period) => Some(period),

@@ -10,11 +10,13 @@ use crate::{
 /// What to do with a job whose lock is lost mid-run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OnLost {
-    /// Drop the job's future at its next await point (the default): another
-    /// instance may already be running it.
+    /// Drop the job's future as soon as the lock is lost or reaches its stop
+    /// moment (the default): no further step of it runs, and another
+    /// instance may soon be running it.
     #[default]
     Stop,
-    /// Let the job finish; it can watch [`JobContext::lost`] itself.
+    /// Let the job finish; it must watch [`JobContext::lost`] itself and
+    /// stop within the stop margin ([`LockOptions::stop_margin`]).
     Continue,
 }
 
@@ -60,7 +62,8 @@ pub struct JobContext {
     pub key: LockKey,
     /// The fencing token of this run; pass it to the resource you write.
     pub fencing_token: FencingToken,
-    /// Resolves if the lock is lost while the job runs.
+    /// Resolves if the lock is lost while the job runs, at the latest the
+    /// stop margin before the lease may run out.
     pub lost: LostSignal,
 }
 
@@ -112,6 +115,12 @@ impl<T> RunOutcome<T> {
 /// token and lost signal, stops it (by default) if the lock is lost, and
 /// always releases.
 ///
+/// The job never starts on a lease that is already expired or inside its
+/// stop margin when granted (the lease is released and the call fails with
+/// [`ErrorKind::Timeout`]); with [`OnLost::Stop`] it is dropped at the stop
+/// moment ([`LockOptions::stop_margin`]) at the latest, before any further
+/// step runs.
+///
 /// A failure to release after the job ran is logged, not returned, so the
 /// job's output is never lost; the lock then expires after its TTL.
 ///
@@ -153,17 +162,10 @@ where
     };
     let started = Instant::now();
     let stopped = match options.on_lost {
-        OnLost::Stop => {
-            let lost = guard.lost();
-            tokio::select! {
-                biased;
-                output = job(context) => Ok(output),
-                reason = lost => {
-                    tracing::warn!(key = %key, fencing = %fencing_token, %reason, "lock lost; job stopped");
-                    Err(reason)
-                }
-            }
-        }
+        // Lost is polled first: once it fired, no further step of the job runs.
+        OnLost::Stop => guard.while_held(job(context)).await.inspect_err(|reason| {
+            tracing::warn!(key = %key, fencing = %fencing_token, %reason, "lock lost; job stopped");
+        }),
         OnLost::Continue => Ok(job(context).await),
     };
     let outcome = match stopped {

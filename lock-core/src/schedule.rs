@@ -12,6 +12,7 @@
 use std::future::Future;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::lease::later;
 use crate::{
     AcquireAttempt, ErrorKind, FencingToken, LockError, LockKey, LockOptions, Locker, LostReason,
     OnLost, RunOptions, RunOutcome,
@@ -149,6 +150,20 @@ impl ScheduledJob {
         LockKey::new(format!("{}@running", self.name))
     }
 
+    /// How long a fire key is kept after its run: one period plus twice the
+    /// skew window. Refused if that does not fit in a `Duration`.
+    fn keep_fire_for(&self) -> Result<Duration, LockError> {
+        self.window
+            .checked_mul(2)
+            .and_then(|skew| skew.checked_add(self.period))
+            .ok_or_else(|| {
+                LockError::invalid_input(format!(
+                    "schedule of {:?}: period {:?} plus twice the window {:?} is too long; use a shorter period or window",
+                    self.name, self.period, self.window
+                ))
+            })
+    }
+
     /// The fire key's lease ran out during the run (its renewal failed): take
     /// it again, owned by nobody, so it still lasts to the end of the window
     /// and late instances skip this fire.
@@ -179,6 +194,15 @@ impl ScheduledJob {
 
     /// Runs `job` for `fire` unless another instance took this fire or the
     /// previous run is still going.
+    ///
+    /// The fire key is kept after a completed run (and after a skip because
+    /// the previous run is still going: that fire is skipped, not run late).
+    /// If the run did not start (an error taking the `@running` key, which
+    /// is returned) or was stopped because its lock was lost, the fire key
+    /// is released at once so another instance can run the fire.
+    ///
+    /// Durations that cannot work (a window or period so long that the fire
+    /// key could not be kept) are an [`ErrorKind::InvalidInput`] error.
     pub async fn run<F, Fut, T>(
         &self,
         locker: &Locker,
@@ -190,7 +214,8 @@ impl ScheduledJob {
         Fut: Future<Output = T>,
     {
         let fire_key = self.fire_key(fire)?;
-        let keep_fire_for = self.period + self.window * 2;
+        let running_key = self.running_key()?;
+        let keep_fire_for = self.keep_fire_for()?;
         let fire_options = LockOptions::new(self.ttl).hold_at_least(keep_fire_for);
         let Some(fire_guard) = locker.try_lock(&fire_key, &fire_options).await? else {
             tracing::info!(job = %self.name, key = %fire_key, "fire already taken by another instance; skipping");
@@ -198,13 +223,25 @@ impl ScheduledJob {
         };
         let started = Instant::now();
         let run_options = RunOptions::new(LockOptions::new(self.ttl)).on_lost(self.on_lost);
-        let outcome = locker
-            .run_exclusive(&self.running_key()?, &run_options, job)
-            .await;
-        // Keeps the fire key until the hold-at-least time, then it expires.
-        let keep_until = fire_guard.lease().sent_at() + keep_fire_for;
-        if let Err(e) = fire_guard.release().await {
-            self.retake_fire_key(locker, &fire_key, keep_until, e).await;
+        let outcome = locker.run_exclusive(&running_key, &run_options, job).await;
+        let keep_until = later(fire_guard.lease().sent_at(), keep_fire_for);
+        match &outcome {
+            // The fire ran (or is deliberately skipped while the previous
+            // run goes on): keep its key until the hold-at-least time, so
+            // late instances skip it.
+            Ok(RunOutcome::Completed { .. } | RunOutcome::Skipped) => {
+                if let Err(e) = fire_guard.release().await {
+                    self.retake_fire_key(locker, &fire_key, keep_until, e).await;
+                }
+            }
+            // The run never started (taking @running failed) or was stopped
+            // (lost lock): free the fire so another instance can run it.
+            Err(_) | Ok(RunOutcome::Lost { .. }) => {
+                tracing::info!(job = %self.name, key = %fire_key, "the run did not complete; releasing the fire for another instance");
+                if let Err(e) = fire_guard.release_now().await {
+                    tracing::debug!(job = %self.name, key = %fire_key, error = %e, "releasing the fire key failed; it expires after its TTL");
+                }
+            }
         }
         Ok(match outcome? {
             RunOutcome::Completed {

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
+use crate::lease::later;
 use crate::{AcquireAttempt, Lease, LockClient, LockError, LockKey, ReleaseWatch};
 
 /// Extra wait after a holder's predicted expiry, so the retry lands after the
@@ -74,17 +75,17 @@ pub(crate) async fn acquire_until_cancelled(
                 backoff = BACKOFF_MIN;
                 let mut wake_at = deadline;
                 if let Some(expires_in) = expires_in {
-                    wake_at = wake_at.min(now + expires_in.saturating_add(EXPIRY_SLACK));
+                    wake_at = wake_at.min(later(now, expires_in.saturating_add(EXPIRY_SLACK)));
                 }
                 if watch.is_none() {
-                    wake_at = wake_at.min(now + caps.retry_interval);
+                    wake_at = wake_at.min(later(now, caps.retry_interval));
                 }
                 tracing::trace!(key = %key, ?expires_in, "waiting for release");
                 wake_at
             }
             Err(e) if e.is_transient() && now < deadline => {
                 tracing::debug!(key = %key, error = %e, retry_in = ?backoff, "transient error while waiting; retrying");
-                let wake_at = deadline.min(now + backoff);
+                let wake_at = deadline.min(later(now, backoff));
                 backoff = (backoff * 2).min(BACKOFF_MAX);
                 wake_at
             }

@@ -82,6 +82,21 @@ const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// watch stream per client. Acquiring without waiting (`try_acquire`)
 /// never queues, so it may overtake waiters.
 ///
+/// A renewing acquire whose session is lost while the request is in flight
+/// (no keep-alive answered within the TTL) is refused with an
+/// [`Unavailable`](lock_core::ErrorKind::Unavailable) error: the lock it
+/// created goes with the session lease, so no lease is dated from it.
+///
+/// Cancel safety: each future may be dropped at any await point (under a
+/// timeout, say). A dropped `watch`, and so a dropped waiting `acquire`,
+/// leaves no queue entry behind. A dropped renewing acquire leaves at most
+/// a lock that the session deletes a TTL after the request was sent. A
+/// dropped `try_acquire` or `extend` leaves at most a lock, or an unused
+/// lease, that etcd expires after the requested TTL (a dropped `extend`
+/// may have moved the lock to a lease of that TTL, so after dropping one
+/// with a shorter TTL assume the shorter one). A dropped `release` leaves
+/// the lock to expire as if it had not been released.
+///
 /// [`try_acquire_renewing`]: DistributedLock::try_acquire_renewing
 ///
 /// TTLs are whole seconds (at least 1 s, or the server's minimum lease TTL
@@ -460,6 +475,11 @@ impl DistributedLock for EtcdLock {
         let owner = OwnerToken::random();
         let value = encode_value(owner);
         let sent_at = Instant::now();
+        // Tracked before it is sent: if this future is dropped before the
+        // reply, the session still deletes the lock a TTL after `sent_at`,
+        // as any lock its holder stopped renewing (the session lease itself
+        // lives as long as the client).
+        session.track(&etcd_key, &value, None, sent_at);
         let reply = match self
             .run_txn(
                 "etcd acquire",
@@ -470,8 +490,8 @@ impl DistributedLock for EtcdLock {
             Ok(reply) => reply,
             Err(e) => {
                 // Unknown outcome, and the session lease cannot be revoked
-                // for one lock: track it as already due, so the session
-                // deletes it (if it was created) at its next tick.
+                // for one lock: make it due now, so the session deletes it
+                // (if it was created) at its next tick.
                 let due = sent_at.checked_sub(session.ttl()).unwrap_or(sent_at);
                 session.track(&etcd_key, &value, None, due);
                 return Err(e);
@@ -480,9 +500,19 @@ impl DistributedLock for EtcdLock {
         match txn::acquire_outcome(key, &reply) {
             Ok(AcquireOutcome::Created(fencing)) => {
                 session.track(&etcd_key, &value, Some(fencing), sent_at);
-                let valid_from = session
-                    .confirmed_sent_at()
-                    .map_or(sent_at, |confirmed| confirmed.min(sent_at));
+                // The server keeps the session lease at least a TTL after
+                // the last confirmed keep-alive was sent. A session that
+                // died while the request was in flight is being revoked
+                // (or expires on the server), taking the new key with it:
+                // no lease can be dated from it.
+                let Some(confirmed) = session.confirmed_sent_at() else {
+                    tracing::debug!(key = %key, fencing = %fencing, "etcd session lost while acquiring; the lock goes with it");
+                    return Err(LockError::unavailable(format!(
+                        "lock {:?} was taken on an etcd session lease that was lost while the request was in flight (no keep-alive answered within its TTL), so it is gone again; try again",
+                        key.as_str()
+                    )));
+                };
+                let valid_from = confirmed.min(sent_at);
                 tracing::debug!(key = %key, fencing = %fencing, ttl = ?session.ttl(), "etcd lock acquired on the session lease");
                 Ok(AcquireAttempt::Acquired(
                     Lease::new(
@@ -497,13 +527,18 @@ impl DistributedLock for EtcdLock {
                 ))
             }
             Ok(AcquireOutcome::Held { lease_id: holder }) => {
+                session.untrack(&value);
                 tracing::trace!(key = %key, holder_lease = holder, "etcd lock held by another owner");
                 Ok(AcquireAttempt::Held { expires_in: None })
             }
-            Ok(AcquireOutcome::Gone) => Ok(AcquireAttempt::Held {
-                expires_in: Some(Duration::ZERO),
-            }),
+            Ok(AcquireOutcome::Gone) => {
+                session.untrack(&value);
+                Ok(AcquireAttempt::Held {
+                    expires_in: Some(Duration::ZERO),
+                })
+            }
             Err(e) => {
+                session.untrack(&value);
                 tracing::debug!(key = %key, error = %e, "foreign value at an etcd lock key");
                 Err(e)
             }

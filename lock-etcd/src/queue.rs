@@ -34,6 +34,7 @@ use std::time::Duration;
 use etcd_client::{GetOptions, KeyValue, PutOptions, SortOrder, SortTarget, Txn, TxnOp};
 use etcd_client::{TxnOpResponse, TxnResponse};
 use lock_core::{LockError, LockKey, OwnerToken, ReleaseWatch};
+use tokio::sync::oneshot;
 
 use crate::backend::{EtcdLock, Inner, MIN_TTL};
 use crate::errors;
@@ -77,27 +78,55 @@ struct Waiter {
 
 /// Queues a waiter on `key` and returns the watch that wakes it; the queue
 /// entry is written and its etcd watch is live when this returns.
+///
+/// Cancel-safe: the entry is written and watched by a task of its own, so
+/// dropping this future at any point leaves nothing behind. The task then
+/// finds the caller's watch gone and deletes the entry once its write's
+/// outcome is known (a delete sent while the write is still in flight
+/// could be applied first, leaving the entry on the session lease for as
+/// long as the client lives).
 pub(crate) async fn enqueue(lock: &EtcdLock, key: &LockKey) -> Result<ReleaseWatch, LockError> {
     let inner = &lock.inner;
     let waiter_id = OwnerToken::random().to_hex();
     let channel = format!("{}#{waiter_id}", key.as_str());
-    let entry = inner.layout.queue_entry(key, &waiter_id);
     // Registered first: whatever the task notifies from now on is kept.
     let caller = inner
         .watcher
         .notifier()
         .subscribe(&channel, || async { Ok(()) })
         .await?;
-    let placed = match put_entry(lock, key, &entry).await {
+    let (joined, on_joined) = oneshot::channel();
+    tokio::spawn(join(lock.clone(), key.clone(), channel, waiter_id, joined));
+    match on_joined.await {
+        Ok(result) => result.map(|()| caller),
+        Err(_) => Err(LockError::unavailable(
+            "the etcd waiter task stopped before it joined the queue (is the runtime shutting down?)",
+        )),
+    }
+}
+
+/// Writes the queue entry, watches the predecessor (or the lock), reports
+/// on `joined`, then moves the waiter up the line until it leaves.
+async fn join(
+    lock: EtcdLock,
+    key: LockKey,
+    channel: String,
+    waiter_id: String,
+    joined: oneshot::Sender<Result<(), LockError>>,
+) {
+    let inner = &lock.inner;
+    let entry = inner.layout.queue_entry(&key, &waiter_id);
+    let placed = match put_entry(&lock, &key, &entry).await {
         Ok(placed) => placed,
         Err(e) => {
             // The put may have happened: take it out again.
             delete_later(Arc::downgrade(inner), entry);
-            return Err(e);
+            let _ = joined.send(Err(e));
+            return;
         }
     };
     let (place, position) = placed;
-    let (target, start) = target_of(lock, key, &position);
+    let (target, start) = target_of(&lock, &key, &position);
     let first_watch = format!("{channel}#0");
     let watch = match inner
         .watcher
@@ -107,13 +136,14 @@ pub(crate) async fn enqueue(lock: &EtcdLock, key: &LockKey) -> Result<ReleaseWat
         Ok(watch) => watch,
         Err(e) => {
             delete_later(Arc::downgrade(inner), entry);
-            return Err(e);
+            let _ = joined.send(Err(e));
+            return;
         }
     };
     tracing::trace!(key = %key, place, first = position.predecessor.is_none(), "etcd waiter queued");
     let waiter = Waiter {
         client: Arc::downgrade(inner),
-        key: key.clone(),
+        key,
         entry,
         place,
         channel,
@@ -121,10 +151,12 @@ pub(crate) async fn enqueue(lock: &EtcdLock, key: &LockKey) -> Result<ReleaseWat
         target,
         watch,
     };
-    // The caller tries right after this returns, so a free lock needs no
-    // wake-up here.
-    tokio::spawn(waiter.run());
-    Ok(caller)
+    drop(lock);
+    // The caller tries right after this, so a free lock needs no wake-up
+    // here. If the caller is gone, `run` finds its watch dropped and
+    // deletes the entry at once.
+    let _ = joined.send(Ok(()));
+    waiter.run().await;
 }
 
 /// The etcd key to watch from `position`, and the revision to watch from.

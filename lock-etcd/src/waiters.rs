@@ -12,9 +12,12 @@
 //!
 //! Watches whose channel has no subscribers left are cancelled within a second. When
 //! the stream breaks (server restart, network), the task reconnects with
-//! backoff, re-creates the watches of keys that still have waiters, and then
-//! calls [`ReleaseNotifier::reset`] so every waiter retries once (a release
-//! may have happened while the stream was down).
+//! backoff and re-creates the watches of keys that still have waiters; a
+//! watch that was live on the broken stream is re-created from "now", so
+//! its waiters are woken once etcd confirmed it (a release may have
+//! happened while the stream was down). Each watch wakes its own waiters,
+//! so waiters that leave, or new ones that arrive, during the reconnect
+//! change nothing for the others.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -106,7 +109,6 @@ impl Watcher {
             entries: HashMap::new(),
             by_id: HashMap::new(),
             next_id: 1,
-            recreating: 0,
         };
         if slot.is_some() {
             // Watches of the stopped task are gone; the next waiter of each
@@ -164,7 +166,9 @@ struct Entry {
     /// re-created watch starts from now and its waiters are woken).
     start_revision: i64,
     created: bool,
-    /// Wake the key's waiters once this (re-created) watch is confirmed.
+    /// Wake the channel's waiters once this watch is confirmed: it was
+    /// live before and is re-created from now, so a deletion in between
+    /// may have been missed.
     wake_on_create: bool,
     /// Subscribers waiting for the `created` confirmation.
     pending: Vec<Reply>,
@@ -178,9 +182,6 @@ struct WatchTask {
     entries: HashMap<String, Entry>,
     by_id: HashMap<i64, String>,
     next_id: i64,
-    /// Watches re-created after a reconnect, not yet confirmed; when it
-    /// drops to zero, every waiter is woken once.
-    recreating: usize,
 }
 
 enum Exit {
@@ -200,7 +201,6 @@ struct Stream {
 impl WatchTask {
     async fn run(mut self) {
         let mut backoff = BACKOFF_MIN;
-        let mut reconnecting = false;
         loop {
             self.sweep();
             if self.entries.is_empty() {
@@ -213,15 +213,14 @@ impl WatchTask {
                 }
                 continue;
             }
-            match self.open(reconnecting).await {
+            match self.open().await {
                 Ok(stream) => {
                     backoff = BACKOFF_MIN;
                     match self.serve(stream).await {
                         Exit::Dropped => return,
-                        Exit::Idle => reconnecting = false,
+                        Exit::Idle => {}
                         Exit::Broken(e) => {
                             tracing::debug!(error = %e, "etcd watch stream broke; reconnecting");
-                            reconnecting = true;
                         }
                     }
                 }
@@ -236,7 +235,6 @@ impl WatchTask {
                             ))));
                         }
                     }
-                    reconnecting = true;
                     let sleep = tokio::time::sleep(backoff);
                     backoff = (backoff * 2).min(BACKOFF_MAX);
                     tokio::pin!(sleep);
@@ -318,7 +316,7 @@ impl WatchTask {
     }
 
     /// Opens the stream and (re-)creates every entry's watch on it.
-    async fn open(&mut self, reconnecting: bool) -> Result<Stream, LockError> {
+    async fn open(&mut self) -> Result<Stream, LockError> {
         // Fresh ids: the old stream's ids mean nothing on the new one.
         self.by_id.clear();
         let channels: Vec<String> = self.entries.keys().cloned().collect();
@@ -327,10 +325,13 @@ impl WatchTask {
             self.by_id.insert(id, channel.clone());
             if let Some(entry) = self.entries.get_mut(channel) {
                 entry.id = id;
+                // A watch confirmed on the old stream starts from now on
+                // this one; one never confirmed keeps its start revision
+                // and misses nothing.
+                entry.wake_on_create |= entry.created;
                 entry.created = false;
             }
         }
-        self.recreating = if reconnecting { channels.len() } else { 0 };
         let mut requests = channels.iter().filter_map(|c| {
             self.entries
                 .get(c)
@@ -455,9 +456,10 @@ impl WatchTask {
             for reply in entry.pending {
                 let _ = reply.send(Err(LockError::new(error.kind(), error.message())));
             }
-            if entry.created {
-                // Waiters can no longer rely on this watch; wake them so
-                // they retry, and let the next waiter watch again.
+            if entry.created || entry.wake_on_create {
+                // Waiters relied on this watch (live now, or before a
+                // reconnect) and can no longer: wake them so they retry,
+                // and let the next waiter watch again.
                 self.notifier.reset();
             }
             return None;
@@ -471,16 +473,8 @@ impl WatchTask {
                         let _ = reply.send(Ok(()));
                     }
                     if std::mem::take(&mut entry.wake_on_create) {
+                        tracing::trace!(channel = %channel, "etcd watch re-created; waking its waiters");
                         self.notifier.notify(&channel);
-                    }
-                    if self.recreating > 0 {
-                        self.recreating -= 1;
-                        if self.recreating == 0 {
-                            tracing::debug!(
-                                "etcd watches re-created after reconnect; waking waiters"
-                            );
-                            self.notifier.reset();
-                        }
                     }
                 }
             }
@@ -494,5 +488,74 @@ impl WatchTask {
             self.notifier.notify(&channel);
         }
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use conformance_tests::server::{self, ServerHandle};
+
+    use super::*;
+
+    /// Issue 12, suspected item: after a reconnect, a waiter that leaves
+    /// before etcd confirmed its re-created watch must not keep the other
+    /// waiters from being woken (a release may have been missed while the
+    /// stream was down).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_waiter_leaving_during_a_reconnect_does_not_stop_the_wake_up() {
+        let server = ServerHandle::from_env_or_start(Arc::new(server::Etcd)).expect("etcd");
+        let url = server.url();
+        let endpoint = url.trim_start_matches("etcd://").to_owned();
+        let client = etcd_client::Client::connect([endpoint], None)
+            .await
+            .expect("etcd client");
+        let notifier = ReleaseNotifier::new();
+        let (_commands, rx) = mpsc::unbounded_channel();
+        let mut task = WatchTask {
+            client: client.watch_client(),
+            options: ClientOptions::default(),
+            notifier: notifier.clone(),
+            commands: rx,
+            entries: HashMap::new(),
+            by_id: HashMap::new(),
+            next_id: 1,
+        };
+        let mut stays = notifier
+            .subscribe("stays", || async { Ok(()) })
+            .await
+            .expect("subscribe");
+        let leaves = notifier
+            .subscribe("leaves", || async { Ok(()) })
+            .await
+            .expect("subscribe");
+        // Both watches were live on a stream that broke.
+        for channel in ["stays", "leaves"] {
+            let (reply, _) = oneshot::channel();
+            task.add(WatchCommand {
+                channel: channel.to_owned(),
+                key: format!("reconnect-test/{channel}").into_bytes(),
+                start_revision: 0,
+                reply,
+            });
+            let entry = task.entries.get_mut(channel).expect("entry");
+            entry.created = true;
+            entry.pending.clear();
+        }
+        // The reconnect re-creates both watches; one waiter leaves before
+        // etcd confirmed its watch, and is swept.
+        let stream = task.open().await.expect("open the watch stream");
+        drop(leaves);
+        task.sweep();
+        let serve = tokio::spawn(async move {
+            task.serve(stream).await;
+        });
+        let woken = tokio::time::timeout(Duration::from_secs(10), stays.released()).await;
+        serve.abort();
+        assert!(
+            woken.is_ok(),
+            "the remaining waiter was not woken after the reconnect"
+        );
     }
 }

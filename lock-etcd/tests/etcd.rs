@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use conformance_tests::fault::Proxy;
 use conformance_tests::server::{self, ServerHandle, ServerProcess};
 use conformance_tests::ObservedLock;
 use lock_core::{AcquireAttempt, DistributedLock, ErrorKind, Lease, LockKey};
@@ -708,6 +709,24 @@ async fn keys_under(raw: &mut Client, prefix: &str) -> Vec<String> {
         .collect()
 }
 
+/// Waits until no queue entries are left under `queue` (waiters delete
+/// theirs in the background); panics if some are still there after 10 s.
+async fn assert_queue_empties(raw: &mut Client, queue: &str) {
+    let give_up = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = keys_under(raw, queue).await;
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < give_up,
+            "{} queue entries left behind: {left:?}",
+            left.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Waiters acquire in the order they started waiting, and leave no queue
 /// entries behind: neither those that acquired nor one that gave up at its
 /// deadline.
@@ -774,18 +793,7 @@ async fn waiters_acquire_in_fifo_order_and_leave_no_queue_entries() {
         assert!(attempts <= 2, "a waiter made {attempts} attempts");
     }
     assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3, 4]);
-    let give_up = Instant::now() + Duration::from_secs(10);
-    loop {
-        let left = keys_under(&mut raw, &queue).await;
-        if left.is_empty() {
-            break;
-        }
-        assert!(
-            Instant::now() < give_up,
-            "queue entries left behind: {left:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    assert_queue_empties(&mut raw, &queue).await;
 }
 
 /// Waiters on look-alike keys (`a` and `a/b`) never see each other's queue
@@ -863,4 +871,365 @@ async fn waiters_on_look_alike_keys_are_independent() {
     )
     .await
     .unwrap();
+}
+
+/// The server address in an `etcd://` URL.
+fn addr_of(url: &str) -> std::net::SocketAddr {
+    endpoint(url).parse().expect("an etcd URL with IP:port")
+}
+
+/// A client whose connections go through a fault proxy in front of `server`.
+async fn behind_proxy(server: &ServerHandle, query: &str) -> (Proxy, EtcdLock) {
+    let proxy = Proxy::start(addr_of(&server.url()))
+        .await
+        .expect("fault proxy");
+    let client = EtcdLock::connect(&format!("etcd://{}?{query}", proxy.addr()))
+        .await
+        .expect("connect through the proxy");
+    (proxy, client)
+}
+
+/// A loopback TCP proxy in front of one server that forwards requests at
+/// once but can hold back every reply: a one-way partition, as when a
+/// server's answers are lost (a leader election that leaves keep-alives
+/// unanswered). Unlike a black hole in both directions, requests still
+/// take effect on the server, in the order they were sent.
+struct ReplyGate {
+    addr: std::net::SocketAddr,
+    held: tokio::sync::watch::Sender<bool>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl ReplyGate {
+    async fn start(server: std::net::SocketAddr) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the reply gate");
+        let addr = listener.local_addr().expect("reply gate address");
+        let (held, gate) = tokio::sync::watch::channel(false);
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(upstream) = tokio::net::TcpStream::connect(server).await else {
+                    continue;
+                };
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = upstream.into_split();
+                tokio::spawn(Self::forward(client_read, server_write, None));
+                tokio::spawn(Self::forward(server_read, client_write, Some(gate.clone())));
+            }
+        });
+        Self { addr, held, accept }
+    }
+
+    /// Copies `from` to `to`, waiting while `gate` says replies are held.
+    async fn forward(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        mut gate: Option<tokio::sync::watch::Receiver<bool>>,
+    ) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if let Some(gate) = gate.as_mut() {
+                if gate.wait_for(|held| !*held).await.is_err() {
+                    return;
+                }
+            }
+            if to.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    fn hold(&self) {
+        self.held.send_replace(true);
+    }
+
+    fn release(&self) {
+        self.held.send_replace(false);
+    }
+}
+
+impl Drop for ReplyGate {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+/// How long after the replies are cut [`kill_session_during`] sends the
+/// request: well after the last keep-alive that can still be answered.
+const SEND_AFTER_CUT: Duration = Duration::from_millis(700);
+/// How long after the session's client-side deadline the replies flow again.
+const HEAL_AFTER_DEATH: Duration = Duration::from_millis(300);
+
+/// Kills the etcd session of a client behind `gate` while `request` is in
+/// flight: holds every reply, so the client's keep-alives go unanswered
+/// (they still reach the server, which keeps the lease), sends `request` a
+/// moment later (the server applies it on the live session lease), and lets
+/// the replies through only after the client's deadline for the session
+/// (at most `session_ttl` after the cut) has passed. By then the client has
+/// given the session up and revoked its lease on the server, so whatever
+/// `request` put on it is gone; its reply reaches a client whose session is
+/// dead. Returns the request's output.
+async fn kill_session_during<T>(
+    gate: &ReplyGate,
+    session_ttl: Duration,
+    request: impl std::future::Future<Output = T>,
+) -> T {
+    gate.hold();
+    let cut_at = Instant::now();
+    let send = async {
+        tokio::time::sleep(SEND_AFTER_CUT).await;
+        request.await
+    };
+    let heal = async {
+        tokio::time::sleep_until((cut_at + session_ttl + HEAL_AFTER_DEATH).into()).await;
+        gate.release();
+    };
+    let (output, ()) = tokio::join!(send, heal);
+    output
+}
+
+/// Another client tries `key` until `until`; panics if it gets the lock
+/// while the first holder's lease (valid until `until`) still claims it.
+async fn assert_not_taken_before(other: &EtcdLock, key: &LockKey, until: Instant) {
+    while Instant::now() < until {
+        if let Ok(AcquireAttempt::Acquired(taken)) =
+            other.try_acquire(key, Duration::from_secs(30)).await
+        {
+            let left = until.saturating_duration_since(Instant::now());
+            assert!(
+                left.is_zero(),
+                "another client acquired {key} while the first lease still had {left:?} left"
+            );
+            other.release(&taken).await.expect("release");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Another client acquires `key` (and releases it) within 15 s.
+async fn assert_freed(other: &EtcdLock, key: &LockKey, why: &str) {
+    let give_up = Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Ok(AcquireAttempt::Acquired(taken)) =
+            other.try_acquire(key, Duration::from_secs(30)).await
+        {
+            other.release(&taken).await.expect("release");
+            return;
+        }
+        assert!(Instant::now() < give_up, "{key} never freed: {why}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A client `a` whose connections go through a [`ReplyGate`] in front of
+/// `server` (with `query` in its URL), and a direct client `b`.
+async fn gated_clients(server: &ServerHandle, query: &str) -> (ReplyGate, EtcdLock, EtcdLock) {
+    let gate = ReplyGate::start(addr_of(&server.url())).await;
+    let a = EtcdLock::connect(&format!("etcd://{}?{query}", gate.addr))
+        .await
+        .expect("connect a through the reply gate");
+    let b = EtcdLock::connect(&server.url()).await.expect("connect b");
+    (gate, a, b)
+}
+
+/// Makes sure `lock` has a live session for `ttl`, its keep-alives answered.
+async fn warm_session(lock: &EtcdLock, ttl: Duration) {
+    let AcquireAttempt::Acquired(warm) = lock
+        .try_acquire_renewing(&key("session-warm"), ttl)
+        .await
+        .expect("renewing acquire")
+    else {
+        panic!("a free key must be acquired");
+    };
+    lock.release(&warm).await.expect("release");
+}
+
+/// Issue 12, bug 1: a renewing acquire whose session dies while its
+/// transaction is in flight must not return a lease dated from the send
+/// time: the dead session's lease is revoked (deleting the key), so another
+/// client can take the lock at once. The acquire is refused (transient
+/// error), or its lease is already expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewing_acquire_on_a_session_that_dies_in_flight_gets_no_live_lease() {
+    let server = any_server();
+    let (gate, a, b) = gated_clients(&server, "operation_timeout_ms=8000").await;
+    let ttl = Duration::from_secs(2);
+    for round in 0..2 {
+        warm_session(&a, ttl).await;
+        let k = key("session-dies");
+        let outcome = kill_session_during(&gate, ttl, a.try_acquire_renewing(&k, ttl)).await;
+        match outcome {
+            Ok(AcquireAttempt::Acquired(lease)) => {
+                eprintln!(
+                    "round {round}: acquired, {:?} left on the lease",
+                    lease
+                        .valid_until()
+                        .saturating_duration_since(Instant::now())
+                );
+                assert_not_taken_before(&b, &k, lease.valid_until()).await;
+                let _ = a.release(&lease).await;
+            }
+            Ok(AcquireAttempt::Held { .. }) => panic!("round {round}: {k} was free"),
+            Err(e) => {
+                eprintln!("round {round}: refused: {e}");
+                assert!(e.is_transient(), "round {round}: {e}");
+            }
+        }
+        // Either way the key does not stay held by the dead session.
+        assert_freed(&b, &k, "the dead session's lock").await;
+    }
+}
+
+/// A waiting acquire (30 s TTL, 20 s deadline) running in a task.
+struct Waiting {
+    task: tokio::task::JoinHandle<Result<Option<Lease>, lock_core::LockError>>,
+    deadline: Instant,
+}
+
+impl Waiting {
+    /// Starts one on `waiter`; returns once it made its first attempt (so
+    /// it is queued and its watch is live).
+    async fn start(waiter: &Arc<ObservedLock>, key: &LockKey) -> Self {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let task = {
+            let waiter = waiter.clone();
+            let key = key.clone();
+            tokio::spawn(async move {
+                waiter
+                    .acquire(&key, Duration::from_secs(30), deadline)
+                    .await
+            })
+        };
+        while waiter.attempts() == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Self { task, deadline }
+    }
+
+    /// The lease it got: it must have been woken, and acquired, before its
+    /// deadline (the lock is free long before).
+    async fn acquired(self) -> Lease {
+        let lease = self
+            .task
+            .await
+            .expect("waiting task")
+            .expect("acquire")
+            .expect("acquired before the deadline");
+        assert!(
+            Instant::now() < self.deadline,
+            "the waiter was woken by its deadline, not when the lock was freed"
+        );
+        lease
+    }
+}
+
+/// A pseudo-random duration below `max`.
+fn random_below(max: Duration) -> Duration {
+    Duration::from_micros(random() % u64::try_from(max.as_micros()).unwrap_or(1).max(1))
+}
+
+/// Issue 12, bug 2: waiting calls dropped at any await point (a timeout
+/// around the raw trait's `acquire` and `watch`) leave no queue entries, so
+/// a later waiter is woken by the release, not by its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_waits_leave_no_queue_entries_and_do_not_stall_later_waiters() {
+    let server = any_server();
+    let ns = format!("drop{:x}", random() as u32);
+    let url = format!("{}?namespace={ns}", server.url());
+    let mut raw = raw_client(&server.url()).await;
+    let holder = EtcdLock::connect(&url).await.expect("holder");
+    let k = key("dropped-waits");
+    let queue = format!("{ns}/lock/{}/waiters/", k.as_str());
+    let held = acquire(&holder, &k, Duration::from_secs(30)).await;
+
+    // How long one wait takes to queue, so the timeouts below fall inside it.
+    let waiter = EtcdLock::connect(&url).await.expect("waiter");
+    let started = Instant::now();
+    drop(waiter.watch(&k).await.expect("watch"));
+    let queueing = started.elapsed() * 2;
+    for i in 0..60 {
+        let limit = random_below(queueing);
+        if i % 2 == 0 {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let wait = waiter.acquire(&k, Duration::from_secs(30), deadline);
+            assert!(
+                tokio::time::timeout(limit, wait).await.is_err(),
+                "{k} is held"
+            );
+        } else if let Ok(watched) = tokio::time::timeout(limit, waiter.watch(&k)).await {
+            drop(watched.expect("watch"));
+        }
+    }
+
+    // A later waiter, on another client, is woken by the release.
+    let late = Arc::new(ObservedLock::new(Arc::new(
+        EtcdLock::connect(&url).await.expect("late waiter"),
+    )));
+    let waiting = Waiting::start(&late, &k).await;
+    holder.release(&held).await.expect("release");
+    let got = waiting.acquired().await;
+    assert!(late.attempts() <= 2, "{} attempts", late.attempts());
+    late.release(&got).await.expect("release");
+
+    // Every dropped wait left the queue (the waiter's client, whose session
+    // lease would keep leaked entries, is still alive).
+    assert_queue_empties(&mut raw, &queue).await;
+    drop(waiter);
+}
+
+/// Issue 12, audit of dropped raw futures: a renewing acquire dropped after
+/// its transaction reached the server (the reply held back, then a timeout)
+/// created a lock on the client's session lease that nobody renews; the
+/// session must still expire it after its TTL, though the client (and so
+/// the session lease) lives on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewing_acquire_dropped_in_flight_still_expires() {
+    let server = any_server();
+    let (gate, a, b) = gated_clients(&server, "").await;
+    let ttl = Duration::from_secs(2);
+    warm_session(&a, ttl).await;
+
+    let k = key("dropped-renewing");
+    gate.hold();
+    let dropped = tokio::time::timeout(ttl / 4, a.try_acquire_renewing(&k, ttl)).await;
+    gate.release();
+    assert!(dropped.is_err(), "the reply was held back");
+    // The server applied it: the lock is there, on the live session lease.
+    assert!(matches!(
+        b.try_acquire(&k, ttl).await.expect("try_acquire"),
+        AcquireAttempt::Held { .. }
+    ));
+    assert_freed(&b, &k, "a dropped renewing acquire's lock outlived its TTL").await;
+    drop(a);
+}
+
+/// Issue 12, suspected item (watch reconnect bookkeeping): a release while
+/// the waiter's watch stream is down is not missed; once the stream is back
+/// the waiter is woken and acquires, long before its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_during_a_watch_outage_wakes_the_waiter() {
+    let server = any_server();
+    let (proxy, waiter) =
+        behind_proxy(&server, "connect_timeout_ms=1000&operation_timeout_ms=1000").await;
+    let waiter = Arc::new(ObservedLock::new(Arc::new(waiter)));
+    let holder = EtcdLock::connect(&server.url()).await.expect("holder");
+    let k = key("outage");
+    let held = acquire(&holder, &k, Duration::from_secs(30)).await;
+    let waiting = Waiting::start(&waiter, &k).await;
+    // Cut the waiter's connections (its watch stream breaks) and keep new
+    // ones from reaching the server while the lock is released.
+    proxy.black_hole();
+    proxy.drop_all();
+    holder.release(&held).await.expect("release");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.heal();
+    let got = waiting.acquired().await;
+    waiter.release(&got).await.expect("release");
 }

@@ -1,12 +1,13 @@
 //! [`PostgresLock`]: the lease-table mode.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use lock_core::{
-    AcquireAttempt, Capabilities, ClientOptions, DistributedLock, ErrorKind, FencingToken, Lease,
-    LeaseIssuer, LockError, LockKey, LockState, OwnerToken, ReleaseWatch,
+    AcquireAttempt, Capabilities, ClientOptions, DistributedLock, FencingToken, Lease, LeaseIssuer,
+    LockError, LockKey, LockState, OwnerToken, ReleaseWatch,
 };
 use sqlx::postgres::{PgArguments, PgPool, PgPoolOptions, PgRow};
 use sqlx::query::Query;
@@ -18,6 +19,7 @@ use crate::config::PostgresConfig;
 use crate::errors;
 use crate::keys::{channel_name, is_owner_token, qualified_table};
 use crate::sql::Statements;
+use crate::statement::{self, InFlight, Reply, Undo};
 use crate::waiters::Waiters;
 
 /// A lock client on a PostgreSQL lock table.
@@ -29,13 +31,12 @@ use crate::waiters::Waiters;
 /// and release are one statement each; rows stay after release (owner set
 /// to NULL) so the fencing counter of a key keeps growing.
 ///
-/// No session state is used — no advisory locks, no `SET`, nothing that
-/// assumes the same server session across statements — so it works through a
-/// transaction-pooling proxy such as PgBouncer in transaction mode (sqlx's
-/// prepared statements need a proxy that supports them, e.g. PgBouncer 1.21+
-/// with `max_prepared_statements`). Waiters are woken by `LISTEN`/`NOTIFY` on
-/// one extra connection per client; that connection must reach the server
-/// directly or through a session-mode pool.
+/// No lock statement uses session state — no advisory locks, no `SET` — but
+/// sqlx's named prepared statements need a proxy that tracks them (PgBouncer
+/// 1.21+ with `max_prepared_statements`), and waiters are woken by
+/// `LISTEN`/`NOTIFY` on one extra connection per client, which must reach
+/// the server directly or through a session-mode pool (`listen_url`). See
+/// the crate docs on poolers, on the database clock and on cancellation.
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -57,7 +58,7 @@ pub struct PostgresLock {
     options: ClientOptions,
     schema: String,
     table: String,
-    sql: Statements,
+    sql: Arc<Statements>,
     table_ready: OnceCell<()>,
     waiters: Waiters,
     issuer: LeaseIssuer,
@@ -118,16 +119,19 @@ impl PostgresLock {
     }
 
     /// A client on an existing pool. The lock table is created on first use;
-    /// waiters get one extra connection with the pool's connect options.
+    /// waiters get one extra connection with the pool's connect options (or
+    /// those of [`PostgresConfig::listen_via`]).
     /// The pool's acquire timeout should not exceed the connect timeout.
     pub fn from_pool(pool: PgPool, config: PostgresConfig) -> Result<Self, LockError> {
         config.validate()?;
         let connect_timeout = config.client.connect_timeout;
         let channel = channel_name(&config.schema, &config.table, &config.client.namespace);
         Ok(Self {
-            sql: Statements::new(&config.schema, &config.table),
+            sql: Arc::new(Statements::new(&config.schema, &config.table)),
             waiters: Waiters::new(
-                (*pool.connect_options()).clone(),
+                config
+                    .listen
+                    .unwrap_or_else(|| (*pool.connect_options()).clone()),
                 channel,
                 connect_timeout,
                 config.client.operation_timeout,
@@ -166,51 +170,75 @@ impl PostgresLock {
         )
     }
 
-    /// Runs one lock statement: a pooled connection within the connect
-    /// timeout (the pool's acquire timeout), the statement within the
-    /// operation timeout. A connection whose statement timed out still has
-    /// its reply outstanding — on a black-holed network, forever — so it is
-    /// detached from the pool and closed instead of being returned (sqlx
-    /// would ping it on return without a time limit, holding a pool slot).
-    async fn fetch(
+    /// Runs one statement (built by `make`, again for each attempt; see
+    /// [`statement::run`]) and returns its reply: a pooled connection
+    /// within the connect timeout (the pool's acquire timeout), the
+    /// statement within the operation timeout.
+    ///
+    /// Cancel-safe: if the reply is not read — the operation timed out, or
+    /// the caller dropped this future — the connection still has it
+    /// outstanding (on a black-holed network, forever). It is then never
+    /// returned to the pool as is (sqlx would ping it without a time limit,
+    /// holding a pool slot): `undo` runs on it in the background, bounded by
+    /// the operation timeout, or it is closed.
+    async fn fetch<'q>(
         &self,
         what: &str,
-        key: &LockKey,
-        query: Query<'_, Postgres, PgArguments>,
-    ) -> Result<Option<PgRow>, LockError> {
-        let mut conn = self
+        key: Option<&LockKey>,
+        make: impl Fn() -> Query<'q, Postgres, PgArguments> + Send,
+        undo: Option<Undo>,
+    ) -> Result<Reply, LockError> {
+        let conn = self
             .pool
             .acquire()
             .await
-            .map_err(|e| self.map_err(e, what, Some(key)))?;
-        let result = self
+            .map_err(|e| self.map_err(e, what, key))?;
+        let mut flight = InFlight::new(conn, undo, self.options.operation_timeout);
+        let reply = self
             .options
             .timed(what, async {
-                query
-                    .fetch_optional(&mut *conn)
-                    .await
-                    .map_err(|e| self.map_err(e, what, Some(key)))
+                Ok(statement::run(flight.conn(), make).await)
             })
-            .await;
-        if matches!(&result, Err(e) if e.kind() == ErrorKind::Timeout) {
-            drop(conn.detach());
-        }
-        result
+            .await?;
+        flight.finish();
+        reply.map_err(|e| self.map_err(e, what, key))
     }
 
-    /// As [`fetch`](Self::fetch), for statements that always return a row.
-    async fn fetch_one(
+    /// As [`fetch`](Self::fetch), for statements on `key` that always
+    /// return a row and need no undo.
+    async fn fetch_one<'q>(
         &self,
         what: &str,
         key: &LockKey,
-        query: Query<'_, Postgres, PgArguments>,
-    ) -> Result<PgRow, LockError> {
-        self.fetch(what, key, query).await?.ok_or_else(|| {
+        make: impl Fn() -> Query<'q, Postgres, PgArguments> + Send,
+    ) -> Result<Reply<PgRow>, LockError> {
+        let reply = self.fetch(what, Some(key), make, None).await?;
+        let row = reply.row.ok_or_else(|| {
             LockError::corrupted(format!(
                 "{what} on lock {:?}: the lock table returned no row",
                 key.as_str()
             ))
+        })?;
+        Ok(Reply {
+            row,
+            resent: reply.resent,
         })
+    }
+
+    /// Whether the catalog query `make` builds answers `exists = true`.
+    async fn exists<'q>(
+        &self,
+        make: impl Fn() -> Query<'q, Postgres, PgArguments> + Send,
+    ) -> Result<bool, LockError> {
+        let what = "creating the lock table";
+        match self.fetch(what, None, make, None).await?.row {
+            Some(row) => row
+                .try_get("exists")
+                .map_err(|e| self.map_err(e, what, None)),
+            None => Err(LockError::corrupted(format!(
+                "{what}: the catalog query returned no row"
+            ))),
+        }
     }
 
     /// Creates schema and table once per client (cheap afterwards).
@@ -225,15 +253,11 @@ impl PostgresLock {
     }
 
     async fn create_table(&self) -> Result<(), LockError> {
-        let what = "creating the lock table";
         let qualified = self.table();
-        let exists: bool = sqlx::query(&self.sql.table_exists)
-            .bind(&qualified)
-            .fetch_one(&self.pool)
-            .await
-            .and_then(|row| row.try_get("exists"))
-            .map_err(|e| self.map_err(e, what, None))?;
-        if exists {
+        if self
+            .exists(|| sqlx::query(&self.sql.table_exists).bind(&qualified))
+            .await?
+        {
             return Ok(());
         }
         let mut attempt = 0;
@@ -249,27 +273,32 @@ impl PostgresLock {
                 Err(e) if errors::is_concurrent_create(&e) && attempt < 5 => {
                     tracing::debug!(table = %qualified, "lock table created concurrently; checking again");
                 }
-                Err(e) => return Err(self.map_err(e, what, None)),
+                Err(e) => return Err(e),
             }
         }
     }
 
-    async fn create_table_once(&self) -> Result<(), sqlx::Error> {
-        let schema_exists: bool = sqlx::query(&self.sql.schema_exists)
-            .bind(&self.schema)
-            .fetch_one(&self.pool)
+    async fn create_table_once(&self) -> Result<(), LockError> {
+        let what = "creating the lock table";
+        if !self
+            .exists(|| sqlx::query(&self.sql.schema_exists).bind(&self.schema))
             .await?
-            .try_get("exists")?;
-        if !schema_exists {
-            sqlx::query(&self.sql.create_schema)
-                .persistent(false)
-                .execute(&self.pool)
-                .await?;
-        }
-        sqlx::query(&self.sql.create_table)
-            .persistent(false)
-            .execute(&self.pool)
+        {
+            self.fetch(
+                what,
+                None,
+                || sqlx::query(&self.sql.create_schema).persistent(false),
+                None,
+            )
             .await?;
+        }
+        self.fetch(
+            what,
+            None,
+            || sqlx::query(&self.sql.create_table).persistent(false),
+            None,
+        )
+        .await?;
         Ok(())
     }
 
@@ -344,6 +373,46 @@ impl PostgresLock {
         )))
     }
 
+    /// The lease for a lock the acquire statement granted to `owner`.
+    fn granted(
+        &self,
+        key: &LockKey,
+        owner: OwnerToken,
+        fencing: Option<i64>,
+        sent_at: Instant,
+        ttl: Duration,
+    ) -> Result<AcquireAttempt, LockError> {
+        let fencing = fencing
+            .and_then(|f| u64::try_from(f).ok())
+            .filter(|f| *f >= 1)
+            .ok_or_else(|| {
+                LockError::corrupted(format!(
+                    "acquiring lock {:?} returned an impossible fencing token {fencing:?}",
+                    key.as_str()
+                ))
+            })?;
+        tracing::debug!(key = %key, fencing, "lock acquired");
+        Ok(AcquireAttempt::Acquired(Lease::new(
+            key.clone(),
+            owner,
+            FencingToken::new(fencing),
+            sent_at,
+            ttl,
+            self.issuer,
+        )))
+    }
+
+    /// Whether the row, as the release statement found it, is free with
+    /// this lease's fencing token: released by this lease (or
+    /// force-released since), not taken by anyone after it.
+    fn freed_with(&self, lease: &Lease, row: &PgRow) -> Result<bool, LockError> {
+        let key = lease.key();
+        let owner: Option<String> = self.column(row, "owner", key)?;
+        let fencing: Option<i64> = self.column(row, "fencing", key)?;
+        let fencing = fencing.and_then(|f| u64::try_from(f).ok());
+        Ok(owner.is_none() && fencing == Some(lease.fencing_token().get()))
+    }
+
     fn fencing_param(lease: &Lease) -> Result<i64, LockError> {
         i64::try_from(lease.fencing_token().get()).map_err(|_| {
             LockError::invalid_input(
@@ -376,15 +445,28 @@ impl DistributedLock for PostgresLock {
         let ttl = self.capabilities().effective_ttl(ttl)?;
         let ttl_ms = ttl_millis(ttl)?;
         self.ensure_table().await?;
+        // A waiter retrying after its listener task ended restarts it here.
+        self.waiters.revive();
         let owner = OwnerToken::random();
+        let owner_hex = owner.to_hex();
+        // A call dropped before the reply gives back what it was granted.
+        let undo = Undo {
+            sql: self.sql.clone(),
+            namespace: self.options.namespace.clone(),
+            key: key.as_str().to_owned(),
+            owner: owner_hex.clone(),
+            channel: self.waiters.channel().to_owned(),
+        };
         let sent_at = Instant::now();
-        let query = sqlx::query(&self.sql.acquire)
-            .bind(&self.options.namespace)
-            .bind(key.as_str())
-            .bind(owner.to_hex())
-            .bind(ttl_ms);
-        let row = self.fetch("acquire", key, query).await?;
-        let Some(row) = row else {
+        let make = || {
+            sqlx::query(&self.sql.acquire)
+                .bind(&self.options.namespace)
+                .bind(key.as_str())
+                .bind(&owner_hex)
+                .bind(ttl_ms)
+        };
+        let reply = self.fetch("acquire", Some(key), make, Some(undo)).await?;
+        let Some(row) = reply.row else {
             // Someone inserted the first row for this key concurrently and
             // this statement's snapshot cannot see it yet: try again soon.
             tracing::debug!(key = %key, "lock held (just created by another client)");
@@ -395,27 +477,15 @@ impl DistributedLock for PostgresLock {
         let acquired: bool = self.column(&row, "acquired", key)?;
         let fencing: Option<i64> = self.column(&row, "fencing", key)?;
         if acquired {
-            let fencing = fencing
-                .and_then(|f| u64::try_from(f).ok())
-                .filter(|f| *f >= 1)
-                .ok_or_else(|| {
-                    LockError::corrupted(format!(
-                        "acquiring lock {:?} returned an impossible fencing token {fencing:?}",
-                        key.as_str()
-                    ))
-                })?;
-            tracing::debug!(key = %key, fencing, "lock acquired");
-            return Ok(AcquireAttempt::Acquired(Lease::new(
-                key.clone(),
-                owner,
-                FencingToken::new(fencing),
-                sent_at,
-                ttl,
-                self.issuer,
-            )));
+            return self.granted(key, owner, fencing, sent_at, ttl);
         }
         let holder: Option<String> = self.column(&row, "owner", key)?;
         self.check_row(key, holder.as_deref(), fencing, None)?;
+        if reply.resent && holder.as_deref() == Some(owner_hex.as_str()) {
+            // An earlier attempt took it and its reply was lost; the owner
+            // token is this call's alone.
+            return self.granted(key, owner, fencing, sent_at, ttl);
+        }
         if fencing.is_none() {
             return Err(LockError::corrupted(format!(
                 "the row for lock {:?} in {} has no fencing counter; it is left untouched",
@@ -443,13 +513,16 @@ impl DistributedLock for PostgresLock {
         self.ensure_table().await?;
         let key = lease.key();
         let sent_at = Instant::now();
-        let query = sqlx::query(&self.sql.extend)
-            .bind(&self.options.namespace)
-            .bind(key.as_str())
-            .bind(lease.owner().to_hex())
-            .bind(fencing)
-            .bind(ttl_ms);
-        let row = self.fetch_one("extend", key, query).await?;
+        let owner = lease.owner().to_hex();
+        let make = || {
+            sqlx::query(&self.sql.extend)
+                .bind(&self.options.namespace)
+                .bind(key.as_str())
+                .bind(&owner)
+                .bind(fencing)
+                .bind(ttl_ms)
+        };
+        let row = self.fetch_one("extend", key, make).await?.row;
         self.check_outcome(lease, &row, "extend")?;
         tracing::debug!(key = %key, fencing = %lease.fencing_token(), ?ttl, "lock extended");
         Ok(lease.renewed(sent_at, ttl))
@@ -460,13 +533,22 @@ impl DistributedLock for PostgresLock {
         let fencing = Self::fencing_param(lease)?;
         self.ensure_table().await?;
         let key = lease.key();
-        let query = sqlx::query(&self.sql.release)
-            .bind(&self.options.namespace)
-            .bind(key.as_str())
-            .bind(lease.owner().to_hex())
-            .bind(fencing)
-            .bind(self.waiters.channel());
-        let row = self.fetch_one("release", key, query).await?;
+        let owner = lease.owner().to_hex();
+        let make = || {
+            sqlx::query(&self.sql.release)
+                .bind(&self.options.namespace)
+                .bind(key.as_str())
+                .bind(&owner)
+                .bind(fencing)
+                .bind(self.waiters.channel())
+        };
+        let reply = self.fetch_one("release", key, make).await?;
+        let row = reply.row;
+        if reply.resent && self.freed_with(lease, &row)? {
+            // An earlier attempt released it and its reply was lost.
+            tracing::debug!(key = %key, fencing = %lease.fencing_token(), "lock released");
+            return Ok(());
+        }
         self.check_outcome(lease, &row, "release")?;
         tracing::debug!(key = %key, fencing = %lease.fencing_token(), "lock released");
         Ok(())
@@ -474,10 +556,12 @@ impl DistributedLock for PostgresLock {
 
     async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
         self.ensure_table().await?;
-        let query = sqlx::query(&self.sql.inspect)
-            .bind(&self.options.namespace)
-            .bind(key.as_str());
-        let Some(row) = self.fetch("inspect", key, query).await? else {
+        let make = || {
+            sqlx::query(&self.sql.inspect)
+                .bind(&self.options.namespace)
+                .bind(key.as_str())
+        };
+        let Some(row) = self.fetch("inspect", Some(key), make, None).await?.row else {
             return Ok(LockState::Free);
         };
         let held: bool = self.column(&row, "held", key)?;
@@ -496,11 +580,13 @@ impl DistributedLock for PostgresLock {
 
     async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
         self.ensure_table().await?;
-        let query = sqlx::query(&self.sql.force_release)
-            .bind(&self.options.namespace)
-            .bind(key.as_str())
-            .bind(self.waiters.channel());
-        let row = self.fetch_one("force release", key, query).await?;
+        let make = || {
+            sqlx::query(&self.sql.force_release)
+                .bind(&self.options.namespace)
+                .bind(key.as_str())
+                .bind(self.waiters.channel())
+        };
+        let row = self.fetch_one("force release", key, make).await?.row;
         let done: i64 = self.column(&row, "done", key)?;
         let owner: Option<String> = self.column(&row, "owner", key)?;
         let fencing: Option<i64> = self.column(&row, "fencing", key)?;

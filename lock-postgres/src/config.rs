@@ -23,7 +23,10 @@ pub const DEFAULT_TABLE: &str = "distlock_locks";
 /// - `namespace=NAME` (default `distlock`), `connect_timeout_ms=N`,
 ///   `operation_timeout_ms=N` (see [`ClientOptions`]);
 /// - `schema=NAME` (default `public`) and `table=NAME` (default
-///   `distlock_locks`): where the lock table lives.
+///   `distlock_locks`): where the lock table lives;
+/// - `listen_url=URL` (percent-encoded): where waiters `LISTEN` for
+///   releases, when the main URL goes through a transaction pooler (see
+///   [`listen_via`](Self::listen_via)).
 ///
 /// Other parameters (`sslmode`, `application_name`, ...) go to sqlx.
 ///
@@ -42,6 +45,7 @@ pub const DEFAULT_TABLE: &str = "distlock_locks";
 #[derive(Clone)]
 pub struct PostgresConfig {
     pub(crate) connect: Option<PgConnectOptions>,
+    pub(crate) listen: Option<PgConnectOptions>,
     pub(crate) client: ClientOptions,
     pub(crate) schema: String,
     pub(crate) table: String,
@@ -54,6 +58,7 @@ impl Default for PostgresConfig {
     fn default() -> Self {
         Self {
             connect: None,
+            listen: None,
             client: ClientOptions::default(),
             schema: DEFAULT_SCHEMA.to_owned(),
             table: DEFAULT_TABLE.to_owned(),
@@ -65,7 +70,7 @@ impl Default for PostgresConfig {
 impl fmt::Debug for PostgresConfig {
     // By hand: sqlx's options would print the password.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let server = self.connect.as_ref().map(|c| {
+        let server = |c: &PgConnectOptions| {
             format!(
                 "{}@{}:{}/{}",
                 c.get_username(),
@@ -73,9 +78,10 @@ impl fmt::Debug for PostgresConfig {
                 c.get_port(),
                 c.get_database().unwrap_or("")
             )
-        });
+        };
         f.debug_struct("PostgresConfig")
-            .field("server", &server)
+            .field("server", &self.connect.as_ref().map(server))
+            .field("listen", &self.listen.as_ref().map(server))
             .field("client", &self.client)
             .field("schema", &self.schema)
             .field("table", &self.table)
@@ -102,6 +108,9 @@ impl PostgresConfig {
                     match name {
                         "schema" => config.schema = percent_decode(value)?,
                         "table" => config.table = percent_decode(value)?,
+                        "listen_url" => {
+                            config.listen = Some(driver_options(&percent_decode(value)?)?)
+                        }
                         _ => rest.push(pair),
                     }
                 }
@@ -112,17 +121,7 @@ impl PostgresConfig {
                 }
             }
         };
-        if !(driver_url.starts_with("postgres://") || driver_url.starts_with("postgresql://")) {
-            return Err(LockError::config(
-                "a PostgreSQL URL starts with postgres:// or postgresql:// (postgres://user:password@host:port/database)",
-            ));
-        }
-        let connect = PgConnectOptions::from_str(&driver_url).map_err(|e| {
-            LockError::config(format!(
-                "invalid PostgreSQL URL ({e}); expected postgres://user:password@host:port/database"
-            ))
-        })?;
-        config.connect = Some(connect);
+        config.connect = Some(driver_options(&driver_url)?);
         config.validate()?;
         Ok(config)
     }
@@ -133,6 +132,20 @@ impl PostgresConfig {
             connect: Some(connect),
             ..Self::default()
         }
+    }
+
+    /// Makes waiters `LISTEN` for releases on a connection with `listen`
+    /// instead of the main server's options.
+    ///
+    /// Needed when the main URL goes through a transaction pooler
+    /// (PgBouncer `pool_mode = transaction`): a `LISTEN` sent through it
+    /// stays on whichever server session ran it, so releases would reach
+    /// other clients' statements instead of the waiters, which would then
+    /// wake only when the holder's lease runs out. Point `listen` at the
+    /// same database directly, or through a session-mode pool.
+    pub fn listen_via(mut self, listen: PgConnectOptions) -> Self {
+        self.listen = Some(listen);
+        self
     }
 
     /// Sets the namespace (default `distlock`).
@@ -201,6 +214,20 @@ impl PostgresConfig {
     }
 }
 
+/// sqlx's options for a plain `postgres://` URL.
+fn driver_options(url: &str) -> Result<PgConnectOptions, LockError> {
+    if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+        return Err(LockError::config(
+            "a PostgreSQL URL starts with postgres:// or postgresql:// (postgres://user:password@host:port/database)",
+        ));
+    }
+    PgConnectOptions::from_str(url).map_err(|e| {
+        LockError::config(format!(
+            "invalid PostgreSQL URL ({e}); expected postgres://user:password@host:port/database"
+        ))
+    })
+}
+
 /// Decodes `%XX` escapes in a query parameter value.
 fn percent_decode(value: &str) -> Result<String, LockError> {
     let bytes = value.as_bytes();
@@ -241,6 +268,16 @@ mod tests {
         let debug = format!("{config:?}");
         assert!(!debug.contains(":p@"), "{debug}");
         assert!(PostgresConfig::from_url("redis://127.0.0.1").is_err());
+        let config = PostgresConfig::from_url(
+            "postgres://u:p@127.0.0.1:6432/db?listen_url=postgres%3A%2F%2Fu%3Ap%40127.0.0.1%3A5432%2Fdb",
+        )
+        .unwrap();
+        let listen = config.listen.as_ref().expect("listen_url parsed");
+        assert_eq!(
+            (listen.get_port(), config.connect.unwrap().get_port()),
+            (5432, 6432)
+        );
+        assert!(PostgresConfig::from_url("postgres://u@h/db?listen_url=redis%3A%2F%2Fh").is_err());
         assert!(PostgresConfig::from_url("postgres://u@h/db?table=").is_err());
     }
 }

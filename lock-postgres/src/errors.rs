@@ -18,6 +18,8 @@ mod code {
     pub const DUPLICATE_TABLE: &str = "42P07";
     pub const DUPLICATE_SCHEMA: &str = "42P06";
     pub const DUPLICATE_OBJECT: &str = "42710";
+    pub const SERIALIZATION_FAILURE: &str = "40001";
+    pub const DEADLOCK_DETECTED: &str = "40P01";
 }
 
 /// The SQLSTATE of a database error, if it is one.
@@ -31,9 +33,10 @@ pub(crate) fn sqlstate(error: &sqlx::Error) -> Option<String> {
 /// Whether `error` is the loser's side of two clients creating the same
 /// schema or table at once (`CREATE ... IF NOT EXISTS` is not race-free:
 /// it can fail with a unique violation on the system catalogs).
-pub(crate) fn is_concurrent_create(error: &sqlx::Error) -> bool {
+pub(crate) fn is_concurrent_create(error: &LockError) -> bool {
+    let driver = std::error::Error::source(error).and_then(|e| e.downcast_ref::<sqlx::Error>());
     matches!(
-        sqlstate(error).as_deref(),
+        driver.and_then(sqlstate).as_deref(),
         Some(
             code::UNIQUE_VIOLATION
                 | code::DUPLICATE_TABLE
@@ -41,6 +44,25 @@ pub(crate) fn is_concurrent_create(error: &sqlx::Error) -> bool {
                 | code::DUPLICATE_OBJECT
         )
     )
+}
+
+/// Whether the server rolled the statement back because it conflicted with
+/// a concurrent transaction: a serialization failure (the database or role
+/// defaults to `REPEATABLE READ` or `SERIALIZABLE`) or a deadlock. The
+/// statement had no effect, so it can be sent again.
+pub(crate) fn is_conflict(error: &sqlx::Error) -> bool {
+    matches!(
+        sqlstate(error).as_deref(),
+        Some(code::SERIALIZATION_FAILURE | code::DEADLOCK_DETECTED)
+    )
+}
+
+/// Whether sqlx gave up on a reply because a `NotificationResponse` came
+/// in on a connection that is not a listener. sqlx reports it only as a
+/// protocol error naming the message, hence the text match; the tests that
+/// run through PgBouncer fail if sqlx ever words it differently.
+pub(crate) fn is_stray_notification(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Protocol(message) if message.contains("NotificationResponse"))
 }
 
 /// Maps a driver error met while doing `what` (on `key`, if any) to a

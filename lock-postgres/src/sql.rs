@@ -2,10 +2,11 @@
 //! table. Every value (namespace, key, owner, fencing, TTL, channel) is a
 //! bind parameter; only the validated, quoted table name is in the text.
 //!
-//! All times come from the database clock (`clock_timestamp()`), never the
-//! client's. Acquire, extend and release are one statement (one round trip)
-//! each, atomic on the server; none keeps session state, so they work through
-//! a transaction-pooling proxy.
+//! All times come from the database's wall clock (`clock_timestamp()`),
+//! never the client's (see the crate docs on clocks). Acquire, extend and
+//! release are one statement (one round trip) each, atomic on the server;
+//! none keeps session state (see the crate docs on poolers for what the
+//! driver does).
 
 use crate::keys::{qualified_table, quote_identifier};
 
@@ -33,6 +34,12 @@ pub(crate) struct Statements {
     /// `done bigint, owner text, fencing bigint` (the row as it was before);
     /// sends `NOTIFY channel, key` when it released.
     pub release: String,
+    /// `$1` namespace, `$2` key, `$3` owner, `$4` channel -> `done bigint`:
+    /// frees the lock if `owner` holds it, whatever its fencing token, and
+    /// sends `NOTIFY channel, key`. Gives back a lock granted to an acquire
+    /// whose caller went away before the reply (the owner token is fresh
+    /// per acquisition, so it matches that grant only).
+    pub abandon: String,
     /// `$1` namespace, `$2` key -> `held bool, owner text, fencing bigint,
     /// expires_in_ms bigint`, or no row for a key never locked.
     pub inspect: String,
@@ -106,6 +113,16 @@ impl Statements {
                        h.owner AS owner, h.fencing AS fencing
                 FROM (VALUES (1)) AS one (x)
                 LEFT JOIN {t} AS h ON h.namespace = $1 AND h.key = $2"
+            ),
+            abandon: format!(
+                "WITH done AS (
+                    UPDATE {t}
+                    SET owner = NULL
+                    WHERE namespace = $1 AND key = $2 AND owner = $3
+                      AND expires_at > clock_timestamp()
+                    RETURNING key
+                )
+                SELECT count(*) AS done FROM (SELECT pg_notify($4, done.key) FROM done) AS n"
             ),
             inspect: format!(
                 "SELECT (owner IS NOT NULL AND expires_at > clock_timestamp()) AS held, owner, fencing,

@@ -13,6 +13,12 @@
 //! (bounded by the operation timeout), so a black-holed connection is
 //! replaced too. Holders that crash without releasing are covered by the
 //! waiters' timers set to the holder's remaining lease.
+//!
+//! The task runs on the runtime of the call that started it. If it ends
+//! anyway — that runtime shut down while the client lives on in another, or
+//! it panicked — it wakes every waiter as it goes; the next waiter or
+//! acquire attempt starts a new task, which wakes every waiter again once it
+//! listens.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -80,24 +86,46 @@ impl Waiters {
             .await
     }
 
+    /// Replaces a listener task that ended while waiters wait (see the
+    /// module docs). Called before each acquire attempt: the waiters the
+    /// ending task woke retry, and their next wait is served by the new task.
+    pub(crate) fn revive(&self) {
+        let mut task = self.task.lock().unwrap_or_else(|e| e.into_inner());
+        if task.as_ref().is_some_and(JoinHandle::is_finished)
+            && !self.notifier.channels().is_empty()
+        {
+            self.start(&mut task);
+        }
+    }
+
+    /// Starts the listener task unless it is running.
+    fn start(&self, task: &mut Option<JoinHandle<()>>) {
+        let ended = match task {
+            None => false,
+            Some(running) if !running.is_finished() => return,
+            Some(_) => true,
+        };
+        if ended {
+            tracing::warn!(channel = %self.channel, "the listener for lock releases ended (its runtime shut down, or it panicked); starting a new one");
+        }
+        // The ended task may have left `Listening` behind.
+        self.state.send_replace(State::Connecting);
+        *task = Some(tokio::spawn(listen(
+            self.connect.clone(),
+            self.channel.clone(),
+            self.notifier.clone(),
+            self.state.clone(),
+            self.connect_timeout,
+            self.operation_timeout,
+            ended,
+        )));
+    }
+
     /// Starts the listener task if needed and waits until `LISTEN` is
     /// confirmed, or the connection attempt fails, or the connect timeout.
     async fn ensure_listening(&self) -> Result<(), LockError> {
         let mut rx = self.state.subscribe();
-        {
-            let mut task = self.task.lock().unwrap_or_else(|e| e.into_inner());
-            if task.is_none() {
-                let state = self.state.clone();
-                *task = Some(tokio::spawn(listen(
-                    self.connect.clone(),
-                    self.channel.clone(),
-                    self.notifier.clone(),
-                    state,
-                    self.connect_timeout,
-                    self.operation_timeout,
-                )));
-            }
-        }
+        self.start(&mut self.task.lock().unwrap_or_else(|e| e.into_inner()));
         if *rx.borrow_and_update() == State::Listening {
             return Ok(());
         }
@@ -143,8 +171,21 @@ impl Drop for Waiters {
     }
 }
 
+/// Wakes every waiter when the listener task ends, however it ends (a
+/// runtime shutting down drops it; a panic unwinds it): they retry instead
+/// of waiting for notifications nobody forwards any more.
+struct WakeOnExit(ReleaseNotifier);
+
+impl Drop for WakeOnExit {
+    fn drop(&mut self) {
+        self.0.reset();
+    }
+}
+
 /// The listener task: connect, LISTEN, forward notifications; on loss,
-/// reconnect with a growing pause and reset the waiters.
+/// reconnect with a growing pause and reset the waiters. `replacing` says
+/// it replaces a task that ended: it then resets the waiters once it
+/// listens, as after a reconnect.
 async fn listen(
     connect: PgConnectOptions,
     channel: String,
@@ -152,9 +193,11 @@ async fn listen(
     state: watch::Sender<State>,
     connect_timeout: Duration,
     operation_timeout: Duration,
+    replacing: bool,
 ) {
+    let _wake_on_exit = WakeOnExit(notifier.clone());
     let mut pause = Duration::from_millis(50);
-    let mut connected_before = false;
+    let mut connected_before = replacing;
     loop {
         state.send_replace(State::Connecting);
         let attempt = lock_core::with_timeout(connect_timeout, "connecting the listener", async {

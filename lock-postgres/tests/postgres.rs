@@ -1,6 +1,7 @@
 //! PostgreSQL-specific tests beyond the conformance suite, against a real
 //! server started by the harness (or `DISTLOCK_POSTGRES_URL`).
 
+use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -50,6 +51,19 @@ fn url_with_user(user: &str, password: &str) -> String {
     format!("postgres://{user}:{password}@{rest}")
 }
 
+/// `text` with every byte but ASCII letters and digits %-escaped, for a URL.
+fn percent_encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
 #[tokio::test]
 async fn password_authentication_through_the_url() {
     let admin_client = client("auth").await;
@@ -67,16 +81,7 @@ async fn password_authentication_through_the_url() {
     )
     .await;
     let table = random_name("auth_locks");
-    let encoded: String = password
-        .bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect();
+    let encoded = percent_encode(&password);
     let url = format!("{}?table={table}", url_with_user(&role, &encoded));
     let lock = PostgresLock::connect(&url)
         .await
@@ -627,5 +632,402 @@ async fn black_holed_connections_time_out_and_the_client_recovers() {
     assert!(
         got.is_some(),
         "woken by NOTIFY on the new listener connection"
+    );
+}
+
+/// Takes `k` for `ttl`, which must be free (`why` says why it must).
+async fn take(lock: &PostgresLock, k: &LockKey, ttl: Duration, why: &str) -> lock_core::Lease {
+    lock.try_acquire(k, ttl).await.unwrap().lease().expect(why)
+}
+
+/// The address of the shared test server.
+fn server_addr() -> std::net::SocketAddr {
+    server()
+        .url()
+        .split_once('@')
+        .and_then(|(_, rest)| rest.split_once('/'))
+        .and_then(|(addr, _)| addr.parse().ok())
+        .expect("the server URL names 127.0.0.1:port")
+}
+
+/// A PgBouncer 1.18 in transaction mode in front of the shared server, with
+/// one server connection: every client of it shares one server session, so
+/// what transaction pooling does to session state (LISTEN) is deterministic.
+async fn transaction_pooler() -> conformance_tests::server::ServerProcess {
+    use conformance_tests::server::{PgBouncer, PoolMode, ServerProcess};
+    let kind = PgBouncer::new(server_addr(), PoolMode::Transaction).pool_size(1);
+    tokio::task::spawn_blocking(move || ServerProcess::start(Arc::new(kind)))
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("cannot start PgBouncer: {e}"))
+}
+
+#[tokio::test]
+async fn release_through_a_transaction_pooler_reports_success() {
+    let pooler = transaction_pooler().await;
+    let ns = random_name("pooler");
+    // One pooled connection: the statements and the listener's LISTEN all
+    // run in PgBouncer's single server session.
+    let config = PostgresConfig::from_url(&format!("{}?namespace={ns}", pooler.url()))
+        .unwrap()
+        .max_connections(1);
+    let lock = PostgresLock::with_config(config).await.unwrap();
+    let direct = client(&ns).await;
+    let k = key("pooled");
+    let lease = take(&lock, &k, Duration::from_secs(30), "free").await;
+    // A waiter makes the client LISTEN, through the pooler: the server
+    // session that runs the release below now listens on the channel the
+    // release notifies, so the notification arrives on a pooled connection.
+    let _watch = lock.watch(&k).await.unwrap().expect("native wait");
+    lock.release(&lease)
+        .await
+        .expect("the row was released, so release reports success");
+    assert_eq!(
+        direct.inspect(&k).await.unwrap(),
+        lock_core::LockState::Free
+    );
+    // The pooled connection is still usable, and the next acquire is fine.
+    let next = take(&lock, &k, Duration::from_secs(30), "free again").await;
+    assert!(next.fencing_token() > lease.fencing_token());
+    lock.release(&next).await.expect("released again");
+}
+
+#[tokio::test]
+async fn notifications_on_a_pooled_connection_never_fail_an_operation() {
+    // The one pooled connection of a client LISTENs (as a server session
+    // behind a transaction pooler may), and notifications reach it while
+    // it is idle: they sit before the reply to its next statement.
+    let ns = random_name("stray");
+    let config = PostgresConfig::from_url(&format!("{}?namespace={ns}", server().url())).unwrap();
+    // Like the client's own pool: no check (which would skip the
+    // notifications) before a connection is handed out.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .test_before_acquire(false)
+        .connect_with(sqlx::postgres::PgConnectOptions::from_str(&server().url()).unwrap())
+        .await
+        .unwrap();
+    let lock = PostgresLock::from_pool(pool, config).unwrap();
+    let other = client(&ns).await;
+    let k = key("stray");
+    // Once without notifications, so sqlx has every statement prepared and
+    // cached: the reply then starts with the notification.
+    let lease = take(&lock, &k, Duration::from_secs(30), "free").await;
+    let lease = lock.extend(&lease, Duration::from_secs(30)).await.unwrap();
+    lock.release(&lease).await.unwrap();
+    sqlx::raw_sql("LISTEN distlock_stray")
+        .execute(lock.pool())
+        .await
+        .unwrap();
+    let notify = || async {
+        admin(&other, "NOTIFY distlock_stray, 'x'").await;
+        // Let the server send it to the idle connection first (the
+        // assertions hold whenever it arrives).
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    for round in 0..3 {
+        notify().await;
+        let lease = lock
+            .try_acquire(&k, Duration::from_secs(30))
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: acquire failed: {e}"))
+            .lease()
+            .unwrap_or_else(|| panic!("round {round}: the free lock was reported held"));
+        match other.inspect(&k).await.unwrap() {
+            lock_core::LockState::Held { fencing_token, .. } => {
+                assert_eq!(fencing_token, lease.fencing_token(), "round {round}")
+            }
+            state => panic!("round {round}: acquired, yet {state:?}"),
+        }
+        notify().await;
+        let lease = lock
+            .extend(&lease, Duration::from_secs(30))
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: extend failed: {e}"));
+        notify().await;
+        lock.release(&lease)
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: release failed: {e}"));
+        assert_eq!(
+            other.inspect(&k).await.unwrap(),
+            lock_core::LockState::Free,
+            "round {round}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn waiters_behind_a_transaction_pooler_listen_on_listen_url() {
+    let pooler = transaction_pooler().await;
+    let ns = random_name("pooler_listen");
+    let direct = percent_encode(&server().url());
+    let config = PostgresConfig::from_url(&format!(
+        "{}?namespace={ns}&listen_url={direct}",
+        pooler.url()
+    ))
+    .unwrap()
+    .max_connections(1);
+    let lock = PostgresLock::with_config(config).await.unwrap();
+    // Released through the pooler; heard on the direct listener connection.
+    assert_release_heard(&lock, &lock, &key("pooled"), "the waiter was not woken").await;
+}
+
+/// `holder` takes `k` for 60 s, `waiter` subscribes, `holder` releases: the
+/// waiter must hear of it long before the 60 s run out (`why_not` says
+/// what it means if it does not).
+async fn assert_release_heard(
+    holder: &PostgresLock,
+    waiter: &PostgresLock,
+    k: &LockKey,
+    why_not: &str,
+) {
+    let lease = take(holder, k, Duration::from_secs(60), "free").await;
+    // Returns once the server listens for releases on this client.
+    let mut watch = waiter.watch(k).await.unwrap().expect("native wait");
+    holder.release(&lease).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(20), watch.released())
+        .await
+        .expect(why_not)
+        .unwrap();
+}
+
+#[tokio::test]
+async fn serializable_default_isolation_never_fails_concurrent_acquires() {
+    // A database whose transactions are serializable unless they say
+    // otherwise: concurrent acquires of one key conflict there (SQLSTATE
+    // 40001), and such a statement was rolled back, so it can be sent again.
+    let admin_client = client("serializable").await;
+    let database = random_name("distlock_serializable");
+    admin(&admin_client, &format!("CREATE DATABASE {database}")).await;
+    admin(
+        &admin_client,
+        &format!("ALTER DATABASE {database} SET default_transaction_isolation = 'serializable'"),
+    )
+    .await;
+    let url = server().url();
+    let base = url.rsplit_once('/').map(|(base, _)| base).unwrap();
+    let config = PostgresConfig::from_url(&format!("{base}/{database}?namespace=iso"))
+        .unwrap()
+        .max_connections(16);
+    let lock = Arc::new(PostgresLock::with_config(config).await.unwrap());
+    let isolation: String = sqlx::query_scalar("SHOW transaction_isolation")
+        .fetch_one(lock.pool())
+        .await
+        .unwrap();
+    assert_eq!(isolation, "serializable");
+
+    let mut errors = Vec::new();
+    for round in 0..10 {
+        // A new key (first inserts race) every other round; the same key,
+        // just released (updates race), in between.
+        let k = key(&format!("contended-{}", round / 2));
+        let attempts: Vec<_> = (0..16)
+            .map(|_| {
+                let lock = lock.clone();
+                let k = k.clone();
+                tokio::spawn(async move { lock.try_acquire(&k, Duration::from_secs(30)).await })
+            })
+            .collect();
+        let mut granted = Vec::new();
+        for attempt in attempts {
+            match attempt.await.unwrap() {
+                Ok(AcquireAttempt::Acquired(lease)) => granted.push(lease),
+                Ok(AcquireAttempt::Held { .. }) => {}
+                Err(e) => errors.push(e.to_string()),
+            }
+        }
+        assert!(granted.len() <= 1, "two holders at once: {granted:?}");
+        for lease in granted {
+            lock.release(&lease).await.unwrap();
+        }
+    }
+    assert!(
+        errors.is_empty(),
+        "{} of 160 acquires failed, e.g. {:?}",
+        errors.len(),
+        errors.first()
+    );
+}
+
+#[test]
+fn a_listener_whose_runtime_shut_down_is_restarted() {
+    let ns = random_name("runtime");
+    let k = key("job");
+    // The waiter's client is made, and first waits, on a runtime that then
+    // shuts down, taking the listener task with it. Its pool connects
+    // lazily, so it holds no connection of the dead runtime.
+    let first = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let waiter = first.block_on(async {
+        let config =
+            PostgresConfig::from_url(&format!("{}?namespace={ns}", server().url())).unwrap();
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .connect_lazy_with(
+                sqlx::postgres::PgConnectOptions::from_str(&server().url()).unwrap(),
+            );
+        let waiter = PostgresLock::from_pool(pool, config).unwrap();
+        // Waiting starts the listener task on this runtime.
+        drop(waiter.watch(&k).await.unwrap().expect("native wait"));
+        waiter
+    });
+    drop(first);
+
+    let second = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    second.block_on(async {
+        let holder = client(&ns).await;
+        assert_release_heard(
+            &holder,
+            &waiter,
+            &k,
+            "the release was not delivered: the listener task died with its runtime",
+        )
+        .await;
+    });
+
+    // The listener task now runs on `second`. A waiter on a third runtime is
+    // waiting when `second` shuts down: it must be woken, start a new
+    // listener, and get the lock released meanwhile long before its holder's
+    // 60 s TTL.
+    let waiter = Arc::new(ObservedLock::new(Arc::new(waiter)));
+    let third = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    third.block_on(async {
+        let holder = client(&ns).await;
+        let lease = take(&holder, &k, Duration::from_secs(60), "free").await;
+        let waiting = {
+            let waiter = waiter.clone();
+            let k = k.clone();
+            tokio::spawn(async move {
+                let deadline = Instant::now() + Duration::from_secs(60);
+                waiter.acquire(&k, Duration::from_secs(5), deadline).await
+            })
+        };
+        while waiter.attempts() == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::task::spawn_blocking(move || drop(second))
+            .await
+            .unwrap();
+        holder.release(&lease).await.unwrap();
+        let got = tokio::time::timeout(Duration::from_secs(20), waiting)
+            .await
+            .expect("the waiter slept on: its listener task died with its runtime while it waited")
+            .unwrap()
+            .unwrap();
+        assert!(
+            got.is_some(),
+            "the waiter gave up although the lock was released"
+        );
+    });
+}
+
+#[tokio::test]
+async fn a_cancelled_statement_never_keeps_its_pool_slot() {
+    let proxy = Proxy::start(server_addr()).await;
+    let proxied = server()
+        .url()
+        .replace(&server_addr().to_string(), &proxy.addr.to_string());
+    let ns = random_name("cancel_slot");
+    let config = PostgresConfig::from_url(&format!(
+        "{proxied}?namespace={ns}&connect_timeout_ms=5000&operation_timeout_ms=1000"
+    ))
+    .unwrap()
+    .max_connections(1);
+    let lock = PostgresLock::with_config(config).await.unwrap();
+    // sqlx checks a connection given back to the pool with a round trip of
+    // its own (not bounded in time); black-hole it only once that is done.
+    while lock.pool().num_idle() < 1 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    proxy.black_hole_current();
+    // A caller's own timeout drops the call while its statement waits for
+    // a reply that never comes.
+    let cancelled = tokio::time::timeout(
+        Duration::from_millis(200),
+        lock.try_acquire(&key("a"), Duration::from_secs(30)),
+    )
+    .await;
+    assert!(
+        cancelled.is_err(),
+        "the black-holed call returned: {cancelled:?}"
+    );
+    // The pool's only connection is dead. The next call must get a new one,
+    // not wait forever behind the dead one.
+    let next = lock
+        .try_acquire(&key("b"), Duration::from_secs(30))
+        .await
+        .expect("the cancelled call's pool slot was freed");
+    assert!(next.lease().is_some());
+}
+
+#[tokio::test]
+async fn a_cancelled_acquire_that_the_server_granted_is_undone() {
+    let ns = random_name("cancel_grant");
+    // Its own table, so the blocked statement is easy to find.
+    let table = random_name("cancel_locks");
+    let url = format!("{}?namespace={ns}&table={table}", server().url());
+    let lock = PostgresLock::connect(&url).await.unwrap();
+    let other = PostgresLock::connect(&url).await.unwrap();
+    let k = key("granted-late");
+    let first = take(&lock, &k, Duration::from_secs(60), "free").await;
+    lock.release(&first).await.unwrap();
+
+    // A transaction locks the (free) row, so the next acquire blocks on it.
+    let mut tx = other.pool().begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM {} WHERE namespace = $1 AND key = $2 FOR UPDATE",
+        other.table()
+    ))
+    .bind(&ns)
+    .bind(k.as_str())
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let attempt = lock.try_acquire(&k, Duration::from_secs(60));
+    let stats = sqlx::PgPool::connect(&server().url()).await.unwrap();
+    let blocked = async {
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE wait_event_type = 'Lock' AND query LIKE '%' || $1 || '%'",
+            )
+            .bind(&table)
+            .fetch_one(&stats)
+            .await
+            .unwrap();
+            if waiting > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::select! {
+        result = attempt => panic!("the acquire did not block on the row lock: {result:?}"),
+        () = blocked => {}
+    }
+    // The acquire was dropped while its statement waits on the server. Once
+    // the row is unlocked, that statement takes the free lock; nobody has
+    // its lease, so it must be given back, not left held for its 60 s TTL.
+    tx.commit().await.unwrap();
+    let got = other
+        .acquire(
+            &k,
+            Duration::from_secs(60),
+            Instant::now() + Duration::from_secs(20),
+        )
+        .await
+        .unwrap();
+    assert!(
+        got.is_some(),
+        "the lock granted to a dropped acquire stayed held"
     );
 }

@@ -8,14 +8,16 @@ use lock_core::{
     with_timeout, AcquireAttempt, Capabilities, DistributedLock, ErrorKind, FencingToken, Lease,
     LeaseIssuer, LockError, LockKey, LockState, OwnerToken, ReleaseWatch,
 };
+use redis::aio::MultiplexedConnection;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{AsyncConnectionConfig, Client, Script, Value};
+use redis::{AsyncConnectionConfig, Client, Value};
 
 use crate::config::{redact, RedisConfig};
 use crate::errors;
 use crate::keys::RedisKeys;
 use crate::scripts::{
-    self, ACQUIRE_SCRIPT, EXTEND_SCRIPT, FORCE_RELEASE_SCRIPT, INSPECT_SCRIPT, RELEASE_SCRIPT,
+    self, LuaScript, ACQUIRE_SCRIPT, EXTEND_SCRIPT, FORCE_RELEASE_SCRIPT, INSPECT_SCRIPT,
+    PROBE_SCRIPT, RELEASE_SCRIPT,
 };
 use crate::waiters::Waiters;
 
@@ -122,6 +124,7 @@ impl RedisLock {
             }
         };
         preload(&mut probe, &options).await?;
+        check_permissions(&mut probe, &options, &what).await?;
         drop(probe);
 
         let manager_config = ConnectionManagerConfig::new()
@@ -202,23 +205,16 @@ impl RedisLock {
         what: &str,
         key: &LockKey,
         keys: &RedisKeys,
-        script: &Script,
+        script: &LuaScript,
         redis_keys: &[&str],
         args: &[String],
     ) -> Result<Value, LockError> {
-        let mut invocation = script.prepare_invoke();
-        for k in redis_keys {
-            invocation.key(*k);
-        }
-        for a in args {
-            invocation.arg(a.as_str());
-        }
         let mut conn = self.conn.clone();
         self.config
             .options()
             .timed(what, async {
-                invocation
-                    .invoke_async::<Value>(&mut conn)
+                script
+                    .invoke(&mut conn, redis_keys, args)
                     .await
                     .map_err(|e| errors::map_script(e, what, key, keys))
             })
@@ -229,16 +225,17 @@ impl RedisLock {
 /// Loads the scripts so the first acquire is one EVALSHA; this also proves
 /// the credentials work.
 async fn preload(
-    conn: &mut redis::aio::MultiplexedConnection,
+    conn: &mut MultiplexedConnection,
     options: &lock_core::ClientOptions,
 ) -> Result<(), LockError> {
     for script in scripts::all() {
         let result = options
             .timed("redis SCRIPT LOAD", async {
-                match script.load_async(conn).await {
-                    Ok(_) => Ok(true),
-                    // An ACL user without SCRIPT LOAD still works (EVAL fallback).
-                    Err(e) if e.code() == Some("NOPERM") => {
+                match script.load(conn).await {
+                    Ok(()) => Ok(true),
+                    // An ACL user without SCRIPT LOAD still works: scripts
+                    // the server lacks are sent with EVAL.
+                    Err(e) if errors::is_noperm(&e) => {
                         tracing::debug!(error = %e, "cannot preload scripts; they will be sent with EVAL");
                         Ok(false)
                     }
@@ -253,6 +250,48 @@ async fn preload(
     Ok(())
 }
 
+/// Refuses an ACL user that cannot do what distlock needs in its namespace,
+/// naming what is missing. Servers before 7.0 cannot be asked (no
+/// `redis.acl_check_cmd`); there a missing permission shows at first use.
+async fn check_permissions(
+    conn: &mut MultiplexedConnection,
+    options: &lock_core::ClientOptions,
+    what: &str,
+) -> Result<(), LockError> {
+    let namespace = &options.namespace;
+    let probe = RedisKeys::probe(namespace);
+    let denied = options
+        .timed(what, async {
+            match PROBE_SCRIPT
+                .invoke(
+                    conn,
+                    &[&probe.lock, &probe.fence],
+                    std::slice::from_ref(&probe.channel),
+                )
+                .await
+            {
+                Ok(reply) => redis::from_redis_value::<Vec<String>>(reply).map_err(|e| {
+                    LockError::corrupted(format!("{what}: unexpected reply to the ACL probe: {e}"))
+                }),
+                Err(e) if errors::is_noperm(&e) => Err(errors::acl_refused(
+                    what,
+                    namespace,
+                    e.detail().unwrap_or(""),
+                )),
+                Err(e) => Err(errors::map(e, what)),
+            }
+        })
+        .await?;
+    if denied.is_empty() {
+        return Ok(());
+    }
+    let pairs: Vec<(&str, &str)> = denied
+        .chunks(2)
+        .map(|p| (p[0].as_str(), p.get(1).map_or("", String::as_str)))
+        .collect();
+    Err(errors::acl_denied(what, namespace, &pairs))
+}
+
 /// Pause between attempts of the first connection.
 const CONNECT_RETRY_PAUSE: Duration = Duration::from_millis(50);
 
@@ -264,6 +303,33 @@ fn unexpected(what: &str, key: &LockKey, reply: &Value) -> LockError {
     LockError::corrupted(format!(
         "{what} on lock {key:?}: unexpected reply from the redis server: {reply:?}"
     ))
+}
+
+/// Reads a release or force-release reply: whether a lock was deleted.
+/// Logs a deletion whose notification the server refused (`{1, error}`):
+/// the lock is free, but waiters of other clients are not woken and find
+/// out at the holder's expiry, when their timers fire.
+fn deleted(key: &LockKey, reply: &Value) -> Option<bool> {
+    match reply {
+        Value::Array(items) => match items.as_slice() {
+            [flag, error] if as_int(flag) == Some(1) => {
+                let error = redis::from_redis_value_ref::<String>(error).unwrap_or_default();
+                tracing::warn!(
+                    key = %key,
+                    error = %error,
+                    "redis lock released, but the server refused the release notification \
+                     (ACL channel permission?); other clients' waiters wake at the holder's expiry"
+                );
+                Some(true)
+            }
+            _ => None,
+        },
+        other => match as_int(other) {
+            Some(1) => Some(true),
+            Some(0) => Some(false),
+            _ => None,
+        },
+    }
 }
 
 fn as_int(value: &Value) -> Option<i64> {
@@ -391,12 +457,12 @@ impl DistributedLock for RedisLock {
                 &args,
             )
             .await?;
-        match as_int(&reply) {
-            Some(1) => {
+        match deleted(key, &reply) {
+            Some(true) => {
                 tracing::debug!(key = %key, fencing = %lease.fencing_token(), "redis lock released");
                 Ok(())
             }
-            Some(0) => {
+            Some(false) => {
                 tracing::debug!(key = %key, fencing = %lease.fencing_token(), "redis lock not held on release");
                 Err(LockError::not_held(format!(
                     "lock {:?} is no longer held by this lease (released already, expired or taken over)",
@@ -450,10 +516,10 @@ impl DistributedLock for RedisLock {
                 std::slice::from_ref(&keys.channel),
             )
             .await?;
-        match as_int(&reply) {
-            Some(n @ (0 | 1)) => {
-                tracing::info!(key = %key, was_held = n == 1, "redis lock force-released");
-                Ok(n == 1)
+        match deleted(key, &reply) {
+            Some(was_held) => {
+                tracing::info!(key = %key, was_held, "redis lock force-released");
+                Ok(was_held)
             }
             _ => Err(unexpected("force release", key, &reply)),
         }

@@ -22,8 +22,10 @@ pub(crate) fn map(err: RedisError, what: &str) -> LockError {
     }
     if code == "NOPERM" {
         return LockError::config(format!(
-            "{what}: the redis ACL user may not run this command or touch these keys/channels; \
-             it needs EVAL/EVALSHA/SCRIPT LOAD, SUBSCRIBE and the distlock namespace"
+            "{what}: the redis ACL user is not allowed to do this ({}); distlock needs the \
+             permissions listed in the lock-redis docs (\"ACL users\") on its namespace's \
+             keys and channels",
+            err.detail().unwrap_or("NOPERM")
         ))
         .with_source(err);
     }
@@ -45,6 +47,52 @@ pub(crate) fn map(err: RedisError, what: &str) -> LockError {
         "{what}: the redis server refused the request: {err}"
     ))
     .with_source(err)
+}
+
+/// Whether the server refused `err` for lack of an ACL permission.
+pub(crate) fn is_noperm(err: &RedisError) -> bool {
+    err.code() == Some("NOPERM")
+}
+
+/// The server refused to run a script for `namespace` at all (`detail` is
+/// its NOPERM text): the command, or the keys it declares.
+pub(crate) fn acl_refused(what: &str, namespace: &str, detail: &str) -> LockError {
+    let grant = if detail.contains("key") {
+        format!("read and write access to the keys `~{namespace}:*`")
+    } else {
+        "the commands EVALSHA and EVAL (`+evalsha +eval`)".to_owned()
+    };
+    LockError::config(format!(
+        "{what}: the redis ACL user may not run distlock's scripts ({detail}); grant it {grant}. \
+         The permissions distlock needs are listed in the lock-redis docs (\"ACL users\")"
+    ))
+}
+
+/// The ACL probe found commands the user may not run in `namespace`, as
+/// (command, scope) pairs with scope `keys`, `channels` or empty.
+pub(crate) fn acl_denied(what: &str, namespace: &str, denied: &[(&str, &str)]) -> LockError {
+    let mut parts = Vec::new();
+    for (scope, grant) in [
+        ("keys", format!(" on the keys `~{namespace}:*`")),
+        ("channels", format!(" on the channels `&{namespace}:*`")),
+        ("", String::new()),
+    ] {
+        let mut commands: Vec<&str> = Vec::new();
+        // The probe checks the lock and the fence key: name each command once.
+        for (command, _) in denied.iter().filter(|(_, s)| *s == scope) {
+            if !commands.contains(command) {
+                commands.push(command);
+            }
+        }
+        if !commands.is_empty() {
+            parts.push(format!("{}{grant}", commands.join(", ")));
+        }
+    }
+    LockError::config(format!(
+        "{what}: the redis ACL user may not run {}; grant it those. The permissions distlock \
+         needs are listed in the lock-redis docs (\"ACL users\")",
+        parts.join("; ")
+    ))
 }
 
 /// Maps an error from one of our scripts on `key`: a `DISTLOCK_CORRUPT`
@@ -74,4 +122,32 @@ pub(crate) fn corrupted(key: &LockKey, redis_key: &str, detail: &str) -> LockErr
         "lock {key:?}: redis key {redis_key:?} {detail}; distlock did not write it and left it \
          untouched. Delete it if it is stale, or use another namespace"
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn acl_denied_names_each_command_once_with_its_pattern() {
+        let err = acl_denied(
+            "connecting",
+            "jobs",
+            &[
+                ("SET", "keys"),
+                ("PUBLISH", "channels"),
+                ("SET", "keys"),
+                ("TIME", ""),
+            ],
+        );
+        assert_eq!(err.kind(), lock_core::ErrorKind::Config);
+        let message = err.message();
+        assert!(message.contains("SET on the keys `~jobs:*`"), "{message}");
+        assert!(
+            message.contains("PUBLISH on the channels `&jobs:*`"),
+            "{message}"
+        );
+        assert!(message.contains("; TIME;"), "{message}");
+        assert_eq!(message.matches("SET").count(), 1, "{message}");
+    }
 }

@@ -30,7 +30,16 @@ pub(crate) struct RedisKeys {
 impl RedisKeys {
     /// The names for `key` in `namespace`.
     pub(crate) fn new(namespace: &str, key: &LockKey) -> Self {
-        let tag = escape(key.as_str());
+        Self::tagged(namespace, &escape(key.as_str()))
+    }
+
+    /// Names in `namespace` that no lock key maps to (`%` is always escaped,
+    /// so `{%probe}` is never a lock's hash tag), for checking permissions.
+    pub(crate) fn probe(namespace: &str) -> Self {
+        Self::tagged(namespace, "%probe")
+    }
+
+    fn tagged(namespace: &str, tag: &str) -> Self {
         Self {
             lock: format!("{namespace}:{{{tag}}}:lock"),
             fence: format!("{namespace}:{{{tag}}}:fence"),
@@ -112,6 +121,17 @@ mod tests {
             assert_eq!(hash_part(&keys.fence), tag);
             assert_eq!(hash_part(&keys.channel), tag);
             assert!(keys.lock.starts_with("ns:{"));
+        }
+    }
+
+    #[test]
+    fn the_probe_is_no_lock() {
+        let probe = RedisKeys::probe("ns");
+        assert!(probe.lock.starts_with("ns:{"));
+        for key in LOOKALIKES.iter().chain(&["%probe", "{%probe}"]) {
+            let keys = RedisKeys::new("ns", &LockKey::new(*key).unwrap());
+            assert_ne!(keys.lock, probe.lock);
+            assert_ne!(keys.channel, probe.channel);
         }
     }
 

@@ -38,6 +38,36 @@
 //! Every request runs under the operation timeout; the command connection
 //! reconnects by itself when the server comes back.
 //!
+//! # ACL users
+//!
+//! In namespace `NS` distlock needs, for its ACL user:
+//!
+//! - the keys `~NS:*`, read and write;
+//! - the channels `&NS:*` (Redis 7 gives new users none:
+//!   `acl-pubsub-default resetchannels`);
+//! - the commands `EVALSHA`, `EVAL`, `SUBSCRIBE`, `UNSUBSCRIBE`, `PING`, and
+//!   inside its scripts `TYPE`, `GET`, `SET`, `DEL`, `PTTL`, `PEXPIRE`,
+//!   `TIME`, `PUBLISH`. `SCRIPT LOAD` is optional: without it a script the
+//!   server does not have is sent with `EVAL` (which caches it).
+//!
+//! For example `ACL SETUSER jobs on >pw ~jobs:* &jobs:* +evalsha +eval
+//! +subscribe +unsubscribe +ping +type +get +set +del +pttl +pexpire +time
+//! +publish`. [`RedisLock::connect`] checks this on Redis 7 and later (with
+//! `redis.acl_check_cmd`, running nothing) and fails with
+//! [`ErrorKind::Config`](lock_core::ErrorKind) naming what is missing, rather
+//! than connecting a client whose every acquire fails, or whose releases
+//! wake nobody. A missing channel permission is refused too: without it a
+//! release cannot wake the waiters of other clients, which would then wait
+//! for the holder's TTL. Older servers, and
+//! [`RedisLock::from_connection_manager`], report a missing permission at
+//! first use (`Config`, with the server's reason).
+//!
+//! If the channel permission is taken away later, a release still deletes
+//! the lock and reports success (the script publishes with `redis.pcall`;
+//! scripts are not rolled back, so failing after the `DEL` would report a
+//! release that happened as an error); the refused notification is logged as
+//! a warning and waiters elsewhere wake at the holder's expiry.
+//!
 //! # How it works
 //!
 //! Keys (see the table in `keys.rs`): for lock `K` in namespace `NS`,
@@ -45,14 +75,17 @@
 //! `K'` is `K` with `%`, `{`, `}` percent-escaped — injective, and the hash
 //! tag `{K'}` puts all three in one Redis Cluster slot whatever `K` contains.
 //!
-//! - **Acquire** is one `EVALSHA` of a Lua script: if the lock key exists it
+//! - Every operation is one `EVALSHA` of a Lua script (the scripts are
+//!   loaded at connect; one the server lacks — after a restart, a failover,
+//!   `SCRIPT FLUSH` — is sent once more with `EVAL`).
+//! - **Acquire**: if the lock key exists it
 //!   returns the holder's `PTTL` (filling
 //!   [`AcquireAttempt::Held::expires_in`](lock_core::AcquireAttempt)); else
 //!   it computes the fencing token, `SET lock dl1:<owner>:<token> PX ttl`,
 //!   stores the token in the fence key and returns it.
-//! - **Extend** is one script: compares the stored value with the lease's,
-//!   then `PEXPIRE`; a missing key is never recreated.
-//! - **Release** is one script: compares, `DEL`, `PUBLISH` on the channel.
+//! - **Extend**: compares the stored value with the lease's, then
+//!   `PEXPIRE`; a missing key is never recreated.
+//! - **Release**: compares, `DEL`, `PUBLISH` on the channel.
 //! - **Waiting**: one pub/sub connection per client, shared by all waiters;
 //!   the first waiter of a key subscribes to its channel before its first
 //!   attempt; a release wakes the waiters; a holder that crashed is covered
@@ -72,12 +105,54 @@
 //! token issued before (tokens track the clock to within the number of
 //! acquisitions per microsecond).
 //!
-//! **Assumption**: the Redis server's clock never steps back by more than
-//! the retention (NTP slews, it does not jump hours back). A bigger backward
+//! **Assumption** (see also "Clocks" below): the Redis server's clock never
+//! steps back by more than the retention (NTP slews, it does not jump hours back). A bigger backward
 //! step followed by a counter expiry could issue a token lower than an
 //! earlier one. Like every Redis lock, tokens also restart if the server
 //! loses its data (no persistence, failover to a lagging replica):
 //! `Capabilities::durable` is `false`.
+//!
+//! # Cancellation
+//!
+//! Each operation of [`RedisLock`] is one script call. Dropping its future
+//! (say under `tokio::time::timeout`) after the request went out lets the
+//! server finish it: a `try_acquire` may have taken a lock nobody will
+//! release, which expires after its TTL ([`Locker`](lock_core::Locker)
+//! releases such a grant); an `extend` may have extended the lock, for its
+//! new TTL; a `release` may have released it, and then woke the waiters
+//! (`DEL` and `PUBLISH` are one script). A dropped `watch` unregisters its
+//! waiter; if its `SUBSCRIBE` was in flight, the channel is unsubscribed by
+//! the idle sweep within about 10 s. Other waiters are not affected.
+//!
+//! # Clocks: expiry follows the server's wall clock
+//!
+//! A lease's local deadline is measured on the client's monotonic clock
+//! from the moment the request was sent. The server measures the TTL
+//! on its **wall clock**: `SET … PX` and `PEXPIRE` store an absolute Unix
+//! time in milliseconds (`mstime()`, `gettimeofday`), and a key is expired
+//! once `mstime()` passes it (Redis 7.0.9:
+//! [`pexpireCommand`](https://github.com/redis/redis/blob/7.0.9/src/expire.c#L689),
+//! [`SET` PX](https://github.com/redis/redis/blob/7.0.9/src/t_string.c#L176),
+//! [`keyIsExpired`](https://github.com/redis/redis/blob/7.0.9/src/db.c#L1616),
+//! [`mstime`](https://github.com/redis/redis/blob/7.0.9/src/server.c#L189-L202)).
+//! Redis has a monotonic clock (`getMonotonicUs`, `monotonic.c`) but uses it
+//! only for event-loop timers, cron and script time limits; no command or
+//! script call expires a key by it, and `TIME` is the wall clock too. So
+//! there is no monotonic source distlock could use for expiry.
+//!
+//! **Assumption**: while a lock is held, the server's wall clock does not
+//! step *forward* by more than the safety margin between the guard's stop
+//! signal and its lease deadline. A forward step of `d` expires every lock
+//! `d` early by real time: another client can acquire it while the holder
+//! still believes it holds it, for up to `d`. A backward step only keeps
+//! locks longer (a crashed holder's lock outlives its TTL by the step). Run
+//! the server with a time daemon that slews rather than steps once running
+//! (chrony with `makestep` limited to the first updates after boot, `ntpd
+//! -x`); a slew runs the clock fast by a bounded rate (ntpd: at most
+//! 500 ppm, 5 ms per 10 s of TTL; chrony: its `maxslewrate`). A failover
+//! moves expiry to the new primary's clock (replicas receive absolute expiry
+//! times), so the same bound applies to the clock difference between the
+//! primary and its replicas.
 #![warn(missing_docs)]
 
 mod backend;

@@ -1,5 +1,5 @@
-//! The Lua scripts: acquire, extend and release, one round trip each, and
-//! the operator calls inspect and force-release.
+//! The Lua scripts: acquire, extend and release, one round trip each, the
+//! operator calls inspect and force-release, and the connect-time ACL probe.
 //!
 //! The value at a lock key is `dl1:<32 hex owner>:<fencing token>`, with a
 //! PX expiry. Anything else there (another type, another format, no expiry)
@@ -8,7 +8,8 @@
 
 use std::sync::LazyLock;
 
-use redis::Script;
+use redis::aio::ConnectionLike;
+use redis::{ErrorKind, RedisResult, Script, ServerErrorKind, Value};
 
 /// Shared helpers, prepended to every script.
 const PRELUDE: &str = r#"
@@ -23,6 +24,14 @@ local function ours(v)
 end
 local function corrupt(which, detail)
   return redis.error_reply('DISTLOCK_CORRUPT ' .. which .. ' ' .. detail)
+end
+-- After a DEL: wake the waiters. A script is not rolled back, so a refused
+-- PUBLISH (no ACL channel permission) must not fail it: the lock is
+-- released either way; the error text goes back for the client to log.
+local function released(channel)
+  local r = redis.pcall('PUBLISH', channel, 'released')
+  if type(r) == 'table' and r['err'] then return {1, r['err']} end
+  return 1
 end
 "#;
 
@@ -76,7 +85,8 @@ return 0
 "#;
 
 /// KEYS: lock. ARGV: expected value, channel.
-/// Returns 1 when released (and published), 0 when not held.
+/// Returns 1 when released and published, `{1, error}` when released but
+/// the PUBLISH was refused, 0 when not held.
 const RELEASE: &str = r#"
 local lt = kind(KEYS[1])
 if lt == 'none' then return 0 end
@@ -84,8 +94,7 @@ if lt ~= 'string' then return corrupt('lock', 'holds a ' .. lt .. ', not a distl
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', ARGV[2], 'released')
-  return 1
+  return released(ARGV[2])
 end
 if not ours(v) then return corrupt('lock', 'holds a value in a format distlock does not write') end
 return 0
@@ -103,7 +112,7 @@ return {1, redis.call('PTTL', KEYS[1]), fence}
 "#;
 
 /// KEYS: lock. ARGV: channel. Deletes the lock whoever holds it.
-/// Returns 1 when a lock was deleted (and published), 0 when free.
+/// Returns as [`RELEASE`] (0 when free).
 const FORCE_RELEASE: &str = r#"
 local lt = kind(KEYS[1])
 if lt == 'none' then return 0 end
@@ -112,33 +121,116 @@ if not ours(redis.call('GET', KEYS[1])) then
   return corrupt('lock', 'holds a value in a format distlock does not write')
 end
 redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', ARGV[1], 'released')
-return 1
+return released(ARGV[1])
 "#;
 
-fn script(body: &str) -> Script {
-    // Redis < 5 needs effects replication for TIME before writes; newer
-    // servers replicate effects anyway.
-    Script::new(&format!(
-        "if redis.replicate_commands then redis.replicate_commands() end\n{PRELUDE}{body}"
-    ))
+/// KEYS: a lock key and a fence key, ARGV: a channel, all in the namespace.
+/// Runs nothing: returns what the ACL user may not do there, as a flat list
+/// of `command, 'keys'|'channels'|''` pairs. Empty on servers before 7.0
+/// (no `redis.acl_check_cmd`); they report missing permissions at first use.
+const PROBE: &str = r#"
+local denied = {}
+if redis.acl_check_cmd then
+  local function check(scope, ...)
+    if not redis.acl_check_cmd(...) then
+      table.insert(denied, (...))
+      table.insert(denied, scope)
+    end
+  end
+  for _, k in ipairs(KEYS) do
+    check('keys', 'TYPE', k)
+    check('keys', 'GET', k)
+    check('keys', 'SET', k, 'v', 'PX', '1')
+    check('keys', 'PTTL', k)
+    check('keys', 'PEXPIRE', k, '1')
+  end
+  check('keys', 'DEL', KEYS[1])
+  check('', 'TIME')
+  check('channels', 'PUBLISH', ARGV[1], 'released')
+  check('channels', 'SUBSCRIBE', ARGV[1])
+  check('channels', 'UNSUBSCRIBE', ARGV[1])
+  check('', 'PING')
+end
+return denied
+"#;
+
+/// A Lua script: its text, for EVAL, and its SHA1, for EVALSHA.
+pub(crate) struct LuaScript {
+    body: String,
+    sha: String,
+}
+
+impl LuaScript {
+    fn new(body: &str) -> Self {
+        // Redis < 5 needs effects replication for TIME before writes; newer
+        // servers replicate effects anyway.
+        let body = format!(
+            "if redis.replicate_commands then redis.replicate_commands() end\n{PRELUDE}{body}"
+        );
+        let sha = Script::new(&body).get_hash().to_owned();
+        Self { body, sha }
+    }
+
+    /// Puts the script in the server's cache (`SCRIPT LOAD`).
+    pub(crate) async fn load(&self, conn: &mut impl ConnectionLike) -> RedisResult<()> {
+        redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(&self.body)
+            .query_async::<String>(conn)
+            .await
+            .map(drop)
+    }
+
+    /// Runs the script: `EVALSHA`, and `EVAL` with its text when the server
+    /// does not have it (after a restart, a failover or `SCRIPT FLUSH`, or
+    /// never loaded because the ACL user may not `SCRIPT LOAD`). `EVAL`
+    /// caches the script, so the next call is one `EVALSHA` again.
+    pub(crate) async fn invoke(
+        &self,
+        conn: &mut impl ConnectionLike,
+        keys: &[&str],
+        args: &[String],
+    ) -> RedisResult<Value> {
+        let result = redis::cmd("EVALSHA")
+            .arg(&self.sha)
+            .arg(keys.len())
+            .arg(keys)
+            .arg(args)
+            .query_async(conn)
+            .await;
+        match result {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                redis::cmd("EVAL")
+                    .arg(&self.body)
+                    .arg(keys.len())
+                    .arg(keys)
+                    .arg(args)
+                    .query_async(conn)
+                    .await
+            }
+            other => other,
+        }
+    }
 }
 
 /// The acquire script.
-pub(crate) static ACQUIRE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(ACQUIRE));
+pub(crate) static ACQUIRE_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(ACQUIRE));
 /// The extend script.
-pub(crate) static EXTEND_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(EXTEND));
+pub(crate) static EXTEND_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(EXTEND));
 /// The release script.
-pub(crate) static RELEASE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RELEASE));
+pub(crate) static RELEASE_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(RELEASE));
+/// The ACL probe, run at connect.
+pub(crate) static PROBE_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(PROBE));
 
 /// The inspect script (operators only; not preloaded).
-pub(crate) static INSPECT_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(INSPECT));
+pub(crate) static INSPECT_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(INSPECT));
 /// The force-release script (operators only; not preloaded).
-pub(crate) static FORCE_RELEASE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(FORCE_RELEASE));
+pub(crate) static FORCE_RELEASE_SCRIPT: LazyLock<LuaScript> =
+    LazyLock::new(|| LuaScript::new(FORCE_RELEASE));
 
 /// The SHA1 of the acquire script (tests count its EVALSHA calls).
 pub fn acquire_script_sha() -> &'static str {
-    ACQUIRE_SCRIPT.get_hash()
+    &ACQUIRE_SCRIPT.sha
 }
 
 /// The value stored at a lock key for `owner_hex` and `fencing`.
@@ -146,7 +238,12 @@ pub(crate) fn lock_value(owner_hex: &str, fencing: u64) -> String {
     format!("dl1:{owner_hex}:{fencing}")
 }
 
-/// All scripts, for preloading.
-pub(crate) fn all() -> [&'static Script; 3] {
-    [&ACQUIRE_SCRIPT, &EXTEND_SCRIPT, &RELEASE_SCRIPT]
+/// The scripts every client runs, for preloading.
+pub(crate) fn all() -> [&'static LuaScript; 4] {
+    [
+        &PROBE_SCRIPT,
+        &ACQUIRE_SCRIPT,
+        &EXTEND_SCRIPT,
+        &RELEASE_SCRIPT,
+    ]
 }

@@ -3,12 +3,17 @@
 //! A release script publishes on the lock's channel. The first local waiter
 //! of a channel subscribes on the shared connection (and waits for the
 //! server's confirmation) through [`ReleaseNotifier::subscribe`]; a reader
-//! task turns every message into [`ReleaseNotifier::notify`]. When the
-//! connection drops, every waiter is woken (a release may have been missed),
-//! the channels that still have waiters are subscribed again on a new
-//! connection, and the waiters are woken once more. Channels without waiters
-//! are unsubscribed by a periodic sweep, which also PINGs the connection so a
-//! silently dead one (no FIN) is replaced.
+//! task turns every message into [`ReleaseNotifier::notify`]. Channels
+//! without waiters are unsubscribed by a periodic sweep, which also PINGs the
+//! connection so a silently dead one (no FIN) is replaced.
+//!
+//! A connection is lost when its stream ends, or when any request on it
+//! (SUBSCRIBE, UNSUBSCRIBE, PING) fails or times out: its state on the server
+//! is then unknown. Whatever noticed it, [`Inner::connection_lost`] is the
+//! one path that follows: the connection is closed, every waiter is woken (a
+//! release may have been missed), and one resubscribe task subscribes the
+//! channels that still have waiters on a new connection, retrying with
+//! backoff, then wakes the waiters once more.
 
 use std::collections::HashSet;
 use std::future::Future;
@@ -20,7 +25,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use lock_core::{with_timeout, ClientOptions, LockError, ReleaseNotifier, ReleaseWatch};
 use redis::aio::{PubSubSink, PubSubStream};
-use tokio::sync::Mutex;
+use tokio::sync::{oneshot, Mutex};
 use tokio::task::JoinHandle;
 
 use crate::errors;
@@ -39,8 +44,17 @@ struct Inner {
     client: redis::Client,
     options: ClientOptions,
     notifier: ReleaseNotifier,
-    live: Mutex<Option<Live>>,
+    slot: Mutex<Slot>,
     generation: AtomicU64,
+}
+
+/// The connection and its bookkeeping; one lock, so subscribes, sweeps and
+/// loss handling never interleave.
+#[derive(Debug, Default)]
+struct Slot {
+    live: Option<Live>,
+    /// A resubscribe task is running (at most one at a time).
+    resubscribing: bool,
 }
 
 #[derive(Debug)]
@@ -49,11 +63,14 @@ struct Live {
     generation: u64,
     subscribed: HashSet<String>,
     reader: JoinHandle<()>,
+    /// Dropping it (with the `Live`) ends the reader, which owns the stream
+    /// half: only then does the driver close the connection.
+    _stop: oneshot::Sender<()>,
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        if let Some(live) = self.live.get_mut().take() {
+        if let Some(live) = self.slot.get_mut().live.take() {
             live.reader.abort();
         }
     }
@@ -67,7 +84,7 @@ impl Waiters {
                 client,
                 options,
                 notifier: ReleaseNotifier::new(),
-                live: Mutex::new(None),
+                slot: Mutex::new(Slot::default()),
                 generation: AtomicU64::new(0),
             }),
         }
@@ -80,9 +97,9 @@ impl Waiters {
         inner
             .notifier
             .subscribe(channel, || async {
-                let mut live = inner.live.lock().await;
+                let mut slot = inner.slot.lock().await;
                 inner
-                    .subscribe_locked(&mut live, &[channel.to_owned()])
+                    .subscribe_locked(&mut slot, &[channel.to_owned()])
                     .await
             })
             .await
@@ -90,19 +107,28 @@ impl Waiters {
 }
 
 impl Inner {
-    /// Subscribes `channels` (connecting first if needed); `live` is the
-    /// locked connection slot, so subscribes and sweeps never interleave.
+    /// Subscribes `channels` (connecting first if needed) while holding the
+    /// slot. A failed SUBSCRIBE loses the connection.
     async fn subscribe_locked(
         self: &Arc<Self>,
-        live: &mut Option<Live>,
+        slot: &mut Slot,
         channels: &[String],
     ) -> Result<(), LockError> {
-        if live.as_ref().is_none_or(|l| l.reader.is_finished()) {
-            *live = Some(self.connect().await?);
+        if let Some(finished) = slot.live.as_ref().filter(|l| l.reader.is_finished()) {
+            let generation = finished.generation;
+            self.connection_lost(slot, generation);
         }
-        let Some(current) = live.as_mut() else {
+        if slot.live.is_none() {
+            slot.live = Some(self.connect().await?);
+        }
+        let Some(current) = slot.live.as_mut() else {
             return Err(LockError::unavailable("redis pub/sub connection missing"));
         };
+        let generation = current.generation;
+        // Recorded before the request: if this future is dropped while the
+        // SUBSCRIBE is in flight, the server still subscribes, and the sweep
+        // must know to unsubscribe the channel once nobody waits on it.
+        current.subscribed.extend(channels.iter().cloned());
         let mut sink = current.sink.clone();
         let channels_owned = channels.to_vec();
         let result = self
@@ -115,7 +141,6 @@ impl Inner {
             .await;
         match result {
             Ok(()) => {
-                current.subscribed.extend(channels.iter().cloned());
                 tracing::trace!(
                     channels = channels.len(),
                     "subscribed to release notifications"
@@ -123,12 +148,29 @@ impl Inner {
                 Ok(())
             }
             Err(e) => {
-                // The connection is in an unknown state: start over next time.
-                if let Some(old) = live.take() {
-                    old.reader.abort();
-                }
+                tracing::debug!(error = %e, "redis SUBSCRIBE failed");
+                self.connection_lost(slot, generation);
                 Err(e)
             }
+        }
+    }
+
+    /// The one path for a lost connection, whatever noticed it: forgets
+    /// connection `generation` (closing it), wakes every waiter and makes sure
+    /// a resubscribe task runs. Does nothing if that connection was already
+    /// replaced (its loss was handled then).
+    fn connection_lost(self: &Arc<Self>, slot: &mut Slot, generation: u64) {
+        if slot.live.as_ref().map(|l| l.generation) != Some(generation) {
+            return;
+        }
+        slot.live = None;
+        tracing::debug!(generation, "redis pub/sub connection lost; waking waiters");
+        // Releases may have been missed; and the next waiter of each channel
+        // must subscribe again rather than trust the old subscription.
+        self.notifier.reset();
+        if !slot.resubscribing {
+            slot.resubscribing = true;
+            tokio::spawn(Self::resubscribe(Arc::downgrade(self)));
         }
     }
 
@@ -146,23 +188,25 @@ impl Inner {
         .await?;
         let (sink, stream) = pubsub.split();
         let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
-        let reader = tokio::spawn(read(Arc::downgrade(self), stream, generation));
+        let (stop, stopped) = oneshot::channel();
+        let reader = tokio::spawn(read(Arc::downgrade(self), stream, stopped, generation));
         tracing::debug!(generation, "redis pub/sub connection established");
         Ok(Live {
             sink,
             generation,
             subscribed: HashSet::new(),
             reader,
+            _stop: stop,
         })
     }
 
     /// Unsubscribes channels that have no local waiters any more, and
-    /// checks the connection with a PING. Returns false if the connection
-    /// did not answer.
-    async fn sweep(&self, generation: u64) -> bool {
-        let mut live = self.live.lock().await;
-        let Some(current) = live.as_mut().filter(|l| l.generation == generation) else {
-            return true;
+    /// checks the connection with a PING. A failed request loses the
+    /// connection.
+    async fn sweep(self: &Arc<Self>, generation: u64) {
+        let mut slot = self.slot.lock().await;
+        let Some(current) = slot.live.as_mut().filter(|l| l.generation == generation) else {
+            return;
         };
         let mut sink = current.sink.clone();
         let ping = self
@@ -174,8 +218,10 @@ impl Inner {
             })
             .await;
         if let Err(e) = ping {
+            // Also a silently dead connection (no FIN, a network black hole).
             tracing::debug!(error = %e, "redis pub/sub connection does not answer");
-            return false;
+            self.connection_lost(&mut slot, generation);
+            return;
         }
         let idle: Vec<String> = current
             .subscribed
@@ -184,7 +230,7 @@ impl Inner {
             .cloned()
             .collect();
         if idle.is_empty() {
-            return true;
+            return;
         }
         let mut sink = current.sink.clone();
         let request = idle.clone();
@@ -203,37 +249,49 @@ impl Inner {
                 }
                 tracing::trace!(channels = idle.len(), "unsubscribed idle channels");
             }
-            Err(e) => tracing::debug!(error = %e, "unsubscribing idle channels failed"),
+            Err(e) => {
+                tracing::debug!(error = %e, "unsubscribing idle channels failed");
+                self.connection_lost(&mut slot, generation);
+            }
         }
-        true
     }
 
     /// After a lost connection: subscribe the channels that still have
     /// waiters on a new connection, retrying with backoff, then wake them.
+    /// Started only by [`connection_lost`](Self::connection_lost), which
+    /// starts no second one while this runs; a loss during a round is seen
+    /// by that round (its SUBSCRIBE fails) or, once `resubscribing` is
+    /// cleared, starts a new task.
     ///
     /// Boxed with an explicit `Send` type: it breaks the cycle
-    /// connect -> read -> resubscribe -> connect for the compiler.
+    /// connect -> read -> connection_lost -> resubscribe -> connect for the
+    /// compiler.
     fn resubscribe(weak: Weak<Self>) -> Pin<Box<dyn Future<Output = ()> + Send>> {
         Box::pin(async move {
             let mut delay = Duration::from_millis(50);
             loop {
                 let Some(inner) = weak.upgrade() else { return };
-                let channels = inner.notifier.channels();
-                if channels.is_empty() {
-                    return;
-                }
-                let result = {
-                    let mut live = inner.live.lock().await;
-                    inner.subscribe_locked(&mut live, &channels).await
-                };
-                match result {
-                    Ok(()) => {
-                        tracing::debug!(channels = channels.len(), "resubscribed after reconnect");
-                        // Releases may have happened while we were away.
-                        inner.notifier.reset();
+                {
+                    let mut slot = inner.slot.lock().await;
+                    let channels = inner.notifier.channels();
+                    if channels.is_empty() {
+                        slot.resubscribing = false;
                         return;
                     }
-                    Err(e) => tracing::debug!(error = %e, "resubscribing failed; retrying"),
+                    match inner.subscribe_locked(&mut slot, &channels).await {
+                        Ok(()) => {
+                            slot.resubscribing = false;
+                            drop(slot);
+                            tracing::debug!(
+                                channels = channels.len(),
+                                "resubscribed after a lost connection"
+                            );
+                            // Releases may have happened while we were away.
+                            inner.notifier.reset();
+                            return;
+                        }
+                        Err(e) => tracing::debug!(error = %e, "resubscribing failed; retrying"),
+                    }
                 }
                 drop(inner);
                 tokio::time::sleep(delay).await;
@@ -243,12 +301,19 @@ impl Inner {
     }
 }
 
-/// Reads messages of one connection until it ends.
-async fn read(weak: Weak<Inner>, mut stream: PubSubStream, generation: u64) {
+/// Reads messages of one connection until it ends or its `Live` is dropped.
+async fn read(
+    weak: Weak<Inner>,
+    mut stream: PubSubStream,
+    mut stopped: oneshot::Receiver<()>,
+    generation: u64,
+) {
     let mut sweep = tokio::time::interval(SWEEP_INTERVAL);
     sweep.tick().await;
     loop {
         tokio::select! {
+            // The connection was replaced; whoever did it handled the loss.
+            _ = &mut stopped => return,
             message = stream.next() => {
                 let Some(message) = message else { break };
                 let Some(inner) = weak.upgrade() else { return };
@@ -258,23 +323,11 @@ async fn read(weak: Weak<Inner>, mut stream: PubSubStream, generation: u64) {
                 let Some(inner) = weak.upgrade() else { return };
                 // Sweeping waits for the server's confirmation, which the
                 // connection's own driver task reads, not this one.
-                if !inner.sweep(generation).await {
-                    // A silently dead connection (no FIN, e.g. a network
-                    // black hole): treat it as lost.
-                    break;
-                }
+                inner.sweep(generation).await;
             }
         }
     }
     let Some(inner) = weak.upgrade() else { return };
-    {
-        let mut live = inner.live.lock().await;
-        if live.as_ref().is_some_and(|l| l.generation == generation) {
-            *live = None;
-        }
-    }
-    tracing::debug!(generation, "redis pub/sub connection lost; waking waiters");
-    inner.notifier.reset();
-    drop(inner);
-    tokio::spawn(Inner::resubscribe(weak));
+    let mut slot = inner.slot.lock().await;
+    inner.connection_lost(&mut slot, generation);
 }

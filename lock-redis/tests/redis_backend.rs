@@ -31,12 +31,159 @@ fn rand_u64() -> u64 {
     h.finish()
 }
 
+/// A plain connection for the test's own commands. No response timeout: a
+/// command sent while the test stalls the server waits for the stall's end.
 async fn raw(url: &str) -> MultiplexedConnection {
     redis::Client::open(url)
         .unwrap()
-        .get_multiplexed_async_connection()
+        .get_multiplexed_async_connection_with_config(
+            &redis::AsyncConnectionConfig::new().set_response_timeout(None),
+        )
         .await
         .expect("raw connection to the test server")
+}
+
+/// How many clients are subscribed to `channel`.
+async fn numsub(conn: &mut MultiplexedConnection, channel: &str) -> i64 {
+    let (_, count): (String, i64) = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(channel)
+        .query_async(conn)
+        .await
+        .unwrap();
+    count
+}
+
+/// Waits (up to 10 s) until `channel` has exactly `want` subscribers.
+async fn await_numsub(conn: &mut MultiplexedConnection, channel: &str, want: i64, what: &str) {
+    await_numsub_within(conn, channel, want, what, Duration::from_secs(10)).await
+}
+
+/// Waits up to `within` until `channel` has exactly `want` subscribers.
+async fn await_numsub_within(
+    conn: &mut MultiplexedConnection,
+    channel: &str,
+    want: i64,
+    what: &str,
+    within: Duration,
+) {
+    let deadline = Instant::now() + within;
+    loop {
+        let count = numsub(conn, channel).await;
+        if count == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: {channel} has {count} subscribers, expected {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The server's clock (`TIME`) in microseconds.
+async fn server_time_us(conn: &mut MultiplexedConnection) -> u64 {
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(conn).await.unwrap();
+    secs * 1_000_000 + micros
+}
+
+/// `lock.acquire(key)` with a 10 s TTL on its own task, waiting up to `wait`.
+fn spawn_acquire(
+    lock: &Arc<RedisLock>,
+    key: &LockKey,
+    wait: Duration,
+) -> tokio::task::JoinHandle<Result<Option<Lease>, lock_core::LockError>> {
+    let lock = lock.clone();
+    let key = key.clone();
+    tokio::spawn(async move {
+        lock.acquire(&key, Duration::from_secs(10), Instant::now() + wait)
+            .await
+    })
+}
+
+/// A lock held for 60 s by one client and a waiter of another client,
+/// subscribed, that may wait 20 s: only a release notification can wake it.
+struct Waiting {
+    key: LockKey,
+    channel: String,
+    lease: Lease,
+    task: tokio::task::JoinHandle<Result<Option<Lease>, lock_core::LockError>>,
+}
+
+impl Waiting {
+    async fn start(
+        holder: &RedisLock,
+        waiter: &Arc<RedisLock>,
+        conn: &mut MultiplexedConnection,
+        prefix: &str,
+    ) -> Self {
+        let key = unique(prefix);
+        let channel = channel_of(&key);
+        let lease = acquired(
+            holder
+                .try_acquire(&key, Duration::from_secs(60))
+                .await
+                .unwrap(),
+        );
+        let task = spawn_acquire(waiter, &key, Duration::from_secs(20));
+        await_numsub(conn, &channel, 1, "the waiter subscribes").await;
+        Self {
+            key,
+            channel,
+            lease,
+            task,
+        }
+    }
+
+    /// Releases the holder's lock and returns the waiter's lease, checking
+    /// by the server's clock that the waiter got it while the holder's key
+    /// would still have been live (woken by the release, not by the TTL).
+    async fn release_wakes_the_waiter(
+        self,
+        holder: &RedisLock,
+        conn: &mut MultiplexedConnection,
+    ) -> Lease {
+        assert!(!self.task.is_finished(), "the lock is still held");
+        let now = server_time_us(conn).await;
+        let pttl: i64 = conn.pttl(lock_key_of(&self.key)).await.unwrap();
+        let holder_expiry = now + u64::try_from(pttl).expect("the holder's key has a TTL") * 1000;
+        holder.release(&self.lease).await.unwrap();
+        let got = self
+            .task
+            .await
+            .unwrap()
+            .unwrap()
+            .expect("the release wakes the waiter");
+        let acquired_by = server_time_us(conn).await;
+        assert!(
+            acquired_by < holder_expiry,
+            "the waiter got the lock only after the holder's TTL ran out"
+        );
+        assert!(got.fencing_token() > self.lease.fencing_token());
+        got
+    }
+}
+
+/// The release channel of `key` in the default namespace (test keys need no escaping).
+fn channel_of(key: &LockKey) -> String {
+    format!("distlock:{{{}}}:released", key.as_str())
+}
+
+/// The Redis key of lock `key` in the default namespace.
+fn lock_key_of(key: &LockKey) -> String {
+    format!("distlock:{{{}}}:lock", key.as_str())
+}
+
+/// Stalls the server: from the reply on, it runs no client's command for
+/// `ms` milliseconds (`CLIENT PAUSE … ALL`).
+async fn pause_all(conn: &mut MultiplexedConnection, ms: u64) {
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(ms)
+        .arg("ALL")
+        .query_async(conn)
+        .await
+        .unwrap();
 }
 
 fn acquired(attempt: AcquireAttempt) -> Lease {
@@ -194,19 +341,7 @@ async fn a_blocked_waiter_attempts_at_most_twice() {
             .unwrap(),
     );
     let mut monitor = Monitor::start(&url).await;
-    let task = {
-        let waiter = waiter.clone();
-        let key = key.clone();
-        tokio::spawn(async move {
-            waiter
-                .acquire(
-                    &key,
-                    Duration::from_secs(10),
-                    Instant::now() + Duration::from_secs(30),
-                )
-                .await
-        })
-    };
+    let task = spawn_acquire(&waiter, &key, Duration::from_secs(30));
     // The holder keeps the lock for 2 s.
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(!task.is_finished(), "the waiter must not get a held lock");
@@ -458,41 +593,8 @@ async fn waiters_resubscribe_after_the_pubsub_connection_is_killed() {
     let holder = RedisLock::connect(&url).await.unwrap();
     let waiter = Arc::new(RedisLock::connect(&url).await.unwrap());
     let mut conn = raw(&url).await;
-    let key = unique("resub");
-    // Held far beyond the waiter's deadline: only a notification can wake it.
-    let lease = acquired(
-        holder
-            .try_acquire(&key, Duration::from_secs(60))
-            .await
-            .unwrap(),
-    );
-    let task = {
-        let waiter = waiter.clone();
-        let key = key.clone();
-        tokio::spawn(async move {
-            waiter
-                .acquire(
-                    &key,
-                    Duration::from_secs(10),
-                    Instant::now() + Duration::from_secs(20),
-                )
-                .await
-        })
-    };
-    // Wait until the waiter is subscribed, then cut its pub/sub connection.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let channels: Vec<String> = redis::cmd("PUBSUB")
-            .arg("CHANNELS")
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        if !channels.is_empty() {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the waiter never subscribed");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let waiting = Waiting::start(&holder, &waiter, &mut conn, "resub").await;
+    // Cut its pub/sub connection.
     let killed: i64 = redis::cmd("CLIENT")
         .arg("KILL")
         .arg("TYPE")
@@ -502,26 +604,8 @@ async fn waiters_resubscribe_after_the_pubsub_connection_is_killed() {
         .unwrap();
     assert_eq!(killed, 1);
     // The waiter's client subscribes again on a new connection by itself.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let channels: Vec<String> = redis::cmd("PUBSUB")
-            .arg("CHANNELS")
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        if !channels.is_empty() {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the waiter never resubscribed");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(!task.is_finished());
-    holder.release(&lease).await.unwrap();
-    let got = task
-        .await
-        .unwrap()
-        .unwrap()
-        .expect("the release notification reached the resubscribed waiter");
+    await_numsub(&mut conn, &waiting.channel, 1, "the waiter resubscribes").await;
+    let got = waiting.release_wakes_the_waiter(&holder, &mut conn).await;
     waiter.release(&got).await.unwrap();
 }
 
@@ -553,18 +637,7 @@ async fn from_an_application_connection_manager() {
             .unwrap(),
         AcquireAttempt::Held { .. }
     ));
-    let waiting = {
-        let lock = lock.clone();
-        let key = key.clone();
-        tokio::spawn(async move {
-            lock.acquire(
-                &key,
-                Duration::from_secs(5),
-                Instant::now() + Duration::from_secs(20),
-            )
-            .await
-        })
-    };
+    let waiting = spawn_acquire(&lock, &key, Duration::from_secs(20));
     tokio::time::sleep(Duration::from_millis(100)).await;
     lock.release(&lease).await.unwrap();
     let again = waiting
@@ -573,4 +646,261 @@ async fn from_an_application_connection_manager() {
         .unwrap()
         .expect("woken by the release");
     lock.release(&again).await.unwrap();
+}
+
+/// Issue 12, bug 3: a SUBSCRIBE that times out (the server stalled) used to
+/// drop the shared pub/sub connection without resubscribing: every other
+/// waiter of the client lost its subscription and slept until the holder's
+/// TTL although the lock was released.
+#[tokio::test]
+async fn a_timed_out_subscribe_leaves_other_waiters_subscribed() {
+    let server = start(server::Redis::default());
+    let url = server.url();
+    let holder = RedisLock::connect(&url).await.unwrap();
+    // The stall below lasts 1.6 operation timeouts: a SUBSCRIBE sent at its
+    // start times out, a request sent after that timeout is answered in time.
+    let waiter = Arc::new(
+        RedisLock::connect(&format!("{url}/?operation_timeout_ms=500"))
+            .await
+            .unwrap(),
+    );
+    let mut conn = raw(&url).await;
+    let waiting = Waiting::start(&holder, &waiter, &mut conn, "stalled").await;
+
+    // From the reply on, the server runs no client's command for 800 ms.
+    pause_all(&mut conn, 800).await;
+    let other = waiter.watch(&unique("other")).await;
+    let err = other.expect_err("a SUBSCRIBE sent during the stall times out");
+    assert!(err.is_transient(), "{err}");
+
+    // The first waiter is subscribed again, and the release wakes it.
+    await_numsub(
+        &mut conn,
+        &waiting.channel,
+        1,
+        "the other waiter stays subscribed",
+    )
+    .await;
+    let got = waiting.release_wakes_the_waiter(&holder, &mut conn).await;
+    waiter.release(&got).await.unwrap();
+}
+
+/// Creates (or resets) the ACL user `name` with password `pw` and `rules`.
+async fn acl_user(admin: &mut MultiplexedConnection, name: &str, rules: &[&str]) {
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg(name)
+        .arg("reset")
+        .arg("on")
+        .arg(">pw")
+        .arg(rules)
+        .query_async(admin)
+        .await
+        .unwrap();
+}
+
+/// Issue 12, bug 9: an ACL user without `SCRIPT` (so no `SCRIPT LOAD`) used
+/// to connect and then fail every acquire with Config; the scripts are now
+/// sent with EVAL when the server does not have them. The user has exactly
+/// the permissions the crate docs list.
+#[tokio::test]
+async fn an_acl_user_without_script_permission_runs_the_scripts_with_eval() {
+    let server = start(server::Redis::default());
+    let mut admin = raw(&server.url()).await;
+    // Exactly the permissions the crate docs list (no SCRIPT).
+    acl_user(
+        &mut admin,
+        "noscript",
+        &[
+            "~distlock:*",
+            "&distlock:*",
+            "+evalsha",
+            "+eval",
+            "+subscribe",
+            "+unsubscribe",
+            "+ping",
+            "+type",
+            "+get",
+            "+set",
+            "+del",
+            "+pttl",
+            "+pexpire",
+            "+time",
+            "+publish",
+        ],
+    )
+    .await;
+    let flush = || async {
+        let mut admin = raw(&server.url()).await;
+        let _: () = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+    };
+    flush().await;
+    let url = format!("redis://noscript:pw@{}", server.addr());
+    let holder = RedisLock::connect(&url).await.unwrap();
+    let waiter = Arc::new(RedisLock::connect(&url).await.unwrap());
+
+    let key = unique("noscript");
+    let lease = acquired(
+        holder
+            .try_acquire(&key, Duration::from_secs(5))
+            .await
+            .unwrap(),
+    );
+    let lease = holder.extend(&lease, Duration::from_secs(5)).await.unwrap();
+    holder.release(&lease).await.unwrap();
+
+    // The script cache emptied (a restart, a failover): EVAL again.
+    flush().await;
+    let waiting = Waiting::start(&holder, &waiter, &mut admin, "noscript-wait").await;
+    let got = waiting.release_wakes_the_waiter(&holder, &mut admin).await;
+    flush().await;
+    assert!(matches!(
+        waiter.inspect(got.key()).await.unwrap(),
+        lock_core::LockState::Held { .. }
+    ));
+    assert!(waiter.force_release(got.key()).await.unwrap());
+}
+
+/// Issue 12, bug 9: an ACL user that cannot do what distlock needs is
+/// refused at connect, with a message naming the missing permission, instead
+/// of failing (or silently not notifying waiters) later.
+#[tokio::test]
+async fn acl_users_missing_permissions_are_refused_at_connect() {
+    let server = start(server::Redis::default());
+    let mut admin = raw(&server.url()).await;
+    let cases: &[(&str, &[&str], &str)] = &[
+        (
+            "noeval",
+            &["~distlock:*", "&distlock:*", "+@all", "-eval", "-evalsha"],
+            "EVAL",
+        ),
+        (
+            "nochannels",
+            &["~distlock:*", "resetchannels", "+@all"],
+            "&distlock:*",
+        ),
+        ("otherkeys", &["~other:*", "&*", "+@all"], "~distlock:*"),
+        (
+            "readonly",
+            &["%R~distlock:*", "&distlock:*", "+@all"],
+            "~distlock:*",
+        ),
+        (
+            "nopublish",
+            &["~distlock:*", "&distlock:*", "+@all", "-publish"],
+            "PUBLISH",
+        ),
+    ];
+    for (user, rules, named) in cases {
+        acl_user(&mut admin, user, rules).await;
+        let url = format!("redis://{user}:pw@{}", server.addr());
+        let err = RedisLock::connect(&url)
+            .await
+            .expect_err(&format!("{user} ({rules:?}) is refused at connect"));
+        assert_eq!(err.kind(), ErrorKind::Config, "{user}: {err}");
+        assert!(
+            err.message().contains(named),
+            "{user}: the message does not name {named:?}: {err}"
+        );
+        assert!(
+            !err.to_string().contains(":pw@"),
+            "the password leaked: {err}"
+        );
+    }
+    // The same user works in a namespace it may use.
+    let lock = RedisLock::connect(&format!(
+        "redis://otherkeys:pw@{}/?namespace=other",
+        server.addr()
+    ))
+    .await
+    .unwrap();
+    let lease = acquired(
+        lock.try_acquire(&unique("other"), Duration::from_secs(5))
+            .await
+            .unwrap(),
+    );
+    lock.release(&lease).await.unwrap();
+}
+
+/// Issue 12, bug 9: the release script deletes the key before it publishes;
+/// a refused PUBLISH (channel permission revoked) used to turn a release
+/// that happened into an error. Releases and force-releases now report
+/// success (the lost notification is logged; waiters fall back to timers).
+#[tokio::test]
+async fn a_release_whose_notification_is_refused_still_succeeds() {
+    let server = start(server::Redis::default());
+    let mut admin = raw(&server.url()).await;
+    acl_user(
+        &mut admin,
+        "revoked",
+        &["~distlock:*", "&distlock:*", "+@all"],
+    )
+    .await;
+    let lock = RedisLock::connect(&format!("redis://revoked:pw@{}", server.addr()))
+        .await
+        .unwrap();
+    let released = unique("revoked");
+    let forced = unique("revoked-forced");
+    let lease = acquired(
+        lock.try_acquire(&released, Duration::from_secs(30))
+            .await
+            .unwrap(),
+    );
+    acquired(
+        lock.try_acquire(&forced, Duration::from_secs(30))
+            .await
+            .unwrap(),
+    );
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("revoked")
+        .arg("resetchannels")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+
+    lock.release(&lease).await.unwrap();
+    assert!(lock.force_release(&forced).await.unwrap());
+    for key in [&released, &forced] {
+        let exists: bool = admin.exists(lock_key_of(key)).await.unwrap();
+        assert!(!exists, "{key:?} was released");
+    }
+    assert_eq!(
+        lock.release(&lease).await.unwrap_err().kind(),
+        ErrorKind::NotHeld
+    );
+}
+
+/// Issue 12, cancellation audit: a `watch` dropped (here by a timeout) while
+/// its SUBSCRIBE was in flight used to leave the channel subscribed on the
+/// server with no local waiter, never unsubscribed by the idle sweep.
+#[tokio::test]
+async fn a_watch_dropped_during_its_subscribe_leaves_no_subscription() {
+    let server = start(server::Redis::default());
+    let url = server.url();
+    let lock = RedisLock::connect(&url).await.unwrap();
+    let mut conn = raw(&url).await;
+    // Open the pub/sub connection, so the dropped call is in its SUBSCRIBE.
+    drop(lock.watch(&unique("first")).await.unwrap());
+    let key = unique("dropped");
+    let channel = channel_of(&key);
+
+    pause_all(&mut conn, 300).await;
+    let dropped = tokio::time::timeout(Duration::from_millis(100), lock.watch(&key)).await;
+    assert!(dropped.is_err(), "the server was paused: {dropped:?}");
+    // The server ran the SUBSCRIBE after the pause...
+    await_numsub(&mut conn, &channel, 1, "the SUBSCRIBE reached the server").await;
+    // ... and the idle sweep (every 10 s) takes it back.
+    await_numsub_within(
+        &mut conn,
+        &channel,
+        0,
+        "the channel nobody waits on is unsubscribed",
+        Duration::from_secs(25),
+    )
+    .await;
 }

@@ -1,14 +1,15 @@
 //! `guard::` — renewal, the lost signal, max hold, drop, hold-at-least.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use lock_core::{ErrorKind, LockOptions, LostReason, Renewal};
+use lock_core::{ErrorKind, Fire, LockOptions, Locker, LostReason, Renewal, ScheduledJob};
 
 use super::support::{
     acquire, background_bound, eventually_acquire, expect_kind, expiry_bound, refused, within,
 };
 use crate::context::{CaseResult, TestContext};
-use crate::{check, check_eq};
+use crate::{check, check_eq, Call, ObservedLock};
 
 /// Default renewal (every ttl/3) keeps the lock for 3x its TTL; another
 /// client is refused throughout.
@@ -325,5 +326,254 @@ pub async fn release_is_not_loss(ctx: TestContext) -> CaseResult {
         "a released guard reported its lock lost ({:?})",
         signal.reason()
     );
+    Ok(())
+}
+
+/// Suspected: `release()` must not count as done before the server
+/// answered. A caller that drops the release future (a timeout around it)
+/// leaves the lock to the guard's background release, not to its TTL.
+pub async fn dropped_release_future_still_releases(ctx: TestContext) -> CaseResult {
+    let observed = Arc::new(ObservedLock::new(ctx.client().await?));
+    let other = ctx.client().await?;
+    let key = ctx.key("guard");
+    let guard = Locker::new(observed.clone())
+        .try_lock(&key, &LockOptions::new(ctx.long_ttl()))
+        .await?
+        .ok_or("free key refused")?;
+    observed.hold_requests(Call::Release);
+    let release = tokio::spawn(guard.release());
+    within(
+        background_bound(),
+        observed.until_waiting(Call::Release, 1),
+        "the release request reaches the hold",
+    )
+    .await?;
+    // The caller gives up before the request was sent.
+    release.abort();
+    let _ = release.await;
+    observed.open(Call::Release);
+    let next = eventually_acquire(
+        &other,
+        &key,
+        ctx.long_ttl(),
+        background_bound(),
+        "after the release future was dropped (else held for the long TTL)",
+    )
+    .await?;
+    other.release(&next).await?;
+    Ok(())
+}
+
+/// Suspected: a max hold shorter than a third of the TTL was ignored (no
+/// renewal came before it, so the lock lasted the whole TTL). The lock must
+/// end at the max hold and `lost` fire by then.
+pub async fn short_max_hold_ends_lock_early(ctx: TestContext) -> CaseResult {
+    let locker = ctx.locker().await?;
+    let other = ctx.client().await?;
+    let key = ctx.key("guard");
+    let max_hold = ctx.short_ttl();
+    let options = LockOptions::new(ctx.long_ttl()).max_hold(max_hold);
+    let guard = locker
+        .try_lock(&key, &options)
+        .await?
+        .ok_or("free key refused")?;
+    let reason = within(
+        expiry_bound(max_hold),
+        guard.lost(),
+        "lost after a max hold far shorter than the TTL",
+    )
+    .await?;
+    check_eq!(reason, LostReason::Expired, "lost reason");
+    let next = eventually_acquire(
+        &other,
+        &key,
+        ctx.long_ttl(),
+        expiry_bound(max_hold),
+        "free after the max hold (not after the long TTL)",
+    )
+    .await?;
+    other.release(&next).await?;
+    drop(guard);
+    Ok(())
+}
+
+/// Bug 8: huge durations are typed errors or saturate, never a panic (a
+/// panic after the grant leaked the lease; one in the renewal task meant
+/// `lost` never fired).
+pub async fn huge_durations_rejected_or_saturated(ctx: TestContext) -> CaseResult {
+    let locker = ctx.locker().await?;
+    let other = ctx.client().await?;
+    let key = ctx.key("guard");
+    let long = ctx.long_ttl();
+    // A huge max hold means no limit.
+    let guard = locker
+        .try_lock(&key, &LockOptions::new(long).max_hold(Duration::MAX))
+        .await?
+        .ok_or("free key refused")?;
+    check!(
+        !guard.is_lost(),
+        "a guard with no effective max hold is lost"
+    );
+    guard.release().await?;
+    // A huge minimum hold cannot be kept by any server: refused up front.
+    expect_kind(
+        locker
+            .try_lock(&key, &LockOptions::new(long).hold_at_least(Duration::MAX))
+            .await,
+        ErrorKind::InvalidInput,
+        "hold_at_least(Duration::MAX)",
+    )?;
+    // A renewal period past the stop moment could never renew: refused.
+    expect_kind(
+        locker
+            .try_lock(
+                &key,
+                &LockOptions::new(long).renewal(Renewal::Every(Duration::MAX)),
+            )
+            .await,
+        ErrorKind::InvalidInput,
+        "Renewal::Every(Duration::MAX)",
+    )?;
+    // Nothing was left held by the refused calls.
+    let lease = acquire(&other, &key, long, "after the refused calls").await?;
+    other.release(&lease).await?;
+    // Scheduled jobs: a huge window or period is a typed error.
+    let name = ctx.key("guard-schedule").as_str().to_owned();
+    let job = ScheduledJob::new(name.clone(), Duration::from_secs(60))?.window(Duration::MAX);
+    expect_kind(
+        job.run(&locker, Fire::Now, |_| async {}).await,
+        ErrorKind::InvalidInput,
+        "ScheduledJob window(Duration::MAX)",
+    )?;
+    let job = ScheduledJob::new(name, Duration::MAX)?;
+    expect_kind(
+        job.run(&locker, Fire::Now, |_| async {}).await,
+        ErrorKind::InvalidInput,
+        "ScheduledJob with period Duration::MAX",
+    )?;
+    Ok(())
+}
+
+/// Stop before expiry: without renewal, `lost` fires the stop margin before
+/// the lease may run out — the server still holds the lock then, and the
+/// guard can still release it.
+pub async fn lost_fires_a_stop_margin_before_expiry(ctx: TestContext) -> CaseResult {
+    let locker = ctx.locker().await?;
+    let other = ctx.client().await?;
+    let key = ctx.key("guard");
+    let ttl = ctx.long_ttl();
+    // All but one second of the TTL is margin: lost fires about a second
+    // in, the server holds the lock for another minute.
+    let options = LockOptions::new(ttl)
+        .renewal(Renewal::Off)
+        .stop_margin(ttl - Duration::from_secs(1));
+    let guard = locker
+        .try_lock(&key, &options)
+        .await?
+        .ok_or("free key refused")?;
+    check!(
+        guard.stop_moment() < guard.lease().valid_until(),
+        "the stop moment is before the lease's conservative expiry"
+    );
+    let reason = within(background_bound(), guard.lost(), "lost at the stop moment").await?;
+    check_eq!(reason, LostReason::Expired, "lost reason");
+    refused(
+        &other,
+        &key,
+        "the server still holds the lock at the stop moment",
+    )
+    .await?;
+    guard.release().await?;
+    let next = acquire(
+        &other,
+        &key,
+        ctx.long_ttl(),
+        "after the stopped guard released",
+    )
+    .await?;
+    other.release(&next).await?;
+    Ok(())
+}
+
+/// A stop margin that leaves no time to hold the lock, or a renewal period
+/// that would come after the stop moment, is refused before anything is
+/// sent.
+pub async fn unworkable_stop_margin_rejected(ctx: TestContext) -> CaseResult {
+    let locker = ctx.locker().await?;
+    let key = ctx.key("guard");
+    let ttl = ctx.long_ttl();
+    for (options, what) in [
+        (
+            LockOptions::new(ttl).stop_margin(ttl),
+            "a margin as long as the TTL",
+        ),
+        (
+            LockOptions::new(ttl)
+                .stop_margin(ttl / 2)
+                .renewal(Renewal::Every(ttl / 2)),
+            "renewal at the stop moment",
+        ),
+        (
+            LockOptions::new(ttl).max_hold(Duration::ZERO),
+            "a zero max hold",
+        ),
+    ] {
+        expect_kind(
+            locker.try_lock(&key, &options).await,
+            ErrorKind::InvalidInput,
+            what,
+        )?;
+    }
+    let lease = acquire(&ctx.client().await?, &key, ttl, "nothing was sent").await?;
+    ctx.client().await?.release(&lease).await.ok();
+    Ok(())
+}
+
+/// `acquire_unless`: cancelled while the server's grant is on its way, it
+/// returns only after that lease was released (a process may exit at once
+/// and leave nothing held).
+pub async fn cancelled_acquire_releases_before_returning(ctx: TestContext) -> CaseResult {
+    let slow = Arc::new(ObservedLock::new(ctx.client().await?));
+    let locker = Locker::new(slow.clone());
+    let other = ctx.client().await?;
+    let key = ctx.key("guard");
+    slow.hold_replies(Call::Acquire);
+    let (cancel_tx, cancel_rx) = tokio::sync::oneshot::channel::<()>();
+    let acquiring = {
+        let key = key.clone();
+        let options = LockOptions::new(ctx.long_ttl()).wait(ctx.long_ttl());
+        tokio::spawn(async move {
+            locker
+                .acquire_unless(&key, &options, async {
+                    let _ = cancel_rx.await;
+                })
+                .await
+        })
+    };
+    within(
+        background_bound(),
+        slow.until_waiting(Call::Acquire, 1),
+        "the grant reaches the hold",
+    )
+    .await?;
+    let _ = cancel_tx.send(());
+    slow.open(Call::Acquire);
+    let result = within(background_bound(), acquiring, "the cancelled acquire")
+        .await?
+        .map_err(|e| format!("acquire task panicked: {e}"))??;
+    check!(result.is_none(), "a cancelled acquire returned a guard");
+    check!(
+        slow.last_granted().is_some(),
+        "the server had granted the lock"
+    );
+    // Released before acquire_unless returned: free now, not after 60 s.
+    let lease = acquire(
+        &other,
+        &key,
+        ctx.long_ttl(),
+        "right after the cancelled acquire",
+    )
+    .await?;
+    other.release(&lease).await?;
     Ok(())
 }

@@ -161,6 +161,12 @@ pub fn all() -> Vec<Case> {
         hold_at_least_elapsed_releases,
         try_lock_and_accessors,
         release_is_not_loss,
+        dropped_release_future_still_releases,
+        short_max_hold_ends_lock_early,
+        huge_durations_rejected_or_saturated,
+        lost_fires_a_stop_margin_before_expiry,
+        unworkable_stop_margin_rejected,
+        cancelled_acquire_releases_before_returning,
     ));
     all.extend(cases!(exclusion:
         counter_is_exact,
@@ -179,6 +185,10 @@ pub fn all() -> Vec<Case> {
         job_finishing_after_loss_is_not_completed,
         dyn_job_code_runs_unchanged,
         sequential_runs_grow_tokens,
+        expired_grant_never_runs_job,
+        late_grant_inside_margin_never_runs_job,
+        no_job_step_after_lost,
+        grant_inside_margin_is_released,
     ));
     all.extend(cases!(admin:
         inspect_reports_holder => Needs::Admin,
@@ -190,6 +200,8 @@ pub fn all() -> Vec<Case> {
         one_run_per_fire_with_shifted_tickers,
         one_run_per_fire_with_skewed_clocks,
         long_run_skips_next_fire,
+        failed_run_start_frees_the_fire,
+        lost_run_frees_the_fire,
     ));
     all.extend(cases!(fault:
         killed_holder_process_expires => Needs::Server,

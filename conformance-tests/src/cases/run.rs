@@ -7,15 +7,15 @@ use std::time::Duration;
 
 use lock_core::{
     AcquireAttempt, DistributedLock, ErrorKind, Lease, LockError, LockKey, LockOptions, Locker,
-    LostReason, OnLost, RunOptions, RunOutcome,
+    LostReason, OnLost, Renewal, RunOptions, RunOutcome,
 };
 use tokio::sync::oneshot;
 
 use super::support::{
-    acquire, background_bound, eventually_acquire, expiry_bound, refused, within,
+    acquire, background_bound, eventually_acquire, expect_kind, expiry_bound, refused, within,
 };
 use crate::context::{CaseResult, TestContext};
-use crate::{check, check_eq, ObservedLock};
+use crate::{check, check_eq, Call, ObservedLock};
 
 pub async fn completed_returns_output_and_token(ctx: TestContext) -> CaseResult {
     let locker = ctx.locker().await?;
@@ -361,5 +361,176 @@ pub async fn sequential_runs_grow_tokens(ctx: TestContext) -> CaseResult {
             other => return Err(format!("run {i}: expected Completed, got {other:?}").into()),
         }
     }
+    Ok(())
+}
+
+/// Bug 6: the server granted the lock, but the reply came after the lease
+/// ran out and another client took the key. The job must never run on it;
+/// the call fails with a typed Timeout, and the other client keeps the key.
+pub async fn expired_grant_never_runs_job(ctx: TestContext) -> CaseResult {
+    let slow = Arc::new(ObservedLock::new(ctx.client().await?));
+    let locker = Locker::new(slow.clone());
+    let other = ctx.client().await?;
+    let key = ctx.key("run");
+    let ttl = ctx.short_ttl();
+    slow.hold_replies(Call::Acquire);
+    let ran = Arc::new(AtomicBool::new(false));
+    let run = {
+        let (key, ran) = (key.clone(), ran.clone());
+        let options = RunOptions::new(LockOptions::new(ttl));
+        tokio::spawn(async move {
+            locker
+                .run_exclusive(&key, &options, |_| async move {
+                    ran.store(true, Ordering::SeqCst)
+                })
+                .await
+        })
+    };
+    within(
+        background_bound(),
+        slow.until_waiting(Call::Acquire, 1),
+        "the acquire reply reaches the hold",
+    )
+    .await?;
+    check!(
+        slow.last_granted().is_some(),
+        "the held reply should be a grant (the key was free)"
+    );
+    // The lease runs out on the server while its reply is held.
+    let theirs = eventually_acquire(
+        &other,
+        &key,
+        ctx.long_ttl(),
+        expiry_bound(ttl),
+        "another client once the held grant expired",
+    )
+    .await?;
+    slow.open(Call::Acquire);
+    let result = within(
+        background_bound(),
+        run,
+        "run_exclusive after the late reply",
+    )
+    .await?
+    .map_err(|e| format!("run task panicked: {e}"))?;
+    check!(
+        !ran.load(Ordering::SeqCst),
+        "the job ran on a lease that had expired before its grant arrived (another client held the key): {result:?}"
+    );
+    expect_kind(result, ErrorKind::Timeout, "a grant that arrived expired")?;
+    refused(
+        &ctx.client().await?,
+        &key,
+        "the other client keeps the lock",
+    )
+    .await?;
+    other.release(&theirs).await?;
+    Ok(())
+}
+
+/// Bug 6: a grant whose reply arrives with less than the stop margin left
+/// (default: a third of the TTL) is not handed to the job either.
+pub async fn late_grant_inside_margin_never_runs_job(ctx: TestContext) -> CaseResult {
+    let slow = Arc::new(ObservedLock::new(ctx.client().await?));
+    let locker = Locker::new(slow.clone());
+    let key = ctx.key("run");
+    let ttl = ctx.short_ttl();
+    // Four fifths of the TTL late: less than a fifth is left, inside the
+    // default margin of a third, whatever the load (more delay is deeper).
+    slow.delay_replies(Call::Acquire, ttl * 4 / 5);
+    let ran = Arc::new(AtomicBool::new(false));
+    let flag = ran.clone();
+    let options = RunOptions::new(LockOptions::new(ttl));
+    let result = within(
+        background_bound() + ttl,
+        locker.run_exclusive(&key, &options, |_| async move {
+            flag.store(true, Ordering::SeqCst)
+        }),
+        "run_exclusive with a late reply",
+    )
+    .await?;
+    check!(
+        !ran.load(Ordering::SeqCst),
+        "the job ran on a lease granted inside its stop margin: {result:?}"
+    );
+    expect_kind(result, ErrorKind::Timeout, "a grant inside the stop margin")?;
+    Ok(())
+}
+
+/// Bug 6: once the lost signal fired, no further step of the job runs
+/// (lost is polled before the job), even a step that was woken by the same
+/// signal.
+pub async fn no_job_step_after_lost(ctx: TestContext) -> CaseResult {
+    let locker = ctx.locker().await?;
+    let key = ctx.key("run");
+    let ttl = ctx.short_ttl();
+    let options = RunOptions::new(LockOptions::new(ttl).renewal(Renewal::Off));
+    let stepped = Arc::new(AtomicBool::new(false));
+    let flag = stepped.clone();
+    let outcome = within(
+        expiry_bound(ttl),
+        locker.run_exclusive(&key, &options, |job| async move {
+            job.lost.wait().await;
+            // A step after the loss: Stop must drop the job before it.
+            flag.store(true, Ordering::SeqCst);
+        }),
+        "run_exclusive until the lease runs out",
+    )
+    .await??;
+    check!(
+        !stepped.load(Ordering::SeqCst),
+        "a job step ran after the lost signal fired ({outcome:?})"
+    );
+    match outcome {
+        RunOutcome::Lost { output, reason, .. } => {
+            check!(output.is_none(), "a stopped job has no output");
+            check_eq!(reason, LostReason::Expired, "lost reason");
+        }
+        other => return Err(format!("expected Lost, got {other:?}").into()),
+    }
+    Ok(())
+}
+
+/// A grant that arrives inside its stop margin is released at once (not
+/// left to expire) and reported; the job does not run.
+pub async fn grant_inside_margin_is_released(ctx: TestContext) -> CaseResult {
+    let slow = Arc::new(ObservedLock::new(ctx.client().await?));
+    let locker = Locker::new(slow.clone());
+    let key = ctx.key("run");
+    let ttl = ctx.long_ttl();
+    // The stop moment is under half a second after the request; the reply
+    // comes a second after the server answered. The server holds the lock
+    // for the whole minute unless it is released.
+    let options = RunOptions::new(
+        LockOptions::new(ttl)
+            .renewal(Renewal::Off)
+            .stop_margin(ttl - Duration::from_secs(1)),
+    );
+    slow.delay_replies(Call::Acquire, Duration::from_secs(1));
+    let ran = Arc::new(AtomicBool::new(false));
+    let flag = ran.clone();
+    let result = within(
+        background_bound(),
+        locker.run_exclusive(&key, &options, |_| async move {
+            flag.store(true, Ordering::SeqCst)
+        }),
+        "run_exclusive with a late reply",
+    )
+    .await?;
+    check!(!ran.load(Ordering::SeqCst), "the job ran: {result:?}");
+    expect_kind(result, ErrorKind::Timeout, "a grant inside the stop margin")?;
+    check!(
+        slow.last_granted().is_some(),
+        "the server had granted the lock"
+    );
+    let other = ctx.client().await?;
+    let lease = acquire(
+        &other,
+        &key,
+        ctx.long_ttl(),
+        "right after the refused grant",
+    )
+    .await?;
+    other.release(&lease).await?;
     Ok(())
 }

@@ -6,11 +6,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lock_core::{
-    Fire, LockOptions, Locker, RunOptions, ScheduledJob, ScheduledOutcome, SkipReason,
+    DistributedLock, ErrorKind, Fire, LockOptions, Locker, RunOptions, ScheduledJob,
+    ScheduledOutcome, SkipReason,
 };
 
+use super::support::{self, acquire, expect_kind, expiry_bound};
 use crate::context::{CaseResult, TestContext};
-use crate::{check, check_eq};
+use crate::{check, check_eq, Call, ObservedLock};
 
 const PERIOD: Duration = Duration::from_secs(1);
 const FIRES: u64 = 20;
@@ -251,6 +253,95 @@ pub async fn long_run_skips_next_fire(ctx: TestContext) -> CaseResult {
     check!(
         matches!(long, ScheduledOutcome::Ran { .. }),
         "the long run completed: {long:?}"
+    );
+    Ok(())
+}
+
+/// Bug 7: an error taking the `@running` key on the instance that took the
+/// fire must not make every instance skip the fire: the fire key is
+/// released, the next instance runs it, the one after skips.
+pub async fn failed_run_start_frees_the_fire(ctx: TestContext) -> CaseResult {
+    let job = ScheduledJob::new(ctx.key("failed-start").as_str(), Duration::from_secs(60))?;
+    let faulty = Arc::new(ObservedLock::new(ctx.client().await?));
+    faulty.fail_next(Call::Acquire, &job.running_key()?, ErrorKind::Unavailable);
+    let fire = Fire::At(SystemTime::now());
+    let first = job
+        .run(&Locker::new(faulty.clone()), fire, |_| async { "first" })
+        .await;
+    expect_kind(
+        first,
+        ErrorKind::Unavailable,
+        "the instance whose @running acquire failed",
+    )?;
+    next_instance_runs(&ctx, &job, fire, "the fire never ran").await?;
+    let third = job
+        .run(&ctx.locker().await?, fire, |_| async { "third" })
+        .await?;
+    check_eq!(
+        third,
+        ScheduledOutcome::Skipped(SkipReason::FireAlreadyTaken),
+        "the instance after the run"
+    );
+    Ok(())
+}
+
+/// Bug 7: a run stopped because its lock was lost did not run the fire to
+/// the end: the fire key is released so another instance can run it.
+pub async fn lost_run_frees_the_fire(ctx: TestContext) -> CaseResult {
+    let ttl = ctx.short_ttl();
+    let job = ScheduledJob::new(ctx.key("lost-run").as_str(), Duration::from_secs(60))?.ttl(ttl);
+    let observed = Arc::new(ObservedLock::new(ctx.client().await?));
+    let thief = ctx.client().await?;
+    let fire = Fire::At(SystemTime::now());
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let first = {
+        let (job, locker) = (job.clone(), Locker::new(observed.clone()));
+        tokio::spawn(async move {
+            job.run(&locker, fire, |_| async move {
+                let _ = started_tx.send(());
+                std::future::pending::<()>().await;
+            })
+            .await
+        })
+    };
+    started_rx
+        .await
+        .map_err(|_| "the first run never started")?;
+    // The @running lease (granted after the fire key's) is deleted behind
+    // the guard's back and taken by someone else: the run is stopped.
+    let running = observed.last_granted().ok_or("no lease was granted")?;
+    check_eq!(
+        running.key().clone(),
+        job.running_key()?,
+        "the last grant is the @running key"
+    );
+    observed.release(&running).await?;
+    let stolen = acquire(&thief, running.key(), ctx.long_ttl(), "thief").await?;
+    let first = support::within(expiry_bound(ttl), first, "the stopped run")
+        .await?
+        .map_err(|e| format!("first run panicked: {e}"))??;
+    check!(
+        matches!(first, ScheduledOutcome::Lost { .. }),
+        "expected Lost, got {first:?}"
+    );
+    thief.release(&stolen).await?;
+    next_instance_runs(&ctx, &job, fire, "the stopped fire was not run again").await?;
+    Ok(())
+}
+
+/// Another instance runs `fire` of `job` (it was not left taken).
+async fn next_instance_runs(
+    ctx: &TestContext,
+    job: &ScheduledJob,
+    fire: Fire,
+    what: &str,
+) -> CaseResult {
+    let next = job
+        .run(&ctx.locker().await?, fire, |_| async { "next" })
+        .await?;
+    check!(
+        matches!(next, ScheduledOutcome::Ran { output: "next", .. }),
+        "{what}: the next instance got {next:?}"
     );
     Ok(())
 }

@@ -11,10 +11,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 mod etcd;
+mod pgbouncer;
 mod postgres;
 mod redis;
 
 pub use self::etcd::Etcd;
+pub use self::pgbouncer::{PgBouncer, PoolMode};
 pub use self::postgres::Postgres;
 pub use self::redis::Redis;
 
