@@ -29,6 +29,7 @@
 //!
 //! The URL takes distlock's query parameters `namespace`, `schema`, `table`,
 //! `connect_timeout_ms` and `operation_timeout_ms` (see [`PostgresConfig`]).
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod backend;

@@ -78,6 +78,7 @@
 //! earlier one. Like every Redis lock, tokens also restart if the server
 //! loses its data (no persistence, failover to a lagging replica):
 //! `Capabilities::durable` is `false`.
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod backend;
