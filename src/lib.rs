@@ -7,9 +7,14 @@
 //! | URL scheme               | cargo feature | backend |
 //! |--------------------------|---------------|---------|
 //! | `memory://[name]`        | (always)      | [`MemoryLock`], in-process |
-//! | `redis://`, `rediss://`  | `redis`       | `lock_redis::RedisLock` |
+//! | `redis://`               | `redis`       | `lock_redis::RedisLock` |
+//! | `rediss://` (TLS)        | `redis-tls`   | `lock_redis::RedisLock` |
 //! | `etcd://`                | `etcd`        | `lock_etcd::EtcdLock` |
 //! | `postgres://`, `postgresql://` | `postgres` | `lock_postgres::PostgresLock` |
+//!
+//! `full` enables `redis`, `etcd` and `postgres`; `tower` adds
+//! `layer::LockLayer`. Building with `etcd` needs `protoc` and the protobuf
+//! well-known types (see the README).
 //!
 //! ```
 //! use std::time::Duration;
@@ -29,6 +34,7 @@
 //! # Ok(()) }
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 use std::collections::HashMap;
@@ -104,7 +110,12 @@ async fn connect_redis(url: &str) -> Result<Arc<dyn DistributedLock>, LockError>
 }
 #[cfg(not(feature = "redis"))]
 async fn connect_redis(url: &str) -> Result<Arc<dyn DistributedLock>, LockError> {
-    Err(missing_feature("redis", url))
+    // `redis-tls` turns on `redis` as well; naming it saves a second round.
+    let tls = url
+        .get(..9)
+        .is_some_and(|s| s.eq_ignore_ascii_case("rediss://"));
+    let feature = if tls { "redis-tls" } else { "redis" };
+    Err(missing_feature(feature, url))
 }
 
 #[cfg(feature = "etcd")]

@@ -1,10 +1,15 @@
 //! The distlock contract: one distributed-lock API over several lock servers.
 //!
 //! - [`DistributedLock`] is what a backend implements: a few operations the
-//!   server does atomically (try-acquire, extend, release, watch).
+//!   server does atomically (try-acquire, extend, release, watch), and
+//!   optionally the operator calls inspect and force-release
+//!   ([`Capabilities::admin`]).
 //! - [`Locker`], [`LockGuard`] and [`run_exclusive`] are built once on top
 //!   of it: waiting with a deadline, renewal, the lost signal, hold-at-least.
+//! - [`ScheduledJob`] runs a job once per schedule fire across instances;
+//!   [`JobKey`] derives a lock key from a job name and its arguments.
 //! - [`MemoryLock`] is the in-process backend.
+//! - [`LockError`] carries an [`ErrorKind`] to match on.
 //!
 //! ```
 //! use std::time::Duration;
@@ -22,6 +27,7 @@
 //! }
 //! # Ok(()) }
 //! ```
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod backend;
