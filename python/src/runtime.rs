@@ -86,19 +86,23 @@ where
 {
     Ok(handle()?.spawn(async move {
         let result = future.await;
-        Python::attach(|py| {
-            let (ok, value) = match result.and_then(|value| {
-                value
-                    .into_pyobject(py)
-                    .map(|bound| bound.into_any().unbind())
-                    .map_err(Into::into)
-            }) {
-                Ok(value) => (true, value),
-                Err(error) => (false, error.into_value(py).into_any()),
-            };
-            if let Err(error) = done.call1(py, (ok, value)) {
-                error.write_unraisable(py, None);
-            }
+        // Waiting for the GIL must not hold up a runtime worker (renewals).
+        let callback = tokio::task::spawn_blocking(move || {
+            Python::attach(|py| {
+                let (ok, value) = match result.and_then(|value| {
+                    value
+                        .into_pyobject(py)
+                        .map(|bound| bound.into_any().unbind())
+                        .map_err(Into::into)
+                }) {
+                    Ok(value) => (true, value),
+                    Err(error) => (false, error.into_value(py).into_any()),
+                };
+                if let Err(error) = done.call1(py, (ok, value)) {
+                    error.write_unraisable(py, None);
+                }
+            })
         });
+        let _ = callback.await;
     }))
 }

@@ -6,6 +6,7 @@ import glob
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -67,6 +68,10 @@ def accepts(port):
 class Server:
     """A server process in its own temporary directory."""
 
+    #: The signal that stops the server at once (PostgreSQL's SIGTERM would
+    #: wait for every client to disconnect).
+    stop_signal = signal.SIGTERM
+
     def __init__(self, name):
         self.name = name
         self.dir = tempfile.mkdtemp(prefix=f"distlock-py-{name}-")
@@ -89,7 +94,7 @@ class Server:
 
     def stop(self):
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+            self.process.send_signal(self.stop_signal)
             try:
                 self.process.wait(10)
             except subprocess.TimeoutExpired:
@@ -160,6 +165,7 @@ def _as_postgres_user():
 
 def start_postgres():
     server = Server("postgres")
+    server.stop_signal = signal.SIGINT
     initdb = binary("initdb", f"{POSTGRES_BIN}/initdb")
     postgres = binary("postgres", f"{POSTGRES_BIN}/postgres")
     as_user = _as_postgres_user()

@@ -320,3 +320,17 @@ def test_exceptions_form_one_hierarchy():
         assert issubclass(kind, distlock.LockError)
         assert kind.__module__ == "distlock"
     assert issubclass(distlock.LockLost, distlock.NotHeld)
+
+
+def test_hold_at_least_keeps_the_lock_after_release(backend):
+    locker = distlock.connect(backend.url)
+    locker.lock("at-least", ttl=5, hold_at_least=30).release()
+    with pytest.raises(distlock.LockHeld):
+        locker.lock("at-least", ttl=5)
+
+
+def test_max_hold_stops_renewal(backend):
+    locker = distlock.connect(backend.url)
+    guard = locker.lock("at-most", ttl=1, max_hold=0.5)
+    assert guard.wait_lost(timeout=30)
+    assert "ran out" in guard.lost_reason
