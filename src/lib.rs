@@ -1,15 +1,20 @@
 //! **distlock** — one distributed-lock API over Redis, etcd, PostgreSQL and
 //! memory.
 //!
-//! Job code is written once against [`Locker`] / [`DistributedLock`]; which
+//! Job code is written once against [`Locker`] / [`LockClient`]; which
 //! server holds the lock is a cargo feature plus a URL given to [`connect`].
 //!
 //! | URL scheme               | cargo feature | backend |
 //! |--------------------------|---------------|---------|
 //! | `memory://[name]`        | (always)      | [`MemoryLock`], in-process |
-//! | `redis://`, `rediss://`  | `redis`       | `lock_redis::RedisLock` |
+//! | `redis://`               | `redis`       | `lock_redis::RedisLock` |
+//! | `rediss://` (TLS)        | `redis-tls`   | `lock_redis::RedisLock` |
 //! | `etcd://`                | `etcd`        | `lock_etcd::EtcdLock` |
 //! | `postgres://`, `postgresql://` | `postgres` | `lock_postgres::PostgresLock` |
+//!
+//! `full` enables `redis`, `etcd` and `postgres`; `tower` adds
+//! `layer::LockLayer`. Building with `etcd` needs `protoc` and the protobuf
+//! well-known types (see the README).
 //!
 //! ```
 //! use std::time::Duration;
@@ -29,6 +34,7 @@
 //! # Ok(()) }
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 use std::collections::HashMap;
@@ -60,13 +66,22 @@ pub use lock_redis as redis;
 
 type Connecting = Pin<Box<dyn Future<Output = Result<LockClient, LockError>> + Send>>;
 
-/// A backend the facade can open: the URL schemes it declares, the cargo
-/// feature that builds it, and how to connect (`None` when the feature is
-/// off).
+/// A backend the facade can open: the URL schemes it declares, each with the
+/// cargo feature that enables it, and how to connect (`None` when the
+/// backend's feature is off).
 struct Backend {
     feature: &'static str,
-    schemes: &'static [&'static str],
+    schemes: &'static [(&'static str, &'static str)],
     connect: Option<fn(String) -> Connecting>,
+}
+
+impl Backend {
+    fn feature_for(&self, scheme: &str) -> Option<&'static str> {
+        self.schemes
+            .iter()
+            .find(|(s, _)| *s == scheme)
+            .map(|(_, feature)| *feature)
+    }
 }
 
 /// `Some(connect)` for a backend whose feature is on, else `None`.
@@ -92,17 +107,18 @@ fn backends() -> [Backend; 3] {
     [
         Backend {
             feature: "redis",
-            schemes: &["redis", "rediss"],
+            // TLS needs `redis-tls` (which turns `redis` on too).
+            schemes: &[("redis", "redis"), ("rediss", "redis-tls")],
             connect: connector!("redis", lock_redis::RedisLock),
         },
         Backend {
             feature: "etcd",
-            schemes: &["etcd"],
+            schemes: &[("etcd", "etcd")],
             connect: connector!("etcd", lock_etcd::EtcdLock),
         },
         Backend {
             feature: "postgres",
-            schemes: &["postgres", "postgresql"],
+            schemes: &[("postgres", "postgres"), ("postgresql", "postgres")],
             connect: connector!("postgres", lock_postgres::PostgresLock),
         },
     ]
@@ -125,7 +141,7 @@ pub async fn connect(url: &str) -> Result<LockClient, LockError> {
     let known = || {
         let mut schemes = vec!["memory://".to_owned()];
         for backend in backends() {
-            schemes.extend(backend.schemes.iter().map(|s| format!("{s}://")));
+            schemes.extend(backend.schemes.iter().map(|(s, _)| format!("{s}://")));
         }
         schemes.join(", ")
     };
@@ -141,9 +157,9 @@ pub async fn connect(url: &str) -> Result<LockClient, LockError> {
     if scheme == "memory" {
         return Ok(memory_server(rest).client());
     }
-    let Some(backend) = backends()
+    let Some((backend, feature)) = backends()
         .into_iter()
-        .find(|b| b.schemes.contains(&scheme.as_str()))
+        .find_map(|b| b.feature_for(&scheme).map(|feature| (b, feature)))
     else {
         return Err(LockError::config(format!(
             "unknown lock URL scheme {scheme:?}; expected one of {}",
@@ -153,8 +169,7 @@ pub async fn connect(url: &str) -> Result<LockClient, LockError> {
     match backend.connect {
         Some(connect) => connect(url.to_owned()).await,
         None => Err(LockError::config(format!(
-            "{scheme}:// URLs need the `{feature}` feature of distlock; enable it in Cargo.toml: distlock = {{ version = \"0.1\", features = [\"{feature}\"] }}",
-            feature = backend.feature
+            "{scheme}:// URLs need the `{feature}` feature of distlock; enable it in Cargo.toml: distlock = {{ version = \"0.1\", features = [\"{feature}\"] }}"
         ))),
     }
 }
@@ -182,7 +197,8 @@ mod tests {
                 "postgres" => lock_postgres::SCHEMES,
                 _ => continue,
             };
-            assert_eq!(backend.schemes, declared, "{}", backend.feature);
+            let schemes: Vec<&str> = backend.schemes.iter().map(|(s, _)| *s).collect();
+            assert_eq!(schemes, declared, "{}", backend.feature);
         }
     }
 }

@@ -26,12 +26,33 @@ async fn bad_urls_are_config_errors() {
     }
 }
 
+/// `url` fails with a Config error naming `feature`.
+#[cfg(not(all(feature = "redis", feature = "etcd", feature = "postgres")))]
+async fn assert_names_feature(url: &str, feature: &str) {
+    let err = distlock::connect(url).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{url}: {err}");
+    assert!(
+        err.to_string().contains(&format!("`{feature}` feature")),
+        "{url}: {err}"
+    );
+}
+
 #[cfg(not(feature = "redis"))]
 #[tokio::test]
-async fn disabled_backend_names_its_feature() {
-    let err = distlock::connect("redis://127.0.0.1:6379")
-        .await
-        .unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::Config);
-    assert!(err.to_string().contains("`redis` feature"), "{err}");
+async fn disabled_redis_names_its_feature() {
+    assert_names_feature("redis://127.0.0.1:6379", "redis").await;
+    assert_names_feature("rediss://127.0.0.1:6379", "redis-tls").await;
+}
+
+#[cfg(not(feature = "etcd"))]
+#[tokio::test]
+async fn disabled_etcd_names_its_feature() {
+    assert_names_feature("etcd://127.0.0.1:2379", "etcd").await;
+}
+
+#[cfg(not(feature = "postgres"))]
+#[tokio::test]
+async fn disabled_postgres_names_its_feature() {
+    assert_names_feature("postgres://u:p@127.0.0.1/db", "postgres").await;
+    assert_names_feature("postgresql://u:p@127.0.0.1/db", "postgres").await;
 }

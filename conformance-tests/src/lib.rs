@@ -22,7 +22,8 @@
 //! ```
 //!
 //! Every case becomes its own test named `group::case` (`basic::`, `input::`,
-//! `fencing::`, `wait::`, `guard::`, `exclusion::`, `run::`, `fault::`), so
+//! `fencing::`, `wait::`, `guard::`, `exclusion::`, `run::`, `admin::`,
+//! `schedule::`, `fault::`), so
 //! new cases reach every backend automatically. A case the backend cannot
 //! support (per its declared [`Capabilities`](lock_core::Capabilities)) is
 //! reported as `ignored` with the reason, never as a pass. Each case uses
@@ -38,6 +39,7 @@
 //! the case is ignored with the reason. `DISTLOCK_TORTURE_SECS` sets the
 //! length of `fault::exclusion_torture` (default 30), and
 //! `DISTLOCK_CONFORMANCE_MEASURE=1` prints the fault cases' measured times.
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod cases;

@@ -12,8 +12,8 @@ pub enum ErrorKind {
     /// The lease is no longer held: it was released, it expired, or another
     /// owner holds the key now.
     NotHeld,
-    /// The lock server could not be reached or refused the connection
-    /// (including authentication failures). Retrying later may succeed.
+    /// The lock server could not be reached or refused the connection.
+    /// Retrying later may succeed.
     Unavailable,
     /// A network operation did not finish within its configured timeout
     /// (whether it took effect on the server is unknown), or a lock was
@@ -23,7 +23,8 @@ pub enum ErrorKind {
     /// A value at a lock key was not written by distlock (or was edited into an
     /// impossible state). It is reported and never overwritten.
     Corrupted,
-    /// The backend is misconfigured (bad URL, missing cargo feature).
+    /// The backend is misconfigured (bad URL, wrong credentials or
+    /// permissions, missing cargo feature). Retrying cannot help.
     Config,
     /// The backend does not implement this optional operation (see
     /// [`LockBackend::admin`](crate::LockBackend::admin)).

@@ -154,6 +154,25 @@ mod tests {
     }
 
     #[test]
+    fn python_binding_key_pinned() {
+        // The Python package's `job_key("tasks.send_invoice", [7],
+        // {"month": "2026-11", "retry_id": "x1"}, only=[0, "month"])` hashes
+        // positional arguments under their index; python/tests pins the same
+        // key (computed independently with hashlib over
+        // {"0":7,"month":"2026-11"}).
+        let key = JobKey::new("tasks.send_invoice")
+            .args(&json!({"0": 7, "month": "2026-11", "retry_id": "x1"}))
+            .unwrap()
+            .only(&["0", "month"])
+            .key()
+            .unwrap();
+        assert_eq!(
+            key.as_str(),
+            "tasks.send_invoice:eec490f9a2834d2eaf90d81bfb820aef"
+        );
+    }
+
+    #[test]
     fn long_arguments_fit() {
         let big = "x".repeat(10_000);
         let key = JobKey::new("j")

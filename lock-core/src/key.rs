@@ -18,6 +18,12 @@ pub const MAX_KEY_BYTES: usize = 512;
 /// let key = LockKey::new("reports/nightly")?;
 /// assert_eq!(key.as_str(), "reports/nightly");
 /// assert!(LockKey::new("a\0b").is_err());
+/// // A key over the limit is refused with a pointer to `JobKey`, which
+/// // hashes the long parts (a job's arguments) into a short key.
+/// let err = LockKey::new("x".repeat(513)).unwrap_err();
+/// assert!(err.message().contains("lock_core::JobKey"), "{err}");
+/// let short = lock_core::JobKey::new("report").args(&"x".repeat(513))?.key()?;
+/// assert!(short.as_str().len() <= lock_core::MAX_KEY_BYTES);
 /// # Ok::<(), lock_core::LockError>(())
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -36,7 +42,7 @@ impl LockKey {
         }
         if key.len() > MAX_KEY_BYTES {
             return Err(LockError::invalid_input(format!(
-                "lock key is {} bytes, the limit is {MAX_KEY_BYTES}; hash long names (see lock_core::schedule::JobKey)",
+                "lock key is {} bytes, the limit is {MAX_KEY_BYTES}; use a shorter name, or pass the long parts as arguments of lock_core::JobKey, which hashes them",
                 key.len()
             )));
         }

@@ -8,9 +8,12 @@
 //!   error wording, tracing and metrics.
 //! - [`Locker`], [`LockGuard`] and [`run_exclusive`] are built once on top
 //!   of it: waiting with a deadline, renewal, the lost signal, hold-at-least.
+//! - [`ScheduledJob`] runs a job once per schedule fire across instances;
+//!   [`JobKey`] derives a lock key from a job name and its arguments.
 //! - [`MemoryLock`] is the in-process backend.
 //! - [`LockUrl`] and [`Listener`] are the kits backends build on: one URL
 //!   parser, one notification listener.
+//! - [`LockError`] carries an [`ErrorKind`] to match on.
 //!
 //! ```
 //! use std::time::Duration;
@@ -28,6 +31,7 @@
 //! }
 //! # Ok(()) }
 //! ```
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod backend;

@@ -41,6 +41,20 @@
 //! readwrite permission on the prefix `NS/lock/` (see
 //! [`EtcdLock::key_prefix`]); a wrong password is reported as
 //! [`ErrorKind::Config`](lock_core::ErrorKind::Config).
+//!
+//! # Building
+//!
+//! The etcd client's build script compiles etcd's `.proto` files, so
+//! building this crate needs `protoc` and the protobuf well-known types
+//! (`google/protobuf/descriptor.proto` and friends):
+//!
+//! - Debian/Ubuntu: `apt-get install protobuf-compiler libprotobuf-dev`
+//!   (the second is only a recommendation of the first);
+//! - macOS: `brew install protobuf`;
+//! - elsewhere: unpack a `protoc-*.zip` release from
+//!   <https://github.com/protocolbuffers/protobuf/releases> and set
+//!   `PROTOC=<dir>/bin/protoc` and `PROTOC_INCLUDE=<dir>/include`.
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod backend;

@@ -93,6 +93,7 @@
 //! granted (bounded by the operation timeout; if that fails, the lock
 //! expires after its TTL); for other statements the connection is closed. A
 //! dropped extend or release may or may not have taken effect.
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod backend;

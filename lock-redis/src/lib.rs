@@ -153,6 +153,7 @@
 //! moves expiry to the new primary's clock (replicas receive absolute expiry
 //! times), so the same bound applies to the clock difference between the
 //! primary and its replicas.
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod backend;

@@ -1,0 +1,189 @@
+"""Type stubs of the extension module (the Rust library)."""
+
+import contextvars
+import datetime
+from types import TracebackType
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Type, Union, final
+
+from distlock._aio import AsyncAcquire
+
+_Seconds = Union[int, float, datetime.timedelta]
+_FireTime = Union[datetime.datetime, int, float, None]
+
+class LockError(Exception):
+    """Base class of every distlock error; each subclass is one kind of failure."""
+
+class InvalidInput(LockError):
+    """A bad argument (empty or oversized key, non-positive TTL, ...); retrying cannot help."""
+
+class NotHeld(LockError):
+    """The lock is no longer held: released, expired, or taken over."""
+
+class LockLost(NotHeld):
+    """The guard lost its lock (renewal refused, or the lease ran out) before it was released."""
+
+class LockHeld(LockError):
+    """Another owner holds the lock (after waiting up to `wait` seconds, if given)."""
+
+class Unavailable(LockError):
+    """The lock server could not be reached or refused the connection; retrying later may help."""
+
+class Timeout(LockError):
+    """A server operation did not finish within its timeout; whether it took effect is unknown."""
+
+class Corrupted(LockError):
+    """A value at a lock key was not written by distlock; it is reported, never overwritten."""
+
+class ConfigError(LockError):
+    """A bad lock URL or a backend this build does not include."""
+
+class Unsupported(LockError):
+    """The backend does not implement this optional operation."""
+
+def connect(url: str) -> Locker:
+    """Opens a lock client for `url` and returns its `Locker`.
+
+    URLs: ``memory://[name]`` (in-process), ``redis://[user:pw@]host:port[/db]``,
+    ``rediss://``, ``etcd://[user:pw@]host:port[,host:port...]``,
+    ``postgres://user:pw@host:port/db``; each takes ``namespace=``,
+    ``connect_timeout_ms=`` and ``operation_timeout_ms=`` in its query string.
+    Raises `ConfigError` for a bad URL, `Unavailable` or `Timeout` if the
+    server cannot be reached. A `Locker` used in a forked child process
+    reconnects there by itself."""
+
+def job_key(
+    name: str,
+    args: Optional[Sequence[Any]] = None,
+    kwargs: Optional[Mapping[str, Any]] = None,
+    only: Optional[Iterable[Union[str, int]]] = None,
+) -> str:
+    """The stable lock key of a job run: ``name`` without arguments, else
+    ``name:<32 hex chars>``, a SHA-256 of the arguments in canonical JSON.
+
+    The arguments are one JSON object: positional ones under their index
+    ("0", "1", ...), keyword ones by name; ``only`` keeps just those names or
+    indexes. The key equals Rust's
+    ``JobKey::new(name).args(&that_object).only(&only).key()``. Raises
+    `InvalidInput` for arguments without a JSON form (select others with
+    ``only``)."""
+
+def current_lock() -> Optional[LockGuard]:
+    """The lock of the job running in this context (`Locker.run_once_per_fire`
+    and the `distlock.celery` helpers), or ``None``."""
+
+_current_lock: contextvars.ContextVar[Optional[LockGuard]]
+
+@final
+class Locker:
+    """A connection to one lock server; create it with `connect`. Safe to
+    share between threads."""
+
+    def lock(
+        self,
+        key: str,
+        ttl: _Seconds,
+        wait: Optional[_Seconds] = None,
+        *,
+        max_hold: Optional[_Seconds] = None,
+        hold_at_least: Optional[_Seconds] = None,
+    ) -> LockGuard:
+        """Takes the lock `key` for `ttl` seconds (by the server's clock),
+        renewed in the background every ttl/3 until released, and returns its
+        guard (a context manager). Raises `LockHeld` if another owner holds
+        it, after waiting up to `wait` seconds if given (woken by the server
+        when it is released). `max_hold` stops renewal that long after
+        acquisition; `hold_at_least` keeps the lock until then even if
+        released sooner. The GIL is released while waiting."""
+
+    def lock_async(
+        self,
+        key: str,
+        ttl: _Seconds,
+        wait: Optional[_Seconds] = None,
+        *,
+        max_hold: Optional[_Seconds] = None,
+        hold_at_least: Optional[_Seconds] = None,
+    ) -> AsyncAcquire:
+        """`lock` for asyncio: ``guard = await locker.lock_async(...)`` or
+        ``async with locker.lock_async(...) as guard:``. Cancelling the
+        awaiting task leaves no lock held."""
+
+    def run_once_per_fire(
+        self,
+        job_name: str,
+        period: _Seconds,
+        fire_time: _FireTime,
+        func: Callable[..., Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> FireOutcome:
+        """Runs ``func(*args, **kwargs)`` for the fire of `job_name` at
+        `fire_time` (the time the scheduler fired, by its clock; ``None``:
+        now) unless another instance already took that fire or the previous
+        run is still going. Fires are whole periods since the Unix epoch; the
+        fire's key is kept for three periods so late instances skip it.
+        `func` runs in the calling thread; `current_lock()` is its lock. A
+        Python function cannot be stopped from outside, so if the lock is
+        lost it runs to its end and the outcome says `lost`. Exceptions of
+        `func` propagate (the fire counts as taken)."""
+
+@final
+class LockGuard:
+    """A held lock: renews itself in the background, tells when it is lost,
+    and releases on `release()` or at the end of a ``with`` / ``async with``
+    block (leaving the block raises `LockLost` if the lock was lost
+    meanwhile, unless the block raised). A guard dropped without release is
+    released in the background."""
+
+    @property
+    def key(self) -> str:
+        """The key held."""
+    @property
+    def fencing_token(self) -> int:
+        """Strictly greater than every earlier token for this key; pass it to
+        the resource you protect so it can refuse stale writers."""
+    @property
+    def lost_reason(self) -> Optional[str]:
+        """Why the lock was lost, or ``None``."""
+    def is_lost(self) -> bool:
+        """Whether the lock is known or assumed lost (renewal refused, or the
+        lease ran out before a renewal succeeded)."""
+    def raise_if_lost(self) -> None:
+        """Raises `LockLost` if the lock is lost; call it before each write."""
+    def wait_lost(self, timeout: Optional[_Seconds] = None) -> bool:
+        """Blocks (GIL released) until the lock is lost or `timeout` seconds
+        passed; returns `is_lost()`."""
+    def release(self) -> None:
+        """Stops renewal and releases. Raises `LockLost` if the lock was lost
+        meanwhile; releasing twice does nothing."""
+    def __enter__(self) -> LockGuard: ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> bool: ...
+    async def __aenter__(self) -> LockGuard: ...
+    async def __aexit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> bool: ...
+
+@final
+class FireOutcome:
+    """How one `Locker.run_once_per_fire` call ended on this instance."""
+
+    ran: bool
+    """Whether `func` ran here."""
+    value: Any
+    """What `func` returned (``None`` if it did not run)."""
+    skipped: Optional[str]
+    """``"fire_already_taken"`` or ``"previous_still_running"``; ``None`` if it ran."""
+    lost: Optional[str]
+    """Why the lock was lost while `func` ran, or ``None``."""
+    fencing_token: Optional[int]
+    """The fencing token of the run."""
+    duration: Optional[float]
+    """How long `func` ran, in seconds."""

@@ -1,0 +1,45 @@
+"""The seed's setup for real: a Celery app whose Beat schedule fires two tasks
+every second, one under `once_per_fire` and one without. Several Beat
+processes run this same schedule; every run and every delivered message is
+recorded in Redis with the fire time Beat stamped on it."""
+
+import os
+
+import redis
+from celery import Celery, current_task, signals
+
+import distlock
+from distlock.celery import fire_time, once_per_fire
+
+app = Celery("beat_app", broker=os.environ["BEAT_TEST_BROKER"])
+app.conf.distlock_url = os.environ["BEAT_TEST_LOCK_URL"]
+app.conf.broker_connection_retry_on_startup = True
+app.conf.beat_schedule = {
+    "guarded-every-second": {"task": "beat_app.guarded", "schedule": 1.0},
+    "plain-every-second": {"task": "beat_app.plain", "schedule": 1.0},
+}
+
+_record = redis.Redis.from_url(os.environ["BEAT_TEST_RECORD"])
+
+
+@signals.task_prerun.connect
+def _delivered(sender=None, task=None, **_):
+    # Every message a worker starts, before any lock: one per Beat fire.
+    _record.rpush(f"delivered:{task.name}", repr(fire_time(task.request)))
+
+
+def _ran(name):
+    lock = distlock.current_lock()
+    token = lock.fencing_token if lock is not None else 0
+    _record.rpush(f"ran:{name}", f"{fire_time(current_task.request)!r} {os.getpid()} {token}")
+
+
+@app.task
+@once_per_fire(period=1)
+def guarded():
+    _ran("beat_app.guarded")
+
+
+@app.task
+def plain():
+    _ran("beat_app.plain")
