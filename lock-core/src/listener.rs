@@ -23,9 +23,9 @@
 //!   one backoff policy (waiters retry transient errors with backoff until
 //!   their deadline).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -136,17 +136,16 @@ struct Inner<S: NotificationSource> {
     options: ClientOptions,
     health_check_after: Duration,
     notifier: ReleaseNotifier,
-    /// Topics by channel, for channels subscribed on the current connection.
     live: tokio::sync::Mutex<Option<Live<S>>>,
     generation: AtomicU64,
-    /// The topic of each channel that has waiters (to unsubscribe it later).
-    topics: Mutex<HashMap<String, S::Topic>>,
 }
 
 struct Live<S: NotificationSource> {
     sink: S::Sink,
     generation: u64,
-    subscribed: HashSet<String>,
+    /// The topic of every channel subscribed (or being subscribed) on this
+    /// connection, for the sweep to unsubscribe once idle.
+    subscribed: HashMap<String, S::Topic>,
     reader: JoinHandle<()>,
 }
 
@@ -170,7 +169,6 @@ impl<S: NotificationSource> Listener<S> {
                 notifier: ReleaseNotifier::new(),
                 live: tokio::sync::Mutex::new(None),
                 generation: AtomicU64::new(0),
-                topics: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -200,11 +198,6 @@ impl<S: NotificationSource> Listener<S> {
         let inner = &self.inner;
         let channel = inner.source.channel(&topic);
         inner
-            .topics
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(channel.clone(), topic.clone());
-        inner
             .notifier
             .subscribe(&channel, || inner.subscribe(channel.clone(), topic))
             .await
@@ -226,6 +219,10 @@ impl<S: NotificationSource> Inner<S> {
                 "release-notification connection missing",
             ));
         };
+        // Recorded before the request: if this future is dropped while the
+        // subscribe is in flight, the server may still subscribe, and the
+        // sweep must unsubscribe the topic once nobody waits on it.
+        current.subscribed.insert(channel, topic.clone());
         let sink = current.sink.clone();
         let result = with_timeout(
             self.options.operation_timeout,
@@ -234,10 +231,7 @@ impl<S: NotificationSource> Inner<S> {
         )
         .await;
         match result {
-            Ok(()) => {
-                current.subscribed.insert(channel);
-                Ok(())
-            }
+            Ok(()) => Ok(()),
             Err(e) => {
                 // The connection is in an unknown state: the one lost path.
                 let generation = current.generation;
@@ -268,7 +262,7 @@ impl<S: NotificationSource> Inner<S> {
         Ok(Live {
             sink,
             generation,
-            subscribed: HashSet::new(),
+            subscribed: HashMap::new(),
             reader,
         })
     }
@@ -292,19 +286,15 @@ impl<S: NotificationSource> Inner<S> {
         let Some(current) = live.as_mut().filter(|l| l.generation == generation) else {
             return;
         };
-        let idle: Vec<String> = current
+        let (idle, topics): (Vec<String>, Vec<S::Topic>) = current
             .subscribed
             .iter()
-            .filter(|c| !self.notifier.has_waiters(c))
-            .cloned()
-            .collect();
+            .filter(|(c, _)| !self.notifier.has_waiters(c))
+            .map(|(c, t)| (c.clone(), t.clone()))
+            .unzip();
         if idle.is_empty() {
             return;
         }
-        let topics: Vec<S::Topic> = {
-            let mut known = self.topics.lock().unwrap_or_else(|e| e.into_inner());
-            idle.iter().filter_map(|c| known.remove(c)).collect()
-        };
         let sink = current.sink.clone();
         let result = with_timeout(
             self.options.operation_timeout,
@@ -371,4 +361,89 @@ async fn read<S: NotificationSource>(
     let Some(inner) = weak.upgrade() else { return };
     let mut live = inner.live.lock().await;
     inner.lost(&mut live, generation, &error);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Mutex;
+
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    /// A source whose SUBSCRIBE can be made to hang, recording what it
+    /// unsubscribes. Its connection never ends.
+    #[derive(Default)]
+    struct Stalling {
+        hang: AtomicBool,
+        unsubscribed: Mutex<Vec<String>>,
+        server: Mutex<Vec<mpsc::UnboundedSender<String>>>,
+    }
+
+    #[async_trait]
+    impl NotificationSource for Arc<Stalling> {
+        type Topic = String;
+        type Sink = ();
+        type Stream = mpsc::UnboundedReceiver<String>;
+
+        fn channel(&self, topic: &String) -> String {
+            topic.clone()
+        }
+
+        async fn connect(&self) -> Result<((), Self::Stream), LockError> {
+            let (tx, rx) = mpsc::unbounded_channel();
+            self.server.lock().unwrap().push(tx);
+            Ok(((), rx))
+        }
+
+        async fn subscribe(&self, _: &(), _: &[String]) -> Result<(), LockError> {
+            if self.hang.load(Ordering::SeqCst) {
+                std::future::pending::<()>().await;
+            }
+            Ok(())
+        }
+
+        async fn unsubscribe(&self, _: &(), topics: &[String]) -> Result<(), LockError> {
+            self.unsubscribed
+                .lock()
+                .unwrap()
+                .extend(topics.iter().cloned());
+            Ok(())
+        }
+
+        async fn next(&self, stream: &mut Self::Stream) -> Option<Result<String, LockError>> {
+            stream.recv().await.map(Ok)
+        }
+    }
+
+    /// A watch dropped while its subscribe is in flight: the server may
+    /// still subscribe it, so the idle sweep must unsubscribe it.
+    #[tokio::test]
+    async fn a_watch_dropped_during_its_subscribe_is_swept() {
+        let source = Arc::new(Stalling::default());
+        let listener = Listener::new(source.clone(), &ClientOptions::default())
+            .health_check_after(Duration::from_millis(10));
+        drop(listener.watch("first".to_owned()).await.unwrap());
+        source.hang.store(true, Ordering::SeqCst);
+        let dropped = tokio::time::timeout(
+            Duration::from_millis(50),
+            listener.watch("dropped".to_owned()),
+        )
+        .await;
+        assert!(dropped.is_err(), "the subscribe hangs");
+        source.hang.store(false, Ordering::SeqCst);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let unsubscribed = source.unsubscribed.lock().unwrap().clone();
+            if unsubscribed.contains(&"dropped".to_owned()) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the dropped watch's topic was never unsubscribed: {unsubscribed:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
 }
