@@ -49,8 +49,8 @@ pub mod server;
 mod suite;
 
 pub use context::{
-    CaseError, CaseResult, ClientFuture, ConnectFn, TestContext, FAULT_CONNECT_TIMEOUT,
-    FAULT_OPERATION_TIMEOUT,
+    connect_fn, CaseError, CaseResult, ClientFuture, ConnectFn, ContextBuilder, TestContext,
+    FAULT_CONNECT_TIMEOUT, FAULT_OPERATION_TIMEOUT,
 };
 pub use observed::ObservedLock;
-pub use suite::Suite;
+pub use suite::{CaseOutcome, CaseReport, CaseRun, Suite};
