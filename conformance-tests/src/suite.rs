@@ -111,6 +111,8 @@ pub struct CaseRun {
     pub stop_at_first_failure: bool,
     /// Run only the cases whose name contains one of these (all if empty).
     pub only: Vec<String>,
+    /// Leave out the cases whose name contains one of these.
+    pub skip: Vec<String>,
 }
 
 impl Default for CaseRun {
@@ -120,6 +122,7 @@ impl Default for CaseRun {
             first: Vec::new(),
             stop_at_first_failure: false,
             only: Vec::new(),
+            skip: Vec::new(),
         }
     }
 }
@@ -248,7 +251,8 @@ impl Suite {
             .into_iter()
             .filter(|c| {
                 let name = case_name(c);
-                run.only.is_empty() || run.only.iter().any(|o| name.contains(o.as_str()))
+                (run.only.is_empty() || run.only.iter().any(|o| name.contains(o.as_str())))
+                    && !run.skip.iter().any(|s| name.contains(s.as_str()))
             })
             .collect();
         let names: Vec<String> = cases.iter().map(case_name).collect();

@@ -26,7 +26,7 @@ use tokio::sync::oneshot;
 use super::support::{acquire, background_bound, eventually_acquire, refused, within};
 use crate::checker::ExclusionChecker;
 use crate::context::{CaseError, CaseResult, TestContext};
-use crate::fault::{HolderProcess, Proxy};
+use crate::fault::{FaultPath, HolderProcess};
 use crate::{check, check_eq};
 
 /// The environment variable setting the torture run's length in seconds.
@@ -149,8 +149,8 @@ pub async fn killed_holder_process_expires(ctx: TestContext) -> CaseResult {
 /// overlap between the holder's critical section (ended by `lost()`) and
 /// the second client's.
 pub async fn black_holed_holder_loses_first(ctx: TestContext) -> CaseResult {
-    let addr = ctx.server_addr().ok_or("no server address")?;
-    let (proxy, via_proxy) = ctx.client_via_proxy(addr).await?;
+    let proxy = ctx.fault_path().await?;
+    let via_proxy = ctx.client_through(&proxy).await?;
     let direct = ctx.client().await?;
     let key = ctx.key("fault-blackhole");
     let ttl = fault_ttl(&ctx, Duration::from_secs(2))?;
@@ -223,7 +223,6 @@ pub async fn black_holed_holder_loses_first(ctx: TestContext) -> CaseResult {
 pub async fn resets_during_operations(ctx: TestContext) -> CaseResult {
     const CLIENTS: usize = 3;
     const ROUNDS: usize = 50;
-    let addr = ctx.server_addr().ok_or("no server address")?;
     let ttl = fault_ttl(&ctx, Duration::from_secs(3))?;
     let keys: Arc<Vec<LockKey>> = Arc::new((0..6).map(|_| ctx.key("fault-reset")).collect());
     let checker = ExclusionChecker::new();
@@ -232,7 +231,8 @@ pub async fn resets_during_operations(ctx: TestContext) -> CaseResult {
     let refusals = Arc::new(AtomicUsize::new(0));
     let mut workers = Vec::new();
     for _ in 0..CLIENTS {
-        let (proxy, client) = ctx.client_via_proxy(addr).await?;
+        let proxy = ctx.fault_path().await?;
+        let client = ctx.client_through(&proxy).await?;
         let proxy = Arc::new(proxy);
         let (keys, checker, errors, resets, refusals) = (
             keys.clone(),
@@ -686,9 +686,8 @@ pub async fn dropped_waiters_leave_nothing_held(ctx: TestContext) -> CaseResult 
 /// is `Lost` (reason: the lease ran out); afterwards another client gets
 /// the lock with a newer token.
 pub async fn run_exclusive_lost_to_partition(ctx: TestContext) -> CaseResult {
-    let addr = ctx.server_addr().ok_or("no server address")?;
-    let (proxy, via_proxy) = ctx.client_via_proxy(addr).await?;
-    let locker = Locker::new(via_proxy);
+    let proxy = ctx.fault_path().await?;
+    let locker = Locker::new(ctx.client_through(&proxy).await?);
     let key = ctx.key("fault-run");
     let ttl = fault_ttl(&ctx, Duration::from_secs(2))?;
     let (started_tx, started_rx) = oneshot::channel();
@@ -774,10 +773,10 @@ struct TortureStats {
 /// `DISTLOCK_TORTURE_SECS` seconds (default 30), each critical section
 /// ended as soon as its guard's `lost()` fires, while faults are injected
 /// throughout: waiting futures dropped at random, guards released or
-/// dropped, and, where the harness runs the server, each client behind its
-/// own proxy with random connection resets and black holes (some longer
-/// than the TTL, so guards lose their locks) and, on durable backends only,
-/// server restarts. The checker then proves no overlap, no lost increment
+/// dropped, and, where faults can be injected, each client behind its own
+/// proxy (or simulated link) with random connection resets and black holes
+/// (some longer than the TTL, so guards lose their locks) and, on durable
+/// backends the harness runs, server restarts. The checker then proves no overlap, no lost increment
 /// of the guarded counter, and fencing tokens growing in the order the
 /// sections ran.
 ///
@@ -806,13 +805,19 @@ pub async fn exclusion_torture(ctx: TestContext) -> CaseResult {
         None
     };
     let restarts_allowed = server.is_some() && ctx.capabilities().durable;
-    let mut proxies: Vec<Arc<Proxy>> = Vec::new();
+    let mut proxies: Vec<Arc<FaultPath>> = Vec::new();
     let mut lockers = Vec::new();
     for _ in 0..CLIENTS {
         let client: Arc<dyn DistributedLock> = match &server {
             Some(server) => {
                 let (proxy, client) = ctx.client_via_proxy(server.addr()).await?;
-                proxies.push(Arc::new(proxy));
+                proxies.push(Arc::new(FaultPath::Proxy(proxy)));
+                client
+            }
+            None if ctx.can_inject_faults() => {
+                let path = ctx.fault_path().await?;
+                let client = ctx.client_through(&path).await?;
+                proxies.push(Arc::new(path));
                 client
             }
             None => ctx.client().await?,
@@ -1148,30 +1153,25 @@ impl Stall {
         }
     }
 
-    async fn freeze(&self) -> Result<(), CaseError> {
+    /// Freezes (`true`) or thaws (`false`) the server.
+    async fn set_frozen(&self, frozen: bool) -> Result<(), CaseError> {
         match self {
             Stall::Process(server, _) => {
                 let server = server.clone();
-                tokio::task::spawn_blocking(move || server.pause())
-                    .await
-                    .map_err(|e| format!("pause panicked: {e}"))?
-                    .map_err(|e| CaseError(format!("cannot SIGSTOP the server: {e}")))
+                tokio::task::spawn_blocking(move || {
+                    if frozen {
+                        server.pause()
+                    } else {
+                        server.resume()
+                    }
+                })
+                .await
+                .map_err(|e| format!("pause/resume panicked: {e}"))?
+                .map_err(|e| CaseError(format!("cannot SIGSTOP/SIGCONT the server: {e}")))
             }
-            Stall::Network(path) => {
+            Stall::Network(path) if frozen => {
                 path.black_hole();
                 Ok(())
-            }
-        }
-    }
-
-    async fn thaw(&self) -> Result<(), CaseError> {
-        match self {
-            Stall::Process(server, _) => {
-                let server = server.clone();
-                tokio::task::spawn_blocking(move || server.resume())
-                    .await
-                    .map_err(|e| format!("resume panicked: {e}"))?
-                    .map_err(|e| CaseError(format!("cannot SIGCONT the server: {e}")))
             }
             Stall::Network(path) => {
                 path.heal();
@@ -1261,7 +1261,7 @@ pub async fn stalled_server_waiters_recover(ctx: TestContext) -> CaseResult {
     for (i, client) in observed.iter().enumerate() {
         super::support::until_attempts(client, 1, &format!("waiter {i}")).await?;
     }
-    stall.freeze().await?;
+    stall.set_frozen(true).await?;
     let frozen_at = Instant::now();
     let lost = within(
         short_ttl + EXPIRY_SLACK,
@@ -1271,7 +1271,7 @@ pub async fn stalled_server_waiters_recover(ctx: TestContext) -> CaseResult {
     .await;
     // Let the frozen server's clock run past the short lock's expiry.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    stall.thaw().await?;
+    stall.set_frozen(false).await?;
     let frozen_for = frozen_at.elapsed();
     check_eq!(
         lost?,

@@ -242,12 +242,12 @@ pub fn all() -> Vec<Case> {
     all.extend(cases!(cancel: raw_futures_dropped_at_random_points));
     all.extend(cases!(fault:
         killed_holder_process_expires => Needs::Server,
-        black_holed_holder_loses_first => Needs::ServerProcess,
-        resets_during_operations => Needs::ServerProcess,
+        black_holed_holder_loses_first => Needs::Faults,
+        resets_during_operations => Needs::Faults,
         server_restart_with_holders_and_waiters => Needs::ServerProcess,
         server_down_at_acquire => Needs::ServerProcess,
         dropped_waiters_leave_nothing_held,
-        run_exclusive_lost_to_partition => Needs::ServerProcess,
+        run_exclusive_lost_to_partition => Needs::Faults,
         exclusion_torture,
         unreachable_is_an_error_not_held => Needs::Faults,
         stalled_server_waiters_recover => Needs::Faults,

@@ -79,6 +79,8 @@ struct Shared {
     id: u64,
     state: watch::Sender<State>,
     attached: AtomicUsize,
+    /// Requests that set off across the link, by call name.
+    requests: Mutex<BTreeMap<&'static str, u64>>,
 }
 
 impl Default for Link {
@@ -95,6 +97,7 @@ impl Link {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             state: watch::channel(State::default()).0,
             attached: AtomicUsize::new(0),
+            requests: Mutex::new(BTreeMap::new()),
         });
         let mut links = LINKS.lock().unwrap_or_else(|e| e.into_inner());
         links.retain(|_, link| link.strong_count() > 0);
@@ -155,14 +158,37 @@ impl Link {
                 }
             }
         }
-        let index = link.attached.fetch_add(1, Ordering::SeqCst);
-        Ok(Arc::new(LinkedLock {
-            link,
+        Ok(Link { shared: link }.wrap(client, timeout))
+    }
+
+    /// `client` — of any backend, in-process or not — behind this link,
+    /// with calls timing out after `operation_timeout`. With no fault set,
+    /// the link is a transparent hop that counts what it carries
+    /// ([`requests`](Self::requests)).
+    pub fn wrap(
+        &self,
+        client: Arc<dyn DistributedLock>,
+        operation_timeout: Duration,
+    ) -> Arc<dyn DistributedLock> {
+        let index = self.shared.attached.fetch_add(1, Ordering::SeqCst);
+        Arc::new(LinkedLock {
+            link: self.shared.clone(),
             index,
             inner: client,
-            timeout,
+            timeout: operation_timeout,
             notifier: ReleaseNotifier::new(),
-        }))
+        })
+    }
+
+    /// How many requests of the trait method `call` (`"extend"`,
+    /// `"try_acquire"`, `"watch"`, ...) set off across the link so far.
+    pub fn requests(&self, call: &str) -> u64 {
+        let requests = self
+            .shared
+            .requests
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        requests.get(call).copied().unwrap_or(0)
     }
 
     /// Cuts every call in flight (see the type's docs); new calls work.
@@ -237,9 +263,16 @@ impl LinkedLock {
     /// crossed the link, and before the reply crosses back.
     async fn call<T>(
         &self,
-        what: &str,
+        what: &'static str,
         op: impl Future<Output = Result<T, LockError>>,
     ) -> Result<T, LockError> {
+        *self
+            .link
+            .requests
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(what)
+            .or_default() += 1;
         match tokio::time::timeout(self.timeout, self.exchange(what, op)).await {
             Ok(result) => result,
             Err(_) => Err(LockError::timeout(format!(
