@@ -37,15 +37,24 @@ const SLOW_CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A holder client: behind a fault path delaying what travels in
 /// `directions` by [`SLOW`] where faults can be injected, else direct.
+/// Before the delay starts, the client has made a plain and a renewing
+/// acquisition of `ttl` (connections and sessions are set up), so the
+/// delay falls on the case's own calls only.
 async fn slow_client(
     ctx: &TestContext,
     directions: &[Direction],
+    ttl: Duration,
 ) -> Result<(Option<FaultPath>, Arc<dyn DistributedLock>), CaseError> {
     if !ctx.can_inject_faults() {
         return Ok((None, ctx.client().await?));
     }
     let path = ctx.fault_path().await?;
     let client = ctx.client_through_with(&path, SLOW_CLIENT_TIMEOUT).await?;
+    let scratch = ctx.key("lease-warm-up");
+    let plain = acquire(&client, &scratch, ttl, "warm-up").await?;
+    client.release(&plain).await?;
+    let renewing = granted(client.try_acquire_renewing(&scratch, ttl).await?, "warm-up")?;
+    client.release(&renewing).await?;
     for direction in directions {
         path.delay(*direction, SLOW);
     }
@@ -70,7 +79,7 @@ fn granted(attempt: AcquireAttempt, what: &str) -> Result<Lease, CaseError> {
 /// clients believe they hold the lock at once.
 pub async fn never_granted_before_holder_deadline(ctx: TestContext) -> CaseResult {
     let ttl = ctx.capabilities().effective_ttl(Duration::from_secs(1))?;
-    let (path, holder) = slow_client(&ctx, &[Direction::ToClient]).await?;
+    let (path, holder) = slow_client(&ctx, &[Direction::ToClient], ttl).await?;
     let mut rounds = Vec::new();
     for (round, renewing) in [false, true, false, true].into_iter().enumerate() {
         let (ctx, holder) = (ctx.clone(), holder.clone());
@@ -165,7 +174,9 @@ async fn server_holds_until_deadline(
 /// for them at every answer that arrived before that deadline. Each guard's
 /// `lost()` must fire (Expired).
 pub async fn holder_deadline_within_server_expiry(ctx: TestContext) -> CaseResult {
-    let ttl = ctx.capabilities().effective_ttl(Duration::from_secs(1))?;
+    // Two delayed round trips (etcd: lease grant, then transaction) must
+    // leave the lease valid on arrival.
+    let ttl = ctx.capabilities().effective_ttl(Duration::from_secs(2))?;
     let both = [Direction::ToServer, Direction::ToClient];
     let observer = ctx.client().await?;
     let mut checks = Vec::new();
@@ -174,7 +185,7 @@ pub async fn holder_deadline_within_server_expiry(ctx: TestContext) -> CaseResul
     {
         let (ctx, observer) = (ctx.clone(), observer.clone());
         checks.push(tokio::spawn(async move {
-            let (path, holder) = slow_client(&ctx, &both).await?;
+            let (path, holder) = slow_client(&ctx, &both, ttl).await?;
             let key = ctx.key("lease-deadline");
             let guard = Locker::new(holder)
                 .try_lock(&key, &LockOptions::new(ttl).renewal(Renewal::Off))
@@ -200,7 +211,7 @@ pub async fn holder_deadline_within_server_expiry(ctx: TestContext) -> CaseResul
     {
         let (ctx, observer) = (ctx.clone(), observer.clone());
         checks.push(tokio::spawn(async move {
-            let (path, holder) = slow_client(&ctx, &both).await?;
+            let (path, holder) = slow_client(&ctx, &both, ttl).await?;
             let key = ctx.key("lease-deadline");
             let lease = granted(
                 holder.try_acquire_renewing(&key, ttl).await?,
@@ -223,7 +234,7 @@ pub async fn holder_deadline_within_server_expiry(ctx: TestContext) -> CaseResul
     if ctx.can_inject_faults() {
         let (ctx, observer) = (ctx.clone(), observer.clone());
         checks.push(tokio::spawn(async move {
-            let (path, holder) = slow_client(&ctx, &both).await?;
+            let (path, holder) = slow_client(&ctx, &both, ttl).await?;
             let path = path.ok_or("no fault path")?;
             let key = ctx.key("lease-deadline");
             let guard = Locker::new(holder)
