@@ -422,3 +422,48 @@ impl DistributedLock for LinkedLock {
         Ok(Some(watch))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use lock_core::{ErrorKind, MemoryLock};
+
+    use super::*;
+
+    #[tokio::test]
+    async fn black_holes_cuts_and_counts_calls() {
+        let server = MemoryLock::new();
+        let link = Link::new();
+        let url = format!("{}?operation_timeout_ms=100", link.url());
+        let client = Link::attach(&url, server.client()).unwrap();
+        let key = LockKey::new("link-test").unwrap();
+
+        // Held back until the client's operation timeout: Timeout, and the
+        // request was never handled.
+        link.black_hole();
+        let lost = client.try_acquire(&key, Duration::from_secs(5)).await;
+        assert_eq!(lost.unwrap_err().kind(), ErrorKind::Timeout);
+        link.heal();
+        assert_eq!(server.held_count(), 0);
+
+        // A cut while the reply travels: handled, but the reply is lost.
+        link.delay(Direction::ToClient, Duration::from_secs(3600));
+        let call = {
+            let (client, key) = (client.clone(), key.clone());
+            tokio::spawn(async move { client.try_acquire(&key, Duration::from_secs(5)).await })
+        };
+        while server.held_count() == 0 {
+            tokio::task::yield_now().await;
+        }
+        link.drop_all();
+        let cut = call.await.unwrap();
+        assert_eq!(cut.unwrap_err().kind(), ErrorKind::Unavailable);
+        assert_eq!(link.requests("try_acquire"), 2);
+        assert_eq!(link.requests("extend"), 0);
+
+        // Any other URL leaves the client as it is; a stale link URL is a
+        // configuration error.
+        assert!(Link::attach("", server.client()).is_ok());
+        let stale = Link::attach("link://0", server.client()).unwrap_err();
+        assert_eq!(stale.kind(), ErrorKind::Config);
+    }
+}

@@ -405,4 +405,43 @@ mod tests {
         assert_eq!(round_trip(&mut fresh, b"again").await.unwrap(), b"again");
         assert_eq!(proxy.connections_accepted(), 3);
     }
+
+    #[tokio::test]
+    async fn delays_one_direction_per_connection_and_plays_dead() {
+        let proxy = Proxy::start(echo().await).await.unwrap();
+        let mut slow = TcpStream::connect(proxy.addr()).await.unwrap();
+        let mut fast = TcpStream::connect(proxy.addr()).await.unwrap();
+        assert_eq!(round_trip(&mut slow, b"warm").await.unwrap(), b"warm");
+        assert_eq!(round_trip(&mut fast, b"warm").await.unwrap(), b"warm");
+
+        // Replies of the first connection only are held back, in order.
+        proxy.delay_connection(0, Direction::ToClient, Duration::from_secs(3600));
+        slow.write_all(b"one").await.unwrap();
+        slow.write_all(b"two").await.unwrap();
+        assert_eq!(round_trip(&mut fast, b"fast").await.unwrap(), b"fast");
+        let mut buf = [0; 6];
+        let held =
+            tokio::time::timeout(Duration::from_millis(200), slow.read_exact(&mut buf)).await;
+        assert!(held.is_err(), "a delayed reply arrived early");
+
+        // A delay for every connection: replies still arrive, in order.
+        proxy.delay(Direction::ToServer, Duration::from_millis(20));
+        assert_eq!(round_trip(&mut fast, b"later").await.unwrap(), b"later");
+
+        // Down: live connections end, new ones are reset; up: back.
+        proxy.down();
+        let mut one = [0; 1];
+        let cut = tokio::time::timeout(Duration::from_secs(5), fast.read(&mut one))
+            .await
+            .expect("a connection must end when the proxy goes down");
+        assert!(matches!(cut, Ok(0) | Err(_)), "read after down: {cut:?}");
+        let mut refused = TcpStream::connect(proxy.addr()).await.unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(5), round_trip(&mut refused, b"x"))
+            .await
+            .expect("a connection to a down proxy must end");
+        assert!(answer.is_err(), "a down proxy forwarded: {answer:?}");
+        proxy.up();
+        let mut again = TcpStream::connect(proxy.addr()).await.unwrap();
+        assert_eq!(round_trip(&mut again, b"up").await.unwrap(), b"up");
+    }
 }
