@@ -1288,9 +1288,9 @@ pub async fn stalled_server_waiters_recover(ctx: TestContext) -> CaseResult {
     for waiter in waiters {
         granted.push(join(waiter, Duration::from_secs(120), "a waiter").await?);
     }
-    join(
-        tokio::spawn(async move { Ok::<_, CaseError>(loser_section.await) }),
+    within(
         background_bound(),
+        loser_section,
         "the short holder's section",
     )
     .await?
