@@ -115,16 +115,27 @@ async fn drop_one(
     Ok(vec![fresh])
 }
 
-/// Every raw call dropped at random points, `CLIENTS` x `ROUNDS` times
-/// (each client behind a path that delays requests and replies by 0-20 ms,
-/// so drops land before, during and after the server handled the call).
-/// Then: later waiters (one per client, each seen blocked first) on a key
-/// that saw dropped waits and watches are all granted it, one after the
-/// other, once its holder releases — each before the holder's lease could
-/// have run out, so by the release, not by a timer or their deadline; and
-/// every key a dropped call touched is free again within its TTL (plus
-/// slack for servers that expire in batches), with the clients still alive.
-pub async fn raw_futures_dropped_at_random_points(ctx: TestContext) -> CaseResult {
+/// What a storm of dropped calls left behind.
+struct Storm {
+    holder: Arc<dyn DistributedLock>,
+    /// The key held throughout, where waits and watches were dropped.
+    busy: LockKey,
+    busy_lease: lock_core::Lease,
+    /// The clients whose calls were dropped (still alive).
+    clients: Vec<Arc<dyn DistributedLock>>,
+    /// Every other key a dropped call touched.
+    touched: Vec<LockKey>,
+    /// The TTL the dropped acquisitions asked for.
+    ttl: Duration,
+    /// Kept so the clients stay connected through their paths.
+    _paths: Vec<FaultPath>,
+}
+
+/// Every raw call dropped at random points, `CLIENTS` x `ROUNDS` times,
+/// each client behind a path that delays its requests and replies by 0, 2,
+/// 8 or 20 ms, so drops land before, during and after the server handled
+/// the call.
+async fn storm(ctx: &TestContext) -> Result<Storm, CaseError> {
     let ttl = ctx.capabilities().effective_ttl(Duration::from_secs(1))?;
     let holder = ctx.client().await?;
     let busy = ctx.key("cancel-busy");
@@ -176,11 +187,36 @@ pub async fn raw_futures_dropped_at_random_points(ctx: TestContext) -> CaseResul
         path.delay(Direction::ToClient, Duration::ZERO);
     }
 
-    // Later waiters on the busy key are woken by its release.
+    Ok(Storm {
+        holder,
+        busy,
+        busy_lease,
+        clients,
+        touched,
+        ttl,
+        _paths: paths,
+    })
+}
+
+/// After a storm of dropped raw calls (see `storm`), later waiters —
+/// one per client whose calls were dropped, each seen blocked first — on
+/// the key that saw dropped waits and watches are all granted it, one
+/// after the other, once its holder releases: each before the holder's
+/// lease could have run out, so woken by the release, not by a timer or
+/// their deadline.
+pub async fn dropped_calls_leave_later_waiters_woken(ctx: TestContext) -> CaseResult {
+    // The storm's fault paths stay up (its clients connected) to the end.
+    let storm = storm(&ctx).await?;
+    let (holder, busy, busy_lease, clients) = (
+        &storm.holder,
+        &storm.busy,
+        &storm.busy_lease,
+        &storm.clients,
+    );
     let deadline = busy_lease.valid_until() + Duration::from_secs(5);
     let mut waiters = Vec::new();
     let mut observed = Vec::new();
-    for client in &clients {
+    for client in clients {
         let waiter = Arc::new(ObservedLock::new(client.clone()));
         observed.push(waiter.clone());
         let (busy, long) = (busy.clone(), ctx.long_ttl());
@@ -196,7 +232,7 @@ pub async fn raw_futures_dropped_at_random_points(ctx: TestContext) -> CaseResul
     for (i, waiter) in observed.iter().enumerate() {
         until_attempts(waiter, 1, &format!("later waiter {i}")).await?;
     }
-    holder.release(&busy_lease).await?;
+    holder.release(busy_lease).await?;
     for (i, waiter) in waiters.into_iter().enumerate() {
         let granted_at = within(
             deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(30),
@@ -215,11 +251,22 @@ pub async fn raw_futures_dropped_at_random_points(ctx: TestContext) -> CaseResul
         );
     }
 
-    // Nothing a dropped call touched stays held beyond its TTL.
+    drop(storm);
+    Ok(())
+}
+
+/// After a storm of dropped raw calls (see `storm`), every key a dropped
+/// call touched is free again within its TTL (plus slack for servers that
+/// expire in batches), with the clients that dropped them still alive.
+pub async fn dropped_calls_leave_nothing_held(ctx: TestContext) -> CaseResult {
+    // The storm's fault paths stay up (its clients connected) to the end.
+    let storm = storm(&ctx).await?;
+    let ttl = storm.ttl;
+    storm.holder.release(&storm.busy_lease).await?;
     let fresh = ctx.client().await?;
     let mut frees = Vec::new();
-    for key in touched {
-        let (fresh, long) = (fresh.clone(), ctx.long_ttl());
+    for key in &storm.touched {
+        let (fresh, long, key) = (fresh.clone(), ctx.long_ttl(), key.clone());
         frees.push(tokio::spawn(async move {
             let lease = eventually_acquire(
                 &fresh,
@@ -238,6 +285,6 @@ pub async fn raw_futures_dropped_at_random_points(ctx: TestContext) -> CaseResul
             .await?
             .map_err(|e| format!("a check panicked: {e}"))??;
     }
-    drop(clients);
+    drop(storm);
     Ok(())
 }

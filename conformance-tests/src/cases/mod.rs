@@ -239,7 +239,10 @@ pub fn all() -> Vec<Case> {
         release_atomic_against_expiry,
         extend_atomic_against_expiry,
     ));
-    all.extend(cases!(cancel: raw_futures_dropped_at_random_points));
+    all.extend(cases!(cancel:
+        dropped_calls_leave_nothing_held,
+        dropped_calls_leave_later_waiters_woken,
+    ));
     all.extend(cases!(fault:
         killed_holder_process_expires => Needs::Server,
         black_holed_holder_loses_first => Needs::Faults,

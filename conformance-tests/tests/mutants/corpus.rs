@@ -114,13 +114,13 @@ pub const CORPUS: &[MutantSpec] = &[
         name: "set_then_expire",
         defect: Defect::SetThenExpire,
         what: "acquire takes the key for an hour, then shortens it to the TTL in a second call (SETNX, then EXPIRE): a call dropped in between leaves it held for an hour",
-        killers: &["cancel::raw_futures_dropped_at_random_points"],
+        killers: &["cancel::dropped_calls_leave_nothing_held"],
     },
     MutantSpec {
         name: "watch_drop_breaks_channel",
         defect: Defect::WatchDropBreaksChannel,
         what: "a watch dropped (or failing) while it subscribes stops every wake-up for that key on the client (one failed SUBSCRIBE unsubscribes every waiter)",
-        killers: &["cancel::raw_futures_dropped_at_random_points"],
+        killers: &["cancel::dropped_calls_leave_later_waiters_woken"],
     },
     MutantSpec {
         name: "subscribe_after_try",
