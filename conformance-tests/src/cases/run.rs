@@ -12,7 +12,8 @@ use lock_core::{
 use tokio::sync::oneshot;
 
 use super::support::{
-    acquire, background_bound, eventually_acquire, expect_kind, expiry_bound, refused, within,
+    acquire, background_bound, eventually_acquire, expect_kind, expiry_bound, refused,
+    until_attempts, within,
 };
 use crate::context::{CaseResult, TestContext};
 use crate::{check, check_eq, Call, ObservedLock};
@@ -85,7 +86,8 @@ pub async fn skipped_when_held(ctx: TestContext) -> CaseResult {
 /// With a wait, run_exclusive waits for the holder and then runs.
 pub async fn waits_then_runs(ctx: TestContext) -> CaseResult {
     let holder = ctx.client().await?;
-    let locker = ctx.locker().await?;
+    let observed = Arc::new(ObservedLock::new(ctx.client().await?));
+    let locker = Locker::new(observed.clone());
     let key = ctx.key("run");
     let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
     let options = RunOptions::new(LockOptions::new(ctx.long_ttl()).wait(Duration::from_secs(60)));
@@ -97,7 +99,7 @@ pub async fn waits_then_runs(ctx: TestContext) -> CaseResult {
                 .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    until_attempts(&observed, 1, "the waiting run").await?;
     holder.release(&lease).await?;
     let outcome = within(background_bound(), task, "run after release")
         .await?
