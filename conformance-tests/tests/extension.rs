@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use conformance_tests::cases::support::acquire;
 use conformance_tests::cases::{Case, Needs};
 use conformance_tests::{check, CaseOutcome, CaseResult, CaseRun, Suite, TestContext};
-use lock_core::{LockClient, MemoryLock};
+use lock_core::MemoryLock;
 
 async fn holds_a_key(ctx: TestContext) -> CaseResult {
     let client = ctx.client().await?;

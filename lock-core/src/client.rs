@@ -10,7 +10,7 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::backend::{AcquireReply, AcquireRequest, ExtendReply, HeldLock, ReleaseReply};
+use crate::backend::{AcquireReply, AcquireRequest, ExtendReply, ReleaseReply};
 use crate::lease::LeaseIssuer;
 use crate::wait::{self, Attempt};
 use crate::{
@@ -195,7 +195,7 @@ impl LockClient {
             self.check_issuer(lease)?;
             let ttl = self.inner.capabilities.effective_ttl(ttl)?;
             let sent_at = Instant::now();
-            match self.inner.backend.extend(held(lease), ttl).await? {
+            match self.inner.backend.extend(lease.held(), ttl).await? {
                 ExtendReply::Extended(grant) => {
                     if grant.fencing != lease.fencing_token() {
                         return Err(LockError::corrupted(format!(
@@ -234,7 +234,7 @@ impl LockClient {
         let span = tracing::debug_span!("distlock.release", backend = self.name(), key = %lease.key(), fencing = %lease.fencing_token());
         let result = async {
             self.check_issuer(lease)?;
-            match self.inner.backend.release(held(lease)).await? {
+            match self.inner.backend.release(lease.held()).await? {
                 ReleaseReply::Released => {
                     tracing::debug!("lock released");
                     Ok(())
@@ -461,13 +461,6 @@ fn valid_from(sent_at: Instant, clock_started: Option<Instant>) -> Instant {
     clock_started.map_or(sent_at, |at| at.min(sent_at))
 }
 
-fn held(lease: &Lease) -> HeldLock<'_> {
-    HeldLock {
-        key: lease.key(),
-        owner: lease.owner(),
-        fencing: lease.fencing_token(),
-        handle: lease.handle(),
-    }
 }
 
 /// The caller's end of a waiting acquisition. If the caller's future is

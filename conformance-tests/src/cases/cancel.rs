@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lock_core::{AcquireRequest, HeldLock, Lease, LockClient, LockKey, OwnerToken};
+use lock_core::{AcquireRequest, Lease, LockClient, LockKey, OwnerToken};
 
 use super::support::{acquire, eventually_acquire, until_attempts, within};
 use crate::context::{CaseError, CaseResult, TestContext};
@@ -118,24 +118,14 @@ async fn drop_one(
         Call::Extend => {
             let lease = acquire(client, &fresh, ttl, "before a dropped extend").await?;
             let ttl = client.capabilities().effective_ttl(ttl)?;
-            let _ = tokio::time::timeout(cut, raw.extend(held(&lease), ttl)).await;
+            let _ = tokio::time::timeout(cut, raw.extend(lease.held(), ttl)).await;
         }
         Call::Release => {
             let lease = acquire(client, &fresh, ttl, "before a dropped release").await?;
-            let _ = tokio::time::timeout(cut, raw.release(held(&lease))).await;
+            let _ = tokio::time::timeout(cut, raw.release(lease.held())).await;
         }
     }
     Ok(vec![fresh])
-}
-
-/// The raw lock a lease holds.
-fn held(lease: &Lease) -> HeldLock<'_> {
-    HeldLock {
-        key: lease.key(),
-        owner: lease.owner(),
-        fencing: lease.fencing_token(),
-        handle: lease.handle(),
-    }
 }
 
 /// What a storm of dropped calls left behind.
