@@ -461,8 +461,6 @@ fn valid_from(sent_at: Instant, clock_started: Option<Instant>) -> Instant {
     clock_started.map_or(sent_at, |at| at.min(sent_at))
 }
 
-}
-
 /// The caller's end of a waiting acquisition. If the caller's future is
 /// dropped after the task sent a lease but before it was read, the lease
 /// would be dropped unread and stay held for its whole TTL; on drop this
