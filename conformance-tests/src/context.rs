@@ -8,14 +8,13 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lock_core::{Capabilities, DistributedLock, LockError, LockKey, Locker};
+use lock_core::{Capabilities, LockClient, LockError, LockKey, Locker};
 
 use crate::fault::{with_timeouts, FaultPath, Link, Proxy};
 use crate::server::{ServerHandle, ServerKind, ServerProcess};
 
 /// The future a client factory returns.
-pub type ClientFuture =
-    Pin<Box<dyn Future<Output = Result<Arc<dyn DistributedLock>, LockError>> + Send>>;
+pub type ClientFuture = Pin<Box<dyn Future<Output = Result<LockClient, LockError>> + Send>>;
 
 /// Opens a new, independent client for a server URL.
 pub type ConnectFn = Arc<dyn Fn(String) -> ClientFuture + Send + Sync>;
@@ -24,7 +23,7 @@ pub type ConnectFn = Arc<dyn Fn(String) -> ClientFuture + Send + Sync>;
 pub fn connect_fn<F, Fut>(connect: F) -> ConnectFn
 where
     F: Fn(String) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<Arc<dyn DistributedLock>, LockError>> + Send + 'static,
+    Fut: Future<Output = Result<LockClient, LockError>> + Send + 'static,
 {
     Arc::new(move |url| Box::pin(connect(url)))
 }
@@ -90,7 +89,7 @@ macro_rules! check_eq {
 /// ```
 /// use std::sync::Arc;
 /// use conformance_tests::{connect_fn, CaseResult, TestContext};
-/// use lock_core::{DistributedLock, MemoryLock};
+/// use lock_core::{LockClient, MemoryLock};
 ///
 /// async fn my_case(ctx: TestContext) -> CaseResult {
 ///     let client = ctx.client().await?;
@@ -105,7 +104,7 @@ macro_rules! check_eq {
 /// let server = MemoryLock::new();
 /// let connect = connect_fn(move |_url| {
 ///     let client = server.client();
-///     async move { Ok(client as Arc<dyn DistributedLock>) }
+///     async move { Ok(client) }
 /// });
 /// let ctx = TestContext::builder("memory", connect).build().await?;
 /// my_case(ctx).await?;
@@ -119,6 +118,7 @@ pub struct TestContext {
     pub(crate) server: Option<Arc<ServerHandle>>,
     pub(crate) kind: Option<Arc<dyn ServerKind>>,
     pub(crate) capabilities: Capabilities,
+    pub(crate) admin: bool,
     pub(crate) simulated_network: bool,
 }
 
@@ -176,7 +176,8 @@ impl ContextBuilder {
                 self.backend
             ))
         })?;
-        let capabilities = probe.capabilities();
+        let capabilities = probe.capabilities().clone();
+        let admin = probe.admin().is_some();
         drop(probe);
         Ok(TestContext {
             backend: self.backend,
@@ -185,6 +186,7 @@ impl ContextBuilder {
             server: self.server,
             kind: self.kind,
             capabilities,
+            admin,
             simulated_network: self.simulated_network,
         })
     }
@@ -223,12 +225,12 @@ impl TestContext {
     }
 
     /// Opens a new client with its own connections.
-    pub async fn client(&self) -> Result<Arc<dyn DistributedLock>, CaseError> {
+    pub async fn client(&self) -> Result<LockClient, CaseError> {
         self.client_at(&self.url).await
     }
 
     /// Opens a new client for another URL (e.g. through a fault proxy).
-    pub async fn client_at(&self, url: &str) -> Result<Arc<dyn DistributedLock>, CaseError> {
+    pub async fn client_at(&self, url: &str) -> Result<LockClient, CaseError> {
         (self.connect)(url.to_owned())
             .await
             .map_err(|e| CaseError(format!("cannot open a client for {url:?}: {e}")))
@@ -242,6 +244,12 @@ impl TestContext {
     /// A fresh random key, so cases never share state.
     pub fn key(&self, label: &str) -> LockKey {
         LockKey::new(format!("{label}-{:016x}", rand::random::<u64>())).expect("valid test key")
+    }
+
+    /// Whether the backend has the operator calls (`inspect`,
+    /// `force_release`).
+    pub fn has_admin(&self) -> bool {
+        self.admin
     }
 
     /// The backend's declared capabilities.
@@ -344,7 +352,7 @@ impl TestContext {
     pub async fn client_via_proxy(
         &self,
         target: SocketAddr,
-    ) -> Result<(Proxy, Arc<dyn DistributedLock>), CaseError> {
+    ) -> Result<(Proxy, LockClient), CaseError> {
         let proxy = self.proxy_to(target).await?;
         let client = self.client_at(&self.fault_url(proxy.addr())?).await?;
         Ok((proxy, client))
@@ -372,10 +380,7 @@ impl TestContext {
 
     /// A new client through `path`, with the short fault-case timeouts
     /// ([`FAULT_CONNECT_TIMEOUT`], [`FAULT_OPERATION_TIMEOUT`]).
-    pub async fn client_through(
-        &self,
-        path: &FaultPath,
-    ) -> Result<Arc<dyn DistributedLock>, CaseError> {
+    pub async fn client_through(&self, path: &FaultPath) -> Result<LockClient, CaseError> {
         self.client_through_with(path, FAULT_OPERATION_TIMEOUT)
             .await
     }
@@ -387,7 +392,7 @@ impl TestContext {
         &self,
         path: &FaultPath,
         timeout: Duration,
-    ) -> Result<Arc<dyn DistributedLock>, CaseError> {
+    ) -> Result<LockClient, CaseError> {
         let base = match path {
             FaultPath::Proxy(proxy) => self
                 .kind

@@ -6,15 +6,14 @@
 //!
 //! ```no_run
 //! // tests/conformance.rs
-//! use std::sync::Arc;
 //! use conformance_tests::{server, Suite};
-//! use lock_core::{DistributedLock, LockError, MemoryLock};
+//! use lock_core::{LockClient, LockError, MemoryLock};
 //!
 //! # async fn connect_my_backend(_url: &str) -> Result<MemoryLock, LockError> { Ok(MemoryLock::new()) }
 //! fn main() -> std::process::ExitCode {
 //!     Suite::new("my-backend", |url: String| async move {
-//!         let lock = connect_my_backend(&url).await?;
-//!         Ok(Arc::new(lock) as Arc<dyn DistributedLock>)
+//!         let backend = connect_my_backend(&url).await?; // your LockBackend
+//!         Ok(LockClient::new(backend))
 //!     })
 //!     .server(server::Redis::default()) // or your own `server::ServerKind`
 //!     .run()
@@ -85,5 +84,5 @@ pub use context::{
     connect_fn, CaseError, CaseResult, ClientFuture, ConnectFn, ContextBuilder, TestContext,
     FAULT_CONNECT_TIMEOUT, FAULT_OPERATION_TIMEOUT,
 };
-pub use observed::{Call, ObservedLock};
+pub use observed::{Call, Granted, ObservedLock};
 pub use suite::{CaseOutcome, CaseReport, CaseRun, Suite};

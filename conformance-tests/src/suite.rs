@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
-use lock_core::{DistributedLock, LockError};
+use lock_core::{LockClient, LockError};
 use tokio::sync::watch;
 
 use crate::cases::{self, Case};
@@ -27,13 +27,13 @@ const DEFAULT_TEST_THREADS: usize = 8;
 /// ```no_run
 /// use std::sync::Arc;
 /// use conformance_tests::Suite;
-/// use lock_core::{DistributedLock, MemoryLock};
+/// use lock_core::{LockClient, MemoryLock};
 ///
 /// fn main() -> std::process::ExitCode {
 ///     let server = MemoryLock::new();
 ///     Suite::new("memory", move |_url: String| {
 ///         let client = server.client();
-///         async move { Ok(client as Arc<dyn DistributedLock>) }
+///         async move { Ok(client) }
 ///     })
 ///     .run()
 /// }
@@ -47,11 +47,11 @@ const DEFAULT_TEST_THREADS: usize = 8;
 /// use std::sync::Arc;
 /// use conformance_tests::cases::{Case, Needs};
 /// use conformance_tests::{check, CaseResult, Suite, TestContext};
-/// use lock_core::{DistributedLock, MemoryLock};
+/// use lock_core::{LockClient, MemoryLock};
 ///
 /// async fn keys_are_namespaced(ctx: TestContext) -> CaseResult {
 ///     let client = ctx.client().await?;
-///     check!(client.capabilities().admin, "this backend has admin calls");
+///     check!(client.admin().is_some(), "this backend has admin calls");
 ///     Ok(())
 /// }
 ///
@@ -59,7 +59,7 @@ const DEFAULT_TEST_THREADS: usize = 8;
 ///     let server = MemoryLock::new();
 ///     Suite::new("memory", move |_url: String| {
 ///         let client = server.client();
-///         async move { Ok(client as Arc<dyn DistributedLock>) }
+///         async move { Ok(client) }
 ///     })
 ///     .case(Case::new("mine", "keys_are_namespaced", Needs::Nothing, |ctx| {
 ///         Box::pin(keys_are_namespaced(ctx))
@@ -142,7 +142,7 @@ impl Suite {
     pub fn new<F, Fut>(name: impl Into<String>, connect: F) -> Self
     where
         F: Fn(String) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<Arc<dyn DistributedLock>, LockError>> + Send + 'static,
+        Fut: Future<Output = Result<LockClient, LockError>> + Send + 'static,
     {
         Self {
             name: name.into(),

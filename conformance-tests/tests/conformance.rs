@@ -2,16 +2,14 @@
 //! simulated network (the clients of fault cases are attached to a
 //! [`Link`]).
 
-use std::sync::Arc;
-
 use conformance_tests::fault::Link;
 use conformance_tests::Suite;
-use lock_core::{DistributedLock, MemoryLock};
+use lock_core::{LockClient, MemoryLock};
 
 fn main() -> std::process::ExitCode {
     let server = MemoryLock::new();
     Suite::new("memory", move |url: String| {
-        let client: Arc<dyn DistributedLock> = server.client();
+        let client: LockClient = server.client();
         async move { Link::attach(&url, client) }
     })
     .simulated_network()

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use conformance_tests::cases::support::acquire;
 use conformance_tests::cases::{Case, Needs};
 use conformance_tests::{check, CaseOutcome, CaseResult, CaseRun, Suite, TestContext};
-use lock_core::{DistributedLock, MemoryLock};
+use lock_core::MemoryLock;
 
 async fn holds_a_key(ctx: TestContext) -> CaseResult {
     let client = ctx.client().await?;
@@ -30,7 +30,7 @@ fn memory_suite(urls: Arc<Mutex<Vec<String>>>) -> Suite {
     Suite::new("memory", move |url: String| {
         urls.lock().unwrap().push(url);
         let client = server.client();
-        async move { Ok(client as Arc<dyn DistributedLock>) }
+        async move { Ok(client) }
     })
 }
 

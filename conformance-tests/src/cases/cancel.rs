@@ -1,16 +1,17 @@
-//! `cancel::` — the raw trait's futures (`try_acquire`,
-//! `try_acquire_renewing`, `acquire`, `watch`, `extend`, `release`)
-//! dropped at random points, mid-flight where faults can delay traffic.
+//! `cancel::` — futures dropped at random points, mid-flight where faults
+//! can delay traffic: the raw backend's (`LockBackend::acquire` plain and
+//! renewing, `watch`, `extend`, `release`) and the client's (`try_acquire`,
+//! a waiting `acquire`).
 //!
-//! The raw calls are not cancel-safe by contract: a grant whose reply
-//! nobody read may stay held, but only until its TTL. What must hold after
-//! any drop: nothing stays held beyond its TTL, and the waiters that come
-//! later are still woken by a release (not by their deadline or a timer).
+//! A dropped grant whose reply nobody read may stay held, but only until
+//! its TTL. What must hold after any drop: nothing stays held beyond its
+//! TTL, and the waiters that come later are still woken by a release (not
+//! by their deadline or a timer).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lock_core::{DistributedLock, LockKey};
+use lock_core::{AcquireRequest, Lease, LockClient, LockKey, OwnerToken};
 
 use super::support::{acquire, eventually_acquire, until_attempts, within};
 use crate::context::{CaseError, CaseResult, TestContext};
@@ -26,11 +27,14 @@ const ROUNDS: usize = 14;
 /// expired leases in batches); only a key held for good fails it.
 const EXPIRY_SLACK: Duration = Duration::from_secs(10);
 
-/// Which raw call is dropped.
+/// Which call is dropped.
 #[derive(Debug, Clone, Copy)]
 enum Call {
+    /// The raw backend's acquire, without and with renewal.
+    RawAcquire,
+    RawAcquireRenewing,
+    /// The client's single attempt.
     TryAcquire,
-    TryAcquireRenewing,
     /// A waiting `acquire` on a key held throughout.
     AcquireHeld,
     /// A waiting `acquire` on a key released at a random moment.
@@ -40,9 +44,10 @@ enum Call {
     Release,
 }
 
-const CALLS: [Call; 7] = [
+const CALLS: [Call; 8] = [
+    Call::RawAcquire,
+    Call::RawAcquireRenewing,
     Call::TryAcquire,
-    Call::TryAcquireRenewing,
     Call::AcquireHeld,
     Call::AcquireReleased,
     Call::Watch,
@@ -59,8 +64,8 @@ fn random_within(span: Duration) -> Duration {
 /// One dropped call by `client`; returns the keys it touched.
 async fn drop_one(
     ctx: &TestContext,
-    client: &Arc<dyn DistributedLock>,
-    holder: &Arc<dyn DistributedLock>,
+    client: &LockClient,
+    holder: &LockClient,
     busy: &LockKey,
     what: Call,
     ttl: Duration,
@@ -68,12 +73,19 @@ async fn drop_one(
 ) -> Result<Vec<LockKey>, CaseError> {
     let fresh = ctx.key("cancel");
     let cut = random_within(span);
+    let raw = client.backend();
     match what {
+        Call::RawAcquire | Call::RawAcquireRenewing => {
+            let request = AcquireRequest {
+                key: &fresh,
+                owner: OwnerToken::random(),
+                ttl: client.capabilities().effective_ttl(ttl)?,
+                renewing: matches!(what, Call::RawAcquireRenewing),
+            };
+            let _ = tokio::time::timeout(cut, raw.acquire(request)).await;
+        }
         Call::TryAcquire => {
             let _ = tokio::time::timeout(cut, client.try_acquire(&fresh, ttl)).await;
-        }
-        Call::TryAcquireRenewing => {
-            let _ = tokio::time::timeout(cut, client.try_acquire_renewing(&fresh, ttl)).await;
         }
         Call::AcquireHeld => {
             let deadline = Instant::now() + Duration::from_secs(5);
@@ -97,7 +109,7 @@ async fn drop_one(
                 .map_err(|e| format!("releaser panicked: {e}"))??;
         }
         Call::Watch => {
-            if let Ok(Ok(Some(watch))) = tokio::time::timeout(cut, client.watch(busy)).await {
+            if let Ok(Ok(Some(watch))) = tokio::time::timeout(cut, raw.watch(busy)).await {
                 tokio::time::sleep(random_within(span)).await;
                 drop(watch);
             }
@@ -105,11 +117,12 @@ async fn drop_one(
         }
         Call::Extend => {
             let lease = acquire(client, &fresh, ttl, "before a dropped extend").await?;
-            let _ = tokio::time::timeout(cut, client.extend(&lease, ttl)).await;
+            let ttl = client.capabilities().effective_ttl(ttl)?;
+            let _ = tokio::time::timeout(cut, raw.extend(lease.held(), ttl)).await;
         }
         Call::Release => {
             let lease = acquire(client, &fresh, ttl, "before a dropped release").await?;
-            let _ = tokio::time::timeout(cut, client.release(&lease)).await;
+            let _ = tokio::time::timeout(cut, raw.release(lease.held())).await;
         }
     }
     Ok(vec![fresh])
@@ -117,12 +130,12 @@ async fn drop_one(
 
 /// What a storm of dropped calls left behind.
 struct Storm {
-    holder: Arc<dyn DistributedLock>,
+    holder: LockClient,
     /// The key held throughout, where waits and watches were dropped.
     busy: LockKey,
-    busy_lease: lock_core::Lease,
+    busy_lease: Lease,
     /// The clients whose calls were dropped (still alive).
-    clients: Vec<Arc<dyn DistributedLock>>,
+    clients: Vec<LockClient>,
     /// Every other key a dropped call touched.
     touched: Vec<LockKey>,
     /// The TTL the dropped acquisitions asked for.
@@ -217,8 +230,9 @@ pub async fn dropped_calls_leave_later_waiters_woken(ctx: TestContext) -> CaseRe
     let mut waiters = Vec::new();
     let mut observed = Vec::new();
     for client in clients {
-        let waiter = Arc::new(ObservedLock::new(client.clone()));
-        observed.push(waiter.clone());
+        let observer = Arc::new(ObservedLock::new(client.clone()));
+        observed.push(observer.clone());
+        let waiter = LockClient::new(observer);
         let (busy, long) = (busy.clone(), ctx.long_ttl());
         waiters.push(tokio::spawn(async move {
             let lease = waiter.acquire(&busy, long, deadline).await?;

@@ -18,8 +18,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lock_core::{
-    AcquireAttempt, DistributedLock, ErrorKind, LockError, LockKey, LockOptions, Locker,
-    LostReason, RunOptions, RunOutcome,
+    AcquireAttempt, ErrorKind, LockClient, LockError, LockKey, LockOptions, Locker, LostReason,
+    RunOptions, RunOutcome,
 };
 use tokio::sync::oneshot;
 
@@ -808,7 +808,7 @@ pub async fn exclusion_torture(ctx: TestContext) -> CaseResult {
     let mut proxies: Vec<Arc<FaultPath>> = Vec::new();
     let mut lockers = Vec::new();
     for _ in 0..CLIENTS {
-        let client: Arc<dyn DistributedLock> = match &server {
+        let client: LockClient = match &server {
             Some(server) => {
                 let (proxy, client) = ctx.client_via_proxy(server.addr()).await?;
                 proxies.push(Arc::new(FaultPath::Proxy(proxy)));
@@ -1146,7 +1146,7 @@ impl Stall {
         }
     }
 
-    async fn client(&self, ctx: &TestContext) -> Result<Arc<dyn DistributedLock>, CaseError> {
+    async fn client(&self, ctx: &TestContext) -> Result<LockClient, CaseError> {
         match self {
             Stall::Process(_, url) => ctx.client_at(url).await,
             Stall::Network(path) => ctx.client_through(path).await,

@@ -17,8 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lock_core::{
-    AcquireAttempt, DistributedLock, ErrorKind, Lease, LockKey, LockOptions, Locker, LostReason,
-    Renewal,
+    AcquireAttempt, ErrorKind, Lease, LockClient, LockKey, LockOptions, Locker, LostReason, Renewal,
 };
 
 use super::support::{acquire, expiry_bound, holder_of, spin_acquire, still_held_by, within};
@@ -44,7 +43,7 @@ async fn slow_client(
     ctx: &TestContext,
     directions: &[Direction],
     ttl: Duration,
-) -> Result<(Option<FaultPath>, Arc<dyn DistributedLock>), CaseError> {
+) -> Result<(Option<FaultPath>, LockClient), CaseError> {
     if !ctx.can_inject_faults() {
         return Ok((None, ctx.client().await?));
     }
@@ -143,7 +142,7 @@ pub async fn never_granted_before_holder_deadline(ctx: TestContext) -> CaseResul
 /// conforming backend (whose deadline is counted from before the request
 /// was sent, minus a drift allowance) never is.
 async fn server_holds_until_deadline(
-    observer: &Arc<dyn DistributedLock>,
+    observer: &LockClient,
     key: &LockKey,
     token: lock_core::FencingToken,
     valid_until: impl Fn() -> Instant,

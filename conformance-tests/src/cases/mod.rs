@@ -53,8 +53,8 @@ impl Needs {
         let caps = context.capabilities();
         match self {
             Needs::Nothing => None,
-            Needs::Admin => (!caps.admin).then(|| {
-                "backend declares no operator calls inspect/force_release (admin = false)".into()
+            Needs::Admin => (!context.has_admin()).then(|| {
+                "backend has no operator calls inspect/force_release (LockBackend::admin is None)".into()
             }),
             Needs::NativeWait => (!caps.native_wait)
                 .then(|| "backend declares no server-driven wake-up (native_wait = false)".into()),

@@ -1,12 +1,12 @@
 //! `run::` — run_exclusive: completed, skipped, lost; always releases; job
-//! code over `Arc<dyn DistributedLock>`.
+//! code over `LockClient`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use lock_core::{
-    AcquireAttempt, DistributedLock, ErrorKind, Lease, LockError, LockKey, LockOptions, Locker,
+    AcquireAttempt, ErrorKind, Lease, LockClient, LockError, LockKey, LockOptions, Locker,
     LostReason, OnLost, Renewal, RunOptions, RunOutcome,
 };
 use tokio::sync::oneshot;
@@ -150,14 +150,14 @@ pub async fn hold_at_least_skips_next_tick(ctx: TestContext) -> CaseResult {
 /// client takes the key. Returns the other client's lease.
 async fn steal_when_started(
     recording: Arc<ObservedLock>,
-    thief: Arc<dyn DistributedLock>,
+    thief: LockClient,
     started: oneshot::Receiver<()>,
     ttl: Duration,
 ) -> Result<Lease, crate::CaseError> {
     started.await.map_err(|_| "the job never started")?;
-    let lease = recording.last_granted().ok_or("no lease was granted")?;
-    recording.release(&lease).await?;
-    acquire(&thief, lease.key(), ttl, "thief after the delete").await
+    let granted = recording.last_granted().ok_or("no lease was granted")?;
+    recording.release_behind(&granted).await?;
+    acquire(&thief, granted.key(), ttl, "thief after the delete").await
 }
 
 /// OnLost::Stop (the default): the job is stopped when the lock is lost.
@@ -298,9 +298,9 @@ pub async fn job_finishing_after_loss_is_not_completed(ctx: TestContext) -> Case
     Ok(())
 }
 
-/// Job code written against `Arc<dyn DistributedLock>` only: raw calls and
+/// Job code written against `LockClient` only: raw calls and
 /// the shared `Locker`, no backend named.
-async fn portable_job(lock: Arc<dyn DistributedLock>, key: &LockKey) -> Result<u64, LockError> {
+async fn portable_job(lock: LockClient, key: &LockKey) -> Result<u64, LockError> {
     let caps = lock.capabilities();
     let ttl = caps.effective_ttl(Duration::from_secs(10))?;
     let lease = match lock.try_acquire(key, ttl).await? {

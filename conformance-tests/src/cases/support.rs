@@ -1,11 +1,10 @@
 //! Helpers shared by the cases (free functions over the public contract).
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lock_core::{
-    AcquireAttempt, DistributedLock, ErrorKind, FencingToken, Lease, LockError, LockKey, LockState,
+    AcquireAttempt, ErrorKind, FencingToken, Lease, LockClient, LockError, LockKey, LockState,
 };
 
 use crate::context::{CaseError, TestContext};
@@ -44,7 +43,7 @@ pub fn stem(label: &str) -> String {
 
 /// `try_acquire` that must succeed.
 pub async fn acquire(
-    lock: &Arc<dyn DistributedLock>,
+    lock: &LockClient,
     key: &LockKey,
     ttl: Duration,
     what: &str,
@@ -62,11 +61,7 @@ pub async fn acquire(
 
 /// `try_acquire` that must be refused; a wrongly granted lease is released
 /// before failing.
-pub async fn refused(
-    lock: &Arc<dyn DistributedLock>,
-    key: &LockKey,
-    what: &str,
-) -> Result<(), CaseError> {
+pub async fn refused(lock: &LockClient, key: &LockKey, what: &str) -> Result<(), CaseError> {
     match lock.try_acquire(key, Duration::from_secs(5)).await {
         Ok(AcquireAttempt::Held { .. }) => Ok(()),
         Ok(AcquireAttempt::Acquired(lease)) => {
@@ -83,7 +78,7 @@ pub async fn refused(
 
 /// Polls `try_acquire` until it succeeds or `bound` passes.
 pub async fn eventually_acquire(
-    lock: &Arc<dyn DistributedLock>,
+    lock: &LockClient,
     key: &LockKey,
     ttl: Duration,
     bound: Duration,
@@ -140,10 +135,7 @@ pub async fn within<F: Future>(
 }
 
 /// A fresh client, for cases that open many.
-pub async fn clients(
-    ctx: &TestContext,
-    n: usize,
-) -> Result<Vec<Arc<dyn DistributedLock>>, CaseError> {
+pub async fn clients(ctx: &TestContext, n: usize) -> Result<Vec<LockClient>, CaseError> {
     let mut all = Vec::with_capacity(n);
     for _ in 0..n {
         all.push(ctx.client().await?);
@@ -173,10 +165,10 @@ pub async fn until_attempts(observed: &ObservedLock, n: u64, what: &str) -> Resu
 /// backend has it; otherwise a `try_acquire` probe (a key it gets is
 /// released at once, and a holder's token is then unknown: `Some(None)`).
 pub async fn holder_of(
-    observer: &Arc<dyn DistributedLock>,
+    observer: &LockClient,
     key: &LockKey,
 ) -> Result<Option<Option<FencingToken>>, CaseError> {
-    if observer.capabilities().admin {
+    if observer.admin().is_some() {
         return match observer.inspect(key).await {
             Ok(LockState::Held { fencing_token, .. }) => Ok(Some(Some(fencing_token))),
             Ok(LockState::Free) => Ok(None),
@@ -195,7 +187,7 @@ pub async fn holder_of(
 
 /// Whether `holder` (a fencing token) still holds `key` per the server.
 pub async fn still_held_by(
-    observer: &Arc<dyn DistributedLock>,
+    observer: &LockClient,
     key: &LockKey,
     holder: FencingToken,
 ) -> Result<bool, CaseError> {
@@ -210,7 +202,7 @@ pub async fn still_held_by(
 /// (`Some(lease, instant the reply arrived)`) or `give_up` returns true
 /// after a refused attempt (`None`); fails after `bound`.
 pub async fn spin_acquire(
-    lock: &Arc<dyn DistributedLock>,
+    lock: &LockClient,
     key: &LockKey,
     ttl: Duration,
     bound: Duration,

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lock_core::{DistributedLock, LockOptions, Locker};
+use lock_core::{LockClient, LockOptions, Locker};
 
 use super::support::{
     acquire, background_bound, eventually_acquire, expiry_bound, refused, until_attempts, within,
@@ -43,19 +43,20 @@ pub async fn waiter_gets_lock_after_release(ctx: TestContext) -> CaseResult {
     Ok(())
 }
 
-/// The raw `DistributedLock::acquire` waits for a release too.
+/// The client's lease-level `LockClient::acquire` waits for a release too.
 pub async fn raw_acquire_waits_for_release(ctx: TestContext) -> CaseResult {
     let holder = ctx.client().await?;
     // Observed so the release waits until the waiter is blocked; its
     // `acquire` is the shared waiting loop over the backend's own `watch`
     // and `try_acquire`.
     let waiter = Arc::new(ObservedLock::new(ctx.client().await?));
+    let waiter_client = LockClient::new(waiter.clone());
     let key = ctx.key("wait");
     let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
     let task = {
         let key = key.clone();
         let ttl = ctx.long_ttl();
-        let waiter = waiter.clone();
+        let waiter = waiter_client.clone();
         tokio::spawn(async move {
             let deadline = Instant::now() + Duration::from_secs(60);
             waiter.acquire(&key, ttl, deadline).await
@@ -68,7 +69,7 @@ pub async fn raw_acquire_waits_for_release(ctx: TestContext) -> CaseResult {
         .map_err(|e| format!("waiter panicked: {e}"))?;
     let got = got?.ok_or("raw acquire gave up although the lock was released")?;
     refused(&holder, &key, "the waiter holds it").await?;
-    waiter.release(&got).await?;
+    waiter_client.release(&got).await?;
     Ok(())
 }
 

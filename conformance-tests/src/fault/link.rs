@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use lock_core::{
-    AcquireAttempt, Capabilities, DistributedLock, Lease, LockError, LockKey, LockState,
-    ReleaseNotifier, ReleaseWatch,
+    AcquireReply, AcquireRequest, Capabilities, ExtendReply, HeldLock, LockAdmin, LockBackend,
+    LockClient, LockError, LockKey, LockState, ReleaseNotifier, ReleaseReply, ReleaseWatch,
 };
 use tokio::sync::watch;
 
@@ -52,7 +52,7 @@ static LINKS: Mutex<BTreeMap<u64, Weak<Shared>>> = Mutex::new(BTreeMap::new());
 /// use std::sync::Arc;
 /// use std::time::Duration;
 /// use conformance_tests::fault::{Direction, Link};
-/// use lock_core::{DistributedLock, ErrorKind, LockKey, MemoryLock};
+/// use lock_core::{ErrorKind, LockKey, MemoryLock};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), lock_core::LockError> {
@@ -119,10 +119,7 @@ impl Link {
     /// `client` behind the link `url` names, if `url` is a link URL;
     /// `client` itself for any other URL (a plain client). A `link://` URL
     /// of a link that no longer exists is a `Config` error.
-    pub fn attach(
-        url: &str,
-        client: Arc<dyn DistributedLock>,
-    ) -> Result<Arc<dyn DistributedLock>, LockError> {
+    pub fn attach(url: &str, client: LockClient) -> Result<LockClient, LockError> {
         let Some(rest) = url.strip_prefix(LINK_SCHEME) else {
             return Ok(client);
         };
@@ -165,23 +162,21 @@ impl Link {
     /// with calls timing out after `operation_timeout`. With no fault set,
     /// the link is a transparent hop that counts what it carries
     /// ([`requests`](Self::requests)).
-    pub fn wrap(
-        &self,
-        client: Arc<dyn DistributedLock>,
-        operation_timeout: Duration,
-    ) -> Arc<dyn DistributedLock> {
+    pub fn wrap(&self, client: LockClient, operation_timeout: Duration) -> LockClient {
         let index = self.shared.attached.fetch_add(1, Ordering::SeqCst);
-        Arc::new(LinkedLock {
+        LockClient::new(LinkedLock {
             link: self.shared.clone(),
             index,
-            inner: client,
+            inner: client.backend().clone(),
             timeout: operation_timeout,
             notifier: ReleaseNotifier::new(),
         })
     }
 
-    /// How many requests of the trait method `call` (`"extend"`,
-    /// `"try_acquire"`, `"watch"`, ...) set off across the link so far.
+    /// How many requests of `call` set off across the link so far: the raw
+    /// backend's `"try_acquire"` (an acquire without renewal),
+    /// `"try_acquire_renewing"`, `"extend"`, `"release"`, `"watch"`,
+    /// `"inspect"`, `"force_release"`.
     pub fn requests(&self, call: &str) -> u64 {
         let requests = self
             .shared
@@ -242,7 +237,7 @@ impl Link {
 struct LinkedLock {
     link: Arc<Shared>,
     index: usize,
-    inner: Arc<dyn DistributedLock>,
+    inner: Arc<dyn LockBackend>,
     timeout: Duration,
     /// Local fan-out of the notifications that crossed the link.
     notifier: ReleaseNotifier,
@@ -363,44 +358,32 @@ async fn forward(
     }
 }
 
+#[deny(clippy::missing_trait_methods)]
 #[lock_core::async_trait]
-impl DistributedLock for LinkedLock {
+impl LockBackend for LinkedLock {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
     }
 
-    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<AcquireAttempt, LockError> {
-        self.call("try_acquire", self.inner.try_acquire(key, ttl))
-            .await
+    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError> {
+        let what = if request.renewing {
+            "try_acquire_renewing"
+        } else {
+            "try_acquire"
+        };
+        self.call(what, self.inner.acquire(request)).await
     }
 
-    async fn try_acquire_renewing(
-        &self,
-        key: &LockKey,
-        ttl: Duration,
-    ) -> Result<AcquireAttempt, LockError> {
-        self.call(
-            "try_acquire_renewing",
-            self.inner.try_acquire_renewing(key, ttl),
-        )
-        .await
+    async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError> {
+        self.call("extend", self.inner.extend(lock, ttl)).await
     }
 
-    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
-        self.call("extend", self.inner.extend(lease, ttl)).await
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<(), LockError> {
-        self.call("release", self.inner.release(lease)).await
-    }
-
-    async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
-        self.call("inspect", self.inner.inspect(key)).await
-    }
-
-    async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
-        self.call("force_release", self.inner.force_release(key))
-            .await
+    async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
+        self.call("release", self.inner.release(lock)).await
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
@@ -421,6 +404,27 @@ impl DistributedLock for LinkedLock {
             .await?;
         Ok(Some(watch))
     }
+
+    fn admin(&self) -> Option<&dyn LockAdmin> {
+        self.inner.admin().map(|_| self as &dyn LockAdmin)
+    }
+}
+
+#[lock_core::async_trait]
+impl LockAdmin for LinkedLock {
+    async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
+        let admin = self.inner.admin().ok_or_else(no_admin)?;
+        self.call("inspect", admin.inspect(key)).await
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
+        let admin = self.inner.admin().ok_or_else(no_admin)?;
+        self.call("force_release", admin.force_release(key)).await
+    }
+}
+
+fn no_admin() -> LockError {
+    LockError::unsupported("the backend behind this link has no operator calls")
 }
 
 #[cfg(test)]

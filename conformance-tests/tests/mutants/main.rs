@@ -14,12 +14,11 @@ mod corpus;
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 
 use conformance_tests::fault::Link;
 use conformance_tests::{CaseOutcome, CaseRun, Suite};
 use libtest_mimic::{Arguments, Failed, Trial};
-use lock_core::{DistributedLock, MemoryLock};
+use lock_core::{LockClient, MemoryLock};
 
 use corpus::{Defect, Mutant, MutantSpec, CORPUS};
 
@@ -37,7 +36,7 @@ static REJECTED: AtomicUsize = AtomicUsize::new(0);
 fn suite(name: &str, defect: Defect) -> Suite {
     let server = MemoryLock::new();
     Suite::new(name, move |url: String| {
-        let client: Arc<dyn DistributedLock> = server.client();
+        let client: LockClient = server.client();
         async move { Ok(Mutant::wrap(defect, Link::attach(&url, client)?)) }
     })
     .simulated_network()
