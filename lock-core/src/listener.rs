@@ -139,6 +139,9 @@ struct Inner<S: NotificationSource> {
     /// Topics by channel, for channels subscribed on the current connection.
     live: tokio::sync::Mutex<Option<Live<S>>>,
     generation: AtomicU64,
+    /// The generation whose reader is running (0: none). Its reader clears
+    /// it when it ends without the lost path (see [`ReaderExit`]).
+    reading: AtomicU64,
     /// The topic of each channel that has waiters (to unsubscribe it later).
     topics: Mutex<HashMap<String, S::Topic>>,
 }
@@ -170,6 +173,7 @@ impl<S: NotificationSource> Listener<S> {
                 notifier: ReleaseNotifier::new(),
                 live: tokio::sync::Mutex::new(None),
                 generation: AtomicU64::new(0),
+                reading: AtomicU64::new(0),
                 topics: Mutex::new(HashMap::new()),
             }),
         }
@@ -218,7 +222,14 @@ impl<S: NotificationSource> Inner<S> {
         topic: S::Topic,
     ) -> Result<(), LockError> {
         let mut live = self.live.lock().await;
-        if live.as_ref().is_none_or(|l| l.reader.is_finished()) {
+        let reading = self.reading.load(Ordering::SeqCst);
+        if live
+            .as_ref()
+            .is_none_or(|l| l.reader.is_finished() || l.generation != reading)
+        {
+            if let Some(dead) = live.take() {
+                dead.reader.abort();
+            }
             *live = Some(self.connect().await?);
         }
         let Some(current) = live.as_mut() else {
@@ -255,12 +266,15 @@ impl<S: NotificationSource> Inner<S> {
         )
         .await?;
         let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        self.reading.store(generation, Ordering::SeqCst);
         let reader = tokio::spawn(read(
-            Arc::downgrade(self),
+            ReaderExit {
+                inner: Arc::downgrade(self),
+                generation,
+            },
             self.source.clone(),
             sink.clone(),
             stream,
-            generation,
             self.health_check_after,
             self.options.operation_timeout,
         ));
@@ -277,6 +291,9 @@ impl<S: NotificationSource> Inner<S> {
     /// drop it and make every waiter subscribe again.
     fn lost(&self, live: &mut Option<Live<S>>, generation: u64, why: &LockError) {
         if let Some(current) = live.take_if(|l| l.generation == generation) {
+            let _ =
+                self.reading
+                    .compare_exchange(generation, 0, Ordering::SeqCst, Ordering::SeqCst);
             current.reader.abort();
             tracing::debug!(generation, error = %why, "release-notification connection lost; waiters subscribe again");
             self.notifier.reset();
@@ -326,14 +343,16 @@ impl<S: NotificationSource> Inner<S> {
 /// Reads one connection's notifications until it fails; pings it when it
 /// stayed quiet and sweeps idle topics, every `every`.
 async fn read<S: NotificationSource>(
-    weak: Weak<Inner<S>>,
+    // An argument, not a local: dropped with the future even if it was
+    // never polled.
+    exit: ReaderExit<S>,
     source: Arc<S>,
     sink: S::Sink,
     mut stream: S::Stream,
-    generation: u64,
     every: Duration,
     operation_timeout: Duration,
 ) {
+    let (weak, generation) = (&exit.inner, exit.generation);
     let mut tick = tokio::time::interval(every);
     tick.tick().await;
     let mut heard = Instant::now();
@@ -371,4 +390,107 @@ async fn read<S: NotificationSource>(
     let Some(inner) = weak.upgrade() else { return };
     let mut live = inner.live.lock().await;
     inner.lost(&mut live, generation, &error);
+}
+
+/// Dropped with a reader that ends without the lost path — its runtime
+/// shut down (the client lives on in another), or it panicked — and so
+/// could not take the live lock: marks its connection dead, so the next
+/// subscribe reconnects, and wakes every waiter, so each subscribes again.
+/// A no-op after the lost path, which cleared the mark first.
+struct ReaderExit<S: NotificationSource> {
+    inner: Weak<Inner<S>>,
+    generation: u64,
+}
+
+impl<S: NotificationSource> Drop for ReaderExit<S> {
+    fn drop(&mut self) {
+        let Some(inner) = self.inner.upgrade() else {
+            return;
+        };
+        let ended =
+            inner
+                .reading
+                .compare_exchange(self.generation, 0, Ordering::SeqCst, Ordering::SeqCst);
+        if ended.is_ok() {
+            tracing::debug!(generation = self.generation, "release-notification reader ended (runtime shut down or panic); waiters subscribe again");
+            inner.notifier.reset();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    /// Notifications from in-process channels, one per connection.
+    #[derive(Default)]
+    struct Toy {
+        connections: Mutex<Vec<mpsc::UnboundedSender<String>>>,
+    }
+
+    #[async_trait]
+    impl NotificationSource for Toy {
+        type Topic = String;
+        type Sink = ();
+        type Stream = mpsc::UnboundedReceiver<String>;
+        fn channel(&self, topic: &String) -> String {
+            topic.clone()
+        }
+        async fn connect(&self) -> Result<((), Self::Stream), LockError> {
+            let (tx, rx) = mpsc::unbounded_channel();
+            self.connections.lock().unwrap().push(tx);
+            Ok(((), rx))
+        }
+        async fn subscribe(&self, _: &(), _: &[String]) -> Result<(), LockError> {
+            Ok(())
+        }
+        async fn next(&self, stream: &mut Self::Stream) -> Option<Result<String, LockError>> {
+            stream.recv().await.map(Ok)
+        }
+    }
+
+    #[test]
+    fn a_reader_whose_runtime_shut_down_wakes_its_waiters_and_is_replaced() {
+        let listener = Arc::new(Listener::new(Toy::default(), &ClientOptions::default()));
+        // The reader starts on a runtime that will shut down.
+        let first = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        first.block_on(async { drop(listener.watch("k".to_owned()).await.unwrap()) });
+        let second = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let waiting = {
+            let listener = listener.clone();
+            second.spawn(async move {
+                let mut watch = listener.watch("k".to_owned()).await?;
+                watch.released().await
+            })
+        };
+        while !listener.notifier().has_waiters("k") {
+            std::thread::yield_now();
+        }
+        drop(first);
+        second.block_on(async {
+            let woken = tokio::time::timeout(Duration::from_secs(10), waiting)
+                .await
+                .expect("a waiter slept on after its reader died with its runtime")
+                .unwrap();
+            assert!(woken.is_err(), "woken without an error: {woken:?}");
+            // The next waiter gets a new connection, which delivers.
+            let mut watch = listener.watch("k".to_owned()).await.unwrap();
+            let connections = listener.source().connections.lock().unwrap().clone();
+            assert_eq!(connections.len(), 2);
+            connections[1].send("k".to_owned()).unwrap();
+            tokio::time::timeout(Duration::from_secs(10), watch.released())
+                .await
+                .expect("the new connection delivers")
+                .unwrap();
+        });
+    }
 }
