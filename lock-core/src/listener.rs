@@ -138,6 +138,9 @@ struct Inner<S: NotificationSource> {
     notifier: ReleaseNotifier,
     live: tokio::sync::Mutex<Option<Live<S>>>,
     generation: AtomicU64,
+    /// The generation whose reader is running (0: none). Its reader clears
+    /// it when it ends without the lost path (see [`ReaderExit`]).
+    reading: AtomicU64,
 }
 
 struct Live<S: NotificationSource> {
@@ -169,6 +172,7 @@ impl<S: NotificationSource> Listener<S> {
                 notifier: ReleaseNotifier::new(),
                 live: tokio::sync::Mutex::new(None),
                 generation: AtomicU64::new(0),
+                reading: AtomicU64::new(0),
             }),
         }
     }
@@ -211,7 +215,14 @@ impl<S: NotificationSource> Inner<S> {
         topic: S::Topic,
     ) -> Result<(), LockError> {
         let mut live = self.live.lock().await;
-        if live.as_ref().is_none_or(|l| l.reader.is_finished()) {
+        let reading = self.reading.load(Ordering::SeqCst);
+        if live
+            .as_ref()
+            .is_none_or(|l| l.reader.is_finished() || l.generation != reading)
+        {
+            if let Some(dead) = live.take() {
+                dead.reader.abort();
+            }
             *live = Some(self.connect().await?);
         }
         let Some(current) = live.as_mut() else {
@@ -249,12 +260,15 @@ impl<S: NotificationSource> Inner<S> {
         )
         .await?;
         let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        self.reading.store(generation, Ordering::SeqCst);
         let reader = tokio::spawn(read(
-            Arc::downgrade(self),
+            ReaderExit {
+                inner: Arc::downgrade(self),
+                generation,
+            },
             self.source.clone(),
             sink.clone(),
             stream,
-            generation,
             self.health_check_after,
             self.options.operation_timeout,
         ));
@@ -271,6 +285,9 @@ impl<S: NotificationSource> Inner<S> {
     /// drop it and make every waiter subscribe again.
     fn lost(&self, live: &mut Option<Live<S>>, generation: u64, why: &LockError) {
         if let Some(current) = live.take_if(|l| l.generation == generation) {
+            let _ =
+                self.reading
+                    .compare_exchange(generation, 0, Ordering::SeqCst, Ordering::SeqCst);
             current.reader.abort();
             tracing::debug!(generation, error = %why, "release-notification connection lost; waiters subscribe again");
             self.notifier.reset();
@@ -316,14 +333,16 @@ impl<S: NotificationSource> Inner<S> {
 /// Reads one connection's notifications until it fails; pings it when it
 /// stayed quiet and sweeps idle topics, every `every`.
 async fn read<S: NotificationSource>(
-    weak: Weak<Inner<S>>,
+    // An argument, not a local: dropped with the future even if it was
+    // never polled.
+    exit: ReaderExit<S>,
     source: Arc<S>,
     sink: S::Sink,
     mut stream: S::Stream,
-    generation: u64,
     every: Duration,
     operation_timeout: Duration,
 ) {
+    let (weak, generation) = (&exit.inner, exit.generation);
     let mut tick = tokio::time::interval(every);
     tick.tick().await;
     let mut heard = Instant::now();
@@ -363,6 +382,32 @@ async fn read<S: NotificationSource>(
     inner.lost(&mut live, generation, &error);
 }
 
+/// Dropped with a reader that ends without the lost path — its runtime
+/// shut down (the client lives on in another), or it panicked — and so
+/// could not take the live lock: marks its connection dead, so the next
+/// subscribe reconnects, and wakes every waiter, so each subscribes again.
+/// A no-op after the lost path, which cleared the mark first.
+struct ReaderExit<S: NotificationSource> {
+    inner: Weak<Inner<S>>,
+    generation: u64,
+}
+
+impl<S: NotificationSource> Drop for ReaderExit<S> {
+    fn drop(&mut self) {
+        let Some(inner) = self.inner.upgrade() else {
+            return;
+        };
+        let ended =
+            inner
+                .reading
+                .compare_exchange(self.generation, 0, Ordering::SeqCst, Ordering::SeqCst);
+        if ended.is_ok() {
+            tracing::debug!(generation = self.generation, "release-notification reader ended (runtime shut down or panic); waiters subscribe again");
+            inner.notifier.reset();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::AtomicBool;
@@ -372,58 +417,94 @@ mod tests {
 
     use super::*;
 
-    /// A source whose SUBSCRIBE can be made to hang, recording what it
-    /// unsubscribes. Its connection never ends.
+    /// Notifications from in-process channels, one per connection; its
+    /// subscribe can be made to hang, and it records what it unsubscribes.
     #[derive(Default)]
-    struct Stalling {
+    struct Toy {
+        connections: Mutex<Vec<mpsc::UnboundedSender<String>>>,
         hang: AtomicBool,
         unsubscribed: Mutex<Vec<String>>,
-        server: Mutex<Vec<mpsc::UnboundedSender<String>>>,
     }
 
     #[async_trait]
-    impl NotificationSource for Arc<Stalling> {
+    impl NotificationSource for Toy {
         type Topic = String;
         type Sink = ();
         type Stream = mpsc::UnboundedReceiver<String>;
-
         fn channel(&self, topic: &String) -> String {
             topic.clone()
         }
-
         async fn connect(&self) -> Result<((), Self::Stream), LockError> {
             let (tx, rx) = mpsc::unbounded_channel();
-            self.server.lock().unwrap().push(tx);
+            self.connections.lock().unwrap().push(tx);
             Ok(((), rx))
         }
-
         async fn subscribe(&self, _: &(), _: &[String]) -> Result<(), LockError> {
             if self.hang.load(Ordering::SeqCst) {
                 std::future::pending::<()>().await;
             }
             Ok(())
         }
-
         async fn unsubscribe(&self, _: &(), topics: &[String]) -> Result<(), LockError> {
-            self.unsubscribed
-                .lock()
-                .unwrap()
-                .extend(topics.iter().cloned());
+            let mut unsubscribed = self.unsubscribed.lock().unwrap();
+            unsubscribed.extend(topics.iter().cloned());
             Ok(())
         }
-
         async fn next(&self, stream: &mut Self::Stream) -> Option<Result<String, LockError>> {
             stream.recv().await.map(Ok)
         }
+    }
+
+    #[test]
+    fn a_reader_whose_runtime_shut_down_wakes_its_waiters_and_is_replaced() {
+        let listener = Arc::new(Listener::new(Toy::default(), &ClientOptions::default()));
+        // The reader starts on a runtime that will shut down.
+        let first = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        first.block_on(async { drop(listener.watch("k".to_owned()).await.unwrap()) });
+        let second = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let waiting = {
+            let listener = listener.clone();
+            second.spawn(async move {
+                let mut watch = listener.watch("k".to_owned()).await?;
+                watch.released().await
+            })
+        };
+        while !listener.notifier().has_waiters("k") {
+            std::thread::yield_now();
+        }
+        drop(first);
+        second.block_on(async {
+            let woken = tokio::time::timeout(Duration::from_secs(10), waiting)
+                .await
+                .expect("a waiter slept on after its reader died with its runtime")
+                .unwrap();
+            assert!(woken.is_err(), "woken without an error: {woken:?}");
+            // The next waiter gets a new connection, which delivers.
+            let mut watch = listener.watch("k".to_owned()).await.unwrap();
+            let connections = listener.source().connections.lock().unwrap().clone();
+            assert_eq!(connections.len(), 2);
+            connections[1].send("k".to_owned()).unwrap();
+            tokio::time::timeout(Duration::from_secs(10), watch.released())
+                .await
+                .expect("the new connection delivers")
+                .unwrap();
+        });
     }
 
     /// A watch dropped while its subscribe is in flight: the server may
     /// still subscribe it, so the idle sweep must unsubscribe it.
     #[tokio::test]
     async fn a_watch_dropped_during_its_subscribe_is_swept() {
-        let source = Arc::new(Stalling::default());
-        let listener = Listener::new(source.clone(), &ClientOptions::default())
+        let listener = Listener::new(Toy::default(), &ClientOptions::default())
             .health_check_after(Duration::from_millis(10));
+        let source = listener.source();
         drop(listener.watch("first".to_owned()).await.unwrap());
         source.hang.store(true, Ordering::SeqCst);
         let dropped = tokio::time::timeout(
