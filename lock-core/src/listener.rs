@@ -200,11 +200,6 @@ impl<S: NotificationSource> Listener<S> {
         let inner = &self.inner;
         let channel = inner.source.channel(&topic);
         inner
-            .topics
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(channel.clone(), topic.clone());
-        inner
             .notifier
             .subscribe(&channel, || inner.subscribe(channel.clone(), topic))
             .await
@@ -218,6 +213,12 @@ impl<S: NotificationSource> Inner<S> {
         topic: S::Topic,
     ) -> Result<(), LockError> {
         let mut live = self.live.lock().await;
+        // Recorded under the lock a sweep takes, after the waiter was
+        // registered, so a sweep never forgets it before it is subscribed.
+        self.topics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(channel.clone(), topic.clone());
         if live.as_ref().is_none_or(|l| l.reader.is_finished()) {
             *live = Some(self.connect().await?);
         }
@@ -292,6 +293,13 @@ impl<S: NotificationSource> Inner<S> {
         let Some(current) = live.as_mut().filter(|l| l.generation == generation) else {
             return;
         };
+        // Topics nobody waits on that are not subscribed here (subscribed
+        // on a lost connection, or whose subscribe failed) need no
+        // unsubscribe: forget them.
+        self.topics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|c, _| current.subscribed.contains(c) || self.notifier.has_waiters(c));
         let idle: Vec<String> = current
             .subscribed
             .iter()
@@ -371,4 +379,74 @@ async fn read<S: NotificationSource>(
     let Some(inner) = weak.upgrade() else { return };
     let mut live = inner.live.lock().await;
     inner.lost(&mut live, generation, &error);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex as StdMutex;
+
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    /// A source whose connections are in-process channels: each connect
+    /// hands out the next receiver; dropping its sender ends it.
+    struct Toy(StdMutex<mpsc::UnboundedReceiver<mpsc::UnboundedReceiver<String>>>);
+
+    #[async_trait]
+    impl NotificationSource for Toy {
+        type Topic = String;
+        type Sink = ();
+        type Stream = mpsc::UnboundedReceiver<String>;
+        fn channel(&self, topic: &String) -> String {
+            topic.clone()
+        }
+        async fn connect(&self) -> Result<((), Self::Stream), LockError> {
+            let next = self.0.lock().unwrap().try_recv();
+            next.map(|rx| ((), rx))
+                .map_err(|_| LockError::unavailable("toy server gone"))
+        }
+        async fn subscribe(&self, _: &(), _: &[String]) -> Result<(), LockError> {
+            Ok(())
+        }
+        async fn next(&self, stream: &mut Self::Stream) -> Option<Result<String, LockError>> {
+            stream.recv().await.map(Ok)
+        }
+    }
+
+    fn known_topics<S: NotificationSource>(listener: &Listener<S>) -> Vec<String> {
+        let topics = listener.inner.topics.lock().unwrap();
+        let mut names: Vec<String> = topics.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// A topic subscribed on a connection that was lost, whose waiter then
+    /// left, is forgotten by a later sweep (it is never unsubscribed: the
+    /// connection it was on is gone). Sources whose channels are unique per
+    /// waiter (etcd) would otherwise grow the map at every reconnect.
+    #[tokio::test]
+    async fn topics_of_a_lost_connection_are_forgotten() {
+        let (connections, queued) = mpsc::unbounded_channel();
+        let listener = Listener::new(Toy(StdMutex::new(queued)), &ClientOptions::default())
+            .health_check_after(Duration::from_millis(10));
+        let (first, rx) = mpsc::unbounded_channel::<String>();
+        connections.send(rx).unwrap();
+        let mut lost = listener.watch("lost".to_owned()).await.unwrap();
+        drop(first);
+        assert!(lost.released().await.is_err(), "the connection ended");
+        drop(lost);
+        let (_second, rx) = mpsc::unbounded_channel::<String>();
+        connections.send(rx).unwrap();
+        let _stays = listener.watch("stays".to_owned()).await.unwrap();
+        let give_up = Instant::now() + Duration::from_secs(5);
+        while known_topics(&listener) != ["stays"] {
+            assert!(
+                Instant::now() < give_up,
+                "topics still known: {:?}",
+                known_topics(&listener)
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
 }
