@@ -8,17 +8,25 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lock_core::{Capabilities, DistributedLock, LockError, LockKey, Locker};
+use lock_core::{Capabilities, LockClient, LockError, LockKey, Locker};
 
-use crate::fault::{with_timeouts, Proxy};
+use crate::fault::{with_timeouts, FaultPath, Link, Proxy};
 use crate::server::{ServerHandle, ServerKind, ServerProcess};
 
 /// The future a client factory returns.
-pub type ClientFuture =
-    Pin<Box<dyn Future<Output = Result<Arc<dyn DistributedLock>, LockError>> + Send>>;
+pub type ClientFuture = Pin<Box<dyn Future<Output = Result<LockClient, LockError>> + Send>>;
 
 /// Opens a new, independent client for a server URL.
 pub type ConnectFn = Arc<dyn Fn(String) -> ClientFuture + Send + Sync>;
+
+/// A [`ConnectFn`] from an async closure: `connect_fn(|url| async move { ... })`.
+pub fn connect_fn<F, Fut>(connect: F) -> ConnectFn
+where
+    F: Fn(String) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<LockClient, LockError>> + Send + 'static,
+{
+    Arc::new(move |url| Box::pin(connect(url)))
+}
 
 /// Why a case failed: a message saying what was expected and what happened.
 #[derive(Debug)]
@@ -73,6 +81,35 @@ macro_rules! check_eq {
 }
 
 /// The environment of one case.
+///
+/// [`Suite`](crate::Suite) builds one per case. To run cases under a
+/// harness of your own (a `#[tokio::test]`, say), build one with
+/// [`TestContext::builder`]:
+///
+/// ```
+/// use std::sync::Arc;
+/// use conformance_tests::{connect_fn, CaseResult, TestContext};
+/// use lock_core::{LockClient, MemoryLock};
+///
+/// async fn my_case(ctx: TestContext) -> CaseResult {
+///     let client = ctx.client().await?;
+///     let key = ctx.key("mine");
+///     let lease = conformance_tests::cases::support::acquire(&client, &key, ctx.long_ttl(), "mine").await?;
+///     client.release(&lease).await?;
+///     Ok(())
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), conformance_tests::CaseError> {
+/// let server = MemoryLock::new();
+/// let connect = connect_fn(move |_url| {
+///     let client = server.client();
+///     async move { Ok(client) }
+/// });
+/// let ctx = TestContext::builder("memory", connect).build().await?;
+/// my_case(ctx).await?;
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct TestContext {
     pub(crate) backend: String,
@@ -81,6 +118,78 @@ pub struct TestContext {
     pub(crate) server: Option<Arc<ServerHandle>>,
     pub(crate) kind: Option<Arc<dyn ServerKind>>,
     pub(crate) capabilities: Capabilities,
+    pub(crate) admin: bool,
+    pub(crate) simulated_network: bool,
+}
+
+/// Builds a [`TestContext`]; see [`TestContext::builder`].
+pub struct ContextBuilder {
+    backend: String,
+    connect: ConnectFn,
+    server: Option<Arc<ServerHandle>>,
+    kind: Option<Arc<dyn ServerKind>>,
+    simulated_network: bool,
+}
+
+impl fmt::Debug for ContextBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ContextBuilder")
+            .field("backend", &self.backend)
+            .field("server", &self.server)
+            .field("simulated_network", &self.simulated_network)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ContextBuilder {
+    /// The server the clients connect to: one the harness runs
+    /// ([`ServerHandle::Owned`], so fault cases may kill, pause and proxy
+    /// it) or an existing one ([`ServerHandle::External`]). Without one,
+    /// the factory gets an empty URL (an in-process backend).
+    pub fn server(mut self, server: Arc<ServerHandle>) -> Self {
+        self.server = Some(server);
+        self
+    }
+
+    /// The kind of server, so cases can start dedicated servers of it and
+    /// build URLs for fault proxies.
+    pub fn kind(mut self, kind: Arc<dyn ServerKind>) -> Self {
+        self.kind = Some(kind);
+        self
+    }
+
+    /// The factory wraps its clients with
+    /// [`Link::attach`](crate::fault::Link::attach), so fault cases can
+    /// run against an in-process backend (see
+    /// [`Suite::simulated_network`](crate::Suite::simulated_network)).
+    pub fn simulated_network(mut self, on: bool) -> Self {
+        self.simulated_network = on;
+        self
+    }
+
+    /// Opens one client to read the backend's capabilities.
+    pub async fn build(self) -> Result<TestContext, CaseError> {
+        let url = self.server.as_ref().map(|s| s.url()).unwrap_or_default();
+        let probe = (self.connect)(url.clone()).await.map_err(|e| {
+            CaseError(format!(
+                "cannot open a {} client for {url:?}: {e}",
+                self.backend
+            ))
+        })?;
+        let capabilities = probe.capabilities().clone();
+        let admin = probe.admin().is_some();
+        drop(probe);
+        Ok(TestContext {
+            backend: self.backend,
+            connect: self.connect,
+            url,
+            server: self.server,
+            kind: self.kind,
+            capabilities,
+            admin,
+            simulated_network: self.simulated_network,
+        })
+    }
 }
 
 /// The connect timeout of clients in fault cases.
@@ -98,18 +207,30 @@ impl fmt::Debug for TestContext {
 }
 
 impl TestContext {
+    /// A context for the backend `backend` whose clients `connect` opens
+    /// (see [`connect_fn`]); for running cases outside [`Suite`](crate::Suite).
+    pub fn builder(backend: impl Into<String>, connect: ConnectFn) -> ContextBuilder {
+        ContextBuilder {
+            backend: backend.into(),
+            connect,
+            server: None,
+            kind: None,
+            simulated_network: false,
+        }
+    }
+
     /// The backend's name as given to the suite.
     pub fn backend_name(&self) -> &str {
         &self.backend
     }
 
     /// Opens a new client with its own connections.
-    pub async fn client(&self) -> Result<Arc<dyn DistributedLock>, CaseError> {
+    pub async fn client(&self) -> Result<LockClient, CaseError> {
         self.client_at(&self.url).await
     }
 
     /// Opens a new client for another URL (e.g. through a fault proxy).
-    pub async fn client_at(&self, url: &str) -> Result<Arc<dyn DistributedLock>, CaseError> {
+    pub async fn client_at(&self, url: &str) -> Result<LockClient, CaseError> {
         (self.connect)(url.to_owned())
             .await
             .map_err(|e| CaseError(format!("cannot open a client for {url:?}: {e}")))
@@ -123,6 +244,12 @@ impl TestContext {
     /// A fresh random key, so cases never share state.
     pub fn key(&self, label: &str) -> LockKey {
         LockKey::new(format!("{label}-{:016x}", rand::random::<u64>())).expect("valid test key")
+    }
+
+    /// Whether the backend has the operator calls (`inspect`,
+    /// `force_release`).
+    pub fn has_admin(&self) -> bool {
+        self.admin
     }
 
     /// The backend's declared capabilities.
@@ -225,11 +352,62 @@ impl TestContext {
     pub async fn client_via_proxy(
         &self,
         target: SocketAddr,
-    ) -> Result<(Proxy, Arc<dyn DistributedLock>), CaseError> {
-        let proxy = Proxy::start(target)
-            .await
-            .map_err(|e| CaseError(format!("cannot start a fault proxy: {e}")))?;
+    ) -> Result<(Proxy, LockClient), CaseError> {
+        let proxy = self.proxy_to(target).await?;
         let client = self.client_at(&self.fault_url(proxy.addr())?).await?;
         Ok((proxy, client))
+    }
+
+    /// Whether a case can put faults between a client and the server: the
+    /// harness runs the server (a TCP [`Proxy`] goes in front of it) or
+    /// the in-process backend's factory attaches [`Link`]s.
+    pub fn can_inject_faults(&self) -> bool {
+        self.controls_servers() || (self.server.is_none() && self.simulated_network)
+    }
+
+    /// A new [`FaultPath`] to the suite's server: a [`Proxy`] in front of
+    /// the shared server, or a [`Link`] for an in-process backend. Open
+    /// clients through it with [`client_through`](Self::client_through).
+    pub async fn fault_path(&self) -> Result<FaultPath, CaseError> {
+        if let Some(addr) = self.server_addr() {
+            return Ok(FaultPath::Proxy(self.proxy_to(addr).await?));
+        }
+        if self.can_inject_faults() {
+            return Ok(FaultPath::Link(Link::new()));
+        }
+        Err("this case needs faults between client and server: a server the harness runs, or Suite::simulated_network for an in-process backend".into())
+    }
+
+    /// A new client through `path`, with the short fault-case timeouts
+    /// ([`FAULT_CONNECT_TIMEOUT`], [`FAULT_OPERATION_TIMEOUT`]).
+    pub async fn client_through(&self, path: &FaultPath) -> Result<LockClient, CaseError> {
+        self.client_through_with(path, FAULT_OPERATION_TIMEOUT)
+            .await
+    }
+
+    /// A new client through `path` whose connect and operation timeouts are
+    /// both `timeout` (cases that delay traffic on purpose need more than
+    /// the fault-case default).
+    pub async fn client_through_with(
+        &self,
+        path: &FaultPath,
+        timeout: Duration,
+    ) -> Result<LockClient, CaseError> {
+        let base = match path {
+            FaultPath::Proxy(proxy) => self
+                .kind
+                .as_ref()
+                .ok_or("this case needs a server kind to build URLs")?
+                .url(proxy.addr()),
+            FaultPath::Link(link) => link.url(),
+        };
+        self.client_at(&with_timeouts(&base, timeout, timeout))
+            .await
+    }
+
+    async fn proxy_to(&self, target: SocketAddr) -> Result<Proxy, CaseError> {
+        Proxy::start(target)
+            .await
+            .map_err(|e| CaseError(format!("cannot start a fault proxy: {e}")))
     }
 }

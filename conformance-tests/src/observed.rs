@@ -8,7 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lock_core::{
-    AcquireAttempt, Capabilities, DistributedLock, ErrorKind, Lease, LockError, LockKey, LockState,
+    AcquireReply, AcquireRequest, Capabilities, ErrorKind, ExtendReply, FencingToken, Grant,
+    HeldLock, LockAdmin, LockBackend, LockClient, LockError, LockKey, OwnerToken, ReleaseReply,
     ReleaseWatch,
 };
 use tokio::sync::Notify;
@@ -16,8 +17,8 @@ use tokio::sync::Notify;
 /// Which calls of the wrapped backend a fault applies to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Call {
-    /// `try_acquire` and `try_acquire_renewing` (so also every attempt of a
-    /// waiting `acquire`).
+    /// `acquire` (every attempt: `try_acquire`, `try_acquire_renewing`, and
+    /// each attempt of a waiting acquire).
     Acquire,
     /// `extend` (renewals, hold-at-least).
     Extend,
@@ -44,12 +45,42 @@ struct Faults {
     failures: Vec<(Call, LockKey, ErrorKind)>,
 }
 
-/// Forwards every [`DistributedLock`] call — the provided ones too, so the
-/// backend's own `try_acquire_renewing`, `inspect` and `force_release` still
-/// run (`acquire` keeps the shared loop, over this wrapper, so its attempts
-/// are counted) — and counts acquisition attempts and remembers the
-/// leases granted, so a test can count a waiter's attempts or release a
-/// guard's lease behind its back.
+/// A lock the backend granted through an [`ObservedLock`]: enough to act
+/// on it at the raw level ([`ObservedLock::release_behind`]), as a holder
+/// that was never told would.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Granted {
+    key: LockKey,
+    owner: OwnerToken,
+    grant: Grant,
+}
+
+impl Granted {
+    /// The key granted.
+    pub fn key(&self) -> &LockKey {
+        &self.key
+    }
+
+    /// Its fencing token.
+    pub fn fencing_token(&self) -> FencingToken {
+        self.grant.fencing
+    }
+
+    /// The raw lock, as the backend's `extend`/`release` take it.
+    pub fn held(&self) -> HeldLock<'_> {
+        HeldLock {
+            key: &self.key,
+            owner: self.owner,
+            fencing: self.grant.fencing,
+            handle: self.grant.handle,
+        }
+    }
+}
+
+/// Forwards every [`LockBackend`] call — the provided ones too, so the
+/// backend's own `watch` and admin calls still run — and counts acquisition
+/// attempts and remembers the grants, so a test can count a waiter's
+/// attempts or release a guard's lock behind its back.
 ///
 /// Faults a test can inject, for any backend: a reply delayed after the
 /// server acted ([`delay_replies`](Self::delay_replies)), requests or
@@ -64,7 +95,7 @@ struct Faults {
 /// use lock_core::{Locker, LockKey, LockOptions, MemoryLock};
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), lock_core::LockError> {
-/// let observed = Arc::new(ObservedLock::new(Arc::new(MemoryLock::new())));
+/// let observed = Arc::new(ObservedLock::new(MemoryLock::new()));
 /// let guard = Locker::new(observed.clone())
 ///     .try_lock(&LockKey::new("job")?, &LockOptions::new(std::time::Duration::from_secs(5)))
 ///     .await?
@@ -74,9 +105,9 @@ struct Faults {
 /// # Ok(()) }
 /// ```
 pub struct ObservedLock {
-    inner: Arc<dyn DistributedLock>,
+    inner: Arc<dyn LockBackend>,
     attempts: AtomicU64,
-    granted: Mutex<Vec<Lease>>,
+    granted: Mutex<Vec<Granted>>,
     faults: Mutex<Faults>,
     opened: Notify,
 }
@@ -107,10 +138,12 @@ impl Drop for Waiting<'_> {
 }
 
 impl ObservedLock {
-    /// Wraps `inner`.
-    pub fn new(inner: Arc<dyn DistributedLock>) -> Self {
+    /// Wraps the backend of `client` (a [`LockClient`] or any backend).
+    /// Use it through a client of its own (`LockClient::new(observed)` or
+    /// `Locker::new(observed)`).
+    pub fn new(client: impl Into<LockClient>) -> Self {
         Self {
-            inner,
+            inner: client.into().backend().clone(),
             attempts: AtomicU64::new(0),
             granted: Mutex::new(Vec::new()),
             faults: Mutex::new(Faults::default()),
@@ -123,8 +156,8 @@ impl ObservedLock {
         self.attempts.load(Ordering::SeqCst)
     }
 
-    /// The last lease granted through this wrapper.
-    pub fn last_granted(&self) -> Option<Lease> {
+    /// The last lock granted through this wrapper.
+    pub fn last_granted(&self) -> Option<Granted> {
         self.granted
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -132,9 +165,9 @@ impl ObservedLock {
             .cloned()
     }
 
-    /// Every lease granted through this wrapper, oldest first (recorded
+    /// Every lock granted through this wrapper, oldest first (recorded
     /// when the backend answered, before any delay or hold of the reply).
-    pub fn granted(&self) -> Vec<Lease> {
+    pub fn granted(&self) -> Vec<Granted> {
         self.granted
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -183,6 +216,18 @@ impl ObservedLock {
     /// forwarding it (the server never sees it).
     pub fn fail_next(&self, call: Call, key: &LockKey, kind: ErrorKind) {
         self.faults().failures.push((call, key.clone(), kind));
+    }
+
+    /// Releases `granted` at the raw level, bypassing whatever client and
+    /// guard hold it (a lock deleted behind its holder's back).
+    pub async fn release_behind(&self, granted: &Granted) -> Result<(), LockError> {
+        match self.inner.release(granted.held()).await? {
+            ReleaseReply::Released => Ok(()),
+            ReleaseReply::NotHeld => Err(LockError::not_held(format!(
+                "lock {:?} was no longer held when released behind its holder's back",
+                granted.key.as_str()
+            ))),
+        }
     }
 
     fn faults(&self) -> std::sync::MutexGuard<'_, Faults> {
@@ -246,62 +291,57 @@ impl ObservedLock {
 
     fn observe(
         &self,
-        attempt: Result<AcquireAttempt, LockError>,
-    ) -> Result<AcquireAttempt, LockError> {
+        request: &AcquireRequest<'_>,
+        reply: Result<AcquireReply, LockError>,
+    ) -> Result<AcquireReply, LockError> {
         self.attempts.fetch_add(1, Ordering::SeqCst);
-        if let Ok(AcquireAttempt::Acquired(lease)) = &attempt {
+        if let Ok(AcquireReply::Granted(grant)) = &reply {
             self.granted
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .push(lease.clone());
+                .push(Granted {
+                    key: request.key.clone(),
+                    owner: request.owner,
+                    grant: *grant,
+                });
         }
-        attempt
+        reply
     }
 }
 
+#[deny(clippy::missing_trait_methods)]
 #[lock_core::async_trait]
-impl DistributedLock for ObservedLock {
+impl LockBackend for ObservedLock {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
     }
 
-    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<AcquireAttempt, LockError> {
-        self.around(Call::Acquire, key, async {
-            self.observe(self.inner.try_acquire(key, ttl).await)
+    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError> {
+        self.around(Call::Acquire, request.key, async {
+            self.observe(&request, self.inner.acquire(request).await)
         })
         .await
     }
 
-    async fn try_acquire_renewing(
-        &self,
-        key: &LockKey,
-        ttl: Duration,
-    ) -> Result<AcquireAttempt, LockError> {
-        self.around(Call::Acquire, key, async {
-            self.observe(self.inner.try_acquire_renewing(key, ttl).await)
-        })
-        .await
-    }
-
-    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
-        self.around(Call::Extend, lease.key(), self.inner.extend(lease, ttl))
+    async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError> {
+        self.around(Call::Extend, lock.key, self.inner.extend(lock, ttl))
             .await
     }
 
-    async fn release(&self, lease: &Lease) -> Result<(), LockError> {
-        self.around(Call::Release, lease.key(), self.inner.release(lease))
+    async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
+        self.around(Call::Release, lock.key, self.inner.release(lock))
             .await
-    }
-
-    async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
-        self.inner.inspect(key).await
-    }
-
-    async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
-        self.inner.force_release(key).await
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
         self.inner.watch(key).await
+    }
+
+    fn admin(&self) -> Option<&dyn LockAdmin> {
+        self.inner.admin()
     }
 }

@@ -1,15 +1,18 @@
-//! Turns every case into its own named test (libtest-mimic).
+//! Turns every case into its own named test (libtest-mimic), or runs the
+//! cases directly and reports each outcome.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::process::ExitCode;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
-use lock_core::{DistributedLock, LockError};
+use lock_core::{LockClient, LockError};
+use tokio::sync::watch;
 
 use crate::cases::{self, Case};
-use crate::context::{ConnectFn, TestContext};
+use crate::context::{connect_fn, ConnectFn, TestContext};
 use crate::server::{ServerHandle, ServerKind};
 
 /// The longest a single case may run before it fails as hung.
@@ -24,14 +27,43 @@ const DEFAULT_TEST_THREADS: usize = 8;
 /// ```no_run
 /// use std::sync::Arc;
 /// use conformance_tests::Suite;
-/// use lock_core::{DistributedLock, MemoryLock};
+/// use lock_core::{LockClient, MemoryLock};
 ///
 /// fn main() -> std::process::ExitCode {
 ///     let server = MemoryLock::new();
 ///     Suite::new("memory", move |_url: String| {
 ///         let client = server.client();
-///         async move { Ok(client as Arc<dyn DistributedLock>) }
+///         async move { Ok(client) }
 ///     })
+///     .run()
+/// }
+/// ```
+///
+/// A backend's own cases run beside the shared ones with
+/// [`case`](Self::case), with the same [`TestContext`] and helpers
+/// ([`cases::support`](crate::cases::support), [`check!`](crate::check)):
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use conformance_tests::cases::{Case, Needs};
+/// use conformance_tests::{check, CaseResult, Suite, TestContext};
+/// use lock_core::{LockClient, MemoryLock};
+///
+/// async fn keys_are_namespaced(ctx: TestContext) -> CaseResult {
+///     let client = ctx.client().await?;
+///     check!(client.admin().is_some(), "this backend has admin calls");
+///     Ok(())
+/// }
+///
+/// fn main() -> std::process::ExitCode {
+///     let server = MemoryLock::new();
+///     Suite::new("memory", move |_url: String| {
+///         let client = server.client();
+///         async move { Ok(client) }
+///     })
+///     .case(Case::new("mine", "keys_are_namespaced", Needs::Nothing, |ctx| {
+///         Box::pin(keys_are_namespaced(ctx))
+///     }))
 ///     .run()
 /// }
 /// ```
@@ -39,6 +71,69 @@ pub struct Suite {
     name: String,
     connect: ConnectFn,
     server: Option<Arc<dyn ServerKind>>,
+    external_url: Option<String>,
+    simulated_network: bool,
+    extra: Vec<Case>,
+}
+
+/// How one case ended when run by [`Suite::run_cases`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CaseOutcome {
+    /// It passed.
+    Passed,
+    /// It failed, with the message.
+    Failed(String),
+    /// The backend lacks what it needs, with the reason.
+    Ignored(String),
+    /// It was not started, or stopped unfinished, because an earlier case
+    /// failed (see [`CaseRun::stop_at_first_failure`]).
+    NotRun,
+}
+
+/// One case's name (`group::case`) and outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CaseReport {
+    /// `group::case`.
+    pub name: String,
+    /// How it ended.
+    pub outcome: CaseOutcome,
+}
+
+/// How [`Suite::run_cases`] runs the cases.
+#[derive(Debug, Clone)]
+pub struct CaseRun {
+    /// Cases run at once (each on its own small runtime).
+    pub threads: usize,
+    /// Names (`group::case`) to start first, in this order; the rest follow
+    /// in the suite's order.
+    pub first: Vec<String>,
+    /// Start no case after one failed, and stop those running.
+    pub stop_at_first_failure: bool,
+    /// Run only the cases whose name contains one of these (all if empty).
+    pub only: Vec<String>,
+    /// Leave out the cases whose name contains one of these.
+    pub skip: Vec<String>,
+}
+
+impl Default for CaseRun {
+    fn default() -> Self {
+        Self {
+            threads: DEFAULT_TEST_THREADS,
+            first: Vec::new(),
+            stop_at_first_failure: false,
+            only: Vec::new(),
+            skip: Vec::new(),
+        }
+    }
+}
+
+/// What every case of one run shares.
+struct Shared {
+    backend: String,
+    connect: ConnectFn,
+    server: Result<Option<Arc<ServerHandle>>, String>,
+    kind: Option<Arc<dyn ServerKind>>,
+    simulated_network: bool,
 }
 
 impl Suite {
@@ -47,12 +142,15 @@ impl Suite {
     pub fn new<F, Fut>(name: impl Into<String>, connect: F) -> Self
     where
         F: Fn(String) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<Arc<dyn DistributedLock>, LockError>> + Send + 'static,
+        Fut: Future<Output = Result<LockClient, LockError>> + Send + 'static,
     {
         Self {
             name: name.into(),
-            connect: Arc::new(move |url| Box::pin(connect(url))),
+            connect: connect_fn(connect),
             server: None,
+            external_url: None,
+            simulated_network: false,
+            extra: Vec::new(),
         }
     }
 
@@ -61,6 +159,52 @@ impl Suite {
     /// empty URL (in-process backends).
     pub fn server(mut self, kind: impl ServerKind) -> Self {
         self.server = Some(Arc::new(kind));
+        self
+    }
+
+    /// Runs against a server you started yourself (your own harness:
+    /// containers, a shared test cluster) at `url`, instead of one the
+    /// harness starts. Cases that must kill, pause or proxy the server are
+    /// then ignored with the reason.
+    pub fn external_server(mut self, url: impl Into<String>) -> Self {
+        self.external_url = Some(url.into());
+        self
+    }
+
+    /// Declares that the factory of this in-process backend wraps each
+    /// client with [`Link::attach`](crate::fault::Link::attach), so the
+    /// suite can hand it `link://` URLs and run the fault cases over a
+    /// simulated network (delays, cuts, black holes, a dead server):
+    ///
+    /// ```no_run
+    /// use conformance_tests::{fault::Link, Suite};
+    /// use lock_core::MemoryLock;
+    ///
+    /// fn main() -> std::process::ExitCode {
+    ///     let server = MemoryLock::new();
+    ///     Suite::new("memory", move |url: String| {
+    ///         let client = server.client();
+    ///         async move { Link::attach(&url, client) }
+    ///     })
+    ///     .simulated_network()
+    ///     .run()
+    /// }
+    /// ```
+    pub fn simulated_network(mut self) -> Self {
+        self.simulated_network = true;
+        self
+    }
+
+    /// Adds a case of your own (see the type's docs); it runs like the
+    /// shared ones, named `group::name`.
+    pub fn case(mut self, case: Case) -> Self {
+        self.extra.push(case);
+        self
+    }
+
+    /// Adds several cases of your own.
+    pub fn cases(mut self, cases: impl IntoIterator<Item = Case>) -> Self {
+        self.extra.extend(cases);
         self
     }
 
@@ -81,68 +225,158 @@ impl Suite {
 
     /// One trial per case, named `group::case`.
     pub fn trials(self) -> Vec<Trial> {
-        // Started once for the whole binary; a failure to start fails every
-        // case with the reason, never a silent pass.
-        let server = self
-            .server
-            .as_ref()
-            .map(|kind| ServerHandle::from_env_or_start(kind.clone()).map(Arc::new));
-        let server = match server {
-            Some(Ok(handle)) => Ok(Some(handle)),
-            Some(Err(e)) => Err(e.to_string()),
-            None => Ok(None),
-        };
-        cases::all()
+        let (shared, cases) = self.prepare();
+        cases
             .into_iter()
             .map(|case| {
-                let name = format!("{}::{}", case.group, case.name);
-                let backend = self.name.clone();
-                let connect = self.connect.clone();
-                let server = server.clone();
-                let kind = self.server.clone();
-                Trial::ignorable_test(name, move || run_case(case, backend, connect, server, kind))
+                let shared = shared.clone();
+                Trial::ignorable_test(case_name(&case), move || {
+                    match run_case(case, &shared, None) {
+                        CaseOutcome::Passed => Ok(Completion::Completed),
+                        CaseOutcome::Ignored(reason) => Ok(Completion::ignored_with(reason)),
+                        CaseOutcome::Failed(message) => Err(Failed::from(message)),
+                        CaseOutcome::NotRun => Err(Failed::from("not run")),
+                    }
+                })
             })
             .collect()
     }
+
+    /// Runs the cases without libtest, on `run.threads` threads, and returns
+    /// every case's outcome in the suite's order: for harnesses of your own,
+    /// and for the suite's mutant corpus (which stops at the first failure).
+    pub fn run_cases(self, run: &CaseRun) -> Vec<CaseReport> {
+        let (shared, cases) = self.prepare();
+        let mut cases: Vec<Case> = cases
+            .into_iter()
+            .filter(|c| {
+                let name = case_name(c);
+                (run.only.is_empty() || run.only.iter().any(|o| name.contains(o.as_str())))
+                    && !run.skip.iter().any(|s| name.contains(s.as_str()))
+            })
+            .collect();
+        let names: Vec<String> = cases.iter().map(case_name).collect();
+        let rank = |c: &Case| {
+            let name = case_name(c);
+            run.first
+                .iter()
+                .position(|f| *f == name)
+                .unwrap_or(usize::MAX)
+        };
+        cases.sort_by_key(rank);
+        let queue = Mutex::new(cases.into_iter().collect::<VecDeque<_>>());
+        let results = Mutex::new(Vec::new());
+        let (stop, stopped) = watch::channel(false);
+        std::thread::scope(|scope| {
+            for _ in 0..run.threads.max(1) {
+                scope.spawn(|| loop {
+                    if *stopped.borrow() {
+                        return;
+                    }
+                    let next = queue.lock().unwrap_or_else(|e| e.into_inner()).pop_front();
+                    let Some(case) = next else { return };
+                    let name = case_name(&case);
+                    let outcome = run_case(case, &shared, Some(stopped.clone()));
+                    if run.stop_at_first_failure && matches!(outcome, CaseOutcome::Failed(_)) {
+                        stop.send_replace(true);
+                    }
+                    results
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(CaseReport { name, outcome });
+                });
+            }
+        });
+        let mut results = results.into_inner().unwrap_or_else(|e| e.into_inner());
+        names
+            .into_iter()
+            .map(|name| match results.iter().position(|r| r.name == name) {
+                Some(i) => results.swap_remove(i),
+                None => CaseReport {
+                    name,
+                    outcome: CaseOutcome::NotRun,
+                },
+            })
+            .collect()
+    }
+
+    /// Starts the server (once for every case) and lists the cases.
+    fn prepare(self) -> (Arc<Shared>, Vec<Case>) {
+        // A failure to start fails every case with the reason, never a
+        // silent pass.
+        let server = match (&self.external_url, &self.server) {
+            (Some(url), _) => Ok(Some(Arc::new(ServerHandle::External(url.clone())))),
+            (None, Some(kind)) => ServerHandle::from_env_or_start(kind.clone())
+                .map(|handle| Some(Arc::new(handle)))
+                .map_err(|e| e.to_string()),
+            (None, None) => Ok(None),
+        };
+        let shared = Arc::new(Shared {
+            backend: self.name,
+            connect: self.connect,
+            server,
+            kind: self.server,
+            simulated_network: self.simulated_network,
+        });
+        let mut cases = cases::all();
+        cases.extend(self.extra);
+        (shared, cases)
+    }
 }
 
-fn run_case(
-    case: Case,
-    backend: String,
-    connect: ConnectFn,
-    server: Result<Option<Arc<ServerHandle>>, String>,
-    kind: Option<Arc<dyn ServerKind>>,
-) -> Result<Completion, Failed> {
-    let server =
-        server.map_err(|e| Failed::from(format!("the {backend} server is not available: {e}")))?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+fn case_name(case: &Case) -> String {
+    format!("{}::{}", case.group, case.name)
+}
+
+fn run_case(case: Case, shared: &Shared, stop: Option<watch::Receiver<bool>>) -> CaseOutcome {
+    let backend = shared.backend.clone();
+    let server = match &shared.server {
+        Ok(server) => server.clone(),
+        Err(e) => {
+            return CaseOutcome::Failed(format!("the {backend} server is not available: {e}"))
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(|e| Failed::from(format!("cannot build a tokio runtime: {e}")))?;
-    let result = runtime.block_on(async move {
-        let url = server.as_ref().map(|s| s.url()).unwrap_or_default();
-        let probe = connect(url.clone())
-            .await
-            .map_err(|e| format!("cannot open a {backend} client for {url:?}: {e}"))?;
-        let context = TestContext {
-            backend,
-            connect,
-            url,
-            server,
-            kind,
-            capabilities: probe.capabilities(),
+    {
+        Ok(runtime) => runtime,
+        Err(e) => return CaseOutcome::Failed(format!("cannot build a tokio runtime: {e}")),
+    };
+    let mut builder = TestContext::builder(backend, shared.connect.clone())
+        .simulated_network(shared.simulated_network);
+    if let Some(server) = server {
+        builder = builder.server(server);
+    }
+    if let Some(kind) = &shared.kind {
+        builder = builder.kind(kind.clone());
+    }
+    let outcome = runtime.block_on(async move {
+        let context = match builder.build().await {
+            Ok(context) => context,
+            Err(e) => return CaseOutcome::Failed(e.0),
         };
-        drop(probe);
         if let Some(reason) = case.needs.missing(&context) {
-            return Ok(Completion::ignored_with(reason));
+            return CaseOutcome::Ignored(reason);
         }
-        match tokio::time::timeout(CASE_TIMEOUT, (case.run)(context)).await {
-            Ok(Ok(())) => Ok(Completion::Completed),
-            Ok(Err(e)) => Err(e.0),
-            Err(_) => Err(format!("case did not finish within {CASE_TIMEOUT:?}")),
+        let stopped = async move {
+            match stop {
+                Some(mut stop) => {
+                    let _ = stop.wait_for(|stopped| *stopped).await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            result = tokio::time::timeout(CASE_TIMEOUT, (case.run)(context)) => match result {
+                Ok(Ok(())) => CaseOutcome::Passed,
+                Ok(Err(e)) => CaseOutcome::Failed(e.0),
+                Err(_) => CaseOutcome::Failed(format!("case did not finish within {CASE_TIMEOUT:?}")),
+            },
+            _ = stopped => CaseOutcome::NotRun,
         }
     });
     runtime.shutdown_timeout(Duration::from_secs(2));
-    result.map_err(Failed::from)
+    outcome
 }

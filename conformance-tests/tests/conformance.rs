@@ -1,15 +1,17 @@
-//! The whole suite against the in-memory backend.
+//! The whole suite against the in-memory backend, its fault cases over a
+//! simulated network (the clients of fault cases are attached to a
+//! [`Link`]).
 
-use std::sync::Arc;
-
+use conformance_tests::fault::Link;
 use conformance_tests::Suite;
-use lock_core::{DistributedLock, MemoryLock};
+use lock_core::{LockClient, MemoryLock};
 
 fn main() -> std::process::ExitCode {
     let server = MemoryLock::new();
-    Suite::new("memory", move |_url: String| {
-        let client = server.client();
-        async move { Ok(client as Arc<dyn DistributedLock>) }
+    Suite::new("memory", move |url: String| {
+        let client: LockClient = server.client();
+        async move { Link::attach(&url, client) }
     })
+    .simulated_network()
     .run()
 }

@@ -185,6 +185,40 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     }
 }
 
+/// A shared backend is a backend (wrappers and tests hand out `Arc`s).
+/// Forwards every method, the provided ones too.
+#[deny(clippy::missing_trait_methods)]
+#[async_trait]
+impl<B: LockBackend + ?Sized> LockBackend for std::sync::Arc<B> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        (**self).capabilities()
+    }
+
+    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError> {
+        (**self).acquire(request).await
+    }
+
+    async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError> {
+        (**self).extend(lock, ttl).await
+    }
+
+    async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
+        (**self).release(lock).await
+    }
+
+    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        (**self).watch(key).await
+    }
+
+    fn admin(&self) -> Option<&dyn LockAdmin> {
+        (**self).admin()
+    }
+}
+
 /// What the server holds at a key, read without taking the lock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LockState {

@@ -10,7 +10,7 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::backend::{AcquireReply, AcquireRequest, ExtendReply, HeldLock, ReleaseReply};
+use crate::backend::{AcquireReply, AcquireRequest, ExtendReply, ReleaseReply};
 use crate::lease::LeaseIssuer;
 use crate::wait::{self, Attempt};
 use crate::{
@@ -91,12 +91,6 @@ impl<B: LockBackend> From<B> for LockClient {
     }
 }
 
-impl From<Arc<dyn LockBackend>> for LockClient {
-    fn from(backend: Arc<dyn LockBackend>) -> Self {
-        Self::from_arc(backend)
-    }
-}
-
 impl LockClient {
     /// A client over `backend`.
     pub fn new(backend: impl LockBackend) -> Self {
@@ -139,11 +133,15 @@ impl LockClient {
     /// One atomic attempt: takes `key` for `ttl` if nobody holds it (or its
     /// holder's TTL ran out). Never waits.
     ///
+    /// A grant that arrived so late that its conservative deadline has
+    /// already passed comes back as a lease whose
+    /// [`is_expired`](Lease::is_expired) is true: do not act on it (release
+    /// it; [`Locker`](crate::Locker) never hands such a lease to a job).
+    ///
     /// Errors: [`ErrorKind::InvalidInput`] for a zero or too long TTL;
     /// [`ErrorKind::Unavailable`] / [`ErrorKind::Timeout`] if the server
-    /// cannot answer, or if its grant arrived after the lease would already
-    /// have expired (the grant is then released); [`ErrorKind::Corrupted`]
-    /// for a value at the key that distlock did not write.
+    /// cannot answer; [`ErrorKind::Corrupted`] for a value at the key that
+    /// distlock did not write.
     ///
     /// Cancel safety: if this future is dropped after the request was sent,
     /// a lock the server granted is not released; it expires after `ttl`.
@@ -197,7 +195,7 @@ impl LockClient {
             self.check_issuer(lease)?;
             let ttl = self.inner.capabilities.effective_ttl(ttl)?;
             let sent_at = Instant::now();
-            match self.inner.backend.extend(held(lease), ttl).await? {
+            match self.inner.backend.extend(lease.held(), ttl).await? {
                 ExtendReply::Extended(grant) => {
                     if grant.fencing != lease.fencing_token() {
                         return Err(LockError::corrupted(format!(
@@ -236,7 +234,7 @@ impl LockClient {
         let span = tracing::debug_span!("distlock.release", backend = self.name(), key = %lease.key(), fencing = %lease.fencing_token());
         let result = async {
             self.check_issuer(lease)?;
-            match self.inner.backend.release(held(lease)).await? {
+            match self.inner.backend.release(lease.held()).await? {
                 ReleaseReply::Released => {
                     tracing::debug!("lock released");
                     Ok(())
@@ -353,12 +351,10 @@ impl LockClient {
                     )
                     .with_handle(grant.handle);
                     if lease.is_expired() {
-                        // The reply came too late (or the session behind it
-                        // died): someone else may hold the key already.
-                        self.release_in_background(lease.clone());
-                        return Err(late_grant(&lease, sent_at));
+                        tracing::debug!(late = ?sent_at.elapsed(), "lock granted after its lease could have expired");
+                    } else {
+                        tracing::debug!("lock acquired");
                     }
-                    tracing::debug!("lock acquired");
                     Ok(AcquireAttempt::Acquired(lease))
                 }
             }
@@ -463,25 +459,6 @@ impl LockClient {
 /// if the server's clock for it started before (a session lease).
 fn valid_from(sent_at: Instant, clock_started: Option<Instant>) -> Instant {
     clock_started.map_or(sent_at, |at| at.min(sent_at))
-}
-
-fn held(lease: &Lease) -> HeldLock<'_> {
-    HeldLock {
-        key: lease.key(),
-        owner: lease.owner(),
-        fencing: lease.fencing_token(),
-        handle: lease.handle(),
-    }
-}
-
-fn late_grant(lease: &Lease, sent_at: Instant) -> LockError {
-    LockError::timeout(format!(
-        "lock {:?} was granted (fencing token {}) {:?} after the request was sent, when its {:?} lease could already have expired; it was released, try again",
-        lease.key().as_str(),
-        lease.fencing_token(),
-        sent_at.elapsed(),
-        lease.ttl()
-    ))
 }
 
 /// The caller's end of a waiting acquisition. If the caller's future is

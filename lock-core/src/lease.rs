@@ -220,6 +220,17 @@ impl Lease {
         self.issuer
     }
 
+    /// The lock as the raw backend sees it (for tests and wrappers that act
+    /// below the client).
+    pub fn held(&self) -> crate::HeldLock<'_> {
+        crate::HeldLock {
+            key: &self.key,
+            owner: self.owner,
+            fencing: self.fencing,
+            handle: self.handle,
+        }
+    }
+
     /// The backend-defined number the server's grant carried
     /// ([`Grant::handle`](crate::Grant::handle)).
     pub fn handle(&self) -> u64 {

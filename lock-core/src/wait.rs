@@ -63,6 +63,13 @@ pub(crate) async fn acquire_until_cancelled(
         };
         let now = Instant::now();
         let wake_at = match result {
+            Ok(AcquireAttempt::Acquired(lease)) if lease.is_expired() && now < deadline => {
+                // Granted too late to use (a slow reply, a dying session):
+                // give it back and try again.
+                tracing::debug!(key = %key, fencing = %lease.fencing_token(), "lock granted already expired; releasing it and retrying");
+                client.release_in_background(lease);
+                later(now, caps.retry_interval.min(backoff))
+            }
             Ok(AcquireAttempt::Acquired(lease)) => {
                 tracing::debug!(key = %key, fencing = %lease.fencing_token(), attempts, "lock acquired after waiting");
                 return Ok(Some(lease));

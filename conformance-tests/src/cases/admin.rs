@@ -1,13 +1,16 @@
 //! `admin::` — the operator calls `inspect` and `force_release`, for
 //! backends that declare `Capabilities::admin`.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use lock_core::{LockOptions, LockState, Locker};
 
-use crate::cases::support::{acquire, background_bound, eventually_acquire, expiry_bound, within};
+use crate::cases::support::{
+    acquire, background_bound, eventually_acquire, expiry_bound, until_attempts, within,
+};
 use crate::context::{CaseResult, TestContext};
-use crate::{check, check_eq};
+use crate::{check, check_eq, ObservedLock};
 
 /// `inspect` reports free, then the holder's fencing token, then free again,
 /// and changes nothing.
@@ -104,7 +107,8 @@ pub async fn force_release_frees_key(ctx: TestContext) -> CaseResult {
 pub async fn force_release_wakes_waiter(ctx: TestContext) -> CaseResult {
     let holder = ctx.client().await?;
     let operator = ctx.client().await?;
-    let waiter = Locker::new(ctx.client().await?);
+    let observed = Arc::new(ObservedLock::new(ctx.client().await?));
+    let waiter = Locker::new(observed.clone());
     let key = ctx.key("admin");
     let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
     let options = LockOptions::new(ctx.long_ttl()).wait(ctx.long_ttl());
@@ -112,7 +116,7 @@ pub async fn force_release_wakes_waiter(ctx: TestContext) -> CaseResult {
         let key = key.clone();
         async move { waiter.acquire(&key, &options).await }
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    until_attempts(&observed, 1, "the waiter").await?;
     check!(
         operator.force_release(&key).await?,
         "force release of the held key"

@@ -18,15 +18,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lock_core::{
-    AcquireAttempt, DistributedLock, ErrorKind, LockError, LockKey, LockOptions, Locker,
-    LostReason, RunOptions, RunOutcome,
+    AcquireAttempt, ErrorKind, LockClient, LockError, LockKey, LockOptions, Locker, LostReason,
+    RunOptions, RunOutcome,
 };
 use tokio::sync::oneshot;
 
 use super::support::{acquire, background_bound, eventually_acquire, refused, within};
 use crate::checker::ExclusionChecker;
 use crate::context::{CaseError, CaseResult, TestContext};
-use crate::fault::{HolderProcess, Proxy};
+use crate::fault::{FaultPath, HolderProcess};
 use crate::{check, check_eq};
 
 /// The environment variable setting the torture run's length in seconds.
@@ -149,8 +149,8 @@ pub async fn killed_holder_process_expires(ctx: TestContext) -> CaseResult {
 /// overlap between the holder's critical section (ended by `lost()`) and
 /// the second client's.
 pub async fn black_holed_holder_loses_first(ctx: TestContext) -> CaseResult {
-    let addr = ctx.server_addr().ok_or("no server address")?;
-    let (proxy, via_proxy) = ctx.client_via_proxy(addr).await?;
+    let proxy = ctx.fault_path().await?;
+    let via_proxy = ctx.client_through(&proxy).await?;
     let direct = ctx.client().await?;
     let key = ctx.key("fault-blackhole");
     let ttl = fault_ttl(&ctx, Duration::from_secs(2))?;
@@ -223,7 +223,6 @@ pub async fn black_holed_holder_loses_first(ctx: TestContext) -> CaseResult {
 pub async fn resets_during_operations(ctx: TestContext) -> CaseResult {
     const CLIENTS: usize = 3;
     const ROUNDS: usize = 50;
-    let addr = ctx.server_addr().ok_or("no server address")?;
     let ttl = fault_ttl(&ctx, Duration::from_secs(3))?;
     let keys: Arc<Vec<LockKey>> = Arc::new((0..6).map(|_| ctx.key("fault-reset")).collect());
     let checker = ExclusionChecker::new();
@@ -232,7 +231,8 @@ pub async fn resets_during_operations(ctx: TestContext) -> CaseResult {
     let refusals = Arc::new(AtomicUsize::new(0));
     let mut workers = Vec::new();
     for _ in 0..CLIENTS {
-        let (proxy, client) = ctx.client_via_proxy(addr).await?;
+        let proxy = ctx.fault_path().await?;
+        let client = ctx.client_through(&proxy).await?;
         let proxy = Arc::new(proxy);
         let (keys, checker, errors, resets, refusals) = (
             keys.clone(),
@@ -686,9 +686,8 @@ pub async fn dropped_waiters_leave_nothing_held(ctx: TestContext) -> CaseResult 
 /// is `Lost` (reason: the lease ran out); afterwards another client gets
 /// the lock with a newer token.
 pub async fn run_exclusive_lost_to_partition(ctx: TestContext) -> CaseResult {
-    let addr = ctx.server_addr().ok_or("no server address")?;
-    let (proxy, via_proxy) = ctx.client_via_proxy(addr).await?;
-    let locker = Locker::new(via_proxy);
+    let proxy = ctx.fault_path().await?;
+    let locker = Locker::new(ctx.client_through(&proxy).await?);
     let key = ctx.key("fault-run");
     let ttl = fault_ttl(&ctx, Duration::from_secs(2))?;
     let (started_tx, started_rx) = oneshot::channel();
@@ -774,10 +773,10 @@ struct TortureStats {
 /// `DISTLOCK_TORTURE_SECS` seconds (default 30), each critical section
 /// ended as soon as its guard's `lost()` fires, while faults are injected
 /// throughout: waiting futures dropped at random, guards released or
-/// dropped, and, where the harness runs the server, each client behind its
-/// own proxy with random connection resets and black holes (some longer
-/// than the TTL, so guards lose their locks) and, on durable backends only,
-/// server restarts. The checker then proves no overlap, no lost increment
+/// dropped, and, where faults can be injected, each client behind its own
+/// proxy (or simulated link) with random connection resets and black holes
+/// (some longer than the TTL, so guards lose their locks) and, on durable
+/// backends the harness runs, server restarts. The checker then proves no overlap, no lost increment
 /// of the guarded counter, and fencing tokens growing in the order the
 /// sections ran.
 ///
@@ -806,13 +805,19 @@ pub async fn exclusion_torture(ctx: TestContext) -> CaseResult {
         None
     };
     let restarts_allowed = server.is_some() && ctx.capabilities().durable;
-    let mut proxies: Vec<Arc<Proxy>> = Vec::new();
+    let mut proxies: Vec<Arc<FaultPath>> = Vec::new();
     let mut lockers = Vec::new();
     for _ in 0..CLIENTS {
-        let client: Arc<dyn DistributedLock> = match &server {
+        let client: LockClient = match &server {
             Some(server) => {
                 let (proxy, client) = ctx.client_via_proxy(server.addr()).await?;
-                proxies.push(Arc::new(proxy));
+                proxies.push(Arc::new(FaultPath::Proxy(proxy)));
+                client
+            }
+            None if ctx.can_inject_faults() => {
+                let path = ctx.fault_path().await?;
+                let client = ctx.client_through(&path).await?;
+                proxies.push(Arc::new(path));
                 client
             }
             None => ctx.client().await?,
@@ -997,5 +1002,316 @@ pub async fn exclusion_torture(ctx: TestContext) -> CaseResult {
             errors.summary()
         ),
     );
+    Ok(())
+}
+
+/// What a fault turned a call into: a typed transient error is right;
+/// anything that looks like an answer from the server is not.
+fn expect_unreachable<T: std::fmt::Debug>(
+    result: Result<T, LockError>,
+    what: &str,
+) -> Result<(), CaseError> {
+    match result {
+        Err(e) if matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::Timeout) => Ok(()),
+        Err(e) => Err(CaseError(format!(
+            "{what}: expected Unavailable or Timeout, got {:?}: {e}",
+            e.kind()
+        ))),
+        Ok(answer) => Err(CaseError(format!(
+            "{what}: expected Unavailable or Timeout, got an answer as if the server had replied: {answer:?} (a dead server must not look like a lock held elsewhere)"
+        ))),
+    }
+}
+
+/// A server that is down, or cut off by a black hole, yields `Unavailable`
+/// or `Timeout` from `try_acquire` and `try_acquire_renewing` — on a free
+/// key and on a key another client holds — and from `Locker::try_lock`
+/// and `run_exclusive`; never `Held`/`None`/`Skipped`, which would make
+/// every job skip silently while the lock server is dead. Afterwards the
+/// same client works again by itself.
+pub async fn unreachable_is_an_error_not_held(ctx: TestContext) -> CaseResult {
+    let path = ctx.fault_path().await?;
+    let client = ctx.client_through(&path).await?;
+    let holder = ctx.client().await?;
+    let ttl = fault_ttl(&ctx, Duration::from_secs(2))?;
+    let free = ctx.key("fault-unreachable");
+    let held = ctx.key("fault-unreachable");
+    let held_lease = acquire(&holder, &held, ctx.long_ttl(), "the other holder").await?;
+    let lease = acquire(&client, &free, ttl, "through the path, reachable").await?;
+    client.release(&lease).await?;
+    refused(&client, &held, "through the path, reachable").await?;
+    let locker = Locker::new(client.clone());
+    let hang = Duration::from_secs(30);
+    for (fault, apply) in [("down", true), ("black-holed", false)] {
+        if apply {
+            path.down();
+        } else {
+            path.black_hole();
+        }
+        let options = LockOptions::new(ttl);
+        let run_options = RunOptions::new(options.clone());
+        let (plain_free, plain_held, renewing_free, renewing_held, guard, run) = tokio::join!(
+            within(hang, client.try_acquire(&free, ttl), "try_acquire"),
+            within(hang, client.try_acquire(&held, ttl), "try_acquire"),
+            within(
+                hang,
+                client.try_acquire_renewing(&free, ttl),
+                "try_acquire_renewing"
+            ),
+            within(
+                hang,
+                client.try_acquire_renewing(&held, ttl),
+                "try_acquire_renewing"
+            ),
+            within(hang, locker.try_lock(&held, &options), "try_lock"),
+            within(
+                hang,
+                locker.run_exclusive(&held, &run_options, |_| async {}),
+                "run_exclusive"
+            ),
+        );
+        expect_unreachable(
+            plain_free?,
+            &format!("server {fault}: try_acquire of a free key"),
+        )?;
+        expect_unreachable(
+            plain_held?,
+            &format!("server {fault}: try_acquire of a held key"),
+        )?;
+        expect_unreachable(
+            renewing_free?,
+            &format!("server {fault}: try_acquire_renewing of a free key"),
+        )?;
+        expect_unreachable(
+            renewing_held?,
+            &format!("server {fault}: try_acquire_renewing of a held key"),
+        )?;
+        expect_unreachable(
+            guard?,
+            &format!("server {fault}: Locker::try_lock of a held key"),
+        )?;
+        expect_unreachable(
+            run?,
+            &format!("server {fault}: run_exclusive of a held key"),
+        )?;
+        path.up();
+        path.heal();
+    }
+    // Requests a black hole held back may land late and take the free key
+    // for their TTL; the client recovers by itself either way.
+    let errors = ErrorTally::default();
+    let give_up = Instant::now() + ttl + EXPIRY_SLACK * 3;
+    let lease = loop {
+        match within(
+            hang,
+            client.try_acquire(&free, ttl),
+            "try_acquire after the faults",
+        )
+        .await?
+        {
+            Ok(AcquireAttempt::Acquired(lease)) => break lease,
+            Ok(AcquireAttempt::Held { .. }) => {}
+            Err(e) => errors.record("try_acquire after the faults", e)?,
+        }
+        if Instant::now() >= give_up {
+            return Err(format!(
+                "the client did not recover after the server came back (errors {})",
+                errors.summary()
+            )
+            .into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    client.release(&lease).await?;
+    refused(&client, &held, "the other holder kept its lock").await?;
+    holder.release(&held_lease).await?;
+    Ok(())
+}
+
+/// How a case freezes "the server": SIGSTOP on a dedicated server process,
+/// or a black hole on the simulated network every client shares.
+enum Stall {
+    Process(Arc<crate::server::ServerProcess>, String),
+    Network(crate::fault::FaultPath),
+}
+
+impl Stall {
+    async fn new(ctx: &TestContext) -> Result<Stall, CaseError> {
+        if ctx.controls_servers() {
+            let server = ctx.start_server().await?;
+            let url = ctx.fault_url(server.addr())?;
+            Ok(Stall::Process(server, url))
+        } else {
+            Ok(Stall::Network(ctx.fault_path().await?))
+        }
+    }
+
+    async fn client(&self, ctx: &TestContext) -> Result<LockClient, CaseError> {
+        match self {
+            Stall::Process(_, url) => ctx.client_at(url).await,
+            Stall::Network(path) => ctx.client_through(path).await,
+        }
+    }
+
+    /// Freezes (`true`) or thaws (`false`) the server.
+    async fn set_frozen(&self, frozen: bool) -> Result<(), CaseError> {
+        match self {
+            Stall::Process(server, _) => {
+                let server = server.clone();
+                tokio::task::spawn_blocking(move || {
+                    if frozen {
+                        server.pause()
+                    } else {
+                        server.resume()
+                    }
+                })
+                .await
+                .map_err(|e| format!("pause/resume panicked: {e}"))?
+                .map_err(|e| CaseError(format!("cannot SIGSTOP/SIGCONT the server: {e}")))
+            }
+            Stall::Network(path) if frozen => {
+                path.black_hole();
+                Ok(())
+            }
+            Stall::Network(path) => {
+                path.heal();
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The server stalls (SIGSTOP on a dedicated server; a black hole for an
+/// in-process backend) while two holders hold and four waiters wait (each
+/// seen blocked first: its attempt was counted). One holder has a long TTL
+/// and keeps its lock through the stall; the other's TTL is shorter than
+/// the stall, so its guard's `lost()` fires while the server is frozen.
+/// After the server resumes, the long holder releases: its waiters must be
+/// woken by that release, i.e. granted the lock before the holder's first
+/// lease could have run out (its `valid_until`), not by a timer; the short
+/// holder's waiters get its lock once the server expired it. Every waiter
+/// gets its lock, and the checker sees no overlap (a holder's section ends
+/// when its `lost()` fires).
+pub async fn stalled_server_waiters_recover(ctx: TestContext) -> CaseResult {
+    let stall = Stall::new(&ctx).await?;
+    let long_ttl = fault_ttl(&ctx, Duration::from_secs(20))?;
+    let short_ttl = fault_ttl(&ctx, Duration::from_secs(2))?;
+    let keep = ctx.key("fault-stall-keep");
+    let lose = ctx.key("fault-stall-lose");
+    let checker = ExclusionChecker::new();
+    let errors = Arc::new(ErrorTally::default());
+    let keeper = Locker::new(stall.client(&ctx).await?)
+        .try_lock(&keep, &LockOptions::new(long_ttl))
+        .await?
+        .ok_or("the key should be free")?;
+    let keeper_first_deadline = keeper.lease().valid_until();
+    let loser = Locker::new(stall.client(&ctx).await?)
+        .try_lock(&lose, &LockOptions::new(short_ttl))
+        .await?
+        .ok_or("the key should be free")?;
+    let keeper_section = checker.enter(&keep, keeper.fencing_token());
+    let loser_section = {
+        let (checker, lose, lost) = (checker.clone(), lose.clone(), loser.lost());
+        let token = loser.fencing_token();
+        tokio::spawn(async move {
+            let section = checker.enter(&lose, token);
+            let reason = lost.await;
+            section.exit();
+            reason
+        })
+    };
+    let mut waiters = Vec::new();
+    let mut observed = Vec::new();
+    for key in [&keep, &keep, &lose, &lose] {
+        let client = Arc::new(crate::ObservedLock::new(stall.client(&ctx).await?));
+        observed.push(client.clone());
+        let locker = Locker::new(client);
+        let (key, checker, errors) = (key.clone(), checker.clone(), errors.clone());
+        waiters.push(tokio::spawn(async move {
+            let give_up = Instant::now() + Duration::from_secs(90);
+            loop {
+                let wait = give_up.saturating_duration_since(Instant::now());
+                match locker
+                    .acquire(&key, &LockOptions::new(short_ttl).wait(wait))
+                    .await
+                {
+                    Ok(Some(guard)) => {
+                        let granted_at = Instant::now();
+                        let mut section = checker.enter(&key, guard.fencing_token());
+                        section.increment().await;
+                        section.exit();
+                        if let Err(e) = guard.release().await {
+                            errors.record("waiter release", e)?;
+                        }
+                        return Ok::<_, CaseError>(granted_at);
+                    }
+                    Ok(None) => {
+                        return Err(CaseError(format!(
+                            "a waiter for {key} never got the lock after the stall"
+                        )))
+                    }
+                    // The waiting loop gives up on a timeout with the
+                    // server frozen; wait again.
+                    Err(e) => errors.record("waiter acquire", e)?,
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }));
+    }
+    for (i, client) in observed.iter().enumerate() {
+        super::support::until_attempts(client, 1, &format!("waiter {i}")).await?;
+    }
+    stall.set_frozen(true).await?;
+    let frozen_at = Instant::now();
+    let lost = within(
+        short_ttl + EXPIRY_SLACK,
+        loser.lost(),
+        "the short holder's lost() with the server frozen",
+    )
+    .await;
+    // Let the frozen server's clock run past the short lock's expiry.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stall.set_frozen(false).await?;
+    let frozen_for = frozen_at.elapsed();
+    check_eq!(
+        lost?,
+        LostReason::Expired,
+        "why the short holder lost its lock"
+    );
+    check!(
+        !keeper.is_lost(),
+        "the long holder (TTL {long_ttl:?}) lost its lock in a stall of {frozen_for:?}"
+    );
+    keeper_section.exit();
+    keeper.release().await?;
+    let mut granted = Vec::new();
+    for waiter in waiters {
+        granted.push(join(waiter, Duration::from_secs(120), "a waiter").await?);
+    }
+    within(
+        background_bound(),
+        loser_section,
+        "the short holder's section",
+    )
+    .await?
+    .map_err(|e| format!("the short holder's section panicked: {e}"))?;
+    for (i, at) in granted[..2].iter().enumerate() {
+        check!(
+            *at < keeper_first_deadline,
+            "waiter {i} of the long holder's key got it only {:?} after the holder's first lease ran out: it was not woken by the release after the stall",
+            at.saturating_duration_since(keeper_first_deadline)
+        );
+    }
+    let report = checker.verify()?;
+    check_eq!(report.sections, 6, "sections: 2 holders and 4 waiters");
+    measure(
+        &ctx,
+        "stalled_server_waiters_recover",
+        format_args!(
+            "frozen {frozen_for:?}; errors meanwhile {}",
+            errors.summary()
+        ),
+    );
+    drop(loser);
     Ok(())
 }

@@ -1,12 +1,13 @@
 //! `fencing::` — tokens strictly grow per key and never change on extend.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use lock_core::{LockOptions, Renewal};
+use lock_core::{LockOptions, Locker, Renewal};
 
-use super::support::{acquire, eventually_acquire, expiry_bound, within};
+use super::support::{acquire, eventually_acquire, expiry_bound, until_attempts, within};
 use crate::context::{CaseResult, TestContext};
-use crate::{check, check_eq};
+use crate::{check, check_eq, ObservedLock};
 
 pub async fn increases_across_release(ctx: TestContext) -> CaseResult {
     let a = ctx.client().await?;
@@ -159,8 +160,11 @@ pub async fn increases_for_successive_waiters(ctx: TestContext) -> CaseResult {
     let key = ctx.key("fencing");
     let first = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
     let mut tasks = Vec::new();
+    let mut observed = Vec::new();
     for _ in 0..4 {
-        let locker = ctx.locker().await?;
+        let client = Arc::new(ObservedLock::new(ctx.client().await?));
+        observed.push(client.clone());
+        let locker = Locker::new(client);
         let key = key.clone();
         let options = LockOptions::new(ctx.long_ttl()).wait(Duration::from_secs(60));
         tasks.push(tokio::spawn(async move {
@@ -172,7 +176,9 @@ pub async fn increases_for_successive_waiters(ctx: TestContext) -> CaseResult {
             Ok::<_, lock_core::LockError>(Some(token))
         }));
     }
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    for (i, client) in observed.iter().enumerate() {
+        until_attempts(client, 1, &format!("waiter {i}")).await?;
+    }
     holder.release(&first).await?;
     let mut tokens = Vec::new();
     for task in tasks {

@@ -1,7 +1,7 @@
 //! `guard::` — renewal, the lost signal, max hold, drop, hold-at-least.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lock_core::{ErrorKind, Fire, LockOptions, Locker, LostReason, Renewal, ScheduledJob};
 
@@ -9,6 +9,7 @@ use super::support::{
     acquire, background_bound, eventually_acquire, expect_kind, expiry_bound, refused, within,
 };
 use crate::context::{CaseResult, TestContext};
+use crate::fault::Link;
 use crate::{check, check_eq, Call, ObservedLock};
 
 /// Default renewal (every ttl/3) keeps the lock for 3x its TTL; another
@@ -36,17 +37,39 @@ pub async fn renewal_keeps_lock_past_ttl(ctx: TestContext) -> CaseResult {
     Ok(())
 }
 
-/// A custom renewal period works the same way.
+/// A custom renewal period is used: with `Renewal::Every(ttl / 10)` the
+/// guard's fourth extend is sent before the moment (acquisition + TTL) by
+/// which the default policy (every TTL/3) could have sent only three — the
+/// extends are counted by a transparent [`Link`] in front of the client —
+/// and another client is refused throughout.
 pub async fn renewal_every_period(ctx: TestContext) -> CaseResult {
-    let locker = ctx.locker().await?;
+    let link = Link::new();
+    let locker = Locker::new(link.wrap(ctx.client().await?, Duration::from_secs(5)));
     let other = ctx.client().await?;
     let key = ctx.key("guard");
     let ttl = ctx.short_ttl();
-    let options = LockOptions::new(ttl).renewal(Renewal::Every(ttl / 5));
+    let options = LockOptions::new(ttl).renewal(Renewal::Every(ttl / 10));
     let guard = locker
         .try_lock(&key, &options)
         .await?
         .ok_or("free key refused")?;
+    let acquired_at = guard.lease().sent_at();
+    let fourth = within(
+        expiry_bound(ttl),
+        async {
+            while link.requests("extend") < 4 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            Instant::now()
+        },
+        "four renewals",
+    )
+    .await?;
+    check!(
+        fourth < acquired_at + ttl,
+        "the guard sent its fourth renewal only {:?} after acquiring (TTL {ttl:?}): the renewal period ttl/10 was not used",
+        fourth - acquired_at
+    );
     for i in 0..4 {
         tokio::time::sleep(ttl / 2).await;
         refused(&other, &key, &format!("renewed, check {i}")).await?;

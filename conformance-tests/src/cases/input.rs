@@ -1,6 +1,5 @@
 //! `input::` — every bad input gets a typed error, never a panic.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lock_core::{ErrorKind, LockKey, LockOptions, Locker, MemoryLock, MAX_KEY_BYTES};
@@ -227,7 +226,7 @@ pub async fn lease_from_other_backend(ctx: TestContext) -> CaseResult {
     let a = ctx.client().await?;
     let key = ctx.key("input");
     let held = acquire(&a, &key, ctx.long_ttl(), "holder").await?;
-    let other: Arc<dyn lock_core::DistributedLock> = Arc::new(MemoryLock::new());
+    let other = MemoryLock::new().client();
     let foreign = acquire(&other, &key, ctx.long_ttl(), "same key on another backend").await?;
     expect_kind(
         a.release(&foreign).await,

@@ -1,4 +1,6 @@
-//! Every case of the suite, by group.
+//! Every case of the suite, by group, and [`support`]: the helpers the
+//! cases use, public so a backend's own cases (added with
+//! [`Suite::case`](crate::Suite::case)) can use them too.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -7,14 +9,16 @@ use crate::context::{CaseResult, TestContext};
 
 mod admin;
 mod basic;
+mod cancel;
 mod exclusion;
 mod fault;
 mod fencing;
 mod guard;
 mod input;
+mod lease;
 mod run;
 mod schedule;
-mod support;
+pub mod support;
 mod wait;
 
 /// What a case needs from the backend beyond the core contract; a case whose
@@ -36,6 +40,11 @@ pub enum Needs {
     /// override): the case starts its own to kill and restart, or puts a
     /// fault proxy in front of one.
     ServerProcess,
+    /// Faults between a client and the server
+    /// ([`TestContext::fault_path`]): a server the harness runs (a proxy
+    /// goes in front of it), or an in-process backend over a simulated
+    /// network ([`Suite::simulated_network`](crate::Suite::simulated_network)).
+    Faults,
 }
 
 impl Needs {
@@ -44,8 +53,8 @@ impl Needs {
         let caps = context.capabilities();
         match self {
             Needs::Nothing => None,
-            Needs::Admin => (!caps.admin).then(|| {
-                "backend declares no operator calls inspect/force_release (admin = false)".into()
+            Needs::Admin => (!context.has_admin()).then(|| {
+                "backend has no operator calls inspect/force_release (LockBackend::admin is None)".into()
             }),
             Needs::NativeWait => (!caps.native_wait)
                 .then(|| "backend declares no server-driven wake-up (native_wait = false)".into()),
@@ -57,6 +66,10 @@ impl Needs {
             Needs::ServerProcess => (!context.controls_servers()).then(|| match context.server() {
                 None => "in-process backend: no server process to kill, restart or cut off".into(),
                 Some(_) => "the suite runs against an external server (URL in the environment): the harness cannot kill, restart or proxy it".into(),
+            }),
+            Needs::Faults => (!context.can_inject_faults()).then(|| match context.server() {
+                None => "in-process backend without a simulated network (Suite::simulated_network): no faults can be put between client and server".into(),
+                Some(_) => "the suite runs against an external server (URL in the environment): the harness cannot proxy it".into(),
             }),
         }
     }
@@ -76,6 +89,34 @@ pub struct Case {
     pub needs: Needs,
     /// The case itself.
     pub run: fn(TestContext) -> CaseFuture,
+}
+
+impl Case {
+    /// A case of your own: `Case::new("mine", "name", Needs::Nothing, |ctx|
+    /// Box::pin(my_case(ctx)))`, added with [`Suite::case`](crate::Suite::case).
+    pub fn new(
+        group: &'static str,
+        name: &'static str,
+        needs: Needs,
+        run: fn(TestContext) -> CaseFuture,
+    ) -> Self {
+        Self {
+            group,
+            name,
+            needs,
+            run,
+        }
+    }
+}
+
+impl std::fmt::Debug for Case {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Case")
+            .field("group", &self.group)
+            .field("name", &self.name)
+            .field("needs", &self.needs)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Declares cases of one group module: `cases!(basic: acquire_release, ...)`;
@@ -203,15 +244,28 @@ pub fn all() -> Vec<Case> {
         failed_run_start_frees_the_fire,
         lost_run_frees_the_fire,
     ));
+    all.extend(cases!(lease:
+        never_granted_before_holder_deadline,
+        holder_deadline_within_server_expiry,
+        renewing_holder_death_frees_key,
+        release_atomic_against_expiry,
+        extend_atomic_against_expiry,
+    ));
+    all.extend(cases!(cancel:
+        dropped_calls_leave_nothing_held,
+        dropped_calls_leave_later_waiters_woken,
+    ));
     all.extend(cases!(fault:
         killed_holder_process_expires => Needs::Server,
-        black_holed_holder_loses_first => Needs::ServerProcess,
-        resets_during_operations => Needs::ServerProcess,
+        black_holed_holder_loses_first => Needs::Faults,
+        resets_during_operations => Needs::Faults,
         server_restart_with_holders_and_waiters => Needs::ServerProcess,
         server_down_at_acquire => Needs::ServerProcess,
         dropped_waiters_leave_nothing_held,
-        run_exclusive_lost_to_partition => Needs::ServerProcess,
+        run_exclusive_lost_to_partition => Needs::Faults,
         exclusion_torture,
+        unreachable_is_an_error_not_held => Needs::Faults,
+        stalled_server_waiters_recover => Needs::Faults,
     ));
     all
 }

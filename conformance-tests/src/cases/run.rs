@@ -1,18 +1,19 @@
 //! `run::` — run_exclusive: completed, skipped, lost; always releases; job
-//! code over `Arc<dyn DistributedLock>`.
+//! code over `LockClient`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use lock_core::{
-    AcquireAttempt, DistributedLock, ErrorKind, Lease, LockError, LockKey, LockOptions, Locker,
+    AcquireAttempt, ErrorKind, Lease, LockClient, LockError, LockKey, LockOptions, Locker,
     LostReason, OnLost, Renewal, RunOptions, RunOutcome,
 };
 use tokio::sync::oneshot;
 
 use super::support::{
-    acquire, background_bound, eventually_acquire, expect_kind, expiry_bound, refused, within,
+    acquire, background_bound, eventually_acquire, expect_kind, expiry_bound, refused,
+    until_attempts, within,
 };
 use crate::context::{CaseResult, TestContext};
 use crate::{check, check_eq, Call, ObservedLock};
@@ -85,7 +86,8 @@ pub async fn skipped_when_held(ctx: TestContext) -> CaseResult {
 /// With a wait, run_exclusive waits for the holder and then runs.
 pub async fn waits_then_runs(ctx: TestContext) -> CaseResult {
     let holder = ctx.client().await?;
-    let locker = ctx.locker().await?;
+    let observed = Arc::new(ObservedLock::new(ctx.client().await?));
+    let locker = Locker::new(observed.clone());
     let key = ctx.key("run");
     let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
     let options = RunOptions::new(LockOptions::new(ctx.long_ttl()).wait(Duration::from_secs(60)));
@@ -97,7 +99,7 @@ pub async fn waits_then_runs(ctx: TestContext) -> CaseResult {
                 .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    until_attempts(&observed, 1, "the waiting run").await?;
     holder.release(&lease).await?;
     let outcome = within(background_bound(), task, "run after release")
         .await?
@@ -148,14 +150,14 @@ pub async fn hold_at_least_skips_next_tick(ctx: TestContext) -> CaseResult {
 /// client takes the key. Returns the other client's lease.
 async fn steal_when_started(
     recording: Arc<ObservedLock>,
-    thief: Arc<dyn DistributedLock>,
+    thief: LockClient,
     started: oneshot::Receiver<()>,
     ttl: Duration,
 ) -> Result<Lease, crate::CaseError> {
     started.await.map_err(|_| "the job never started")?;
-    let lease = recording.last_granted().ok_or("no lease was granted")?;
-    recording.release(&lease).await?;
-    acquire(&thief, lease.key(), ttl, "thief after the delete").await
+    let granted = recording.last_granted().ok_or("no lease was granted")?;
+    recording.release_behind(&granted).await?;
+    acquire(&thief, granted.key(), ttl, "thief after the delete").await
 }
 
 /// OnLost::Stop (the default): the job is stopped when the lock is lost.
@@ -296,9 +298,9 @@ pub async fn job_finishing_after_loss_is_not_completed(ctx: TestContext) -> Case
     Ok(())
 }
 
-/// Job code written against `Arc<dyn DistributedLock>` only: raw calls and
+/// Job code written against `LockClient` only: raw calls and
 /// the shared `Locker`, no backend named.
-async fn portable_job(lock: Arc<dyn DistributedLock>, key: &LockKey) -> Result<u64, LockError> {
+async fn portable_job(lock: LockClient, key: &LockKey) -> Result<u64, LockError> {
     let caps = lock.capabilities();
     let ttl = caps.effective_ttl(Duration::from_secs(10))?;
     let lease = match lock.try_acquire(key, ttl).await? {

@@ -6,8 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lock_core::{
-    DistributedLock, ErrorKind, Fire, LockOptions, Locker, RunOptions, ScheduledJob,
-    ScheduledOutcome, SkipReason,
+    ErrorKind, Fire, LockOptions, Locker, RunOptions, ScheduledJob, ScheduledOutcome, SkipReason,
 };
 
 use super::support::{self, acquire, expect_kind, expiry_bound};
@@ -315,7 +314,7 @@ pub async fn lost_run_frees_the_fire(ctx: TestContext) -> CaseResult {
         job.running_key()?,
         "the last grant is the @running key"
     );
-    observed.release(&running).await?;
+    observed.release_behind(&running).await?;
     let stolen = acquire(&thief, running.key(), ctx.long_ttl(), "thief").await?;
     let first = support::within(expiry_bound(ttl), first, "the stopped run")
         .await?

@@ -1,12 +1,14 @@
 //! Helpers shared by the cases (free functions over the public contract).
 
 use std::future::Future;
-use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use lock_core::{AcquireAttempt, DistributedLock, ErrorKind, Lease, LockError, LockKey};
+use lock_core::{
+    AcquireAttempt, ErrorKind, FencingToken, Lease, LockClient, LockError, LockKey, LockState,
+};
 
 use crate::context::{CaseError, TestContext};
+use crate::ObservedLock;
 
 /// How often a case re-checks something that becomes true "eventually"
 /// (a TTL ran out on the server, a background release landed).
@@ -41,7 +43,7 @@ pub fn stem(label: &str) -> String {
 
 /// `try_acquire` that must succeed.
 pub async fn acquire(
-    lock: &Arc<dyn DistributedLock>,
+    lock: &LockClient,
     key: &LockKey,
     ttl: Duration,
     what: &str,
@@ -59,11 +61,7 @@ pub async fn acquire(
 
 /// `try_acquire` that must be refused; a wrongly granted lease is released
 /// before failing.
-pub async fn refused(
-    lock: &Arc<dyn DistributedLock>,
-    key: &LockKey,
-    what: &str,
-) -> Result<(), CaseError> {
+pub async fn refused(lock: &LockClient, key: &LockKey, what: &str) -> Result<(), CaseError> {
     match lock.try_acquire(key, Duration::from_secs(5)).await {
         Ok(AcquireAttempt::Held { .. }) => Ok(()),
         Ok(AcquireAttempt::Acquired(lease)) => {
@@ -80,7 +78,7 @@ pub async fn refused(
 
 /// Polls `try_acquire` until it succeeds or `bound` passes.
 pub async fn eventually_acquire(
-    lock: &Arc<dyn DistributedLock>,
+    lock: &LockClient,
     key: &LockKey,
     ttl: Duration,
     bound: Duration,
@@ -137,13 +135,99 @@ pub async fn within<F: Future>(
 }
 
 /// A fresh client, for cases that open many.
-pub async fn clients(
-    ctx: &TestContext,
-    n: usize,
-) -> Result<Vec<Arc<dyn DistributedLock>>, CaseError> {
+pub async fn clients(ctx: &TestContext, n: usize) -> Result<Vec<LockClient>, CaseError> {
     let mut all = Vec::with_capacity(n);
     for _ in 0..n {
         all.push(ctx.client().await?);
     }
     Ok(all)
+}
+
+/// Waits until `observed` has made at least `n` acquisition attempts: a
+/// waiter counted there subscribed to release notifications before its
+/// first attempt, so once that attempt was refused it is blocked, and a
+/// release now must wake it. Polls; `background_bound` is the hang bound.
+pub async fn until_attempts(observed: &ObservedLock, n: u64, what: &str) -> Result<(), CaseError> {
+    within(
+        background_bound(),
+        async {
+            while observed.attempts() < n {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        },
+        &format!("{what}: {n} acquisition attempt(s)"),
+    )
+    .await
+}
+
+/// What the server says about `key` right now, through `observer`: its
+/// holder's fencing token, or `None` if free. Uses `inspect` where the
+/// backend has it; otherwise a `try_acquire` probe (a key it gets is
+/// released at once, and a holder's token is then unknown: `Some(None)`).
+pub async fn holder_of(
+    observer: &LockClient,
+    key: &LockKey,
+) -> Result<Option<Option<FencingToken>>, CaseError> {
+    if observer.admin().is_some() {
+        return match observer.inspect(key).await {
+            Ok(LockState::Held { fencing_token, .. }) => Ok(Some(Some(fencing_token))),
+            Ok(LockState::Free) => Ok(None),
+            Err(e) => Err(CaseError(format!("inspect of {key:?} failed: {e}"))),
+        };
+    }
+    match observer.try_acquire(key, Duration::from_secs(5)).await {
+        Ok(AcquireAttempt::Held { .. }) => Ok(Some(None)),
+        Ok(AcquireAttempt::Acquired(lease)) => {
+            let _ = observer.release(&lease).await;
+            Ok(None)
+        }
+        Err(e) => Err(CaseError(format!("probe of {key:?} failed: {e}"))),
+    }
+}
+
+/// Whether `holder` (a fencing token) still holds `key` per the server.
+pub async fn still_held_by(
+    observer: &LockClient,
+    key: &LockKey,
+    holder: FencingToken,
+) -> Result<bool, CaseError> {
+    Ok(match holder_of(observer, key).await? {
+        Some(Some(token)) => token == holder,
+        Some(None) => true,
+        None => false,
+    })
+}
+
+/// Calls `try_acquire` on `key` every millisecond until it is granted
+/// (`Some(lease, instant the reply arrived)`) or `give_up` returns true
+/// after a refused attempt (`None`); fails after `bound`.
+pub async fn spin_acquire(
+    lock: &LockClient,
+    key: &LockKey,
+    ttl: Duration,
+    bound: Duration,
+    mut give_up: impl FnMut() -> bool,
+    what: &str,
+) -> Result<Option<(Lease, Instant)>, CaseError> {
+    let hang = Instant::now() + bound;
+    loop {
+        match lock.try_acquire(key, ttl).await {
+            Ok(AcquireAttempt::Acquired(lease)) => return Ok(Some((lease, Instant::now()))),
+            Ok(AcquireAttempt::Held { .. }) => {}
+            Err(e) => {
+                return Err(CaseError(format!(
+                    "{what}: try_acquire of {key:?} failed: {e}"
+                )))
+            }
+        }
+        if give_up() {
+            return Ok(None);
+        }
+        if Instant::now() >= hang {
+            return Err(CaseError(format!(
+                "{what}: key {key:?} was still held after {bound:?}"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
 }

@@ -5,27 +5,29 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lock_core::{LockOptions, Locker};
+use lock_core::{LockClient, LockOptions, Locker};
 
 use super::support::{
-    acquire, background_bound, eventually_acquire, expiry_bound, refused, within,
+    acquire, background_bound, eventually_acquire, expiry_bound, refused, until_attempts, within,
 };
 use crate::checker::ExclusionChecker;
 use crate::context::{CaseResult, TestContext};
-use crate::{check, check_eq};
+use crate::{check, check_eq, ObservedLock};
 
 /// A waiter gets the lock once the holder releases it.
 pub async fn waiter_gets_lock_after_release(ctx: TestContext) -> CaseResult {
     let holder = ctx.client().await?;
     let key = ctx.key("wait");
     let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
-    let locker = ctx.locker().await?;
+    let observed = Arc::new(ObservedLock::new(ctx.client().await?));
+    let locker = Locker::new(observed.clone());
     let options = LockOptions::new(ctx.long_ttl()).wait(Duration::from_secs(60));
     let waiter = {
         let key = key.clone();
         tokio::spawn(async move { locker.acquire(&key, &options).await })
     };
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Release only once the waiter is blocked (its first attempt refused).
+    until_attempts(&observed, 1, "the waiter").await?;
     holder.release(&lease).await?;
     // Bounded far below the holder's TTL: only the release can explain it.
     let guard = within(background_bound(), waiter, "waiter woken by the release")
@@ -41,29 +43,33 @@ pub async fn waiter_gets_lock_after_release(ctx: TestContext) -> CaseResult {
     Ok(())
 }
 
-/// The raw `DistributedLock::acquire` waits for a release too.
+/// The client's lease-level `LockClient::acquire` waits for a release too.
 pub async fn raw_acquire_waits_for_release(ctx: TestContext) -> CaseResult {
     let holder = ctx.client().await?;
-    let waiter = ctx.client().await?;
+    // Observed so the release waits until the waiter is blocked; its
+    // `acquire` is the shared waiting loop over the backend's own `watch`
+    // and `try_acquire`.
+    let waiter = Arc::new(ObservedLock::new(ctx.client().await?));
+    let waiter_client = LockClient::new(waiter.clone());
     let key = ctx.key("wait");
     let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
     let task = {
         let key = key.clone();
         let ttl = ctx.long_ttl();
+        let waiter = waiter_client.clone();
         tokio::spawn(async move {
             let deadline = Instant::now() + Duration::from_secs(60);
-            let got = waiter.acquire(&key, ttl, deadline).await;
-            (waiter, got)
+            waiter.acquire(&key, ttl, deadline).await
         })
     };
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    until_attempts(&waiter, 1, "the raw waiter").await?;
     holder.release(&lease).await?;
-    let (waiter, got) = within(background_bound(), task, "raw waiter woken by the release")
+    let got = within(background_bound(), task, "raw waiter woken by the release")
         .await?
         .map_err(|e| format!("waiter panicked: {e}"))?;
     let got = got?.ok_or("raw acquire gave up although the lock was released")?;
     refused(&holder, &key, "the waiter holds it").await?;
-    waiter.release(&got).await?;
+    waiter_client.release(&got).await?;
     Ok(())
 }
 
@@ -206,8 +212,11 @@ pub async fn sixteen_waiters_each_once(ctx: TestContext) -> CaseResult {
     let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
     let checker = ExclusionChecker::new();
     let mut tasks = Vec::new();
+    let mut observed = Vec::new();
     for i in 0..16 {
-        let locker = ctx.locker().await?;
+        let client = Arc::new(ObservedLock::new(ctx.client().await?));
+        observed.push(client.clone());
+        let locker = Locker::new(client);
         let key = key.clone();
         let checker = checker.clone();
         let options = LockOptions::new(ctx.long_ttl()).wait(Duration::from_secs(120));
@@ -221,7 +230,9 @@ pub async fn sixteen_waiters_each_once(ctx: TestContext) -> CaseResult {
             Ok(Ok(()))
         }));
     }
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    for (i, client) in observed.iter().enumerate() {
+        until_attempts(client, 1, &format!("waiter {i}")).await?;
+    }
     holder.release(&lease).await?;
     for task in tasks {
         within(Duration::from_secs(150), task, "waiter")
@@ -263,10 +274,12 @@ pub async fn waiter_on_free_key_not_blocked_by_other_key(ctx: TestContext) -> Ca
 /// times) leaves no lock held: a grant the caller never saw is released.
 pub async fn cancel_at_grant_leaves_nothing_held(ctx: TestContext) -> CaseResult {
     let holder = ctx.client().await?;
-    let locker = ctx.locker().await?;
+    let observed = Arc::new(ObservedLock::new(ctx.client().await?));
+    let locker = Locker::new(observed.clone());
     for round in 0..100 {
         let key = ctx.key("wait-race");
         let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
+        let attempts_before = observed.attempts();
         let stop = Arc::new(tokio::sync::Notify::new());
         let waiter = {
             let locker = locker.clone();
@@ -285,8 +298,8 @@ pub async fn cancel_at_grant_leaves_nothing_held(ctx: TestContext) -> CaseResult
                 }
             })
         };
-        // Let the waiter start waiting, then release and cancel together.
-        tokio::time::sleep(Duration::from_millis(rand::random_range(1..5))).await;
+        // Once the waiter is blocked, release and cancel together.
+        until_attempts(&observed, attempts_before + 1, "the waiter").await?;
         holder.release(&lease).await?;
         stop.notify_one();
         within(Duration::from_secs(60), waiter, "waiter task")

@@ -1,18 +1,119 @@
-//! Fault injection for the `fault::` cases: a TCP [`Proxy`] that drops or
-//! black-holes one client's connections, a lock holder in a child process
-//! ([`HolderProcess`]) that can be SIGKILLed, and short client timeouts
-//! ([`with_timeouts`]). Server kill and restart are on
-//! [`ServerProcess`](crate::server::ServerProcess); a case starts its own
-//! with [`TestContext::start_server`](crate::TestContext::start_server) so
-//! the shared server other cases use is never disturbed.
+//! Fault injection for the `fault::`, `lease::` and `cancel::` cases: a
+//! TCP [`Proxy`] that delays, drops, black-holes or refuses the connections
+//! of the clients behind it, its in-process twin [`Link`] for backends
+//! without a server process, [`FaultPath`] over both, a lock holder in a
+//! child process ([`HolderProcess`]) that can be SIGKILLed, and short
+//! client timeouts ([`with_timeouts`]). Server kill, restart, pause
+//! (SIGSTOP) and resume are on [`ServerProcess`](crate::server::ServerProcess);
+//! a case starts its own with
+//! [`TestContext::start_server`](crate::TestContext::start_server) so the
+//! shared server other cases use is never disturbed.
 
 pub mod holder;
+mod link;
 mod proxy;
+mod state;
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 pub use self::holder::{HolderProcess, HOLDER_ENV};
+pub use self::link::{Link, LINK_SCHEME};
 pub use self::proxy::Proxy;
+
+/// Which way bytes (or a simulated request) travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Direction {
+    /// From the client to the server: requests.
+    ToServer,
+    /// From the server to the client: replies and notifications.
+    ToClient,
+}
+
+impl Direction {
+    fn index(self) -> usize {
+        match self {
+            Direction::ToServer => 0,
+            Direction::ToClient => 1,
+        }
+    }
+}
+
+/// A path between clients and the lock server that a case can delay, cut
+/// and black-hole: a TCP [`Proxy`] in front of a server process, or a
+/// simulated [`Link`] in front of an in-process backend. Get one with
+/// [`TestContext::fault_path`](crate::TestContext::fault_path) and open
+/// clients through it with
+/// [`TestContext::client_through`](crate::TestContext::client_through);
+/// every client opened through one path shares its faults.
+#[derive(Debug)]
+pub enum FaultPath {
+    /// A TCP proxy in front of a server the harness runs.
+    Proxy(Proxy),
+    /// A simulated network in front of an in-process backend.
+    Link(Link),
+}
+
+impl FaultPath {
+    /// Resets every live connection (in-flight calls fail; a call whose
+    /// request was already handled loses its reply).
+    pub fn drop_all(&self) {
+        match self {
+            FaultPath::Proxy(p) => p.drop_all(),
+            FaultPath::Link(l) => l.drop_all(),
+        }
+    }
+
+    /// Forwards nothing either way until [`heal`](Self::heal): calls hang
+    /// until their operation timeout.
+    pub fn black_hole(&self) {
+        match self {
+            FaultPath::Proxy(p) => p.black_hole(),
+            FaultPath::Link(l) => l.black_hole(),
+        }
+    }
+
+    /// Ends a black hole; what was held back is delivered late.
+    pub fn heal(&self) {
+        match self {
+            FaultPath::Proxy(p) => p.heal(),
+            FaultPath::Link(l) => l.heal(),
+        }
+    }
+
+    /// Delays everything travelling in `direction` by `delay` (zero: none).
+    pub fn delay(&self, direction: Direction, delay: Duration) {
+        match self {
+            FaultPath::Proxy(p) => p.delay(direction, delay),
+            FaultPath::Link(l) => l.delay(direction, delay),
+        }
+    }
+
+    /// The server looks dead: every call fails at once (connection reset or
+    /// refused) until [`up`](Self::up).
+    pub fn down(&self) {
+        match self {
+            FaultPath::Proxy(p) => p.down(),
+            FaultPath::Link(l) => l.down(),
+        }
+    }
+
+    /// The server is reachable again after [`down`](Self::down).
+    pub fn up(&self) {
+        match self {
+            FaultPath::Proxy(p) => p.up(),
+            FaultPath::Link(l) => l.up(),
+        }
+    }
+
+    /// The proxy's address, for a proxy.
+    pub fn proxy_addr(&self) -> Option<SocketAddr> {
+        match self {
+            FaultPath::Proxy(p) => Some(p.addr()),
+            FaultPath::Link(_) => None,
+        }
+    }
+}
 
 /// `url` with our `connect_timeout_ms` and `operation_timeout_ms` query
 /// parameters appended (after `?` or `&`, whichever fits), so a client

@@ -1,28 +1,23 @@
-//! A loopback TCP proxy that can cut the connections through it.
+//! A loopback TCP proxy that can delay, cut and refuse the connections
+//! through it.
 
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 
-/// What the proxy does with traffic right now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct State {
-    /// Bumped by [`Proxy::drop_all`]: connections from an older epoch reset.
-    epoch: u64,
-    /// Forward nothing (bytes stay queued until [`Proxy::heal`]).
-    black_hole: bool,
-    /// The proxy was dropped: everything closes.
-    closed: bool,
-}
+use super::state::{until_forwarding, wait_cut, State};
+use super::Direction;
 
 /// A TCP proxy on `127.0.0.1:<free port>` in front of one server address,
-/// for injecting network faults between one client and its server.
+/// for injecting network faults between clients and their server.
 ///
 /// - [`drop_all`](Self::drop_all) resets every live connection (RST) at
 ///   whatever point its requests are; new connections work at once.
@@ -32,19 +27,30 @@ struct State {
 ///   it. Bytes sent meanwhile stay queued, as TCP would retransmit them.
 /// - [`heal`](Self::heal) resumes forwarding; queued bytes are delivered late
 ///   (a healed partition).
+/// - [`delay`](Self::delay) holds every byte for a while in one direction
+///   (requests or replies), on every connection;
+///   [`delay_connection`](Self::delay_connection) on one connection only
+///   (say, a client's pub/sub connection). Order is kept; bytes read while
+///   a delay is set keep that delay.
+/// - [`down`](Self::down) resets every connection and every new one until
+///   [`up`](Self::up): the server looks dead (connection reset).
 ///
 /// Dropping the proxy closes its listener and every connection.
 ///
-/// Needs a tokio runtime (it runs one task per connection direction).
+/// Needs a tokio runtime (it runs tasks per connection direction).
 ///
 /// ```no_run
-/// use conformance_tests::fault::Proxy;
+/// use std::time::Duration;
+/// use conformance_tests::fault::{Direction, Proxy};
 /// # async fn demo(server: std::net::SocketAddr) -> std::io::Result<()> {
 /// let proxy = Proxy::start(server).await?;
 /// let url = format!("redis://{}", proxy.addr()); // the client goes through it
+/// proxy.delay(Direction::ToClient, Duration::from_millis(300)); // slow replies
 /// proxy.black_hole(); // the client's requests now hang
 /// proxy.heal();
 /// proxy.drop_all(); // its connections are reset; it reconnects
+/// proxy.down(); // and now it cannot
+/// proxy.up();
 /// # let _ = url; Ok(()) }
 /// ```
 #[derive(Debug)]
@@ -61,11 +67,7 @@ impl Proxy {
     pub async fn start(target: SocketAddr) -> io::Result<Proxy> {
         let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
         let addr = listener.local_addr()?;
-        let (state, _) = watch::channel(State {
-            epoch: 0,
-            black_hole: false,
-            closed: false,
-        });
+        let (state, _) = watch::channel(State::default());
         let accepted = Arc::new(AtomicUsize::new(0));
         tokio::spawn(accept_loop(
             listener,
@@ -92,7 +94,8 @@ impl Proxy {
         self.target
     }
 
-    /// How many client connections it accepted so far.
+    /// How many client connections it accepted so far (the index of the
+    /// next one, for [`delay_connection`](Self::delay_connection)).
     pub fn connections_accepted(&self) -> usize {
         self.accepted.load(Ordering::SeqCst)
     }
@@ -121,6 +124,40 @@ impl Proxy {
     pub fn is_black_hole(&self) -> bool {
         self.state.borrow().black_hole
     }
+
+    /// Holds every byte travelling in `direction` for `delay` before
+    /// passing it on, on every connection without a per-connection delay
+    /// (zero: no delay). Takes effect for bytes read from now on.
+    pub fn delay(&self, direction: Direction, delay: Duration) {
+        self.state
+            .send_modify(|s| s.delay[direction.index()] = delay);
+        tracing::debug!(addr = %self.addr, ?direction, ?delay, "fault proxy: delay");
+    }
+
+    /// As [`delay`](Self::delay), for the `connection`-th connection it
+    /// accepted (from 0, in accept order) only, live or future.
+    pub fn delay_connection(&self, connection: usize, direction: Direction, delay: Duration) {
+        self.state.send_modify(|s| {
+            s.connection_delay.insert((connection, direction), delay);
+        });
+        tracing::debug!(addr = %self.addr, connection, ?direction, ?delay, "fault proxy: connection delay");
+    }
+
+    /// The server "dies": every live connection is reset, and every new one
+    /// is reset as soon as it is accepted, until [`up`](Self::up).
+    pub fn down(&self) {
+        self.state.send_modify(|s| {
+            s.down = true;
+            s.epoch += 1;
+        });
+        tracing::debug!(addr = %self.addr, "fault proxy: down");
+    }
+
+    /// New connections are forwarded again after [`down`](Self::down).
+    pub fn up(&self) {
+        self.state.send_modify(|s| s.down = false);
+        tracing::debug!(addr = %self.addr, "fault proxy: up");
+    }
 }
 
 impl Drop for Proxy {
@@ -147,45 +184,21 @@ async fn accept_loop(
         };
         match client {
             Ok((client, _)) => {
-                accepted.fetch_add(1, Ordering::SeqCst);
-                let epoch = state.borrow().epoch;
-                tokio::spawn(connection(client, target, state.clone(), epoch));
+                let index = accepted.fetch_add(1, Ordering::SeqCst);
+                let (epoch, down) = {
+                    let state = state.borrow();
+                    (state.epoch, state.down)
+                };
+                if down {
+                    reset(&client);
+                    continue;
+                }
+                tokio::spawn(connection(client, target, state.clone(), epoch, index));
             }
             Err(e) => {
                 tracing::debug!(error = %e, "fault proxy: accept failed");
-                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                tokio::time::sleep(Duration::from_millis(10)).await;
             }
-        }
-    }
-}
-
-/// What a connection should do, given the state.
-enum Verdict {
-    Forward,
-    Stall,
-    Cut,
-}
-
-fn verdict(state: &State, epoch: u64) -> Verdict {
-    if state.closed || state.epoch != epoch {
-        Verdict::Cut
-    } else if state.black_hole {
-        Verdict::Stall
-    } else {
-        Verdict::Forward
-    }
-}
-
-/// Waits until the connection may forward; `false` if it must be cut.
-async fn until_forwarding(state: &mut watch::Receiver<State>, epoch: u64) -> bool {
-    loop {
-        match verdict(&state.borrow_and_update(), epoch) {
-            Verdict::Forward => return true,
-            Verdict::Cut => return false,
-            Verdict::Stall => {}
-        }
-        if state.changed().await.is_err() {
-            return false;
         }
     }
 }
@@ -195,6 +208,7 @@ async fn connection(
     target: SocketAddr,
     mut state: watch::Receiver<State>,
     epoch: u64,
+    index: usize,
 ) {
     let _ = client.set_nodelay(true);
     // A connection accepted during a black hole stalls before it reaches
@@ -222,8 +236,14 @@ async fn connection(
     let _ = server.set_nodelay(true);
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
-    let upstream = tokio::spawn(pump(client_read, server_write, state.clone(), epoch));
-    let downstream = tokio::spawn(pump(server_read, client_write, state, epoch));
+    let link = |direction| Leg {
+        state: state.clone(),
+        epoch,
+        index,
+        direction,
+    };
+    let upstream = tokio::spawn(pump(client_read, server_write, link(Direction::ToServer)));
+    let downstream = tokio::spawn(pump(server_read, client_write, link(Direction::ToClient)));
     // Whichever direction ends first (end of stream, error or cut) ends
     // the connection; a cut resets both sockets.
     let (mut up, mut down) = (upstream, downstream);
@@ -233,62 +253,94 @@ async fn connection(
     }
 }
 
-/// Resolves when a connection of `epoch` must be cut.
-async fn wait_cut(mut state: watch::Receiver<State>, epoch: u64) {
-    loop {
-        if matches!(verdict(&state.borrow_and_update(), epoch), Verdict::Cut) {
-            return;
-        }
-        if state.changed().await.is_err() {
-            return;
-        }
-    }
-}
-
 fn reset(stream: &TcpStream) {
     // SO_LINGER 0: closing sends RST instead of FIN.
     let _ = stream.set_zero_linger();
 }
 
-/// Copies `from` to `to` while the state allows; on a cut, resets both.
-async fn pump(
-    mut from: OwnedReadHalf,
-    mut to: OwnedWriteHalf,
-    mut state: watch::Receiver<State>,
+/// One direction of one connection.
+struct Leg {
+    state: watch::Receiver<State>,
     epoch: u64,
-) {
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        if !until_forwarding(&mut state, epoch).await {
-            break;
+    index: usize,
+    direction: Direction,
+}
+
+/// Copies `from` to `to` while the state allows, each chunk held for the
+/// leg's delay; on a cut, resets both.
+///
+/// A reader queues what it reads with the instant it is due, and a writer
+/// delivers each chunk at that instant, so a delay is a latency (chunks
+/// read together arrive together), not a cumulative slowdown.
+async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, leg: Leg) {
+    let Leg {
+        mut state,
+        epoch,
+        index,
+        direction,
+    } = leg;
+    // `None` is the end of the stream, passed on in order.
+    let (queue, mut due) = mpsc::unbounded_channel::<(Instant, Option<Vec<u8>>)>();
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let reader = {
+        let mut state = state.clone();
+        async move {
+            let mut buf = vec![0u8; 16 * 1024];
+            loop {
+                let n = tokio::select! {
+                    n = from.read(&mut buf) => n,
+                    _ = wait_cut(state.clone(), epoch) => return from,
+                    _ = &mut stopped => return from,
+                };
+                let delay = state.borrow_and_update().delay(index, direction);
+                let chunk = match n {
+                    Ok(0) => None,
+                    Ok(n) => Some(buf[..n].to_vec()),
+                    Err(_) => return from,
+                };
+                let end = chunk.is_none();
+                if queue.send((Instant::now() + delay, chunk)).is_err() || end {
+                    return from;
+                }
+            }
         }
-        let n = tokio::select! {
-            n = from.read(&mut buf) => n,
-            _ = state.changed() => continue,
-        };
-        let n = match n {
-            Ok(0) => {
+    };
+    let writer = async {
+        while let Some((at, chunk)) = due.recv().await {
+            let cut = tokio::select! {
+                _ = tokio::time::sleep_until(at) => false,
+                _ = wait_cut(state.clone(), epoch) => true,
+            };
+            // A black hole that started meanwhile holds these bytes back.
+            if cut || !until_forwarding(&mut state, epoch).await {
+                return false;
+            }
+            let Some(chunk) = chunk else {
                 // End of stream: pass it on.
                 let _ = to.shutdown().await;
-                return;
+                return true;
+            };
+            let written = tokio::select! {
+                r = to.write_all(&chunk) => r,
+                _ = wait_cut(state.clone(), epoch) => return false,
+            };
+            if written.is_err() {
+                return false;
             }
-            Ok(n) => n,
-            Err(_) => break,
-        };
-        // A black hole that started while reading holds these bytes back.
-        if !until_forwarding(&mut state, epoch).await {
-            break;
         }
-        let written = tokio::select! {
-            r = to.write_all(&buf[..n]) => r,
-            _ = wait_cut(state.clone(), epoch) => break,
-        };
-        if written.is_err() {
-            break;
+        false
+    };
+    let reader = tokio::spawn(reader);
+    let clean_end = writer.await;
+    drop(stop);
+    if let Ok(from) = reader.await {
+        if !clean_end {
+            reset(from.as_ref());
         }
     }
-    reset(from.as_ref());
-    reset(to.as_ref());
+    if !clean_end {
+        reset(to.as_ref());
+    }
 }
 
 #[cfg(test)]
@@ -352,5 +404,44 @@ mod tests {
         let mut fresh = TcpStream::connect(proxy.addr()).await.unwrap();
         assert_eq!(round_trip(&mut fresh, b"again").await.unwrap(), b"again");
         assert_eq!(proxy.connections_accepted(), 3);
+    }
+
+    #[tokio::test]
+    async fn delays_one_direction_per_connection_and_plays_dead() {
+        let proxy = Proxy::start(echo().await).await.unwrap();
+        let mut slow = TcpStream::connect(proxy.addr()).await.unwrap();
+        let mut fast = TcpStream::connect(proxy.addr()).await.unwrap();
+        assert_eq!(round_trip(&mut slow, b"warm").await.unwrap(), b"warm");
+        assert_eq!(round_trip(&mut fast, b"warm").await.unwrap(), b"warm");
+
+        // Replies of the first connection only are held back, in order.
+        proxy.delay_connection(0, Direction::ToClient, Duration::from_secs(3600));
+        slow.write_all(b"one").await.unwrap();
+        slow.write_all(b"two").await.unwrap();
+        assert_eq!(round_trip(&mut fast, b"fast").await.unwrap(), b"fast");
+        let mut buf = [0; 6];
+        let held =
+            tokio::time::timeout(Duration::from_millis(200), slow.read_exact(&mut buf)).await;
+        assert!(held.is_err(), "a delayed reply arrived early");
+
+        // A delay for every connection: replies still arrive, in order.
+        proxy.delay(Direction::ToServer, Duration::from_millis(20));
+        assert_eq!(round_trip(&mut fast, b"later").await.unwrap(), b"later");
+
+        // Down: live connections end, new ones are reset; up: back.
+        proxy.down();
+        let mut one = [0; 1];
+        let cut = tokio::time::timeout(Duration::from_secs(5), fast.read(&mut one))
+            .await
+            .expect("a connection must end when the proxy goes down");
+        assert!(matches!(cut, Ok(0) | Err(_)), "read after down: {cut:?}");
+        let mut refused = TcpStream::connect(proxy.addr()).await.unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(5), round_trip(&mut refused, b"x"))
+            .await
+            .expect("a connection to a down proxy must end");
+        assert!(answer.is_err(), "a down proxy forwarded: {answer:?}");
+        proxy.up();
+        let mut again = TcpStream::connect(proxy.addr()).await.unwrap();
+        assert_eq!(round_trip(&mut again, b"up").await.unwrap(), b"up");
     }
 }

@@ -236,6 +236,42 @@ impl ServerProcess {
         }
     }
 
+    /// Freezes the server with SIGSTOP — the process and every process it
+    /// started (PostgreSQL serves each connection from a child) — as a hung
+    /// machine would: connections stay open and nothing answers, while the
+    /// server's clock keeps running. Undone by [`resume`](Self::resume).
+    pub fn pause(&self) -> io::Result<()> {
+        self.signal_tree("STOP")
+    }
+
+    /// Lets a [`pause`](Self::pause)d server run again (SIGCONT).
+    pub fn resume(&self) -> io::Result<()> {
+        self.signal_tree("CONT")
+    }
+
+    fn signal_tree(&self, signal: &str) -> io::Result<()> {
+        let pid = self
+            .child
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(Child::id)
+            .ok_or_else(|| io::Error::other("the server is not running"))?;
+        let mut pids = vec![pid];
+        pids.extend(descendants(pid));
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .args(pids.iter().map(u32::to_string))
+            .status()?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(io::Error::other(format!(
+                "kill -{signal} {pids:?} failed ({status})"
+            )))
+        }
+    }
+
     /// Whether the process is running (as far as the harness knows).
     pub fn is_running(&self) -> bool {
         self.child
@@ -286,6 +322,44 @@ impl ServerHandle {
             ServerHandle::External(_) => None,
         }
     }
+}
+
+/// Every process descended from `root`, from `/proc/<pid>/stat`.
+fn descendants(root: u32) -> Vec<u32> {
+    let mut parents: Vec<(u32, u32)> = Vec::new();
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for entry in entries.flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            // `pid (comm) state ppid ...`; comm may hold spaces and parens.
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                .and_then(|p| p.parse::<u32>().ok());
+            if let Some(ppid) = ppid {
+                parents.push((pid, ppid));
+            }
+        }
+    }
+    let mut found = Vec::new();
+    let mut frontier = vec![root];
+    while let Some(parent) = frontier.pop() {
+        for &(pid, ppid) in &parents {
+            if ppid == parent && !found.contains(&pid) {
+                found.push(pid);
+                frontier.push(pid);
+            }
+        }
+    }
+    found
 }
 
 /// Picks a free loopback port (bind to port 0, read it, close).

@@ -1,0 +1,645 @@
+//! The mutants: one wrapper backend around `MemoryLock` (through a
+//! simulated network [`Link`](conformance_tests::fault::Link) for the
+//! clients of fault cases), forwarding everything except the one defect
+//! its [`Defect`] names. Public API only, as a third party would write it:
+//! each mutant is a raw `LockBackend`, so it can break exactly what a
+//! backend author could break.
+//!
+//! Some defects of the first corpus cannot be written any more since
+//! lock-core owns every lease rule (issue 14): an issuer check a backend
+//! skips, a waiting loop that ignores its deadline, a lease dated from the
+//! reply (a backend can only report the TTL the server applied; the
+//! closest it can get is to inflate it, `deadline_from_reply` below).
+//!
+//! To add a mutant: add a [`Defect`] variant, give it its behaviour in the
+//! `Mutant` methods below (everything else keeps forwarding), and list it
+//! in [`CORPUS`] with a one-line description and the cases expected to
+//! catch it (they run first; the rest of the suite still runs if they do
+//! not).
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use lock_core::{
+    AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
+    LockAdmin, LockBackend, LockClient, LockError, LockKey, LockState, OwnerToken, ReleaseNotifier,
+    ReleaseReply, ReleaseWatch,
+};
+
+/// The one thing a mutant does wrong.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Defect {
+    /// No defect: the control, which must pass every case.
+    None,
+    // The subtle classes of issue 21.
+    ReleaseCheckThenDelete,
+    ExtendCheckThenSet,
+    GrantsBeforeExpiry,
+    RenewingSessionTenTimesTtl,
+    /// Reports the TTL counted from when the reply arrived (TTL + the round
+    /// trip), so the client's deadline outlives the server's.
+    DeadlineFromReply,
+    UnavailableAsHeld,
+    // Cancellation and wake-up classes of issue 12.
+    SetThenExpire,
+    WatchDropBreaksChannel,
+    SubscribeAfterTry,
+    // The blunt ones.
+    ReleaseWithoutOwnerCheck,
+    ExtendResurrects,
+    FencingPerClient,
+    NoopRelease,
+    NoopExtend,
+    LowercasedKeys,
+    TruncatedKeys,
+    DoubleGrant,
+    WatchNeverFires,
+    LyingGranularity,
+    ExpiryIgnored,
+    RenewingNeverExpires,
+    ExtendChangesToken,
+    ExpiresInInflated,
+    HeldAsError,
+}
+
+/// One mutant of the corpus.
+#[derive(Debug, Clone, Copy)]
+pub struct MutantSpec {
+    /// Its test name (`mutant::<name>`).
+    pub name: &'static str,
+    /// What it injects.
+    pub defect: Defect,
+    /// What is wrong, in a line.
+    pub what: &'static str,
+    /// The cases expected to reject it (run first).
+    pub killers: &'static [&'static str],
+}
+
+/// Every mutant.
+pub const CORPUS: &[MutantSpec] = &[
+    MutantSpec {
+        name: "release_check_then_delete",
+        defect: Defect::ReleaseCheckThenDelete,
+        what: "release checks the holder, then deletes the key in a second step 5 ms later (not atomic)",
+        killers: &["lease::release_atomic_against_expiry"],
+    },
+    MutantSpec {
+        name: "extend_check_then_set",
+        defect: Defect::ExtendCheckThenSet,
+        what: "extend checks the holder, then sets the expiry 5 ms later and trusts the check (GET, then PEXPIRE)",
+        killers: &["lease::extend_atomic_against_expiry"],
+    },
+    MutantSpec {
+        name: "grants_before_expiry",
+        defect: Defect::GrantsBeforeExpiry,
+        what: "a held key with 100 ms or less left is granted to another client (expiry judged on a clock running ahead)",
+        killers: &["lease::never_granted_before_holder_deadline"],
+    },
+    MutantSpec {
+        name: "renewing_session_ten_times_ttl",
+        defect: Defect::RenewingSessionTenTimesTtl,
+        what: "a renewing acquire lives on a session of 10x the TTL (a holder that dies before renewing keeps it 10x too long)",
+        killers: &["lease::renewing_holder_death_frees_key"],
+    },
+    MutantSpec {
+        name: "deadline_from_reply",
+        defect: Defect::DeadlineFromReply,
+        what: "the grant's TTL is counted from when the reply arrived (TTL + round trip reported), not from before the request was sent",
+        killers: &[
+            "lease::holder_deadline_within_server_expiry",
+            "lease::never_granted_before_holder_deadline",
+        ],
+    },
+    MutantSpec {
+        name: "unavailable_as_held",
+        defect: Defect::UnavailableAsHeld,
+        what: "an unreachable server is reported as a lock held by someone else (every job skips silently)",
+        killers: &["fault::unreachable_is_an_error_not_held"],
+    },
+    MutantSpec {
+        name: "set_then_expire",
+        defect: Defect::SetThenExpire,
+        what: "acquire takes the key for an hour, then shortens it to the TTL in a second call (SETNX, then EXPIRE): a call dropped in between leaves it held for an hour",
+        killers: &["cancel::dropped_calls_leave_nothing_held"],
+    },
+    MutantSpec {
+        name: "watch_drop_breaks_channel",
+        defect: Defect::WatchDropBreaksChannel,
+        what: "a watch dropped (or failing) while it subscribes stops every wake-up for that key on the client (one failed SUBSCRIBE unsubscribes every waiter)",
+        killers: &["cancel::dropped_calls_leave_later_waiters_woken"],
+    },
+    MutantSpec {
+        name: "subscribe_after_try",
+        defect: Defect::SubscribeAfterTry,
+        what: "a waiter's subscription starts 50 ms late (subscribe after trying): a release right after its first attempt is missed",
+        killers: &[
+            "wait::waiter_gets_lock_after_release",
+            "wait::raw_acquire_waits_for_release",
+        ],
+    },
+    MutantSpec {
+        name: "release_without_owner_check",
+        defect: Defect::ReleaseWithoutOwnerCheck,
+        what: "release deletes the key whoever holds it",
+        killers: &["basic::foreign_release_refused", "basic::stale_owner_release_refused"],
+    },
+    MutantSpec {
+        name: "extend_resurrects",
+        defect: Defect::ExtendResurrects,
+        what: "extending a lock that is gone takes the key again",
+        killers: &["basic::extend_after_expiry_fails", "basic::extend_after_release_fails"],
+    },
+    MutantSpec {
+        name: "fencing_per_client",
+        defect: Defect::FencingPerClient,
+        what: "fencing tokens count per client, not per key",
+        killers: &["fencing::increases_across_clients"],
+    },
+    MutantSpec {
+        name: "noop_release",
+        defect: Defect::NoopRelease,
+        what: "release reports success and does nothing",
+        killers: &["basic::release_frees_key_for_other_client"],
+    },
+    MutantSpec {
+        name: "noop_extend",
+        defect: Defect::NoopExtend,
+        what: "extend reports success and does nothing",
+        killers: &["basic::extend_pushes_expiry"],
+    },
+    MutantSpec {
+        name: "lowercased_keys",
+        defect: Defect::LowercasedKeys,
+        what: "keys are lowercased on the server (A and a collide)",
+        killers: &["basic::lookalike_keys_independent"],
+    },
+    MutantSpec {
+        name: "truncated_keys",
+        defect: Defect::TruncatedKeys,
+        what: "keys are cut to 64 bytes on the server",
+        killers: &["input::max_length_multibyte_key_works"],
+    },
+    MutantSpec {
+        name: "double_grant",
+        defect: Defect::DoubleGrant,
+        what: "one refused attempt in ten is granted anyway",
+        killers: &["exclusion::try_lock_never_overlaps", "exclusion::counter_is_exact"],
+    },
+    MutantSpec {
+        name: "watch_never_fires",
+        defect: Defect::WatchNeverFires,
+        what: "waiters are never woken by a release (only by timers)",
+        killers: &["wait::waiter_gets_lock_after_release"],
+    },
+    MutantSpec {
+        name: "lying_granularity",
+        defect: Defect::LyingGranularity,
+        what: "declares millisecond TTLs but silently holds locks for whole seconds",
+        killers: &["lease::renewing_holder_death_frees_key", "basic::ttl_expiry_frees_key"],
+    },
+    MutantSpec {
+        name: "expiry_ignored",
+        defect: Defect::ExpiryIgnored,
+        what: "locks outlive their TTL a thousandfold",
+        killers: &["basic::ttl_expiry_frees_key"],
+    },
+    MutantSpec {
+        name: "renewing_never_expires",
+        defect: Defect::RenewingNeverExpires,
+        what: "a renewing acquire is held for the longest TTL until renewed",
+        killers: &["lease::renewing_holder_death_frees_key"],
+    },
+    MutantSpec {
+        name: "extend_changes_token",
+        defect: Defect::ExtendChangesToken,
+        what: "extend hands back a different fencing token (lock-core reports it as corrupted data)",
+        killers: &["fencing::unchanged_by_extend"],
+    },
+    MutantSpec {
+        name: "expires_in_inflated",
+        defect: Defect::ExpiresInInflated,
+        what: "a refusal reports far more time left than the holder's TTL",
+        killers: &["basic::held_reports_remaining_ttl"],
+    },
+    MutantSpec {
+        name: "held_as_error",
+        defect: Defect::HeldAsError,
+        what: "a held key is reported as an unavailable server",
+        killers: &["basic::held_key_is_refused"],
+    },
+];
+
+/// How long the check-then-act mutants wait between their two steps.
+const GAP: Duration = Duration::from_millis(5);
+
+/// How much earlier than its holder's expiry `GrantsBeforeExpiry` grants.
+const EARLY: Duration = Duration::from_millis(100);
+
+/// A backend that forwards to `inner` except for its defect.
+pub struct Mutant {
+    defect: Defect,
+    inner: Arc<dyn LockBackend>,
+    /// Per-client fencing counter (`FencingPerClient`), and the server's
+    /// token behind each token it handed out, by owner.
+    counter: AtomicU64,
+    server_tokens: Mutex<HashMap<OwnerToken, FencingToken>>,
+    /// Keys whose wake-ups stopped (`WatchDropBreaksChannel`).
+    broken: Arc<Mutex<HashSet<String>>>,
+    /// Local fan-out for the mutants that reroute wake-ups.
+    notifier: ReleaseNotifier,
+}
+
+impl fmt::Debug for Mutant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Mutant")
+            .field("defect", &self.defect)
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Marks a key's wake-ups broken if dropped while armed.
+struct BreakOnDrop {
+    broken: Arc<Mutex<HashSet<String>>>,
+    key: String,
+    armed: bool,
+}
+
+impl Drop for BreakOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            self.broken
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(self.key.clone());
+        }
+    }
+}
+
+impl Mutant {
+    /// `inner`'s backend with `defect`, in a client of its own.
+    pub fn wrap(defect: Defect, inner: LockClient) -> LockClient {
+        LockClient::new(Mutant {
+            defect,
+            inner: inner.backend().clone(),
+            counter: AtomicU64::new(0),
+            server_tokens: Mutex::new(HashMap::new()),
+            broken: Arc::new(Mutex::new(HashSet::new())),
+            notifier: ReleaseNotifier::new(),
+        })
+    }
+
+    fn is(&self, defect: Defect) -> bool {
+        self.defect == defect
+    }
+
+    fn admin_of_inner(&self) -> Result<&dyn LockAdmin, LockError> {
+        self.inner
+            .admin()
+            .ok_or_else(|| LockError::unsupported("the mutant's inner backend has no admin calls"))
+    }
+
+    /// The key as the (broken) server stores it.
+    fn server_key(&self, key: &LockKey) -> LockKey {
+        let mapped = match self.defect {
+            Defect::LowercasedKeys => key.as_str().to_lowercase(),
+            Defect::TruncatedKeys => {
+                let mut end = key.as_str().len().min(64);
+                while !key.as_str().is_char_boundary(end) {
+                    end -= 1;
+                }
+                key.as_str()[..end].to_owned()
+            }
+            _ => return key.clone(),
+        };
+        LockKey::new(mapped).unwrap_or_else(|_| key.clone())
+    }
+
+    /// The server's fencing token behind one the mutant handed out.
+    fn server_token(&self, lock: &HeldLock<'_>) -> FencingToken {
+        self.server_tokens
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&lock.owner)
+            .copied()
+            .unwrap_or(lock.fencing)
+    }
+
+    /// `lock` as the inner server knows it (its key and token).
+    fn server_lock<'a>(&self, lock: &HeldLock<'_>, key: &'a LockKey) -> HeldLock<'a> {
+        HeldLock {
+            key,
+            owner: lock.owner,
+            fencing: self.server_token(lock),
+            handle: lock.handle,
+        }
+    }
+
+    /// The TTL the broken server really uses for a request of `ttl`.
+    fn server_ttl(&self, ttl: Duration, renewing: bool) -> Duration {
+        let max = self.inner.capabilities().max_ttl;
+        match self.defect {
+            Defect::ExpiryIgnored => (ttl * 1000).min(max),
+            Defect::RenewingSessionTenTimesTtl if renewing => (ttl * 10).min(max),
+            Defect::RenewingNeverExpires if renewing => max,
+            Defect::LyingGranularity => {
+                Duration::from_secs(ttl.as_secs_f64().ceil() as u64).min(max)
+            }
+            _ => ttl,
+        }
+    }
+
+    /// The grant as the mutant reports it.
+    fn reported(&self, request: &AcquireRequest<'_>, grant: Grant, started: Instant) -> Grant {
+        let mut grant = grant;
+        // The client asked for `request.ttl`; a lying server says it applied that.
+        grant.ttl = request.ttl;
+        match self.defect {
+            Defect::DeadlineFromReply => grant.ttl = request.ttl + started.elapsed(),
+            Defect::FencingPerClient => {
+                let mine = FencingToken::new(self.counter.fetch_add(1, Ordering::SeqCst) + 1);
+                self.server_tokens
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(request.owner, grant.fencing);
+                grant.fencing = mine;
+            }
+            _ => {}
+        }
+        grant
+    }
+
+    async fn take(
+        &self,
+        request: AcquireRequest<'_>,
+        key: &LockKey,
+    ) -> Result<AcquireReply, LockError> {
+        let server_ttl = self.server_ttl(request.ttl, request.renewing);
+        let server = AcquireRequest {
+            key,
+            ttl: server_ttl,
+            ..request
+        };
+        if !self.is(Defect::SetThenExpire) {
+            return self.inner.acquire(server).await;
+        }
+        // SETNX for an hour, then EXPIRE to the TTL: two calls.
+        let hour = Duration::from_secs(3600).min(self.inner.capabilities().max_ttl);
+        match self
+            .inner
+            .acquire(AcquireRequest {
+                ttl: hour,
+                ..server
+            })
+            .await?
+        {
+            AcquireReply::Granted(grant) => {
+                let held = HeldLock {
+                    key,
+                    owner: request.owner,
+                    fencing: grant.fencing,
+                    handle: grant.handle,
+                };
+                match self.inner.extend(held, server_ttl).await? {
+                    ExtendReply::Extended(grant) => Ok(AcquireReply::Granted(grant)),
+                    ExtendReply::NotHeld => Ok(AcquireReply::Held { expires_in: None }),
+                }
+            }
+            held => Ok(held),
+        }
+    }
+
+    /// Whether the server shows `fencing` at `key`.
+    async fn shows(&self, key: &LockKey, fencing: FencingToken) -> Result<bool, LockError> {
+        Ok(matches!(
+            self.admin_of_inner()?.inspect(key).await?,
+            LockState::Held { fencing_token, .. } if fencing_token == fencing
+        ))
+    }
+
+    /// A watch through this backend's own fan-out: the inner watch is
+    /// taken after `late` (if any), and wake-ups for broken keys are
+    /// swallowed.
+    async fn rerouted_watch(
+        &self,
+        key: &LockKey,
+        late: Option<Duration>,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
+        let server_key = self.server_key(key);
+        let mut guard = BreakOnDrop {
+            broken: self.broken.clone(),
+            key: key.as_str().to_owned(),
+            armed: self.is(Defect::WatchDropBreaksChannel),
+        };
+        let first = match late {
+            Some(_) => None,
+            None => match self.inner.watch(&server_key).await? {
+                Some(watch) => Some(watch),
+                None => return Ok(None),
+            },
+        };
+        guard.armed = false;
+        let (inner, notifier, broken) = (
+            self.inner.clone(),
+            self.notifier.clone(),
+            self.broken.clone(),
+        );
+        let channel = key.as_str().to_owned();
+        let watch = self
+            .notifier
+            .subscribe(key.as_str(), move || async move {
+                let closed = notifier.closed(&channel);
+                tokio::spawn(async move {
+                    tokio::pin!(closed);
+                    let mut watch = match first {
+                        Some(watch) => watch,
+                        None => {
+                            tokio::select! {
+                                _ = &mut closed => return,
+                                _ = tokio::time::sleep(late.unwrap_or_default()) => {}
+                            }
+                            match inner.watch(&server_key).await {
+                                Ok(Some(watch)) => watch,
+                                _ => return,
+                            }
+                        }
+                    };
+                    loop {
+                        tokio::select! {
+                            _ = &mut closed => return,
+                            woke = watch.released() => if woke.is_err() { return },
+                        }
+                        let is_broken = broken
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .contains(&channel);
+                        if !is_broken {
+                            notifier.notify(&channel);
+                        }
+                    }
+                });
+                Ok(())
+            })
+            .await?;
+        Ok(Some(watch))
+    }
+}
+
+#[lock_core::async_trait]
+impl LockBackend for Mutant {
+    fn name(&self) -> &'static str {
+        "mutant"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
+    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError> {
+        let started = Instant::now();
+        let key = self.server_key(request.key);
+        let reply = match (self.defect, self.take(request, &key).await) {
+            (Defect::UnavailableAsHeld, Err(e)) if e.is_transient() => {
+                Ok(AcquireReply::Held { expires_in: None })
+            }
+            (
+                Defect::GrantsBeforeExpiry,
+                Ok(AcquireReply::Held {
+                    expires_in: Some(left),
+                }),
+            ) if left <= EARLY => {
+                self.admin_of_inner()?.force_release(&key).await?;
+                self.take(request, &key).await
+            }
+            (Defect::DoubleGrant, Ok(AcquireReply::Held { .. })) if rand::random_bool(0.1) => {
+                self.admin_of_inner()?.force_release(&key).await?;
+                self.take(request, &key).await
+            }
+            (Defect::HeldAsError, Ok(AcquireReply::Held { .. })) => {
+                Err(LockError::unavailable("the lock server did not answer"))
+            }
+            (Defect::ExpiresInInflated, Ok(AcquireReply::Held { expires_in })) => {
+                Ok(AcquireReply::Held {
+                    expires_in: expires_in.map(|left| left * 100 + Duration::from_secs(3600)),
+                })
+            }
+            (_, other) => other,
+        }?;
+        Ok(match reply {
+            AcquireReply::Granted(grant) => {
+                AcquireReply::Granted(self.reported(&request, grant, started))
+            }
+            held => held,
+        })
+    }
+
+    async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError> {
+        let key = self.server_key(lock.key);
+        let server = self.server_lock(&lock, &key);
+        let server_ttl = self.server_ttl(ttl, false);
+        let reported = |grant: Grant| {
+            let mut grant = grant;
+            grant.ttl = ttl;
+            // The token this backend handed out for the acquisition.
+            grant.fencing = lock.fencing;
+            if self.is(Defect::ExtendChangesToken) {
+                grant.fencing = FencingToken::new(lock.fencing.get() + 1);
+            }
+            ExtendReply::Extended(grant)
+        };
+        match self.defect {
+            Defect::NoopExtend => Ok(reported(Grant::new(lock.fencing, ttl))),
+            Defect::ExtendCheckThenSet => {
+                if !self.shows(&key, server.fencing).await? {
+                    return Ok(ExtendReply::NotHeld);
+                }
+                tokio::time::sleep(GAP).await;
+                // The check said it was ours: the expiry was set (on
+                // whoever holds the key now).
+                let _ = self.inner.extend(server, server_ttl).await?;
+                Ok(reported(Grant::new(lock.fencing, ttl)))
+            }
+            Defect::ExtendResurrects => match self.inner.extend(server, server_ttl).await? {
+                ExtendReply::NotHeld => {
+                    let again = AcquireRequest {
+                        key: &key,
+                        owner: lock.owner,
+                        ttl: server_ttl,
+                        renewing: false,
+                    };
+                    match self.inner.acquire(again).await? {
+                        AcquireReply::Granted(grant) => {
+                            self.server_tokens
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .insert(lock.owner, grant.fencing);
+                            Ok(reported(grant))
+                        }
+                        AcquireReply::Held { .. } => Ok(ExtendReply::NotHeld),
+                    }
+                }
+                ExtendReply::Extended(grant) => Ok(reported(grant)),
+            },
+            _ => Ok(match self.inner.extend(server, server_ttl).await? {
+                ExtendReply::Extended(grant) => reported(grant),
+                ExtendReply::NotHeld => ExtendReply::NotHeld,
+            }),
+        }
+    }
+
+    async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
+        let key = self.server_key(lock.key);
+        let server = self.server_lock(&lock, &key);
+        match self.defect {
+            Defect::NoopRelease => Ok(ReleaseReply::Released),
+            Defect::ReleaseWithoutOwnerCheck => {
+                if self.admin_of_inner()?.force_release(&key).await? {
+                    Ok(ReleaseReply::Released)
+                } else {
+                    Ok(ReleaseReply::NotHeld)
+                }
+            }
+            Defect::ReleaseCheckThenDelete => {
+                if !self.shows(&key, server.fencing).await? {
+                    return Ok(ReleaseReply::NotHeld);
+                }
+                tokio::time::sleep(GAP).await;
+                self.admin_of_inner()?.force_release(&key).await?;
+                Ok(ReleaseReply::Released)
+            }
+            _ => self.inner.release(server).await,
+        }
+    }
+
+    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        match self.defect {
+            Defect::WatchNeverFires => Ok(Some(ReleaseWatch::never())),
+            Defect::SubscribeAfterTry => {
+                self.rerouted_watch(key, Some(Duration::from_millis(50)))
+                    .await
+            }
+            Defect::WatchDropBreaksChannel => self.rerouted_watch(key, None).await,
+            _ => self.inner.watch(&self.server_key(key)).await,
+        }
+    }
+
+    fn admin(&self) -> Option<&dyn LockAdmin> {
+        self.inner.admin().map(|_| self as &dyn LockAdmin)
+    }
+}
+
+#[lock_core::async_trait]
+impl LockAdmin for Mutant {
+    async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
+        self.admin_of_inner()?.inspect(&self.server_key(key)).await
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
+        self.admin_of_inner()?
+            .force_release(&self.server_key(key))
+            .await
+    }
+}
