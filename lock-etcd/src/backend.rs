@@ -10,8 +10,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use etcd_client::{Client, ConnectOptions, KvClient, LeaseClient};
 use lock_core::{
-    AcquireReply, AcquireRequest, Capabilities, ExtendReply, Grant, HeldLock, Listener, LockAdmin,
-    LockBackend, LockError, LockKey, ReleaseNotifier, ReleaseReply, ReleaseWatch,
+    AcquireReply, AcquireRequest, Capabilities, ClientOptions, ExtendReply, Grant, HeldLock,
+    Listener, LockAdmin, LockBackend, LockError, LockKey, ReleaseNotifier, ReleaseReply,
+    ReleaseWatch,
 };
 
 use crate::config::EtcdConfig;
@@ -90,7 +91,7 @@ const WATCH_SWEEP: Duration = Duration::from_secs(1);
 /// expiring) wakes exactly that waiter. A handoff costs the same few
 /// requests however many wait (release, acquire, the leaving waiter's
 /// queue-entry delete, one look-up by its successor); all watches share one
-/// watch stream per client ([`crate::listener`]). Acquiring without
+/// watch stream per client. Acquiring without
 /// waiting never queues, so it may overtake waiters.
 ///
 /// A renewing acquire whose session is lost while the request is in flight
@@ -288,22 +289,13 @@ impl EtcdLock {
     /// Revokes a lease in the background, bounded by the operation timeout.
     /// Failing only means the lease lives until its TTL runs out.
     fn revoke_later(&self, lease_id: i64) {
-        let mut leases = self.inner.leases.clone();
+        let leases = self.inner.leases.clone();
         let options = self.inner.config.client.clone();
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         runtime.spawn(async move {
-            let result = options
-                .timed("etcd lease revoke", async {
-                    leases
-                        .revoke(lease_id)
-                        .await
-                        .map(|_| ())
-                        .map_err(errors::mapper("etcd lease revoke"))
-                })
-                .await;
-            if let Err(e) = result {
+            if let Err(e) = revoke(leases, &options, lease_id).await {
                 tracing::debug!(lease_id, error = %e, "could not revoke an etcd lease; it expires by its TTL");
             }
         });
@@ -393,6 +385,23 @@ impl EtcdLock {
             Grant::new(lock.fencing, granted).with_handle(u64::try_from(new_lease).unwrap_or(0)),
         ))
     }
+}
+
+/// Revokes an etcd lease (deleting its keys), under the operation timeout.
+pub(crate) async fn revoke(
+    mut leases: LeaseClient,
+    options: &ClientOptions,
+    lease_id: i64,
+) -> Result<(), LockError> {
+    options
+        .timed("etcd lease revoke", async {
+            leases
+                .revoke(lease_id)
+                .await
+                .map(|_| ())
+                .map_err(errors::mapper("etcd lease revoke"))
+        })
+        .await
 }
 
 /// The lock's own etcd lease in a handle; `None` for a session lease (shared,

@@ -114,11 +114,9 @@ impl EtcdConfig {
         let credentials = match (url.username(), url.password()) {
             (None, None) => None,
             (Some(user), password) => Some((user.to_owned(), password.unwrap_or("").to_owned())),
-            (None, Some(_)) => {
-                return Err(LockError::config(
-                    "the etcd URL has a password but no user name; use etcd://user:password@host:port",
-                ))
-            }
+            (None, Some(_)) => return Err(LockError::config(
+                "the etcd URL has a password but no user name; use etcd://user:password@host:port",
+            )),
         };
         let endpoints = url
             .hosts()

@@ -13,6 +13,7 @@ use etcd_client::{Txn, TxnOp};
 use lock_core::ClientOptions;
 use tokio::sync::watch;
 
+use crate::backend;
 use crate::errors;
 use crate::session::Session;
 
@@ -58,17 +59,7 @@ impl Task {
                     "etcd session lease lost; its locks are gone"
                 );
                 // Make the server agree at once if it still has the lease.
-                let mut leases = self.leases.clone();
-                let _ = self
-                    .options
-                    .timed("etcd lease revoke", async {
-                        leases
-                            .revoke(lease_id)
-                            .await
-                            .map(|_| ())
-                            .map_err(errors::mapper("etcd lease revoke"))
-                    })
-                    .await;
+                let _ = backend::revoke(self.leases.clone(), &self.options, lease_id).await;
             }
         }
     }
