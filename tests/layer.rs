@@ -9,8 +9,7 @@ use std::time::Duration;
 use conformance_tests::{Call, ObservedLock};
 use distlock::layer::{LockLayer, LockServiceError, LockedResponse};
 use distlock::{
-    DistributedLock, ErrorKind, JobKey, LockError, LockKey, LockOptions, Locker, LostReason,
-    MemoryLock,
+    ErrorKind, JobKey, LockError, LockKey, LockOptions, Locker, LostReason, MemoryLock,
 };
 use tokio::sync::mpsc;
 use tower::{service_fn, Layer, Service, ServiceExt};
@@ -215,7 +214,7 @@ async fn lost_lock_stops_the_inner_future() {
     // Behind the guard's back: release its lease through the raw backend,
     // and let another client take the key.
     let lease = recording.last_granted().expect("a lease");
-    recording.release(&lease).await.unwrap();
+    recording.release_behind(&lease).await.unwrap();
     let key = job_key(&job()).unwrap();
     let thief = Locker::new(server.client())
         .try_lock(&key, &LockOptions::new(Duration::from_secs(30)))

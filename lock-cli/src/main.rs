@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use distlock::{
-    AcquireAttempt, DistributedLock, ErrorKind, LockError, LockKey, LockOptions, LockState, Locker,
+    AcquireAttempt, ErrorKind, LockClient, LockError, LockKey, LockOptions, LockState, Locker,
 };
 use tokio::signal::unix::{signal, SignalKind};
 
@@ -246,7 +246,7 @@ fn main() -> ExitCode {
     }
 }
 
-async fn connect(url: &str) -> Result<std::sync::Arc<dyn DistributedLock>, Failure> {
+async fn connect(url: &str) -> Result<LockClient, Failure> {
     distlock::connect(url)
         .await
         .map_err(|e| Failure::lock("cannot connect to the lock server", &e))
@@ -433,7 +433,7 @@ async fn run(args: RunArgs) -> Result<u8, Failure> {
 
 /// Probes `key` with the shortest TTL the backend allows; a lease it gets is
 /// released at once.
-async fn probe(backend: &dyn DistributedLock, key: &LockKey) -> Result<AcquireAttempt, Failure> {
+async fn probe(backend: &LockClient, key: &LockKey) -> Result<AcquireAttempt, Failure> {
     let ttl = backend.capabilities().min_ttl.max(Duration::from_millis(1));
     let attempt = backend
         .try_acquire(key, ttl)
@@ -468,7 +468,7 @@ fn describe_held(key: &LockKey, expires_in: Option<Duration>) -> String {
 async fn status(args: StatusArgs) -> Result<u8, Failure> {
     let key = lock_key(&args.key)?;
     let backend = connect(&args.url.url).await?;
-    let state = if backend.capabilities().admin {
+    let state = if backend.admin().is_some() {
         backend
             .inspect(&key)
             .await
@@ -476,7 +476,7 @@ async fn status(args: StatusArgs) -> Result<u8, Failure> {
     } else {
         // A backend without the operator calls: an attempt tells held or
         // free (and uses up one fencing token value if free).
-        match probe(&*backend, &key).await? {
+        match probe(&backend, &key).await? {
             AcquireAttempt::Acquired(_) => LockState::Free,
             AcquireAttempt::Held { expires_in } => {
                 println!("{}", describe_held(&key, expires_in));

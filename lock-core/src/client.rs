@@ -14,8 +14,8 @@ use crate::backend::{AcquireReply, AcquireRequest, ExtendReply, ReleaseReply};
 use crate::lease::LeaseIssuer;
 use crate::wait::{self, Attempt};
 use crate::{
-    instrument, Capabilities, Lease, LockAdmin, LockBackend, LockError, LockKey, LockState,
-    OwnerToken,
+    instrument, Capabilities, Lease, LockAdmin, LockBackend, LockError, LockKey, LockOptions,
+    LockState, OwnerToken,
 };
 
 /// The result of one atomic acquisition attempt.
@@ -181,8 +181,15 @@ impl LockClient {
         ttl: Duration,
         deadline: Instant,
     ) -> Result<Option<Lease>, LockError> {
-        self.acquire_until(key, ttl, deadline, Attempt::Plain, std::future::pending())
-            .await
+        self.acquire_until(
+            key,
+            ttl,
+            deadline,
+            Attempt::Plain,
+            None,
+            std::future::pending(),
+        )
+        .await
     }
 
     /// Resets the lease's TTL to `ttl` from now if, and only if, the server
@@ -369,13 +376,15 @@ impl LockClient {
     /// caller's future never abandons an attempt in flight: a lease granted
     /// after the caller left is released. When `cancel` completes, the loop
     /// stops at its next wait and a lease it got is released before this
-    /// returns `Ok(None)`.
+    /// returns `Ok(None)`. With `guard_options`, a grant already inside
+    /// its stop margin is given back and retried while time remains.
     pub(crate) async fn acquire_until<C: Future<Output = ()>>(
         &self,
         key: &LockKey,
         ttl: Duration,
         deadline: Instant,
         attempt: Attempt,
+        guard_options: Option<LockOptions>,
         cancel: C,
     ) -> Result<Option<Lease>, LockError> {
         let client = self.clone();
@@ -393,6 +402,7 @@ impl LockClient {
                     ttl,
                     deadline,
                     attempt,
+                    guard_options.as_ref(),
                     &task_cancel,
                 )
                 .await;

@@ -34,6 +34,9 @@ pub struct ClientOptions {
     pub connect_timeout: Duration,
     /// How long to wait for one request's reply. Default 5 s.
     pub operation_timeout: Duration,
+    /// Extra trusted CA and client certificate for TLS connections (used
+    /// by TLS URLs only; see [`TlsFiles`](crate::TlsFiles)).
+    pub tls: crate::TlsFiles,
 }
 
 impl Default for ClientOptions {
@@ -42,6 +45,7 @@ impl Default for ClientOptions {
             namespace: DEFAULT_NAMESPACE.to_owned(),
             connect_timeout: Duration::from_secs(5),
             operation_timeout: Duration::from_secs(5),
+            tls: crate::TlsFiles::default(),
         }
     }
 }
@@ -82,6 +86,7 @@ impl ClientOptions {
         if self.connect_timeout.is_zero() || self.operation_timeout.is_zero() {
             return Err(LockError::config("timeouts must be greater than zero"));
         }
+        self.tls.validate()?;
         Ok(())
     }
 

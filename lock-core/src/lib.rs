@@ -51,6 +51,7 @@ mod notify;
 mod options;
 mod run;
 mod schedule;
+mod tls;
 mod url;
 mod wait;
 
@@ -73,6 +74,7 @@ pub use notify::{ReleaseNotifier, ReleaseWatch};
 pub use options::{LockOptions, Renewal};
 pub use run::{run_exclusive, JobContext, OnLost, RunOptions, RunOutcome};
 pub use schedule::{Fire, ScheduledJob, ScheduledOutcome, SkipReason};
+pub use tls::{TlsFiles, TlsPem};
 pub use url::{LockUrl, UrlHost};
 
 /// Re-exported so backends implement [`LockBackend`] with the same

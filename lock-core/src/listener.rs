@@ -139,6 +139,9 @@ struct Inner<S: NotificationSource> {
     /// Topics by channel, for channels subscribed on the current connection.
     live: tokio::sync::Mutex<Option<Live<S>>>,
     generation: AtomicU64,
+    /// The generation whose reader is running (0: none). Its reader clears
+    /// it when it ends without the lost path (see [`ReaderExit`]).
+    reading: AtomicU64,
     /// The topic of each channel that has waiters (to unsubscribe it later).
     topics: Mutex<HashMap<String, S::Topic>>,
 }
@@ -170,6 +173,7 @@ impl<S: NotificationSource> Listener<S> {
                 notifier: ReleaseNotifier::new(),
                 live: tokio::sync::Mutex::new(None),
                 generation: AtomicU64::new(0),
+                reading: AtomicU64::new(0),
                 topics: Mutex::new(HashMap::new()),
             }),
         }
@@ -219,7 +223,14 @@ impl<S: NotificationSource> Inner<S> {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(channel.clone(), topic.clone());
-        if live.as_ref().is_none_or(|l| l.reader.is_finished()) {
+        let reading = self.reading.load(Ordering::SeqCst);
+        if live
+            .as_ref()
+            .is_none_or(|l| l.reader.is_finished() || l.generation != reading)
+        {
+            if let Some(dead) = live.take() {
+                dead.reader.abort();
+            }
             *live = Some(self.connect().await?);
         }
         let Some(current) = live.as_mut() else {
@@ -256,12 +267,15 @@ impl<S: NotificationSource> Inner<S> {
         )
         .await?;
         let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        self.reading.store(generation, Ordering::SeqCst);
         let reader = tokio::spawn(read(
-            Arc::downgrade(self),
+            ReaderExit {
+                inner: Arc::downgrade(self),
+                generation,
+            },
             self.source.clone(),
             sink.clone(),
             stream,
-            generation,
             self.health_check_after,
             self.options.operation_timeout,
         ));
@@ -278,6 +292,9 @@ impl<S: NotificationSource> Inner<S> {
     /// drop it and make every waiter subscribe again.
     fn lost(&self, live: &mut Option<Live<S>>, generation: u64, why: &LockError) {
         if let Some(current) = live.take_if(|l| l.generation == generation) {
+            let _ =
+                self.reading
+                    .compare_exchange(generation, 0, Ordering::SeqCst, Ordering::SeqCst);
             current.reader.abort();
             tracing::debug!(generation, error = %why, "release-notification connection lost; waiters subscribe again");
             self.notifier.reset();
@@ -334,14 +351,16 @@ impl<S: NotificationSource> Inner<S> {
 /// Reads one connection's notifications until it fails; pings it when it
 /// stayed quiet and sweeps idle topics, every `every`.
 async fn read<S: NotificationSource>(
-    weak: Weak<Inner<S>>,
+    // An argument, not a local: dropped with the future even if it was
+    // never polled.
+    exit: ReaderExit<S>,
     source: Arc<S>,
     sink: S::Sink,
     mut stream: S::Stream,
-    generation: u64,
     every: Duration,
     operation_timeout: Duration,
 ) {
+    let (weak, generation) = (&exit.inner, exit.generation);
     let mut tick = tokio::time::interval(every);
     tick.tick().await;
     let mut heard = Instant::now();
@@ -381,17 +400,43 @@ async fn read<S: NotificationSource>(
     inner.lost(&mut live, generation, &error);
 }
 
+/// Dropped with a reader that ends without the lost path — its runtime
+/// shut down (the client lives on in another), or it panicked — and so
+/// could not take the live lock: marks its connection dead, so the next
+/// subscribe reconnects, and wakes every waiter, so each subscribes again.
+/// A no-op after the lost path, which cleared the mark first.
+struct ReaderExit<S: NotificationSource> {
+    inner: Weak<Inner<S>>,
+    generation: u64,
+}
+
+impl<S: NotificationSource> Drop for ReaderExit<S> {
+    fn drop(&mut self) {
+        let Some(inner) = self.inner.upgrade() else {
+            return;
+        };
+        let ended =
+            inner
+                .reading
+                .compare_exchange(self.generation, 0, Ordering::SeqCst, Ordering::SeqCst);
+        if ended.is_ok() {
+            tracing::debug!(generation = self.generation, "release-notification reader ended (runtime shut down or panic); waiters subscribe again");
+            inner.notifier.reset();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex as StdMutex;
-
     use tokio::sync::mpsc;
 
     use super::*;
 
-    /// A source whose connections are in-process channels: each connect
-    /// hands out the next receiver; dropping its sender ends it.
-    struct Toy(StdMutex<mpsc::UnboundedReceiver<mpsc::UnboundedReceiver<String>>>);
+    /// Notifications from in-process channels, one per connection.
+    #[derive(Default)]
+    struct Toy {
+        connections: Mutex<Vec<mpsc::UnboundedSender<String>>>,
+    }
 
     #[async_trait]
     impl NotificationSource for Toy {
@@ -402,9 +447,9 @@ mod tests {
             topic.clone()
         }
         async fn connect(&self) -> Result<((), Self::Stream), LockError> {
-            let next = self.0.lock().unwrap().try_recv();
-            next.map(|rx| ((), rx))
-                .map_err(|_| LockError::unavailable("toy server gone"))
+            let (tx, rx) = mpsc::unbounded_channel();
+            self.connections.lock().unwrap().push(tx);
+            Ok(((), rx))
         }
         async fn subscribe(&self, _: &(), _: &[String]) -> Result<(), LockError> {
             Ok(())
@@ -412,6 +457,49 @@ mod tests {
         async fn next(&self, stream: &mut Self::Stream) -> Option<Result<String, LockError>> {
             stream.recv().await.map(Ok)
         }
+    }
+
+    #[test]
+    fn a_reader_whose_runtime_shut_down_wakes_its_waiters_and_is_replaced() {
+        let listener = Arc::new(Listener::new(Toy::default(), &ClientOptions::default()));
+        // The reader starts on a runtime that will shut down.
+        let first = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        first.block_on(async { drop(listener.watch("k".to_owned()).await.unwrap()) });
+        let second = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let waiting = {
+            let listener = listener.clone();
+            second.spawn(async move {
+                let mut watch = listener.watch("k".to_owned()).await?;
+                watch.released().await
+            })
+        };
+        while !listener.notifier().has_waiters("k") {
+            std::thread::yield_now();
+        }
+        drop(first);
+        second.block_on(async {
+            let woken = tokio::time::timeout(Duration::from_secs(10), waiting)
+                .await
+                .expect("a waiter slept on after its reader died with its runtime")
+                .unwrap();
+            assert!(woken.is_err(), "woken without an error: {woken:?}");
+            // The next waiter gets a new connection, which delivers.
+            let mut watch = listener.watch("k".to_owned()).await.unwrap();
+            let connections = listener.source().connections.lock().unwrap().clone();
+            assert_eq!(connections.len(), 2);
+            connections[1].send("k".to_owned()).unwrap();
+            tokio::time::timeout(Duration::from_secs(10), watch.released())
+                .await
+                .expect("the new connection delivers")
+                .unwrap();
+        });
     }
 
     fn known_topics<S: NotificationSource>(listener: &Listener<S>) -> Vec<String> {
@@ -427,17 +515,13 @@ mod tests {
     /// waiter (etcd) would otherwise grow the map at every reconnect.
     #[tokio::test]
     async fn topics_of_a_lost_connection_are_forgotten() {
-        let (connections, queued) = mpsc::unbounded_channel();
-        let listener = Listener::new(Toy(StdMutex::new(queued)), &ClientOptions::default())
+        let listener = Listener::new(Toy::default(), &ClientOptions::default())
             .health_check_after(Duration::from_millis(10));
-        let (first, rx) = mpsc::unbounded_channel::<String>();
-        connections.send(rx).unwrap();
         let mut lost = listener.watch("lost".to_owned()).await.unwrap();
-        drop(first);
+        // The server ends the connection.
+        listener.source().connections.lock().unwrap().clear();
         assert!(lost.released().await.is_err(), "the connection ended");
         drop(lost);
-        let (_second, rx) = mpsc::unbounded_channel::<String>();
-        connections.send(rx).unwrap();
         let _stays = listener.watch("stays".to_owned()).await.unwrap();
         let give_up = Instant::now() + Duration::from_secs(5);
         while known_topics(&listener) != ["stays"] {

@@ -111,7 +111,14 @@ impl Locker {
         };
         let lease = self
             .client
-            .acquire_until(key, options.request_ttl(), deadline, attempt, cancel)
+            .acquire_until(
+                key,
+                options.request_ttl(),
+                deadline,
+                attempt,
+                Some(options.clone()),
+                cancel,
+            )
             .await?;
         let Some(lease) = lease else {
             tracing::info!(key = %key, "lock held elsewhere; not acquired");

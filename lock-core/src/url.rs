@@ -210,7 +210,8 @@ impl LockUrl {
     }
 
     /// Takes the parameters every backend shares (`namespace`,
-    /// `connect_timeout_ms`, `operation_timeout_ms`) into
+    /// `connect_timeout_ms`, `operation_timeout_ms`, and the TLS files
+    /// `tls_ca_file`, `tls_cert_file`, `tls_key_file`) into
     /// [`ClientOptions`](crate::ClientOptions), validated.
     pub fn take_client_options(&mut self) -> Result<crate::ClientOptions, LockError> {
         let mut options = crate::ClientOptions::default();
@@ -223,6 +224,9 @@ impl LockUrl {
         if let Some(timeout) = self.take_millis("operation_timeout_ms")? {
             options.operation_timeout = timeout;
         }
+        options.tls.ca_file = self.take("tls_ca_file").map(Into::into);
+        options.tls.cert_file = self.take("tls_cert_file").map(Into::into);
+        options.tls.key_file = self.take("tls_key_file").map(Into::into);
         options.validate()?;
         Ok(options)
     }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::lease::later;
-use crate::{AcquireAttempt, Lease, LockClient, LockError, LockKey, ReleaseWatch};
+use crate::{AcquireAttempt, Lease, LockClient, LockError, LockKey, LockOptions, ReleaseWatch};
 
 /// Extra wait after a holder's predicted expiry, so the retry lands after the
 /// server expired it rather than just before.
@@ -26,6 +26,17 @@ pub(crate) enum Attempt {
     Renewing,
 }
 
+/// A granted lease the loop gives back and tries again for (time
+/// permitting): one already expired, or, for a guard, one already inside
+/// its stop margin.
+fn unusable(lease: &Lease, options: Option<&LockOptions>, now: Instant) -> bool {
+    let margin = options.map_or(Duration::ZERO, |o| o.stop_margin_for(lease.ttl()));
+    lease
+        .valid_until()
+        .checked_sub(margin)
+        .is_none_or(|stop_at| now >= stop_at)
+}
+
 /// Waits for `key` until `deadline`; gives up (`Ok(None)`) when `cancel`
 /// fires. Cancellation is only observed between attempts, never while an
 /// attempt is in flight, so a lock the server granted is always returned.
@@ -37,6 +48,7 @@ pub(crate) async fn acquire_until_cancelled(
     ttl: Duration,
     deadline: Instant,
     attempt: Attempt,
+    guard_options: Option<&LockOptions>,
     cancel: &CancellationToken,
 ) -> Result<Option<Lease>, LockError> {
     let caps = client.capabilities().clone();
@@ -63,10 +75,12 @@ pub(crate) async fn acquire_until_cancelled(
         };
         let now = Instant::now();
         let wake_at = match result {
-            Ok(AcquireAttempt::Acquired(lease)) if lease.is_expired() && now < deadline => {
+            Ok(AcquireAttempt::Acquired(lease))
+                if now < deadline && unusable(&lease, guard_options, now) =>
+            {
                 // Granted too late to use (a slow reply, a dying session):
                 // give it back and try again.
-                tracing::debug!(key = %key, fencing = %lease.fencing_token(), "lock granted already expired; releasing it and retrying");
+                tracing::debug!(key = %key, fencing = %lease.fencing_token(), "lock granted too late to use; releasing it and retrying");
                 client.release_in_background(lease);
                 later(now, caps.retry_interval.min(backoff))
             }

@@ -1,28 +1,26 @@
-//! [`PostgresLock`]: the lease-table mode.
+//! [`PostgresLock`]: the lease-table backend.
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use lock_core::{
-    AcquireAttempt, Capabilities, ClientOptions, DistributedLock, FencingToken, Lease, LeaseIssuer,
-    LockError, LockKey, LockState, OwnerToken, ReleaseWatch,
+    AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
+    Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, ReleaseReply, ReleaseWatch,
 };
 use sqlx::postgres::{PgArguments, PgPool, PgPoolOptions, PgRow};
 use sqlx::query::Query;
-use sqlx::Postgres;
-use sqlx::Row;
+use sqlx::{Postgres, Row};
 use tokio::sync::OnceCell;
 
 use crate::config::PostgresConfig;
 use crate::errors;
 use crate::keys::{channel_name, is_owner_token, qualified_table};
-use crate::sql::Statements;
-use crate::statement::{self, InFlight, Reply, Undo};
-use crate::waiters::Waiters;
+use crate::listener::Releases;
+use crate::sql::{self, InFlight, Reply, Statements, Undo};
 
-/// A lock client on a PostgreSQL lock table.
+/// A lock backend on a PostgreSQL lock table.
 ///
 /// Each lock is one row `(namespace, key, owner, fencing, expires_at)` of a
 /// table the client creates on first use (`public.distlock_locks` unless
@@ -38,38 +36,41 @@ use crate::waiters::Waiters;
 /// the server directly or through a session-mode pool (`listen_url`). See
 /// the crate docs on poolers, on the database clock and on cancellation.
 ///
+/// Job code uses it through a [`LockClient`](lock_core::LockClient) (or a
+/// [`Locker`](lock_core::Locker)):
+///
 /// ```no_run
 /// use std::time::Duration;
-/// use lock_core::{DistributedLock, LockKey};
+/// use lock_core::{LockClient, LockKey};
 /// use lock_postgres::PostgresLock;
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), lock_core::LockError> {
 /// let lock = PostgresLock::connect("postgres://app:secret@127.0.0.1:5432/app?namespace=jobs").await?;
+/// let client = LockClient::new(lock);
 /// let key = LockKey::new("nightly-report")?;
-/// if let Some(lease) = lock.try_acquire(&key, Duration::from_secs(30)).await?.lease() {
+/// if let Some(lease) = client.try_acquire(&key, Duration::from_secs(30)).await?.lease() {
 ///     println!("fencing token {}", lease.fencing_token());
-///     lock.release(&lease).await?;
+///     client.release(&lease).await?;
 /// }
 /// # Ok(()) }
 /// ```
 pub struct PostgresLock {
     pool: PgPool,
-    options: ClientOptions,
-    schema: String,
-    table: String,
+    config: PostgresConfig,
     sql: Arc<Statements>,
+    /// The LISTEN/NOTIFY channel of this namespace and table.
+    channel: String,
     table_ready: OnceCell<()>,
-    waiters: Waiters,
-    issuer: LeaseIssuer,
+    listener: Listener<Releases>,
 }
 
 impl fmt::Debug for PostgresLock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PostgresLock")
-            .field("namespace", &self.options.namespace)
-            .field("table", &qualified_table(&self.schema, &self.table))
-            .field("channel", &self.waiters.channel())
+            .field("namespace", &self.config.client.namespace)
+            .field("table", &self.table())
+            .field("channel", &self.channel)
             .finish_non_exhaustive()
     }
 }
@@ -118,47 +119,48 @@ impl PostgresLock {
         Ok(lock)
     }
 
-    /// A client on an existing pool. The lock table is created on first use;
-    /// waiters get one extra connection with the pool's connect options (or
-    /// those of [`PostgresConfig::listen_via`]).
-    /// The pool's acquire timeout should not exceed the connect timeout.
+    /// A backend on an existing pool, with `config`'s namespace, timeouts
+    /// and table (its server options are not used: the pool has its own).
+    /// The lock table is created on first use; waiters get one extra
+    /// connection with the pool's connect options (or those of
+    /// [`PostgresConfig::listen_via`]). The pool's acquire timeout should
+    /// not exceed the connect timeout.
     pub fn from_pool(pool: PgPool, config: PostgresConfig) -> Result<Self, LockError> {
         config.validate()?;
-        let connect_timeout = config.client.connect_timeout;
         let channel = channel_name(&config.schema, &config.table, &config.client.namespace);
+        let listen = config
+            .listen
+            .clone()
+            .unwrap_or_else(|| (*pool.connect_options()).clone());
+        let releases = Releases::new(listen, channel.clone(), config.client.connect_timeout);
         Ok(Self {
             sql: Arc::new(Statements::new(&config.schema, &config.table)),
-            waiters: Waiters::new(
-                config
-                    .listen
-                    .unwrap_or_else(|| (*pool.connect_options()).clone()),
-                channel,
-                connect_timeout,
-                config.client.operation_timeout,
-            ),
+            listener: Listener::new(releases, &config.client),
+            channel,
             pool,
-            options: config.client,
-            schema: config.schema,
-            table: config.table,
+            config,
             table_ready: OnceCell::new(),
-            issuer: LeaseIssuer::random(),
         })
     }
 
-    /// The pool this client runs its statements on.
-    pub fn pool(&self) -> &PgPool {
-        &self.pool
+    /// The settings this backend runs with.
+    pub fn config(&self) -> &PostgresConfig {
+        &self.config
     }
 
-    /// The namespace and timeouts.
-    pub fn client_options(&self) -> &ClientOptions {
-        &self.options
+    /// The pool this backend runs its statements on.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
     }
 
     /// The quoted, schema-qualified name of the lock table
     /// (`"public"."distlock_locks"`).
     pub fn table(&self) -> String {
-        qualified_table(&self.schema, &self.table)
+        qualified_table(&self.config.schema, &self.config.table)
+    }
+
+    fn namespace(&self) -> &str {
+        &self.config.client.namespace
     }
 
     fn map_err(&self, error: sqlx::Error, what: &str, key: Option<&LockKey>) -> LockError {
@@ -166,14 +168,14 @@ impl PostgresLock {
             error,
             what,
             key.map(LockKey::as_str),
-            self.options.connect_timeout,
+            self.config.client.connect_timeout,
         )
     }
 
     /// Runs one statement (built by `make`, again for each attempt; see
-    /// [`statement::run`]) and returns its reply: a pooled connection
-    /// within the connect timeout (the pool's acquire timeout), the
-    /// statement within the operation timeout.
+    /// [`sql::run`]) and returns its reply: a pooled connection within the
+    /// connect timeout (the pool's acquire timeout), the statement within
+    /// the operation timeout.
     ///
     /// Cancel-safe: if the reply is not read — the operation timed out, or
     /// the caller dropped this future — the connection still has it
@@ -193,12 +195,11 @@ impl PostgresLock {
             .acquire()
             .await
             .map_err(|e| self.map_err(e, what, key))?;
-        let mut flight = InFlight::new(conn, undo, self.options.operation_timeout);
+        let mut flight = InFlight::new(conn, undo, self.config.client.operation_timeout);
         let reply = self
-            .options
-            .timed(what, async {
-                Ok(statement::run(flight.conn(), make).await)
-            })
+            .config
+            .client
+            .timed(what, async { Ok(sql::run(flight.conn(), make).await) })
             .await?;
         flight.finish();
         reply.map_err(|e| self.map_err(e, what, key))
@@ -245,7 +246,8 @@ impl PostgresLock {
     async fn ensure_table(&self) -> Result<(), LockError> {
         self.table_ready
             .get_or_try_init(|| {
-                self.options
+                self.config
+                    .client
                     .timed("creating the lock table", self.create_table())
             })
             .await
@@ -281,7 +283,7 @@ impl PostgresLock {
     async fn create_table_once(&self) -> Result<(), LockError> {
         let what = "creating the lock table";
         if !self
-            .exists(|| sqlx::query(&self.sql.schema_exists).bind(&self.schema))
+            .exists(|| sqlx::query(&self.sql.schema_exists).bind(&self.config.schema))
             .await?
         {
             self.fetch(
@@ -320,171 +322,147 @@ impl PostgresLock {
         expected_fencing: Option<u64>,
     ) -> Result<(), LockError> {
         let table = self.table();
+        let namespace = self.namespace();
         if let Some(owner) = owner {
             if !is_owner_token(owner) {
                 return Err(LockError::corrupted(format!(
-                    "the row for lock {:?} in namespace {:?} of {table} has an owner distlock did not write; it is left untouched",
+                    "the row for lock {:?} in namespace {namespace:?} of {table} has an owner distlock did not write; it is left untouched",
                     key.as_str(),
-                    self.options.namespace
                 )));
             }
         }
         match fencing {
             Some(f) if f < 0 => Err(LockError::corrupted(format!(
-                "the row for lock {:?} in namespace {:?} of {table} has a negative fencing counter ({f}); it is left untouched",
+                "the row for lock {:?} in namespace {namespace:?} of {table} has a negative fencing counter ({f}); it is left untouched",
                 key.as_str(),
-                self.options.namespace
             ))),
             Some(f) if expected_fencing.is_some_and(|e| (f as u64) < e) => Err(LockError::corrupted(format!(
-                "the fencing counter of lock {:?} in namespace {:?} of {table} went backwards (row {f}, lease {}); the row was edited outside distlock",
+                "the fencing counter of lock {:?} in namespace {namespace:?} of {table} went backwards (row {f}, lease {}); the row was edited outside distlock",
                 key.as_str(),
-                self.options.namespace,
                 expected_fencing.unwrap_or_default()
             ))),
             _ => Ok(()),
         }
     }
 
-    /// Interprets the reply of extend or release: `done` rows changed, and
-    /// the row as it was before the statement.
-    fn check_outcome(&self, lease: &Lease, row: &PgRow, what: &str) -> Result<(), LockError> {
-        let key = lease.key();
+    /// Reads the reply of extend or release (`done` rows changed, and the
+    /// row as it was before the statement): whether `lock` held it, after
+    /// checking the row for states distlock never writes.
+    fn held_by(&self, lock: &HeldLock<'_>, row: &PgRow) -> Result<bool, LockError> {
+        let key = lock.key;
         let done: i64 = self.column(row, "done", key)?;
         let owner: Option<String> = self.column(row, "owner", key)?;
         let fencing: Option<i64> = self.column(row, "fencing", key)?;
-        let expected = lease.fencing_token().get();
+        let expected = lock.fencing.get();
         self.check_row(key, owner.as_deref(), fencing, Some(expected))?;
-        if owner.as_deref() == Some(lease.owner().to_hex().as_str())
+        if owner.as_deref() == Some(lock.owner.to_hex().as_str())
             && fencing.is_some_and(|f| f as u64 != expected)
         {
             return Err(LockError::corrupted(format!(
                 "the row for lock {:?} in namespace {:?} of {} has this lease's owner with another fencing token; the row was edited outside distlock",
                 key.as_str(),
-                self.options.namespace,
+                self.namespace(),
                 self.table()
             )));
         }
-        if done > 0 {
-            return Ok(());
-        }
-        Err(LockError::not_held(format!(
-            "cannot {what} lock {:?}: this lease no longer holds it (released, expired or taken over)",
-            key.as_str()
-        )))
+        Ok(done > 0)
     }
 
-    /// The lease for a lock the acquire statement granted to `owner`.
-    fn granted(
-        &self,
-        key: &LockKey,
-        owner: OwnerToken,
-        fencing: Option<i64>,
-        sent_at: Instant,
-        ttl: Duration,
-    ) -> Result<AcquireAttempt, LockError> {
-        let fencing = fencing
+    /// The fencing token the acquire statement granted.
+    fn granted(&self, key: &LockKey, fencing: Option<i64>) -> Result<FencingToken, LockError> {
+        fencing
             .and_then(|f| u64::try_from(f).ok())
             .filter(|f| *f >= 1)
+            .map(FencingToken::new)
             .ok_or_else(|| {
                 LockError::corrupted(format!(
                     "acquiring lock {:?} returned an impossible fencing token {fencing:?}",
                     key.as_str()
                 ))
-            })?;
-        tracing::debug!(key = %key, fencing, "lock acquired");
-        Ok(AcquireAttempt::Acquired(Lease::new(
-            key.clone(),
-            owner,
-            FencingToken::new(fencing),
-            sent_at,
-            ttl,
-            self.issuer,
-        )))
+            })
     }
 
     /// Whether the row, as the release statement found it, is free with
-    /// this lease's fencing token: released by this lease (or
-    /// force-released since), not taken by anyone after it.
-    fn freed_with(&self, lease: &Lease, row: &PgRow) -> Result<bool, LockError> {
-        let key = lease.key();
-        let owner: Option<String> = self.column(row, "owner", key)?;
-        let fencing: Option<i64> = self.column(row, "fencing", key)?;
+    /// `lock`'s fencing token: released by this lock (or force-released
+    /// since), not taken by anyone after it.
+    fn freed_with(&self, lock: &HeldLock<'_>, row: &PgRow) -> Result<bool, LockError> {
+        let owner: Option<String> = self.column(row, "owner", lock.key)?;
+        let fencing: Option<i64> = self.column(row, "fencing", lock.key)?;
         let fencing = fencing.and_then(|f| u64::try_from(f).ok());
-        Ok(owner.is_none() && fencing == Some(lease.fencing_token().get()))
-    }
-
-    fn fencing_param(lease: &Lease) -> Result<i64, LockError> {
-        i64::try_from(lease.fencing_token().get()).map_err(|_| {
-            LockError::invalid_input(
-                "the lease's fencing token is out of PostgreSQL's bigint range",
-            )
-        })
+        Ok(owner.is_none() && fencing == Some(lock.fencing.get()))
     }
 }
 
-/// A TTL as whole milliseconds for SQL (the capabilities round TTLs to 1 ms).
-fn ttl_millis(ttl: Duration) -> Result<i64, LockError> {
-    i64::try_from(ttl.as_millis())
-        .map_err(|_| LockError::invalid_input(format!("TTL {ttl:?} is too long")))
+/// `lock`'s fencing token as a bigint (every token this backend grants is one).
+fn fencing_param(lock: &HeldLock<'_>) -> Result<i64, LockError> {
+    i64::try_from(lock.fencing.get()).map_err(|_| {
+        LockError::invalid_input("the lease's fencing token is out of PostgreSQL's bigint range")
+    })
+}
+
+/// A TTL as whole milliseconds for SQL (the capabilities round TTLs to
+/// 1 ms and bound them far below `i64::MAX` ms).
+fn ttl_millis(ttl: Duration) -> i64 {
+    i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)
 }
 
 #[async_trait]
-impl DistributedLock for PostgresLock {
+impl LockBackend for PostgresLock {
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             min_ttl: Duration::from_millis(1),
             ttl_granularity: Duration::from_millis(1),
             native_wait: true,
             durable: true,
-            admin: true,
             ..Capabilities::default()
         }
     }
 
-    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<AcquireAttempt, LockError> {
-        let ttl = self.capabilities().effective_ttl(ttl)?;
-        let ttl_ms = ttl_millis(ttl)?;
+    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError> {
+        let key = request.key;
+        let ttl_ms = ttl_millis(request.ttl);
         self.ensure_table().await?;
-        // A waiter retrying after its listener task ended restarts it here.
-        self.waiters.revive();
-        let owner = OwnerToken::random();
-        let owner_hex = owner.to_hex();
+        let owner = request.owner.to_hex();
         // A call dropped before the reply gives back what it was granted.
         let undo = Undo {
             sql: self.sql.clone(),
-            namespace: self.options.namespace.clone(),
+            namespace: self.namespace().to_owned(),
             key: key.as_str().to_owned(),
-            owner: owner_hex.clone(),
-            channel: self.waiters.channel().to_owned(),
+            owner: owner.clone(),
+            channel: self.channel.clone(),
         };
-        let sent_at = Instant::now();
         let make = || {
             sqlx::query(&self.sql.acquire)
-                .bind(&self.options.namespace)
+                .bind(self.namespace())
                 .bind(key.as_str())
-                .bind(&owner_hex)
+                .bind(&owner)
                 .bind(ttl_ms)
         };
         let reply = self.fetch("acquire", Some(key), make, Some(undo)).await?;
         let Some(row) = reply.row else {
             // Someone inserted the first row for this key concurrently and
             // this statement's snapshot cannot see it yet: try again soon.
-            tracing::debug!(key = %key, "lock held (just created by another client)");
-            return Ok(AcquireAttempt::Held {
+            tracing::trace!(key = %key, "lock held (just created by another client)");
+            return Ok(AcquireReply::Held {
                 expires_in: Some(Duration::ZERO),
             });
         };
         let acquired: bool = self.column(&row, "acquired", key)?;
         let fencing: Option<i64> = self.column(&row, "fencing", key)?;
+        let grant = |fencing| Ok(AcquireReply::Granted(Grant::new(fencing, request.ttl)));
         if acquired {
-            return self.granted(key, owner, fencing, sent_at, ttl);
+            return grant(self.granted(key, fencing)?);
         }
         let holder: Option<String> = self.column(&row, "owner", key)?;
         self.check_row(key, holder.as_deref(), fencing, None)?;
-        if reply.resent && holder.as_deref() == Some(owner_hex.as_str()) {
+        if reply.resent && holder.as_deref() == Some(owner.as_str()) {
             // An earlier attempt took it and its reply was lost; the owner
-            // token is this call's alone.
-            return self.granted(key, owner, fencing, sent_at, ttl);
+            // token is this request's alone.
+            return grant(self.granted(key, fencing)?);
         }
         if fencing.is_none() {
             return Err(LockError::corrupted(format!(
@@ -501,64 +479,72 @@ impl DistributedLock for PostgresLock {
                 ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)))
             }
         };
-        tracing::debug!(key = %key, ?expires_in, "lock held by another owner");
-        Ok(AcquireAttempt::Held { expires_in })
+        Ok(AcquireReply::Held { expires_in })
     }
 
-    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
-        lease.check_issuer(self.issuer)?;
-        let ttl = self.capabilities().effective_ttl(ttl)?;
-        let ttl_ms = ttl_millis(ttl)?;
-        let fencing = Self::fencing_param(lease)?;
+    async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError> {
+        let ttl_ms = ttl_millis(ttl);
+        let fencing = fencing_param(&lock)?;
         self.ensure_table().await?;
-        let key = lease.key();
-        let sent_at = Instant::now();
-        let owner = lease.owner().to_hex();
+        let key = lock.key;
+        let owner = lock.owner.to_hex();
         let make = || {
             sqlx::query(&self.sql.extend)
-                .bind(&self.options.namespace)
+                .bind(self.namespace())
                 .bind(key.as_str())
                 .bind(&owner)
                 .bind(fencing)
                 .bind(ttl_ms)
         };
         let row = self.fetch_one("extend", key, make).await?.row;
-        self.check_outcome(lease, &row, "extend")?;
-        tracing::debug!(key = %key, fencing = %lease.fencing_token(), ?ttl, "lock extended");
-        Ok(lease.renewed(sent_at, ttl))
+        Ok(if self.held_by(&lock, &row)? {
+            ExtendReply::Extended(Grant::new(lock.fencing, ttl))
+        } else {
+            ExtendReply::NotHeld
+        })
     }
 
-    async fn release(&self, lease: &Lease) -> Result<(), LockError> {
-        lease.check_issuer(self.issuer)?;
-        let fencing = Self::fencing_param(lease)?;
+    async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
+        let fencing = fencing_param(&lock)?;
         self.ensure_table().await?;
-        let key = lease.key();
-        let owner = lease.owner().to_hex();
+        let key = lock.key;
+        let owner = lock.owner.to_hex();
         let make = || {
             sqlx::query(&self.sql.release)
-                .bind(&self.options.namespace)
+                .bind(self.namespace())
                 .bind(key.as_str())
                 .bind(&owner)
                 .bind(fencing)
-                .bind(self.waiters.channel())
+                .bind(&self.channel)
         };
         let reply = self.fetch_one("release", key, make).await?;
-        let row = reply.row;
-        if reply.resent && self.freed_with(lease, &row)? {
-            // An earlier attempt released it and its reply was lost.
-            tracing::debug!(key = %key, fencing = %lease.fencing_token(), "lock released");
-            return Ok(());
-        }
-        self.check_outcome(lease, &row, "release")?;
-        tracing::debug!(key = %key, fencing = %lease.fencing_token(), "lock released");
-        Ok(())
+        // A resent release whose earlier attempt freed the row (its reply
+        // was lost) finds it free with this lock's fencing token.
+        let released = (reply.resent && self.freed_with(&lock, &reply.row)?)
+            || self.held_by(&lock, &reply.row)?;
+        Ok(if released {
+            ReleaseReply::Released
+        } else {
+            ReleaseReply::NotHeld
+        })
     }
 
+    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        self.listener.watch(key.clone()).await.map(Some)
+    }
+
+    fn admin(&self) -> Option<&dyn LockAdmin> {
+        Some(self)
+    }
+}
+
+#[async_trait]
+impl LockAdmin for PostgresLock {
     async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
         self.ensure_table().await?;
         let make = || {
             sqlx::query(&self.sql.inspect)
-                .bind(&self.options.namespace)
+                .bind(self.namespace())
                 .bind(key.as_str())
         };
         let Some(row) = self.fetch("inspect", Some(key), make, None).await?.row else {
@@ -582,20 +568,15 @@ impl DistributedLock for PostgresLock {
         self.ensure_table().await?;
         let make = || {
             sqlx::query(&self.sql.force_release)
-                .bind(&self.options.namespace)
+                .bind(self.namespace())
                 .bind(key.as_str())
-                .bind(self.waiters.channel())
+                .bind(&self.channel)
         };
         let row = self.fetch_one("force release", key, make).await?.row;
         let done: i64 = self.column(&row, "done", key)?;
         let owner: Option<String> = self.column(&row, "owner", key)?;
         let fencing: Option<i64> = self.column(&row, "fencing", key)?;
         self.check_row(key, owner.as_deref(), fencing, None)?;
-        tracing::info!(key = %key, was_held = done > 0, "lock force-released");
         Ok(done > 0)
-    }
-
-    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        self.waiters.watch(key).await.map(Some)
     }
 }

@@ -2,51 +2,87 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::time::Duration;
 
-use lock_core::{ClientOptions, LockError};
+use lock_core::{ClientOptions, LockError, LockUrl};
 use sqlx::postgres::PgConnectOptions;
 
 use crate::keys::validate_identifier;
+use crate::SCHEMES;
 
 /// The schema of the lock table unless configured.
 pub const DEFAULT_SCHEMA: &str = "public";
 /// The name of the lock table unless configured.
 pub const DEFAULT_TABLE: &str = "distlock_locks";
 
+/// The query parameters passed on to sqlx (libpq's names and sqlx's
+/// aliases for them); any other parameter that is not distlock's is a
+/// configuration error.
+const DRIVER_PARAMETERS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "application_name",
+    "options",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+];
+
 /// Settings of a [`PostgresLock`](crate::PostgresLock) client.
 ///
-/// Built from a URL — `postgres://user:password@host:port/database` plus
-/// distlock's own query parameters, which are removed before the URL reaches
-/// sqlx:
+/// Built from a URL — `postgres://user:password@host:port/database` (or
+/// `postgresql://`) with these query parameters:
 ///
 /// - `namespace=NAME` (default `distlock`), `connect_timeout_ms=N`,
-///   `operation_timeout_ms=N` (see [`ClientOptions`]);
+///   `operation_timeout_ms=N`: the shared [`ClientOptions`] in
+///   [`client`](Self::client);
 /// - `schema=NAME` (default `public`) and `table=NAME` (default
 ///   `distlock_locks`): where the lock table lives;
 /// - `listen_url=URL` (percent-encoded): where waiters `LISTEN` for
 ///   releases, when the main URL goes through a transaction pooler (see
-///   [`listen_via`](Self::listen_via)).
+///   [`listen_via`](Self::listen_via));
+/// - the driver's `sslmode`, `sslrootcert`, `sslcert`, `sslkey`,
+///   `application_name`, `options`, `statement-cache-capacity`, `host`,
+///   `hostaddr`, `port`, `dbname`, `user`, `password` (and sqlx's aliases
+///   `ssl-mode`, `ssl-root-cert`, `ssl-ca`, `ssl-cert`, `ssl-key`), passed
+///   on to sqlx.
 ///
-/// Other parameters (`sslmode`, `application_name`, ...) go to sqlx.
+/// Any other parameter is a [`Config`](lock_core::ErrorKind::Config) error
+/// naming it. `Debug` never shows the password.
 ///
 /// ```
 /// use std::time::Duration;
 /// use lock_postgres::PostgresConfig;
-/// let config = PostgresConfig::from_url(
-///     "postgres://app:secret@127.0.0.1:5432/app?namespace=jobs&table=locks&connect_timeout_ms=500",
-/// )?
-/// .operation_timeout(Duration::from_secs(2));
-/// assert_eq!(config.client_options().namespace, "jobs");
+/// let mut config = PostgresConfig::from_url(
+///     "postgres://app:secret@127.0.0.1:5432/app?namespace=jobs&table=locks&connect_timeout_ms=500&sslmode=disable",
+/// )?;
+/// config.client.operation_timeout = Duration::from_secs(2);
+/// assert_eq!(config.client.namespace, "jobs");
 /// assert_eq!(config.table_name(), "locks");
 /// assert_eq!(config.schema_name(), "public");
+/// assert!(!format!("{config:?}").contains("secret"));
+///
+/// let typo = PostgresConfig::from_url("postgres://app@127.0.0.1/app?tabel=locks").unwrap_err();
+/// assert!(typo.to_string().contains("tabel"));
 /// # Ok::<(), lock_core::LockError>(())
 /// ```
 #[derive(Clone)]
 pub struct PostgresConfig {
+    /// Namespace and timeouts. The connect timeout also bounds the wait for
+    /// a pooled connection.
+    pub client: ClientOptions,
     pub(crate) connect: Option<PgConnectOptions>,
     pub(crate) listen: Option<PgConnectOptions>,
-    pub(crate) client: ClientOptions,
     pub(crate) schema: String,
     pub(crate) table: String,
     pub(crate) max_connections: u32,
@@ -57,9 +93,9 @@ impl Default for PostgresConfig {
     /// [`PostgresLock::from_pool`](crate::PostgresLock::from_pool).
     fn default() -> Self {
         Self {
+            client: ClientOptions::default(),
             connect: None,
             listen: None,
-            client: ClientOptions::default(),
             schema: DEFAULT_SCHEMA.to_owned(),
             table: DEFAULT_TABLE.to_owned(),
             max_connections: 8,
@@ -80,9 +116,9 @@ impl fmt::Debug for PostgresConfig {
             )
         };
         f.debug_struct("PostgresConfig")
+            .field("client", &self.client)
             .field("server", &self.connect.as_ref().map(server))
             .field("listen", &self.listen.as_ref().map(server))
-            .field("client", &self.client)
             .field("schema", &self.schema)
             .field("table", &self.table)
             .field("max_connections", &self.max_connections)
@@ -91,37 +127,33 @@ impl fmt::Debug for PostgresConfig {
 }
 
 impl PostgresConfig {
-    /// Parses a `postgres://` or `postgresql://` URL with distlock's query
-    /// parameters (see the type's documentation).
+    /// Parses a `postgres://` or `postgresql://` URL with the query
+    /// parameters listed in the type's documentation.
     pub fn from_url(url: &str) -> Result<Self, LockError> {
-        let (url, client) = ClientOptions::from_url(url)?;
+        let mut url = LockUrl::parse(url)?;
+        url.expect_scheme("PostgreSQL", SCHEMES)?;
         let mut config = Self {
-            client,
+            client: url.take_client_options()?,
             ..Self::default()
         };
-        let driver_url = match url.split_once('?') {
-            None => url.clone(),
-            Some((base, query)) => {
-                let mut rest = Vec::new();
-                for pair in query.split('&').filter(|p| !p.is_empty()) {
-                    let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-                    match name {
-                        "schema" => config.schema = percent_decode(value)?,
-                        "table" => config.table = percent_decode(value)?,
-                        "listen_url" => {
-                            config.listen = Some(driver_options(&percent_decode(value)?)?)
-                        }
-                        _ => rest.push(pair),
-                    }
-                }
-                if rest.is_empty() {
-                    base.to_owned()
-                } else {
-                    format!("{base}?{}", rest.join("&"))
-                }
-            }
-        };
-        config.connect = Some(driver_options(&driver_url)?);
+        if let Some(schema) = url.take("schema") {
+            config.schema = schema;
+        }
+        if let Some(table) = url.take("table") {
+            config.table = table;
+        }
+        if let Some(listen) = url.take("listen_url") {
+            let mut listen = LockUrl::parse(&listen)
+                .map_err(|e| LockError::config(format!("listen_url: {e}")))?;
+            listen.expect_scheme("PostgreSQL", SCHEMES)?;
+            let options = driver_options(&mut listen)?;
+            listen
+                .finish()
+                .map_err(|e| LockError::config(format!("listen_url: {e}")))?;
+            config.listen = Some(options);
+        }
+        config.connect = Some(driver_options(&mut url)?);
+        url.finish()?;
         config.validate()?;
         Ok(config)
     }
@@ -148,30 +180,6 @@ impl PostgresConfig {
         self
     }
 
-    /// Sets the namespace (default `distlock`).
-    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
-        self.client = self.client.namespace(namespace);
-        self
-    }
-
-    /// Sets the connect timeout (default 5 s); also the pool's acquire timeout.
-    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.client = self.client.connect_timeout(timeout);
-        self
-    }
-
-    /// Sets the operation timeout (default 5 s).
-    pub fn operation_timeout(mut self, timeout: Duration) -> Self {
-        self.client = self.client.operation_timeout(timeout);
-        self
-    }
-
-    /// Replaces namespace and timeouts at once.
-    pub fn with_client_options(mut self, client: ClientOptions) -> Self {
-        self.client = client;
-        self
-    }
-
     /// Sets the schema of the lock table (default `public`).
     pub fn schema(mut self, schema: impl Into<String>) -> Self {
         self.schema = schema.into();
@@ -185,15 +193,21 @@ impl PostgresConfig {
     }
 
     /// Sets the most connections the client's pool opens (default 8), not
-    /// counting the one shared listener connection for waiters.
+    /// counting the one listener connection for waiters.
     pub fn max_connections(mut self, max: u32) -> Self {
         self.max_connections = max.max(1);
         self
     }
 
-    /// Namespace and timeouts.
-    pub fn client_options(&self) -> &ClientOptions {
-        &self.client
+    /// The server's connect options, if the config names a server.
+    pub fn connect_options(&self) -> Option<&PgConnectOptions> {
+        self.connect.as_ref()
+    }
+
+    /// The connect options of the listener connection, if set apart from
+    /// the server's.
+    pub fn listen_options(&self) -> Option<&PgConnectOptions> {
+        self.listen.as_ref()
     }
 
     /// The schema of the lock table.
@@ -214,46 +228,82 @@ impl PostgresConfig {
     }
 }
 
-/// sqlx's options for a plain `postgres://` URL.
-fn driver_options(url: &str) -> Result<PgConnectOptions, LockError> {
-    if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
-        return Err(LockError::config(
-            "a PostgreSQL URL starts with postgres:// or postgresql:// (postgres://user:password@host:port/database)",
-        ));
+/// sqlx's options for the server of `url`, taking the driver parameters.
+///
+/// The URL is rebuilt for sqlx's own parser rather than fed to the
+/// builder, so sqlx applies its environment defaults (`PGHOST`, ...) and
+/// password file exactly as for a URL it parsed itself.
+fn driver_options(url: &mut LockUrl) -> Result<PgConnectOptions, LockError> {
+    let host = match url.hosts() {
+        [] => String::new(),
+        [host] => {
+            let name = if host.name.contains(':') {
+                format!("[{}]", host.name)
+            } else {
+                encode(&host.name)
+            };
+            match host.port {
+                Some(port) => format!("{name}:{port}"),
+                None => name,
+            }
+        }
+        _ => {
+            return Err(LockError::config(format!(
+                "{url} names several hosts; a PostgreSQL URL names one (put a failover proxy or DNS name in front of replicas)"
+            )))
+        }
+    };
+    let mut driver = String::from("postgres://");
+    if let Some(user) = url.username() {
+        driver.push_str(&encode(user));
     }
-    PgConnectOptions::from_str(url).map_err(|e| {
+    if let Some(password) = url.password() {
+        driver.push(':');
+        driver.push_str(&encode(password));
+    }
+    if url.username().is_some() || url.password().is_some() {
+        driver.push('@');
+    }
+    driver.push_str(&host);
+    if !url.path().is_empty() {
+        driver.push('/');
+        driver.push_str(&encode(url.path()));
+    }
+    let mut separator = '?';
+    for name in DRIVER_PARAMETERS {
+        if let Some(value) = url.take(name) {
+            driver.push(separator);
+            driver.push_str(name);
+            driver.push('=');
+            driver.push_str(&encode(&value));
+            separator = '&';
+        }
+    }
+    PgConnectOptions::from_str(&driver).map_err(|e| {
         LockError::config(format!(
-            "invalid PostgreSQL URL ({e}); expected postgres://user:password@host:port/database"
+            "invalid PostgreSQL URL {url} ({e}); expected postgres://user:password@host:port/database"
         ))
     })
 }
 
-/// Decodes `%XX` escapes in a query parameter value.
-fn percent_decode(value: &str) -> Result<String, LockError> {
-    let bytes = value.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = value
-                .get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| {
-                    LockError::config(format!("bad %-escape in URL parameter {value:?}"))
-                })?;
-            out.push(hex);
-            i += 3;
+/// Percent-encodes every byte but unreserved ones (RFC 3986).
+fn encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(byte));
         } else {
-            out.push(bytes[i]);
-            i += 1;
+            out.push_str(&format!("%{byte:02X}"));
         }
     }
-    String::from_utf8(out)
-        .map_err(|_| LockError::config(format!("URL parameter {value:?} is not UTF-8")))
+    out
 }
 
 #[cfg(test)]
 mod tests {
+    use lock_core::ErrorKind;
+    use sqlx::postgres::PgSslMode;
+
     use super::*;
 
     #[test]
@@ -279,5 +329,40 @@ mod tests {
         );
         assert!(PostgresConfig::from_url("postgres://u@h/db?listen_url=redis%3A%2F%2Fh").is_err());
         assert!(PostgresConfig::from_url("postgres://u@h/db?table=").is_err());
+    }
+
+    #[test]
+    fn driver_parameters_reach_sqlx() {
+        let config = PostgresConfig::from_url(
+            "postgresql://u%40x:p%2Fw@[::1]:7/d%20b?sslmode=require&application_name=my%20app&options=-c%20search_path%3Dx",
+        )
+        .unwrap();
+        let connect = config.connect_options().unwrap();
+        assert_eq!(connect.get_username(), "u@x");
+        // As sqlx parses `[::1]` itself.
+        assert_eq!(connect.get_host(), "[::1]");
+        assert_eq!(connect.get_port(), 7);
+        assert_eq!(connect.get_database(), Some("d b"));
+        assert!(matches!(connect.get_ssl_mode(), PgSslMode::Require));
+        assert_eq!(connect.get_application_name(), Some("my app"));
+        assert_eq!(connect.get_options(), Some("-c search_path=x"));
+    }
+
+    #[test]
+    fn unknown_parameters_are_named() {
+        for (url, name) in [
+            ("postgres://u@h/db?tabel=x", "tabel"),
+            ("postgres://u@h/db?sslmode=disable&bogus=1", "bogus"),
+            (
+                "postgres://u@h/db?listen_url=postgres%3A%2F%2Fu%40h%2Fdb%3Fnamespace%3Dx",
+                "namespace",
+            ),
+        ] {
+            let err = PostgresConfig::from_url(url).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Config, "{url}");
+            assert!(err.to_string().contains(name), "{url}: {err}");
+        }
+        let err = PostgresConfig::from_url("postgres://u@h1,h2/db").unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config);
     }
 }

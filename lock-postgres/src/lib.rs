@@ -1,24 +1,26 @@
 //! PostgreSQL backend of distlock: locks as rows of a lease table.
 //!
-//! [`PostgresLock`] implements [`lock_core::DistributedLock`] on a table the
-//! client creates on first use (`public.distlock_locks` by default). Each
+//! [`PostgresLock`] implements [`lock_core::LockBackend`] (and
+//! [`lock_core::LockAdmin`]) on a table the client creates on first use (`public.distlock_locks` by default). Each
 //! lock is one row per `(namespace, key)` holding the owner token, a fencing
 //! counter and an expiry computed by the **database clock**. Acquire,
 //! extend and release are one SQL statement each, atomic on the server; keys
 //! are always bind parameters. Waiters are woken by `LISTEN`/`NOTIFY` on one
-//! shared connection per client, and by a timer set to the holder's
-//! remaining lease in case the holder crashed.
+//! shared connection per client (lock-core's
+//! [`Listener`](lock_core::Listener)), and by a timer set to the holder's
+//! remaining lease in case the holder crashed. TTLs, owner tokens, lease
+//! deadlines and the waiting loop are lock-core's
+//! [`LockClient`](lock_core::LockClient), which job code uses.
 //!
 //! ```no_run
-//! use std::sync::Arc;
 //! use std::time::Duration;
-//! use lock_core::{DistributedLock, LockKey, LockOptions, Locker};
+//! use lock_core::{LockKey, LockOptions, Locker};
 //! use lock_postgres::PostgresLock;
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), lock_core::LockError> {
 //! let lock = PostgresLock::connect("postgres://app:secret@127.0.0.1:5432/app?namespace=jobs").await?;
-//! let locker = Locker::new(Arc::new(lock));
+//! let locker = Locker::new(lock);
 //! let key = LockKey::new("nightly-report")?;
 //! if let Some(guard) = locker.try_lock(&key, &LockOptions::new(Duration::from_secs(30))).await? {
 //!     // ... run the job, passing guard.fencing_token() to what it writes ...
@@ -27,9 +29,11 @@
 //! # Ok(()) }
 //! ```
 //!
-//! The URL takes distlock's query parameters `namespace`, `schema`, `table`,
-//! `listen_url`, `connect_timeout_ms` and `operation_timeout_ms` (see
-//! [`PostgresConfig`]).
+//! URLs are `postgres://` or `postgresql://` ([`SCHEMES`]) and take the query
+//! parameters `namespace`, `schema`, `table`, `listen_url`,
+//! `connect_timeout_ms`, `operation_timeout_ms` and the driver's own
+//! (`sslmode`, `application_name`, ...); any other is a configuration error
+//! naming it (see [`PostgresConfig`]).
 //!
 //! # Clocks
 //!
@@ -100,11 +104,15 @@ mod backend;
 mod config;
 mod errors;
 mod keys;
+mod listener;
 mod sql;
-mod statement;
-mod waiters;
 
 pub use backend::PostgresLock;
 pub use config::{PostgresConfig, DEFAULT_SCHEMA, DEFAULT_TABLE};
 pub use keys::{channel_name, MAX_IDENTIFIER_BYTES};
+/// The driver, for building pools and connect options by hand.
+pub use sqlx;
 pub use sqlx::postgres::{PgConnectOptions, PgPool};
+
+/// The URL schemes of this backend.
+pub const SCHEMES: &[&str] = &["postgres", "postgresql"];

@@ -169,6 +169,10 @@ async fn server_holds_until_deadline(
     }
 }
 
+/// How long a slow client waits for a free key: a grant its delayed
+/// replies bring inside the stop margin is given back and tried again.
+const SLOW_GRANT_WAIT: Duration = Duration::from_secs(20);
+
 /// The holder's deadline never outlives the server's expiry: requests and
 /// replies of the holder are delayed; a guard without renewal, a raw
 /// renewing lease nobody renews, and a renewing guard whose connection is
@@ -191,7 +195,14 @@ pub async fn holder_deadline_within_server_expiry(ctx: TestContext) -> CaseResul
             let (path, holder) = slow_client(&ctx, &both, ttl).await?;
             let key = ctx.key("lease-deadline");
             let guard = Locker::new(holder)
-                .try_lock(&key, &LockOptions::new(ttl).renewal(Renewal::Off))
+                // Waiting: a grant that a loaded machine delays into its stop
+                // margin is given back and tried again.
+                .acquire(
+                    &key,
+                    &LockOptions::new(ttl)
+                        .renewal(Renewal::Off)
+                        .wait(SLOW_GRANT_WAIT),
+                )
                 .await?
                 .ok_or("the key should be free")?;
             let token = guard.fencing_token();
@@ -241,7 +252,7 @@ pub async fn holder_deadline_within_server_expiry(ctx: TestContext) -> CaseResul
             let path = path.ok_or("no fault path")?;
             let key = ctx.key("lease-deadline");
             let guard = Locker::new(holder)
-                .try_lock(&key, &LockOptions::new(ttl))
+                .acquire(&key, &LockOptions::new(ttl).wait(SLOW_GRANT_WAIT))
                 .await?
                 .ok_or("the key should be free")?;
             path.black_hole();

@@ -12,11 +12,13 @@ use std::time::{Duration, Instant};
 
 mod etcd;
 mod pgbouncer;
+mod pki;
 mod postgres;
 mod redis;
 
 pub use self::etcd::Etcd;
 pub use self::pgbouncer::{PgBouncer, PoolMode};
+pub use self::pki::{CertFiles, TestPki};
 pub use self::postgres::Postgres;
 pub use self::redis::Redis;
 

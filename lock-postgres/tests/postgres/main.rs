@@ -1,0 +1,10 @@
+//! PostgreSQL-specific tests beyond the conformance suite, against a real
+//! server started by the harness (or `DISTLOCK_POSTGRES_URL`), one module
+//! per theme.
+
+mod connect;
+mod faults;
+mod listener;
+mod pooler;
+mod rows;
+mod support;

@@ -1,0 +1,231 @@
+//! The lock table's rows: keys as bind parameters, the database clock,
+//! rows edited outside distlock, conflicting transactions.
+
+use std::time::Duration;
+
+use lock_core::{AcquireAttempt, ErrorKind};
+use lock_postgres::PostgresConfig;
+
+use super::support::*;
+
+#[tokio::test]
+async fn awkward_keys_are_bind_parameters() {
+    let ns = random_name("keys");
+    let a = client(&ns).await;
+    let b = client(&ns).await;
+    let names = vec![
+        "a".to_owned(),
+        "a/b".to_owned(),
+        "a:b".to_owned(),
+        "a{b}".to_owned(),
+        "a%2Fb".to_owned(),
+        "it's".to_owned(),
+        "\"quoted\"".to_owned(),
+        "back\\slash\\".to_owned(),
+        "'); DROP TABLE distlock_locks; --".to_owned(),
+        "ünïcødé ключ 鍵 🔒".to_owned(),
+        "x".repeat(512),
+        "é".repeat(256),
+        "$1".to_owned(),
+        "%".to_owned(),
+        "_".to_owned(),
+    ];
+    let ttl = Duration::from_secs(30);
+    let mut leases = Vec::new();
+    for name in &names {
+        let k = key(name);
+        let lease = a
+            .try_acquire(&k, ttl)
+            .await
+            .unwrap()
+            .lease()
+            .unwrap_or_else(|| panic!("{name:?} is free"));
+        assert!(
+            matches!(
+                b.try_acquire(&k, ttl).await.unwrap(),
+                AcquireAttempt::Held { .. }
+            ),
+            "{name:?} is held"
+        );
+        leases.push(lease);
+    }
+    // Waiting works for such keys too (the key is the NOTIFY payload).
+    let k = key(&"é".repeat(256));
+    let mut watch = b.watch(&k).await;
+    for lease in &leases {
+        a.release(lease).await.unwrap();
+    }
+    tokio::time::timeout(Duration::from_secs(10), watch.released())
+        .await
+        .expect("notified")
+        .unwrap();
+    for name in &names {
+        let lease = b.try_acquire(&key(name), ttl).await.unwrap().lease();
+        assert!(lease.is_some(), "{name:?} is free again");
+    }
+}
+
+#[tokio::test]
+async fn expiry_uses_the_database_clock_and_is_never_revived() {
+    let ns = random_name("expiry");
+    let a = client(&ns).await;
+    let b = client(&ns).await;
+    let k = key("short");
+    let lease = take(&a, &k, Duration::from_millis(200), "free").await;
+    match b.try_acquire(&k, Duration::from_secs(5)).await.unwrap() {
+        AcquireAttempt::Held { expires_in } => {
+            let left = expires_in.expect("the server says how long");
+            assert!(left <= Duration::from_millis(200), "{left:?}");
+        }
+        other => panic!("expected held, got {other:?}"),
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(
+        a.extend(&lease, Duration::from_secs(5))
+            .await
+            .unwrap_err()
+            .kind(),
+        ErrorKind::NotHeld
+    );
+    assert_eq!(
+        a.release(&lease).await.unwrap_err().kind(),
+        ErrorKind::NotHeld
+    );
+    let next = take(&b, &k, Duration::from_secs(5), "expired").await;
+    assert!(next.fencing_token() > lease.fencing_token());
+}
+
+#[tokio::test]
+async fn row_edited_into_an_impossible_state_is_reported_not_overwritten() {
+    let ns = random_name("corrupt");
+    let a = client(&ns).await;
+    let b = client(&ns).await;
+    let table = a.table();
+    let ttl = Duration::from_secs(30);
+
+    // A foreign owner value.
+    let k = key("owner");
+    let lease = a.try_acquire(&k, ttl).await.unwrap().lease().expect("free");
+    admin(
+        &a,
+        &format!(
+            "UPDATE {table} SET owner = 'not-a-token' WHERE namespace = '{ns}' AND key = 'owner'"
+        ),
+    )
+    .await;
+    let err = b.try_acquire(&k, ttl).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupted, "{err}");
+    assert!(err.to_string().contains("owner"), "{err}");
+    assert_eq!(
+        a.release(&lease).await.unwrap_err().kind(),
+        ErrorKind::Corrupted
+    );
+    assert_eq!(
+        a.extend(&lease, ttl).await.unwrap_err().kind(),
+        ErrorKind::Corrupted
+    );
+    // Expired, still never taken over.
+    admin(&a, &format!("UPDATE {table} SET expires_at = now() - interval '1 hour' WHERE namespace = '{ns}' AND key = 'owner'")).await;
+    assert_eq!(
+        b.try_acquire(&k, ttl).await.unwrap_err().kind(),
+        ErrorKind::Corrupted
+    );
+    let owner: String = sqlx::query_scalar(&format!(
+        "SELECT owner FROM {table} WHERE namespace = $1 AND key = 'owner'"
+    ))
+    .bind(&ns)
+    .fetch_one(a.pool())
+    .await
+    .unwrap();
+    assert_eq!(owner, "not-a-token", "the foreign row is left untouched");
+
+    // A negative fencing counter.
+    let k = key("negative");
+    let lease = a.try_acquire(&k, ttl).await.unwrap().lease().expect("free");
+    admin(
+        &a,
+        &format!("UPDATE {table} SET fencing = -5 WHERE namespace = '{ns}' AND key = 'negative'"),
+    )
+    .await;
+    assert_eq!(
+        b.try_acquire(&k, ttl).await.unwrap_err().kind(),
+        ErrorKind::Corrupted
+    );
+    assert_eq!(
+        a.release(&lease).await.unwrap_err().kind(),
+        ErrorKind::Corrupted
+    );
+
+    // A fencing counter lower than the lease's (reset by hand).
+    let k = key("backwards");
+    let first = a.try_acquire(&k, ttl).await.unwrap().lease().expect("free");
+    a.release(&first).await.unwrap();
+    let lease = a.try_acquire(&k, ttl).await.unwrap().lease().expect("free");
+    assert!(lease.fencing_token() > first.fencing_token());
+    admin(&a, &format!("UPDATE {table} SET fencing = 0, owner = NULL WHERE namespace = '{ns}' AND key = 'backwards'")).await;
+    let err = a.release(&lease).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupted, "{err}");
+    assert!(err.to_string().contains("backwards"), "{err}");
+    assert_eq!(
+        a.extend(&lease, ttl).await.unwrap_err().kind(),
+        ErrorKind::Corrupted
+    );
+}
+
+#[tokio::test]
+async fn serializable_default_isolation_never_fails_concurrent_acquires() {
+    // A database whose transactions are serializable unless they say
+    // otherwise: concurrent acquires of one key conflict there (SQLSTATE
+    // 40001), and such a statement was rolled back, so it can be sent again.
+    let admin_client = client("serializable").await;
+    let database = random_name("distlock_serializable");
+    admin(&admin_client, &format!("CREATE DATABASE {database}")).await;
+    admin(
+        &admin_client,
+        &format!("ALTER DATABASE {database} SET default_transaction_isolation = 'serializable'"),
+    )
+    .await;
+    let url = server().url();
+    let base = url.rsplit_once('/').map(|(base, _)| base).unwrap();
+    let config = PostgresConfig::from_url(&format!("{base}/{database}?namespace=iso"))
+        .unwrap()
+        .max_connections(16);
+    let lock = Pg::with_config(config).await;
+    let isolation: String = sqlx::query_scalar("SHOW transaction_isolation")
+        .fetch_one(lock.pool())
+        .await
+        .unwrap();
+    assert_eq!(isolation, "serializable");
+
+    let mut errors = Vec::new();
+    for round in 0..10 {
+        // A new key (first inserts race) every other round; the same key,
+        // just released (updates race), in between.
+        let k = key(&format!("contended-{}", round / 2));
+        let attempts: Vec<_> = (0..16)
+            .map(|_| {
+                let lock = lock.clone();
+                let k = k.clone();
+                tokio::spawn(async move { lock.try_acquire(&k, Duration::from_secs(30)).await })
+            })
+            .collect();
+        let mut granted = Vec::new();
+        for attempt in attempts {
+            match attempt.await.unwrap() {
+                Ok(AcquireAttempt::Acquired(lease)) => granted.push(lease),
+                Ok(AcquireAttempt::Held { .. }) => {}
+                Err(e) => errors.push(e.to_string()),
+            }
+        }
+        assert!(granted.len() <= 1, "two holders at once: {granted:?}");
+        for lease in granted {
+            lock.release(&lease).await.unwrap();
+        }
+    }
+    assert!(
+        errors.is_empty(),
+        "{} of 160 acquires failed, e.g. {:?}",
+        errors.len(),
+        errors.first()
+    );
+}
