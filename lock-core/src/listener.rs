@@ -204,11 +204,6 @@ impl<S: NotificationSource> Listener<S> {
         let inner = &self.inner;
         let channel = inner.source.channel(&topic);
         inner
-            .topics
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(channel.clone(), topic.clone());
-        inner
             .notifier
             .subscribe(&channel, || inner.subscribe(channel.clone(), topic))
             .await
@@ -222,6 +217,12 @@ impl<S: NotificationSource> Inner<S> {
         topic: S::Topic,
     ) -> Result<(), LockError> {
         let mut live = self.live.lock().await;
+        // Recorded under the lock a sweep takes, after the waiter was
+        // registered, so a sweep never forgets it before it is subscribed.
+        self.topics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(channel.clone(), topic.clone());
         let reading = self.reading.load(Ordering::SeqCst);
         if live
             .as_ref()
@@ -309,6 +310,13 @@ impl<S: NotificationSource> Inner<S> {
         let Some(current) = live.as_mut().filter(|l| l.generation == generation) else {
             return;
         };
+        // Topics nobody waits on that are not subscribed here (subscribed
+        // on a lost connection, or whose subscribe failed) need no
+        // unsubscribe: forget them.
+        self.topics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|c, _| current.subscribed.contains(c) || self.notifier.has_waiters(c));
         let idle: Vec<String> = current
             .subscribed
             .iter()
@@ -492,5 +500,37 @@ mod tests {
                 .expect("the new connection delivers")
                 .unwrap();
         });
+    }
+
+    fn known_topics<S: NotificationSource>(listener: &Listener<S>) -> Vec<String> {
+        let topics = listener.inner.topics.lock().unwrap();
+        let mut names: Vec<String> = topics.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// A topic subscribed on a connection that was lost, whose waiter then
+    /// left, is forgotten by a later sweep (it is never unsubscribed: the
+    /// connection it was on is gone). Sources whose channels are unique per
+    /// waiter (etcd) would otherwise grow the map at every reconnect.
+    #[tokio::test]
+    async fn topics_of_a_lost_connection_are_forgotten() {
+        let listener = Listener::new(Toy::default(), &ClientOptions::default())
+            .health_check_after(Duration::from_millis(10));
+        let mut lost = listener.watch("lost".to_owned()).await.unwrap();
+        // The server ends the connection.
+        listener.source().connections.lock().unwrap().clear();
+        assert!(lost.released().await.is_err(), "the connection ended");
+        drop(lost);
+        let _stays = listener.watch("stays".to_owned()).await.unwrap();
+        let give_up = Instant::now() + Duration::from_secs(5);
+        while known_topics(&listener) != ["stays"] {
+            assert!(
+                Instant::now() < give_up,
+                "topics still known: {:?}",
+                known_topics(&listener)
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 }
