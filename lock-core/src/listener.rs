@@ -527,4 +527,40 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
+
+    /// The topics the listener keeps (to unsubscribe them later).
+    async fn known_topics<S: NotificationSource>(listener: &Listener<S>) -> Vec<String> {
+        let live = listener.inner.live.lock().await;
+        let mut names: Vec<String> = live
+            .iter()
+            .flat_map(|l| l.subscribed.keys().cloned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// A topic subscribed on a connection that was lost, whose waiter then
+    /// left, is forgotten by a later sweep (it is never unsubscribed: the
+    /// connection it was on is gone). Sources whose channels are unique per
+    /// waiter (etcd) would otherwise grow the map at every reconnect.
+    #[tokio::test]
+    async fn topics_of_a_lost_connection_are_forgotten() {
+        let listener = Listener::new(Toy::default(), &ClientOptions::default())
+            .health_check_after(Duration::from_millis(10));
+        let mut lost = listener.watch("lost".to_owned()).await.unwrap();
+        // The server ends the connection.
+        listener.source().connections.lock().unwrap().clear();
+        assert!(lost.released().await.is_err(), "the connection ended");
+        drop(lost);
+        let _stays = listener.watch("stays".to_owned()).await.unwrap();
+        let give_up = Instant::now() + Duration::from_secs(5);
+        while known_topics(&listener).await != ["stays"] {
+            assert!(
+                Instant::now() < give_up,
+                "topics still known: {:?}",
+                known_topics(&listener).await
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
 }

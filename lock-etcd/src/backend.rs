@@ -1,22 +1,27 @@
-//! [`EtcdLock`]: the [`DistributedLock`] implementation on etcd v3.
+//! [`EtcdLock`]: the [`LockBackend`] on etcd v3 — its constructors, the
+//! plain (own lease) paths, and the dispatch to the session paths
+//! ([`crate::session`]), the waiter queue ([`crate::queue`]) and the
+//! operator calls ([`crate::admin`]).
 
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use etcd_client::{Client, ConnectOptions, KvClient, LeaseClient};
 use lock_core::{
-    AcquireAttempt, Capabilities, ClientOptions, DistributedLock, FencingToken, Lease, LeaseIssuer,
-    LockError, LockKey, LockState, OwnerToken, ReleaseWatch,
+    AcquireReply, AcquireRequest, Capabilities, ClientOptions, ExtendReply, Grant, HeldLock,
+    Listener, LockAdmin, LockBackend, LockError, LockKey, ReleaseNotifier, ReleaseReply,
+    ReleaseWatch,
 };
 
 use crate::config::EtcdConfig;
 use crate::errors;
 use crate::keys::{encode_value, KeyLayout};
+use crate::listener::EtcdWatches;
 use crate::queue;
-use crate::session::{self, Session, Sessions};
+use crate::session::{self, Sessions};
 use crate::txn::{self, AcquireOutcome};
-use crate::waiters::Watcher;
 
 /// The smallest lease etcd grants with its default settings is 2 s
 /// (1.5 × the 1 s election timeout, rounded up); a server tuned for short
@@ -34,7 +39,11 @@ const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 /// only sent while a stream is open).
 const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
 
-/// A distributed lock on etcd v3.
+/// How often the watch listener cancels watches whose waiters left.
+const WATCH_SWEEP: Duration = Duration::from_secs(1);
+
+/// A distributed lock server on etcd v3, for
+/// [`LockClient`](lock_core::LockClient) and [`Locker`](lock_core::Locker).
 ///
 /// A lock is the key `NS/lock/<escaped key>` attached to an etcd lease
 /// whose TTL is the lock's TTL, so etcd itself deletes it when the holder
@@ -42,8 +51,8 @@ const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// `create_revision`: etcd's global revision counter, strictly increasing
 /// across releases, expiries and server restarts, unchanged by renewals.
 ///
-/// Locks whose holder renews them ([`try_acquire_renewing`], which
-/// [`Locker`](lock_core::Locker) uses for guards with renewal on) share a
+/// Locks whose holder renews them (a renewing [`AcquireRequest`], which
+/// [`Locker`](lock_core::Locker) makes for guards with renewal on) share a
 /// *session* lease instead: one etcd lease per client and TTL, granted on
 /// first use and kept alive by one keep-alive stream, as etcd's Go
 /// `concurrency.Session`. The session also deletes any of its locks whose
@@ -51,16 +60,19 @@ const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// still loses the lock after the TTL while the client lives on; if the
 /// client dies, etcd expires the session lease and its locks with it.
 /// Locks without renewal keep a lease of their own, so their TTL is exact.
+/// A session lock's grant (and each renewal) is dated from the send time
+/// of the last keep-alive the server confirmed, if that is earlier than
+/// the request ([`Grant::clock_started`]).
 ///
 /// Costs, in round trips to the server:
-/// - `try_acquire_renewing`: 1 transaction that creates the key on the
-///   session lease (plus 1 lease grant the first time a client uses a TTL).
+/// - renewing acquire: 1 transaction that creates the key on the session
+///   lease (plus 1 lease grant the first time a client uses a TTL).
 /// - `extend` of a session lock with its TTL (a guard's renewal, every
 ///   third of the TTL by default): 1 transaction that only confirms the key
 ///   is still ours and on the session lease.
 /// - session keep-alive: 1 message on the keep-alive stream per third of
 ///   the TTL, per client and TTL in use, whatever the number of locks.
-/// - `try_acquire`: 2 (grant a lease, then one transaction that creates the
+/// - plain acquire: 2 (grant a lease, then one transaction that creates the
 ///   key only if absent); on refusal the unused lease is revoked in the
 ///   background (not waited for).
 /// - `extend` of a lock on its own lease, or with another TTL (max hold,
@@ -79,8 +91,8 @@ const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// expiring) wakes exactly that waiter. A handoff costs the same few
 /// requests however many wait (release, acquire, the leaving waiter's
 /// queue-entry delete, one look-up by its successor); all watches share one
-/// watch stream per client. Acquiring without waiting (`try_acquire`)
-/// never queues, so it may overtake waiters.
+/// watch stream per client. Acquiring without
+/// waiting never queues, so it may overtake waiters.
 ///
 /// A renewing acquire whose session is lost while the request is in flight
 /// (no keep-alive answered within the TTL) is refused with an
@@ -88,19 +100,17 @@ const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// created goes with the session lease, so no lease is dated from it.
 ///
 /// Cancel safety: each future may be dropped at any await point (under a
-/// timeout, say). A dropped `watch`, and so a dropped waiting `acquire`,
+/// timeout, say). A dropped `watch`, and so a dropped waiting acquire,
 /// leaves no queue entry behind. A dropped renewing acquire leaves at most
 /// a lock that the session deletes a TTL after the request was sent. A
-/// dropped `try_acquire` or `extend` leaves at most a lock, or an unused
+/// dropped plain acquire or `extend` leaves at most a lock, or an unused
 /// lease, that etcd expires after the requested TTL (a dropped `extend`
 /// may have moved the lock to a lease of that TTL, so after dropping one
 /// with a shorter TTL assume the shorter one). A dropped `release` leaves
 /// the lock to expire as if it had not been released.
 ///
-/// [`try_acquire_renewing`]: DistributedLock::try_acquire_renewing
-///
 /// TTLs are whole seconds (at least 1 s, or the server's minimum lease TTL
-/// if larger); shorter or fractional TTLs are rounded up.
+/// if larger); the client rounds shorter or fractional TTLs up.
 ///
 /// A client belongs to the tokio runtime it was created in: the gRPC
 /// channel runs its connection tasks there, so create it inside the runtime
@@ -108,16 +118,16 @@ const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use lock_core::{DistributedLock, LockKey};
+/// use lock_core::{LockClient, LockKey};
 /// use lock_etcd::EtcdLock;
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), lock_core::LockError> {
-/// let lock = EtcdLock::connect("etcd://127.0.0.1:2379?namespace=jobs").await?;
+/// let client = LockClient::new(EtcdLock::connect("etcd://127.0.0.1:2379?namespace=jobs").await?);
 /// let key = LockKey::new("nightly-report")?;
-/// if let Some(lease) = lock.try_acquire(&key, Duration::from_secs(30)).await?.lease() {
+/// if let Some(lease) = client.try_acquire(&key, Duration::from_secs(30)).await?.lease() {
 ///     println!("fencing token {}", lease.fencing_token());
-///     lock.release(&lease).await?;
+///     client.release(&lease).await?;
 /// }
 /// # Ok(()) }
 /// ```
@@ -128,12 +138,28 @@ pub struct EtcdLock {
 
 pub(crate) struct Inner {
     pub(crate) kv: KvClient,
-    leases: LeaseClient,
+    pub(crate) leases: LeaseClient,
     pub(crate) layout: KeyLayout,
-    pub(crate) options: ClientOptions,
-    issuer: LeaseIssuer,
-    pub(crate) watcher: Watcher,
-    sessions: Sessions,
+    pub(crate) config: EtcdConfig,
+    /// The watch stream that carries deletions to the waiter queue.
+    pub(crate) listener: Listener<EtcdWatches>,
+    /// The channels of waiting calls, woken by their queue tasks (not by
+    /// the listener, whose resets they never see: see [`crate::queue`]).
+    pub(crate) waiting: ReleaseNotifier,
+    /// Numbers this client's waiting calls.
+    pub(crate) next_waiter: AtomicU64,
+    pub(crate) sessions: Sessions,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdLock")
+            .field("config", &self.config)
+            .field("listener", &self.listener)
+            .field("waiting", &self.waiting.channels().len())
+            .field("sessions", &self.sessions.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl EtcdLock {
@@ -148,7 +174,7 @@ impl EtcdLock {
     /// [`ErrorKind::Config`](lock_core::ErrorKind) error.
     pub async fn with_config(config: EtcdConfig) -> Result<Self, LockError> {
         config.validate()?;
-        let options = config.options().clone();
+        let options = &config.client;
         let mut connect = ConnectOptions::new()
             .with_connect_timeout(options.connect_timeout)
             .with_timeout(options.operation_timeout)
@@ -167,35 +193,42 @@ impl EtcdLock {
         })
         .await
         .map_err(unreachable_on_timeout)?;
-        let lock = Self::from_client(client, options)?;
+        let lock = Self::from_client(client, config)?;
         lock.probe(&what).await?;
-        tracing::debug!(endpoints = ?config.endpoints(), namespace = %lock.inner.options.namespace, "connected to etcd");
+        tracing::debug!(endpoints = ?lock.config().endpoints(), namespace = %lock.config().client.namespace, "connected to etcd");
         Ok(lock)
     }
 
     /// Uses an existing client (its endpoints, credentials and TLS), with
-    /// `options` for namespace and timeouts. Does not contact the server.
-    pub fn from_client(client: Client, options: ClientOptions) -> Result<Self, LockError> {
-        options.validate()?;
-        let layout = KeyLayout::new(&options.namespace);
-        let watcher = Watcher::new(client.watch_client(), options.clone());
-        let sessions = Sessions::new(client.kv_client(), client.lease_client(), options.clone());
+    /// `config.client` for namespace and timeouts (its endpoints and
+    /// credentials are not used). Does not contact the server.
+    pub fn from_client(client: Client, config: EtcdConfig) -> Result<Self, LockError> {
+        config.client.validate()?;
+        let layout = KeyLayout::new(&config.client.namespace);
+        let watches = EtcdWatches::new(client.watch_client(), layout.prefix().as_bytes().to_vec());
+        let listener = Listener::new(watches, &config.client).health_check_after(WATCH_SWEEP);
+        let sessions = Sessions::new(
+            client.kv_client(),
+            client.lease_client(),
+            config.client.clone(),
+        );
         Ok(Self {
             inner: Arc::new(Inner {
                 kv: client.kv_client(),
                 leases: client.lease_client(),
                 layout,
-                options,
-                issuer: LeaseIssuer::random(),
-                watcher,
+                config,
+                listener,
+                waiting: ReleaseNotifier::new(),
+                next_waiter: AtomicU64::new(0),
                 sessions,
             }),
         })
     }
 
-    /// The namespace and timeouts in use.
-    pub fn options(&self) -> &ClientOptions {
-        &self.inner.options
+    /// The configuration in use.
+    pub fn config(&self) -> &EtcdConfig {
+        &self.inner.config
     }
 
     /// The prefix of every etcd key this client touches (`NS/lock/`, locks
@@ -210,7 +243,7 @@ impl EtcdLock {
     async fn probe(&self, what: &str) -> Result<(), LockError> {
         let mut kv = self.inner.kv.clone();
         let key = self.inner.layout.prefix().as_bytes().to_vec();
-        lock_core::with_timeout(self.inner.options.connect_timeout, what, async {
+        lock_core::with_timeout(self.inner.config.client.connect_timeout, what, async {
             kv.get(key, None)
                 .await
                 .map(|_| ())
@@ -222,12 +255,13 @@ impl EtcdLock {
 
     /// Grants an etcd lease of `ttl` (whole seconds); returns its id and
     /// the TTL the server granted.
-    async fn grant(&self, ttl: Duration) -> Result<(i64, Duration), LockError> {
+    pub(crate) async fn grant(&self, ttl: Duration) -> Result<(i64, Duration), LockError> {
         let seconds = i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX).max(1);
         let mut leases = self.inner.leases.clone();
         let reply = self
             .inner
-            .options
+            .config
+            .client
             .timed("etcd lease grant", async {
                 leases
                     .grant(seconds, None)
@@ -255,169 +289,44 @@ impl EtcdLock {
     /// Revokes a lease in the background, bounded by the operation timeout.
     /// Failing only means the lease lives until its TTL runs out.
     fn revoke_later(&self, lease_id: i64) {
-        let mut leases = self.inner.leases.clone();
-        let options = self.inner.options.clone();
+        let leases = self.inner.leases.clone();
+        let options = self.inner.config.client.clone();
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         runtime.spawn(async move {
-            let result = options
-                .timed("etcd lease revoke", async {
-                    leases
-                        .revoke(lease_id)
-                        .await
-                        .map(|_| ())
-                        .map_err(errors::mapper("etcd lease revoke"))
-                })
-                .await;
-            if let Err(e) = result {
+            if let Err(e) = revoke(leases, &options, lease_id).await {
                 tracing::debug!(lease_id, error = %e, "could not revoke an etcd lease; it expires by its TTL");
             }
         });
     }
 
-    async fn run_txn(
+    /// Runs one transaction under the operation timeout.
+    pub(crate) async fn run_txn(
         &self,
         what: &'static str,
         txn: etcd_client::Txn,
     ) -> Result<etcd_client::TxnResponse, LockError> {
         let mut kv = self.inner.kv.clone();
         self.inner
-            .options
+            .config
+            .client
             .timed(what, async {
                 kv.txn(txn).await.map_err(errors::mapper(what))
             })
             .await
     }
 
-    /// Reads the lock key: `None` if absent, else the key-value after
-    /// checking it is ours.
-    async fn read_lock(&self, key: &LockKey) -> Result<Option<etcd_client::KeyValue>, LockError> {
-        let etcd_key = self.inner.layout.lock_key(key);
-        let mut kv = self.inner.kv.clone();
-        let reply = self
-            .inner
-            .options
-            .timed("etcd get", async {
-                kv.get(etcd_key, None)
-                    .await
-                    .map_err(errors::mapper("etcd get"))
-            })
-            .await?;
-        let Some(found) = reply.kvs().first() else {
-            return Ok(None);
-        };
-        txn::check_found(key, found.value(), found.lease())?;
-        Ok(Some(found.clone()))
-    }
-
-    /// The live session lease for `ttl`, granted (one round trip) if there
-    /// is none yet.
-    pub(crate) async fn session(&self, ttl: Duration) -> Result<Arc<Session>, LockError> {
-        let secs = ttl.as_secs();
-        if let Some(session) = self.inner.sessions.live(secs) {
-            return Ok(session);
-        }
-        let _creating = self.inner.sessions.creating().await;
-        if let Some(session) = self.inner.sessions.live(secs) {
-            return Ok(session);
-        }
-        let sent_at = Instant::now();
-        let (lease_id, granted) = self.grant(ttl).await?;
-        Ok(self.inner.sessions.start(secs, lease_id, granted, sent_at))
-    }
-
-    /// Renews a lock attached to the live `session` with the session's TTL:
-    /// one transaction confirms the key is still ours and on the session
-    /// lease; the session's keep-alives renew it.
-    async fn confirm_session_lock(
+    /// A plain acquire: grants a lease of exactly the TTL, then creates the
+    /// key on it if absent.
+    async fn acquire_on_own_lease(
         &self,
-        lease: &Lease,
-        session: &Session,
-    ) -> Result<Lease, LockError> {
-        let etcd_key = self.inner.layout.lock_key(lease.key());
-        let value = encode_value(lease.owner());
-        let sent_at = Instant::now();
-        let reply = self
-            .run_txn(
-                "etcd extend",
-                txn::confirm(&etcd_key, &value, lease.fencing_token(), session.lease_id()),
-            )
-            .await?;
-        if !reply.succeeded() {
-            session.untrack(&value);
-            tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), "etcd session lock not held on extend");
-            return Err(Self::not_held(lease));
-        }
-        let confirmed = match session.confirmed_sent_at() {
-            Some(confirmed) if session.renew(&value, sent_at) => confirmed,
-            _ => {
-                tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), "etcd session lock expired or its session was lost");
-                return Err(Self::not_held(lease));
-            }
-        };
-        tracing::trace!(key = %lease.key(), fencing = %lease.fencing_token(), "etcd session lock confirmed");
-        Ok(lease.renewed(sent_at.min(confirmed), session.ttl()))
-    }
-
-    /// Detaches a lock from its session's expiry tracking, if it had one.
-    fn untrack(&self, lease: &Lease) {
-        if let Some(id) = session::session_lease_of(lease.handle()) {
-            if let Some(session) = self.inner.sessions.by_lease(id) {
-                session.untrack(&encode_value(lease.owner()));
-            }
-        }
-    }
-
-    fn not_held(lease: &Lease) -> LockError {
-        LockError::not_held(format!(
-            "lock {:?} is no longer held by this lease (released, expired or taken over)",
-            lease.key().as_str()
-        ))
-    }
-}
-
-impl std::fmt::Debug for Inner {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EtcdLock")
-            .field("namespace", &self.options.namespace)
-            .field("issuer", &self.issuer)
-            .field("watcher", &self.watcher)
-            .field("sessions", &self.sessions.len())
-            .finish_non_exhaustive()
-    }
-}
-
-/// A timeout while connecting means the cluster is unreachable.
-fn unreachable_on_timeout(error: LockError) -> LockError {
-    if error.kind() == lock_core::ErrorKind::Timeout {
-        LockError::unavailable(error.message().to_owned()).with_source(error)
-    } else {
-        error
-    }
-}
-
-#[async_trait]
-impl DistributedLock for EtcdLock {
-    fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            min_ttl: MIN_TTL,
-            ttl_granularity: Duration::from_secs(1),
-            max_ttl: MAX_TTL,
-            native_wait: true,
-            durable: true,
-            admin: true,
-            ..Capabilities::default()
-        }
-    }
-
-    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<AcquireAttempt, LockError> {
-        let ttl = self.capabilities().effective_ttl(ttl)?;
+        request: AcquireRequest<'_>,
+    ) -> Result<AcquireReply, LockError> {
+        let key = request.key;
         let etcd_key = self.inner.layout.lock_key(key);
-        let owner = OwnerToken::random();
-        let value = encode_value(owner);
-        let sent_at = Instant::now();
-        let (lease_id, granted) = self.grant(ttl).await?;
+        let value = encode_value(request.owner);
+        let (lease_id, granted) = self.grant(request.ttl).await?;
         let reply = match self
             .run_txn("etcd acquire", txn::acquire(&etcd_key, &value, lease_id))
             .await
@@ -430,252 +339,162 @@ impl DistributedLock for EtcdLock {
                 return Err(e);
             }
         };
-        match txn::acquire_outcome(key, &reply) {
-            Ok(AcquireOutcome::Created(fencing)) => {
-                tracing::debug!(key = %key, fencing = %fencing, ttl = ?granted, "etcd lock acquired");
-                Ok(AcquireAttempt::Acquired(
-                    Lease::new(
-                        key.clone(),
-                        owner,
-                        fencing,
-                        sent_at,
-                        granted,
-                        self.inner.issuer,
-                    )
-                    .with_handle(u64::try_from(lease_id).unwrap_or(0)),
-                ))
-            }
-            Ok(AcquireOutcome::Held { lease_id: holder }) => {
-                self.revoke_later(lease_id);
-                tracing::trace!(key = %key, holder_lease = holder, "etcd lock held by another owner");
-                Ok(AcquireAttempt::Held { expires_in: None })
-            }
-            Ok(AcquireOutcome::Gone) => {
-                self.revoke_later(lease_id);
-                Ok(AcquireAttempt::Held {
-                    expires_in: Some(Duration::ZERO),
-                })
-            }
-            Err(e) => {
-                self.revoke_later(lease_id);
-                tracing::debug!(key = %key, error = %e, "foreign value at an etcd lock key");
-                Err(e)
-            }
+        let outcome = txn::acquire_outcome(key, &reply);
+        if !matches!(outcome, Ok(AcquireOutcome::Created(_))) {
+            // Not ours: the unused lease goes.
+            self.revoke_later(lease_id);
         }
-    }
-
-    async fn try_acquire_renewing(
-        &self,
-        key: &LockKey,
-        ttl: Duration,
-    ) -> Result<AcquireAttempt, LockError> {
-        let ttl = self.capabilities().effective_ttl(ttl)?;
-        let session = self.session(ttl).await?;
-        let etcd_key = self.inner.layout.lock_key(key);
-        let owner = OwnerToken::random();
-        let value = encode_value(owner);
-        let sent_at = Instant::now();
-        // Tracked before it is sent: if this future is dropped before the
-        // reply, the session still deletes the lock a TTL after `sent_at`,
-        // as any lock its holder stopped renewing (the session lease itself
-        // lives as long as the client).
-        session.track(&etcd_key, &value, None, sent_at);
-        let reply = match self
-            .run_txn(
-                "etcd acquire",
-                txn::acquire(&etcd_key, &value, session.lease_id()),
-            )
-            .await
-        {
-            Ok(reply) => reply,
-            Err(e) => {
-                // Unknown outcome, and the session lease cannot be revoked
-                // for one lock: make it due now, so the session deletes it
-                // (if it was created) at its next tick.
-                let due = sent_at.checked_sub(session.ttl()).unwrap_or(sent_at);
-                session.track(&etcd_key, &value, None, due);
-                return Err(e);
-            }
-        };
-        match txn::acquire_outcome(key, &reply) {
-            Ok(AcquireOutcome::Created(fencing)) => {
-                session.track(&etcd_key, &value, Some(fencing), sent_at);
-                // The server keeps the session lease at least a TTL after
-                // the last confirmed keep-alive was sent. A session that
-                // died while the request was in flight is being revoked
-                // (or expires on the server), taking the new key with it:
-                // no lease can be dated from it.
-                let Some(confirmed) = session.confirmed_sent_at() else {
-                    tracing::debug!(key = %key, fencing = %fencing, "etcd session lost while acquiring; the lock goes with it");
-                    return Err(LockError::unavailable(format!(
-                        "lock {:?} was taken on an etcd session lease that was lost while the request was in flight (no keep-alive answered within its TTL), so it is gone again; try again",
-                        key.as_str()
-                    )));
-                };
-                let valid_from = confirmed.min(sent_at);
-                tracing::debug!(key = %key, fencing = %fencing, ttl = ?session.ttl(), "etcd lock acquired on the session lease");
-                Ok(AcquireAttempt::Acquired(
-                    Lease::new(
-                        key.clone(),
-                        owner,
-                        fencing,
-                        valid_from,
-                        session.ttl(),
-                        self.inner.issuer,
-                    )
-                    .with_handle(session::session_handle(session.lease_id())),
-                ))
-            }
-            Ok(AcquireOutcome::Held { lease_id: holder }) => {
-                session.untrack(&value);
-                tracing::trace!(key = %key, holder_lease = holder, "etcd lock held by another owner");
-                Ok(AcquireAttempt::Held { expires_in: None })
-            }
-            Ok(AcquireOutcome::Gone) => {
-                session.untrack(&value);
-                Ok(AcquireAttempt::Held {
-                    expires_in: Some(Duration::ZERO),
-                })
-            }
-            Err(e) => {
-                session.untrack(&value);
-                tracing::debug!(key = %key, error = %e, "foreign value at an etcd lock key");
-                Err(e)
-            }
-        }
-    }
-
-    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
-        lease.check_issuer(self.inner.issuer)?;
-        let ttl = self.capabilities().effective_ttl(ttl)?;
-        if let Some(session) = session::session_lease_of(lease.handle())
-            .and_then(|id| self.inner.sessions.by_lease(id))
-            .filter(|session| session.is_alive() && session.ttl() == ttl)
-        {
-            return self.confirm_session_lock(lease, &session).await;
-        }
-        // Any other TTL (max hold, hold-at-least), or a lost session: move
-        // the key to a lease of its own with exactly that TTL.
-        let etcd_key = self.inner.layout.lock_key(lease.key());
-        let value = encode_value(lease.owner());
-        let sent_at = Instant::now();
-        let (new_lease, granted) = self.grant(ttl).await?;
-        let reply = match self
-            .run_txn(
-                "etcd extend",
-                txn::extend(&etcd_key, &value, lease.fencing_token(), new_lease),
-            )
-            .await
-        {
-            Ok(reply) => reply,
-            Err(e) => {
-                // Unknown outcome. If the move happened, the key now lives on
-                // `new_lease`, so it is not revoked (that would delete a lock
-                // we still hold); it expires by its TTL, and a retried extend
-                // moves the key on again.
-                return Err(e);
-            }
-        };
-        // Off the session lease either way: its expiry tracking stops.
-        self.untrack(lease);
-        if !reply.succeeded() {
-            self.revoke_later(new_lease);
-            tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), "etcd lock not held on extend");
-            return Err(Self::not_held(lease));
-        }
-        // A session lease is shared: never revoked for one lock.
-        if session::session_lease_of(lease.handle()).is_none() {
-            let old = i64::try_from(lease.handle()).unwrap_or(0);
-            if old > 0 && old != new_lease {
-                self.revoke_later(old);
-            }
-        }
-        tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), ttl = ?granted, "etcd lock extended");
-        Ok(lease
-            .renewed(sent_at, granted)
-            .with_handle(u64::try_from(new_lease).unwrap_or(0)))
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<(), LockError> {
-        lease.check_issuer(self.inner.issuer)?;
-        let etcd_key = self.inner.layout.lock_key(lease.key());
-        let value = encode_value(lease.owner());
-        let reply = self
-            .run_txn(
-                "etcd release",
-                txn::release(&etcd_key, &value, lease.fencing_token()),
-            )
-            .await?;
-        self.untrack(lease);
-        if !reply.succeeded() {
-            tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), "etcd lock not held on release");
-            return Err(Self::not_held(lease));
-        }
-        // A session lease (top bit set, so not a valid i64 id) is shared
-        // and never revoked for one lock.
-        if session::session_lease_of(lease.handle()).is_none() {
-            if let Ok(id) = i64::try_from(lease.handle()) {
-                if id > 0 {
-                    self.revoke_later(id);
-                }
-            }
-        }
-        tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), "etcd lock released");
-        Ok(())
-    }
-
-    async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
-        let Some(found) = self.read_lock(key).await? else {
-            return Ok(LockState::Free);
-        };
-        let mut leases = self.inner.leases.clone();
-        let lease_id = found.lease();
-        let ttl = self
-            .inner
-            .options
-            .timed("etcd lease time-to-live", async {
-                leases
-                    .time_to_live(lease_id, None)
-                    .await
-                    .map_err(errors::mapper("etcd lease time-to-live"))
-            })
-            .await?;
-        Ok(LockState::Held {
-            // -1 once the lease expired (the key goes with it).
-            expires_in: u64::try_from(ttl.ttl()).ok().map(Duration::from_secs),
-            fencing_token: FencingToken::new(u64::try_from(found.create_revision()).unwrap_or(0)),
+        Ok(match outcome? {
+            AcquireOutcome::Created(fencing) => AcquireReply::Granted(
+                Grant::new(fencing, granted).with_handle(u64::try_from(lease_id).unwrap_or(0)),
+            ),
+            AcquireOutcome::Refused(refused) => refused,
         })
     }
 
-    async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
-        let Some(found) = self.read_lock(key).await? else {
-            return Ok(false);
-        };
-        // Delete exactly the lock that was read (and checked to be ours), so
-        // a value written in between is never removed unseen.
-        let etcd_key = self.inner.layout.lock_key(key);
-        let delete = etcd_client::Txn::new()
-            .when([etcd_client::Compare::mod_revision(
-                etcd_key.clone(),
-                etcd_client::CompareOp::Equal,
-                found.mod_revision(),
-            )])
-            .and_then([etcd_client::TxnOp::delete(etcd_key, None)]);
-        let reply = self.run_txn("etcd force release", delete).await?;
+    /// Moves the key to a new lease of exactly `ttl` (its own lease, or a
+    /// session lock renewed with another TTL or whose session was lost).
+    async fn move_to_own_lease(
+        &self,
+        lock: HeldLock<'_>,
+        ttl: Duration,
+    ) -> Result<ExtendReply, LockError> {
+        let etcd_key = self.inner.layout.lock_key(lock.key);
+        let value = encode_value(lock.owner);
+        let (new_lease, granted) = self.grant(ttl).await?;
+        // Unknown outcome on error: if the move happened, the key now lives
+        // on `new_lease`, so it is not revoked (that would delete a lock we
+        // still hold); it expires by its TTL, and a retried extend moves the
+        // key on again.
+        let reply = self
+            .run_txn(
+                "etcd extend",
+                txn::extend(&etcd_key, &value, lock.fencing, new_lease),
+            )
+            .await?;
+        // Off the session lease either way: its expiry tracking stops.
+        self.untrack(&lock);
         if !reply.succeeded() {
-            return Err(LockError::unavailable(format!(
-                "lock {:?} changed while it was being force-released; try again",
-                key.as_str()
-            )));
+            self.revoke_later(new_lease);
+            return Ok(ExtendReply::NotHeld);
         }
-        // The key's lease is not revoked: it may be a session lease that
-        // other locks of the holder's client share. Without keys, it just
-        // runs out.
-        tracing::info!(key = %key, "etcd lock force-released");
-        Ok(true)
+        if let Some(old) = own_lease_of(lock.handle).filter(|old| *old != new_lease) {
+            self.revoke_later(old);
+        }
+        Ok(ExtendReply::Extended(
+            Grant::new(lock.fencing, granted).with_handle(u64::try_from(new_lease).unwrap_or(0)),
+        ))
+    }
+}
+
+/// Revokes an etcd lease (deleting its keys), under the operation timeout.
+pub(crate) async fn revoke(
+    mut leases: LeaseClient,
+    options: &ClientOptions,
+    lease_id: i64,
+) -> Result<(), LockError> {
+    options
+        .timed("etcd lease revoke", async {
+            leases
+                .revoke(lease_id)
+                .await
+                .map(|_| ())
+                .map_err(errors::mapper("etcd lease revoke"))
+        })
+        .await
+}
+
+/// The lock's own etcd lease in a handle; `None` for a session lease (shared,
+/// never revoked for one lock) or no lease.
+fn own_lease_of(handle: u64) -> Option<i64> {
+    if session::session_lease_of(handle).is_some() {
+        return None;
+    }
+    i64::try_from(handle).ok().filter(|id| *id > 0)
+}
+
+/// A timeout while connecting means the cluster is unreachable.
+fn unreachable_on_timeout(error: LockError) -> LockError {
+    if error.kind() == lock_core::ErrorKind::Timeout {
+        LockError::unavailable(error.message().to_owned()).with_source(error)
+    } else {
+        error
+    }
+}
+
+#[async_trait]
+impl LockBackend for EtcdLock {
+    fn name(&self) -> &'static str {
+        "etcd"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            min_ttl: MIN_TTL,
+            ttl_granularity: Duration::from_secs(1),
+            max_ttl: MAX_TTL,
+            native_wait: true,
+            durable: true,
+            ..Capabilities::default()
+        }
+    }
+
+    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError> {
+        if request.renewing {
+            self.acquire_on_session(request).await
+        } else {
+            self.acquire_on_own_lease(request).await
+        }
+    }
+
+    async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError> {
+        if let Some(session) = session::session_lease_of(lock.handle)
+            .and_then(|id| self.inner.sessions.by_lease(id))
+            .filter(|session| session.is_alive() && session.ttl() == ttl)
+        {
+            return self.confirm_session_lock(lock, &session).await;
+        }
+        // Any other TTL (max hold, hold-at-least), or a lost session: move
+        // the key to a lease of its own with exactly that TTL.
+        self.move_to_own_lease(lock, ttl).await
+    }
+
+    async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
+        let etcd_key = self.inner.layout.lock_key(lock.key);
+        let value = encode_value(lock.owner);
+        let reply = self
+            .run_txn(
+                "etcd release",
+                txn::release(&etcd_key, &value, lock.fencing),
+            )
+            .await?;
+        self.untrack(&lock);
+        if !reply.succeeded() {
+            return Ok(ReleaseReply::NotHeld);
+        }
+        if let Some(own) = own_lease_of(lock.handle) {
+            self.revoke_later(own);
+        }
+        Ok(ReleaseReply::Released)
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
         queue::enqueue(self, key).await.map(Some)
+    }
+
+    fn admin(&self) -> Option<&dyn LockAdmin> {
+        Some(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_own_leases_are_revoked() {
+        assert_eq!(own_lease_of(42), Some(42));
+        assert_eq!(own_lease_of(session::session_handle(42)), None);
+        assert_eq!(own_lease_of(0), None);
     }
 }

@@ -1,15 +1,16 @@
-//! [`EtcdConfig`]: endpoints, credentials, namespace and timeouts, from a URL
-//! or from code.
+//! [`EtcdConfig`]: endpoints, credentials and the shared client options,
+//! from a URL or from code.
 
 use std::fmt;
-use std::time::Duration;
 
-use lock_core::{ClientOptions, LockError};
+use lock_core::{ClientOptions, LockError, LockUrl};
+
+use crate::SCHEMES;
 
 /// The port used when an endpoint in the URL has none.
 pub const DEFAULT_PORT: u16 = 2379;
 
-/// How a [`EtcdLock`](crate::EtcdLock) reaches etcd.
+/// How an [`EtcdLock`](crate::EtcdLock) reaches etcd.
 ///
 /// Built from a URL with [`EtcdConfig::from_url`]:
 ///
@@ -17,8 +18,10 @@ pub const DEFAULT_PORT: u16 = 2379;
 ///
 /// User and password may be percent-encoded (`%40` for `@`, `%3A` for `:`).
 /// Several endpoints of one cluster are separated by commas; the client
-/// balances between them. The port defaults to 2379. TLS (`etcds://`) is not
-/// supported by this build.
+/// balances between them. The port defaults to 2379. Any other parameter,
+/// or a path, is a [`Config`](lock_core::ErrorKind::Config) error. TLS
+/// (`etcds://`) is not supported by this build. `Debug` and `Display` never
+/// show the password.
 ///
 /// ```
 /// use std::time::Duration;
@@ -27,26 +30,44 @@ pub const DEFAULT_PORT: u16 = 2379;
 /// let config = EtcdConfig::from_url("etcd://locker:s3cret@10.0.0.1:2379,10.0.0.2?namespace=jobs")?;
 /// assert_eq!(config.endpoints(), ["http://10.0.0.1:2379", "http://10.0.0.2:2379"]);
 /// assert_eq!(config.user_name(), Some("locker"));
-/// assert_eq!(config.options().namespace, "jobs");
+/// assert_eq!(config.client.namespace, "jobs");
+/// assert!(!config.to_string().contains("s3cret"));
 ///
-/// let config = EtcdConfig::new(["127.0.0.1:2379"]).operation_timeout(Duration::from_secs(2));
-/// assert_eq!(config.options().operation_timeout, Duration::from_secs(2));
+/// let mut config = EtcdConfig::new(["127.0.0.1:2379"]);
+/// config.client.operation_timeout = Duration::from_secs(2);
 /// # Ok::<(), lock_core::LockError>(())
 /// ```
 #[derive(Clone, PartialEq, Eq)]
 pub struct EtcdConfig {
+    /// Namespace and timeouts.
+    pub client: ClientOptions,
     endpoints: Vec<String>,
-    user: Option<(String, String)>,
-    options: ClientOptions,
+    credentials: Option<(String, String)>,
 }
 
 impl fmt::Debug for EtcdConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("EtcdConfig")
+            .field("client", &self.client)
             .field("endpoints", &self.endpoints)
-            .field("user", &self.user.as_ref().map(|(name, _)| name))
-            .field("options", &self.options)
+            .field("user", &self.user_name())
             .finish()
+    }
+}
+
+impl fmt::Display for EtcdConfig {
+    /// The URL without password or parameters.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("etcd://")?;
+        if let Some(user) = self.user_name() {
+            write!(f, "{user}:***@")?;
+        }
+        let hosts: Vec<&str> = self
+            .endpoints
+            .iter()
+            .map(|e| e.split_once("://").map_or(e.as_str(), |(_, host)| host))
+            .collect();
+        f.write_str(&hosts.join(","))
     }
 }
 
@@ -59,6 +80,7 @@ impl EtcdConfig {
         S: Into<String>,
     {
         Self {
+            client: ClientOptions::default(),
             endpoints: endpoints
                 .into_iter()
                 .map(|e| {
@@ -70,78 +92,48 @@ impl EtcdConfig {
                     }
                 })
                 .collect(),
-            user: None,
-            options: ClientOptions::default(),
+            credentials: None,
         }
     }
 
     /// Parses an `etcd://` URL (see the type's documentation).
     pub fn from_url(url: &str) -> Result<Self, LockError> {
-        let (url, options) = ClientOptions::from_url(url)?;
-        let Some(rest) = url.strip_prefix("etcd://") else {
-            let scheme = url.split_once("://").map(|(s, _)| s).unwrap_or("");
+        let mut url = LockUrl::parse(url)?;
+        url.expect_scheme("etcd", SCHEMES)?;
+        let client = url.take_client_options()?;
+        if !url.path().is_empty() {
             return Err(LockError::config(format!(
-                "unsupported URL scheme {scheme:?} for etcd; use etcd://host:port[,host:port...] (TLS is not supported by this build)"
-            )));
-        };
-        if let Some((_, query)) = rest.split_once('?') {
-            return Err(LockError::config(format!(
-                "unknown etcd URL parameter(s) {query:?}; supported: namespace, connect_timeout_ms, operation_timeout_ms"
+                "{url} has a path; etcd URLs have none: etcd://host:port[,host:port...]"
             )));
         }
-        let rest = rest.strip_suffix('/').unwrap_or(rest);
-        let (user, hosts) = match rest.rsplit_once('@') {
-            Some((userinfo, hosts)) => {
-                let (name, password) = userinfo.split_once(':').unwrap_or((userinfo, ""));
-                let name = percent_decode(name)?;
-                let password = percent_decode(password)?;
-                if name.is_empty() {
-                    return Err(LockError::config(
-                        "the etcd URL has credentials but an empty user name; use etcd://user:password@host:port",
-                    ));
-                }
-                (Some((name, password)), hosts)
-            }
-            None => (None, rest),
-        };
-        let mut endpoints = Vec::new();
-        for host in hosts.split(',') {
-            endpoints.push(parse_endpoint(host)?);
+        if url.hosts().is_empty() {
+            return Err(LockError::config(
+                "no etcd endpoint given; use etcd://host:port[,host:port...]",
+            ));
         }
+        let credentials = match (url.username(), url.password()) {
+            (None, None) => None,
+            (Some(user), password) => Some((user.to_owned(), password.unwrap_or("").to_owned())),
+            (None, Some(_)) => return Err(LockError::config(
+                "the etcd URL has a password but no user name; use etcd://user:password@host:port",
+            )),
+        };
+        let endpoints = url
+            .hosts()
+            .iter()
+            .map(|host| format!("http://{}", host.address(DEFAULT_PORT)))
+            .collect();
+        url.finish()?;
         Ok(Self {
+            client,
             endpoints,
-            user,
-            options,
+            credentials,
         })
     }
 
     /// Authenticates as `name` with `password`.
     pub fn user(mut self, name: impl Into<String>, password: impl Into<String>) -> Self {
-        self.user = Some((name.into(), password.into()));
-        self
-    }
-
-    /// Sets the namespace (the key prefix; default `distlock`).
-    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
-        self.options = self.options.namespace(namespace);
-        self
-    }
-
-    /// Sets how long connecting (and authenticating) may take.
-    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.options = self.options.connect_timeout(timeout);
-        self
-    }
-
-    /// Sets how long one request may take.
-    pub fn operation_timeout(mut self, timeout: Duration) -> Self {
-        self.options = self.options.operation_timeout(timeout);
-        self
-    }
-
-    /// Replaces namespace and timeouts at once.
-    pub fn with_options(mut self, options: ClientOptions) -> Self {
-        self.options = options;
+        self.credentials = Some((name.into(), password.into()));
         self
     }
 
@@ -152,21 +144,16 @@ impl EtcdConfig {
 
     /// The user name, if the client authenticates.
     pub fn user_name(&self) -> Option<&str> {
-        self.user.as_ref().map(|(name, _)| name.as_str())
+        self.credentials.as_ref().map(|(name, _)| name.as_str())
     }
 
     pub(crate) fn credentials(&self) -> Option<&(String, String)> {
-        self.user.as_ref()
+        self.credentials.as_ref()
     }
 
-    /// Namespace and timeouts.
-    pub fn options(&self) -> &ClientOptions {
-        &self.options
-    }
-
-    /// Checks endpoints and options.
+    /// Checks endpoints and client options.
     pub fn validate(&self) -> Result<(), LockError> {
-        self.options.validate()?;
+        self.client.validate()?;
         if self.endpoints.is_empty() {
             return Err(LockError::config(
                 "no etcd endpoint given; use etcd://host:port",
@@ -176,83 +163,11 @@ impl EtcdConfig {
     }
 }
 
-fn parse_endpoint(host: &str) -> Result<String, LockError> {
-    if host.is_empty() {
-        return Err(LockError::config(
-            "the etcd URL has an empty host; use etcd://host:port[,host:port...]",
-        ));
-    }
-    if host.contains('/') || host.contains('@') {
-        return Err(LockError::config(format!(
-            "invalid etcd endpoint {host:?}; use host:port without a path"
-        )));
-    }
-    // `[::1]:2379`, `[::1]`, `host:2379` or `host`.
-    let (name, port) = if let Some(v6) = host.strip_prefix('[') {
-        match v6.split_once(']') {
-            Some((addr, "")) => (format!("[{addr}]"), None),
-            Some((addr, port)) => match port.strip_prefix(':') {
-                Some(port) => (format!("[{addr}]"), Some(port)),
-                None => return Err(LockError::config(format!("invalid etcd endpoint {host:?}"))),
-            },
-            None => {
-                return Err(LockError::config(format!(
-                    "invalid etcd endpoint {host:?}: unclosed '['"
-                )))
-            }
-        }
-    } else {
-        match host.split_once(':') {
-            Some((name, port)) => (name.to_owned(), Some(port)),
-            None => (host.to_owned(), None),
-        }
-    };
-    if name.is_empty() || name == "[]" {
-        return Err(LockError::config(format!(
-            "invalid etcd endpoint {host:?}: empty host name"
-        )));
-    }
-    let port = match port {
-        None => DEFAULT_PORT,
-        Some(port) => port
-            .parse::<u16>()
-            .ok()
-            .filter(|p| *p != 0)
-            .ok_or_else(|| {
-                LockError::config(format!("invalid port {port:?} in etcd endpoint {host:?}"))
-            })?,
-    };
-    Ok(format!("http://{name}:{port}"))
-}
-
-fn percent_decode(text: &str) -> Result<String, LockError> {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = text
-                .get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| {
-                    LockError::config("bad percent-encoding in the etcd URL's user or password")
-                })?;
-            out.push(hex);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).map_err(|_| {
-        LockError::config("the etcd URL's user or password is not UTF-8 after percent-decoding")
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use lock_core::ErrorKind;
+    use std::time::Duration;
 
     #[test]
     fn parses_urls() {
@@ -271,8 +186,10 @@ mod tests {
             c.credentials(),
             Some(&("u@x".to_owned(), "p:w:d".to_owned()))
         );
-        assert_eq!(c.options().operation_timeout, Duration::from_millis(9));
+        assert_eq!(c.client.operation_timeout, Duration::from_millis(9));
         assert!(!format!("{c:?}").contains("p:w"));
+        assert!(!c.to_string().contains("p:w"));
+        assert_eq!(c.to_string(), "etcd://u@x:***@h1:2379,h2:1,[::1]:5");
     }
 
     #[test]
@@ -292,5 +209,7 @@ mod tests {
             let err = EtcdConfig::from_url(url).unwrap_err();
             assert_eq!(err.kind(), ErrorKind::Config, "{url}");
         }
+        let err = EtcdConfig::from_url("etcd://h?namspace=x").unwrap_err();
+        assert!(err.to_string().contains("namspace"), "{err}");
     }
 }

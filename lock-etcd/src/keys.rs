@@ -52,7 +52,8 @@ impl KeyLayout {
         out
     }
 
-    /// The queue entry of waiter `waiter_id` (hex digits) on `key`.
+    /// The queue entry of waiter `waiter_id` (`<session lease id>-<number>`,
+    /// hex digits and `-`) on `key`.
     pub(crate) fn queue_entry(&self, key: &LockKey, waiter_id: &str) -> Vec<u8> {
         let mut out = self.queue_prefix(key);
         out.extend_from_slice(waiter_id.as_bytes());

@@ -16,11 +16,20 @@
 //!
 //! TTLs are whole seconds: shorter or fractional TTLs are rounded up (1.2 s
 //! becomes 2 s), and a server with default settings grants at least 2 s
-//! (1.5 × its election timeout). [`EtcdLock::capabilities`](lock_core::DistributedLock::capabilities)
-//! declares a 1 s minimum and 1 s granularity.
+//! (1.5 × its election timeout). [`EtcdLock`]'s
+//! [`capabilities`](lock_core::LockBackend::capabilities) declare a 1 s
+//! minimum and 1 s granularity, so [`LockClient`](lock_core::LockClient)
+//! rounds up before asking.
+//!
+//! [`EtcdLock`] is the raw [`LockBackend`](lock_core::LockBackend) (plus
+//! [`LockAdmin`](lock_core::LockAdmin)); job code uses it through
+//! [`LockClient`](lock_core::LockClient) or [`Locker`](lock_core::Locker),
+//! which own owner tokens, lease deadlines, waiting and renewal.
+//!
+//! URL: `etcd://[user:password@]host[:port][,host[:port]...][?namespace=N&connect_timeout_ms=N&operation_timeout_ms=N]`
+//! (see [`EtcdConfig`]).
 //!
 //! ```no_run
-//! use std::sync::Arc;
 //! use std::time::Duration;
 //! use lock_core::{Locker, LockKey, LockOptions};
 //! use lock_etcd::EtcdLock;
@@ -28,7 +37,7 @@
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), lock_core::LockError> {
 //! let lock = EtcdLock::connect("etcd://locker:secret@127.0.0.1:2379?namespace=jobs").await?;
-//! let locker = Locker::new(Arc::new(lock));
+//! let locker = Locker::new(lock);
 //! let key = LockKey::new("nightly-report")?;
 //! if let Some(guard) = locker.try_lock(&key, &LockOptions::new(Duration::from_secs(30))).await? {
 //!     // ... run the job; the guard renews the lease ...
@@ -57,14 +66,19 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod admin;
 mod backend;
 mod config;
 mod errors;
+mod keepalive;
 mod keys;
+mod listener;
 mod queue;
 mod session;
 mod txn;
-mod waiters;
+
+/// The URL schemes this backend opens.
+pub const SCHEMES: &[&str] = &["etcd"];
 
 pub use backend::EtcdLock;
 pub use config::{EtcdConfig, DEFAULT_PORT};

@@ -21,23 +21,34 @@
 //! many wait: the release, the next waiter's acquire, the leaving waiter's
 //! queue-entry delete and its successor's look-up.
 //!
+//! The caller's channel lives in a
+//! [`ReleaseNotifier`](lock_core::ReleaseNotifier) of the queue's own,
+//! not in the watch listener's: when the watch stream is lost, the listener
+//! fails the *task's* watch, and the task looks its place up again (one
+//! transaction) and watches from the revision it read, waking the caller
+//! if it is first and the lock is free (a release may have happened while
+//! the stream was down). The caller keeps its place in line, and waiters
+//! that leave during the reconnect change nothing for the others.
+//!
 //! When the waiting call ends (acquired, deadline, or its future dropped)
 //! its [`ReleaseWatch`] is dropped; the task learns it at once
-//! ([`ReleaseNotifier::closed`](lock_core::ReleaseNotifier::closed)) and
-//! deletes the queue entry in the background, so the successor moves up. A woken first waiter that finds the lock taken
-//! (another client acquired without queueing) stays first and keeps
-//! watching the lock key.
+//! ([`ReleaseNotifier::closed`](lock_core::ReleaseNotifier::closed)) and deletes the queue entry in the
+//! background, so the successor moves up. A woken first waiter that finds
+//! the lock taken (another client acquired without queueing) stays first
+//! and keeps watching the lock key.
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use etcd_client::{GetOptions, KeyValue, PutOptions, SortOrder, SortTarget, Txn, TxnOp};
 use etcd_client::{TxnOpResponse, TxnResponse};
-use lock_core::{LockError, LockKey, OwnerToken, ReleaseWatch};
+use lock_core::{LockError, LockKey, ReleaseWatch};
 use tokio::sync::oneshot;
 
 use crate::backend::{EtcdLock, Inner, MIN_TTL};
 use crate::errors;
+use crate::listener::Topic;
 
 /// Pauses between retries of a failed look-up or entry delete.
 const RETRY_MIN: Duration = Duration::from_millis(100);
@@ -74,6 +85,8 @@ struct Waiter {
     /// subscription.
     target: Vec<u8>,
     watch: ReleaseWatch,
+    /// The watch was lost with its stream: replace it at the next look-up.
+    stale: bool,
 }
 
 /// Queues a waiter on `key` and returns the watch that wakes it; the queue
@@ -87,16 +100,15 @@ struct Waiter {
 /// long as the client lives).
 pub(crate) async fn enqueue(lock: &EtcdLock, key: &LockKey) -> Result<ReleaseWatch, LockError> {
     let inner = &lock.inner;
-    let waiter_id = OwnerToken::random().to_hex();
-    let channel = format!("{}#{waiter_id}", key.as_str());
+    let waiter = inner.next_waiter.fetch_add(1, Ordering::Relaxed);
+    let channel = format!("{}#{waiter}", key.as_str());
     // Registered first: whatever the task notifies from now on is kept.
     let caller = inner
-        .watcher
-        .notifier()
+        .waiting
         .subscribe(&channel, || async { Ok(()) })
         .await?;
     let (joined, on_joined) = oneshot::channel();
-    tokio::spawn(join(lock.clone(), key.clone(), channel, waiter_id, joined));
+    tokio::spawn(join(lock.clone(), key.clone(), channel, waiter, joined));
     match on_joined.await {
         Ok(result) => result.map(|()| caller),
         Err(_) => Err(LockError::unavailable(
@@ -111,10 +123,20 @@ async fn join(
     lock: EtcdLock,
     key: LockKey,
     channel: String,
-    waiter_id: String,
+    waiter: u64,
     joined: oneshot::Sender<Result<(), LockError>>,
 ) {
     let inner = &lock.inner;
+    // Unique in the cluster: the entry lives on this session lease, whose
+    // id etcd never hands out twice, and the number is unique per client.
+    let session = match lock.session(MIN_TTL).await {
+        Ok(session) => session,
+        Err(e) => {
+            let _ = joined.send(Err(e));
+            return;
+        }
+    };
+    let waiter_id = format!("{:x}-{waiter:x}", session.lease_id());
     let entry = inner.layout.queue_entry(&key, &waiter_id);
     let placed = match put_entry(&lock, &key, &entry).await {
         Ok(placed) => placed,
@@ -128,11 +150,7 @@ async fn join(
     let (place, position) = placed;
     let (target, start) = target_of(&lock, &key, &position);
     let first_watch = format!("{channel}#0");
-    let watch = match inner
-        .watcher
-        .subscribe_key(&first_watch, target.clone(), start)
-        .await
-    {
+    let watch = match watch_target(inner, first_watch, &target, start).await {
         Ok(watch) => watch,
         Err(e) => {
             delete_later(Arc::downgrade(inner), entry);
@@ -150,6 +168,7 @@ async fn join(
         watches: 1,
         target,
         watch,
+        stale: false,
     };
     drop(lock);
     // The caller tries right after this, so a free lock needs no wake-up
@@ -157,6 +176,24 @@ async fn join(
     // deletes the entry at once.
     let _ = joined.send(Ok(()));
     waiter.run().await;
+}
+
+/// Watches deletions of `target` from revision `start` on channel
+/// `channel`; the etcd watch is confirmed when this returns.
+async fn watch_target(
+    inner: &Inner,
+    channel: String,
+    target: &[u8],
+    start: i64,
+) -> Result<ReleaseWatch, LockError> {
+    inner
+        .listener
+        .watch(Topic {
+            channel,
+            key: target.to_vec(),
+            start_revision: start,
+        })
+        .await
 }
 
 /// The etcd key to watch from `position`, and the revision to watch from.
@@ -187,16 +224,6 @@ fn reads(lock: &EtcdLock, key: &LockKey, below: i64, limit: i64) -> [TxnOp; 2] {
             Some(GetOptions::new().with_keys_only()),
         ),
     ]
-}
-
-async fn run_txn(lock: &EtcdLock, what: &'static str, txn: Txn) -> Result<TxnResponse, LockError> {
-    let mut kv = lock.inner.kv.clone();
-    lock.inner
-        .options
-        .timed(what, async {
-            kv.txn(txn).await.map_err(errors::mapper(what))
-        })
-        .await
 }
 
 fn ranges(reply: &TxnResponse) -> Vec<Vec<KeyValue>> {
@@ -237,7 +264,7 @@ async fn put_entry(
         queue,
         held,
     ]);
-    let reply = run_txn(lock, "etcd queue waiter", txn).await?;
+    let reply = lock.run_txn("etcd queue waiter", txn).await?;
     let revision = revision_of(&reply)?;
     // The put is the transaction's only write: its revision is ours.
     let place = revision;
@@ -280,7 +307,8 @@ async fn delete_entry(client: Weak<Inner>, entry: Vec<u8>) {
         };
         let mut kv = inner.kv.clone();
         let result = inner
-            .options
+            .config
+            .client
             .timed("etcd dequeue waiter", async {
                 kv.delete(entry.clone(), None)
                     .await
@@ -308,7 +336,7 @@ impl Waiter {
     fn waiting(&self) -> bool {
         self.client
             .upgrade()
-            .is_some_and(|inner| inner.watcher.notifier().has_waiters(&self.channel))
+            .is_some_and(|inner| inner.waiting.has_waiters(&self.channel))
     }
 
     fn is_first(&self, lock: &EtcdLock) -> bool {
@@ -316,13 +344,13 @@ impl Waiter {
     }
 
     fn wake_caller(&self, lock: &EtcdLock) {
-        lock.inner.watcher.notifier().notify(&self.channel);
+        lock.inner.waiting.notify(&self.channel);
     }
 
     async fn run(mut self) {
         // Resolves when the waiting call ends (its ReleaseWatch dropped).
         let departed = match self.client.upgrade() {
-            Some(inner) => inner.watcher.notifier().closed(&self.channel),
+            Some(inner) => inner.waiting.closed(&self.channel),
             None => return,
         };
         tokio::pin!(departed);
@@ -336,7 +364,14 @@ impl Waiter {
                 }
             };
             tokio::select! {
-                _ = self.watch.released() => {}
+                woke = self.watch.released() => {
+                    if let Err(e) = woke {
+                        // The watch stream was lost: a deletion may have
+                        // been missed, and this watch is gone.
+                        tracing::debug!(key = %self.key, error = %e, "etcd watch lost; looking the waiter's place up again");
+                        self.stale = true;
+                    }
+                }
                 _ = &mut departed => break,
                 _ = retry_sleep => {}
             }
@@ -346,14 +381,14 @@ impl Waiter {
             let Some(lock) = self.lock() else {
                 return;
             };
-            if retry.is_none() && self.is_first(&lock) {
-                // The lock key was deleted (or the watch stream reconnected,
-                // and a deletion may have been missed): try now.
+            if retry.is_none() && !self.stale && self.is_first(&lock) {
+                // The lock key was deleted: try now.
                 tracing::trace!(key = %self.key, place = self.place, "etcd lock released; waking the first waiter");
                 self.wake_caller(&lock);
                 continue;
             }
-            // Our predecessor left (or a reconnect): find our place again.
+            // Our predecessor left, or the watch was lost: find our place
+            // again.
             match self.move_up(&lock).await {
                 Ok(()) => retry = None,
                 Err(e) => {
@@ -369,7 +404,7 @@ impl Waiter {
 
     /// Reads our predecessor and the lock key; watches the new predecessor,
     /// or the lock key if we are first now (waking the caller if the lock
-    /// is free).
+    /// is free). A lost watch is replaced even if its target is unchanged.
     async fn move_up(&mut self, lock: &EtcdLock) -> Result<(), LockError> {
         let [queue, held] = reads(lock, &self.key, self.place, 1);
         let txn = Txn::new().and_then([
@@ -377,7 +412,7 @@ impl Waiter {
             held,
             TxnOp::get(self.entry.clone(), Some(GetOptions::new().with_keys_only())),
         ]);
-        let reply = run_txn(lock, "etcd queue look-up", txn).await?;
+        let reply = lock.run_txn("etcd queue look-up", txn).await?;
         let revision = revision_of(&reply)?;
         let ranges = ranges(&reply);
         let mut position = Position {
@@ -398,15 +433,12 @@ impl Waiter {
             position = again;
         }
         let (target, start) = target_of(lock, &self.key, &position);
-        if target != self.target {
+        if self.stale || target != self.target {
             let channel = format!("{}#{}", self.channel, self.watches);
             self.watches += 1;
-            self.watch = lock
-                .inner
-                .watcher
-                .subscribe_key(&channel, target.clone(), start)
-                .await?;
+            self.watch = watch_target(&lock.inner, channel, &target, start).await?;
             self.target = target;
+            self.stale = false;
         }
         let first = position.predecessor.is_none();
         tracing::trace!(key = %self.key, place = self.place, first, "etcd waiter moved up");

@@ -6,7 +6,8 @@
 //! one transaction instead of grant + transaction. Renewing such a lock does
 //! not move the key: one request confirms the key is still ours and still on
 //! the session lease, and the lease's validity is counted from the last
-//! keep-alive the server confirmed.
+//! keep-alive the server confirmed: a grant or renewal says so with
+//! [`Grant::clock_started`], so the client dates the lease from it.
 //!
 //! The session lease alone would keep a lock alive as long as the *client*
 //! lives, not as long as its *holder* renews it. So the session's task also
@@ -16,18 +17,23 @@
 //! while the session lives on for the other locks. A crashed client stops
 //! the keep-alives and etcd expires the session lease, and its keys with it.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use etcd_client::{Compare, CompareOp, KvClient, LeaseClient, LeaseKeepAliveStream, LeaseKeeper};
-use etcd_client::{Txn, TxnOp};
-use lock_core::{ClientOptions, FencingToken};
+use etcd_client::{KvClient, LeaseClient};
+use lock_core::{
+    AcquireReply, AcquireRequest, ClientOptions, ExtendReply, FencingToken, Grant, HeldLock,
+    LockError,
+};
 use tokio::sync::watch;
 
-use crate::errors;
+use crate::backend::EtcdLock;
+use crate::keepalive::Task;
+use crate::keys::encode_value;
+use crate::txn::{self, AcquireOutcome};
 
-/// Set in [`Lease::handle`](lock_core::Lease::handle) for a lock attached to
+/// Set in [`Grant::handle`] for a lock attached to
 /// a session lease (etcd lease ids are positive `i64`s, so the top bit is
 /// free): such a lease is never revoked on behalf of one lock.
 pub(crate) const SESSION_BIT: u64 = 1 << 63;
@@ -44,8 +50,136 @@ pub(crate) fn session_lease_of(handle: u64) -> Option<i64> {
         .flatten()
 }
 
-/// Shortest pause before reopening a failed keep-alive stream.
-const REOPEN_PAUSE: Duration = Duration::from_millis(100);
+impl EtcdLock {
+    /// The live session lease for `ttl`, granted (one round trip) if there
+    /// is none yet.
+    pub(crate) async fn session(&self, ttl: Duration) -> Result<Arc<Session>, LockError> {
+        let sessions = &self.inner.sessions;
+        let secs = ttl.as_secs();
+        if let Some(session) = sessions.live(secs) {
+            return Ok(session);
+        }
+        let _creating = sessions.creating().await;
+        if let Some(session) = sessions.live(secs) {
+            return Ok(session);
+        }
+        // The server starts the lease's clock after this: the session's
+        // first confirmed instant.
+        let sent_at = Instant::now();
+        let (lease_id, granted) = self.grant(ttl).await?;
+        Ok(sessions.start(secs, lease_id, granted, sent_at))
+    }
+
+    /// A renewing acquire: one transaction creates the key on the session
+    /// lease of the request's TTL.
+    pub(crate) async fn acquire_on_session(
+        &self,
+        request: AcquireRequest<'_>,
+    ) -> Result<AcquireReply, LockError> {
+        let key = request.key;
+        let session = self.session(request.ttl).await?;
+        let etcd_key = self.inner.layout.lock_key(key);
+        let value = encode_value(request.owner);
+        // Tracked before it is sent: if this future is dropped before the
+        // reply, the session still deletes the lock a TTL after now, as
+        // any lock its holder stopped renewing (the session lease itself
+        // lives as long as the client). Now is after the client took its
+        // send time, so the client's lease ends before that deletion.
+        let tracked_from = Instant::now();
+        session.track(&etcd_key, &value, None, tracked_from);
+        let reply = match self
+            .run_txn(
+                "etcd acquire",
+                txn::acquire(&etcd_key, &value, session.lease_id()),
+            )
+            .await
+        {
+            Ok(reply) => reply,
+            Err(e) => {
+                // Unknown outcome, and the session lease cannot be revoked
+                // for one lock: make it due now, so the session deletes it
+                // (if it was created) at its next tick.
+                let due = tracked_from
+                    .checked_sub(session.ttl())
+                    .unwrap_or(tracked_from);
+                session.track(&etcd_key, &value, None, due);
+                return Err(e);
+            }
+        };
+        let fencing = match txn::acquire_outcome(key, &reply) {
+            Ok(AcquireOutcome::Created(fencing)) => fencing,
+            Ok(AcquireOutcome::Refused(refused)) => {
+                session.untrack(&value);
+                return Ok(refused);
+            }
+            Err(e) => {
+                session.untrack(&value);
+                return Err(e);
+            }
+        };
+        session.track(&etcd_key, &value, Some(fencing), tracked_from);
+        // The server keeps the session lease at least a TTL after the last
+        // confirmed keep-alive was sent. A session that died while the
+        // request was in flight is being revoked (or expires on the
+        // server), taking the new key with it: no lease can be dated from it.
+        let Some(confirmed) = session.confirmed_sent_at() else {
+            tracing::debug!(key = %key, fencing = %fencing, "etcd session lost while acquiring; the lock goes with it");
+            return Err(LockError::unavailable(format!(
+                "lock {:?} was taken on an etcd session lease that was lost while the request was in flight (no keep-alive answered within its TTL), so it is gone again; try again",
+                key.as_str()
+            )));
+        };
+        Ok(AcquireReply::Granted(
+            Grant::new(fencing, session.ttl())
+                .with_handle(session_handle(session.lease_id()))
+                .clock_started(confirmed),
+        ))
+    }
+
+    /// Renews a lock attached to the live `session` with the session's TTL:
+    /// one transaction confirms the key is still ours and on the session
+    /// lease; the session's keep-alives renew it.
+    pub(crate) async fn confirm_session_lock(
+        &self,
+        lock: HeldLock<'_>,
+        session: &Session,
+    ) -> Result<ExtendReply, LockError> {
+        let etcd_key = self.inner.layout.lock_key(lock.key);
+        let value = encode_value(lock.owner);
+        // After the client's send time, as in `acquire_on_session`.
+        let renewed_at = Instant::now();
+        let reply = self
+            .run_txn(
+                "etcd extend",
+                txn::confirm(&etcd_key, &value, lock.fencing, session.lease_id()),
+            )
+            .await?;
+        if !reply.succeeded() {
+            session.untrack(&value);
+            return Ok(ExtendReply::NotHeld);
+        }
+        match session.confirmed_sent_at() {
+            Some(confirmed) if session.renew(&value, renewed_at) => Ok(ExtendReply::Extended(
+                Grant::new(lock.fencing, session.ttl())
+                    .with_handle(session_handle(session.lease_id()))
+                    .clock_started(confirmed),
+            )),
+            _ => {
+                tracing::debug!(key = %lock.key, fencing = %lock.fencing, "etcd session lock expired or its session was lost");
+                Ok(ExtendReply::NotHeld)
+            }
+        }
+    }
+
+    /// Detaches a lock from its session's expiry tracking, if it had one.
+    pub(crate) fn untrack(&self, lock: &HeldLock<'_>) {
+        if let Some(id) = session_lease_of(lock.handle) {
+            if let Some(session) = self.inner.sessions.by_lease(id) {
+                session.untrack(&encode_value(lock.owner));
+            }
+        }
+    }
+}
 
 /// The sessions of one client, by requested TTL in whole seconds.
 pub(crate) struct Sessions {
@@ -152,10 +286,10 @@ struct State {
 }
 
 #[derive(Clone)]
-struct Tracked {
-    key: Vec<u8>,
-    fencing: Option<FencingToken>,
-    renewed_at: Instant,
+pub(crate) struct Tracked {
+    pub(crate) key: Vec<u8>,
+    pub(crate) fencing: Option<FencingToken>,
+    pub(crate) renewed_at: Instant,
 }
 
 impl Session {
@@ -234,7 +368,7 @@ impl Session {
 
     /// Removes and returns the locks not renewed for the TTL, and the
     /// earliest deadline of the others.
-    fn take_expired(&self, now: Instant) -> (Vec<(Vec<u8>, Tracked)>, Option<Instant>) {
+    pub(crate) fn take_expired(&self, now: Instant) -> (Vec<(Vec<u8>, Tracked)>, Option<Instant>) {
         let mut state = self.state();
         let ttl = self.ttl;
         let expired: Vec<Vec<u8>> = state
@@ -252,239 +386,23 @@ impl Session {
     }
 
     /// Puts back a lock whose deletion failed, to be retried.
-    fn put_back(&self, value: Vec<u8>, tracked: Tracked) {
+    pub(crate) fn put_back(&self, value: Vec<u8>, tracked: Tracked) {
         let mut state = self.state();
         if state.alive {
             state.locks.entry(value).or_insert(tracked);
         }
     }
 
-    fn confirm(&self, sent_at: Instant) {
+    pub(crate) fn confirm(&self, sent_at: Instant) {
         let mut state = self.state();
         state.confirmed_sent_at = state.confirmed_sent_at.max(sent_at);
     }
 
     /// Marks the session dead; its locks are gone (or going) on the server.
-    fn kill(&self) {
+    pub(crate) fn kill(&self) {
         let mut state = self.state();
         state.alive = false;
         state.locks.clear();
-    }
-}
-
-/// The keep-alive and expiry task of one session.
-struct Task {
-    session: Arc<Session>,
-    kv: KvClient,
-    leases: LeaseClient,
-    options: ClientOptions,
-    shutdown: watch::Receiver<()>,
-}
-
-enum Opened {
-    Stream((LeaseKeeper, LeaseKeepAliveStream)),
-    Shutdown,
-    LeaseGone,
-    Failed(lock_core::LockError),
-}
-
-enum Stop {
-    /// The client was dropped.
-    Shutdown,
-    /// The lease is gone, or must be assumed gone.
-    Lost(&'static str),
-}
-
-impl Task {
-    async fn run(mut self) {
-        let stop = self.keep_alive().await;
-        let lease_id = self.session.lease_id;
-        self.session.kill();
-        match stop {
-            Stop::Shutdown => {
-                tracing::debug!(lease_id, "etcd session stopped with its client");
-            }
-            Stop::Lost(why) => {
-                tracing::warn!(
-                    lease_id,
-                    reason = why,
-                    "etcd session lease lost; its locks are gone"
-                );
-                // Make the server agree at once if it still has the lease.
-                let mut leases = self.leases.clone();
-                let _ = self
-                    .options
-                    .timed("etcd lease revoke", async {
-                        leases
-                            .revoke(lease_id)
-                            .await
-                            .map(|_| ())
-                            .map_err(errors::mapper("etcd lease revoke"))
-                    })
-                    .await;
-            }
-        }
-    }
-
-    async fn keep_alive(&mut self) -> Stop {
-        let ttl = self.session.ttl;
-        let period = (ttl / 3).max(Duration::from_millis(100));
-        let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
-        // Send times of the keep-alives not answered yet, oldest first
-        // (etcd answers in order on one stream).
-        let mut in_flight: VecDeque<Instant> = VecDeque::new();
-        // The first keep-alive goes out at once: it opens the stream.
-        let mut next_send = Instant::now();
-        loop {
-            let now = Instant::now();
-            let confirmed = match self.session.confirmed_sent_at() {
-                Some(at) => at,
-                None => return Stop::Lost("session marked dead"),
-            };
-            let lease_end = confirmed + ttl;
-            if now >= lease_end {
-                return Stop::Lost("no keep-alive confirmed within the lease TTL");
-            }
-            let next_expiry = self.sweep(now);
-            if now >= next_send {
-                if let Some((keeper, _)) = stream.as_mut() {
-                    in_flight.push_back(Instant::now());
-                    if let Err(e) = keeper.keep_alive().await {
-                        tracing::debug!(lease_id = self.session.lease_id, error = %e, "etcd keep-alive send failed; reopening the stream");
-                        stream = None;
-                        in_flight.clear();
-                    }
-                }
-                if stream.is_none() {
-                    // Opening the stream sends the first keep-alive and
-                    // waits for its answer.
-                    let sent_at = Instant::now();
-                    match self.open().await {
-                        Opened::Stream(opened) => {
-                            stream = Some(opened);
-                            in_flight.clear();
-                            self.session.confirm(sent_at);
-                        }
-                        Opened::Shutdown => return Stop::Shutdown,
-                        Opened::LeaseGone => {
-                            return Stop::Lost("etcd reports the session lease expired")
-                        }
-                        Opened::Failed(e) => {
-                            tracing::debug!(lease_id = self.session.lease_id, error = %e, "could not open the etcd keep-alive stream; retrying");
-                        }
-                    }
-                }
-                next_send = if stream.is_some() {
-                    Instant::now() + period
-                } else {
-                    Instant::now() + REOPEN_PAUSE.min(period)
-                };
-            }
-            let wake = [Some(next_send), Some(lease_end), next_expiry]
-                .into_iter()
-                .flatten()
-                .min()
-                .unwrap_or(next_send);
-            let message = async {
-                match stream.as_mut() {
-                    Some((_, responses)) => responses.message().await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                _ = self.shutdown.changed() => return Stop::Shutdown,
-                _ = tokio::time::sleep_until(wake.into()) => {}
-                message = message => match message {
-                    Ok(Some(reply)) => {
-                        let sent_at = in_flight.pop_front();
-                        if reply.ttl() <= 0 {
-                            return Stop::Lost("etcd reports the session lease expired");
-                        }
-                        if let Some(sent_at) = sent_at {
-                            self.session.confirm(sent_at);
-                        }
-                    }
-                    Ok(None) | Err(_) => {
-                        tracing::debug!(lease_id = self.session.lease_id, "etcd keep-alive stream ended; reopening");
-                        stream = None;
-                        in_flight.clear();
-                        next_send = next_send.min(Instant::now() + REOPEN_PAUSE.min(period));
-                    }
-                }
-            }
-        }
-    }
-
-    /// Opens the keep-alive stream (which sends one keep-alive and reads
-    /// its answer), under the operation timeout.
-    async fn open(&mut self) -> Opened {
-        let mut leases = self.leases.clone();
-        let lease_id = self.session.lease_id;
-        let open = self.options.timed("etcd lease keep-alive", async {
-            Ok(leases.keep_alive(lease_id).await)
-        });
-        tokio::select! {
-            _ = self.shutdown.changed() => Opened::Shutdown,
-            opened = open => match opened {
-                Ok(Ok(opened)) => Opened::Stream(opened),
-                // etcd-client's way of saying the answer had TTL 0.
-                Ok(Err(etcd_client::Error::LeaseKeepAliveError(message)))
-                    if message.contains("not found") =>
-                {
-                    Opened::LeaseGone
-                }
-                Ok(Err(e)) => Opened::Failed(errors::map("etcd lease keep-alive", e)),
-                Err(e) => Opened::Failed(e),
-            },
-        }
-    }
-
-    /// Deletes, in the background, the attached locks not renewed for the
-    /// TTL; returns the next such deadline.
-    fn sweep(&self, now: Instant) -> Option<Instant> {
-        let (expired, next) = self.session.take_expired(now);
-        for (value, tracked) in expired {
-            let session = self.session.clone();
-            let mut kv = self.kv.clone();
-            let options = self.options.clone();
-            tokio::spawn(async move {
-                let mut when = vec![
-                    Compare::value(tracked.key.clone(), CompareOp::Equal, value.clone()),
-                    Compare::lease(tracked.key.clone(), CompareOp::Equal, session.lease_id),
-                ];
-                if let Some(fencing) = tracked.fencing {
-                    when.push(Compare::create_revision(
-                        tracked.key.clone(),
-                        CompareOp::Equal,
-                        i64::try_from(fencing.get()).unwrap_or(i64::MAX),
-                    ));
-                }
-                let txn = Txn::new()
-                    .when(when)
-                    .and_then([TxnOp::delete(tracked.key.clone(), None)]);
-                let result = options
-                    .timed("etcd expire session lock", async {
-                        kv.txn(txn)
-                            .await
-                            .map_err(errors::mapper("etcd expire session lock"))
-                    })
-                    .await;
-                match result {
-                    Ok(reply) => {
-                        tracing::debug!(
-                            fencing = ?tracked.fencing,
-                            deleted = reply.succeeded(),
-                            "etcd session lock not renewed within its TTL; expired"
-                        );
-                    }
-                    Err(e) => {
-                        tracing::debug!(error = %e, "could not expire an unrenewed etcd session lock; retrying");
-                        session.put_back(value, tracked);
-                    }
-                }
-            });
-        }
-        next
     }
 }
 

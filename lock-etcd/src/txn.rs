@@ -15,7 +15,9 @@
 //! - release: `if value(key) == ours and create_revision(key) == fencing then delete(key)`.
 
 use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse};
-use lock_core::{FencingToken, LockError, LockKey, OwnerToken};
+use std::time::Duration;
+
+use lock_core::{AcquireReply, FencingToken, LockError, LockKey, OwnerToken};
 
 use crate::keys::decode_value;
 
@@ -80,14 +82,10 @@ pub(crate) fn release(key: &[u8], value: &[u8], fencing: FencingToken) -> Txn {
 pub(crate) enum AcquireOutcome {
     /// We created the key; its create revision.
     Created(FencingToken),
-    /// A valid lock of someone else's, attached to this etcd lease.
-    Held {
-        /// The holder's etcd lease id.
-        lease_id: i64,
-    },
-    /// The key vanished between compare and get (cannot happen in one
-    /// transaction, but a reply without the key is treated as "try again").
-    Gone,
+    /// Someone else holds it (or, impossible in one transaction but
+    /// answered as "try again at once", the key vanished between compare
+    /// and get).
+    Refused(AcquireReply),
 }
 
 /// Reads the acquire transaction's reply. A value we did not write, or a
@@ -109,18 +107,24 @@ pub(crate) fn acquire_outcome(
                 ))
             });
     }
+    let gone = AcquireOutcome::Refused(AcquireReply::Held {
+        expires_in: Some(Duration::ZERO),
+    });
     for op in reply.op_responses() {
         if let TxnOpResponse::Get(get) = op {
             let Some(kv) = get.kvs().first() else {
-                return Ok(AcquireOutcome::Gone);
+                return Ok(gone);
             };
             check_found(key, kv.value(), kv.lease())?;
-            return Ok(AcquireOutcome::Held {
-                lease_id: kv.lease(),
-            });
+            tracing::trace!(key = %key, holder_lease = kv.lease(), "etcd lock held by another owner");
+            // The holder's lease may be a session lease, renewed for as
+            // long as its holder wants: no expiry to predict.
+            return Ok(AcquireOutcome::Refused(AcquireReply::Held {
+                expires_in: None,
+            }));
         }
     }
-    Ok(AcquireOutcome::Gone)
+    Ok(gone)
 }
 
 /// Refuses a value distlock did not write at a lock key.

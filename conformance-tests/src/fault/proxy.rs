@@ -13,7 +13,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
-use super::state::{until_forwarding, wait_cut, State};
+use super::state::{until_forwarding, until_passing, wait_cut, State};
 use super::Direction;
 
 /// A TCP proxy on `127.0.0.1:<free port>` in front of one server address,
@@ -32,6 +32,8 @@ use super::Direction;
 ///   [`delay_connection`](Self::delay_connection) on one connection only
 ///   (say, a client's pub/sub connection). Order is kept; bytes read while
 ///   a delay is set keep that delay.
+/// - [`hold`](Self::hold) holds back one direction only (say, replies)
+///   until [`pass`](Self::pass): requests still take effect on the server.
 /// - [`down`](Self::down) resets every connection and every new one until
 ///   [`up`](Self::up): the server looks dead (connection reset).
 ///
@@ -123,6 +125,24 @@ impl Proxy {
     /// Whether it is black-holing right now.
     pub fn is_black_hole(&self) -> bool {
         self.state.borrow().black_hole
+    }
+
+    /// Holds back every byte travelling in `direction`, on every
+    /// connection, live or future, until [`pass`](Self::pass); the other
+    /// direction flows. With [`Direction::ToClient`]: requests reach the
+    /// server and take effect, in order, while the client hears nothing
+    /// (its answers lost for a while, as in a one-way partition).
+    pub fn hold(&self, direction: Direction) {
+        self.state.send_modify(|s| s.held[direction.index()] = true);
+        tracing::debug!(addr = %self.addr, ?direction, "fault proxy: hold");
+    }
+
+    /// Delivers what [`hold`](Self::hold) held back in `direction`, late,
+    /// and forwards again.
+    pub fn pass(&self, direction: Direction) {
+        self.state
+            .send_modify(|s| s.held[direction.index()] = false);
+        tracing::debug!(addr = %self.addr, ?direction, "fault proxy: pass");
     }
 
     /// Holds every byte travelling in `direction` for `delay` before
@@ -311,8 +331,9 @@ async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, leg: Leg) {
                 _ = tokio::time::sleep_until(at) => false,
                 _ = wait_cut(state.clone(), epoch) => true,
             };
-            // A black hole that started meanwhile holds these bytes back.
-            if cut || !until_forwarding(&mut state, epoch).await {
+            // A black hole, or a hold of this direction, that started
+            // meanwhile holds these bytes back.
+            if cut || !until_passing(&mut state, epoch, direction).await {
                 return false;
             }
             let Some(chunk) = chunk else {
@@ -404,6 +425,43 @@ mod tests {
         let mut fresh = TcpStream::connect(proxy.addr()).await.unwrap();
         assert_eq!(round_trip(&mut fresh, b"again").await.unwrap(), b"again");
         assert_eq!(proxy.connections_accepted(), 3);
+    }
+
+    #[tokio::test]
+    async fn holds_one_direction_until_passed() {
+        // An echo server that also reports what it received.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server = listener.local_addr().unwrap();
+        let (received, mut heard) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut buf = [0; 64];
+            while let Ok(n) = stream.read(&mut buf).await {
+                if n == 0 || stream.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+                let _ = received.send(buf[..n].to_vec());
+            }
+        });
+        let proxy = Proxy::start(server).await.unwrap();
+        let mut stream = TcpStream::connect(proxy.addr()).await.unwrap();
+        assert_eq!(round_trip(&mut stream, b"warm").await.unwrap(), b"warm");
+        assert_eq!(heard.recv().await.unwrap(), b"warm");
+
+        // Replies held: the request still reaches the server.
+        proxy.hold(Direction::ToClient);
+        stream.write_all(b"held").await.unwrap();
+        assert_eq!(heard.recv().await.unwrap(), b"held");
+        let mut buf = [0; 4];
+        let early =
+            tokio::time::timeout(Duration::from_millis(200), stream.read_exact(&mut buf)).await;
+        assert!(early.is_err(), "a held reply arrived");
+
+        // Passed: the held reply arrives, and later ones flow.
+        proxy.pass(Direction::ToClient);
+        stream.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"held");
+        assert_eq!(round_trip(&mut stream, b"flow").await.unwrap(), b"flow");
     }
 
     #[tokio::test]

@@ -15,6 +15,9 @@ pub(super) struct State {
     pub(super) epoch: u64,
     /// Forward nothing (held back until `heal`).
     pub(super) black_hole: bool,
+    /// Forward nothing in one direction, `[to server, to client]` (held
+    /// back until passed again).
+    pub(super) held: [bool; 2],
     /// Refuse new connections (calls), until `up`.
     pub(super) down: bool,
     /// The proxy was dropped: everything closes (never set on a link).
@@ -58,6 +61,28 @@ pub(super) async fn until_forwarding(state: &mut watch::Receiver<State>, epoch: 
             Verdict::Forward => return true,
             Verdict::Cut => return false,
             Verdict::Stall => {}
+        }
+        if state.changed().await.is_err() {
+            return false;
+        }
+    }
+}
+
+/// As [`until_forwarding`], for bytes travelling in `direction`: also
+/// waits while that direction is held.
+pub(super) async fn until_passing(
+    state: &mut watch::Receiver<State>,
+    epoch: u64,
+    direction: Direction,
+) -> bool {
+    loop {
+        {
+            let now = state.borrow_and_update();
+            match verdict(&now, epoch) {
+                Verdict::Forward if !now.held[direction.index()] => return true,
+                Verdict::Cut => return false,
+                Verdict::Forward | Verdict::Stall => {}
+            }
         }
         if state.changed().await.is_err() {
             return false;

@@ -1,0 +1,89 @@
+//! The operator calls of [`EtcdLock`]: read or clear a lock whoever holds it.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use etcd_client::{Compare, CompareOp, KeyValue, Txn, TxnOp};
+use lock_core::{FencingToken, LockAdmin, LockError, LockKey, LockState};
+
+use crate::backend::EtcdLock;
+use crate::errors;
+use crate::txn;
+
+impl EtcdLock {
+    /// Reads the lock key: `None` if absent, else the key-value after
+    /// checking distlock wrote it.
+    async fn read_lock(&self, key: &LockKey) -> Result<Option<KeyValue>, LockError> {
+        let etcd_key = self.inner.layout.lock_key(key);
+        let mut kv = self.inner.kv.clone();
+        let reply = self
+            .inner
+            .config
+            .client
+            .timed("etcd get", async {
+                kv.get(etcd_key, None)
+                    .await
+                    .map_err(errors::mapper("etcd get"))
+            })
+            .await?;
+        let Some(found) = reply.kvs().first() else {
+            return Ok(None);
+        };
+        txn::check_found(key, found.value(), found.lease())?;
+        Ok(Some(found.clone()))
+    }
+}
+
+#[async_trait]
+impl LockAdmin for EtcdLock {
+    async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
+        let Some(found) = self.read_lock(key).await? else {
+            return Ok(LockState::Free);
+        };
+        let mut leases = self.inner.leases.clone();
+        let lease_id = found.lease();
+        let ttl = self
+            .inner
+            .config
+            .client
+            .timed("etcd lease time-to-live", async {
+                leases
+                    .time_to_live(lease_id, None)
+                    .await
+                    .map_err(errors::mapper("etcd lease time-to-live"))
+            })
+            .await?;
+        Ok(LockState::Held {
+            // -1 once the lease expired (the key goes with it).
+            expires_in: u64::try_from(ttl.ttl()).ok().map(Duration::from_secs),
+            fencing_token: FencingToken::new(u64::try_from(found.create_revision()).unwrap_or(0)),
+        })
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
+        let Some(found) = self.read_lock(key).await? else {
+            return Ok(false);
+        };
+        // Delete exactly the lock that was read (and checked to be ours), so
+        // a value written in between is never removed unseen.
+        let etcd_key = self.inner.layout.lock_key(key);
+        let delete = Txn::new()
+            .when([Compare::mod_revision(
+                etcd_key.clone(),
+                CompareOp::Equal,
+                found.mod_revision(),
+            )])
+            .and_then([TxnOp::delete(etcd_key, None)]);
+        let reply = self.run_txn("etcd force release", delete).await?;
+        if !reply.succeeded() {
+            return Err(LockError::unavailable(format!(
+                "lock {:?} changed while it was being force-released; try again",
+                key.as_str()
+            )));
+        }
+        // The key's lease is not revoked: it may be a session lease that
+        // other locks of the holder's client share. Without keys, it just
+        // runs out.
+        Ok(true)
+    }
+}

@@ -1,0 +1,227 @@
+//! The keep-alive and expiry task of one session lease: keeps the lease
+//! alive on one keep-alive stream, records the send time of every
+//! keep-alive the server confirmed, deletes attached locks their holders
+//! stopped renewing, and gives the session up (revoking the lease) when no
+//! keep-alive was confirmed within the TTL.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use etcd_client::{Compare, CompareOp, KvClient, LeaseClient, LeaseKeepAliveStream, LeaseKeeper};
+use etcd_client::{Txn, TxnOp};
+use lock_core::ClientOptions;
+use tokio::sync::watch;
+
+use crate::backend;
+use crate::errors;
+use crate::session::Session;
+
+/// Shortest pause before reopening a failed keep-alive stream.
+const REOPEN_PAUSE: Duration = Duration::from_millis(100);
+
+/// The keep-alive and expiry task of one session.
+pub(crate) struct Task {
+    pub(crate) session: Arc<Session>,
+    pub(crate) kv: KvClient,
+    pub(crate) leases: LeaseClient,
+    pub(crate) options: ClientOptions,
+    pub(crate) shutdown: watch::Receiver<()>,
+}
+
+enum Opened {
+    Stream((LeaseKeeper, LeaseKeepAliveStream)),
+    Shutdown,
+    LeaseGone,
+    Failed(lock_core::LockError),
+}
+
+enum Stop {
+    /// The client was dropped.
+    Shutdown,
+    /// The lease is gone, or must be assumed gone.
+    Lost(&'static str),
+}
+
+impl Task {
+    pub(crate) async fn run(mut self) {
+        let stop = self.keep_alive().await;
+        let lease_id = self.session.lease_id();
+        self.session.kill();
+        match stop {
+            Stop::Shutdown => {
+                tracing::debug!(lease_id, "etcd session stopped with its client");
+            }
+            Stop::Lost(why) => {
+                tracing::warn!(
+                    lease_id,
+                    reason = why,
+                    "etcd session lease lost; its locks are gone"
+                );
+                // Make the server agree at once if it still has the lease.
+                let _ = backend::revoke(self.leases.clone(), &self.options, lease_id).await;
+            }
+        }
+    }
+
+    async fn keep_alive(&mut self) -> Stop {
+        let ttl = self.session.ttl();
+        let period = (ttl / 3).max(Duration::from_millis(100));
+        let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
+        // Send times of the keep-alives not answered yet, oldest first
+        // (etcd answers in order on one stream).
+        let mut in_flight: VecDeque<Instant> = VecDeque::new();
+        // The first keep-alive goes out at once: it opens the stream.
+        let mut next_send = Instant::now();
+        loop {
+            let now = Instant::now();
+            let confirmed = match self.session.confirmed_sent_at() {
+                Some(at) => at,
+                None => return Stop::Lost("session marked dead"),
+            };
+            let lease_end = confirmed + ttl;
+            if now >= lease_end {
+                return Stop::Lost("no keep-alive confirmed within the lease TTL");
+            }
+            let next_expiry = self.sweep(now);
+            if now >= next_send {
+                if let Some((keeper, _)) = stream.as_mut() {
+                    in_flight.push_back(Instant::now());
+                    if let Err(e) = keeper.keep_alive().await {
+                        tracing::debug!(lease_id = self.session.lease_id(), error = %e, "etcd keep-alive send failed; reopening the stream");
+                        stream = None;
+                        in_flight.clear();
+                    }
+                }
+                if stream.is_none() {
+                    // Opening the stream sends the first keep-alive and
+                    // waits for its answer.
+                    let sent_at = Instant::now();
+                    match self.open().await {
+                        Opened::Stream(opened) => {
+                            stream = Some(opened);
+                            in_flight.clear();
+                            self.session.confirm(sent_at);
+                        }
+                        Opened::Shutdown => return Stop::Shutdown,
+                        Opened::LeaseGone => {
+                            return Stop::Lost("etcd reports the session lease expired")
+                        }
+                        Opened::Failed(e) => {
+                            tracing::debug!(lease_id = self.session.lease_id(), error = %e, "could not open the etcd keep-alive stream; retrying");
+                        }
+                    }
+                }
+                next_send = if stream.is_some() {
+                    Instant::now() + period
+                } else {
+                    Instant::now() + REOPEN_PAUSE.min(period)
+                };
+            }
+            let wake = [Some(next_send), Some(lease_end), next_expiry]
+                .into_iter()
+                .flatten()
+                .min()
+                .unwrap_or(next_send);
+            let message = async {
+                match stream.as_mut() {
+                    Some((_, responses)) => responses.message().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = self.shutdown.changed() => return Stop::Shutdown,
+                _ = tokio::time::sleep_until(wake.into()) => {}
+                message = message => match message {
+                    Ok(Some(reply)) => {
+                        let sent_at = in_flight.pop_front();
+                        if reply.ttl() <= 0 {
+                            return Stop::Lost("etcd reports the session lease expired");
+                        }
+                        if let Some(sent_at) = sent_at {
+                            self.session.confirm(sent_at);
+                        }
+                    }
+                    Ok(None) | Err(_) => {
+                        tracing::debug!(lease_id = self.session.lease_id(), "etcd keep-alive stream ended; reopening");
+                        stream = None;
+                        in_flight.clear();
+                        next_send = next_send.min(Instant::now() + REOPEN_PAUSE.min(period));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Opens the keep-alive stream (which sends one keep-alive and reads
+    /// its answer), under the operation timeout.
+    async fn open(&mut self) -> Opened {
+        let mut leases = self.leases.clone();
+        let lease_id = self.session.lease_id();
+        let open = self.options.timed("etcd lease keep-alive", async {
+            Ok(leases.keep_alive(lease_id).await)
+        });
+        tokio::select! {
+            _ = self.shutdown.changed() => Opened::Shutdown,
+            opened = open => match opened {
+                Ok(Ok(opened)) => Opened::Stream(opened),
+                // etcd-client's way of saying the answer had TTL 0.
+                Ok(Err(etcd_client::Error::LeaseKeepAliveError(message)))
+                    if message.contains("not found") =>
+                {
+                    Opened::LeaseGone
+                }
+                Ok(Err(e)) => Opened::Failed(errors::map("etcd lease keep-alive", e)),
+                Err(e) => Opened::Failed(e),
+            },
+        }
+    }
+
+    /// Deletes, in the background, the attached locks not renewed for the
+    /// TTL; returns the next such deadline.
+    fn sweep(&self, now: Instant) -> Option<Instant> {
+        let (expired, next) = self.session.take_expired(now);
+        for (value, tracked) in expired {
+            let session = self.session.clone();
+            let mut kv = self.kv.clone();
+            let options = self.options.clone();
+            tokio::spawn(async move {
+                let mut when = vec![
+                    Compare::value(tracked.key.clone(), CompareOp::Equal, value.clone()),
+                    Compare::lease(tracked.key.clone(), CompareOp::Equal, session.lease_id()),
+                ];
+                if let Some(fencing) = tracked.fencing {
+                    when.push(Compare::create_revision(
+                        tracked.key.clone(),
+                        CompareOp::Equal,
+                        i64::try_from(fencing.get()).unwrap_or(i64::MAX),
+                    ));
+                }
+                let txn = Txn::new()
+                    .when(when)
+                    .and_then([TxnOp::delete(tracked.key.clone(), None)]);
+                let result = options
+                    .timed("etcd expire session lock", async {
+                        kv.txn(txn)
+                            .await
+                            .map_err(errors::mapper("etcd expire session lock"))
+                    })
+                    .await;
+                match result {
+                    Ok(reply) => {
+                        tracing::debug!(
+                            fencing = ?tracked.fencing,
+                            deleted = reply.succeeded(),
+                            "etcd session lock not renewed within its TTL; expired"
+                        );
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "could not expire an unrenewed etcd session lock; retrying");
+                        session.put_back(value, tracked);
+                    }
+                }
+            });
+        }
+        next
+    }
+}

@@ -1,0 +1,278 @@
+//! Release notifications from one etcd watch stream per client, as a
+//! [`NotificationSource`] for lock-core's [`Listener`](lock_core::Listener).
+//!
+//! The listener opens the stream on the first waiter, reads it on one task
+//! and, on any failure, drops it and wakes every waiter with an error so
+//! each subscribes again (see the kit's docs). This file only says how to
+//! talk to etcd:
+//!
+//! - A topic is one etcd watch: a waiter's own channel name, the etcd key it
+//!   waits on (its predecessor's queue entry, or the lock key) and the
+//!   revision to watch from, just after the revision its look-up read, so a
+//!   deletion in between is delivered too. The waiter queue
+//!   ([`crate::queue`]) gives every watch a channel of its own, so one
+//!   deletion wakes exactly one waiter.
+//! - Watch ids are chosen by the client (fresh per stream), so a `created`
+//!   confirmation is matched to its subscribe, which returns only once etcd
+//!   confirmed the watch.
+//! - A `DELETE` event wakes the watch's channel; other events (a value
+//!   renewed under the same key) do not.
+//! - etcd cancelling a live watch (its start revision compacted while it
+//!   lagged behind) is reported as a lost stream: the kit's one lost path
+//!   makes every waiter look up its place again and watch from a fresh
+//!   revision. A watch refused before it was confirmed (no permission)
+//!   fails its subscribe with the reason.
+//!
+//! etcd-client opens a watch stream only together with a first watch, so
+//! each stream starts with a watch on the namespace prefix key itself
+//! (`NS/lock/`, which no lock or queue entry ever is); it never fires. A
+//! silently dead stream is noticed by the gRPC channel's HTTP/2 keep-alive
+//! (the kit's quiet-connection ping is left at its default).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use async_trait::async_trait;
+use etcd_client::{EventType, WatchClient, WatchOptions, WatchRequestSender, WatchResponseStream};
+use lock_core::{LockError, NotificationSource};
+use tokio::sync::oneshot;
+
+use crate::errors;
+
+/// The watch id of the prefix-key watch that opens each stream.
+const OPENING_WATCH: i64 = 1;
+
+/// One etcd watch a waiter subscribes to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Topic {
+    /// The local channel its deletions wake (unique per watch).
+    pub(crate) channel: String,
+    /// The etcd key watched.
+    pub(crate) key: Vec<u8>,
+    /// The revision to watch from (0: from now).
+    pub(crate) start_revision: i64,
+}
+
+/// How the listener talks to etcd's watch service.
+pub(crate) struct EtcdWatches {
+    client: WatchClient,
+    /// The key of the watch that opens each stream.
+    opening_key: Vec<u8>,
+}
+
+impl EtcdWatches {
+    /// Watches through `client`; `opening_key` is a key inside the
+    /// namespace that nothing ever writes.
+    pub(crate) fn new(client: WatchClient, opening_key: Vec<u8>) -> Self {
+        Self {
+            client,
+            opening_key,
+        }
+    }
+}
+
+/// One watch stream's request side and its watches, shared by the sink
+/// (subscribe, unsubscribe) and the stream (its reader).
+pub(crate) struct Conn {
+    requests: tokio::sync::Mutex<WatchRequestSender>,
+    watches: Mutex<Watches>,
+}
+
+struct Watches {
+    next_id: i64,
+    by_id: HashMap<i64, Watch>,
+    by_channel: HashMap<String, i64>,
+}
+
+struct Watch {
+    channel: String,
+    /// The subscribe waiting for etcd's `created`; `None` once confirmed.
+    confirm: Option<oneshot::Sender<Result<(), LockError>>>,
+}
+
+impl Conn {
+    fn watches(&self) -> MutexGuard<'_, Watches> {
+        self.watches.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Fails every subscribe still waiting for a confirmation: the stream
+    /// ended.
+    fn fail_pending(&self, why: &LockError) {
+        let mut watches = self.watches();
+        for watch in watches.by_id.values_mut() {
+            if let Some(confirm) = watch.confirm.take() {
+                let _ = confirm.send(Err(LockError::new(why.kind(), why.message())));
+            }
+        }
+    }
+
+    /// Handles one response; returns the channel to wake, or an error if a
+    /// live watch was lost.
+    fn handle(&self, response: &etcd_client::WatchResponse) -> Option<Result<String, LockError>> {
+        let id = response.watch_id();
+        let mut watches = self.watches();
+        if response.canceled() {
+            // Ours to forget (a cancel we asked for was forgotten already).
+            let watch = watches.by_id.remove(&id)?;
+            watches.by_channel.remove(&watch.channel);
+            let reason = response.cancel_reason();
+            return match watch.confirm {
+                Some(confirm) => {
+                    let error = if reason.contains("permission denied") {
+                        LockError::config(format!(
+                            "etcd refused to watch a lock: {reason}; grant the user's role read permission on the lock namespace prefix"
+                        ))
+                    } else {
+                        LockError::unavailable(format!("etcd refused to watch a lock: {reason}"))
+                    };
+                    let _ = confirm.send(Err(error));
+                    None
+                }
+                None => Some(Err(LockError::unavailable(format!(
+                    "etcd cancelled a live lock watch (compact revision {}): {reason}",
+                    response.compact_revision()
+                )))),
+            };
+        }
+        let watch = watches.by_id.get_mut(&id)?;
+        if response.created() {
+            if let Some(confirm) = watch.confirm.take() {
+                let _ = confirm.send(Ok(()));
+            }
+        }
+        response
+            .events()
+            .iter()
+            .any(|event| event.event_type() == EventType::Delete)
+            .then(|| Ok(watch.channel.clone()))
+    }
+}
+
+/// The receiving side of one watch stream.
+pub(crate) struct Stream {
+    responses: WatchResponseStream,
+    conn: Arc<Conn>,
+}
+
+fn watch_options(id: i64, start_revision: i64) -> WatchOptions {
+    let options = WatchOptions::new().with_watch_id(id);
+    if start_revision > 0 {
+        options.with_start_revision(start_revision)
+    } else {
+        options
+    }
+}
+
+#[async_trait]
+impl NotificationSource for EtcdWatches {
+    type Topic = Topic;
+    type Sink = Arc<Conn>;
+    type Stream = Stream;
+
+    fn channel(&self, topic: &Topic) -> String {
+        topic.channel.clone()
+    }
+
+    async fn connect(&self) -> Result<(Arc<Conn>, Stream), LockError> {
+        let mut client = self.client.clone();
+        let stream = client
+            .watch(
+                self.opening_key.clone(),
+                Some(watch_options(OPENING_WATCH, 0)),
+            )
+            .await
+            .map_err(errors::mapper("etcd watch"))?;
+        let (requests, responses) = stream.split();
+        let conn = Arc::new(Conn {
+            requests: tokio::sync::Mutex::new(requests),
+            watches: Mutex::new(Watches {
+                next_id: OPENING_WATCH + 1,
+                by_id: HashMap::new(),
+                by_channel: HashMap::new(),
+            }),
+        });
+        Ok((
+            conn.clone(),
+            Stream {
+                responses,
+                conn: conn.clone(),
+            },
+        ))
+    }
+
+    async fn subscribe(&self, conn: &Arc<Conn>, topics: &[Topic]) -> Result<(), LockError> {
+        let mut confirmations = Vec::with_capacity(topics.len());
+        for topic in topics {
+            // Registered before it is sent, so the reader matches the
+            // confirmation whenever it comes.
+            let (confirm, confirmed) = oneshot::channel();
+            let id = {
+                let mut watches = conn.watches();
+                let id = watches.next_id;
+                watches.next_id += 1;
+                watches.by_id.insert(
+                    id,
+                    Watch {
+                        channel: topic.channel.clone(),
+                        confirm: Some(confirm),
+                    },
+                );
+                watches.by_channel.insert(topic.channel.clone(), id);
+                id
+            };
+            conn.requests
+                .lock()
+                .await
+                .watch(
+                    topic.key.clone(),
+                    Some(watch_options(id, topic.start_revision)),
+                )
+                .await
+                .map_err(errors::mapper("etcd watch"))?;
+            confirmations.push(confirmed);
+        }
+        for confirmed in confirmations {
+            confirmed.await.map_err(|_| {
+                LockError::unavailable("the etcd watch stream ended before etcd confirmed a watch")
+            })??;
+        }
+        Ok(())
+    }
+
+    async fn unsubscribe(&self, conn: &Arc<Conn>, topics: &[Topic]) -> Result<(), LockError> {
+        let ids: Vec<i64> = {
+            let mut watches = conn.watches();
+            topics
+                .iter()
+                .filter_map(|topic| {
+                    let id = watches.by_channel.remove(&topic.channel)?;
+                    watches.by_id.remove(&id);
+                    Some(id)
+                })
+                .collect()
+        };
+        let mut requests = conn.requests.lock().await;
+        for id in ids {
+            requests
+                .cancel(id)
+                .await
+                .map_err(errors::mapper("etcd watch cancel"))?;
+        }
+        Ok(())
+    }
+
+    async fn next(&self, stream: &mut Stream) -> Option<Result<String, LockError>> {
+        loop {
+            let error = match stream.responses.message().await {
+                Ok(Some(response)) => match stream.conn.handle(&response) {
+                    Some(wake) => return Some(wake),
+                    None => continue,
+                },
+                Ok(None) => LockError::unavailable("etcd closed the watch stream"),
+                Err(e) => errors::map("etcd watch stream", e),
+            };
+            stream.conn.fail_pending(&error);
+            return Some(Err(error));
+        }
+    }
+}

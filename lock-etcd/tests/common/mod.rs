@@ -1,0 +1,263 @@
+//! Helpers shared by the etcd-specific test files: servers, clients,
+//! keys, raw etcd reads and etcd's request counters.
+
+// Each test file uses a different subset.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use conformance_tests::fault::Proxy;
+use conformance_tests::server::{self, ServerHandle, ServerProcess};
+use conformance_tests::ObservedLock;
+use lock_core::{AcquireAttempt, Lease, LockClient, LockError, LockKey};
+use lock_etcd::etcd_client::{self, Client};
+use lock_etcd::EtcdLock;
+
+pub fn random() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish()
+}
+
+/// A fresh key with `label` in it.
+pub fn key(label: &str) -> LockKey {
+    LockKey::new(format!("{label}-{:016x}", random())).expect("valid key")
+}
+
+/// A server for tests that do not control the process.
+pub fn any_server() -> ServerHandle {
+    ServerHandle::from_env_or_start(Arc::new(server::Etcd)).expect("etcd must start")
+}
+
+/// A server this test owns (kill, restart, auth setup, request counts).
+pub fn own_server() -> ServerProcess {
+    ServerProcess::start(Arc::new(server::Etcd)).expect("etcd must start")
+}
+
+/// `host:port` of an `etcd://` URL.
+pub fn endpoint(url: &str) -> String {
+    url.strip_prefix("etcd://")
+        .expect("etcd URL")
+        .split('?')
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// The server address in an `etcd://` URL.
+pub fn addr_of(url: &str) -> SocketAddr {
+    endpoint(url).parse().expect("an etcd URL with IP:port")
+}
+
+/// A plain etcd client, to look at (or tamper with) what the backend wrote.
+pub async fn raw_client(url: &str) -> Client {
+    Client::connect([endpoint(url)], None)
+        .await
+        .expect("raw etcd client")
+}
+
+/// A lock client of its own on `url`.
+pub async fn connect(url: &str) -> LockClient {
+    LockClient::new(EtcdLock::connect(url).await.expect("connect"))
+}
+
+/// A lock client on `url` whose acquisition attempts are counted.
+pub async fn observed(url: &str) -> (Arc<ObservedLock>, LockClient) {
+    let observed = Arc::new(ObservedLock::new(
+        EtcdLock::connect(url).await.expect("connect"),
+    ));
+    (observed.clone(), LockClient::new(observed))
+}
+
+/// Takes a free `key` without waiting; panics if it is held.
+pub async fn acquire(client: &LockClient, key: &LockKey, ttl: Duration) -> Lease {
+    match client.try_acquire(key, ttl).await.expect("try_acquire") {
+        AcquireAttempt::Acquired(lease) => lease,
+        AcquireAttempt::Held { .. } => panic!("{key} unexpectedly held"),
+    }
+}
+
+/// As [`acquire`], for a lock its holder renews (on the session lease).
+pub async fn acquire_renewing(client: &LockClient, key: &LockKey, ttl: Duration) -> Lease {
+    match client
+        .try_acquire_renewing(key, ttl)
+        .await
+        .expect("renewing acquire")
+    {
+        AcquireAttempt::Acquired(lease) => lease,
+        AcquireAttempt::Held { .. } => panic!("{key} unexpectedly held"),
+    }
+}
+
+/// A fault proxy in front of `server`.
+pub async fn proxy_for(server: &ServerHandle) -> Proxy {
+    Proxy::start(addr_of(&server.url()))
+        .await
+        .expect("fault proxy")
+}
+
+/// The URL of `proxy`'s server as seen through it, with `query`.
+pub fn through(proxy: &Proxy, query: &str) -> String {
+    format!("etcd://{}?{query}", proxy.addr())
+}
+
+/// Short timeouts for a client behind a fault, so it notices quickly.
+pub const SHORT_TIMEOUTS: &str = "connect_timeout_ms=1000&operation_timeout_ms=1000";
+
+/// Another client acquires `key` (and releases it) within 15 s.
+pub async fn assert_freed(other: &LockClient, key: &LockKey, why: &str) {
+    let give_up = Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Ok(AcquireAttempt::Acquired(taken)) =
+            other.try_acquire(key, Duration::from_secs(30)).await
+        {
+            other.release(&taken).await.expect("release");
+            return;
+        }
+        assert!(Instant::now() < give_up, "{key} never freed: {why}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A waiting acquire (30 s TTL, 20 s deadline) running in a task.
+pub struct Waiting {
+    task: tokio::task::JoinHandle<Result<Option<Lease>, LockError>>,
+    deadline: Instant,
+}
+
+impl Waiting {
+    /// Starts one on `client` (whose attempts `observed` counts); returns
+    /// once it made its first attempt (so it is queued and its watch is
+    /// live).
+    pub async fn start(observed: &ObservedLock, client: &LockClient, key: &LockKey) -> Self {
+        let before = observed.attempts();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let task = {
+            let client = client.clone();
+            let key = key.clone();
+            tokio::spawn(async move {
+                client
+                    .acquire(&key, Duration::from_secs(30), deadline)
+                    .await
+            })
+        };
+        while observed.attempts() == before {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Self { task, deadline }
+    }
+
+    /// The lease it got: it must have been woken, and acquired, before its
+    /// deadline (the lock is free long before).
+    pub async fn acquired(self) -> Lease {
+        let lease = self
+            .task
+            .await
+            .expect("waiting task")
+            .expect("acquire")
+            .expect("acquired before the deadline");
+        assert!(
+            Instant::now() < self.deadline,
+            "the waiter was woken by its deadline, not when the lock was freed"
+        );
+        lease
+    }
+}
+
+/// The keys under `prefix`, read with a raw client.
+pub async fn keys_under(raw: &mut Client, prefix: &str) -> Vec<String> {
+    raw.get(prefix, Some(etcd_client::GetOptions::new().with_prefix()))
+        .await
+        .expect("raw range")
+        .kvs()
+        .iter()
+        .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+        .collect()
+}
+
+/// Waits until no queue entries are left under `queue` (waiters delete
+/// theirs in the background); panics if some are still there after 10 s.
+pub async fn assert_queue_empties(raw: &mut Client, queue: &str) {
+    let give_up = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = keys_under(raw, queue).await;
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < give_up,
+            "{} queue entries left behind: {left:?}",
+            left.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Deletes everything under `prefix` with a raw client.
+pub async fn delete_prefix(raw: &mut Client, prefix: &str) {
+    raw.delete(
+        prefix,
+        Some(etcd_client::DeleteOptions::new().with_prefix()),
+    )
+    .await
+    .expect("raw delete");
+}
+
+/// etcd's per-method gRPC request counters (`grpc_server_started_total`),
+/// read from its Prometheus endpoint on the client port with a plain
+/// HTTP/1.0 GET.
+pub async fn grpc_started(addr: SocketAddr) -> BTreeMap<String, u64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect to etcd's metrics endpoint");
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .await
+        .expect("send the metrics request");
+    let mut body = String::new();
+    stream
+        .read_to_string(&mut body)
+        .await
+        .expect("read the metrics");
+    let mut counts = BTreeMap::new();
+    for line in body.lines() {
+        let Some(rest) = line.strip_prefix("grpc_server_started_total{") else {
+            continue;
+        };
+        let method = rest
+            .split("grpc_method=\"")
+            .nth(1)
+            .and_then(|m| m.split('"').next())
+            .expect("grpc_method label");
+        let value: f64 = line
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse().ok())
+            .expect("counter value");
+        *counts.entry(method.to_owned()).or_insert(0) += value as u64;
+    }
+    assert!(
+        counts.contains_key("Range") || counts.contains_key("Txn"),
+        "etcd's /metrics has no grpc_server_started_total counters: {body:.500}"
+    );
+    counts
+}
+
+/// The gRPC requests started between two counter readings, by method,
+/// without the keep-alive stream (its messages are not requests).
+pub fn requests_between(
+    before: &BTreeMap<String, u64>,
+    after: &BTreeMap<String, u64>,
+) -> BTreeMap<String, u64> {
+    after
+        .iter()
+        .filter(|(method, _)| method.as_str() != "LeaseKeepAlive")
+        .map(|(method, n)| (method.clone(), n - before.get(method).copied().unwrap_or(0)))
+        .filter(|(_, n)| *n > 0)
+        .collect()
+}

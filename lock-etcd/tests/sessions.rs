@@ -1,0 +1,154 @@
+//! Session leases: a renewing acquire is one round trip, its renewal one
+//! confirming transaction, a lock its holder stops renewing still expires,
+//! and the session lease ends with its client.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::{
+    acquire, acquire_renewing, any_server, connect, grpc_started, key, own_server, raw_client,
+    requests_between,
+};
+use lock_core::{AcquireAttempt, ErrorKind};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewing_acquire_is_one_round_trip_and_still_expires() {
+    // A server of its own, so no other test's requests are counted.
+    let server = own_server();
+    let a = connect(&server.url()).await;
+    let b = connect(&server.url()).await;
+    let long = Duration::from_secs(30);
+    let expect = |pairs: &[(&str, u64)]| -> BTreeMap<String, u64> {
+        pairs.iter().map(|(m, n)| ((*m).to_owned(), *n)).collect()
+    };
+
+    // The first renewing acquire with a TTL starts the session: grant + txn.
+    let before = grpc_started(server.addr()).await;
+    let first = acquire_renewing(&a, &key("rt"), long).await;
+    let after = grpc_started(server.addr()).await;
+    assert_eq!(
+        requests_between(&before, &after),
+        expect(&[("LeaseGrant", 1), ("Txn", 1)]),
+        "first renewing acquire"
+    );
+
+    // Every further one is a single transaction on the session lease.
+    let before = grpc_started(server.addr()).await;
+    let second = acquire_renewing(&a, &key("rt"), long).await;
+    let after = grpc_started(server.addr()).await;
+    assert_eq!(
+        requests_between(&before, &after),
+        expect(&[("Txn", 1)]),
+        "second renewing acquire: one round trip"
+    );
+    assert_eq!(second.ttl(), first.ttl());
+
+    // Renewing it with its TTL is one confirming transaction.
+    let before = grpc_started(server.addr()).await;
+    let renewed = a.extend(&second, second.ttl()).await.expect("extend");
+    let after = grpc_started(server.addr()).await;
+    assert_eq!(
+        requests_between(&before, &after),
+        expect(&[("Txn", 1)]),
+        "renewal"
+    );
+    assert_eq!(renewed.fencing_token(), second.fencing_token());
+    // The renewed lease keeps the session handle, so its next renewal is
+    // one confirming transaction too.
+    assert_eq!(renewed.handle(), second.handle());
+
+    // A plain acquire keeps its own lease (exact TTL): grant + txn.
+    let before = grpc_started(server.addr()).await;
+    let plain = acquire(&a, &key("rt"), long).await;
+    let after = grpc_started(server.addr()).await;
+    assert_eq!(
+        requests_between(&before, &after),
+        expect(&[("LeaseGrant", 1), ("Txn", 1)]),
+        "plain acquire"
+    );
+
+    // Releasing a session lock deletes only it: the session lease is not
+    // revoked, so the other lock on it stays held.
+    a.release(&renewed).await.expect("release the second");
+    assert!(matches!(
+        b.try_acquire(first.key(), long).await.unwrap(),
+        AcquireAttempt::Held { .. }
+    ));
+    a.release(&first).await.expect("release the first");
+    a.release(&plain).await.expect("release the plain lock");
+
+    // A renewing lock its holder stops renewing expires while the client
+    // (and its session) lives on.
+    let short = Duration::from_secs(1);
+    let k = key("unrenewed");
+    let stale = acquire_renewing(&a, &k, short).await;
+    let give_up = Instant::now() + Duration::from_secs(30);
+    let taken = loop {
+        if let AcquireAttempt::Acquired(lease) = b.try_acquire(&k, long).await.unwrap() {
+            break lease;
+        }
+        assert!(Instant::now() < give_up, "the unrenewed lock never expired");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(taken.fencing_token() > stale.fencing_token());
+    assert_eq!(
+        a.extend(&stale, stale.ttl()).await.unwrap_err().kind(),
+        ErrorKind::NotHeld
+    );
+    // The session is still there for new locks: one round trip.
+    let before = grpc_started(server.addr()).await;
+    let again = acquire_renewing(&a, &key("rt"), short).await;
+    let after = grpc_started(server.addr()).await;
+    assert_eq!(
+        requests_between(&before, &after),
+        expect(&[("Txn", 1)]),
+        "renewing acquire after an expiry"
+    );
+    a.release(&again).await.expect("release");
+    b.release(&taken).await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_client_stops_its_session_keep_alive() {
+    let server = any_server();
+    let raw = raw_client(&server.url()).await;
+    let a = connect(&server.url()).await;
+    let lease = acquire_renewing(&a, &key("session-drop"), Duration::from_secs(1)).await;
+    // The handle is the session lease id with the top bit set.
+    let session_lease = i64::try_from(lease.handle() & !(1 << 63)).expect("lease id");
+    // etcd reports the remaining whole seconds (0 in the last second), and
+    // -1 for a lease that no longer exists.
+    let alive = |ttl: i64| ttl >= 0;
+    let mut leases = raw.lease_client();
+    // Kept alive while the client lives, well past its 1 s TTL.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let ttl = leases
+        .time_to_live(session_lease, None)
+        .await
+        .unwrap()
+        .ttl();
+    assert!(
+        alive(ttl),
+        "the session lease must be kept alive (ttl {ttl})"
+    );
+    drop(a);
+    // Dropped: its keep-alive task stops and etcd expires the lease.
+    let give_up = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ttl = leases
+            .time_to_live(session_lease, None)
+            .await
+            .unwrap()
+            .ttl();
+        if !alive(ttl) {
+            break;
+        }
+        assert!(
+            Instant::now() < give_up,
+            "the session lease outlived its client"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -1,0 +1,296 @@
+//! Waiting on etcd: wake-ups come from etcd watches (not polling), in FIFO
+//! order through the waiter queue, at a constant cost per handoff, and
+//! leave no queue entries behind.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{
+    acquire, any_server, assert_queue_empties, connect, grpc_started, key, keys_under, observed,
+    own_server, random, raw_client, requests_between,
+};
+use conformance_tests::server::ServerProcess;
+use lock_core::LockKey;
+
+/// A waiter blocked for 2 s makes at most 2 attempts: it is woken by the
+/// watch, not by polling. The operation timeout is shorter than the wait,
+/// so the watch stream must outlive it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_is_woken_by_the_server_not_polling() {
+    let server = any_server();
+    let url = format!("{}?operation_timeout_ms=500", server.url());
+    let holder = connect(&url).await;
+    let (attempts, waiter) = observed(&url).await;
+    let k = key("wake");
+    let held = acquire(&holder, &k, Duration::from_secs(30)).await;
+
+    let task = {
+        let waiter = waiter.clone();
+        let k = k.clone();
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            waiter.acquire(&k, Duration::from_secs(30), deadline).await
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(attempts.attempts(), 1, "no polling while held");
+    holder.release(&held).await.expect("release");
+    let lease = task
+        .await
+        .unwrap()
+        .expect("acquire")
+        .expect("acquired before the deadline");
+    assert!(lease.fencing_token() > held.fencing_token());
+    let n = attempts.attempts();
+    assert!(n <= 2, "{n} attempts");
+    waiter.release(&lease).await.unwrap();
+}
+
+/// A holder that stops renewing (crashed) is noticed when etcd expires its
+/// lease: the deletion wakes the waiter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_is_woken_by_lease_expiry() {
+    let server = any_server();
+    let holder = connect(&server.url()).await;
+    let (attempts, waiter) = observed(&server.url()).await;
+    let k = key("expiry");
+    let held = acquire(&holder, &k, Duration::from_secs(2)).await;
+    drop(holder);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let lease = waiter
+        .acquire(&k, Duration::from_secs(5), deadline)
+        .await
+        .expect("acquire")
+        .expect("acquired after expiry");
+    assert!(lease.fencing_token() > held.fencing_token());
+    assert!(attempts.attempts() <= 2);
+}
+
+/// gRPC requests per handoff with `waiters` waiters, each in its own client:
+/// a holder releases, the first waiter acquires, holds briefly and releases,
+/// the next acquires, and so on. Counts everything started from the moment
+/// every waiter waits until the last one released (background deletes and
+/// revokes included), divided by the number of handoffs.
+async fn requests_per_handoff(server: &ServerProcess, waiters: usize) -> BTreeMap<String, f64> {
+    let holder = connect(&server.url()).await;
+    let k = key("handoff");
+    let held = acquire(&holder, &k, Duration::from_secs(30)).await;
+    let mut clients = Vec::new();
+    for _ in 0..waiters {
+        clients.push(observed(&server.url()).await);
+    }
+    let tasks: Vec<_> = clients
+        .iter()
+        .map(|(_, client)| {
+            let client = client.clone();
+            let k = k.clone();
+            tokio::spawn(async move {
+                let deadline = Instant::now() + Duration::from_secs(60);
+                let lease = client
+                    .acquire(&k, Duration::from_secs(30), deadline)
+                    .await
+                    .expect("acquire")
+                    .expect("acquired before the deadline");
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                client.release(&lease).await.expect("release");
+                lease.fencing_token()
+            })
+        })
+        .collect();
+    // Every waiter has made its first attempt (so it is subscribed and queued).
+    while clients.iter().any(|(c, _)| c.attempts() == 0) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = grpc_started(server.addr()).await;
+    holder.release(&held).await.expect("release the holder");
+    let mut tokens = Vec::new();
+    for task in tasks {
+        tokens.push(task.await.expect("waiter task"));
+    }
+    // Background deletes and revokes.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let after = grpc_started(server.addr()).await;
+    tokens.sort();
+    tokens.dedup();
+    assert_eq!(tokens.len(), waiters, "every waiter acquired once");
+    for (client, _) in &clients {
+        let attempts = client.attempts();
+        assert!(attempts <= 3, "a waiter made {attempts} attempts");
+    }
+    requests_between(&before, &after)
+        .into_iter()
+        .map(|(method, n)| (method, n as f64 / waiters as f64))
+        .collect()
+}
+
+/// FIFO wake-up: each waiter watches only its predecessor in the queue, so
+/// the key-value requests per handoff do not grow with the number of waiters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handoff_cost_is_constant_in_the_number_of_waiters() {
+    // A server of its own, so no other test's requests are counted.
+    let server = own_server();
+    let kv = |counts: &BTreeMap<String, f64>| -> f64 {
+        ["Txn", "Range", "Put", "DeleteRange"]
+            .iter()
+            .map(|m| counts.get(*m).copied().unwrap_or(0.0))
+            .sum()
+    };
+    let mut per_size = Vec::new();
+    for waiters in [1usize, 8, 16] {
+        let counts = requests_per_handoff(&server, waiters).await;
+        eprintln!("requests per handoff with {waiters} waiters: {counts:?}");
+        per_size.push((waiters, kv(&counts), counts));
+    }
+    for (waiters, total, counts) in &per_size {
+        // Per handoff: release (Txn), acquire (Txn), the leaving waiter's
+        // queue entry (DeleteRange), its successor's look-up (Txn); the
+        // acquire's lease grant and the released lease's revoke.
+        assert!(
+            *total <= 4.0,
+            "{waiters} waiters: {total} key-value requests per handoff: {counts:?}"
+        );
+        let grants = counts.get("LeaseGrant").copied().unwrap_or(0.0);
+        assert!(grants <= 1.0, "{waiters} waiters: {counts:?}");
+    }
+}
+
+/// Waiters acquire in the order they started waiting, and leave no queue
+/// entries behind: neither those that acquired nor one that gave up at its
+/// deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_acquire_in_fifo_order_and_leave_no_queue_entries() {
+    let server = any_server();
+    let ns = format!("fifo{:x}", random() as u32);
+    let url = format!("{}?namespace={ns}", server.url());
+    let mut raw = raw_client(&server.url()).await;
+    let holder = connect(&url).await;
+    let k = LockKey::new("queue/of a").unwrap();
+    let queue = format!("{ns}/lock/queue%2Fof a/waiters/");
+    let held = acquire(&holder, &k, Duration::from_secs(30)).await;
+
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..5usize {
+        let (attempts, client) = observed(&url).await;
+        let task = {
+            let attempts = attempts.clone();
+            let k = k.clone();
+            let order = order.clone();
+            tokio::spawn(async move {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                let lease = client
+                    .acquire(&k, Duration::from_secs(30), deadline)
+                    .await
+                    .expect("acquire")
+                    .expect("acquired");
+                order.lock().unwrap().push(i);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                client.release(&lease).await.expect("release");
+                attempts.attempts()
+            })
+        };
+        // Queued (its first attempt made) before the next one starts.
+        while attempts.attempts() == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tasks.push(task);
+    }
+    assert_eq!(
+        keys_under(&mut raw, &queue).await.len(),
+        5,
+        "one entry per waiter"
+    );
+    // A waiter that gives up at its deadline leaves the queue.
+    let quitter = connect(&url).await;
+    let gave_up = quitter
+        .acquire(
+            &k,
+            Duration::from_secs(30),
+            Instant::now() + Duration::from_millis(300),
+        )
+        .await
+        .expect("acquire with a short deadline");
+    assert!(gave_up.is_none());
+
+    holder.release(&held).await.expect("release");
+    for task in tasks {
+        let attempts = task.await.expect("waiter task");
+        assert!(attempts <= 2, "a waiter made {attempts} attempts");
+    }
+    assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3, 4]);
+    assert_queue_empties(&mut raw, &queue).await;
+}
+
+/// Waiters on look-alike keys (`a` and `a/b`) never see each other's queue
+/// or releases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_on_look_alike_keys_are_independent() {
+    let server = any_server();
+    let ns = format!("alike{:x}", random() as u32);
+    let url = format!("{}?namespace={ns}", server.url());
+    let mut raw = raw_client(&server.url()).await;
+    let holder = connect(&url).await;
+    let a = LockKey::new("a").unwrap();
+    let ab = LockKey::new("a/b").unwrap();
+    let held_ab = acquire(&holder, &ab, Duration::from_secs(30)).await;
+    let held_a = acquire(&holder, &a, Duration::from_secs(30)).await;
+
+    let wait_on = |key: LockKey| {
+        let url = url.clone();
+        async move {
+            let (attempts, client) = observed(&url).await;
+            let task = {
+                let client = client.clone();
+                tokio::spawn(async move {
+                    client
+                        .acquire(
+                            &key,
+                            Duration::from_secs(30),
+                            Instant::now() + Duration::from_secs(30),
+                        )
+                        .await
+                })
+            };
+            while attempts.attempts() == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            (attempts, client, task)
+        }
+    };
+    let (_, on_a, task_a) = wait_on(a.clone()).await;
+    let (ab_attempts, on_ab, task_ab) = wait_on(ab.clone()).await;
+    assert_eq!(
+        keys_under(&mut raw, &format!("{ns}/lock/a/")).await.len(),
+        1
+    );
+    assert_eq!(
+        keys_under(&mut raw, &format!("{ns}/lock/a%2Fb/"))
+            .await
+            .len(),
+        1
+    );
+
+    // Releasing `a` wakes its waiter only.
+    holder.release(&held_a).await.expect("release a");
+    let got_a = task_a
+        .await
+        .unwrap()
+        .expect("acquire a")
+        .expect("acquired a");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(ab_attempts.attempts(), 1, "a/b waiter woken by a");
+    on_a.release(&got_a).await.unwrap();
+    holder.release(&held_ab).await.expect("release a/b");
+    let got_ab = task_ab
+        .await
+        .unwrap()
+        .expect("acquire a/b")
+        .expect("acquired a/b");
+    assert_eq!(ab_attempts.attempts(), 2);
+    on_ab.release(&got_ab).await.unwrap();
+    common::delete_prefix(&mut raw, &ns).await;
+}
