@@ -23,9 +23,9 @@
 //!   one backoff policy (waiters retry transient errors with backoff until
 //!   their deadline).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -136,20 +136,19 @@ struct Inner<S: NotificationSource> {
     options: ClientOptions,
     health_check_after: Duration,
     notifier: ReleaseNotifier,
-    /// Topics by channel, for channels subscribed on the current connection.
     live: tokio::sync::Mutex<Option<Live<S>>>,
     generation: AtomicU64,
     /// The generation whose reader is running (0: none). Its reader clears
     /// it when it ends without the lost path (see [`ReaderExit`]).
     reading: AtomicU64,
-    /// The topic of each channel that has waiters (to unsubscribe it later).
-    topics: Mutex<HashMap<String, S::Topic>>,
 }
 
 struct Live<S: NotificationSource> {
     sink: S::Sink,
     generation: u64,
-    subscribed: HashSet<String>,
+    /// The topic of every channel subscribed (or being subscribed) on this
+    /// connection, for the sweep to unsubscribe once idle.
+    subscribed: HashMap<String, S::Topic>,
     reader: JoinHandle<()>,
 }
 
@@ -174,7 +173,6 @@ impl<S: NotificationSource> Listener<S> {
                 live: tokio::sync::Mutex::new(None),
                 generation: AtomicU64::new(0),
                 reading: AtomicU64::new(0),
-                topics: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -217,12 +215,6 @@ impl<S: NotificationSource> Inner<S> {
         topic: S::Topic,
     ) -> Result<(), LockError> {
         let mut live = self.live.lock().await;
-        // Recorded under the lock a sweep takes, after the waiter was
-        // registered, so a sweep never forgets it before it is subscribed.
-        self.topics
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(channel.clone(), topic.clone());
         let reading = self.reading.load(Ordering::SeqCst);
         if live
             .as_ref()
@@ -238,6 +230,10 @@ impl<S: NotificationSource> Inner<S> {
                 "release-notification connection missing",
             ));
         };
+        // Recorded before the request: if this future is dropped while the
+        // subscribe is in flight, the server may still subscribe, and the
+        // sweep must unsubscribe the topic once nobody waits on it.
+        current.subscribed.insert(channel, topic.clone());
         let sink = current.sink.clone();
         let result = with_timeout(
             self.options.operation_timeout,
@@ -246,10 +242,7 @@ impl<S: NotificationSource> Inner<S> {
         )
         .await;
         match result {
-            Ok(()) => {
-                current.subscribed.insert(channel);
-                Ok(())
-            }
+            Ok(()) => Ok(()),
             Err(e) => {
                 // The connection is in an unknown state: the one lost path.
                 let generation = current.generation;
@@ -283,7 +276,7 @@ impl<S: NotificationSource> Inner<S> {
         Ok(Live {
             sink,
             generation,
-            subscribed: HashSet::new(),
+            subscribed: HashMap::new(),
             reader,
         })
     }
@@ -310,26 +303,15 @@ impl<S: NotificationSource> Inner<S> {
         let Some(current) = live.as_mut().filter(|l| l.generation == generation) else {
             return;
         };
-        // Topics nobody waits on that are not subscribed here (subscribed
-        // on a lost connection, or whose subscribe failed) need no
-        // unsubscribe: forget them.
-        self.topics
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|c, _| current.subscribed.contains(c) || self.notifier.has_waiters(c));
-        let idle: Vec<String> = current
+        let (idle, topics): (Vec<String>, Vec<S::Topic>) = current
             .subscribed
             .iter()
-            .filter(|c| !self.notifier.has_waiters(c))
-            .cloned()
-            .collect();
+            .filter(|(c, _)| !self.notifier.has_waiters(c))
+            .map(|(c, t)| (c.clone(), t.clone()))
+            .unzip();
         if idle.is_empty() {
             return;
         }
-        let topics: Vec<S::Topic> = {
-            let mut known = self.topics.lock().unwrap_or_else(|e| e.into_inner());
-            idle.iter().filter_map(|c| known.remove(c)).collect()
-        };
         let sink = current.sink.clone();
         let result = with_timeout(
             self.options.operation_timeout,
@@ -428,14 +410,20 @@ impl<S: NotificationSource> Drop for ReaderExit<S> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Mutex;
+
     use tokio::sync::mpsc;
 
     use super::*;
 
-    /// Notifications from in-process channels, one per connection.
+    /// Notifications from in-process channels, one per connection; its
+    /// subscribe can be made to hang, and it records what it unsubscribes.
     #[derive(Default)]
     struct Toy {
         connections: Mutex<Vec<mpsc::UnboundedSender<String>>>,
+        hang: AtomicBool,
+        unsubscribed: Mutex<Vec<String>>,
     }
 
     #[async_trait]
@@ -452,6 +440,14 @@ mod tests {
             Ok(((), rx))
         }
         async fn subscribe(&self, _: &(), _: &[String]) -> Result<(), LockError> {
+            if self.hang.load(Ordering::SeqCst) {
+                std::future::pending::<()>().await;
+            }
+            Ok(())
+        }
+        async fn unsubscribe(&self, _: &(), topics: &[String]) -> Result<(), LockError> {
+            let mut unsubscribed = self.unsubscribed.lock().unwrap();
+            unsubscribed.extend(topics.iter().cloned());
             Ok(())
         }
         async fn next(&self, stream: &mut Self::Stream) -> Option<Result<String, LockError>> {
@@ -502,9 +498,43 @@ mod tests {
         });
     }
 
-    fn known_topics<S: NotificationSource>(listener: &Listener<S>) -> Vec<String> {
-        let topics = listener.inner.topics.lock().unwrap();
-        let mut names: Vec<String> = topics.keys().cloned().collect();
+    /// A watch dropped while its subscribe is in flight: the server may
+    /// still subscribe it, so the idle sweep must unsubscribe it.
+    #[tokio::test]
+    async fn a_watch_dropped_during_its_subscribe_is_swept() {
+        let listener = Listener::new(Toy::default(), &ClientOptions::default())
+            .health_check_after(Duration::from_millis(10));
+        let source = listener.source();
+        drop(listener.watch("first".to_owned()).await.unwrap());
+        source.hang.store(true, Ordering::SeqCst);
+        let dropped = tokio::time::timeout(
+            Duration::from_millis(50),
+            listener.watch("dropped".to_owned()),
+        )
+        .await;
+        assert!(dropped.is_err(), "the subscribe hangs");
+        source.hang.store(false, Ordering::SeqCst);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let unsubscribed = source.unsubscribed.lock().unwrap().clone();
+            if unsubscribed.contains(&"dropped".to_owned()) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the dropped watch's topic was never unsubscribed: {unsubscribed:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// The topics the listener keeps (to unsubscribe them later).
+    async fn known_topics<S: NotificationSource>(listener: &Listener<S>) -> Vec<String> {
+        let live = listener.inner.live.lock().await;
+        let mut names: Vec<String> = live
+            .iter()
+            .flat_map(|l| l.subscribed.keys().cloned())
+            .collect();
         names.sort();
         names
     }
@@ -524,11 +554,11 @@ mod tests {
         drop(lost);
         let _stays = listener.watch("stays".to_owned()).await.unwrap();
         let give_up = Instant::now() + Duration::from_secs(5);
-        while known_topics(&listener) != ["stays"] {
+        while known_topics(&listener).await != ["stays"] {
             assert!(
                 Instant::now() < give_up,
                 "topics still known: {:?}",
-                known_topics(&listener)
+                known_topics(&listener).await
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }

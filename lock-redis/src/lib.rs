@@ -1,15 +1,13 @@
 //! The Redis backend of distlock.
 //!
 //! ```no_run
-//! use std::sync::Arc;
 //! use std::time::Duration;
-//! use lock_core::{DistributedLock, Locker, LockKey, LockOptions};
+//! use lock_core::{Locker, LockKey, LockOptions};
 //! use lock_redis::RedisLock;
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), lock_core::LockError> {
-//! let lock: Arc<dyn DistributedLock> =
-//!     Arc::new(RedisLock::connect("redis://:secret@127.0.0.1:6379/0?namespace=jobs").await?);
+//! let lock = RedisLock::connect("redis://:secret@127.0.0.1:6379/0?namespace=jobs").await?;
 //! let locker = Locker::new(lock);
 //! let key = LockKey::new("nightly-report")?;
 //! if let Some(guard) = locker.try_lock(&key, &LockOptions::new(Duration::from_secs(30))).await? {
@@ -29,11 +27,16 @@
 //!   certificates) when the cargo feature **`tls`** is enabled; without it a
 //!   `rediss://` URL is refused with a message naming the feature. (TLS is
 //!   not exercised by this crate's tests, which use a plain loopback server.)
-//! - [`RedisLock::from_connection_manager`] reuses an application's
-//!   [`ConnectionManager`](redis::aio::ConnectionManager).
+//! - `unix:///path/to/redis.sock` (or `redis+unix://`) connects over a Unix
+//!   socket; [`RedisLock::connect`] accepts it, the `distlock` facade routes
+//!   only the [`SCHEMES`] to this crate.
+//! - [`RedisLock::with_config`] takes a [`RedisConfig`] (parsed from a URL
+//!   or built in code); [`RedisLock::from_connection_manager`] reuses an
+//!   application's [`ConnectionManager`](redis::aio::ConnectionManager).
 //! - Query parameters `namespace`, `connect_timeout_ms`,
-//!   `operation_timeout_ms`, `fence_retention_ms` configure distlock (see
-//!   [`RedisConfig`]); the others go to the redis driver.
+//!   `operation_timeout_ms`, `fence_retention_ms` and the driver's
+//!   `protocol` (see [`RedisConfig`]); any other parameter is a
+//!   [`ErrorKind::Config`](lock_core::ErrorKind) error naming it.
 //!
 //! Every request runs under the operation timeout; the command connection
 //! reconnects by itself when the server comes back.
@@ -80,16 +83,21 @@
 //!   `SCRIPT FLUSH` — is sent once more with `EVAL`).
 //! - **Acquire**: if the lock key exists it
 //!   returns the holder's `PTTL` (filling
-//!   [`AcquireAttempt::Held::expires_in`](lock_core::AcquireAttempt)); else
-//!   it computes the fencing token, `SET lock dl1:<owner>:<token> PX ttl`,
-//!   stores the token in the fence key and returns it.
-//! - **Extend**: compares the stored value with the lease's, then
-//!   `PEXPIRE`; a missing key is never recreated.
+//!   [`AcquireReply::Held::expires_in`](lock_core::AcquireReply)); else
+//!   it computes the fencing token, `SET lock dl1:<owner>:<token> PX ttl`
+//!   (the owner token is the one in the request, minted by
+//!   [`LockClient`](lock_core::LockClient)), stores the token in the fence
+//!   key and returns it.
+//! - **Extend**: compares the stored value with the held lock's owner and
+//!   fencing token, then `PEXPIRE`; a missing key is never recreated.
 //! - **Release**: compares, `DEL`, `PUBLISH` on the channel.
-//! - **Waiting**: one pub/sub connection per client, shared by all waiters;
-//!   the first waiter of a key subscribes to its channel before its first
-//!   attempt; a release wakes the waiters; a holder that crashed is covered
-//!   by a timer set to its `PTTL`. No polling.
+//! - **Waiting**: one pub/sub connection per client, shared by all waiters
+//!   and run by [`lock_core::Listener`]; the first waiter of a key
+//!   subscribes to its channel before its first attempt; a release wakes
+//!   the waiters; a holder that crashed is covered by a timer set to its
+//!   `PTTL`. No polling. If the pub/sub connection fails (closed, a
+//!   SUBSCRIBE, UNSUBSCRIBE or PING that errs or times out), it is dropped
+//!   and every waiter subscribes again before its next attempt.
 //! - A value distlock did not write (another type, another format, a lock
 //!   without expiry) gives [`ErrorKind::Corrupted`](lock_core::ErrorKind)
 //!   naming the Redis key; nothing is overwritten or deleted.
@@ -116,13 +124,14 @@
 //!
 //! Each operation of [`RedisLock`] is one script call. Dropping its future
 //! (say under `tokio::time::timeout`) after the request went out lets the
-//! server finish it: a `try_acquire` may have taken a lock nobody will
-//! release, which expires after its TTL ([`Locker`](lock_core::Locker)
-//! releases such a grant); an `extend` may have extended the lock, for its
-//! new TTL; a `release` may have released it, and then woke the waiters
-//! (`DEL` and `PUBLISH` are one script). A dropped `watch` unregisters its
-//! waiter; if its `SUBSCRIBE` was in flight, the channel is unsubscribed by
-//! the idle sweep within about 10 s. Other waiters are not affected.
+//! server finish it: an `acquire` may have taken a lock nobody will
+//! release, which expires after its TTL ([`LockClient::acquire`](lock_core::LockClient::acquire)
+//! and [`Locker`](lock_core::Locker) release such a grant); an `extend` may
+//! have extended the lock, for its new TTL; a `release` may have released
+//! it, and then woke the waiters (`DEL` and `PUBLISH` are one script). A
+//! dropped `watch` unregisters its waiter; if its `SUBSCRIBE` was in flight,
+//! the channel is unsubscribed by the idle sweep within about 10 s. Other
+//! waiters are not affected.
 //!
 //! # Clocks: expiry follows the server's wall clock
 //!
@@ -160,12 +169,17 @@ mod backend;
 mod config;
 mod errors;
 mod keys;
+mod listener;
 mod scripts;
-mod waiters;
 
 pub use backend::RedisLock;
 pub use config::{RedisConfig, DEFAULT_FENCE_RETENTION};
 pub use scripts::acquire_script_sha;
+
+/// The URL schemes the `distlock` facade opens with this crate (`rediss`
+/// needs the `tls` feature). [`RedisLock::connect`] also accepts `unix://`
+/// and `redis+unix://` socket URLs.
+pub const SCHEMES: &[&str] = &["redis", "rediss"];
 
 /// The redis driver this backend is built on, re-exported so applications
 /// build a [`ConnectionManager`](redis::aio::ConnectionManager) with the same

@@ -1,0 +1,289 @@
+//! What the Redis tests share: a server of their own, raw connections,
+//! pub/sub counts, MONITOR phases, ACL users.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use conformance_tests::server::{self, ServerProcess};
+use futures_util::StreamExt;
+use lock_core::{AcquireAttempt, Lease, LockClient, LockError, LockKey};
+use lock_redis::redis::{self, aio::MultiplexedConnection, AsyncCommands};
+use lock_redis::RedisLock;
+
+/// A client over a new [`RedisLock`] connected to `url`.
+pub async fn connect(url: &str) -> Result<LockClient, LockError> {
+    Ok(LockClient::new(RedisLock::connect(url).await?))
+}
+
+pub fn start(kind: server::Redis) -> ServerProcess {
+    ServerProcess::start(Arc::new(kind)).expect("cannot start redis-server (is it installed?)")
+}
+
+pub fn unique(prefix: &str) -> LockKey {
+    LockKey::new(format!("{prefix}-{:016x}", rand_u64())).unwrap()
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos(),
+    );
+    h.finish()
+}
+
+/// A plain connection for the test's own commands. No response timeout: a
+/// command sent while the test stalls the server waits for the stall's end.
+pub async fn raw(url: &str) -> MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection_with_config(
+            &redis::AsyncConnectionConfig::new().set_response_timeout(None),
+        )
+        .await
+        .expect("raw connection to the test server")
+}
+
+/// How many clients are subscribed to `channel`.
+pub async fn numsub(conn: &mut MultiplexedConnection, channel: &str) -> i64 {
+    let (_, count): (String, i64) = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(channel)
+        .query_async(conn)
+        .await
+        .unwrap();
+    count
+}
+
+/// Waits (up to 10 s) until `channel` has exactly `want` subscribers.
+pub async fn await_numsub(conn: &mut MultiplexedConnection, channel: &str, want: i64, what: &str) {
+    await_numsub_within(conn, channel, want, what, Duration::from_secs(10)).await
+}
+
+/// Waits up to `within` until `channel` has exactly `want` subscribers.
+pub async fn await_numsub_within(
+    conn: &mut MultiplexedConnection,
+    channel: &str,
+    want: i64,
+    what: &str,
+    within: Duration,
+) {
+    let deadline = Instant::now() + within;
+    loop {
+        let count = numsub(conn, channel).await;
+        if count == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: {channel} has {count} subscribers, expected {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The server's clock (`TIME`) in microseconds.
+pub async fn server_time_us(conn: &mut MultiplexedConnection) -> u64 {
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(conn).await.unwrap();
+    secs * 1_000_000 + micros
+}
+
+/// `lock.acquire(key)` with a 10 s TTL on its own task, waiting up to `wait`.
+pub fn spawn_acquire(
+    lock: &LockClient,
+    key: &LockKey,
+    wait: Duration,
+) -> tokio::task::JoinHandle<Result<Option<Lease>, lock_core::LockError>> {
+    let lock = lock.clone();
+    let key = key.clone();
+    tokio::spawn(async move {
+        lock.acquire(&key, Duration::from_secs(10), Instant::now() + wait)
+            .await
+    })
+}
+
+/// A lock held for 60 s by one client and a waiter of another client,
+/// subscribed, that may wait 20 s: only a release notification can wake it.
+pub struct Waiting {
+    key: LockKey,
+    pub channel: String,
+    lease: Lease,
+    task: tokio::task::JoinHandle<Result<Option<Lease>, lock_core::LockError>>,
+}
+
+impl Waiting {
+    pub async fn start(
+        holder: &LockClient,
+        waiter: &LockClient,
+        conn: &mut MultiplexedConnection,
+        prefix: &str,
+    ) -> Self {
+        let key = unique(prefix);
+        let channel = channel_of(&key);
+        let lease = acquired(
+            holder
+                .try_acquire(&key, Duration::from_secs(60))
+                .await
+                .unwrap(),
+        );
+        let task = spawn_acquire(waiter, &key, Duration::from_secs(20));
+        await_numsub(conn, &channel, 1, "the waiter subscribes").await;
+        Self {
+            key,
+            channel,
+            lease,
+            task,
+        }
+    }
+
+    /// Releases the holder's lock and returns the waiter's lease, checking
+    /// by the server's clock that the waiter got it while the holder's key
+    /// would still have been live (woken by the release, not by the TTL).
+    pub async fn release_wakes_the_waiter(
+        self,
+        holder: &LockClient,
+        conn: &mut MultiplexedConnection,
+    ) -> Lease {
+        assert!(!self.task.is_finished(), "the lock is still held");
+        let now = server_time_us(conn).await;
+        let pttl: i64 = conn.pttl(lock_key_of(&self.key)).await.unwrap();
+        let holder_expiry = now + u64::try_from(pttl).expect("the holder's key has a TTL") * 1000;
+        holder.release(&self.lease).await.unwrap();
+        let got = self
+            .task
+            .await
+            .unwrap()
+            .unwrap()
+            .expect("the release wakes the waiter");
+        let acquired_by = server_time_us(conn).await;
+        assert!(
+            acquired_by < holder_expiry,
+            "the waiter got the lock only after the holder's TTL ran out"
+        );
+        assert!(got.fencing_token() > self.lease.fencing_token());
+        got
+    }
+}
+
+/// The release channel of `key` in the default namespace (test keys need no escaping).
+pub fn channel_of(key: &LockKey) -> String {
+    format!("distlock:{{{}}}:released", key.as_str())
+}
+
+/// The Redis key of lock `key` in the default namespace.
+pub fn lock_key_of(key: &LockKey) -> String {
+    format!("distlock:{{{}}}:lock", key.as_str())
+}
+
+/// Stalls the server: from the reply on, it runs no client's command for
+/// `ms` milliseconds (`CLIENT PAUSE … ALL`).
+pub async fn pause_all(conn: &mut MultiplexedConnection, ms: u64) {
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(ms)
+        .arg("ALL")
+        .query_async(conn)
+        .await
+        .unwrap();
+}
+
+pub fn acquired(attempt: AcquireAttempt) -> Lease {
+    match attempt {
+        AcquireAttempt::Acquired(lease) => lease,
+        AcquireAttempt::Held { .. } => panic!("expected the lock to be free"),
+    }
+}
+
+/// Watches the server with MONITOR and splits what clients sent into phases.
+pub struct Monitor {
+    lines: Arc<Mutex<Vec<String>>>,
+    conn: MultiplexedConnection,
+    marks: u32,
+}
+
+impl Monitor {
+    pub async fn start(url: &str) -> Self {
+        let monitor = redis::Client::open(url)
+            .unwrap()
+            .get_async_monitor()
+            .await
+            .expect("MONITOR connection");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let sink = lines.clone();
+        tokio::spawn(async move {
+            let mut stream = monitor.into_on_message::<String>();
+            while let Some(line) = stream.next().await {
+                sink.lock().unwrap().push(line);
+            }
+        });
+        let mut monitor = Self {
+            lines,
+            conn: raw(url).await,
+            marks: 0,
+        };
+        monitor.mark().await;
+        monitor
+    }
+
+    /// The commands clients sent since the previous mark (commands run by
+    /// scripts excluded), as (name, first argument) pairs.
+    pub async fn mark(&mut self) -> Vec<(String, String)> {
+        self.marks += 1;
+        let marker = format!("distlock-test-mark-{}", self.marks);
+        let _: String = redis::cmd("ECHO")
+            .arg(&marker)
+            .query_async(&mut self.conn)
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            {
+                let mut lines = self.lines.lock().unwrap();
+                if let Some(at) = lines.iter().position(|l| l.contains(&marker)) {
+                    let phase: Vec<String> = lines.drain(..=at).collect();
+                    return phase
+                        .iter()
+                        .filter(|l| !l.contains("distlock-test-mark-"))
+                        .filter_map(|l| parse_monitor_line(l))
+                        .collect();
+                }
+            }
+            assert!(Instant::now() < deadline, "MONITOR never showed {marker}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// `1700000000.123456 [0 127.0.0.1:5555] "evalsha" "abc" "2" ...` ->
+/// `("evalsha", "abc")`; `None` for commands a script ran (`[0 lua]`).
+pub fn parse_monitor_line(line: &str) -> Option<(String, String)> {
+    let (client, rest) = line.split_once('[')?.1.split_once(']')?;
+    if client.ends_with("lua") {
+        return None;
+    }
+    let mut quoted = rest.split('"').skip(1).step_by(2);
+    let name = quoted.next()?.to_ascii_lowercase();
+    let arg = quoted.next().unwrap_or("").to_owned();
+    Some((name, arg))
+}
+
+pub fn names(commands: &[(String, String)]) -> Vec<&str> {
+    commands.iter().map(|(n, _)| n.as_str()).collect()
+}
+
+/// Creates (or resets) the ACL user `name` with password `pw` and `rules`.
+pub async fn acl_user(admin: &mut MultiplexedConnection, name: &str, rules: &[&str]) {
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg(name)
+        .arg("reset")
+        .arg("on")
+        .arg(">pw")
+        .arg(rules)
+        .query_async(admin)
+        .await
+        .unwrap();
+}
