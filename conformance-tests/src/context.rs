@@ -119,6 +119,7 @@ pub struct TestContext {
     pub(crate) kind: Option<Arc<dyn ServerKind>>,
     pub(crate) capabilities: Capabilities,
     pub(crate) admin: bool,
+    pub(crate) semaphore: bool,
     pub(crate) simulated_network: bool,
 }
 
@@ -178,6 +179,7 @@ impl ContextBuilder {
         })?;
         let capabilities = probe.capabilities().clone();
         let admin = probe.admin().is_some();
+        let semaphore = probe.semaphore().is_some();
         drop(probe);
         Ok(TestContext {
             backend: self.backend,
@@ -187,6 +189,7 @@ impl ContextBuilder {
             kind: self.kind,
             capabilities,
             admin,
+            semaphore,
             simulated_network: self.simulated_network,
         })
     }
@@ -250,6 +253,11 @@ impl TestContext {
     /// `force_release`).
     pub fn has_admin(&self) -> bool {
         self.admin
+    }
+
+    /// Whether the backend has counting semaphores.
+    pub fn has_semaphore(&self) -> bool {
+        self.semaphore
     }
 
     /// The backend's declared capabilities.

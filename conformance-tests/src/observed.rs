@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use lock_core::{
     AcquireReply, AcquireRequest, Capabilities, ErrorKind, ExtendReply, FencingToken, Grant,
-    HeldLock, LockAdmin, LockBackend, LockClient, LockError, LockKey, OwnerToken, ReleaseReply,
-    ReleaseWatch,
+    HeldLock, LockAdmin, LockBackend, LockClient, LockError, LockKey, OwnerToken, PermitReply,
+    PermitRequest, ReleaseReply, ReleaseWatch, SemaphoreBackend,
 };
 use tokio::sync::Notify;
 
@@ -53,6 +53,8 @@ pub struct Granted {
     key: LockKey,
     owner: OwnerToken,
     grant: Grant,
+    /// A semaphore permit rather than the lock.
+    permit: bool,
 }
 
 impl Granted {
@@ -221,7 +223,11 @@ impl ObservedLock {
     /// Releases `granted` at the raw level, bypassing whatever client and
     /// guard hold it (a lock deleted behind its holder's back).
     pub async fn release_behind(&self, granted: &Granted) -> Result<(), LockError> {
-        match self.inner.release(granted.held()).await? {
+        let reply = match (granted.permit, self.inner.semaphore()) {
+            (true, Some(semaphore)) => semaphore.release_permit(granted.held()).await?,
+            _ => self.inner.release(granted.held()).await?,
+        };
+        match reply {
             ReleaseReply::Released => Ok(()),
             ReleaseReply::NotHeld => Err(LockError::not_held(format!(
                 "lock {:?} was no longer held when released behind its holder's back",
@@ -294,18 +300,26 @@ impl ObservedLock {
         request: &AcquireRequest<'_>,
         reply: Result<AcquireReply, LockError>,
     ) -> Result<AcquireReply, LockError> {
-        self.attempts.fetch_add(1, Ordering::SeqCst);
         if let Ok(AcquireReply::Granted(grant)) = &reply {
-            self.granted
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(Granted {
-                    key: request.key.clone(),
-                    owner: request.owner,
-                    grant: *grant,
-                });
+            self.record(request.key, request.owner, *grant, false);
+        } else {
+            self.attempts.fetch_add(1, Ordering::SeqCst);
         }
         reply
+    }
+
+    /// Counts one attempt that was granted `grant`.
+    fn record(&self, key: &LockKey, owner: OwnerToken, grant: Grant, permit: bool) {
+        self.granted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Granted {
+                key: key.clone(),
+                owner,
+                grant,
+                permit,
+            });
+        self.attempts.fetch_add(1, Ordering::SeqCst);
     }
 }
 
@@ -344,4 +358,64 @@ impl LockBackend for ObservedLock {
     fn admin(&self) -> Option<&dyn LockAdmin> {
         self.inner.admin()
     }
+
+    fn semaphore(&self) -> Option<&dyn SemaphoreBackend> {
+        self.inner
+            .semaphore()
+            .map(|_| self as &dyn SemaphoreBackend)
+    }
+}
+
+/// Permits go through the same counts and faults as the lock's calls.
+#[deny(clippy::missing_trait_methods)]
+#[lock_core::async_trait]
+impl SemaphoreBackend for ObservedLock {
+    async fn acquire_permit(&self, request: PermitRequest<'_>) -> Result<PermitReply, LockError> {
+        let semaphore = self.inner.semaphore().ok_or_else(no_semaphore)?;
+        self.around(Call::Acquire, request.key, async {
+            let reply = semaphore.acquire_permit(request).await;
+            match &reply {
+                Ok(PermitReply::Granted(grant)) => {
+                    self.record(request.key, request.owner, *grant, true)
+                }
+                _ => {
+                    self.attempts.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+            reply
+        })
+        .await
+    }
+
+    async fn extend_permit(
+        &self,
+        permit: HeldLock<'_>,
+        ttl: Duration,
+    ) -> Result<ExtendReply, LockError> {
+        let semaphore = self.inner.semaphore().ok_or_else(no_semaphore)?;
+        self.around(
+            Call::Extend,
+            permit.key,
+            semaphore.extend_permit(permit, ttl),
+        )
+        .await
+    }
+
+    async fn release_permit(&self, permit: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
+        let semaphore = self.inner.semaphore().ok_or_else(no_semaphore)?;
+        self.around(Call::Release, permit.key, semaphore.release_permit(permit))
+            .await
+    }
+
+    async fn watch_permits(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        self.inner
+            .semaphore()
+            .ok_or_else(no_semaphore)?
+            .watch_permits(key)
+            .await
+    }
+}
+
+fn no_semaphore() -> LockError {
+    LockError::unsupported("the wrapped backend has no semaphores")
 }

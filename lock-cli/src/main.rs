@@ -147,7 +147,13 @@ struct RunArgs {
     /// half the stop margin (5s with the default TTL).
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     kill_grace: Option<Duration>,
-    /// Exit code when the lock is held elsewhere.
+    /// Run under one of N permits of the key's semaphore instead of the
+    /// lock: at most N commands run at once across all hosts (1: the
+    /// lock). A semaphore's name space is its own: `--permits 3 --key x`
+    /// and `--key x` do not exclude each other.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    permits: u32,
+    /// Exit code when the lock (or every permit) is held elsewhere.
     #[arg(long, default_value_t = code::TEMPFAIL, value_name = "N")]
     conflict_exit_code: u8,
     /// The command and its arguments (after `--`).
@@ -301,6 +307,16 @@ fn run_options(args: &RunArgs) -> Result<(LockOptions, Duration), Failure> {
     if let Some(max) = args.max_hold {
         options = options.max_hold(max);
     }
+    match args.permits {
+        0 => {
+            return Err(Failure::new(
+                code::USAGE,
+                "--permits 0 can never run anything; use at least 1",
+            ))
+        }
+        1 => {}
+        n => options = options.permits(n),
+    }
     options
         .validate()
         .map_err(|e| Failure::lock("bad durations", &e))?;
@@ -341,9 +357,16 @@ async fn run(args: RunArgs) -> Result<u8, Failure> {
             } else {
                 format!(" after waiting {}", format_duration(args.wait))
             };
-            eprintln!(
-                "distlock: lock {key:?} is held by another process{waited}; not running `{what}`"
-            );
+            if args.permits > 1 {
+                eprintln!(
+                    "distlock: all {} permits of {key:?} are held by other processes{waited}; not running `{what}`",
+                    args.permits
+                );
+            } else {
+                eprintln!(
+                    "distlock: lock {key:?} is held by another process{waited}; not running `{what}`"
+                );
+            }
             return Ok(args.conflict_exit_code);
         }
         Err(e) => return Err(Failure::lock(&format!("cannot acquire lock {key:?}"), &e)),

@@ -183,6 +183,11 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     fn admin(&self) -> Option<&dyn LockAdmin> {
         None
     }
+
+    /// Counting semaphores, if this backend has them.
+    fn semaphore(&self) -> Option<&dyn crate::SemaphoreBackend> {
+        None
+    }
 }
 
 /// A shared backend is a backend (wrappers and tests hand out `Arc`s).
@@ -216,6 +221,10 @@ impl<B: LockBackend + ?Sized> LockBackend for std::sync::Arc<B> {
 
     fn admin(&self) -> Option<&dyn LockAdmin> {
         (**self).admin()
+    }
+
+    fn semaphore(&self) -> Option<&dyn crate::SemaphoreBackend> {
+        (**self).semaphore()
     }
 }
 

@@ -15,7 +15,7 @@ use crate::lease::LeaseIssuer;
 use crate::wait::{self, Attempt};
 use crate::{
     instrument, Capabilities, Lease, LockAdmin, LockBackend, LockError, LockKey, LockOptions,
-    LockState, OwnerToken,
+    LockState, OwnerToken, PermitReply, PermitRequest, SemaphoreBackend,
 };
 
 /// The result of one atomic acquisition attempt.
@@ -152,7 +152,7 @@ impl LockClient {
         key: &LockKey,
         ttl: Duration,
     ) -> Result<AcquireAttempt, LockError> {
-        self.attempt(key, ttl, Attempt::Plain).await
+        self.attempt(key, ttl, Attempt::PLAIN).await
     }
 
     /// As [`try_acquire`](Self::try_acquire), for a lock its holder will
@@ -164,7 +164,81 @@ impl LockClient {
         key: &LockKey,
         ttl: Duration,
     ) -> Result<AcquireAttempt, LockError> {
-        self.attempt(key, ttl, Attempt::Renewing).await
+        self.attempt(
+            key,
+            ttl,
+            Attempt {
+                renewing: true,
+                permits: None,
+            },
+        )
+        .await
+    }
+
+    /// One atomic attempt at a permit of `key`'s semaphore of `limit`: at
+    /// most `limit` holders at once, each with its own lease, owner token
+    /// and fencing token (strictly increasing per key across all permits).
+    /// `Held` when all permits are taken. Errors as
+    /// [`try_acquire`](Self::try_acquire), plus
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind) for a zero limit or a
+    /// limit other than the one live permits are held under (see the
+    /// [`SemaphoreBackend`] docs), and
+    /// [`ErrorKind::Unsupported`](crate::ErrorKind) for a backend without
+    /// semaphores.
+    pub async fn try_acquire_permit(
+        &self,
+        key: &LockKey,
+        limit: u32,
+        ttl: Duration,
+    ) -> Result<AcquireAttempt, LockError> {
+        self.attempt(
+            key,
+            ttl,
+            Attempt {
+                renewing: false,
+                permits: Some(limit),
+            },
+        )
+        .await
+    }
+
+    /// Waits for a permit of `key`'s semaphore of `limit` until `deadline`,
+    /// as [`acquire`](Self::acquire) waits for a lock. Cancel-safe.
+    pub async fn acquire_permit(
+        &self,
+        key: &LockKey,
+        limit: u32,
+        ttl: Duration,
+        deadline: Instant,
+    ) -> Result<Option<Lease>, LockError> {
+        let attempt = Attempt {
+            renewing: false,
+            permits: Some(limit),
+        };
+        self.acquire_until(key, ttl, deadline, attempt, None, std::future::pending())
+            .await
+    }
+
+    /// The backend's semaphores, if it has them.
+    pub fn semaphore(&self) -> Option<&dyn SemaphoreBackend> {
+        self.inner.backend.semaphore()
+    }
+
+    fn semaphore_or_error(&self) -> Result<&dyn SemaphoreBackend, LockError> {
+        self.semaphore().ok_or_else(|| {
+            LockError::unsupported(format!(
+                "the {} backend has no semaphores; use a lock, or a backend with semaphores",
+                self.name()
+            ))
+        })
+    }
+
+    /// Subscribes to returned permits of `key` (the waiting loop's watch).
+    pub(crate) async fn watch_permits(
+        &self,
+        key: &LockKey,
+    ) -> Result<Option<crate::ReleaseWatch>, LockError> {
+        self.semaphore_or_error()?.watch_permits(key).await
     }
 
     /// Waits for `key` until `deadline` (`Ok(None)` if it is still held
@@ -185,7 +259,7 @@ impl LockClient {
             key,
             ttl,
             deadline,
-            Attempt::Plain,
+            Attempt::PLAIN,
             None,
             std::future::pending(),
         )
@@ -202,7 +276,15 @@ impl LockClient {
             self.check_issuer(lease)?;
             let ttl = self.inner.capabilities.effective_ttl(ttl)?;
             let sent_at = Instant::now();
-            match self.inner.backend.extend(lease.held(), ttl).await? {
+            let reply = match lease.permit_limit() {
+                None => self.inner.backend.extend(lease.held(), ttl).await?,
+                Some(_) => {
+                    self.semaphore_or_error()?
+                        .extend_permit(lease.held(), ttl)
+                        .await?
+                }
+            };
+            match reply {
                 ExtendReply::Extended(grant) => {
                     if grant.fencing != lease.fencing_token() {
                         return Err(LockError::corrupted(format!(
@@ -241,7 +323,11 @@ impl LockClient {
         let span = tracing::debug_span!("distlock.release", backend = self.name(), key = %lease.key(), fencing = %lease.fencing_token());
         let result = async {
             self.check_issuer(lease)?;
-            match self.inner.backend.release(lease.held()).await? {
+            let reply = match lease.permit_limit() {
+                None => self.inner.backend.release(lease.held()).await?,
+                Some(_) => self.semaphore_or_error()?.release_permit(lease.held()).await?,
+            };
+            match reply {
                 ReleaseReply::Released => {
                     tracing::debug!("lock released");
                     Ok(())
@@ -330,16 +416,46 @@ impl LockClient {
         let result = async {
             let ttl = self.inner.capabilities.effective_ttl(ttl)?;
             let owner = OwnerToken::random();
-            let request = AcquireRequest {
-                key,
-                owner,
-                ttl,
-                renewing: attempt == Attempt::Renewing,
-            };
+            if attempt.permits == Some(0) {
+                return Err(LockError::invalid_input(format!(
+                    "semaphore {:?}: a limit of 0 permits can never be acquired; use at least 1",
+                    key.as_str()
+                )));
+            }
             // Taken before the request leaves: the lease's deadline can
             // only be earlier than the server's.
             let sent_at = Instant::now();
-            match self.inner.backend.acquire(request).await? {
+            let reply = match attempt.permits {
+                None => {
+                    let request = AcquireRequest {
+                        key,
+                        owner,
+                        ttl,
+                        renewing: attempt.renewing,
+                    };
+                    self.inner.backend.acquire(request).await?
+                }
+                Some(limit) => {
+                    let request = PermitRequest {
+                        key,
+                        owner,
+                        ttl,
+                        limit,
+                        renewing: attempt.renewing,
+                    };
+                    match self.semaphore_or_error()?.acquire_permit(request).await? {
+                        PermitReply::Granted(grant) => AcquireReply::Granted(grant),
+                        PermitReply::Full { expires_in } => AcquireReply::Held { expires_in },
+                        PermitReply::LimitMismatch { stored } => {
+                            return Err(LockError::invalid_input(format!(
+                                "semaphore {:?} is held under a limit of {stored} permits, but this call asked for {limit}; use the same limit everywhere (a new limit applies once no permit is held)",
+                                key.as_str()
+                            )))
+                        }
+                    }
+                }
+            };
+            match reply {
                 AcquireReply::Held { expires_in } => {
                     instrument::attempt(self.name(), false);
                     tracing::trace!(?expires_in, "lock held elsewhere");
@@ -357,6 +473,10 @@ impl LockClient {
                         self.inner.issuer,
                     )
                     .with_handle(grant.handle);
+                    let lease = match attempt.permits {
+                        Some(limit) => lease.into_permit(limit),
+                        None => lease,
+                    };
                     if lease.is_expired() {
                         tracing::debug!(late = ?sent_at.elapsed(), "lock granted after its lease could have expired");
                     } else {

@@ -132,6 +132,7 @@ pub struct Lease {
     valid_until: Instant,
     issuer: LeaseIssuer,
     handle: u64,
+    permit_limit: Option<u32>,
 }
 
 impl Lease {
@@ -155,6 +156,7 @@ impl Lease {
             valid_until,
             issuer,
             handle: 0,
+            permit_limit: None,
         }
     }
 
@@ -176,7 +178,19 @@ impl Lease {
             self.issuer,
         );
         lease.handle = self.handle;
+        lease.permit_limit = self.permit_limit;
         lease
+    }
+
+    /// Marks the lease as one permit of a semaphore of `limit`.
+    pub(crate) fn into_permit(mut self, limit: u32) -> Self {
+        self.permit_limit = Some(limit);
+        self
+    }
+
+    /// `Some(limit)` if this lease is a semaphore permit, `None` for a lock.
+    pub fn permit_limit(&self) -> Option<u32> {
+        self.permit_limit
     }
 
     /// The key this lease holds.

@@ -51,6 +51,7 @@ mod notify;
 mod options;
 mod run;
 mod schedule;
+mod semaphore;
 mod tls;
 mod url;
 mod wait;
@@ -74,6 +75,7 @@ pub use notify::{ReleaseNotifier, ReleaseWatch};
 pub use options::{LockOptions, Renewal};
 pub use run::{run_exclusive, JobContext, OnLost, RunOptions, RunOutcome};
 pub use schedule::{Fire, ScheduledJob, ScheduledOutcome, SkipReason};
+pub use semaphore::{PermitReply, PermitRequest, SemaphoreBackend};
 pub use tls::{TlsFiles, TlsPem};
 pub use url::{LockUrl, UrlHost};
 

@@ -104,10 +104,9 @@ impl Locker {
         cancel: C,
     ) -> Result<Option<LockGuard>, LockError> {
         self.check(options)?;
-        let attempt = if options.renew_period(options.request_ttl()).is_none() {
-            Attempt::Plain
-        } else {
-            Attempt::Renewing
+        let attempt = Attempt {
+            renewing: options.renew_period(options.request_ttl()).is_some(),
+            permits: options.permit_limit(),
         };
         let lease = self
             .client

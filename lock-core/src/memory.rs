@@ -12,8 +12,8 @@ use crate::lease::later;
 
 use crate::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
-    LockAdmin, LockBackend, LockClient, LockError, LockKey, LockState, OwnerToken, ReleaseNotifier,
-    ReleaseReply, ReleaseWatch,
+    LockAdmin, LockBackend, LockClient, LockError, LockKey, LockState, OwnerToken, PermitReply,
+    PermitRequest, ReleaseNotifier, ReleaseReply, ReleaseWatch, SemaphoreBackend,
 };
 
 #[derive(Debug)]
@@ -23,9 +23,18 @@ struct Held {
     expires_at: Instant,
 }
 
+/// One semaphore: its limit and its permits (live or not yet swept).
+#[derive(Debug)]
+struct Semaphore {
+    limit: u32,
+    permits: Vec<Held>,
+}
+
 #[derive(Debug, Default)]
 struct Store {
     locks: Mutex<HashMap<LockKey, Held>>,
+    semaphores: Mutex<HashMap<LockKey, Semaphore>>,
+    permit_returns: ReleaseNotifier,
     /// One counter for every key: strictly increasing per key, and no state
     /// left behind for keys nobody holds.
     fencing: AtomicU64,
@@ -36,6 +45,27 @@ impl Store {
     fn locks(&self) -> std::sync::MutexGuard<'_, HashMap<LockKey, Held>> {
         self.locks.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    fn semaphores(&self) -> std::sync::MutexGuard<'_, HashMap<LockKey, Semaphore>> {
+        self.semaphores.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn next_fencing(&self) -> FencingToken {
+        FencingToken::new(self.fencing.fetch_add(1, Ordering::SeqCst) + 1)
+    }
+}
+
+/// The live permit `permit` names, if it holds one.
+fn live_permit<'a>(
+    semaphores: &'a mut HashMap<LockKey, Semaphore>,
+    permit: &HeldLock<'_>,
+    now: Instant,
+) -> Option<&'a mut Held> {
+    semaphores
+        .get_mut(permit.key)?
+        .permits
+        .iter_mut()
+        .find(|p| p.owner == permit.owner && p.fencing == permit.fencing && p.expires_at > now)
 }
 
 /// An in-memory lock server, shared by every clone.
@@ -176,6 +206,91 @@ impl LockBackend for MemoryLock {
 
     fn admin(&self) -> Option<&dyn LockAdmin> {
         Some(self)
+    }
+
+    fn semaphore(&self) -> Option<&dyn SemaphoreBackend> {
+        Some(self)
+    }
+}
+
+#[async_trait]
+impl SemaphoreBackend for MemoryLock {
+    async fn acquire_permit(&self, request: PermitRequest<'_>) -> Result<PermitReply, LockError> {
+        let now = Instant::now();
+        let mut semaphores = self.store.semaphores();
+        let semaphore = semaphores
+            .entry(request.key.clone())
+            .or_insert_with(|| Semaphore {
+                limit: request.limit,
+                permits: Vec::new(),
+            });
+        semaphore.permits.retain(|p| p.expires_at > now);
+        if semaphore.permits.is_empty() {
+            // Nobody holds a permit: the new limit applies.
+            semaphore.limit = request.limit;
+        } else if semaphore.limit != request.limit {
+            return Ok(PermitReply::LimitMismatch {
+                stored: semaphore.limit,
+            });
+        }
+        if semaphore.permits.len() >= semaphore.limit as usize {
+            let first_out = semaphore.permits.iter().map(|p| p.expires_at).min();
+            return Ok(PermitReply::Full {
+                expires_in: first_out.map(|at| at - now),
+            });
+        }
+        let fencing = self.store.next_fencing();
+        semaphore.permits.push(Held {
+            owner: request.owner,
+            fencing,
+            expires_at: later(now, request.ttl),
+        });
+        Ok(PermitReply::Granted(Grant::new(fencing, request.ttl)))
+    }
+
+    async fn extend_permit(
+        &self,
+        permit: HeldLock<'_>,
+        ttl: Duration,
+    ) -> Result<ExtendReply, LockError> {
+        let now = Instant::now();
+        let mut semaphores = self.store.semaphores();
+        Ok(match live_permit(&mut semaphores, &permit, now) {
+            Some(held) => {
+                held.expires_at = later(now, ttl);
+                ExtendReply::Extended(Grant::new(permit.fencing, ttl))
+            }
+            None => ExtendReply::NotHeld,
+        })
+    }
+
+    async fn release_permit(&self, permit: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
+        let now = Instant::now();
+        {
+            let mut semaphores = self.store.semaphores();
+            if live_permit(&mut semaphores, &permit, now).is_none() {
+                return Ok(ReleaseReply::NotHeld);
+            }
+            if let Some(semaphore) = semaphores.get_mut(permit.key) {
+                semaphore
+                    .permits
+                    .retain(|p| p.owner != permit.owner && p.expires_at > now);
+                if semaphore.permits.is_empty() {
+                    semaphores.remove(permit.key);
+                }
+            }
+        }
+        self.store.permit_returns.notify(permit.key.as_str());
+        Ok(ReleaseReply::Released)
+    }
+
+    async fn watch_permits(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        let watch = self
+            .store
+            .permit_returns
+            .subscribe(key.as_str(), || async { Ok(()) })
+            .await?;
+        Ok(Some(watch))
     }
 }
 

@@ -54,6 +54,7 @@ pub struct LockOptions {
     max_hold: Option<Duration>,
     hold_at_least: Option<Duration>,
     stop_margin: Option<Duration>,
+    permits: Option<u32>,
 }
 
 impl LockOptions {
@@ -68,6 +69,7 @@ impl LockOptions {
             max_hold: None,
             hold_at_least: None,
             stop_margin: None,
+            permits: None,
         }
     }
 
@@ -118,6 +120,20 @@ impl LockOptions {
     pub fn stop_margin(mut self, margin: Duration) -> Self {
         self.stop_margin = Some(margin);
         self
+    }
+
+    /// Take one of `limit` permits of the key's semaphore instead of the
+    /// lock: at most `limit` guards hold the key at once, each with its own
+    /// lease and fencing token (see [`SemaphoreBackend`](crate::SemaphoreBackend)).
+    /// `try_lock`, `acquire` and `run_exclusive` all honour it.
+    pub fn permits(mut self, limit: u32) -> Self {
+        self.permits = Some(limit);
+        self
+    }
+
+    /// The semaphore limit, if the options take a permit.
+    pub fn permit_limit(&self) -> Option<u32> {
+        self.permits
     }
 
     /// The TTL of each lease.

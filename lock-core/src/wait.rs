@@ -19,11 +19,19 @@ const BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// Which acquisition the waiting loop makes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Attempt {
+pub(crate) struct Attempt {
+    /// A guard will renew it (a backend may attach it to a session).
+    pub(crate) renewing: bool,
+    /// `Some(limit)`: one permit of a semaphore of `limit`, not the lock.
+    pub(crate) permits: Option<u32>,
+}
+
+impl Attempt {
     /// A lock nobody will renew.
-    Plain,
-    /// A lock a guard will renew (a backend may attach it to a session).
-    Renewing,
+    pub(crate) const PLAIN: Attempt = Attempt {
+        renewing: false,
+        permits: None,
+    };
 }
 
 /// A granted lease the loop gives back and tries again for (time
@@ -61,7 +69,11 @@ pub(crate) async fn acquire_until_cancelled(
         // and a later subscription would otherwise be missed.
         let mut watch_error = None;
         if watch.is_none() && caps.native_wait && Instant::now() < deadline {
-            match client.backend().watch(key).await {
+            let subscribed = match attempt.permits {
+                None => client.backend().watch(key).await,
+                Some(_) => client.watch_permits(key).await,
+            };
+            match subscribed {
                 Ok(subscribed) => watch = subscribed,
                 Err(e) if e.is_transient() => watch_error = Some(e),
                 Err(e) => return Err(e),

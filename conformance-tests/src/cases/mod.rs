@@ -18,6 +18,7 @@ mod input;
 mod lease;
 mod run;
 mod schedule;
+mod semaphore;
 pub mod support;
 mod wait;
 
@@ -29,6 +30,8 @@ pub enum Needs {
     Nothing,
     /// The operator calls `inspect` and `force_release` (`Capabilities::admin`).
     Admin,
+    /// Counting semaphores (`LockBackend::semaphore`).
+    Semaphore,
     /// Server-driven wake-up of waiters (`Capabilities::native_wait`).
     NativeWait,
     /// Lock data survives a server restart (`Capabilities::durable`).
@@ -53,6 +56,9 @@ impl Needs {
         let caps = context.capabilities();
         match self {
             Needs::Nothing => None,
+            Needs::Semaphore => (!context.has_semaphore()).then(|| {
+                "backend has no semaphores (LockBackend::semaphore is None)".into()
+            }),
             Needs::Admin => (!context.has_admin()).then(|| {
                 "backend has no operator calls inspect/force_release (LockBackend::admin is None)".into()
             }),
@@ -230,6 +236,18 @@ pub fn all() -> Vec<Case> {
         late_grant_inside_margin_never_runs_job,
         no_job_step_after_lost,
         grant_inside_margin_is_released,
+    ));
+    all.extend(cases!(semaphore:
+        at_most_n_holders => Needs::Semaphore,
+        never_more_than_n => Needs::Semaphore,
+        crashed_holder_returns_permit => Needs::Semaphore,
+        waiter_woken_by_release => Needs::Semaphore,
+        cancelled_waiters_leave_nothing_held => Needs::Semaphore,
+        foreign_and_stale_permits_refused => Needs::Semaphore,
+        fencing_grows_across_permits => Needs::Semaphore,
+        limit_disagreement => Needs::Semaphore,
+        one_permit_is_a_mutex => Needs::Semaphore,
+        guards_and_run_exclusive => Needs::Semaphore,
     ));
     all.extend(cases!(admin:
         inspect_reports_holder => Needs::Admin,

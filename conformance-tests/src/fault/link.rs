@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use lock_core::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, HeldLock, LockAdmin, LockBackend,
-    LockClient, LockError, LockKey, LockState, ReleaseNotifier, ReleaseReply, ReleaseWatch,
+    LockClient, LockError, LockKey, LockState, PermitReply, PermitRequest, ReleaseNotifier,
+    ReleaseReply, ReleaseWatch, SemaphoreBackend,
 };
 use tokio::sync::watch;
 
@@ -170,6 +171,7 @@ impl Link {
             inner: client.backend().clone(),
             timeout: operation_timeout,
             notifier: ReleaseNotifier::new(),
+            permit_notifier: ReleaseNotifier::new(),
         })
     }
 
@@ -241,6 +243,8 @@ struct LinkedLock {
     timeout: Duration,
     /// Local fan-out of the notifications that crossed the link.
     notifier: ReleaseNotifier,
+    /// The same for returned semaphore permits.
+    permit_notifier: ReleaseNotifier,
 }
 
 impl fmt::Debug for LinkedLock {
@@ -387,26 +391,84 @@ impl LockBackend for LinkedLock {
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        let Some(inner) = self.call("watch", self.inner.watch(key)).await? else {
+        let inner = self.call("watch", self.inner.watch(key)).await?;
+        self.forwarded(&self.notifier, key, inner).await
+    }
+
+    fn admin(&self) -> Option<&dyn LockAdmin> {
+        self.inner.admin().map(|_| self as &dyn LockAdmin)
+    }
+
+    fn semaphore(&self) -> Option<&dyn SemaphoreBackend> {
+        self.inner
+            .semaphore()
+            .map(|_| self as &dyn SemaphoreBackend)
+    }
+}
+
+impl LinkedLock {
+    /// A local watch fed by `inner` across the link, through `notifier`.
+    async fn forwarded(
+        &self,
+        notifier: &ReleaseNotifier,
+        key: &LockKey,
+        inner: Option<ReleaseWatch>,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
+        let Some(inner) = inner else {
             return Ok(None);
         };
-        let (link, index, notifier) = (self.link.clone(), self.index, self.notifier.clone());
+        let (link, index, fan_out) = (self.link.clone(), self.index, notifier.clone());
         let channel = key.as_str().to_owned();
-        let watch = self
-            .notifier
+        let watch = notifier
             .subscribe(key.as_str(), move || async move {
                 // Runs for the channel's first local waiter only; later
                 // ones share this forwarder (their inner watch is dropped).
-                let closed = notifier.closed(&channel);
-                tokio::spawn(forward(link, index, notifier, channel, inner, closed));
+                let closed = fan_out.closed(&channel);
+                tokio::spawn(forward(link, index, fan_out, channel, inner, closed));
                 Ok(())
             })
             .await?;
         Ok(Some(watch))
     }
 
-    fn admin(&self) -> Option<&dyn LockAdmin> {
-        self.inner.admin().map(|_| self as &dyn LockAdmin)
+    fn inner_semaphore(&self) -> Result<&dyn SemaphoreBackend, LockError> {
+        self.inner
+            .semaphore()
+            .ok_or_else(|| LockError::unsupported("the backend behind this link has no semaphores"))
+    }
+}
+
+#[deny(clippy::missing_trait_methods)]
+#[lock_core::async_trait]
+impl SemaphoreBackend for LinkedLock {
+    async fn acquire_permit(&self, request: PermitRequest<'_>) -> Result<PermitReply, LockError> {
+        let semaphore = self.inner_semaphore()?;
+        self.call("acquire_permit", semaphore.acquire_permit(request))
+            .await
+    }
+
+    async fn extend_permit(
+        &self,
+        permit: HeldLock<'_>,
+        ttl: Duration,
+    ) -> Result<ExtendReply, LockError> {
+        let semaphore = self.inner_semaphore()?;
+        self.call("extend_permit", semaphore.extend_permit(permit, ttl))
+            .await
+    }
+
+    async fn release_permit(&self, permit: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
+        let semaphore = self.inner_semaphore()?;
+        self.call("release_permit", semaphore.release_permit(permit))
+            .await
+    }
+
+    async fn watch_permits(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        let semaphore = self.inner_semaphore()?;
+        let inner = self
+            .call("watch_permits", semaphore.watch_permits(key))
+            .await?;
+        self.forwarded(&self.permit_notifier, key, inner).await
     }
 }
 

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use lock_core::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
     LockAdmin, LockBackend, LockClient, LockError, LockKey, LockState, OwnerToken, ReleaseNotifier,
-    ReleaseReply, ReleaseWatch,
+    ReleaseReply, ReleaseWatch, SemaphoreBackend,
 };
 
 /// The one thing a mutant does wrong.
@@ -628,6 +628,11 @@ impl LockBackend for Mutant {
 
     fn admin(&self) -> Option<&dyn LockAdmin> {
         self.inner.admin().map(|_| self as &dyn LockAdmin)
+    }
+
+    // Permits are forwarded unchanged: the defects are in the lock.
+    fn semaphore(&self) -> Option<&dyn SemaphoreBackend> {
+        self.inner.semaphore()
     }
 }
 
