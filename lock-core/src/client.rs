@@ -115,6 +115,13 @@ impl LockClient {
         &self.inner.backend
     }
 
+    /// The backend itself. Calls go through this, not through the `Arc`:
+    /// method lookup on `Arc<dyn LockBackend>` picks the forwarding impl
+    /// for `Arc`, which boxes every call's future a second time.
+    pub(crate) fn raw(&self) -> &dyn LockBackend {
+        &*self.inner.backend
+    }
+
     /// The backend's name (`redis`, `etcd`, ...).
     pub fn name(&self) -> &'static str {
         self.inner.name
@@ -127,7 +134,7 @@ impl LockClient {
 
     /// The operator calls, if the backend has them.
     pub fn admin(&self) -> Option<&dyn LockAdmin> {
-        self.inner.backend.admin()
+        self.raw().admin()
     }
 
     /// One atomic attempt: takes `key` for `ttl` if nobody holds it (or its
@@ -202,7 +209,7 @@ impl LockClient {
             self.check_issuer(lease)?;
             let ttl = self.inner.capabilities.effective_ttl(ttl)?;
             let sent_at = Instant::now();
-            match self.inner.backend.extend(lease.held(), ttl).await? {
+            match self.raw().extend(lease.held(), ttl).await? {
                 ExtendReply::Extended(grant) => {
                     if grant.fencing != lease.fencing_token() {
                         return Err(LockError::corrupted(format!(
@@ -241,7 +248,7 @@ impl LockClient {
         let span = tracing::debug_span!("distlock.release", backend = self.name(), key = %lease.key(), fencing = %lease.fencing_token());
         let result = async {
             self.check_issuer(lease)?;
-            match self.inner.backend.release(lease.held()).await? {
+            match self.raw().release(lease.held()).await? {
                 ReleaseReply::Released => {
                     tracing::debug!("lock released");
                     Ok(())
@@ -339,7 +346,7 @@ impl LockClient {
             // Taken before the request leaves: the lease's deadline can
             // only be earlier than the server's.
             let sent_at = Instant::now();
-            match self.inner.backend.acquire(request).await? {
+            match self.raw().acquire(request).await? {
                 AcquireReply::Held { expires_in } => {
                     instrument::attempt(self.name(), false);
                     tracing::trace!(?expires_in, "lock held elsewhere");

@@ -61,7 +61,7 @@ pub(crate) async fn acquire_until_cancelled(
         // and a later subscription would otherwise be missed.
         let mut watch_error = None;
         if watch.is_none() && caps.native_wait && Instant::now() < deadline {
-            match client.backend().watch(key).await {
+            match client.raw().watch(key).await {
                 Ok(subscribed) => watch = subscribed,
                 Err(e) if e.is_transient() => watch_error = Some(e),
                 Err(e) => return Err(e),
