@@ -1,5 +1,6 @@
 //! Servers for the benchmark: started by the conformance harness on free
-//! loopback ports, pinned to a CPU after start, and read for their own
+//! loopback ports (PostgreSQL with `pg_stat_statements` loaded, so it counts
+//! its own statements), pinned to a CPU after start, and read for their own
 //! command counters.
 
 use std::collections::BTreeMap;
@@ -47,8 +48,42 @@ impl Backend {
             Backend::Memory => None,
             Backend::Redis => Some(Arc::new(Redis::default())),
             Backend::Etcd => Some(Arc::new(Etcd)),
-            Backend::Postgres => Some(Arc::new(Postgres)),
+            Backend::Postgres => Some(Arc::new(PostgresWithStatements)),
         }
+    }
+}
+
+/// The harness's PostgreSQL with `pg_stat_statements` preloaded: the server
+/// counts every statement it runs, so nothing has to wrap the library
+/// client to count them. The extension costs each statement, the library's
+/// and the raw baseline's alike, a few microseconds.
+struct PostgresWithStatements;
+
+impl ServerKind for PostgresWithStatements {
+    fn name(&self) -> &'static str {
+        Postgres.name()
+    }
+
+    fn url_env_var(&self) -> &'static str {
+        Postgres.url_env_var()
+    }
+
+    fn prepare(&self, dir: &Path) -> std::io::Result<()> {
+        Postgres.prepare(dir)
+    }
+
+    fn command(&self, dir: &Path, port: u16) -> Command {
+        let mut command = Postgres.command(dir, port);
+        command.args(["-c", "shared_preload_libraries=pg_stat_statements"]);
+        command
+    }
+
+    fn url(&self, addr: SocketAddr) -> String {
+        Postgres.url(addr)
+    }
+
+    fn wait_ready(&self, dir: &Path, port: u16) -> std::io::Result<()> {
+        Postgres.wait_ready(dir, port)
     }
 }
 

@@ -115,6 +115,13 @@ impl LockClient {
         &self.inner.backend
     }
 
+    /// The backend itself. Calls go through this, not through the `Arc`:
+    /// method lookup on `Arc<dyn LockBackend>` picks the forwarding impl
+    /// for `Arc`, which boxes every call's future a second time.
+    pub(crate) fn raw(&self) -> &dyn LockBackend {
+        &*self.inner.backend
+    }
+
     /// The backend's name (`redis`, `etcd`, ...).
     pub fn name(&self) -> &'static str {
         self.inner.name
@@ -127,7 +134,7 @@ impl LockClient {
 
     /// The operator calls, if the backend has them.
     pub fn admin(&self) -> Option<&dyn LockAdmin> {
-        self.inner.backend.admin()
+        self.raw().admin()
     }
 
     /// One atomic attempt: takes `key` for `ttl` if nobody holds it (or its
@@ -221,7 +228,7 @@ impl LockClient {
 
     /// The backend's semaphores, if it has them.
     pub fn semaphore(&self) -> Option<&dyn SemaphoreBackend> {
-        self.inner.backend.semaphore()
+        self.raw().semaphore()
     }
 
     fn semaphore_or_error(&self) -> Result<&dyn SemaphoreBackend, LockError> {
@@ -277,7 +284,7 @@ impl LockClient {
             let ttl = self.inner.capabilities.effective_ttl(ttl)?;
             let sent_at = Instant::now();
             let reply = match lease.permit_limit() {
-                None => self.inner.backend.extend(lease.held(), ttl).await?,
+                None => self.raw().extend(lease.held(), ttl).await?,
                 Some(_) => {
                     self.semaphore_or_error()?
                         .extend_permit(lease.held(), ttl)
@@ -324,7 +331,7 @@ impl LockClient {
         let result = async {
             self.check_issuer(lease)?;
             let reply = match lease.permit_limit() {
-                None => self.inner.backend.release(lease.held()).await?,
+                None => self.raw().release(lease.held()).await?,
                 Some(_) => self.semaphore_or_error()?.release_permit(lease.held()).await?,
             };
             match reply {
@@ -433,7 +440,7 @@ impl LockClient {
                         ttl,
                         renewing: attempt.renewing,
                     };
-                    self.inner.backend.acquire(request).await?
+                    self.raw().acquire(request).await?
                 }
                 Some(limit) => {
                     let request = PermitRequest {

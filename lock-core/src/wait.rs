@@ -70,7 +70,7 @@ pub(crate) async fn acquire_until_cancelled(
         let mut watch_error = None;
         if watch.is_none() && caps.native_wait && Instant::now() < deadline {
             let subscribed = match attempt.permits {
-                None => client.backend().watch(key).await,
+                None => client.raw().watch(key).await,
                 Some(_) => client.watch_permits(key).await,
             };
             match subscribed {

@@ -1,0 +1,244 @@
+//! Handoff: W waiters and one holder cycle through one key; how long from
+//! a release returning to the next holder's acquire returning, and how much
+//! work each handoff costs the server and the clients.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use conformance_tests::fault::Link;
+use distlock::{LockClient, LockKey, LockOptions, Locker, Renewal};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::plan::{BenchResult, Plan, TTL, WARMUP_HANDOFFS};
+use crate::probe::{self, Calls, Probe, ServerCount};
+use crate::report::{Row, Samples};
+use crate::servers::{Backend, Server};
+
+/// A call through the counting link that has not answered in this long
+/// fails the run (each is one request; waiting happens between calls).
+const LINK_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The handoff rows for every W of the plan. `clients` are independent
+/// clients (own connections), at least `max W + 1` of them.
+///
+/// Each W runs twice: once timed, the clients bare and the server counting
+/// its own work (read while a holder holds the lock, between handoffs);
+/// once untimed, the same clients behind one counting [`Link`], for the
+/// client-side calls per handoff (and the server work of a backend whose
+/// server cannot count it).
+pub async fn rows(
+    plan: &Plan,
+    server: &Server,
+    clients: &[LockClient],
+    ping_p50: Option<f64>,
+) -> BenchResult<Vec<Row>> {
+    let backend = server.backend;
+    let mut probe = Probe::new(backend, &server.url, server.port().unwrap_or(0)).await?;
+    let mut rows = Vec::new();
+    for &w in &plan.waiters {
+        let timed = handoff(plan, &clients[..=w], Some(&mut probe), None, w).await?;
+        let link = Link::new();
+        let linked: Vec<LockClient> = clients[..=w]
+            .iter()
+            .map(|c| link.wrap(c.clone(), LINK_TIMEOUT))
+            .collect();
+        let counted = handoff(plan, &linked, None, Some(&link), w).await?;
+
+        let mut row = Row::new(backend, "handoff", format!("W={w}"));
+        row.p50_us = timed.latency.pct(0.5);
+        row.p99_us = timed.latency.pct(0.99);
+        row.round_trips = ping_p50.zip(row.p50_us).map(|(p, l)| l / p);
+        row.note = Some(format!(
+            "{} handoffs, hold {:?}, p99 {}",
+            timed.latency.us.len(),
+            plan.hold,
+            ping_p50
+                .zip(row.p99_us)
+                .map(|(p, l)| format!("{:.1} round trips", l / p))
+                .unwrap_or_else(|| "-".to_owned())
+        ));
+        rows.push(row);
+
+        let n = counted.handoffs as f64;
+        let calls = counted.calls;
+        let mut row = Row::new(backend, "client_calls_per_handoff", format!("W={w}"));
+        row.round_trips = Some(calls.ops() as f64 / n);
+        row.note = Some(format!(
+            "try_acquire {:.2}, release {:.2}, extend {:.2}, watch {:.2} per handoff (counted at the client through a conformance Link, in an untimed pass)",
+            calls.try_acquire as f64 / n,
+            calls.release as f64 / n,
+            calls.extend as f64 / n,
+            calls.watch as f64 / n
+        ));
+        rows.push(row);
+
+        let mut row = Row::new(backend, "server_work_per_handoff", format!("W={w}"));
+        let n = timed.handoffs as f64;
+        match timed.server.total {
+            Some(total) => {
+                row.round_trips = Some(total as f64 / n);
+                row.note = Some(format!(
+                    "{}: {}",
+                    probe::source(backend, &timed.server, n),
+                    timed.server.top(n, 6)
+                ));
+            }
+            None => {
+                row.round_trips = Some(calls.ops() as f64 / counted.handoffs as f64);
+                row.note = Some(
+                    match backend {
+                        Backend::Memory => "backend calls counted at the client (in-process)",
+                        _ => "lock calls counted at the client (the server has no counters)",
+                    }
+                    .to_owned(),
+                );
+            }
+        }
+        rows.push(row);
+        eprintln!("[{}] handoff W={w} done", backend.name());
+    }
+    Ok(rows)
+}
+
+struct HandoffOutcome {
+    latency: Samples,
+    handoffs: usize,
+    calls: Calls,
+    server: ServerCount,
+}
+
+#[derive(Default)]
+struct HandoffState {
+    released_at: Option<Instant>,
+    acquisitions: usize,
+    latency: Samples,
+    calls_at_start: Option<Calls>,
+    calls_at_end: Option<Calls>,
+}
+
+/// W waiters (each its own client, so its own connections) and one holder
+/// cycle through one key. After releasing, a worker waits until someone else
+/// acquired before it queues again, so every handoff goes to a waiter that
+/// was already waiting. The counters (`probe`, `link`) are read at the
+/// first and the last measured acquisition, by the acquirer, while it holds
+/// the lock.
+async fn handoff(
+    plan: &Plan,
+    clients: &[LockClient],
+    probe: Option<&mut Probe>,
+    link: Option<&Link>,
+    w: usize,
+) -> BenchResult<HandoffOutcome> {
+    static RUN: AtomicU64 = AtomicU64::new(0);
+    let run = RUN.fetch_add(1, Ordering::Relaxed);
+    let key = LockKey::new(format!("handoff-{run}-w{w}")).map_err(|e| e.to_string())?;
+    let options = LockOptions::new(TTL)
+        .wait(Duration::from_secs(120))
+        .renewal(Renewal::Off);
+    let state = Arc::new(Mutex::new(HandoffState::default()));
+    let (gen_tx, gen_rx) = watch::channel(0usize);
+    let gen_tx = Arc::new(gen_tx);
+    let target = WARMUP_HANDOFFS + plan.handoffs;
+    let (probe_tx, mut probe_rx) = mpsc::channel::<oneshot::Sender<()>>(2);
+    let mut handles = Vec::new();
+    for c in clients {
+        let locker = Locker::new(c.clone());
+        let key = key.clone();
+        let options = options.clone();
+        let state = state.clone();
+        let gen_tx = gen_tx.clone();
+        let mut gen_rx = gen_rx.clone();
+        let link = link.cloned();
+        let probe_tx = probe_tx.clone();
+        let hold = plan.hold;
+        handles.push(tokio::spawn(async move {
+            loop {
+                let guard = locker
+                    .acquire(&key, &options)
+                    .await
+                    .map_err(|e| format!("handoff acquire: {e}"))?
+                    .ok_or("handoff acquire timed out")?;
+                let now = Instant::now();
+                let n = {
+                    let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
+                    s.acquisitions += 1;
+                    let n = s.acquisitions;
+                    let released = s.released_at.take();
+                    let measure = n > WARMUP_HANDOFFS + 1 && n <= target + 1;
+                    if measure {
+                        s.latency.push(
+                            released
+                                .map(|r| now.saturating_duration_since(r))
+                                .unwrap_or_default(),
+                        );
+                    }
+                    if let Some(link) = &link {
+                        if n == WARMUP_HANDOFFS + 1 {
+                            s.calls_at_start = Some(Calls::of(link));
+                        }
+                        if n == target + 1 {
+                            s.calls_at_end = Some(Calls::of(link));
+                        }
+                    }
+                    n
+                };
+                if n == WARMUP_HANDOFFS + 1 || n == target + 1 {
+                    let (tx, rx) = oneshot::channel();
+                    let _ = probe_tx.send(tx).await;
+                    let _ = rx.await;
+                }
+                let done = n > target;
+                if !done {
+                    tokio::time::sleep(hold).await;
+                }
+                guard
+                    .release()
+                    .await
+                    .map_err(|e| format!("handoff release: {e}"))?;
+                state.lock().unwrap_or_else(|e| e.into_inner()).released_at = Some(Instant::now());
+                gen_tx.send_replace(n);
+                if done {
+                    return Ok::<(), String>(());
+                }
+                // Queue again only once someone else took the lock (or the run ended).
+                let mine = n;
+                loop {
+                    if *gen_rx.borrow_and_update() != mine {
+                        break;
+                    }
+                    if gen_rx.changed().await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }));
+    }
+    drop(probe_tx);
+    let mut counts = Vec::new();
+    let mut probe = probe;
+    while let Some(reply) = probe_rx.recv().await {
+        if let Some(probe) = probe.as_deref_mut() {
+            counts.push(probe.count().await?);
+        }
+        let _ = reply.send(());
+    }
+    for h in handles {
+        h.await.map_err(|e| e.to_string())??;
+    }
+    let s = std::mem::take(&mut *state.lock().unwrap_or_else(|e| e.into_inner()));
+    let calls = match (s.calls_at_start, s.calls_at_end) {
+        (Some(a), Some(b)) => b.since(&a),
+        _ => Calls::default(),
+    };
+    let server = match counts.as_slice() {
+        [a, b] => b.since(a),
+        _ => ServerCount::default(),
+    };
+    Ok(HandoffOutcome {
+        handoffs: plan.handoffs,
+        latency: s.latency,
+        calls,
+        server,
+    })
+}

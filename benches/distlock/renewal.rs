@@ -1,0 +1,223 @@
+//! Renewal: the cost of H held guards per renewal period, and the memory
+//! each guard takes. Each H runs in a child process of the bench (the same
+//! executable, told so by an environment variable), so resident memory is
+//! measured from a clean heap.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use conformance_tests::fault::Link;
+use distlock::{LockKey, LockOptions, Locker};
+use serde_json::{json, Value};
+
+use crate::plan::{BenchResult, Plan};
+use crate::probe::{self, Calls, Probe};
+use crate::report::Row;
+use crate::servers::{self, Backend, Server};
+
+/// The environment variable that makes the bench a renewal child; its value
+/// is the child's spec.
+pub const CHILD_ENV: &str = "DISTLOCK_BENCH_RENEWAL_CHILD";
+
+/// What a renewal child reports.
+struct RenewalResult {
+    server_per_period: f64,
+    extends_per_period: f64,
+    rss_per_guard: f64,
+    lost: usize,
+    acquire_secs: f64,
+    source: String,
+}
+
+/// The renewal rows for every H of the plan.
+pub fn rows(plan: &Plan, server: &Server) -> BenchResult<Vec<Row>> {
+    let backend = server.backend;
+    let mut rows = Vec::new();
+    for &h in &plan.guards {
+        let r = in_child(plan, server, h)?;
+        let mut row = Row::new(backend, "renewal_server_rt_per_period", format!("H={h}"));
+        row.round_trips = Some(r.server_per_period);
+        row.note = Some(format!(
+            "{} per renewal period {:?} (TTL {:?}) = {:.2} per guard; client extends/period {:.1}; {} of {h} guards lost; rss/guard {:.0} B; acquiring all took {:.1} s",
+            r.source, plan.renewal_ttl / 3, plan.renewal_ttl, r.server_per_period / h as f64, r.extends_per_period, r.lost, r.rss_per_guard, r.acquire_secs
+        ));
+        rows.push(row);
+        let mut row = Row::new(backend, "renewal_rss_per_guard_bytes", format!("H={h}"));
+        row.note = Some(format!("{:.0}", r.rss_per_guard));
+        rows.push(row);
+        eprintln!("[{}] renewal H={h} done", backend.name());
+    }
+    Ok(rows)
+}
+
+fn in_child(plan: &Plan, server: &Server, h: usize) -> BenchResult<RenewalResult> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let spec = format!(
+        "{} {} {} {} {} {}",
+        server.backend.name(),
+        h,
+        plan.renewal_window.as_millis(),
+        plan.renewal_ttl.as_millis(),
+        server.port().unwrap_or(0),
+        server.url
+    );
+    let output = std::process::Command::new(exe)
+        .env(CHILD_ENV, spec)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("renewal child: {e}"))?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("RESULT "))
+        .ok_or_else(|| {
+            format!(
+                "renewal child for {} H={h} failed: {stdout}",
+                server.backend.name()
+            )
+        })?;
+    let v: Value = serde_json::from_str(line).map_err(|e| e.to_string())?;
+    let f = |k: &str| v.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
+    Ok(RenewalResult {
+        server_per_period: f("server_per_period"),
+        extends_per_period: f("extends_per_period"),
+        rss_per_guard: f("rss_per_guard"),
+        lost: v.get("lost").and_then(Value::as_u64).unwrap_or(0) as usize,
+        acquire_secs: f("acquire_secs"),
+        source: v
+            .get("source")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned(),
+    })
+}
+
+/// The child's `main`: runs [`renewal`] and prints its result on a
+/// `RESULT ` line.
+pub fn child_main(spec: &str) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("renewal child: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(renewal(spec)) {
+        Ok(v) => {
+            println!("RESULT {v}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("renewal child ({spec}): {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Holds H guards (default renewal: every TTL/3) for the window and counts
+/// the server's work and this process's resident memory. The client sits
+/// behind a conformance [`Link`] (a transparent hop that counts the calls
+/// it carries) for the client-side extends; nothing here is timed, and the
+/// link keeps no state per guard.
+async fn renewal(spec: &str) -> BenchResult<Value> {
+    let parts: Vec<&str> = spec.splitn(6, ' ').collect();
+    let [name, h, window, ttl, port, url] = parts.as_slice() else {
+        return Err(format!("bad spec {spec:?}"));
+    };
+    let backend = Backend::parse(name).ok_or("bad backend")?;
+    let h: usize = h.parse().map_err(|_| "bad H")?;
+    let window = Duration::from_millis(window.parse().map_err(|_| "bad window")?);
+    let ttl = Duration::from_millis(ttl.parse().map_err(|_| "bad ttl")?);
+    let port: u16 = port.parse().map_err(|_| "bad port")?;
+    let link = Link::new();
+    let client = crate::client(backend, url, &distlock::MemoryLock::new()).await?;
+    let locker = Locker::new(link.wrap(client, Duration::from_secs(30)));
+    let options = LockOptions::new(ttl);
+    let mut probe = Probe::new(backend, url, port).await?;
+    // Warm up the client, then measure from here.
+    let warm = LockKey::new("renew-warm").map_err(|e| e.to_string())?;
+    if let Some(g) = locker
+        .try_lock(&warm, &options)
+        .await
+        .map_err(|e| e.to_string())?
+    {
+        g.release().await.map_err(|e| e.to_string())?;
+    }
+    let rss0 = servers::rss_bytes();
+    let started = Instant::now();
+    let mut guards = Vec::with_capacity(h);
+    let run = std::process::id();
+    let mut next = 0;
+    while next < h {
+        let chunk = (h - next).min(256);
+        let mut handles = Vec::with_capacity(chunk);
+        for i in next..next + chunk {
+            let locker = locker.clone();
+            let options = options.clone();
+            handles.push(tokio::spawn(async move {
+                let key = LockKey::new(format!("renew-{run}-{i}")).map_err(|e| e.to_string())?;
+                locker
+                    .try_lock(&key, &options)
+                    .await
+                    .map_err(|e| format!("renewal acquire: {e}"))?
+                    .ok_or_else(|| format!("fresh key {key} was held"))
+            }));
+        }
+        for handle in handles {
+            guards.push(handle.await.map_err(|e| e.to_string())??);
+        }
+        next += chunk;
+    }
+    let acquire_secs = started.elapsed().as_secs_f64();
+    let rss1 = servers::rss_bytes();
+    let c0 = Calls::of(&link);
+    let s0 = probe.count().await?;
+    let t0 = Instant::now();
+    tokio::time::sleep(window).await;
+    let s1 = probe.count().await?;
+    let c1 = Calls::of(&link);
+    let elapsed = t0.elapsed();
+    let rss2 = servers::rss_bytes();
+    let lost = guards.iter().filter(|g| g.is_lost()).count();
+    let periods = elapsed.as_secs_f64() / (ttl / 3).as_secs_f64();
+    let calls = c1.since(&c0);
+    let server = s1.since(&s0);
+    let (server_total, source) = match server.total {
+        Some(t) => (t as f64, probe::source(backend, &server, periods)),
+        None => (
+            calls.ops() as f64,
+            match backend {
+                Backend::Memory => "backend calls (in-process)",
+                _ => "lock calls counted at the client",
+            }
+            .to_owned(),
+        ),
+    };
+    // Release concurrently.
+    let mut handles = Vec::new();
+    while !guards.is_empty() {
+        let take = guards.len().min(256);
+        let batch: Vec<_> = guards.drain(..take).collect();
+        for g in batch {
+            handles.push(tokio::spawn(async move {
+                let _ = g.release().await;
+            }));
+        }
+        for handle in handles.drain(..) {
+            let _ = handle.await;
+        }
+    }
+    Ok(json!({
+        "h": h,
+        "server_per_period": server_total / periods,
+        "extends_per_period": calls.extend as f64 / periods,
+        "rss_per_guard": (rss1.max(rss2).saturating_sub(rss0)) as f64 / h as f64,
+        "lost": lost,
+        "acquire_secs": acquire_secs,
+        "source": source,
+        "detail": server.detail,
+    }))
+}
