@@ -5,18 +5,17 @@
 
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use etcd_client::{Client, ConnectOptions, KvClient, LeaseClient};
 use lock_core::{
-    AcquireReply, AcquireRequest, Capabilities, ClientOptions, ExtendReply, Grant, HeldLock,
-    Listener, LockAdmin, LockBackend, LockError, LockKey, ReleaseNotifier, ReleaseReply,
-    ReleaseWatch,
+    AcquireReply, AcquireRequest, Capabilities, ExtendReply, Grant, HeldLock, Listener, LockAdmin,
+    LockBackend, LockError, LockKey, ReleaseNotifier, ReleaseReply, ReleaseWatch,
 };
 
 use crate::config::EtcdConfig;
-use crate::errors;
+use crate::errors::{self, Requests};
 use crate::keys::{encode_value, KeyLayout};
 use crate::listener::EtcdWatches;
 use crate::queue;
@@ -149,6 +148,8 @@ pub(crate) struct Inner {
     /// Numbers this client's waiting calls.
     pub(crate) next_waiter: AtomicU64,
     pub(crate) sessions: Sessions,
+    /// Timeouts, and sending again what reached no server.
+    pub(crate) requests: Requests,
 }
 
 impl std::fmt::Debug for Inner {
@@ -184,6 +185,11 @@ impl EtcdLock {
         if let Some((name, password)) = config.credentials() {
             connect = connect.with_user(name.clone(), password.clone());
         }
+        #[cfg(feature = "tls")]
+        if config.uses_tls() {
+            connect =
+                connect.with_tls(crate::tls::options(&options.tls, options.connect_timeout).await?);
+        }
         let endpoints = config.endpoints().to_vec();
         let what = format!("connecting to etcd at {}", endpoints.join(","));
         let client = lock_core::with_timeout(options.connect_timeout, &what, async {
@@ -200,18 +206,18 @@ impl EtcdLock {
     }
 
     /// Uses an existing client (its endpoints, credentials and TLS), with
-    /// `config.client` for namespace and timeouts (its endpoints and
-    /// credentials are not used). Does not contact the server.
+    /// `config.client` for namespace and timeouts. Its endpoints and
+    /// credentials are not used to connect; if it lists several endpoints,
+    /// a request that reaches no server is sent again (the client's channel
+    /// picks another endpoint), so list the client's. Does not contact the
+    /// server.
     pub fn from_client(client: Client, config: EtcdConfig) -> Result<Self, LockError> {
         config.client.validate()?;
         let layout = KeyLayout::new(&config.client.namespace);
         let watches = EtcdWatches::new(client.watch_client(), layout.prefix().as_bytes().to_vec());
         let listener = Listener::new(watches, &config.client).health_check_after(WATCH_SWEEP);
-        let sessions = Sessions::new(
-            client.kv_client(),
-            client.lease_client(),
-            config.client.clone(),
-        );
+        let requests = Requests::new(config.client.clone(), config.endpoints().len());
+        let sessions = Sessions::new(client.kv_client(), client.lease_client(), requests.clone());
         Ok(Self {
             inner: Arc::new(Inner {
                 kv: client.kv_client(),
@@ -222,6 +228,7 @@ impl EtcdLock {
                 waiting: ReleaseNotifier::new(),
                 next_waiter: AtomicU64::new(0),
                 sessions,
+                requests,
             }),
         })
     }
@@ -238,35 +245,89 @@ impl EtcdLock {
         self.inner.layout.prefix()
     }
 
-    /// One read inside the namespace, to fail fast on an unreachable cluster
-    /// or a user without permission.
+    /// One read inside the namespace, to fail fast on an unreachable cluster,
+    /// a refused certificate or a user without permission; sent again
+    /// (within the connect timeout) while it reaches no server.
     async fn probe(&self, what: &str) -> Result<(), LockError> {
-        let mut kv = self.inner.kv.clone();
+        let started = Instant::now();
+        let kv = self.inner.kv.clone();
         let key = self.inner.layout.prefix().as_bytes().to_vec();
-        lock_core::with_timeout(self.inner.config.client.connect_timeout, what, async {
-            kv.get(key, None)
-                .await
-                .map(|_| ())
-                .map_err(|e| errors::map(what, e))
-        })
-        .await
-        .map_err(unreachable_on_timeout)
+        let timeout = self.inner.config.client.connect_timeout;
+        let probed = self
+            .inner
+            .requests
+            .send_within(timeout, what, || {
+                let mut kv = kv.clone();
+                let key = key.clone();
+                async move { kv.get(key, None).await.map(|_| ()) }
+            })
+            .await;
+        match probed {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let left = timeout.saturating_sub(started.elapsed());
+                Err(unreachable_on_timeout(
+                    self.explain_closed(what, e, left).await,
+                ))
+            }
+        }
+    }
+
+    /// Words a connection the server closed right after it was set up
+    /// (tonic says only "broken pipe"): a plaintext client at a TLS port,
+    /// or a TLS client whose certificate etcd refused after the handshake,
+    /// which one diagnostic handshake (within `left`) makes certain.
+    async fn explain_closed(&self, what: &str, error: LockError, left: Duration) -> LockError {
+        let closed = std::error::Error::source(&error)
+            .and_then(|source| source.downcast_ref::<etcd_client::Error>())
+            .is_some_and(errors::closed_by_peer);
+        if !closed {
+            return error;
+        }
+        let config = &self.inner.config;
+        if !config.uses_tls() {
+            let message = format!(
+                "{}; the server closed the connection at once: if it serves TLS on this port, use etcds://",
+                error.message()
+            );
+            return LockError::unavailable(message).with_source(error);
+        }
+        #[cfg(feature = "tls")]
+        {
+            let diagnose = async {
+                for endpoint in config.endpoints() {
+                    if let Some(refusal) =
+                        crate::tls::refusal(endpoint, &config.client.tls, left).await
+                    {
+                        return Some(refusal);
+                    }
+                }
+                None
+            };
+            if let Ok(Some(refusal)) = tokio::time::timeout(left, diagnose).await {
+                let message = format!("{what}: {}", crate::tls::explain(&refusal));
+                return LockError::config(message).with_source(error);
+            }
+        }
+        let _ = (what, left);
+        let message = format!(
+            "{}; the server closed the connection right after the TLS handshake, as an etcd with --client-cert-auth does to clients whose certificate it does not accept (tls_cert_file, tls_key_file)",
+            error.message()
+        );
+        LockError::unavailable(message).with_source(error)
     }
 
     /// Grants an etcd lease of `ttl` (whole seconds); returns its id and
     /// the TTL the server granted.
     pub(crate) async fn grant(&self, ttl: Duration) -> Result<(i64, Duration), LockError> {
         let seconds = i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX).max(1);
-        let mut leases = self.inner.leases.clone();
+        let leases = &self.inner.leases;
         let reply = self
             .inner
-            .config
-            .client
-            .timed("etcd lease grant", async {
-                leases
-                    .grant(seconds, None)
-                    .await
-                    .map_err(errors::mapper("etcd lease grant"))
+            .requests
+            .send("etcd lease grant", || {
+                let mut leases = leases.clone();
+                async move { leases.grant(seconds, None).await }
             })
             .await?;
         if !reply.error().is_empty() {
@@ -290,29 +351,31 @@ impl EtcdLock {
     /// Failing only means the lease lives until its TTL runs out.
     fn revoke_later(&self, lease_id: i64) {
         let leases = self.inner.leases.clone();
-        let options = self.inner.config.client.clone();
+        let requests = self.inner.requests.clone();
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         runtime.spawn(async move {
-            if let Err(e) = revoke(leases, &options, lease_id).await {
+            if let Err(e) = revoke(leases, &requests, lease_id).await {
                 tracing::debug!(lease_id, error = %e, "could not revoke an etcd lease; it expires by its TTL");
             }
         });
     }
 
-    /// Runs one transaction under the operation timeout.
+    /// Runs one transaction under the operation timeout (sent again while
+    /// it reaches no server).
     pub(crate) async fn run_txn(
         &self,
         what: &'static str,
         txn: etcd_client::Txn,
     ) -> Result<etcd_client::TxnResponse, LockError> {
-        let mut kv = self.inner.kv.clone();
+        let kv = &self.inner.kv;
         self.inner
-            .config
-            .client
-            .timed(what, async {
-                kv.txn(txn).await.map_err(errors::mapper(what))
+            .requests
+            .send(what, || {
+                let mut kv = kv.clone();
+                let txn = txn.clone();
+                async move { kv.txn(txn).await }
             })
             .await
     }
@@ -389,17 +452,14 @@ impl EtcdLock {
 
 /// Revokes an etcd lease (deleting its keys), under the operation timeout.
 pub(crate) async fn revoke(
-    mut leases: LeaseClient,
-    options: &ClientOptions,
+    leases: LeaseClient,
+    requests: &Requests,
     lease_id: i64,
 ) -> Result<(), LockError> {
-    options
-        .timed("etcd lease revoke", async {
-            leases
-                .revoke(lease_id)
-                .await
-                .map(|_| ())
-                .map_err(errors::mapper("etcd lease revoke"))
+    requests
+        .send("etcd lease revoke", || {
+            let mut leases = leases.clone();
+            async move { leases.revoke(lease_id).await.map(|_| ()) }
         })
         .await
 }

@@ -1,12 +1,21 @@
-//! Mapping etcd client errors to [`LockError`] kinds.
+//! Mapping etcd client errors to [`LockError`] kinds, and sending a request
+//! again when it never reached a server.
 
-use lock_core::LockError;
+use std::error::Error as StdError;
+use std::future::Future;
+use std::time::{Duration, Instant};
 
-/// gRPC status code `PERMISSION_DENIED` (from the gRPC spec; read through
-/// `etcd_client`'s error so no direct `tonic` dependency is needed).
+use lock_core::{ClientOptions, LockError};
+
+/// gRPC status code `PERMISSION_DENIED` (from the gRPC spec).
 const PERMISSION_DENIED: i32 = 7;
 /// gRPC status code `UNAUTHENTICATED`.
 const UNAUTHENTICATED: i32 = 16;
+
+/// First pause before sending a request again that reached no server.
+const FIRST_PAUSE: Duration = Duration::from_millis(10);
+/// Longest such pause.
+const MAX_PAUSE: Duration = Duration::from_millis(200);
 
 /// Whether `error` says the user name or password was refused.
 pub(crate) fn is_auth_failure(error: &etcd_client::Error) -> bool {
@@ -21,16 +30,123 @@ pub(crate) fn is_auth_failure(error: &etcd_client::Error) -> bool {
     }
 }
 
+/// `error` and its causes, looking inside `io::Error`s (whose `source()`
+/// skips the error they wrap, where rustls puts its verdict).
+fn causes<'a>(error: &'a (dyn StdError + 'static)) -> Vec<&'a (dyn StdError + 'static)> {
+    let mut found = Vec::new();
+    let mut next = Some(error);
+    while let Some(error) = next {
+        found.push(error);
+        next = match error
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+        {
+            Some(inner) => Some(inner as &(dyn StdError + 'static)),
+            None => error.source(),
+        };
+    }
+    found
+}
+
+/// Whether the request failed before it was sent: the channel could not
+/// connect to the endpoint it picked (refused, unreachable, connect
+/// timeout). Sending it again is safe even for a transaction, and another
+/// endpoint of the cluster may take it. A TLS handshake that failed is not
+/// such an error: another try gets the same answer.
+pub(crate) fn never_sent(error: &etcd_client::Error) -> bool {
+    let etcd_client::Error::GRpcStatus(status) = error else {
+        return false;
+    };
+    let Some(source) = status.source() else {
+        // A status from a server: the request got there.
+        return false;
+    };
+    let causes = causes(source);
+    causes
+        .iter()
+        .any(|e| e.downcast_ref::<tonic::ConnectError>().is_some())
+        && !causes.iter().any(|e| is_tls_failure(*e))
+}
+
+/// Whether `error` is a TLS handshake failure (rustls' verdict, or the peer
+/// closing the connection during the handshake).
+fn is_tls_failure(error: &(dyn StdError + 'static)) -> bool {
+    #[cfg(feature = "tls")]
+    if error.downcast_ref::<rustls::Error>().is_some() {
+        return true;
+    }
+    error.to_string().contains("tls handshake")
+}
+
+/// What a connection-level failure says about the setup, if anything: a
+/// certificate verdict (a [`Config`](lock_core::ErrorKind::Config) error:
+/// trying again cannot help), or a hint for a plaintext/TLS mismatch.
+fn diagnosis(error: &etcd_client::Error) -> Option<(bool, String)> {
+    let etcd_client::Error::GRpcStatus(status) = error else {
+        return None;
+    };
+    let causes = causes(status.source()?);
+    #[cfg(feature = "tls")]
+    if let Some(tls) = causes
+        .iter()
+        .find_map(|e| e.downcast_ref::<rustls::Error>())
+    {
+        return Some((true, crate::tls::explain(tls)));
+    }
+    if causes
+        .iter()
+        .any(|e| e.to_string().contains("tls handshake eof"))
+    {
+        return Some((
+            false,
+            "the server closed the connection during the TLS handshake; it does not seem to serve TLS on this port (use etcd:// for a plaintext port)".to_owned(),
+        ));
+    }
+    None
+}
+
+/// Whether `error` is a connection that broke right after it was set up
+/// (the peer closed it: broken pipe or reset, with no gRPC status from the
+/// server). Against a TLS port this is what a plaintext client sees, and
+/// against an etcd with `--client-cert-auth` what a TLS client sees whose
+/// certificate the server refused after the handshake.
+pub(crate) fn closed_by_peer(error: &etcd_client::Error) -> bool {
+    let etcd_client::Error::GRpcStatus(status) = error else {
+        return false;
+    };
+    let Some(source) = status.source() else {
+        return false;
+    };
+    causes(source).iter().any(|e| {
+        e.downcast_ref::<std::io::Error>().is_some_and(|io| {
+            matches!(
+                io.kind(),
+                std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+            )
+        })
+    })
+}
+
 /// Maps a driver error from the request `what` to a [`LockError`]:
-/// authentication failures and refused permissions are configuration errors
-/// that say what to check, bad arguments are configuration errors, and
-/// everything about reaching the server is `Unavailable`.
+/// authentication failures, refused permissions and refused certificates
+/// are configuration errors that say what to check, bad arguments are
+/// configuration errors, and everything about reaching the server is
+/// `Unavailable`.
 pub(crate) fn map(what: &str, error: etcd_client::Error) -> LockError {
     if is_auth_failure(&error) {
         let message = format!(
             "{what}: etcd authentication failed; check the user and password in the URL (etcd://user:password@host:port): {error}"
         );
         return LockError::config(message).with_source(error);
+    }
+    if let Some((certain, explained)) = diagnosis(&error) {
+        let message = format!("{what}: {explained}");
+        return if certain {
+            LockError::config(message)
+        } else {
+            LockError::unavailable(message)
+        }
+        .with_source(error);
     }
     match &error {
         etcd_client::Error::GRpcStatus(status) if status.code() as i32 == PERMISSION_DENIED => {
@@ -42,7 +158,8 @@ pub(crate) fn map(what: &str, error: etcd_client::Error) -> LockError {
         etcd_client::Error::InvalidArgs(_)
         | etcd_client::Error::InvalidUri(_)
         | etcd_client::Error::EndpointError(_)
-        | etcd_client::Error::InvalidMetadataValue(_) => LockError::config(format!(
+        | etcd_client::Error::InvalidMetadataValue(_)
+        | etcd_client::Error::TransportError(_) => LockError::config(format!(
             "{what}: invalid etcd client configuration: {error}"
         ))
         .with_source(error),
@@ -54,4 +171,72 @@ pub(crate) fn map(what: &str, error: etcd_client::Error) -> LockError {
 /// A closure for `map_err` that maps errors of the request `what`.
 pub(crate) fn mapper(what: &'static str) -> impl Fn(etcd_client::Error) -> LockError {
     move |error| map(what, error)
+}
+
+/// How a client sends its requests: under its timeouts, and, with several
+/// endpoints, again while a request reaches no server.
+#[derive(Debug, Clone)]
+pub(crate) struct Requests {
+    pub(crate) options: ClientOptions,
+    /// Whether the channel has other endpoints to try.
+    failover: bool,
+}
+
+impl Requests {
+    /// For a client with `endpoints` endpoints.
+    pub(crate) fn new(options: ClientOptions, endpoints: usize) -> Self {
+        Self {
+            options,
+            failover: endpoints > 1,
+        }
+    }
+
+    /// Sends a request (`send` makes a new one each time) under the
+    /// operation timeout. With several endpoints, a request that failed
+    /// without reaching a server ([`never_sent`]) is sent again after a
+    /// short pause, and the channel picks another endpoint: a cluster
+    /// member that is down costs a retry, not an error. Near the timeout
+    /// the last such error is returned as it is. With one endpoint it
+    /// fails at once (waiting calls retry by themselves).
+    ///
+    /// Cancel safe: dropping it drops the request in flight, as dropping
+    /// a single request would.
+    pub(crate) async fn send<T, F, Fut>(&self, what: &str, send: F) -> Result<T, LockError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        self.send_within(self.options.operation_timeout, what, send)
+            .await
+    }
+
+    /// [`send`](Self::send) with its own time limit (the connect timeout
+    /// for the connection probe).
+    pub(crate) async fn send_within<T, F, Fut>(
+        &self,
+        timeout: Duration,
+        what: &str,
+        mut send: F,
+    ) -> Result<T, LockError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let deadline = Instant::now() + timeout;
+        lock_core::with_timeout(timeout, what, async {
+            let mut pause = FIRST_PAUSE;
+            loop {
+                match send().await {
+                    Ok(reply) => return Ok(reply),
+                    Err(e) if self.failover && never_sent(&e) && Instant::now() + pause < deadline => {
+                        tracing::debug!(request = what, error = %e, "etcd request reached no server; sending it again");
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(MAX_PAUSE);
+                    }
+                    Err(e) => return Err(map(what, e)),
+                }
+            }
+        })
+        .await
+    }
 }

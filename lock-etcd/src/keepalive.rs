@@ -10,11 +10,10 @@ use std::time::{Duration, Instant};
 
 use etcd_client::{Compare, CompareOp, KvClient, LeaseClient, LeaseKeepAliveStream, LeaseKeeper};
 use etcd_client::{Txn, TxnOp};
-use lock_core::ClientOptions;
 use tokio::sync::watch;
 
 use crate::backend;
-use crate::errors;
+use crate::errors::{self, Requests};
 use crate::session::Session;
 
 /// Shortest pause before reopening a failed keep-alive stream.
@@ -25,7 +24,7 @@ pub(crate) struct Task {
     pub(crate) session: Arc<Session>,
     pub(crate) kv: KvClient,
     pub(crate) leases: LeaseClient,
-    pub(crate) options: ClientOptions,
+    pub(crate) requests: Requests,
     pub(crate) shutdown: watch::Receiver<()>,
 }
 
@@ -59,7 +58,7 @@ impl Task {
                     "etcd session lease lost; its locks are gone"
                 );
                 // Make the server agree at once if it still has the lease.
-                let _ = backend::revoke(self.leases.clone(), &self.options, lease_id).await;
+                let _ = backend::revoke(self.leases.clone(), &self.requests, lease_id).await;
             }
         }
     }
@@ -158,7 +157,7 @@ impl Task {
     async fn open(&mut self) -> Opened {
         let mut leases = self.leases.clone();
         let lease_id = self.session.lease_id();
-        let open = self.options.timed("etcd lease keep-alive", async {
+        let open = self.requests.options.timed("etcd lease keep-alive", async {
             Ok(leases.keep_alive(lease_id).await)
         });
         tokio::select! {
@@ -183,8 +182,8 @@ impl Task {
         let (expired, next) = self.session.take_expired(now);
         for (value, tracked) in expired {
             let session = self.session.clone();
-            let mut kv = self.kv.clone();
-            let options = self.options.clone();
+            let kv = self.kv.clone();
+            let requests = self.requests.clone();
             tokio::spawn(async move {
                 let mut when = vec![
                     Compare::value(tracked.key.clone(), CompareOp::Equal, value.clone()),
@@ -200,11 +199,11 @@ impl Task {
                 let txn = Txn::new()
                     .when(when)
                     .and_then([TxnOp::delete(tracked.key.clone(), None)]);
-                let result = options
-                    .timed("etcd expire session lock", async {
-                        kv.txn(txn)
-                            .await
-                            .map_err(errors::mapper("etcd expire session lock"))
+                let result = requests
+                    .send("etcd expire session lock", || {
+                        let mut kv = kv.clone();
+                        let txn = txn.clone();
+                        async move { kv.txn(txn).await }
                     })
                     .await;
                 match result {

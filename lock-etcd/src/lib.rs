@@ -75,10 +75,12 @@ mod keys;
 mod listener;
 mod queue;
 mod session;
+#[cfg(feature = "tls")]
+mod tls;
 mod txn;
 
-/// The URL schemes this backend opens.
-pub const SCHEMES: &[&str] = &["etcd"];
+/// The URL schemes this backend opens (`etcds://` needs the `tls` feature).
+pub const SCHEMES: &[&str] = &["etcd", "etcds"];
 
 pub use backend::EtcdLock;
 pub use config::{EtcdConfig, DEFAULT_PORT};

@@ -47,7 +47,6 @@ use lock_core::{LockError, LockKey, ReleaseWatch};
 use tokio::sync::oneshot;
 
 use crate::backend::{EtcdLock, Inner, MIN_TTL};
-use crate::errors;
 use crate::listener::Topic;
 
 /// Pauses between retries of a failed look-up or entry delete.
@@ -305,14 +304,13 @@ async fn delete_entry(client: Weak<Inner>, entry: Vec<u8>) {
         let Some(inner) = client.upgrade() else {
             return;
         };
-        let mut kv = inner.kv.clone();
+        let kv = &inner.kv;
         let result = inner
-            .config
-            .client
-            .timed("etcd dequeue waiter", async {
-                kv.delete(entry.clone(), None)
-                    .await
-                    .map_err(errors::mapper("etcd dequeue waiter"))
+            .requests
+            .send("etcd dequeue waiter", || {
+                let mut kv = kv.clone();
+                let entry = entry.clone();
+                async move { kv.delete(entry, None).await }
             })
             .await;
         drop(inner);

@@ -23,12 +23,12 @@ use std::time::{Duration, Instant};
 
 use etcd_client::{KvClient, LeaseClient};
 use lock_core::{
-    AcquireReply, AcquireRequest, ClientOptions, ExtendReply, FencingToken, Grant, HeldLock,
-    LockError,
+    AcquireReply, AcquireRequest, ExtendReply, FencingToken, Grant, HeldLock, LockError,
 };
 use tokio::sync::watch;
 
 use crate::backend::EtcdLock;
+use crate::errors::Requests;
 use crate::keepalive::Task;
 use crate::keys::encode_value;
 use crate::txn::{self, AcquireOutcome};
@@ -193,11 +193,11 @@ pub(crate) struct Sessions {
     shutdown: watch::Receiver<()>,
     kv: KvClient,
     leases: LeaseClient,
-    options: ClientOptions,
+    requests: Requests,
 }
 
 impl Sessions {
-    pub(crate) fn new(kv: KvClient, leases: LeaseClient, options: ClientOptions) -> Self {
+    pub(crate) fn new(kv: KvClient, leases: LeaseClient, requests: Requests) -> Self {
         let (tx, rx) = watch::channel(());
         Self {
             by_ttl: Mutex::new(HashMap::new()),
@@ -206,7 +206,7 @@ impl Sessions {
             shutdown: rx,
             kv,
             leases,
-            options,
+            requests,
         }
     }
 
@@ -254,7 +254,7 @@ impl Sessions {
             session: session.clone(),
             kv: self.kv.clone(),
             leases: self.leases.clone(),
-            options: self.options.clone(),
+            requests: self.requests.clone(),
             shutdown: self.shutdown.clone(),
         };
         tokio::spawn(task.run());
