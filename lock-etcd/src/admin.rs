@@ -7,6 +7,7 @@ use etcd_client::{Compare, CompareOp, KeyValue, Txn, TxnOp};
 use lock_core::{FencingToken, LockAdmin, LockError, LockKey, LockState};
 
 use crate::backend::EtcdLock;
+use crate::errors::Repeat;
 use crate::txn;
 
 impl EtcdLock {
@@ -18,7 +19,7 @@ impl EtcdLock {
         let reply = self
             .inner
             .requests
-            .send("etcd get", || {
+            .send("etcd get", Repeat::Safe, || {
                 let mut kv = kv.clone();
                 let etcd_key = etcd_key.clone();
                 async move { kv.get(etcd_key, None).await }
@@ -43,7 +44,7 @@ impl LockAdmin for EtcdLock {
         let ttl = self
             .inner
             .requests
-            .send("etcd lease time-to-live", || {
+            .send("etcd lease time-to-live", Repeat::Safe, || {
                 let mut leases = leases.clone();
                 async move { leases.time_to_live(lease_id, None).await }
             })
@@ -69,7 +70,9 @@ impl LockAdmin for EtcdLock {
                 found.mod_revision(),
             )])
             .and_then([TxnOp::delete(etcd_key, None)]);
-        let reply = self.run_txn("etcd force release", delete).await?;
+        let reply = self
+            .run_txn("etcd force release", Repeat::IfUnapplied, delete)
+            .await?;
         if !reply.succeeded() {
             return Err(LockError::unavailable(format!(
                 "lock {:?} changed while it was being force-released; try again",

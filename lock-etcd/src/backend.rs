@@ -15,7 +15,7 @@ use lock_core::{
 };
 
 use crate::config::EtcdConfig;
-use crate::errors::{self, Requests};
+use crate::errors::{self, Repeat, Requests};
 use crate::keys::{encode_value, KeyLayout};
 use crate::listener::EtcdWatches;
 use crate::queue;
@@ -176,7 +176,11 @@ impl EtcdLock {
     pub async fn with_config(config: EtcdConfig) -> Result<Self, LockError> {
         config.validate()?;
         let options = &config.client;
+        // Require-leader: a member without a leader refuses requests at
+        // once (and ends its watch streams) instead of stalling them, so
+        // the client goes to a member that has one.
         let mut connect = ConnectOptions::new()
+            .with_require_leader(true)
             .with_connect_timeout(options.connect_timeout)
             .with_timeout(options.operation_timeout)
             .with_keep_alive(KEEP_ALIVE_INTERVAL, options.operation_timeout)
@@ -256,7 +260,7 @@ impl EtcdLock {
         let probed = self
             .inner
             .requests
-            .send_within(timeout, what, || {
+            .send_within(timeout, what, Repeat::Safe, || {
                 let mut kv = kv.clone();
                 let key = key.clone();
                 async move { kv.get(key, None).await.map(|_| ()) }
@@ -325,7 +329,7 @@ impl EtcdLock {
         let reply = self
             .inner
             .requests
-            .send("etcd lease grant", || {
+            .send("etcd lease grant", Repeat::IfUnapplied, || {
                 let mut leases = leases.clone();
                 async move { leases.grant(seconds, None).await }
             })
@@ -362,17 +366,18 @@ impl EtcdLock {
         });
     }
 
-    /// Runs one transaction under the operation timeout (sent again while
-    /// it reaches no server).
+    /// Runs one transaction under the operation timeout (sent again as
+    /// [`Requests::send`] says).
     pub(crate) async fn run_txn(
         &self,
         what: &'static str,
+        repeat: Repeat,
         txn: etcd_client::Txn,
     ) -> Result<etcd_client::TxnResponse, LockError> {
         let kv = &self.inner.kv;
         self.inner
             .requests
-            .send(what, || {
+            .send(what, repeat, || {
                 let mut kv = kv.clone();
                 let txn = txn.clone();
                 async move { kv.txn(txn).await }
@@ -391,7 +396,11 @@ impl EtcdLock {
         let value = encode_value(request.owner);
         let (lease_id, granted) = self.grant(request.ttl).await?;
         let reply = match self
-            .run_txn("etcd acquire", txn::acquire(&etcd_key, &value, lease_id))
+            .run_txn(
+                "etcd acquire",
+                Repeat::Safe,
+                txn::acquire(&etcd_key, &value, lease_id),
+            )
             .await
         {
             Ok(reply) => reply,
@@ -402,7 +411,7 @@ impl EtcdLock {
                 return Err(e);
             }
         };
-        let outcome = txn::acquire_outcome(key, &reply);
+        let outcome = txn::acquire_outcome(key, request.owner, &reply);
         if !matches!(outcome, Ok(AcquireOutcome::Created(_))) {
             // Not ours: the unused lease goes.
             self.revoke_later(lease_id);
@@ -432,6 +441,7 @@ impl EtcdLock {
         let reply = self
             .run_txn(
                 "etcd extend",
+                Repeat::Safe,
                 txn::extend(&etcd_key, &value, lock.fencing, new_lease),
             )
             .await?;
@@ -457,7 +467,7 @@ pub(crate) async fn revoke(
     lease_id: i64,
 ) -> Result<(), LockError> {
     requests
-        .send("etcd lease revoke", || {
+        .send("etcd lease revoke", Repeat::Safe, || {
             let mut leases = leases.clone();
             async move { leases.revoke(lease_id).await.map(|_| ()) }
         })
@@ -525,6 +535,11 @@ impl LockBackend for EtcdLock {
         let reply = self
             .run_txn(
                 "etcd release",
+                // Sent again after a lost reply: one that had deleted the
+                // lock makes the second report "not held" (a false alarm),
+                // which beats leaving the lock to its TTL while everyone
+                // waits.
+                Repeat::Safe,
                 txn::release(&etcd_key, &value, lock.fencing),
             )
             .await?;

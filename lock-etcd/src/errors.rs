@@ -16,6 +16,10 @@ const UNAUTHENTICATED: i32 = 16;
 const FIRST_PAUSE: Duration = Duration::from_millis(10);
 /// Longest such pause.
 const MAX_PAUSE: Duration = Duration::from_millis(200);
+/// A request that may be sent again gets this share of its time per try
+/// (but at least [`MIN_ATTEMPT`]).
+const ATTEMPTS: u32 = 3;
+const MIN_ATTEMPT: Duration = Duration::from_millis(300);
 
 /// Whether `error` says the user name or password was refused.
 pub(crate) fn is_auth_failure(error: &etcd_client::Error) -> bool {
@@ -48,24 +52,75 @@ fn causes<'a>(error: &'a (dyn StdError + 'static)) -> Vec<&'a (dyn StdError + 's
     found
 }
 
-/// Whether the request failed before it was sent: the channel could not
-/// connect to the endpoint it picked (refused, unreachable, connect
-/// timeout). Sending it again is safe even for a transaction, and another
-/// endpoint of the cluster may take it. A TLS handshake that failed is not
-/// such an error: another try gets the same answer.
-pub(crate) fn never_sent(error: &etcd_client::Error) -> bool {
+/// gRPC status code `CANCELLED` (a connection closed under a request).
+const CANCELLED: i32 = 1;
+/// gRPC status code `UNKNOWN` (a client-side transport failure).
+const UNKNOWN: i32 = 2;
+/// gRPC status code `UNAVAILABLE`.
+const UNAVAILABLE: i32 = 14;
+
+/// What a failed request tells about sending it again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Failure {
+    /// It never left: the channel could not connect to the endpoint it
+    /// picked (refused, unreachable, connect timeout). Another endpoint
+    /// may take it.
+    NeverSent,
+    /// The member refused it before processing because it has no leader
+    /// (the client sends etcd's require-leader flag): an election, or a
+    /// member cut off from the others.
+    NoLeader,
+    /// It may or may not have taken effect: the connection broke under
+    /// it, or the member answered "leader changed", "request timed out".
+    Unknown,
+    /// Anything else (refused certificates and TLS handshakes included):
+    /// the same answer again.
+    Final,
+}
+
+fn failure(error: &etcd_client::Error) -> Failure {
     let etcd_client::Error::GRpcStatus(status) = error else {
-        return false;
+        return Failure::Final;
     };
+    let code = status.code() as i32;
     let Some(source) = status.source() else {
-        // A status from a server: the request got there.
-        return false;
+        // An answer from a member.
+        return if code == UNAVAILABLE && status.message().contains("etcdserver: no leader") {
+            Failure::NoLeader
+        } else if code == UNAVAILABLE {
+            Failure::Unknown
+        } else {
+            Failure::Final
+        };
     };
     let causes = causes(source);
-    causes
+    if causes.iter().any(|e| is_tls_failure(*e)) {
+        Failure::Final
+    } else if causes
         .iter()
         .any(|e| e.downcast_ref::<tonic::ConnectError>().is_some())
-        && !causes.iter().any(|e| is_tls_failure(*e))
+    {
+        Failure::NeverSent
+    } else if matches!(code, CANCELLED | UNKNOWN | UNAVAILABLE) {
+        Failure::Unknown
+    } else {
+        Failure::Final
+    }
+}
+
+/// Whether a request may be sent again after a failure that left its
+/// outcome unknown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Repeat {
+    /// Sending it twice does no harm: reads, compare-only transactions,
+    /// deletes, moving a lock to a lease, an acquire (a second one that
+    /// finds our own owner token knows the first won), a release (a second
+    /// one may say "not held" of a lock the first released).
+    Safe,
+    /// Only when it certainly did not take effect (never sent, or refused
+    /// for want of a leader): a lease grant (a second would leave a lease
+    /// nobody uses until its TTL), a queue entry.
+    IfUnapplied,
 }
 
 /// Whether `error` is a TLS handshake failure (rustls' verdict, or the peer
@@ -173,8 +228,8 @@ pub(crate) fn mapper(what: &'static str) -> impl Fn(etcd_client::Error) -> LockE
     move |error| map(what, error)
 }
 
-/// How a client sends its requests: under its timeouts, and, with several
-/// endpoints, again while a request reaches no server.
+/// How a client sends its requests: under its timeouts, and again when
+/// that rides out a member's death or an election.
 #[derive(Debug, Clone)]
 pub(crate) struct Requests {
     pub(crate) options: ClientOptions,
@@ -192,22 +247,40 @@ impl Requests {
     }
 
     /// Sends a request (`send` makes a new one each time) under the
-    /// operation timeout. With several endpoints, a request that failed
-    /// without reaching a server ([`never_sent`]) is sent again after a
-    /// short pause, and the channel picks another endpoint: a cluster
-    /// member that is down costs a retry, not an error. Near the timeout
-    /// the last such error is returned as it is. With one endpoint it
-    /// fails at once (waiting calls retry by themselves).
+    /// operation timeout, and again after a short pause (until near the
+    /// timeout, then the last error is returned) when that rides out a
+    /// member's death or an election:
+    ///
+    /// - it reached no server, and the URL lists other endpoints (the
+    ///   channel picks another; with one endpoint it fails at once, and
+    ///   waiting calls retry by themselves);
+    /// - the member had no leader (an election: nothing happened);
+    /// - its outcome is unknown (connection broken under it, "leader
+    ///   changed") and `repeat` says a second one is harmless.
     ///
     /// Cancel safe: dropping it drops the request in flight, as dropping
     /// a single request would.
-    pub(crate) async fn send<T, F, Fut>(&self, what: &str, send: F) -> Result<T, LockError>
+    pub(crate) async fn send<T, F, Fut>(
+        &self,
+        what: &str,
+        repeat: Repeat,
+        send: F,
+    ) -> Result<T, LockError>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, etcd_client::Error>>,
     {
-        self.send_within(self.options.operation_timeout, what, send)
+        self.send_within(self.options.operation_timeout, what, repeat, send)
             .await
+    }
+
+    fn again(&self, error: &etcd_client::Error, repeat: Repeat) -> bool {
+        match failure(error) {
+            Failure::NeverSent => self.failover,
+            Failure::NoLeader => true,
+            Failure::Unknown => repeat == Repeat::Safe,
+            Failure::Final => false,
+        }
     }
 
     /// [`send`](Self::send) with its own time limit (the connect timeout
@@ -216,6 +289,7 @@ impl Requests {
         &self,
         timeout: Duration,
         what: &str,
+        repeat: Repeat,
         mut send: F,
     ) -> Result<T, LockError>
     where
@@ -223,18 +297,32 @@ impl Requests {
         Fut: Future<Output = Result<T, etcd_client::Error>>,
     {
         let deadline = Instant::now() + timeout;
+        // A request a follower forwarded to a leader that died is lost
+        // without an answer (etcd's own timeout is longer than ours): a
+        // request that may be sent again gets a share of the time, so a
+        // second one can reach the new leader.
+        let attempt = match repeat {
+            Repeat::Safe => (timeout / ATTEMPTS).max(MIN_ATTEMPT),
+            Repeat::IfUnapplied => timeout,
+        };
         lock_core::with_timeout(timeout, what, async {
             let mut pause = FIRST_PAUSE;
             loop {
-                match send().await {
-                    Ok(reply) => return Ok(reply),
-                    Err(e) if self.failover && never_sent(&e) && Instant::now() + pause < deadline => {
-                        tracing::debug!(request = what, error = %e, "etcd request reached no server; sending it again");
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(MAX_PAUSE);
-                    }
-                    Err(e) => return Err(map(what, e)),
+                let left = deadline.saturating_duration_since(Instant::now());
+                let error = match tokio::time::timeout(attempt.min(left), send()).await {
+                    Ok(Ok(reply)) => return Ok(reply),
+                    Ok(Err(e)) if self.again(&e, repeat) => e.to_string(),
+                    Ok(Err(e)) => return Err(map(what, e)),
+                    Err(_) => format!("no answer within {attempt:?}"),
+                };
+                if Instant::now() + pause >= deadline {
+                    return Err(LockError::timeout(format!(
+                        "{what} got no answer within {timeout:?} (last try: {error}); the etcd cluster may have no leader, or be down or overloaded"
+                    )));
                 }
+                tracing::debug!(request = what, error = %error, "etcd request failed on the way; sending it again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(MAX_PAUSE);
             }
         })
         .await

@@ -13,7 +13,7 @@ use etcd_client::{Txn, TxnOp};
 use tokio::sync::watch;
 
 use crate::backend;
-use crate::errors::{self, Requests};
+use crate::errors::{self, Repeat, Requests};
 use crate::session::Session;
 
 /// Shortest pause before reopening a failed keep-alive stream.
@@ -83,6 +83,18 @@ impl Task {
                 return Stop::Lost("no keep-alive confirmed within the lease TTL");
             }
             let next_expiry = self.sweep(now);
+            // A keep-alive unanswered for a period went to a member that
+            // cannot answer (cut off, or its leader died with the request
+            // forwarded): reopen, so the channel may pick another member.
+            if in_flight.front().is_some_and(|sent| now >= *sent + period) {
+                tracing::debug!(
+                    lease_id = self.session.lease_id(),
+                    "etcd keep-alive unanswered for a period; reopening the stream"
+                );
+                stream = None;
+                in_flight.clear();
+                next_send = now;
+            }
             if now >= next_send {
                 if let Some((keeper, _)) = stream.as_mut() {
                     in_flight.push_back(Instant::now());
@@ -117,7 +129,8 @@ impl Task {
                     Instant::now() + REOPEN_PAUSE.min(period)
                 };
             }
-            let wake = [Some(next_send), Some(lease_end), next_expiry]
+            let stale = in_flight.front().map(|sent| *sent + period);
+            let wake = [Some(next_send), Some(lease_end), next_expiry, stale]
                 .into_iter()
                 .flatten()
                 .min()
@@ -200,7 +213,7 @@ impl Task {
                     .when(when)
                     .and_then([TxnOp::delete(tracked.key.clone(), None)]);
                 let result = requests
-                    .send("etcd expire session lock", || {
+                    .send("etcd expire session lock", Repeat::Safe, || {
                         let mut kv = kv.clone();
                         let txn = txn.clone();
                         async move { kv.txn(txn).await }

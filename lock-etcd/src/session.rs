@@ -28,7 +28,7 @@ use lock_core::{
 use tokio::sync::watch;
 
 use crate::backend::EtcdLock;
-use crate::errors::Requests;
+use crate::errors::{Repeat, Requests};
 use crate::keepalive::Task;
 use crate::keys::encode_value;
 use crate::txn::{self, AcquireOutcome};
@@ -90,6 +90,7 @@ impl EtcdLock {
         let reply = match self
             .run_txn(
                 "etcd acquire",
+                Repeat::Safe,
                 txn::acquire(&etcd_key, &value, session.lease_id()),
             )
             .await
@@ -106,7 +107,7 @@ impl EtcdLock {
                 return Err(e);
             }
         };
-        let fencing = match txn::acquire_outcome(key, &reply) {
+        let fencing = match txn::acquire_outcome(key, request.owner, &reply) {
             Ok(AcquireOutcome::Created(fencing)) => fencing,
             Ok(AcquireOutcome::Refused(refused)) => {
                 session.untrack(&value);
@@ -151,6 +152,7 @@ impl EtcdLock {
         let reply = self
             .run_txn(
                 "etcd extend",
+                Repeat::Safe,
                 txn::confirm(&etcd_key, &value, lock.fencing, session.lease_id()),
             )
             .await?;
