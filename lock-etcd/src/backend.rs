@@ -16,6 +16,7 @@ use lock_core::{
 
 use crate::config::EtcdConfig;
 use crate::errors::{self, Repeat, Requests};
+use crate::health::Health;
 use crate::keys::{encode_value, KeyLayout};
 use crate::listener::EtcdWatches;
 use crate::queue;
@@ -197,13 +198,25 @@ impl EtcdLock {
         let endpoints = config.endpoints().to_vec();
         let what = format!("connecting to etcd at {}", endpoints.join(","));
         let client = lock_core::with_timeout(options.connect_timeout, &what, async {
-            Client::connect(&endpoints, Some(connect))
+            Client::connect(&endpoints, Some(connect.clone()))
                 .await
                 .map_err(|e| errors::map(&what, e))
         })
         .await
         .map_err(unreachable_on_timeout)?;
-        let lock = Self::from_client(client, config)?;
+        let health = (endpoints.len() > 1).then(|| {
+            Health::new(
+                client.clone(),
+                endpoints.clone(),
+                connect,
+                KeyLayout::new(&options.namespace)
+                    .prefix()
+                    .as_bytes()
+                    .to_vec(),
+                (options.operation_timeout / errors::ATTEMPTS).max(errors::MIN_ATTEMPT),
+            )
+        });
+        let lock = Self::build(client, config, health)?;
         lock.probe(&what).await?;
         tracing::debug!(endpoints = ?lock.config().endpoints(), namespace = %lock.config().client.namespace, "connected to etcd");
         Ok(lock)
@@ -216,11 +229,19 @@ impl EtcdLock {
     /// picks another endpoint), so list the client's. Does not contact the
     /// server.
     pub fn from_client(client: Client, config: EtcdConfig) -> Result<Self, LockError> {
+        Self::build(client, config, None)
+    }
+
+    fn build(
+        client: Client,
+        config: EtcdConfig,
+        health: Option<Arc<Health>>,
+    ) -> Result<Self, LockError> {
         config.client.validate()?;
         let layout = KeyLayout::new(&config.client.namespace);
         let watches = EtcdWatches::new(client.watch_client(), layout.prefix().as_bytes().to_vec());
         let listener = Listener::new(watches, &config.client).health_check_after(WATCH_SWEEP);
-        let requests = Requests::new(config.client.clone(), config.endpoints().len());
+        let requests = Requests::new(config.client.clone(), config.endpoints().len(), health);
         let sessions = Sessions::new(client.kv_client(), client.lease_client(), requests.clone());
         Ok(Self {
             inner: Arc::new(Inner {
@@ -329,7 +350,7 @@ impl EtcdLock {
         let reply = self
             .inner
             .requests
-            .send("etcd lease grant", Repeat::IfUnapplied, || {
+            .send("etcd lease grant", Repeat::Safe, || {
                 let mut leases = leases.clone();
                 async move { leases.grant(seconds, None).await }
             })

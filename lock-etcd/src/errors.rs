@@ -3,9 +3,12 @@
 
 use std::error::Error as StdError;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lock_core::{ClientOptions, LockError};
+
+use crate::health::Health;
 
 /// gRPC status code `PERMISSION_DENIED` (from the gRPC spec).
 const PERMISSION_DENIED: i32 = 7;
@@ -18,8 +21,8 @@ const FIRST_PAUSE: Duration = Duration::from_millis(10);
 const MAX_PAUSE: Duration = Duration::from_millis(200);
 /// A request that may be sent again gets this share of its time per try
 /// (but at least [`MIN_ATTEMPT`]).
-const ATTEMPTS: u32 = 3;
-const MIN_ATTEMPT: Duration = Duration::from_millis(300);
+pub(crate) const ATTEMPTS: u32 = 3;
+pub(crate) const MIN_ATTEMPT: Duration = Duration::from_millis(300);
 
 /// Whether `error` says the user name or password was refused.
 pub(crate) fn is_auth_failure(error: &etcd_client::Error) -> bool {
@@ -115,11 +118,13 @@ pub(crate) enum Repeat {
     /// Sending it twice does no harm: reads, compare-only transactions,
     /// deletes, moving a lock to a lease, an acquire (a second one that
     /// finds our own owner token knows the first won), a release (a second
-    /// one may say "not held" of a lock the first released).
+    /// one may say "not held" of a lock the first released), a lease grant
+    /// (a lease granted twice leaves one, without keys, to its TTL).
     Safe,
     /// Only when it certainly did not take effect (never sent, or refused
-    /// for want of a leader): a lease grant (a second would leave a lease
-    /// nobody uses until its TTL), a queue entry.
+    /// for want of a leader): a waiter's queue entry (written twice, it
+    /// would move behind waiters that queued in between while they wait
+    /// for it).
     IfUnapplied,
 }
 
@@ -235,14 +240,29 @@ pub(crate) struct Requests {
     pub(crate) options: ClientOptions,
     /// Whether the channel has other endpoints to try.
     failover: bool,
+    /// Told when a member may be at fault (clients with several endpoints
+    /// that [`EtcdLock`](crate::EtcdLock) connected itself).
+    health: Option<Arc<Health>>,
 }
 
 impl Requests {
     /// For a client with `endpoints` endpoints.
-    pub(crate) fn new(options: ClientOptions, endpoints: usize) -> Self {
+    pub(crate) fn new(
+        options: ClientOptions,
+        endpoints: usize,
+        health: Option<Arc<Health>>,
+    ) -> Self {
         Self {
             options,
             failover: endpoints > 1,
+            health,
+        }
+    }
+
+    /// Something failed that may be a member's fault: check the members.
+    pub(crate) fn suspect(&self) {
+        if let Some(health) = &self.health {
+            health.suspect();
         }
     }
 
@@ -275,7 +295,11 @@ impl Requests {
     }
 
     fn again(&self, error: &etcd_client::Error, repeat: Repeat) -> bool {
-        match failure(error) {
+        let failure = failure(error);
+        if matches!(failure, Failure::NeverSent | Failure::Unknown) {
+            self.suspect();
+        }
+        match failure {
             Failure::NeverSent => self.failover,
             Failure::NoLeader => true,
             Failure::Unknown => repeat == Repeat::Safe,
@@ -313,7 +337,10 @@ impl Requests {
                     Ok(Ok(reply)) => return Ok(reply),
                     Ok(Err(e)) if self.again(&e, repeat) => e.to_string(),
                     Ok(Err(e)) => return Err(map(what, e)),
-                    Err(_) => format!("no answer within {attempt:?}"),
+                    Err(_) => {
+                        self.suspect();
+                        format!("no answer within {attempt:?}")
+                    }
                 };
                 if Instant::now() + pause >= deadline {
                     return Err(LockError::timeout(format!(

@@ -19,6 +19,10 @@ use crate::session::Session;
 /// Shortest pause before reopening a failed keep-alive stream.
 const REOPEN_PAUSE: Duration = Duration::from_millis(100);
 
+/// The least time a keep-alive's answer (or opening the stream) is given
+/// before the stream is reopened.
+const MIN_PATIENCE: Duration = Duration::from_millis(200);
+
 /// The keep-alive and expiry task of one session.
 pub(crate) struct Task {
     pub(crate) session: Arc<Session>,
@@ -66,6 +70,10 @@ impl Task {
     async fn keep_alive(&mut self) -> Stop {
         let ttl = self.session.ttl();
         let period = (ttl / 3).max(Duration::from_millis(100));
+        // How long an answer (or opening the stream) may take.
+        let patience = (period / 2)
+            .max(MIN_PATIENCE)
+            .min(self.requests.options.operation_timeout);
         let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
         // Send times of the keep-alives not answered yet, oldest first
         // (etcd answers in order on one stream).
@@ -83,14 +91,19 @@ impl Task {
                 return Stop::Lost("no keep-alive confirmed within the lease TTL");
             }
             let next_expiry = self.sweep(now);
-            // A keep-alive unanswered for a period went to a member that
-            // cannot answer (cut off, or its leader died with the request
-            // forwarded): reopen, so the channel may pick another member.
-            if in_flight.front().is_some_and(|sent| now >= *sent + period) {
+            // A keep-alive unanswered for half a period went to a member
+            // that cannot answer (cut off, or its leader died with the
+            // request forwarded): reopen, so the channel may pick another
+            // member, while the lease has time left for that.
+            if in_flight
+                .front()
+                .is_some_and(|sent| now >= *sent + patience)
+            {
                 tracing::debug!(
                     lease_id = self.session.lease_id(),
                     "etcd keep-alive unanswered for a period; reopening the stream"
                 );
+                self.requests.suspect();
                 stream = None;
                 in_flight.clear();
                 next_send = now;
@@ -108,7 +121,7 @@ impl Task {
                     // Opening the stream sends the first keep-alive and
                     // waits for its answer.
                     let sent_at = Instant::now();
-                    match self.open().await {
+                    match self.open(patience).await {
                         Opened::Stream(opened) => {
                             stream = Some(opened);
                             in_flight.clear();
@@ -129,7 +142,7 @@ impl Task {
                     Instant::now() + REOPEN_PAUSE.min(period)
                 };
             }
-            let stale = in_flight.front().map(|sent| *sent + period);
+            let stale = in_flight.front().map(|sent| *sent + patience);
             let wake = [Some(next_send), Some(lease_end), next_expiry, stale]
                 .into_iter()
                 .flatten()
@@ -166,11 +179,13 @@ impl Task {
     }
 
     /// Opens the keep-alive stream (which sends one keep-alive and reads
-    /// its answer), under the operation timeout.
-    async fn open(&mut self) -> Opened {
+    /// its answer).
+    async fn open(&mut self, timeout: Duration) -> Opened {
         let mut leases = self.leases.clone();
         let lease_id = self.session.lease_id();
-        let open = self.requests.options.timed("etcd lease keep-alive", async {
+        // Short (half a period): a member that does not answer must leave
+        // time for another try before the lease runs out.
+        let open = lock_core::with_timeout(timeout, "etcd lease keep-alive", async {
             Ok(leases.keep_alive(lease_id).await)
         });
         tokio::select! {
@@ -184,7 +199,10 @@ impl Task {
                     Opened::LeaseGone
                 }
                 Ok(Err(e)) => Opened::Failed(errors::map("etcd lease keep-alive", e)),
-                Err(e) => Opened::Failed(e),
+                Err(e) => {
+                    self.requests.suspect();
+                    Opened::Failed(e)
+                }
             },
         }
     }

@@ -70,6 +70,7 @@ mod admin;
 mod backend;
 mod config;
 mod errors;
+mod health;
 mod keepalive;
 mod keys;
 mod listener;

@@ -74,10 +74,15 @@ struct Holder {
 }
 
 impl Holder {
-    async fn take(url: &str, key: &LockKey, checker: &Arc<ExclusionChecker>) -> Holder {
+    async fn take(
+        url: &str,
+        key: &LockKey,
+        ttl: Duration,
+        checker: &Arc<ExclusionChecker>,
+    ) -> Holder {
         let locker = Locker::new(connect(url).await);
         let guard = locker
-            .try_lock(key, &LockOptions::new(TTL))
+            .try_lock(key, &LockOptions::new(ttl))
             .await
             .expect("try_lock")
             .expect("the key is free");
@@ -182,7 +187,7 @@ async fn leader_killed_while_guards_hold_and_waiters_wait() {
     let released: Vec<LockKey> = (0..3).map(|_| key("leader-kill-released")).collect();
     let mut holders = Vec::new();
     for k in waited.iter().chain(&released) {
-        holders.push((k.clone(), Holder::take(&url, k, &checker).await));
+        holders.push((k.clone(), Holder::take(&url, k, TTL, &checker).await));
     }
     let firsts: Vec<(LockKey, FencingToken)> =
         holders.iter().map(|(k, h)| (k.clone(), h.token)).collect();
@@ -225,4 +230,94 @@ async fn leader_killed_while_guards_hold_and_waiters_wait() {
         "guards that kept their lock through the election: {kept} of {}",
         waited.len()
     );
+}
+
+/// One member cut off from the client (a fault proxy in front of its
+/// endpoint black-holes everything, open connections and new ones): the
+/// guard keeps its lock or reports lost first, the waiters get it, and
+/// new clients connect and take and release locks through the other
+/// members.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn member_cut_off_from_the_client() {
+    let cluster = start_cluster().await;
+    let proxy = Proxy::start(cluster.member(0).addr())
+        .await
+        .expect("fault proxy");
+    let url = format!(
+        "etcd://{},{},{}",
+        proxy.addr(),
+        cluster.member(1).addr(),
+        cluster.member(2).addr()
+    );
+    let checker = ExclusionChecker::new();
+    let k = key("cut-off");
+    // Its keep-alives and renewals may go to the cut-off member at first
+    // and must be sent again elsewhere before the lock's stop moment: a
+    // TTL of 15 s leaves ten seconds for that.
+    let holder = Holder::take(&url, &k, Duration::from_secs(15), &checker).await;
+    let firsts = [(k.clone(), holder.token)];
+    let waiters: Vec<_> = (0..2).map(|_| waiter(&url, &k, &checker)).collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    proxy.black_hole();
+    for _ in 0..3 {
+        let client = connect(&url).await;
+        let fresh = key("cut-off-fresh");
+        match client.try_acquire(&fresh, TTL).await.expect("try_acquire") {
+            AcquireAttempt::Acquired(lease) => client.release(&lease).await.expect("release"),
+            AcquireAttempt::Held { .. } => panic!("{fresh} is new, yet held"),
+        }
+    }
+    let end = holder.end().await;
+    let mut got = Vec::new();
+    for task in waiters {
+        got.push((k.clone(), task.await.expect("waiter task")));
+    }
+    proxy.heal();
+    verify(&checker, &firsts, &got);
+    eprintln!("the guard through the cut: {end:?}");
+}
+
+/// The whole cluster down for longer than the TTL: the guard, unable to
+/// renew, reports `lost()` (before anyone else can get the lock); the
+/// waiting acquires ride through the outage and get the lock once the
+/// cluster is back, with fencing tokens above the old holder's (etcd's
+/// revision survives the restart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn whole_cluster_down_longer_than_the_ttl() {
+    let cluster = start_cluster().await;
+    let url = cluster.url();
+    let checker = ExclusionChecker::new();
+    let k = key("cluster-down");
+    let ttl = Duration::from_secs(2);
+    let holder = Holder::take(&url, &k, ttl, &checker).await;
+    let firsts = [(k.clone(), holder.token)];
+    let waiters: Vec<_> = (0..2).map(|_| waiter(&url, &k, &checker)).collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let down = cluster.clone();
+    tokio::task::spawn_blocking(move || down.kill_all())
+        .await
+        .expect("kill task");
+    let killed_at = Instant::now();
+    // Hang guard only: the guard must give up on its own.
+    let end = tokio::time::timeout(Duration::from_secs(60), holder.task)
+        .await
+        .expect("the guard reported nothing with the cluster down")
+        .expect("holder task");
+    assert!(
+        matches!(end, HolderEnd::Lost(_)),
+        "the guard kept a lock it could not renew: {end:?}"
+    );
+    tokio::time::sleep((ttl * 2).saturating_sub(killed_at.elapsed())).await;
+    let up = cluster.clone();
+    tokio::task::spawn_blocking(move || up.restart_stopped())
+        .await
+        .expect("restart task")
+        .expect("the cluster restarts");
+    let mut got = Vec::new();
+    for task in waiters {
+        got.push((k.clone(), task.await.expect("waiter task")));
+    }
+    verify(&checker, &firsts, &got);
 }
