@@ -272,53 +272,65 @@ impl EtcdLock {
 
     /// One read inside the namespace, to fail fast on an unreachable cluster,
     /// a refused certificate or a user without permission; sent again
-    /// (within the connect timeout) while it reaches no server.
+    /// (within the connect timeout) while that may help.
     async fn probe(&self, what: &str) -> Result<(), LockError> {
-        let started = Instant::now();
-        let kv = self.inner.kv.clone();
-        let key = self.inner.layout.prefix().as_bytes().to_vec();
-        let timeout = self.inner.config.client.connect_timeout;
-        let probed = self
-            .inner
-            .requests
-            .send_within(timeout, what, Repeat::Safe, || {
-                let mut kv = kv.clone();
-                let key = key.clone();
-                async move { kv.get(key, None).await.map(|_| ()) }
-            })
-            .await;
-        match probed {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                let left = timeout.saturating_sub(started.elapsed());
-                Err(unreachable_on_timeout(
-                    self.explain_closed(what, e, left).await,
-                ))
+        let deadline = Instant::now() + self.inner.config.client.connect_timeout;
+        let tls = self.inner.config.uses_tls();
+        let mut diagnosed = false;
+        loop {
+            let kv = self.inner.kv.clone();
+            let key = self.inner.layout.prefix().as_bytes().to_vec();
+            let left = deadline.saturating_duration_since(Instant::now());
+            let probed = self
+                .inner
+                .requests
+                .send_within(
+                    left,
+                    what,
+                    Repeat::Safe,
+                    || {
+                        let mut kv = kv.clone();
+                        let key = key.clone();
+                        async move { kv.get(key, None).await.map(|_| ()) }
+                    },
+                    // A TLS connection the server closed: find out why
+                    // (once) before trying again.
+                    |e| tls && !diagnosed && errors::closed_by_peer(e),
+                )
+                .await;
+            let error = match probed {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            };
+            if !closed_by_peer(&error) {
+                return Err(unreachable_on_timeout(error));
             }
+            if tls && !diagnosed {
+                diagnosed = true;
+                let left = deadline.saturating_duration_since(Instant::now());
+                if let Some(refused) = self.client_certificate_refused(what, left).await {
+                    return Err(refused.with_source(error));
+                }
+                // Not that: a member going away, say. Try again.
+                continue;
+            }
+            let hint = if tls {
+                "the server closed the connection right after the TLS handshake each time, as an etcd with --client-cert-auth does to clients whose certificate it does not accept (tls_cert_file, tls_key_file)"
+            } else {
+                "the server closed the connection each time: if it serves TLS on this port, use etcds://"
+            };
+            let message = format!("{}; {hint}", error.message());
+            return Err(LockError::unavailable(message).with_source(error));
         }
     }
 
-    /// Words a connection the server closed right after it was set up
-    /// (tonic says only "broken pipe"): a plaintext client at a TLS port,
-    /// or a TLS client whose certificate etcd refused after the handshake,
-    /// which one diagnostic handshake (within `left`) makes certain.
-    async fn explain_closed(&self, what: &str, error: LockError, left: Duration) -> LockError {
-        let closed = std::error::Error::source(&error)
-            .and_then(|source| source.downcast_ref::<etcd_client::Error>())
-            .is_some_and(errors::closed_by_peer);
-        if !closed {
-            return error;
-        }
-        let config = &self.inner.config;
-        if !config.uses_tls() {
-            let message = format!(
-                "{}; the server closed the connection at once: if it serves TLS on this port, use etcds://",
-                error.message()
-            );
-            return LockError::unavailable(message).with_source(error);
-        }
+    /// Whether the server refuses this client's certificate after the
+    /// handshake (tonic sees only a closed connection): one diagnostic
+    /// handshake per endpoint, within `left`, reads the server's alert.
+    async fn client_certificate_refused(&self, what: &str, left: Duration) -> Option<LockError> {
         #[cfg(feature = "tls")]
         {
+            let config = &self.inner.config;
             let diagnose = async {
                 for endpoint in config.endpoints() {
                     if let Some(refusal) =
@@ -330,16 +342,18 @@ impl EtcdLock {
                 None
             };
             if let Ok(Some(refusal)) = tokio::time::timeout(left, diagnose).await {
-                let message = format!("{what}: {}", crate::tls::explain(&refusal));
-                return LockError::config(message).with_source(error);
+                let explained = if config.client.tls.cert_file.is_none() {
+                    format!(
+                        "the etcd server requires a client certificate (without one it ended the connection: {refusal}); give one signed by a CA in etcd's --trusted-ca-file with tls_cert_file=PATH&tls_key_file=PATH"
+                    )
+                } else {
+                    crate::tls::explain(&refusal)
+                };
+                return Some(LockError::config(format!("{what}: {explained}")));
             }
         }
         let _ = (what, left);
-        let message = format!(
-            "{}; the server closed the connection right after the TLS handshake, as an etcd with --client-cert-auth does to clients whose certificate it does not accept (tls_cert_file, tls_key_file)",
-            error.message()
-        );
-        LockError::unavailable(message).with_source(error)
+        None
     }
 
     /// Grants an etcd lease of `ttl` (whole seconds); returns its id and
@@ -505,6 +519,13 @@ fn own_lease_of(handle: u64) -> Option<i64> {
 }
 
 /// A timeout while connecting means the cluster is unreachable.
+/// Whether `error` came from a connection the server closed.
+fn closed_by_peer(error: &LockError) -> bool {
+    std::error::Error::source(error)
+        .and_then(|source| source.downcast_ref::<etcd_client::Error>())
+        .is_some_and(errors::closed_by_peer)
+}
+
 fn unreachable_on_timeout(error: LockError) -> LockError {
     if error.kind() == lock_core::ErrorKind::Timeout {
         LockError::unavailable(error.message().to_owned()).with_source(error)

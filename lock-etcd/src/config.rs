@@ -254,5 +254,40 @@ mod tests {
         }
         let err = EtcdConfig::from_url("etcd://h?namspace=x").unwrap_err();
         assert!(err.to_string().contains("namspace"), "{err}");
+        // TLS files belong to etcds:// URLs.
+        let err = EtcdConfig::from_url("etcd://h?tls_ca_file=/ca.pem").unwrap_err();
+        assert!(err.to_string().contains("etcds://"), "{err}");
+        // TLS for every endpoint or none.
+        let err = EtcdConfig::new(["https://h1:1", "http://h2:2"])
+            .validate()
+            .unwrap_err();
+        assert!(err.to_string().contains("mix TLS and plaintext"), "{err}");
+    }
+
+    #[cfg(feature = "tls")]
+    #[test]
+    fn etcds_is_tls_for_every_endpoint() {
+        let c = EtcdConfig::from_url(
+            "etcds://u:pw@h1,h2:1?tls_ca_file=/ca.pem&tls_cert_file=/c.pem&tls_key_file=/k.pem",
+        )
+        .unwrap();
+        assert_eq!(c.endpoints(), ["https://h1:2379", "https://h2:1"]);
+        assert!(c.uses_tls());
+        assert_eq!(
+            c.client.tls.ca_file.as_deref(),
+            Some(std::path::Path::new("/ca.pem"))
+        );
+        assert_eq!(c.to_string(), "etcds://u:***@h1:2379,h2:1");
+        let err = EtcdConfig::from_url("etcds://h?tls_cert_file=/c.pem").unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config);
+        assert!(err.to_string().contains("tls_key_file"), "{err}");
+    }
+
+    #[cfg(not(feature = "tls"))]
+    #[test]
+    fn etcds_needs_the_tls_feature() {
+        let err = EtcdConfig::from_url("etcds://h").unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config);
+        assert!(err.to_string().contains("`tls` cargo feature"), "{err}");
     }
 }

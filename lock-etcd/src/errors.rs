@@ -165,9 +165,8 @@ fn diagnosis(error: &etcd_client::Error) -> Option<(bool, String)> {
     None
 }
 
-/// Whether `error` is a connection that broke right after it was set up
-/// (the peer closed it: broken pipe or reset, with no gRPC status from the
-/// server). Against a TLS port this is what a plaintext client sees, and
+/// Whether `error` is a connection the peer closed (broken pipe, reset,
+/// "connection closed"), with no gRPC status from the server. Against a TLS port this is what a plaintext client sees, and
 /// against an etcd with `--client-cert-auth` what a TLS client sees whose
 /// certificate the server refused after the handshake.
 pub(crate) fn closed_by_peer(error: &etcd_client::Error) -> bool {
@@ -183,7 +182,7 @@ pub(crate) fn closed_by_peer(error: &etcd_client::Error) -> bool {
                 io.kind(),
                 std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
             )
-        })
+        }) || e.to_string() == "connection closed"
     })
 }
 
@@ -290,8 +289,10 @@ impl Requests {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, etcd_client::Error>>,
     {
-        self.send_within(self.options.operation_timeout, what, repeat, send)
-            .await
+        self.send_within(self.options.operation_timeout, what, repeat, send, |_| {
+            false
+        })
+        .await
     }
 
     fn again(&self, error: &etcd_client::Error, repeat: Repeat) -> bool {
@@ -308,13 +309,16 @@ impl Requests {
     }
 
     /// [`send`](Self::send) with its own time limit (the connect timeout
-    /// for the connection probe).
+    /// for the connection probe), returning at once an error `stop` picks
+    /// out. An error after the last try carries the last driver error as
+    /// its source.
     pub(crate) async fn send_within<T, F, Fut>(
         &self,
         timeout: Duration,
         what: &str,
         repeat: Repeat,
         mut send: F,
+        stop: impl Fn(&etcd_client::Error) -> bool,
     ) -> Result<T, LockError>
     where
         F: FnMut() -> Fut,
@@ -333,19 +337,28 @@ impl Requests {
             let mut pause = FIRST_PAUSE;
             loop {
                 let left = deadline.saturating_duration_since(Instant::now());
-                let error = match tokio::time::timeout(attempt.min(left), send()).await {
+                let last = match tokio::time::timeout(attempt.min(left), send()).await {
                     Ok(Ok(reply)) => return Ok(reply),
-                    Ok(Err(e)) if self.again(&e, repeat) => e.to_string(),
+                    Ok(Err(e)) if !stop(&e) && self.again(&e, repeat) => Some(e),
                     Ok(Err(e)) => return Err(map(what, e)),
                     Err(_) => {
                         self.suspect();
-                        format!("no answer within {attempt:?}")
+                        None
                     }
                 };
+                let error = last.as_ref().map_or_else(
+                    || format!("no answer within {:?}", millis(attempt)),
+                    ToString::to_string,
+                );
                 if Instant::now() + pause >= deadline {
-                    return Err(LockError::timeout(format!(
-                        "{what} got no answer within {timeout:?} (last try: {error}); the etcd cluster may have no leader, or be down or overloaded"
-                    )));
+                    let error = LockError::timeout(format!(
+                        "{what} got no answer within {:?} (last try: {error}); the etcd cluster may have no leader, or be down or overloaded",
+                        millis(timeout)
+                    ));
+                    return Err(match last {
+                        Some(last) => error.with_source(last),
+                        None => error,
+                    });
                 }
                 tracing::debug!(request = what, error = %error, "etcd request failed on the way; sending it again");
                 tokio::time::sleep(pause).await;
@@ -354,4 +367,9 @@ impl Requests {
         })
         .await
     }
+}
+
+/// `duration` to whole milliseconds, for messages.
+fn millis(duration: Duration) -> Duration {
+    Duration::from_millis(u64::try_from(duration.as_millis()).unwrap_or(u64::MAX))
 }
