@@ -112,6 +112,9 @@ const WATCH_SWEEP: Duration = Duration::from_secs(1);
 /// TTLs are whole seconds (at least 1 s, or the server's minimum lease TTL
 /// if larger); the client rounds shorter or fractional TTLs up.
 ///
+/// Against a cluster, requests that hit a dead, cut-off or leaderless
+/// member are sent again as the crate docs describe (Clusters).
+///
 /// A client belongs to the tokio runtime it was created in: the gRPC
 /// channel runs its connection tasks there, so create it inside the runtime
 /// that uses it and do not use it after that runtime shut down.
