@@ -10,6 +10,7 @@
 //! | `redis://`               | `redis`       | `lock_redis::RedisLock` |
 //! | `rediss://` (TLS)        | `redis-tls`   | `lock_redis::RedisLock` |
 //! | `etcd://`                | `etcd`        | `lock_etcd::EtcdLock` |
+//! | `etcds://` (TLS)         | `etcd` + `tls` | `lock_etcd::EtcdLock` |
 //! | `postgres://`, `postgresql://` | `postgres` | `lock_postgres::PostgresLock` |
 //!
 //! `full` enables `redis`, `etcd` and `postgres`; `tower` adds
@@ -110,7 +111,8 @@ fn backends() -> [Backend; 3] {
             connect: connector!("redis", lock_redis::RedisLock),
         },
         Backend {
-            schemes: &[("etcd", "etcd")],
+            // TLS also needs `tls`; lock-etcd says so.
+            schemes: &[("etcd", "etcd"), ("etcds", "etcd")],
             connect: connector!("etcd", lock_etcd::EtcdLock),
         },
         Backend {

@@ -48,6 +48,16 @@ async fn disabled_redis_names_its_feature() {
 #[tokio::test]
 async fn disabled_etcd_names_its_feature() {
     assert_names_feature("etcd://127.0.0.1:2379", "etcd").await;
+    assert_names_feature("etcds://127.0.0.1:2379", "etcd").await;
+}
+
+/// With etcd but without TLS, `etcds://` names the `tls` feature.
+#[cfg(all(feature = "etcd", not(feature = "tls")))]
+#[tokio::test]
+async fn etcds_without_tls_names_the_feature() {
+    let err = distlock::connect("etcds://127.0.0.1:2379").await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+    assert!(err.to_string().contains("`tls` feature"), "{err}");
 }
 
 #[cfg(not(feature = "postgres"))]

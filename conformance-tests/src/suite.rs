@@ -74,6 +74,7 @@ pub struct Suite {
     external_url: Option<String>,
     simulated_network: bool,
     extra: Vec<Case>,
+    variant: Option<String>,
 }
 
 /// How one case ended when run by [`Suite::run_cases`].
@@ -151,7 +152,55 @@ impl Suite {
             external_url: None,
             simulated_network: false,
             extra: Vec::new(),
+            variant: None,
         }
+    }
+
+    /// Names this run of the suite a variant of the backend's (over TLS,
+    /// against a cluster): its tests are called `variant::group::case`,
+    /// so several variants run side by side in one test binary
+    /// ([`run_with`](Self::run_with)) and `cargo test -- tls::` picks one.
+    pub fn variant(mut self, name: impl Into<String>) -> Self {
+        self.variant = Some(name.into());
+        self
+    }
+
+    /// As [`run`](Self::run), with the tests of `others` (usually
+    /// [`variant`](Self::variant)s of this suite, each with its own
+    /// server) in the same libtest run, so they share its threads. A
+    /// re-executed fault-case holder connects with this suite's factory,
+    /// so give every suite the same one.
+    ///
+    /// ```no_run
+    /// use conformance_tests::{server, Suite};
+    /// use lock_core::{LockClient, MemoryLock};
+    ///
+    /// fn main() -> std::process::ExitCode {
+    /// #   let cluster_url = String::new();
+    ///     let connect = |url: String| async move {
+    ///         # let _ = url; let backend = MemoryLock::new(); // your backend, from url
+    ///         Ok(LockClient::new(backend))
+    ///     };
+    ///     Suite::new("mine", connect)
+    ///         .server(server::Redis::default())
+    ///         .run_with([Suite::new("mine", connect)
+    ///             .variant("cluster")
+    ///             .external_server(cluster_url)])
+    /// }
+    /// ```
+    pub fn run_with(self, others: impl IntoIterator<Item = Suite>) -> ExitCode {
+        if let Some(code) = crate::fault::holder::run_if_requested(&self.connect) {
+            return code;
+        }
+        let mut args = Arguments::from_args();
+        if args.test_threads.is_none() {
+            args.test_threads = Some(DEFAULT_TEST_THREADS);
+        }
+        let mut trials = self.trials();
+        for other in others {
+            trials.extend(other.trials());
+        }
+        libtest_mimic::run(&args, trials).exit_code()
     }
 
     /// The server the backend talks to: the harness starts it (or uses the
@@ -213,24 +262,23 @@ impl Suite {
     /// If the binary was re-executed as a fault case's lock holder (see
     /// [`fault::holder`](crate::fault::holder)), runs that instead.
     pub fn run(self) -> ExitCode {
-        if let Some(code) = crate::fault::holder::run_if_requested(&self.connect) {
-            return code;
-        }
-        let mut args = Arguments::from_args();
-        if args.test_threads.is_none() {
-            args.test_threads = Some(DEFAULT_TEST_THREADS);
-        }
-        libtest_mimic::run(&args, self.trials()).exit_code()
+        self.run_with([])
     }
 
-    /// One trial per case, named `group::case`.
+    /// One trial per case, named `group::case` (`variant::group::case` for
+    /// a [`variant`](Self::variant)).
     pub fn trials(self) -> Vec<Trial> {
+        let prefix = self
+            .variant
+            .as_ref()
+            .map(|variant| format!("{variant}::"))
+            .unwrap_or_default();
         let (shared, cases) = self.prepare();
         cases
             .into_iter()
             .map(|case| {
                 let shared = shared.clone();
-                Trial::ignorable_test(case_name(&case), move || {
+                Trial::ignorable_test(format!("{prefix}{}", case_name(&case)), move || {
                     match run_case(case, &shared, None) {
                         CaseOutcome::Passed => Ok(Completion::Completed),
                         CaseOutcome::Ignored(reason) => Ok(Completion::ignored_with(reason)),

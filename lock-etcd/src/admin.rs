@@ -7,7 +7,7 @@ use etcd_client::{Compare, CompareOp, KeyValue, Txn, TxnOp};
 use lock_core::{FencingToken, LockAdmin, LockError, LockKey, LockState};
 
 use crate::backend::EtcdLock;
-use crate::errors;
+use crate::errors::Repeat;
 use crate::txn;
 
 impl EtcdLock {
@@ -15,15 +15,14 @@ impl EtcdLock {
     /// checking distlock wrote it.
     async fn read_lock(&self, key: &LockKey) -> Result<Option<KeyValue>, LockError> {
         let etcd_key = self.inner.layout.lock_key(key);
-        let mut kv = self.inner.kv.clone();
+        let kv = &self.inner.kv;
         let reply = self
             .inner
-            .config
-            .client
-            .timed("etcd get", async {
-                kv.get(etcd_key, None)
-                    .await
-                    .map_err(errors::mapper("etcd get"))
+            .requests
+            .send("etcd get", Repeat::Safe, || {
+                let mut kv = kv.clone();
+                let etcd_key = etcd_key.clone();
+                async move { kv.get(etcd_key, None).await }
             })
             .await?;
         let Some(found) = reply.kvs().first() else {
@@ -40,17 +39,14 @@ impl LockAdmin for EtcdLock {
         let Some(found) = self.read_lock(key).await? else {
             return Ok(LockState::Free);
         };
-        let mut leases = self.inner.leases.clone();
+        let leases = &self.inner.leases;
         let lease_id = found.lease();
         let ttl = self
             .inner
-            .config
-            .client
-            .timed("etcd lease time-to-live", async {
-                leases
-                    .time_to_live(lease_id, None)
-                    .await
-                    .map_err(errors::mapper("etcd lease time-to-live"))
+            .requests
+            .send("etcd lease time-to-live", Repeat::Safe, || {
+                let mut leases = leases.clone();
+                async move { leases.time_to_live(lease_id, None).await }
             })
             .await?;
         Ok(LockState::Held {
@@ -74,7 +70,9 @@ impl LockAdmin for EtcdLock {
                 found.mod_revision(),
             )])
             .and_then([TxnOp::delete(etcd_key, None)]);
-        let reply = self.run_txn("etcd force release", delete).await?;
+        let reply = self
+            .run_txn("etcd force release", Repeat::IfUnapplied, delete)
+            .await?;
         if !reply.succeeded() {
             return Err(LockError::unavailable(format!(
                 "lock {:?} changed while it was being force-released; try again",

@@ -5,18 +5,18 @@
 
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use etcd_client::{Client, ConnectOptions, KvClient, LeaseClient};
 use lock_core::{
-    AcquireReply, AcquireRequest, Capabilities, ClientOptions, ExtendReply, Grant, HeldLock,
-    Listener, LockAdmin, LockBackend, LockError, LockKey, ReleaseNotifier, ReleaseReply,
-    ReleaseWatch,
+    AcquireReply, AcquireRequest, Capabilities, ExtendReply, Grant, HeldLock, Listener, LockAdmin,
+    LockBackend, LockError, LockKey, ReleaseNotifier, ReleaseReply, ReleaseWatch,
 };
 
 use crate::config::EtcdConfig;
-use crate::errors;
+use crate::errors::{self, Repeat, Requests};
+use crate::health::Health;
 use crate::keys::{encode_value, KeyLayout};
 use crate::listener::EtcdWatches;
 use crate::queue;
@@ -112,6 +112,9 @@ const WATCH_SWEEP: Duration = Duration::from_secs(1);
 /// TTLs are whole seconds (at least 1 s, or the server's minimum lease TTL
 /// if larger); the client rounds shorter or fractional TTLs up.
 ///
+/// Against a cluster, requests that hit a dead, cut-off or leaderless
+/// member are sent again as the crate docs describe (Clusters).
+///
 /// A client belongs to the tokio runtime it was created in: the gRPC
 /// channel runs its connection tasks there, so create it inside the runtime
 /// that uses it and do not use it after that runtime shut down.
@@ -149,6 +152,8 @@ pub(crate) struct Inner {
     /// Numbers this client's waiting calls.
     pub(crate) next_waiter: AtomicU64,
     pub(crate) sessions: Sessions,
+    /// Timeouts, and sending again what reached no server.
+    pub(crate) requests: Requests,
 }
 
 impl std::fmt::Debug for Inner {
@@ -175,7 +180,11 @@ impl EtcdLock {
     pub async fn with_config(config: EtcdConfig) -> Result<Self, LockError> {
         config.validate()?;
         let options = &config.client;
+        // Require-leader: a member without a leader refuses requests at
+        // once (and ends its watch streams) instead of stalling them, so
+        // the client goes to a member that has one.
         let mut connect = ConnectOptions::new()
+            .with_require_leader(true)
             .with_connect_timeout(options.connect_timeout)
             .with_timeout(options.operation_timeout)
             .with_keep_alive(KEEP_ALIVE_INTERVAL, options.operation_timeout)
@@ -184,34 +193,59 @@ impl EtcdLock {
         if let Some((name, password)) = config.credentials() {
             connect = connect.with_user(name.clone(), password.clone());
         }
+        #[cfg(feature = "tls")]
+        if config.uses_tls() {
+            connect =
+                connect.with_tls(crate::tls::options(&options.tls, options.connect_timeout).await?);
+        }
         let endpoints = config.endpoints().to_vec();
         let what = format!("connecting to etcd at {}", endpoints.join(","));
         let client = lock_core::with_timeout(options.connect_timeout, &what, async {
-            Client::connect(&endpoints, Some(connect))
+            Client::connect(&endpoints, Some(connect.clone()))
                 .await
                 .map_err(|e| errors::map(&what, e))
         })
         .await
         .map_err(unreachable_on_timeout)?;
-        let lock = Self::from_client(client, config)?;
+        let health = (endpoints.len() > 1).then(|| {
+            Health::new(
+                client.clone(),
+                endpoints.clone(),
+                connect,
+                KeyLayout::new(&options.namespace)
+                    .prefix()
+                    .as_bytes()
+                    .to_vec(),
+                (options.operation_timeout / errors::ATTEMPTS).max(errors::MIN_ATTEMPT),
+            )
+        });
+        let lock = Self::build(client, config, health)?;
         lock.probe(&what).await?;
         tracing::debug!(endpoints = ?lock.config().endpoints(), namespace = %lock.config().client.namespace, "connected to etcd");
         Ok(lock)
     }
 
     /// Uses an existing client (its endpoints, credentials and TLS), with
-    /// `config.client` for namespace and timeouts (its endpoints and
-    /// credentials are not used). Does not contact the server.
+    /// `config.client` for namespace and timeouts. Its endpoints and
+    /// credentials are not used to connect; if it lists several endpoints,
+    /// a request that reaches no server is sent again (the client's channel
+    /// picks another endpoint), so list the client's. Does not contact the
+    /// server.
     pub fn from_client(client: Client, config: EtcdConfig) -> Result<Self, LockError> {
+        Self::build(client, config, None)
+    }
+
+    fn build(
+        client: Client,
+        config: EtcdConfig,
+        health: Option<Arc<Health>>,
+    ) -> Result<Self, LockError> {
         config.client.validate()?;
         let layout = KeyLayout::new(&config.client.namespace);
         let watches = EtcdWatches::new(client.watch_client(), layout.prefix().as_bytes().to_vec());
         let listener = Listener::new(watches, &config.client).health_check_after(WATCH_SWEEP);
-        let sessions = Sessions::new(
-            client.kv_client(),
-            client.lease_client(),
-            config.client.clone(),
-        );
+        let requests = Requests::new(config.client.clone(), config.endpoints().len(), health);
+        let sessions = Sessions::new(client.kv_client(), client.lease_client(), requests.clone());
         Ok(Self {
             inner: Arc::new(Inner {
                 kv: client.kv_client(),
@@ -222,6 +256,7 @@ impl EtcdLock {
                 waiting: ReleaseNotifier::new(),
                 next_waiter: AtomicU64::new(0),
                 sessions,
+                requests,
             }),
         })
     }
@@ -238,35 +273,103 @@ impl EtcdLock {
         self.inner.layout.prefix()
     }
 
-    /// One read inside the namespace, to fail fast on an unreachable cluster
-    /// or a user without permission.
+    /// One read inside the namespace, to fail fast on an unreachable cluster,
+    /// a refused certificate or a user without permission; sent again
+    /// (within the connect timeout) while that may help.
     async fn probe(&self, what: &str) -> Result<(), LockError> {
-        let mut kv = self.inner.kv.clone();
-        let key = self.inner.layout.prefix().as_bytes().to_vec();
-        lock_core::with_timeout(self.inner.config.client.connect_timeout, what, async {
-            kv.get(key, None)
-                .await
-                .map(|_| ())
-                .map_err(|e| errors::map(what, e))
-        })
-        .await
-        .map_err(unreachable_on_timeout)
+        let deadline = Instant::now() + self.inner.config.client.connect_timeout;
+        let tls = self.inner.config.uses_tls();
+        let mut diagnosed = false;
+        loop {
+            let kv = self.inner.kv.clone();
+            let key = self.inner.layout.prefix().as_bytes().to_vec();
+            let left = deadline.saturating_duration_since(Instant::now());
+            let probed = self
+                .inner
+                .requests
+                .send_within(
+                    left,
+                    what,
+                    Repeat::Safe,
+                    || {
+                        let mut kv = kv.clone();
+                        let key = key.clone();
+                        async move { kv.get(key, None).await.map(|_| ()) }
+                    },
+                    // A TLS connection the server closed: find out why
+                    // (once) before trying again.
+                    |e| tls && !diagnosed && errors::closed_by_peer(e),
+                )
+                .await;
+            let error = match probed {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            };
+            if !closed_by_peer(&error) {
+                return Err(unreachable_on_timeout(error));
+            }
+            if tls && !diagnosed {
+                diagnosed = true;
+                let left = deadline.saturating_duration_since(Instant::now());
+                if let Some(refused) = self.client_certificate_refused(what, left).await {
+                    return Err(refused.with_source(error));
+                }
+                // Not that: a member going away, say. Try again.
+                continue;
+            }
+            let hint = if tls {
+                "the server closed the connection right after the TLS handshake each time, as an etcd with --client-cert-auth does to clients whose certificate it does not accept (tls_cert_file, tls_key_file)"
+            } else {
+                "the server closed the connection each time: if it serves TLS on this port, use etcds://"
+            };
+            let message = format!("{}; {hint}", error.message());
+            return Err(LockError::unavailable(message).with_source(error));
+        }
+    }
+
+    /// Whether the server refuses this client's certificate after the
+    /// handshake (tonic sees only a closed connection): one diagnostic
+    /// handshake per endpoint, within `left`, reads the server's alert.
+    async fn client_certificate_refused(&self, what: &str, left: Duration) -> Option<LockError> {
+        #[cfg(feature = "tls")]
+        {
+            let config = &self.inner.config;
+            let diagnose = async {
+                for endpoint in config.endpoints() {
+                    if let Some(refusal) =
+                        crate::tls::refusal(endpoint, &config.client.tls, left).await
+                    {
+                        return Some(refusal);
+                    }
+                }
+                None
+            };
+            if let Ok(Some(refusal)) = tokio::time::timeout(left, diagnose).await {
+                let explained = if config.client.tls.cert_file.is_none() {
+                    format!(
+                        "the etcd server requires a client certificate (without one it ended the connection: {refusal}); give one signed by a CA in etcd's --trusted-ca-file with tls_cert_file=PATH&tls_key_file=PATH"
+                    )
+                } else {
+                    crate::tls::explain(&refusal)
+                };
+                return Some(LockError::config(format!("{what}: {explained}")));
+            }
+        }
+        let _ = (what, left);
+        None
     }
 
     /// Grants an etcd lease of `ttl` (whole seconds); returns its id and
     /// the TTL the server granted.
     pub(crate) async fn grant(&self, ttl: Duration) -> Result<(i64, Duration), LockError> {
         let seconds = i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX).max(1);
-        let mut leases = self.inner.leases.clone();
+        let leases = &self.inner.leases;
         let reply = self
             .inner
-            .config
-            .client
-            .timed("etcd lease grant", async {
-                leases
-                    .grant(seconds, None)
-                    .await
-                    .map_err(errors::mapper("etcd lease grant"))
+            .requests
+            .send("etcd lease grant", Repeat::Safe, || {
+                let mut leases = leases.clone();
+                async move { leases.grant(seconds, None).await }
             })
             .await?;
         if !reply.error().is_empty() {
@@ -290,29 +393,32 @@ impl EtcdLock {
     /// Failing only means the lease lives until its TTL runs out.
     fn revoke_later(&self, lease_id: i64) {
         let leases = self.inner.leases.clone();
-        let options = self.inner.config.client.clone();
+        let requests = self.inner.requests.clone();
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         runtime.spawn(async move {
-            if let Err(e) = revoke(leases, &options, lease_id).await {
+            if let Err(e) = revoke(leases, &requests, lease_id).await {
                 tracing::debug!(lease_id, error = %e, "could not revoke an etcd lease; it expires by its TTL");
             }
         });
     }
 
-    /// Runs one transaction under the operation timeout.
+    /// Runs one transaction under the operation timeout (sent again as
+    /// [`Requests::send`] says).
     pub(crate) async fn run_txn(
         &self,
         what: &'static str,
+        repeat: Repeat,
         txn: etcd_client::Txn,
     ) -> Result<etcd_client::TxnResponse, LockError> {
-        let mut kv = self.inner.kv.clone();
+        let kv = &self.inner.kv;
         self.inner
-            .config
-            .client
-            .timed(what, async {
-                kv.txn(txn).await.map_err(errors::mapper(what))
+            .requests
+            .send(what, repeat, || {
+                let mut kv = kv.clone();
+                let txn = txn.clone();
+                async move { kv.txn(txn).await }
             })
             .await
     }
@@ -328,7 +434,11 @@ impl EtcdLock {
         let value = encode_value(request.owner);
         let (lease_id, granted) = self.grant(request.ttl).await?;
         let reply = match self
-            .run_txn("etcd acquire", txn::acquire(&etcd_key, &value, lease_id))
+            .run_txn(
+                "etcd acquire",
+                Repeat::Safe,
+                txn::acquire(&etcd_key, &value, lease_id),
+            )
             .await
         {
             Ok(reply) => reply,
@@ -339,7 +449,7 @@ impl EtcdLock {
                 return Err(e);
             }
         };
-        let outcome = txn::acquire_outcome(key, &reply);
+        let outcome = txn::acquire_outcome(key, request.owner, &reply);
         if !matches!(outcome, Ok(AcquireOutcome::Created(_))) {
             // Not ours: the unused lease goes.
             self.revoke_later(lease_id);
@@ -369,6 +479,7 @@ impl EtcdLock {
         let reply = self
             .run_txn(
                 "etcd extend",
+                Repeat::Safe,
                 txn::extend(&etcd_key, &value, lock.fencing, new_lease),
             )
             .await?;
@@ -389,17 +500,14 @@ impl EtcdLock {
 
 /// Revokes an etcd lease (deleting its keys), under the operation timeout.
 pub(crate) async fn revoke(
-    mut leases: LeaseClient,
-    options: &ClientOptions,
+    leases: LeaseClient,
+    requests: &Requests,
     lease_id: i64,
 ) -> Result<(), LockError> {
-    options
-        .timed("etcd lease revoke", async {
-            leases
-                .revoke(lease_id)
-                .await
-                .map(|_| ())
-                .map_err(errors::mapper("etcd lease revoke"))
+    requests
+        .send("etcd lease revoke", Repeat::Safe, || {
+            let mut leases = leases.clone();
+            async move { leases.revoke(lease_id).await.map(|_| ()) }
         })
         .await
 }
@@ -414,6 +522,13 @@ fn own_lease_of(handle: u64) -> Option<i64> {
 }
 
 /// A timeout while connecting means the cluster is unreachable.
+/// Whether `error` came from a connection the server closed.
+fn closed_by_peer(error: &LockError) -> bool {
+    std::error::Error::source(error)
+        .and_then(|source| source.downcast_ref::<etcd_client::Error>())
+        .is_some_and(errors::closed_by_peer)
+}
+
 fn unreachable_on_timeout(error: LockError) -> LockError {
     if error.kind() == lock_core::ErrorKind::Timeout {
         LockError::unavailable(error.message().to_owned()).with_source(error)
@@ -465,6 +580,11 @@ impl LockBackend for EtcdLock {
         let reply = self
             .run_txn(
                 "etcd release",
+                // Sent again after a lost reply: one that had deleted the
+                // lock makes the second report "not held" (a false alarm),
+                // which beats leaving the lock to its TTL while everyone
+                // waits.
+                Repeat::Safe,
                 txn::release(&etcd_key, &value, lock.fencing),
             )
             .await?;

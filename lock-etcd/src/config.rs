@@ -16,12 +16,20 @@ pub const DEFAULT_PORT: u16 = 2379;
 ///
 /// `etcd://[user:password@]host[:port][,host[:port]...][?namespace=N&connect_timeout_ms=N&operation_timeout_ms=N]`
 ///
+/// `etcds://` is the same over TLS, for every endpoint (cargo feature
+/// `tls`), with the parameters every backend takes:
+/// `tls_ca_file=PATH` (PEM CA certificates to trust in addition to the
+/// platform's roots) and `tls_cert_file=PATH&tls_key_file=PATH` (a PEM
+/// client certificate and its key, for etcd's `--client-cert-auth`). The
+/// server certificate must name the host as written in the URL (DNS name
+/// or IP address).
+///
 /// User and password may be percent-encoded (`%40` for `@`, `%3A` for `:`).
 /// Several endpoints of one cluster are separated by commas; the client
-/// balances between them. The port defaults to 2379. Any other parameter,
-/// or a path, is a [`Config`](lock_core::ErrorKind::Config) error. TLS
-/// (`etcds://`) is not supported by this build. `Debug` and `Display` never
-/// show the password.
+/// balances between them and fails over when one is unreachable. The port
+/// defaults to 2379. Any other parameter, or a path, is a
+/// [`Config`](lock_core::ErrorKind::Config) error, and so are TLS files
+/// on an `etcd://` URL. `Debug` and `Display` never show the password.
 ///
 /// ```
 /// use std::time::Duration;
@@ -58,7 +66,11 @@ impl fmt::Debug for EtcdConfig {
 impl fmt::Display for EtcdConfig {
     /// The URL without password or parameters.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("etcd://")?;
+        f.write_str(if self.uses_tls() {
+            "etcds://"
+        } else {
+            "etcd://"
+        })?;
         if let Some(user) = self.user_name() {
             write!(f, "{user}:***@")?;
         }
@@ -72,8 +84,9 @@ impl fmt::Display for EtcdConfig {
 }
 
 impl EtcdConfig {
-    /// A config for the given endpoints (`host:port` or `http://host:port`),
-    /// no authentication, default namespace and timeouts.
+    /// A config for the given endpoints (`host:port`, `http://host:port`, or
+    /// `https://host:port` for TLS, with the files in `client.tls`), no
+    /// authentication, default namespace and timeouts.
     pub fn new<I, S>(endpoints: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -96,10 +109,16 @@ impl EtcdConfig {
         }
     }
 
-    /// Parses an `etcd://` URL (see the type's documentation).
+    /// Parses an `etcd://` or `etcds://` URL (see the type's
+    /// documentation).
     pub fn from_url(url: &str) -> Result<Self, LockError> {
         let mut url = LockUrl::parse(url)?;
         url.expect_scheme("etcd", SCHEMES)?;
+        let scheme = if url.scheme() == "etcds" {
+            "https"
+        } else {
+            "http"
+        };
         let client = url.take_client_options()?;
         if !url.path().is_empty() {
             return Err(LockError::config(format!(
@@ -121,14 +140,16 @@ impl EtcdConfig {
         let endpoints = url
             .hosts()
             .iter()
-            .map(|host| format!("http://{}", host.address(DEFAULT_PORT)))
+            .map(|host| format!("{scheme}://{}", host.address(DEFAULT_PORT)))
             .collect();
         url.finish()?;
-        Ok(Self {
+        let config = Self {
             client,
             endpoints,
             credentials,
-        })
+        };
+        config.validate()?;
+        Ok(config)
     }
 
     /// Authenticates as `name` with `password`.
@@ -137,9 +158,14 @@ impl EtcdConfig {
         self
     }
 
-    /// The endpoints, as `http://host:port`.
+    /// The endpoints, as `http://host:port` (`https://` with TLS).
     pub fn endpoints(&self) -> &[String] {
         &self.endpoints
+    }
+
+    /// Whether the client speaks TLS (`etcds://`, `https://` endpoints).
+    pub fn uses_tls(&self) -> bool {
+        self.endpoints.iter().any(|e| e.starts_with("https://"))
     }
 
     /// The user name, if the client authenticates.
@@ -151,12 +177,29 @@ impl EtcdConfig {
         self.credentials.as_ref()
     }
 
-    /// Checks endpoints and client options.
+    /// Checks endpoints, TLS settings and client options.
     pub fn validate(&self) -> Result<(), LockError> {
         self.client.validate()?;
         if self.endpoints.is_empty() {
             return Err(LockError::config(
                 "no etcd endpoint given; use etcd://host:port",
+            ));
+        }
+        if self.uses_tls() {
+            if self.endpoints.iter().any(|e| !e.starts_with("https://")) {
+                return Err(LockError::config(format!(
+                    "etcd endpoints {} mix TLS and plaintext; use https:// for every endpoint (etcds://) or for none",
+                    self.endpoints.join(",")
+                )));
+            }
+            if !cfg!(feature = "tls") {
+                return Err(LockError::config(
+                    "etcds:// (TLS) needs the `tls` cargo feature of lock-etcd (the `tls` feature of distlock); enable it or use etcd://",
+                ));
+            }
+        } else if !self.client.tls.is_empty() {
+            return Err(LockError::config(
+                "tls_ca_file, tls_cert_file and tls_key_file are for TLS connections; use etcds://host:port (TLS for every endpoint)",
             ));
         }
         Ok(())
@@ -211,5 +254,40 @@ mod tests {
         }
         let err = EtcdConfig::from_url("etcd://h?namspace=x").unwrap_err();
         assert!(err.to_string().contains("namspace"), "{err}");
+        // TLS files belong to etcds:// URLs.
+        let err = EtcdConfig::from_url("etcd://h?tls_ca_file=/ca.pem").unwrap_err();
+        assert!(err.to_string().contains("etcds://"), "{err}");
+        // TLS for every endpoint or none.
+        let err = EtcdConfig::new(["https://h1:1", "http://h2:2"])
+            .validate()
+            .unwrap_err();
+        assert!(err.to_string().contains("mix TLS and plaintext"), "{err}");
+    }
+
+    #[cfg(feature = "tls")]
+    #[test]
+    fn etcds_is_tls_for_every_endpoint() {
+        let c = EtcdConfig::from_url(
+            "etcds://u:pw@h1,h2:1?tls_ca_file=/ca.pem&tls_cert_file=/c.pem&tls_key_file=/k.pem",
+        )
+        .unwrap();
+        assert_eq!(c.endpoints(), ["https://h1:2379", "https://h2:1"]);
+        assert!(c.uses_tls());
+        assert_eq!(
+            c.client.tls.ca_file.as_deref(),
+            Some(std::path::Path::new("/ca.pem"))
+        );
+        assert_eq!(c.to_string(), "etcds://u:***@h1:2379,h2:1");
+        let err = EtcdConfig::from_url("etcds://h?tls_cert_file=/c.pem").unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config);
+        assert!(err.to_string().contains("tls_key_file"), "{err}");
+    }
+
+    #[cfg(not(feature = "tls"))]
+    #[test]
+    fn etcds_needs_the_tls_feature() {
+        let err = EtcdConfig::from_url("etcds://h").unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config);
+        assert!(err.to_string().contains("`tls` cargo feature"), "{err}");
     }
 }

@@ -10,22 +10,25 @@ use std::time::{Duration, Instant};
 
 use etcd_client::{Compare, CompareOp, KvClient, LeaseClient, LeaseKeepAliveStream, LeaseKeeper};
 use etcd_client::{Txn, TxnOp};
-use lock_core::ClientOptions;
 use tokio::sync::watch;
 
 use crate::backend;
-use crate::errors;
+use crate::errors::{self, Repeat, Requests};
 use crate::session::Session;
 
 /// Shortest pause before reopening a failed keep-alive stream.
 const REOPEN_PAUSE: Duration = Duration::from_millis(100);
+
+/// The least time a keep-alive's answer (or opening the stream) is given
+/// before the stream is reopened.
+const MIN_PATIENCE: Duration = Duration::from_millis(200);
 
 /// The keep-alive and expiry task of one session.
 pub(crate) struct Task {
     pub(crate) session: Arc<Session>,
     pub(crate) kv: KvClient,
     pub(crate) leases: LeaseClient,
-    pub(crate) options: ClientOptions,
+    pub(crate) requests: Requests,
     pub(crate) shutdown: watch::Receiver<()>,
 }
 
@@ -59,7 +62,7 @@ impl Task {
                     "etcd session lease lost; its locks are gone"
                 );
                 // Make the server agree at once if it still has the lease.
-                let _ = backend::revoke(self.leases.clone(), &self.options, lease_id).await;
+                let _ = backend::revoke(self.leases.clone(), &self.requests, lease_id).await;
             }
         }
     }
@@ -67,6 +70,10 @@ impl Task {
     async fn keep_alive(&mut self) -> Stop {
         let ttl = self.session.ttl();
         let period = (ttl / 3).max(Duration::from_millis(100));
+        // How long an answer (or opening the stream) may take.
+        let patience = (period / 2)
+            .max(MIN_PATIENCE)
+            .min(self.requests.options.operation_timeout);
         let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
         // Send times of the keep-alives not answered yet, oldest first
         // (etcd answers in order on one stream).
@@ -84,6 +91,23 @@ impl Task {
                 return Stop::Lost("no keep-alive confirmed within the lease TTL");
             }
             let next_expiry = self.sweep(now);
+            // A keep-alive unanswered for half a period went to a member
+            // that cannot answer (cut off, or its leader died with the
+            // request forwarded): reopen, so the channel may pick another
+            // member, while the lease has time left for that.
+            if in_flight
+                .front()
+                .is_some_and(|sent| now >= *sent + patience)
+            {
+                tracing::debug!(
+                    lease_id = self.session.lease_id(),
+                    "etcd keep-alive unanswered for a period; reopening the stream"
+                );
+                self.requests.suspect();
+                stream = None;
+                in_flight.clear();
+                next_send = now;
+            }
             if now >= next_send {
                 if let Some((keeper, _)) = stream.as_mut() {
                     in_flight.push_back(Instant::now());
@@ -97,7 +121,7 @@ impl Task {
                     // Opening the stream sends the first keep-alive and
                     // waits for its answer.
                     let sent_at = Instant::now();
-                    match self.open().await {
+                    match self.open(patience).await {
                         Opened::Stream(opened) => {
                             stream = Some(opened);
                             in_flight.clear();
@@ -118,7 +142,8 @@ impl Task {
                     Instant::now() + REOPEN_PAUSE.min(period)
                 };
             }
-            let wake = [Some(next_send), Some(lease_end), next_expiry]
+            let stale = in_flight.front().map(|sent| *sent + patience);
+            let wake = [Some(next_send), Some(lease_end), next_expiry, stale]
                 .into_iter()
                 .flatten()
                 .min()
@@ -154,11 +179,13 @@ impl Task {
     }
 
     /// Opens the keep-alive stream (which sends one keep-alive and reads
-    /// its answer), under the operation timeout.
-    async fn open(&mut self) -> Opened {
+    /// its answer).
+    async fn open(&mut self, timeout: Duration) -> Opened {
         let mut leases = self.leases.clone();
         let lease_id = self.session.lease_id();
-        let open = self.options.timed("etcd lease keep-alive", async {
+        // Short (half a period): a member that does not answer must leave
+        // time for another try before the lease runs out.
+        let open = lock_core::with_timeout(timeout, "etcd lease keep-alive", async {
             Ok(leases.keep_alive(lease_id).await)
         });
         tokio::select! {
@@ -172,7 +199,10 @@ impl Task {
                     Opened::LeaseGone
                 }
                 Ok(Err(e)) => Opened::Failed(errors::map("etcd lease keep-alive", e)),
-                Err(e) => Opened::Failed(e),
+                Err(e) => {
+                    self.requests.suspect();
+                    Opened::Failed(e)
+                }
             },
         }
     }
@@ -183,8 +213,8 @@ impl Task {
         let (expired, next) = self.session.take_expired(now);
         for (value, tracked) in expired {
             let session = self.session.clone();
-            let mut kv = self.kv.clone();
-            let options = self.options.clone();
+            let kv = self.kv.clone();
+            let requests = self.requests.clone();
             tokio::spawn(async move {
                 let mut when = vec![
                     Compare::value(tracked.key.clone(), CompareOp::Equal, value.clone()),
@@ -200,11 +230,11 @@ impl Task {
                 let txn = Txn::new()
                     .when(when)
                     .and_then([TxnOp::delete(tracked.key.clone(), None)]);
-                let result = options
-                    .timed("etcd expire session lock", async {
-                        kv.txn(txn)
-                            .await
-                            .map_err(errors::mapper("etcd expire session lock"))
+                let result = requests
+                    .send("etcd expire session lock", Repeat::Safe, || {
+                        let mut kv = kv.clone();
+                        let txn = txn.clone();
+                        async move { kv.txn(txn).await }
                     })
                     .await;
                 match result {

@@ -26,8 +26,57 @@
 //! [`LockClient`](lock_core::LockClient) or [`Locker`](lock_core::Locker),
 //! which own owner tokens, lease deadlines, waiting and renewal.
 //!
-//! URL: `etcd://[user:password@]host[:port][,host[:port]...][?namespace=N&connect_timeout_ms=N&operation_timeout_ms=N]`
+//! URL: `etcd://[user:password@]host[:port][,host[:port]...][?namespace=N&connect_timeout_ms=N&operation_timeout_ms=N]`,
+//! or `etcds://` for TLS to every endpoint (cargo feature `tls`) with
+//! `tls_ca_file=PATH` (trusted in addition to the platform's roots) and,
+//! for etcd's `--client-cert-auth`, `tls_cert_file=PATH&tls_key_file=PATH`
 //! (see [`EtcdConfig`]).
+//!
+//! # TLS errors
+//!
+//! A certificate problem is a [`Config`](lock_core::ErrorKind::Config)
+//! error at connect that names it: the server's certificate not signed by
+//! a trusted CA, not naming the host in the URL, or out of its validity
+//! period; a client certificate missing or refused (etcd refuses it after
+//! the TLS handshake, which the gRPC client reports only as a closed
+//! connection, so a second, diagnostic handshake reads the server's
+//! alert); a file that is missing, unreadable or not PEM of the right
+//! kind. A TLS URL against a plaintext port, and a plaintext URL against
+//! a TLS port, are [`Unavailable`](lock_core::ErrorKind::Unavailable)
+//! errors that say so. None waits longer than the connect timeout.
+//!
+//! # Clusters
+//!
+//! List every member in the URL. The client spreads requests over them,
+//! sends a member's requests elsewhere when it is down or cut off, and
+//! asks etcd to refuse requests at once on a member without a leader
+//! (require-leader), so a request is sent again, within the operation
+//! timeout:
+//!
+//! - when it never reached a server (with several endpoints), or a member
+//!   refused it for want of a leader: nothing happened;
+//! - when its outcome is unknown (the connection broke under it, the
+//!   leader changed, no answer within a third of the timeout: a request a
+//!   follower forwarded to a leader that then died is never answered) and
+//!   a second send is harmless: reads, renewals, releases (a second may
+//!   report "not held" for a lock the first released), and acquires (a
+//!   second that finds the lock holding its own owner token knows the
+//!   first won).
+//!
+//! A request that fails in a way that may be a member's fault makes the
+//! client check every member on a connection of its own; one that does
+//! not answer a read within a third of the operation timeout is taken out
+//! of the channel until it does (never the last one). A session's
+//! keep-alive stream is reopened when a keep-alive goes unanswered for
+//! half its period. So through a leader's death (an election), or a
+//! member cut off from the client, guards keep their locks if their
+//! renewals get through before the stop moment, or report
+//! [`lost()`](lock_core::LockGuard::lost) before anyone else can get the
+//! lock; waiting acquires ride it out (lock-core retries them until their
+//! deadline) and get the lock once a leader exists; fencing tokens (etcd
+//! revisions) keep growing, across a whole-cluster restart too. Choose a
+//! TTL of a few election timeouts at least (etcd's default election
+//! timeout is 1 s; a 3-member cluster elects a leader within about two).
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -70,15 +119,18 @@ mod admin;
 mod backend;
 mod config;
 mod errors;
+mod health;
 mod keepalive;
 mod keys;
 mod listener;
 mod queue;
 mod session;
+#[cfg(feature = "tls")]
+mod tls;
 mod txn;
 
-/// The URL schemes this backend opens.
-pub const SCHEMES: &[&str] = &["etcd"];
+/// The URL schemes this backend opens (`etcds://` needs the `tls` feature).
+pub const SCHEMES: &[&str] = &["etcd", "etcds"];
 
 pub use backend::EtcdLock;
 pub use config::{EtcdConfig, DEFAULT_PORT};

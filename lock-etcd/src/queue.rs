@@ -47,7 +47,7 @@ use lock_core::{LockError, LockKey, ReleaseWatch};
 use tokio::sync::oneshot;
 
 use crate::backend::{EtcdLock, Inner, MIN_TTL};
-use crate::errors;
+use crate::errors::Repeat;
 use crate::listener::Topic;
 
 /// Pauses between retries of a failed look-up or entry delete.
@@ -264,7 +264,9 @@ async fn put_entry(
         queue,
         held,
     ]);
-    let reply = lock.run_txn("etcd queue waiter", txn).await?;
+    let reply = lock
+        .run_txn("etcd queue waiter", Repeat::IfUnapplied, txn)
+        .await?;
     let revision = revision_of(&reply)?;
     // The put is the transaction's only write: its revision is ours.
     let place = revision;
@@ -305,14 +307,13 @@ async fn delete_entry(client: Weak<Inner>, entry: Vec<u8>) {
         let Some(inner) = client.upgrade() else {
             return;
         };
-        let mut kv = inner.kv.clone();
+        let kv = &inner.kv;
         let result = inner
-            .config
-            .client
-            .timed("etcd dequeue waiter", async {
-                kv.delete(entry.clone(), None)
-                    .await
-                    .map_err(errors::mapper("etcd dequeue waiter"))
+            .requests
+            .send("etcd dequeue waiter", Repeat::Safe, || {
+                let mut kv = kv.clone();
+                let entry = entry.clone();
+                async move { kv.delete(entry, None).await }
             })
             .await;
         drop(inner);
@@ -412,7 +413,9 @@ impl Waiter {
             held,
             TxnOp::get(self.entry.clone(), Some(GetOptions::new().with_keys_only())),
         ]);
-        let reply = lock.run_txn("etcd queue look-up", txn).await?;
+        let reply = lock
+            .run_txn("etcd queue look-up", Repeat::Safe, txn)
+            .await?;
         let revision = revision_of(&reply)?;
         let ranges = ranges(&reply);
         let mut position = Position {

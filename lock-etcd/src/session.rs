@@ -23,12 +23,12 @@ use std::time::{Duration, Instant};
 
 use etcd_client::{KvClient, LeaseClient};
 use lock_core::{
-    AcquireReply, AcquireRequest, ClientOptions, ExtendReply, FencingToken, Grant, HeldLock,
-    LockError,
+    AcquireReply, AcquireRequest, ExtendReply, FencingToken, Grant, HeldLock, LockError,
 };
 use tokio::sync::watch;
 
 use crate::backend::EtcdLock;
+use crate::errors::{Repeat, Requests};
 use crate::keepalive::Task;
 use crate::keys::encode_value;
 use crate::txn::{self, AcquireOutcome};
@@ -90,6 +90,7 @@ impl EtcdLock {
         let reply = match self
             .run_txn(
                 "etcd acquire",
+                Repeat::Safe,
                 txn::acquire(&etcd_key, &value, session.lease_id()),
             )
             .await
@@ -106,7 +107,7 @@ impl EtcdLock {
                 return Err(e);
             }
         };
-        let fencing = match txn::acquire_outcome(key, &reply) {
+        let fencing = match txn::acquire_outcome(key, request.owner, &reply) {
             Ok(AcquireOutcome::Created(fencing)) => fencing,
             Ok(AcquireOutcome::Refused(refused)) => {
                 session.untrack(&value);
@@ -151,6 +152,7 @@ impl EtcdLock {
         let reply = self
             .run_txn(
                 "etcd extend",
+                Repeat::Safe,
                 txn::confirm(&etcd_key, &value, lock.fencing, session.lease_id()),
             )
             .await?;
@@ -193,11 +195,11 @@ pub(crate) struct Sessions {
     shutdown: watch::Receiver<()>,
     kv: KvClient,
     leases: LeaseClient,
-    options: ClientOptions,
+    requests: Requests,
 }
 
 impl Sessions {
-    pub(crate) fn new(kv: KvClient, leases: LeaseClient, options: ClientOptions) -> Self {
+    pub(crate) fn new(kv: KvClient, leases: LeaseClient, requests: Requests) -> Self {
         let (tx, rx) = watch::channel(());
         Self {
             by_ttl: Mutex::new(HashMap::new()),
@@ -206,7 +208,7 @@ impl Sessions {
             shutdown: rx,
             kv,
             leases,
-            options,
+            requests,
         }
     }
 
@@ -254,7 +256,7 @@ impl Sessions {
             session: session.clone(),
             kv: self.kv.clone(),
             leases: self.leases.clone(),
-            options: self.options.clone(),
+            requests: self.requests.clone(),
             shutdown: self.shutdown.clone(),
         };
         tokio::spawn(task.run());

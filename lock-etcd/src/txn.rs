@@ -89,9 +89,12 @@ pub(crate) enum AcquireOutcome {
 }
 
 /// Reads the acquire transaction's reply. A value we did not write, or a
-/// lock without a lease (it would never expire), is `Corrupted`.
+/// lock without a lease (it would never expire), is `Corrupted`. A lock
+/// that holds `owner`'s token is this acquisition's: an earlier send of
+/// the same transaction took it (its reply was lost), so it was created.
 pub(crate) fn acquire_outcome(
     key: &LockKey,
+    owner: OwnerToken,
     reply: &TxnResponse,
 ) -> Result<AcquireOutcome, LockError> {
     if reply.succeeded() {
@@ -115,7 +118,19 @@ pub(crate) fn acquire_outcome(
             let Some(kv) = get.kvs().first() else {
                 return Ok(gone);
             };
-            check_found(key, kv.value(), kv.lease())?;
+            if check_found(key, kv.value(), kv.lease())? == owner {
+                tracing::debug!(key = %key, "etcd acquire sent again found the lock already ours");
+                return u64::try_from(kv.create_revision())
+                    .ok()
+                    .filter(|r| *r > 0)
+                    .map(|r| AcquireOutcome::Created(FencingToken::new(r)))
+                    .ok_or_else(|| {
+                        LockError::unavailable(format!(
+                            "etcd returned lock {:?} without a create revision",
+                            key.as_str()
+                        ))
+                    });
+            }
             tracing::trace!(key = %key, holder_lease = kv.lease(), "etcd lock held by another owner");
             // The holder's lease may be a session lease, renewed for as
             // long as its holder wants: no expiry to predict.

@@ -12,7 +12,7 @@ use super::{free_port, ServerKind};
 
 /// File in the server directory that keeps the peer port, so a restart
 /// reuses it (the member's advertised peer URL is stored in its data).
-const PEER_PORT_FILE: &str = "peer-port";
+pub(super) const PEER_PORT_FILE: &str = "peer-port";
 
 /// How long to wait for `/health` to report a leader after the client port
 /// accepts connections.
@@ -29,12 +29,13 @@ const HEALTH_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Etcd;
 
-fn peer_port(dir: &Path) -> io::Result<u16> {
-    let text = std::fs::read_to_string(dir.join(PEER_PORT_FILE))?;
+/// A port kept in the file `name` of the server directory.
+pub(super) fn port_file(dir: &Path, name: &str) -> io::Result<u16> {
+    let text = std::fs::read_to_string(dir.join(name))?;
     text.trim().parse().map_err(|e| {
         io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("bad peer port file in {}: {e}", dir.display()),
+            format!("bad port file {name} in {}: {e}", dir.display()),
         )
     })
 }
@@ -42,14 +43,27 @@ fn peer_port(dir: &Path) -> io::Result<u16> {
 /// One plain HTTP/1.1 `GET /health` on the client port; `Ok(true)` when the
 /// member answers that it is healthy (it has a leader).
 fn healthy(port: u16) -> io::Result<bool> {
+    Ok(http_get(port, "/health")?.contains("\"health\":\"true\""))
+}
+
+/// One plain HTTP `GET path` on `127.0.0.1:port`: the whole reply if its
+/// status is 200, else an error. HTTP/1.0, so the body is never chunked.
+pub(super) fn http_get(port: u16, path: &str) -> io::Result<String> {
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_millis(500))?;
     stream.set_read_timeout(Some(Duration::from_secs(2)))?;
     stream.set_write_timeout(Some(Duration::from_secs(2)))?;
-    stream.write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")?;
+    stream.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())?;
     let mut reply = String::new();
     stream.read_to_string(&mut reply)?;
-    Ok(reply.starts_with("HTTP/1.1 200") && reply.contains("\"health\":\"true\""))
+    if reply.split_whitespace().nth(1) == Some("200") {
+        Ok(reply)
+    } else {
+        Err(io::Error::other(format!(
+            "GET {path} on port {port}: {}",
+            reply.lines().next().unwrap_or("no reply")
+        )))
+    }
 }
 
 impl ServerKind for Etcd {
@@ -70,36 +84,16 @@ impl ServerKind for Etcd {
         // `prepare` wrote the file; if it is unreadable the server cannot
         // start with its old identity, so fall back to a port that fails
         // loudly (etcd refuses port 0 as a peer URL) rather than guessing.
-        let peer = peer_port(dir).unwrap_or(0);
-        let client_url = format!("http://127.0.0.1:{port}");
+        let peer = port_file(dir, PEER_PORT_FILE).unwrap_or(0);
         let peer_url = format!("http://127.0.0.1:{peer}");
-        let mut command = Command::new("etcd");
-        command
-            .arg("--name")
-            .arg("distlock")
-            .arg("--data-dir")
-            .arg(dir.join("data"))
-            .arg("--listen-client-urls")
-            .arg(&client_url)
-            .arg("--advertise-client-urls")
-            .arg(&client_url)
-            .arg("--listen-peer-urls")
-            .arg(&peer_url)
-            .arg("--initial-advertise-peer-urls")
-            .arg(&peer_url)
-            .arg("--initial-cluster")
-            .arg(format!("distlock={peer_url}"))
-            .arg("--initial-cluster-state")
-            .arg("new")
-            .arg("--heartbeat-interval")
-            .arg("20")
-            .arg("--election-timeout")
-            .arg("100")
-            .arg("--logger")
-            .arg("zap")
-            .arg("--log-level")
-            .arg("warn");
-        command
+        member_command(
+            "distlock",
+            dir,
+            &format!("http://127.0.0.1:{port}"),
+            &peer_url,
+            &format!("distlock={peer_url}"),
+            SINGLE,
+        )
     }
 
     fn url(&self, addr: SocketAddr) -> String {
@@ -107,22 +101,86 @@ impl ServerKind for Etcd {
     }
 
     fn wait_ready(&self, _dir: &Path, port: u16) -> io::Result<()> {
-        let deadline = Instant::now() + HEALTH_TIMEOUT;
-        loop {
-            let last = match healthy(port) {
-                Ok(true) => return Ok(()),
-                Ok(false) => "not healthy yet".to_owned(),
-                Err(e) => e.to_string(),
-            };
-            if Instant::now() >= deadline {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!(
-                        "etcd on port {port} did not report healthy in {HEALTH_TIMEOUT:?}: {last}"
-                    ),
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        wait_healthy(port)
+    }
+}
+
+/// Raft timing of a member, in milliseconds.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Timing {
+    pub(super) heartbeat_ms: u32,
+    pub(super) election_ms: u32,
+}
+
+/// A single member never waits for peers, so it can be quick: heartbeat
+/// 20 ms, election timeout 100 ms.
+pub(super) const SINGLE: Timing = Timing {
+    heartbeat_ms: 20,
+    election_ms: 100,
+};
+
+/// `etcd` for one member `name` with its data in `dir/data`, serving
+/// clients on `client_url` and peers on `peer_url`, in a cluster of
+/// `initial_cluster` (`name=peer_url,...`). A data directory that exists
+/// already keeps its identity (etcd ignores the initial-cluster flags
+/// then), so restarts reuse it.
+///
+/// `timing` is the Raft heartbeat interval and election timeout in ms;
+/// short ones make startup and elections fast, and etcd honours 1-second
+/// leases with an election timeout up to 666 ms (its minimum lease TTL is
+/// 1.5 × election timeout, rounded up to whole seconds).
+pub(super) fn member_command(
+    name: &str,
+    dir: &Path,
+    client_url: &str,
+    peer_url: &str,
+    initial_cluster: &str,
+    timing: Timing,
+) -> Command {
+    let mut command = Command::new("etcd");
+    command
+        .arg("--name")
+        .arg(name)
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .arg("--listen-client-urls")
+        .arg(client_url)
+        .arg("--advertise-client-urls")
+        .arg(client_url)
+        .arg("--listen-peer-urls")
+        .arg(peer_url)
+        .arg("--initial-advertise-peer-urls")
+        .arg(peer_url)
+        .arg("--initial-cluster")
+        .arg(initial_cluster)
+        .arg("--initial-cluster-state")
+        .arg("new")
+        .arg("--heartbeat-interval")
+        .arg(timing.heartbeat_ms.to_string())
+        .arg("--election-timeout")
+        .arg(timing.election_ms.to_string())
+        .arg("--logger")
+        .arg("zap")
+        .arg("--log-level")
+        .arg("warn");
+    command
+}
+
+/// Waits until `GET /health` on the plain-HTTP `port` reports a leader.
+pub(super) fn wait_healthy(port: u16) -> io::Result<()> {
+    let deadline = Instant::now() + HEALTH_TIMEOUT;
+    loop {
+        let last = match healthy(port) {
+            Ok(true) => return Ok(()),
+            Ok(false) => "not healthy yet".to_owned(),
+            Err(e) => e.to_string(),
+        };
+        if Instant::now() >= deadline {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("etcd on port {port} did not report healthy in {HEALTH_TIMEOUT:?}: {last}"),
+            ));
         }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }

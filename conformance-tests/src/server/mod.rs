@@ -11,12 +11,16 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 mod etcd;
+mod etcd_cluster;
+mod etcd_tls;
 mod pgbouncer;
 mod pki;
 mod postgres;
 mod redis;
 
 pub use self::etcd::Etcd;
+pub use self::etcd_cluster::EtcdCluster;
+pub use self::etcd_tls::EtcdTls;
 pub use self::pgbouncer::{PgBouncer, PoolMode};
 pub use self::pki::{CertFiles, TestPki};
 pub use self::postgres::Postgres;
