@@ -108,7 +108,7 @@ mod listener;
 mod sql;
 
 pub use backend::PostgresLock;
-pub use config::{PostgresConfig, DEFAULT_SCHEMA, DEFAULT_TABLE};
+pub use config::{PoolMode, PostgresConfig, DEFAULT_POLL_INTERVAL, DEFAULT_SCHEMA, DEFAULT_TABLE};
 pub use keys::{channel_name, MAX_IDENTIFIER_BYTES};
 /// The driver, for building pools and connect options by hand.
 pub use sqlx;
