@@ -17,14 +17,19 @@
 //!   half on a session that never saw the first). A single `Query` message
 //!   is one implicit transaction, so it always runs on one session.
 //!
-//! Literals cannot inject SQL: a text value becomes
-//! `convert_from(decode('<hex of its UTF-8 bytes>', 'hex'), 'UTF8')`, so
-//! the text sent holds only hex digits between the quotes whatever the
-//! value, `standard_conforming_strings` and the client encoding; an integer
-//! becomes `'<decimal digits>'::bigint`. Parameters are placed where the
-//! statement template says (`$1`, `$2`, ...) when it is built, before the
-//! table name is inserted, so a `$1` inside a table name is never taken for
-//! a parameter.
+//! Literals cannot inject SQL, and are constants the planner sees as such
+//! (as it sees bind parameters): a text value becomes an escape string
+//! `E'...'` in which `\` and `'` are escaped with a backslash and every
+//! character outside printable ASCII is written `\uXXXX` or `\UXXXXXXXX`,
+//! so the text sent is printable ASCII whatever the value, the client
+//! encoding (no byte of a multibyte character is ever sent) and
+//! `standard_conforming_strings` (an `E'...'` string reads backslashes
+//! the same either way); an integer becomes `'<decimal digits>'::bigint`.
+//! The server turns the escapes back into the characters in its own
+//! encoding, exactly as it converts a bind parameter. Parameters are placed
+//! where the statement template says (`$1`, `$2`, ...) when it is built,
+//! before the table name is inserted, so a `$1` inside a table name is never
+//! taken for a parameter.
 //!
 //! All times come from the database's wall clock (`clock_timestamp()`),
 //! never the client's (see the crate docs on clocks). Acquire, extend and
@@ -62,16 +67,26 @@ pub(crate) enum Arg<'a> {
 }
 
 impl Arg<'_> {
-    /// The value as an SQL literal that holds only hex or decimal digits
-    /// between its quotes (see the module docs).
+    /// The value as an SQL literal made of printable ASCII only (see the
+    /// module docs).
     fn literal(&self, out: &mut String) {
         match self {
             Arg::Text(text) => {
-                out.push_str("convert_from(decode('");
-                for byte in text.bytes() {
-                    let _ = write!(out, "{byte:02x}");
+                out.push_str("E'");
+                for c in text.chars() {
+                    match c {
+                        '\\' => out.push_str("\\\\"),
+                        '\'' => out.push_str("\\'"),
+                        ' '..='~' => out.push(c),
+                        c if u32::from(c) <= 0xffff => {
+                            let _ = write!(out, "\\u{:04x}", u32::from(c));
+                        }
+                        c => {
+                            let _ = write!(out, "\\U{:08x}", u32::from(c));
+                        }
+                    }
                 }
-                out.push_str("', 'hex'), 'UTF8')");
+                out.push('\'');
             }
             Arg::Int(n) => {
                 let _ = write!(out, "'{n}'::bigint");
@@ -355,22 +370,26 @@ mod tests {
         args[11] = Arg::Int(-7);
         assert_eq!(
             sql.render(&args),
-            "SELECT convert_from(decode('78', 'hex'), 'UTF8') FROM \"s\".\"t$1\" WHERE k ~ '^a$' \
-             AND n = '-7'::bigint AND t = convert_from(decode('78', 'hex'), 'UTF8')"
+            "SELECT E'x' FROM \"s\".\"t$1\" WHERE k ~ '^a$' AND n = '-7'::bigint AND t = E'x'"
         );
     }
 
     #[test]
-    fn literals_hold_only_digits_between_their_quotes() {
-        let mut out = String::new();
-        Arg::Text("'); DROP TABLE t; --\\ é").literal(&mut out);
-        let inner = out
-            .strip_prefix("convert_from(decode('")
-            .and_then(|rest| rest.strip_suffix("', 'hex'), 'UTF8')"))
-            .expect("the literal's shape");
-        assert!(inner.bytes().all(|b| b.is_ascii_hexdigit()), "{out}");
-        let mut out = String::new();
-        Arg::Int(i64::MIN).literal(&mut out);
-        assert_eq!(out, "'-9223372036854775808'::bigint");
+    fn literals_are_printable_ascii_escape_strings() {
+        let literal = |arg: Arg<'_>| {
+            let mut out = String::new();
+            arg.literal(&mut out);
+            out
+        };
+        assert_eq!(
+            literal(Arg::Text("a'b\\c é\n😀")),
+            "E'a\\'b\\\\c \\u00e9\\u000a\\U0001f600'"
+        );
+        let nasty = literal(Arg::Text("'); DROP TABLE t; --\\\u{7f}\u{ff}"));
+        assert!(nasty.bytes().all(|b| (b' '..=b'~').contains(&b)), "{nasty}");
+        assert_eq!(
+            literal(Arg::Int(i64::MIN)),
+            "'-9223372036854775808'::bigint"
+        );
     }
 }

@@ -8,3 +8,4 @@ mod listener;
 mod pooler;
 mod rows;
 mod support;
+mod terminate;
