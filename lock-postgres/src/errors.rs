@@ -102,7 +102,7 @@ fn tls_problem(error: &std::io::Error, what: &str) -> Option<LockError> {
         Tls::InvalidCertificate(Cert::NotValidForName | Cert::NotValidForNameContext { .. }) => {
             LockError::config(format!(
                 "{what} failed: TLS certificate problem: the PostgreSQL server's certificate is not valid for the host name in the URL ({tls}); \
-                 connect with a name its certificate lists, or use sslmode=verify-ca to check only who signed it"
+                 connect with a name its certificate lists"
             ))
         }
         Tls::InvalidCertificate(_) => LockError::config(format!(

@@ -9,3 +9,5 @@ mod pooler;
 mod rows;
 mod support;
 mod terminate;
+#[cfg(feature = "tls")]
+mod tls;
