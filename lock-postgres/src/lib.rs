@@ -106,10 +106,11 @@
 //!     statements (`42P05 prepared statement "sqlx_s_1" already exists`,
 //!     `26000`) and even sqlx's unnamed ones (its `Parse`/`Describe` and
 //!     `Bind`/`Execute` are two round trips). It costs the server a parse
-//!     and plan per statement: try-acquire + release took 3.4x as long as
-//!     with prepared statements on a direct connection, and 16 tasks
-//!     managed 0.30x the throughput (`cargo bench -p lock-postgres --bench
-//!     protocols`), which is why it is not the default.
+//!     and plan per statement: try-acquire + release took 3.4 to 4.5 times
+//!     as long (p50) as with prepared statements on a direct connection,
+//!     and 16 tasks managed 0.24 to 0.34 of the throughput (`cargo bench -p
+//!     lock-postgres --bench protocols`, three runs on a loaded 2-core VM),
+//!     which is why it is not the default.
 //!   - Waiters `LISTEN` on `listen_url`, pointing past the pooler
 //!     (directly, or through a session-mode pool), and are woken by
 //!     `NOTIFY` as on a direct connection. Without `listen_url` nothing
@@ -118,8 +119,9 @@
 //!     `poll_interval_ms` (default 100) per waiting call, and
 //!     [`Capabilities::native_wait`](lock_core::Capabilities) is false.
 //!     Still correct (every attempt is the atomic acquire statement); a
-//!     release is noticed on the next poll: handoff took 72 ms at the
-//!     median against 1.5 ms with `listen_url`.
+//!     release is noticed on the next poll: a handoff took 57 ms at the
+//!     median and 93 ms at p90, against 1.4 ms and 2.0 ms with
+//!     `listen_url` (same benchmark).
 //!   - PgBouncer 1.21+ with `max_prepared_statements` tracks protocol-level
 //!     prepared statements itself; there the default `pool_mode=session`
 //!     with `listen_url` keeps prepared statements (not tested here: the
