@@ -249,7 +249,7 @@ impl PostgresLock {
                 }
                 Err(e)
                     if errors::is_connection_lost(&e)
-                        && lost <= self.config.max_connections
+                        && lost <= self.pool.options().get_max_connections()
                         && started.elapsed() < operation_timeout =>
                 {
                     flight.close();
