@@ -19,6 +19,9 @@
 //!   concurrent transaction (serialization failure under a `REPEATABLE READ`
 //!   or `SERIALIZABLE` default isolation, deadlock) had no effect: it is sent
 //!   again, a bounded number of times.
+//! - A connection lost under the statement is not retried here: the
+//!   backend's `fetch` closes it and sends the statement again on another
+//!   one, read as a repeat like the case above.
 //! - A call dropped while its statement is in flight (a caller's timeout)
 //!   leaves the reply outstanding on the connection. [`InFlight`] then
 //!   finishes in the background, bounded by the operation timeout: it gives
