@@ -90,6 +90,22 @@ impl TlsFiles {
     }
 }
 
+impl TlsFiles {
+    /// Reads one PEM file named by a backend's own URL parameter (e.g.
+    /// PostgreSQL's `sslrootcert`) with the same checks and errors as
+    /// [`read`](Self::read): a missing, unreadable or non-PEM file is an
+    /// [`ErrorKind::Config`](crate::ErrorKind) error naming `parameter` and
+    /// the path. `label` is the PEM block label expected (`CERTIFICATE`, or
+    /// `PRIVATE KEY`, which also covers RSA and EC keys).
+    pub async fn read_file(
+        parameter: &str,
+        path: &Path,
+        label: &str,
+    ) -> Result<Vec<u8>, LockError> {
+        read_pem(parameter, path, label).await
+    }
+}
+
 /// Reads `path` and checks it holds a PEM block whose label ends with
 /// `label` (`CERTIFICATE`, `PRIVATE KEY` covers PKCS#8, RSA and EC keys).
 async fn read_pem(parameter: &str, path: &Path, label: &str) -> Result<Vec<u8>, LockError> {

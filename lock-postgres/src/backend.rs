@@ -2,23 +2,22 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use lock_core::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
     Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, ReleaseReply, ReleaseWatch,
 };
-use sqlx::postgres::{PgArguments, PgPool, PgPoolOptions, PgRow};
-use sqlx::query::Query;
-use sqlx::{Postgres, Row};
+use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
+use sqlx::Row;
 use tokio::sync::OnceCell;
 
-use crate::config::PostgresConfig;
+use crate::config::{PoolMode, PostgresConfig};
 use crate::errors;
 use crate::keys::{channel_name, is_owner_token, qualified_table};
 use crate::listener::Releases;
-use crate::sql::{self, InFlight, Reply, Statements, Undo};
+use crate::sql::{self, Arg, Call, InFlight, Protocol, Reply, Statements, Undo};
 
 /// A lock backend on a PostgreSQL lock table.
 ///
@@ -29,12 +28,12 @@ use crate::sql::{self, InFlight, Reply, Statements, Undo};
 /// and release are one statement each; rows stay after release (owner set
 /// to NULL) so the fencing counter of a key keeps growing.
 ///
-/// No lock statement uses session state — no advisory locks, no `SET` — but
-/// sqlx's named prepared statements need a proxy that tracks them (PgBouncer
-/// 1.21+ with `max_prepared_statements`), and waiters are woken by
-/// `LISTEN`/`NOTIFY` on one extra connection per client, which must reach
-/// the server directly or through a session-mode pool (`listen_url`). See
-/// the crate docs on poolers, on the database clock and on cancellation.
+/// No lock statement uses session state — no advisory locks, no `SET`.
+/// Behind a transaction pooler (`pool_mode=transaction`) statements use the
+/// simple query protocol, and waiters are woken by `LISTEN`/`NOTIFY` on one
+/// extra connection per client that reaches the server directly or through
+/// a session-mode pool (`listen_url`), or else poll. See the crate docs on
+/// poolers, TLS, the database clock and cancellation.
 ///
 /// Job code uses it through a [`LockClient`](lock_core::LockClient) (or a
 /// [`Locker`](lock_core::Locker)):
@@ -59,10 +58,13 @@ pub struct PostgresLock {
     pool: PgPool,
     config: PostgresConfig,
     sql: Arc<Statements>,
+    protocol: Protocol,
     /// The LISTEN/NOTIFY channel of this namespace and table.
     channel: String,
     table_ready: OnceCell<()>,
-    listener: Listener<Releases>,
+    /// `None` when nothing can `LISTEN` (a transaction pooler without
+    /// `listen_url`): waiters then poll.
+    listener: Option<Listener<Releases>>,
 }
 
 impl fmt::Debug for PostgresLock {
@@ -82,7 +84,11 @@ impl PostgresLock {
     /// if it does not exist.
     ///
     /// Errors: [`ErrorKind::Config`](lock_core::ErrorKind) for a bad URL,
-    /// failed authentication or missing privileges;
+    /// failed authentication, missing privileges, or a TLS problem that
+    /// retrying cannot fix (a missing or unreadable TLS file, an untrusted
+    /// server certificate or one for another host name, a client
+    /// certificate the server refused, TLS asked of a server without it, a
+    /// plaintext connection refused by a TLS-only server);
     /// [`ErrorKind::Unavailable`](lock_core::ErrorKind) if the server cannot
     /// be reached within the connect timeout.
     pub async fn connect(url: &str) -> Result<Self, LockError> {
@@ -98,6 +104,8 @@ impl PostgresLock {
             ));
         };
         let timeout = config.client.connect_timeout;
+        config.tls.check_files().await?;
+        config.listen_tls.check_files().await?;
         let pool = lock_core::with_timeout(timeout, "connecting to PostgreSQL", async {
             PgPoolOptions::new()
                 .max_connections(config.max_connections)
@@ -106,8 +114,8 @@ impl PostgresLock {
                 .idle_timeout(Some(Duration::from_secs(60)))
                 // sqlx would ping every connection it hands out: one extra
                 // round trip per lock call. A dead connection instead fails
-                // its statement with a typed Unavailable error and is
-                // dropped (timed-out ones are detached in `fetch`).
+                // its statement, is closed, and the statement is sent again
+                // on another connection (see `fetch`).
                 .test_before_acquire(false)
                 .connect_with(connect)
                 .await
@@ -128,14 +136,28 @@ impl PostgresLock {
     pub fn from_pool(pool: PgPool, config: PostgresConfig) -> Result<Self, LockError> {
         config.validate()?;
         let channel = channel_name(&config.schema, &config.table, &config.client.namespace);
-        let listen = config
-            .listen
-            .clone()
-            .unwrap_or_else(|| (*pool.connect_options()).clone());
-        let releases = Releases::new(listen, channel.clone(), config.client.connect_timeout);
+        let (protocol, listen) = match config.pool_mode {
+            PoolMode::Session => (
+                Protocol::Extended,
+                Some(
+                    config
+                        .listen
+                        .clone()
+                        .unwrap_or_else(|| (*pool.connect_options()).clone()),
+                ),
+            ),
+            // A LISTEN through the pooler would stay on a shared server
+            // session: only listen_url can wake waiters.
+            PoolMode::Transaction => (Protocol::Simple, config.listen.clone()),
+        };
+        let listener = listen.map(|listen| {
+            let releases = Releases::new(listen, channel.clone(), config.client.connect_timeout);
+            Listener::new(releases, &config.client)
+        });
         Ok(Self {
             sql: Arc::new(Statements::new(&config.schema, &config.table)),
-            listener: Listener::new(releases, &config.client),
+            protocol,
+            listener,
             channel,
             pool,
             config,
@@ -172,10 +194,23 @@ impl PostgresLock {
         )
     }
 
-    /// Runs one statement (built by `make`, again for each attempt; see
-    /// [`sql::run`]) and returns its reply: a pooled connection within the
-    /// connect timeout (the pool's acquire timeout), the statement within
-    /// the operation timeout.
+    /// A statement on `sql` with `args`, for this client's protocol.
+    fn call<'a>(&self, sql: &'a sql::Sql, args: Vec<Arg<'a>>) -> Call<'a> {
+        Call::new(self.protocol, sql, args)
+    }
+
+    /// Runs one statement (see [`sql::run`]) and returns its reply: a pooled
+    /// connection within the connect timeout (the pool's acquire timeout),
+    /// the statement within the operation timeout.
+    ///
+    /// A connection found broken — closed by the server while idle in the
+    /// pool (`idle_session_timeout`, a restart, a pooler's own timeouts) or
+    /// terminated while the statement ran (`pg_terminate_backend`) — is
+    /// closed and the statement sent again on another one, while the
+    /// operation timeout allows and at most once per pooled connection and
+    /// one more: every lock statement reads correctly when repeated (see
+    /// [`sql::run`]), so the caller sees an error only if the server stays
+    /// unreachable.
     ///
     /// Cancel-safe: if the reply is not read — the operation timed out, or
     /// the caller dropped this future — the connection still has it
@@ -183,37 +218,68 @@ impl PostgresLock {
     /// returned to the pool as is (sqlx would ping it without a time limit,
     /// holding a pool slot): `undo` runs on it in the background, bounded by
     /// the operation timeout, or it is closed.
-    async fn fetch<'q>(
+    async fn fetch(
         &self,
         what: &str,
         key: Option<&LockKey>,
-        make: impl Fn() -> Query<'q, Postgres, PgArguments> + Send,
+        call: &Call<'_>,
         undo: Option<Undo>,
     ) -> Result<Reply, LockError> {
-        let conn = self
-            .pool
-            .acquire()
-            .await
-            .map_err(|e| self.map_err(e, what, key))?;
-        let mut flight = InFlight::new(conn, undo, self.config.client.operation_timeout);
-        let reply = self
-            .config
-            .client
-            .timed(what, async { Ok(sql::run(flight.conn(), make).await) })
-            .await?;
-        flight.finish();
-        reply.map_err(|e| self.map_err(e, what, key))
+        let started = Instant::now();
+        let operation_timeout = self.config.client.operation_timeout;
+        let mut lost = 0;
+        let mut resent = false;
+        loop {
+            let conn = self
+                .pool
+                .acquire()
+                .await
+                .map_err(|e| self.map_err(e, what, key))?;
+            let mut flight = InFlight::new(conn, undo.clone(), operation_timeout);
+            let reply = self
+                .config
+                .client
+                .timed(what, async { Ok(sql::run(flight.conn(), call).await) })
+                .await?;
+            match reply {
+                Ok(mut reply) => {
+                    flight.finish();
+                    reply.resent |= resent;
+                    return Ok(reply);
+                }
+                Err(e)
+                    if errors::is_connection_lost(&e)
+                        && lost <= self.pool.options().get_max_connections()
+                        && started.elapsed() < operation_timeout =>
+                {
+                    flight.close();
+                    lost += 1;
+                    // The statement may have run before the connection
+                    // broke: the next reply is read as a repeat.
+                    resent = true;
+                    tracing::debug!(error = %e, what, "connection lost; sending the statement again on another one");
+                }
+                Err(e) => {
+                    if errors::is_connection_lost(&e) {
+                        flight.close();
+                    } else {
+                        flight.finish();
+                    }
+                    return Err(self.map_err(e, what, key));
+                }
+            }
+        }
     }
 
     /// As [`fetch`](Self::fetch), for statements on `key` that always
     /// return a row and need no undo.
-    async fn fetch_one<'q>(
+    async fn fetch_one(
         &self,
         what: &str,
         key: &LockKey,
-        make: impl Fn() -> Query<'q, Postgres, PgArguments> + Send,
+        call: &Call<'_>,
     ) -> Result<Reply<PgRow>, LockError> {
-        let reply = self.fetch(what, Some(key), make, None).await?;
+        let reply = self.fetch(what, Some(key), call, None).await?;
         let row = reply.row.ok_or_else(|| {
             LockError::corrupted(format!(
                 "{what} on lock {:?}: the lock table returned no row",
@@ -226,13 +292,10 @@ impl PostgresLock {
         })
     }
 
-    /// Whether the catalog query `make` builds answers `exists = true`.
-    async fn exists<'q>(
-        &self,
-        make: impl Fn() -> Query<'q, Postgres, PgArguments> + Send,
-    ) -> Result<bool, LockError> {
+    /// Whether the catalog query `call` answers `exists = true`.
+    async fn exists(&self, call: &Call<'_>) -> Result<bool, LockError> {
         let what = "creating the lock table";
-        match self.fetch(what, None, make, None).await?.row {
+        match self.fetch(what, None, call, None).await?.row {
             Some(row) => row
                 .try_get("exists")
                 .map_err(|e| self.map_err(e, what, None)),
@@ -257,7 +320,7 @@ impl PostgresLock {
     async fn create_table(&self) -> Result<(), LockError> {
         let qualified = self.table();
         if self
-            .exists(|| sqlx::query(&self.sql.table_exists).bind(&qualified))
+            .exists(&self.call(&self.sql.table_exists, vec![Arg::Text(&qualified)]))
             .await?
         {
             return Ok(());
@@ -283,24 +346,18 @@ impl PostgresLock {
     async fn create_table_once(&self) -> Result<(), LockError> {
         let what = "creating the lock table";
         if !self
-            .exists(|| sqlx::query(&self.sql.schema_exists).bind(&self.config.schema))
+            .exists(&self.call(
+                &self.sql.schema_exists,
+                vec![Arg::Text(&self.config.schema)],
+            ))
             .await?
         {
-            self.fetch(
-                what,
-                None,
-                || sqlx::query(&self.sql.create_schema).persistent(false),
-                None,
-            )
-            .await?;
+            // Sent once: no statement to cache.
+            let call = Call::new(Protocol::Simple, &self.sql.create_schema, Vec::new());
+            self.fetch(what, None, &call, None).await?;
         }
-        self.fetch(
-            what,
-            None,
-            || sqlx::query(&self.sql.create_table).persistent(false),
-            None,
-        )
-        .await?;
+        let call = Call::new(Protocol::Simple, &self.sql.create_table, Vec::new());
+        self.fetch(what, None, &call, None).await?;
         Ok(())
     }
 
@@ -416,7 +473,8 @@ impl LockBackend for PostgresLock {
         Capabilities {
             min_ttl: Duration::from_millis(1),
             ttl_granularity: Duration::from_millis(1),
-            native_wait: true,
+            native_wait: self.listener.is_some(),
+            retry_interval: self.config.poll_interval,
             durable: true,
             ..Capabilities::default()
         }
@@ -430,19 +488,22 @@ impl LockBackend for PostgresLock {
         // A call dropped before the reply gives back what it was granted.
         let undo = Undo {
             sql: self.sql.clone(),
+            protocol: self.protocol,
             namespace: self.namespace().to_owned(),
             key: key.as_str().to_owned(),
             owner: owner.clone(),
             channel: self.channel.clone(),
         };
-        let make = || {
-            sqlx::query(&self.sql.acquire)
-                .bind(self.namespace())
-                .bind(key.as_str())
-                .bind(&owner)
-                .bind(ttl_ms)
-        };
-        let reply = self.fetch("acquire", Some(key), make, Some(undo)).await?;
+        let call = self.call(
+            &self.sql.acquire,
+            vec![
+                Arg::Text(self.namespace()),
+                Arg::Text(key.as_str()),
+                Arg::Text(&owner),
+                Arg::Int(ttl_ms),
+            ],
+        );
+        let reply = self.fetch("acquire", Some(key), &call, Some(undo)).await?;
         let Some(row) = reply.row else {
             // Someone inserted the first row for this key concurrently and
             // this statement's snapshot cannot see it yet: try again soon.
@@ -488,15 +549,17 @@ impl LockBackend for PostgresLock {
         self.ensure_table().await?;
         let key = lock.key;
         let owner = lock.owner.to_hex();
-        let make = || {
-            sqlx::query(&self.sql.extend)
-                .bind(self.namespace())
-                .bind(key.as_str())
-                .bind(&owner)
-                .bind(fencing)
-                .bind(ttl_ms)
-        };
-        let row = self.fetch_one("extend", key, make).await?.row;
+        let call = self.call(
+            &self.sql.extend,
+            vec![
+                Arg::Text(self.namespace()),
+                Arg::Text(key.as_str()),
+                Arg::Text(&owner),
+                Arg::Int(fencing),
+                Arg::Int(ttl_ms),
+            ],
+        );
+        let row = self.fetch_one("extend", key, &call).await?.row;
         Ok(if self.held_by(&lock, &row)? {
             ExtendReply::Extended(Grant::new(lock.fencing, ttl))
         } else {
@@ -509,15 +572,17 @@ impl LockBackend for PostgresLock {
         self.ensure_table().await?;
         let key = lock.key;
         let owner = lock.owner.to_hex();
-        let make = || {
-            sqlx::query(&self.sql.release)
-                .bind(self.namespace())
-                .bind(key.as_str())
-                .bind(&owner)
-                .bind(fencing)
-                .bind(&self.channel)
-        };
-        let reply = self.fetch_one("release", key, make).await?;
+        let call = self.call(
+            &self.sql.release,
+            vec![
+                Arg::Text(self.namespace()),
+                Arg::Text(key.as_str()),
+                Arg::Text(&owner),
+                Arg::Int(fencing),
+                Arg::Text(&self.channel),
+            ],
+        );
+        let reply = self.fetch_one("release", key, &call).await?;
         // A resent release whose earlier attempt freed the row (its reply
         // was lost) finds it free with this lock's fencing token.
         let released = (reply.resent && self.freed_with(&lock, &reply.row)?)
@@ -530,7 +595,10 @@ impl LockBackend for PostgresLock {
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        self.listener.watch(key.clone()).await.map(Some)
+        match &self.listener {
+            Some(listener) => listener.watch(key.clone()).await.map(Some),
+            None => Ok(None),
+        }
     }
 
     fn admin(&self) -> Option<&dyn LockAdmin> {
@@ -542,12 +610,11 @@ impl LockBackend for PostgresLock {
 impl LockAdmin for PostgresLock {
     async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
         self.ensure_table().await?;
-        let make = || {
-            sqlx::query(&self.sql.inspect)
-                .bind(self.namespace())
-                .bind(key.as_str())
-        };
-        let Some(row) = self.fetch("inspect", Some(key), make, None).await?.row else {
+        let call = self.call(
+            &self.sql.inspect,
+            vec![Arg::Text(self.namespace()), Arg::Text(key.as_str())],
+        );
+        let Some(row) = self.fetch("inspect", Some(key), &call, None).await?.row else {
             return Ok(LockState::Free);
         };
         let held: bool = self.column(&row, "held", key)?;
@@ -566,13 +633,15 @@ impl LockAdmin for PostgresLock {
 
     async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
         self.ensure_table().await?;
-        let make = || {
-            sqlx::query(&self.sql.force_release)
-                .bind(self.namespace())
-                .bind(key.as_str())
-                .bind(&self.channel)
-        };
-        let row = self.fetch_one("force release", key, make).await?.row;
+        let call = self.call(
+            &self.sql.force_release,
+            vec![
+                Arg::Text(self.namespace()),
+                Arg::Text(key.as_str()),
+                Arg::Text(&self.channel),
+            ],
+        );
+        let row = self.fetch_one("force release", key, &call).await?.row;
         let done: i64 = self.column(&row, "done", key)?;
         let owner: Option<String> = self.column(&row, "owner", key)?;
         let fencing: Option<i64> = self.column(&row, "fencing", key)?;

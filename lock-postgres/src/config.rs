@@ -1,7 +1,11 @@
-//! [`PostgresConfig`]: where the server is and how the lock table is named.
+//! [`PostgresConfig`]: where the server is, how it is reached (TLS, a
+//! pooler) and how the lock table is named.
+
+mod tls;
 
 use std::fmt;
 use std::str::FromStr;
+use std::time::Duration;
 
 use lock_core::{ClientOptions, LockError, LockUrl};
 use sqlx::postgres::PgConnectOptions;
@@ -9,24 +13,21 @@ use sqlx::postgres::PgConnectOptions;
 use crate::keys::validate_identifier;
 use crate::SCHEMES;
 
+pub(crate) use self::tls::TlsSettings;
+
 /// The schema of the lock table unless configured.
 pub const DEFAULT_SCHEMA: &str = "public";
 /// The name of the lock table unless configured.
 pub const DEFAULT_TABLE: &str = "distlock_locks";
 
-/// The query parameters passed on to sqlx (libpq's names and sqlx's
-/// aliases for them); any other parameter that is not distlock's is a
-/// configuration error.
+/// How often a waiter tries again when it cannot be woken by `NOTIFY`
+/// (behind a transaction pooler without `listen_url`), unless configured.
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(100);
+
+/// The query parameters passed on to sqlx as they are (libpq's names and
+/// sqlx's aliases for them; the TLS ones are read by distlock first); any
+/// other parameter that is not distlock's is a configuration error.
 const DRIVER_PARAMETERS: &[&str] = &[
-    "sslmode",
-    "ssl-mode",
-    "sslrootcert",
-    "ssl-root-cert",
-    "ssl-ca",
-    "sslcert",
-    "ssl-cert",
-    "sslkey",
-    "ssl-key",
     "application_name",
     "options",
     "statement-cache-capacity",
@@ -38,6 +39,27 @@ const DRIVER_PARAMETERS: &[&str] = &[
     "password",
 ];
 
+/// How the server connections of the main URL are pooled: the
+/// `pool_mode` URL parameter, named after PgBouncer's setting.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PoolMode {
+    /// `pool_mode=session` (the default): a direct connection, or a pooler
+    /// that gives a client one server session for as long as it is
+    /// connected. Statements are named prepared statements (parsed and
+    /// planned once per connection); waiters `LISTEN` on the same server
+    /// unless `listen_url` says otherwise.
+    #[default]
+    Session,
+    /// `pool_mode=transaction` (or `statement`): a pooler that may run each
+    /// transaction on another server session (PgBouncer `pool_mode =
+    /// transaction`, the default of many hosted platforms). Statements are
+    /// sent with the simple query protocol, values as literals, so nothing
+    /// outlives a transaction; waiters `LISTEN` on `listen_url` if given,
+    /// and otherwise poll (see [`PostgresConfig::poll_interval`]).
+    Transaction,
+}
+
 /// Settings of a [`PostgresLock`](crate::PostgresLock) client.
 ///
 /// Built from a URL — `postgres://user:password@host:port/database` (or
@@ -48,21 +70,39 @@ const DRIVER_PARAMETERS: &[&str] = &[
 ///   [`client`](Self::client);
 /// - `schema=NAME` (default `public`) and `table=NAME` (default
 ///   `distlock_locks`): where the lock table lives;
+/// - `pool_mode=session|transaction|statement` (default `session`): what
+///   pools the URL's connections ([`PoolMode`]); `transaction` and
+///   `statement` mean the same here;
 /// - `listen_url=URL` (percent-encoded): where waiters `LISTEN` for
-///   releases, when the main URL goes through a transaction pooler (see
-///   [`listen_via`](Self::listen_via));
-/// - the driver's `sslmode`, `sslrootcert`, `sslcert`, `sslkey`,
-///   `application_name`, `options`, `statement-cache-capacity`, `host`,
-///   `hostaddr`, `port`, `dbname`, `user`, `password` (and sqlx's aliases
-///   `ssl-mode`, `ssl-root-cert`, `ssl-ca`, `ssl-cert`, `ssl-key`), passed
-///   on to sqlx.
+///   releases when the main URL goes through a transaction pooler (see
+///   [`listen_via`](Self::listen_via)); it takes the driver's parameters
+///   below, and the main URL's TLS settings unless it has its own;
+/// - `poll_interval_ms=N` (default 100): how often waiters try again when
+///   nothing can wake them (`pool_mode=transaction` without `listen_url`);
+/// - TLS (needs the `tls` cargo feature): libpq's `sslmode` (`disable`,
+///   `allow`, `prefer`, `require`, `verify-ca`, `verify-full`),
+///   `sslrootcert`, `sslcert`, `sslkey` (and sqlx's aliases `ssl-mode`,
+///   `ssl-root-cert`, `ssl-ca`, `ssl-cert`, `ssl-key`), or distlock's
+///   shared `tls_ca_file`, `tls_cert_file`, `tls_key_file`, which mean
+///   `sslrootcert`, `sslcert`, `sslkey` (giving both names of one file is
+///   an error). A CA file is trusted in addition to the platform's roots.
+///   Without `sslmode`, naming a CA file, a client certificate or
+///   `sslrootcert=system` means `verify-full`; `require` with a CA file
+///   means `verify-ca` (as in libpq); without any, sqlx's default applies
+///   (`PGSSLMODE`, else `prefer`: TLS if the server offers it, unverified).
+///   `allow` connects without TLS (sqlx does not implement libpq's retry).
+///   Files are checked when the client connects: a missing, unreadable or
+///   non-PEM file is a `Config` error naming its parameter;
+/// - the driver's `application_name`, `options`,
+///   `statement-cache-capacity`, `host`, `hostaddr`, `port`, `dbname`,
+///   `user`, `password`, passed on to sqlx.
 ///
 /// Any other parameter is a [`Config`](lock_core::ErrorKind::Config) error
 /// naming it. `Debug` never shows the password.
 ///
 /// ```
 /// use std::time::Duration;
-/// use lock_postgres::PostgresConfig;
+/// use lock_postgres::{PoolMode, PostgresConfig};
 /// let mut config = PostgresConfig::from_url(
 ///     "postgres://app:secret@127.0.0.1:5432/app?namespace=jobs&table=locks&connect_timeout_ms=500&sslmode=disable",
 /// )?;
@@ -71,6 +111,12 @@ const DRIVER_PARAMETERS: &[&str] = &[
 /// assert_eq!(config.table_name(), "locks");
 /// assert_eq!(config.schema_name(), "public");
 /// assert!(!format!("{config:?}").contains("secret"));
+///
+/// let pooled = PostgresConfig::from_url(
+///     "postgres://app@127.0.0.1:6432/app?pool_mode=transaction&listen_url=postgres%3A%2F%2Fapp%40127.0.0.1%3A5432%2Fapp",
+/// )?;
+/// assert_eq!(pooled.get_pool_mode(), PoolMode::Transaction);
+/// assert_eq!(pooled.listen_options().map(|l| l.get_port()), Some(5432));
 ///
 /// let typo = PostgresConfig::from_url("postgres://app@127.0.0.1/app?tabel=locks").unwrap_err();
 /// assert!(typo.to_string().contains("tabel"));
@@ -83,9 +129,14 @@ pub struct PostgresConfig {
     pub client: ClientOptions,
     pub(crate) connect: Option<PgConnectOptions>,
     pub(crate) listen: Option<PgConnectOptions>,
+    /// The TLS files of the main URL and of `listen_url`, checked at connect.
+    pub(crate) tls: TlsSettings,
+    pub(crate) listen_tls: TlsSettings,
     pub(crate) schema: String,
     pub(crate) table: String,
     pub(crate) max_connections: u32,
+    pub(crate) pool_mode: PoolMode,
+    pub(crate) poll_interval: Duration,
 }
 
 impl Default for PostgresConfig {
@@ -96,9 +147,13 @@ impl Default for PostgresConfig {
             client: ClientOptions::default(),
             connect: None,
             listen: None,
+            tls: TlsSettings::default(),
+            listen_tls: TlsSettings::default(),
             schema: DEFAULT_SCHEMA.to_owned(),
             table: DEFAULT_TABLE.to_owned(),
             max_connections: 8,
+            pool_mode: PoolMode::Session,
+            poll_interval: DEFAULT_POLL_INTERVAL,
         }
     }
 }
@@ -122,6 +177,8 @@ impl fmt::Debug for PostgresConfig {
             .field("schema", &self.schema)
             .field("table", &self.table)
             .field("max_connections", &self.max_connections)
+            .field("pool_mode", &self.pool_mode)
+            .field("poll_interval", &self.poll_interval)
             .finish()
     }
 }
@@ -142,17 +199,43 @@ impl PostgresConfig {
         if let Some(table) = url.take("table") {
             config.table = table;
         }
-        if let Some(listen) = url.take("listen_url") {
-            let mut listen = LockUrl::parse(&listen)
-                .map_err(|e| LockError::config(format!("listen_url: {e}")))?;
-            listen.expect_scheme("PostgreSQL", SCHEMES)?;
-            let options = driver_options(&mut listen)?;
-            listen
-                .finish()
-                .map_err(|e| LockError::config(format!("listen_url: {e}")))?;
-            config.listen = Some(options);
+        if let Some(mode) = url.take("pool_mode") {
+            config.pool_mode = match mode.as_str() {
+                "session" => PoolMode::Session,
+                "transaction" | "statement" => PoolMode::Transaction,
+                _ => {
+                    return Err(LockError::config(format!(
+                        "pool_mode={mode:?} is not a pool mode; use session (a direct connection or a session pool) or transaction (a transaction or statement pool)"
+                    )))
+                }
+            };
         }
-        config.connect = Some(driver_options(&mut url)?);
+        if let Some(interval) = url.take_millis("poll_interval_ms")? {
+            config.poll_interval = interval;
+        }
+        config.tls = TlsSettings::take(&mut url, &config.client.tls)?;
+        if let Some(listen) = url.take("listen_url") {
+            let in_listen = |e: LockError| LockError::config(format!("listen_url: {e}"));
+            let mut listen = LockUrl::parse(&listen).map_err(in_listen)?;
+            listen.expect_scheme("PostgreSQL", SCHEMES)?;
+            let shared = lock_core::TlsFiles {
+                ca_file: listen.take("tls_ca_file").map(Into::into),
+                cert_file: listen.take("tls_cert_file").map(Into::into),
+                key_file: listen.take("tls_key_file").map(Into::into),
+            };
+            let own = TlsSettings::take(&mut listen, &shared).map_err(in_listen)?;
+            // The listener reaches the same database: without TLS settings
+            // of its own it uses the main URL's.
+            config.listen_tls = if own.is_empty() {
+                config.tls.clone()
+            } else {
+                own
+            };
+            let options = driver_options(&mut listen).map_err(in_listen)?;
+            listen.finish().map_err(in_listen)?;
+            config.listen = Some(config.listen_tls.apply(options));
+        }
+        config.connect = Some(config.tls.apply(driver_options(&mut url)?));
         url.finish()?;
         config.validate()?;
         Ok(config)
@@ -169,12 +252,13 @@ impl PostgresConfig {
     /// Makes waiters `LISTEN` for releases on a connection with `listen`
     /// instead of the main server's options.
     ///
-    /// Needed when the main URL goes through a transaction pooler
-    /// (PgBouncer `pool_mode = transaction`): a `LISTEN` sent through it
-    /// stays on whichever server session ran it, so releases would reach
-    /// other clients' statements instead of the waiters, which would then
-    /// wake only when the holder's lease runs out. Point `listen` at the
-    /// same database directly, or through a session-mode pool.
+    /// Needed for waiters to be woken by `NOTIFY` when the main URL goes
+    /// through a transaction pooler ([`PoolMode::Transaction`]): a `LISTEN`
+    /// sent through it stays on whichever server session ran it, so
+    /// releases would reach other clients' statements instead of the
+    /// waiters. Point `listen` at the same database directly, or through a
+    /// session-mode pool. Without it, waiters behind a transaction pooler
+    /// poll (see [`poll_interval`](Self::poll_interval)).
     pub fn listen_via(mut self, listen: PgConnectOptions) -> Self {
         self.listen = Some(listen);
         self
@@ -190,6 +274,28 @@ impl PostgresConfig {
     pub fn table(mut self, table: impl Into<String>) -> Self {
         self.table = table.into();
         self
+    }
+
+    /// Says how the main server's connections are pooled (the `pool_mode`
+    /// URL parameter; see [`PoolMode`]).
+    pub fn pool_mode(mut self, mode: PoolMode) -> Self {
+        self.pool_mode = mode;
+        self
+    }
+
+    /// How often waiters try again when nothing can wake them: with
+    /// [`PoolMode::Transaction`] and no [`listen_via`](Self::listen_via)
+    /// (default 100 ms, the `poll_interval_ms` URL parameter). A release
+    /// is then noticed half this late on average, and each waiter runs
+    /// one acquire statement per interval.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval;
+        self
+    }
+
+    /// The pool mode (see [`PoolMode`]).
+    pub fn get_pool_mode(&self) -> PoolMode {
+        self.pool_mode
     }
 
     /// Sets the most connections the client's pool opens (default 8), not
@@ -220,9 +326,14 @@ impl PostgresConfig {
         &self.table
     }
 
-    /// Checks namespace, timeouts, schema and table names.
+    /// Checks namespace, timeouts, poll interval, schema and table names.
     pub fn validate(&self) -> Result<(), LockError> {
         self.client.validate()?;
+        if self.poll_interval.is_zero() {
+            return Err(LockError::config(
+                "poll_interval_ms is zero; waiters need a pause between attempts",
+            ));
+        }
         validate_identifier("schema", &self.schema)?;
         validate_identifier("table", &self.table)
     }
@@ -334,7 +445,7 @@ mod tests {
     #[test]
     fn driver_parameters_reach_sqlx() {
         let config = PostgresConfig::from_url(
-            "postgresql://u%40x:p%2Fw@[::1]:7/d%20b?sslmode=require&application_name=my%20app&options=-c%20search_path%3Dx",
+            "postgresql://u%40x:p%2Fw@[::1]:7/d%20b?sslmode=prefer&application_name=my%20app&options=-c%20search_path%3Dx",
         )
         .unwrap();
         let connect = config.connect_options().unwrap();
@@ -343,9 +454,48 @@ mod tests {
         assert_eq!(connect.get_host(), "[::1]");
         assert_eq!(connect.get_port(), 7);
         assert_eq!(connect.get_database(), Some("d b"));
-        assert!(matches!(connect.get_ssl_mode(), PgSslMode::Require));
+        assert!(matches!(connect.get_ssl_mode(), PgSslMode::Prefer));
         assert_eq!(connect.get_application_name(), Some("my app"));
         assert_eq!(connect.get_options(), Some("-c search_path=x"));
+    }
+
+    #[test]
+    fn pool_mode_and_poll_interval() {
+        let config =
+            PostgresConfig::from_url("postgres://u@h/db?pool_mode=statement&poll_interval_ms=20")
+                .unwrap();
+        assert_eq!(config.get_pool_mode(), PoolMode::Transaction);
+        assert_eq!(config.poll_interval, Duration::from_millis(20));
+        let config = PostgresConfig::from_url("postgres://u@h/db").unwrap();
+        assert_eq!(config.get_pool_mode(), PoolMode::Session);
+        for (url, name) in [
+            ("postgres://u@h/db?pool_mode=bouncy", "bouncy"),
+            ("postgres://u@h/db?poll_interval_ms=0", "poll_interval_ms"),
+        ] {
+            let err = PostgresConfig::from_url(url).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Config, "{url}");
+            assert!(err.to_string().contains(name), "{url}: {err}");
+        }
+    }
+
+    #[cfg(feature = "tls")]
+    #[test]
+    fn listen_url_takes_the_main_tls_settings_unless_it_has_its_own() {
+        let listen = |own: &str| {
+            let listen_url = encode(&format!("postgres://u@h2/db{own}"));
+            let config = PostgresConfig::from_url(&format!(
+                "postgres://u@h/db?tls_ca_file=/ca.pem&listen_url={listen_url}"
+            ))
+            .unwrap();
+            assert!(matches!(
+                config.connect.unwrap().get_ssl_mode(),
+                PgSslMode::VerifyFull
+            ));
+            config.listen.unwrap().get_ssl_mode()
+        };
+        assert!(matches!(listen(""), PgSslMode::VerifyFull));
+        assert!(matches!(listen("?sslmode=disable"), PgSslMode::Disable));
+        assert!(matches!(listen("?sslmode=require"), PgSslMode::Require));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use lock_core::LockError;
+use sqlx::postgres::{PgDatabaseError, PgSeverity};
 
 /// SQLSTATE codes we treat specially.
 mod code {
@@ -20,6 +21,9 @@ mod code {
     pub const DUPLICATE_OBJECT: &str = "42710";
     pub const SERIALIZATION_FAILURE: &str = "40001";
     pub const DEADLOCK_DETECTED: &str = "40P01";
+    /// Class 08: connection exceptions (PgBouncer reports a server
+    /// connection lost under a transaction as 08P01).
+    pub const CONNECTION_EXCEPTION_CLASS: &str = "08";
 }
 
 /// The SQLSTATE of a database error, if it is one.
@@ -65,6 +69,97 @@ pub(crate) fn is_stray_notification(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Protocol(message) if message.contains("NotificationResponse"))
 }
 
+/// Whether the connection is gone after `error` (met while a statement
+/// ran on it): an I/O error, a `FATAL` report (the server ends the session
+/// after one: `pg_terminate_backend`, `idle_session_timeout`, a shutdown),
+/// or a connection exception. The statement may or may not have run.
+pub(crate) fn is_connection_lost(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) => true,
+        sqlx::Error::Database(db) => {
+            let fatal = db
+                .try_downcast_ref::<PgDatabaseError>()
+                .is_some_and(|pg| matches!(pg.severity(), PgSeverity::Fatal | PgSeverity::Panic));
+            fatal
+                || db
+                    .code()
+                    .is_some_and(|c| c.starts_with(code::CONNECTION_EXCEPTION_CLASS))
+        }
+        _ => false,
+    }
+}
+
+/// The advice for a certificate the server did not trust.
+const CLIENT_CERT_ADVICE: &str = "give a client certificate signed by a CA the server trusts (its ssl_ca_file) with sslcert/sslkey or tls_cert_file/tls_key_file";
+
+/// A TLS problem found in an I/O error (rustls reports handshake failures
+/// as `InvalidData` errors wrapping its own).
+#[cfg(feature = "tls")]
+fn tls_problem(error: &std::io::Error, what: &str) -> Option<LockError> {
+    use rustls::{AlertDescription as Alert, CertificateError as Cert, Error as Tls};
+    let tls = error.get_ref()?.downcast_ref::<Tls>()?;
+    Some(match tls {
+        Tls::InvalidCertificate(Cert::NotValidForName | Cert::NotValidForNameContext { .. }) => {
+            LockError::config(format!(
+                "{what} failed: TLS certificate problem: the PostgreSQL server's certificate is not valid for the host name in the URL ({tls}); \
+                 connect with a name its certificate lists"
+            ))
+        }
+        Tls::InvalidCertificate(_) => LockError::config(format!(
+            "{what} failed: TLS certificate problem: the PostgreSQL server's certificate is not trusted ({tls}); \
+             give the CA that signed it with sslrootcert=PATH or tls_ca_file=PATH"
+        )),
+        Tls::AlertReceived(
+            Alert::BadCertificate
+            | Alert::UnknownCA
+            | Alert::CertificateRequired
+            | Alert::CertificateUnknown
+            | Alert::CertificateExpired
+            | Alert::CertificateRevoked
+            | Alert::UnsupportedCertificate
+            | Alert::AccessDenied,
+        ) => LockError::config(format!(
+            "{what} failed: TLS certificate problem: the PostgreSQL server refused this client's certificate ({tls}); {CLIENT_CERT_ADVICE}"
+        )),
+        _ => LockError::config(format!(
+            "{what} failed: TLS connection problem: the TLS handshake with the PostgreSQL server failed ({tls})"
+        )),
+    })
+}
+
+#[cfg(not(feature = "tls"))]
+fn tls_problem(_: &std::io::Error, _: &str) -> Option<LockError> {
+    None
+}
+
+/// A connection refused by the server's `pg_hba.conf` (SQLSTATE 28000),
+/// worded by what the server's message says is missing.
+fn refused(message: &str) -> LockError {
+    if message.contains("no encryption") || message.contains("SSL off") {
+        LockError::config(format!(
+            "TLS connection problem: the PostgreSQL server accepts only TLS connections from this client (pg_hba.conf has hostssl lines only) and this connection did not use TLS ({message}); \
+             connect with sslmode=verify-full (with sslrootcert or tls_ca_file) or sslmode=require"
+        ))
+    } else if message.contains("client certificate") {
+        LockError::config(format!(
+            "TLS certificate problem: the PostgreSQL server requires a client certificate ({message}); {CLIENT_CERT_ADVICE}"
+        ))
+    } else if message.contains("certificate") {
+        LockError::config(format!(
+            "TLS certificate problem: the PostgreSQL server did not accept this client's certificate for this user ({message}); \
+             the certificate's common name must be the user name in the URL (or mapped to it in pg_ident.conf)"
+        ))
+    } else if message.contains("pg_hba.conf") {
+        LockError::config(format!(
+            "the PostgreSQL server refuses this connection ({message}); check the user, database and TLS settings in the URL against the server's pg_hba.conf"
+        ))
+    } else {
+        LockError::config(format!(
+            "PostgreSQL authentication failed ({message}); check the user and password in the URL"
+        ))
+    }
+}
+
 /// Maps a driver error met while doing `what` (on `key`, if any) to a
 /// [`LockError`] a caller can match on.
 pub(crate) fn map(
@@ -78,12 +173,39 @@ pub(crate) fn map(
         sqlx::Error::Configuration(e) => {
             LockError::config(format!("invalid PostgreSQL connection settings: {e}"))
         }
-        sqlx::Error::Io(e) => LockError::unavailable(format!(
-            "{what}{on_key} failed: cannot talk to the PostgreSQL server ({e}); is it running and reachable?"
-        )),
-        sqlx::Error::Tls(e) => LockError::unavailable(format!(
-            "{what}{on_key} failed: TLS error talking to the PostgreSQL server ({e})"
-        )),
+        sqlx::Error::Io(e) => match tls_problem(e, what) {
+            Some(tls) => tls,
+            // sqlx reads the TLS files again for each new connection.
+            None if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied
+            ) =>
+            {
+                LockError::config(format!(
+                    "{what}{on_key} failed: cannot read a TLS file named in the URL ({e}); check sslrootcert, sslcert, sslkey or tls_*_file"
+                ))
+            }
+            None => LockError::unavailable(format!(
+                "{what}{on_key} failed: cannot talk to the PostgreSQL server ({e}); is it running and reachable?"
+            )),
+        },
+        sqlx::Error::Tls(e) => {
+            let text = e.to_string();
+            if text.contains("does not support TLS") {
+                LockError::config(format!(
+                    "{what} failed: TLS connection problem: the PostgreSQL server does not accept TLS connections (ssl = off), but the URL's sslmode requires TLS; \
+                     turn ssl on in the server's postgresql.conf, or connect with sslmode=prefer or disable"
+                ))
+            } else if text.contains("without TLS support") {
+                LockError::config(format!(
+                    "{what} failed: the connection settings (sslmode, or PGSSLMODE in the environment) require TLS, but distlock was built without it: enable the `tls` cargo feature (of distlock, or of lock-postgres)"
+                ))
+            } else {
+                LockError::config(format!(
+                    "{what} failed: TLS problem ({text}); check sslrootcert, sslcert and sslkey (or tls_ca_file, tls_cert_file, tls_key_file)"
+                ))
+            }
+        }
         sqlx::Error::Protocol(e) => LockError::unavailable(format!(
             "{what}{on_key} failed: PostgreSQL protocol error ({e})"
         )),
@@ -103,9 +225,10 @@ pub(crate) fn map(
         sqlx::Error::Database(db) => {
             let message = db.message().to_owned();
             match db.code().as_deref() {
-                Some(code::INVALID_PASSWORD | code::INVALID_AUTHORIZATION) => LockError::config(format!(
+                Some(code::INVALID_PASSWORD) => LockError::config(format!(
                     "PostgreSQL authentication failed ({message}); check the user and password in the URL"
                 )),
+                Some(code::INVALID_AUTHORIZATION) => refused(&message),
                 Some(code::INVALID_CATALOG_NAME) => LockError::config(format!(
                     "PostgreSQL refused the connection ({message}); check the database name in the URL"
                 )),

@@ -30,10 +30,33 @@
 //! ```
 //!
 //! URLs are `postgres://` or `postgresql://` ([`SCHEMES`]) and take the query
-//! parameters `namespace`, `schema`, `table`, `listen_url`,
-//! `connect_timeout_ms`, `operation_timeout_ms` and the driver's own
-//! (`sslmode`, `application_name`, ...); any other is a configuration error
+//! parameters `namespace`, `schema`, `table`, `pool_mode`, `listen_url`,
+//! `poll_interval_ms`, `connect_timeout_ms`, `operation_timeout_ms`, the TLS
+//! ones (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`, `tls_ca_file`,
+//! `tls_cert_file`, `tls_key_file`) and the driver's own
+//! (`application_name`, `options`, ...); any other is a configuration error
 //! naming it (see [`PostgresConfig`]).
+//!
+//! # TLS
+//!
+//! With the `tls` cargo feature (rustls with the ring provider), libpq's
+//! `sslmode`, `sslrootcert`, `sslcert` and `sslkey` work as in a libpq
+//! connection string, and `tls_ca_file`, `tls_cert_file`, `tls_key_file`
+//! (the names every distlock backend takes) mean `sslrootcert`, `sslcert`
+//! and `sslkey`; naming one file both ways is refused. A CA file is trusted
+//! in addition to the platform's roots. Naming a CA or client certificate
+//! without `sslmode` means `verify-full`. The listener connection uses the
+//! same settings (`listen_url` too, unless it has TLS settings of its own).
+//! An untrusted server certificate, one for another host name, a client
+//! certificate the server refuses or lacks, a missing or unreadable file,
+//! TLS asked of a server without it and plaintext refused by a TLS-only
+//! server are each a [`Config`](lock_core::ErrorKind::Config) error within
+//! the connect timeout, saying whether the certificate or the connection is
+//! the problem. Known limit: `verify-ca` still checks the host name (sqlx
+//! 0.8.6 with rustls 0.23.24+, launchbadge/sqlx#3793), so it behaves as
+//! `verify-full`. With the feature on, the default `sslmode=prefer` asks
+//! every server for TLS first (one extra round trip per new connection to
+//! a server without it; `sslmode=disable` skips it).
 //!
 //! # Clocks
 //!
@@ -68,25 +91,59 @@
 //!
 //! # Behind a connection pooler
 //!
-//! No lock statement keeps session state, but the driver and `LISTEN` do:
+//! No lock statement keeps session state (no advisory locks, no `SET`), but
+//! the driver's prepared statements and `LISTEN` do:
 //!
-//! - **Session pooling** (PgBouncer `pool_mode = session`): works.
-//! - **Transaction pooling** (PgBouncer `pool_mode = transaction`):
-//!   - Waiters need `listen_url` pointing past the pooler (directly, or
-//!     through a session-mode pool): a `LISTEN` sent through the pooler
-//!     stays on whichever server session ran it, and waiters then wake only
-//!     when the holder's lease runs out or their deadline passes.
-//!   - A notification that reaches one of the client's pooled connections
-//!     (its server session listens because someone sent `LISTEN` through
-//!     the pooler) never fails an operation: it is skipped, and a statement
-//!     it interrupted before running is sent again.
-//!   - Statements are sqlx's named prepared statements (`sqlx_s_1`, ...),
-//!     which PgBouncer before 1.21 does not track across server sessions:
-//!     through PgBouncer 1.18 in transaction mode only a client whose pool
-//!     has a single connection (`max_connections(1)`), alone on the
-//!     pooler, works; several connections fail with SQLSTATE 42P05
-//!     (`prepared statement "sqlx_s_1" already exists`) or 26000. PgBouncer
-//!     1.21+ with `max_prepared_statements` set tracks them.
+//! - **Direct, or session pooling** (PgBouncer `pool_mode = session`): the
+//!   default `pool_mode=session`. Named prepared statements; waiters
+//!   `LISTEN` on the same server.
+//! - **Transaction (or statement) pooling** (PgBouncer `pool_mode =
+//!   transaction`, PgBouncer 1.18 included): add `pool_mode=transaction`.
+//!   - Statements then use the simple query protocol with the values as
+//!     escaped literals (see the `sql` module: printable ASCII only, so
+//!     nothing can be injected): a transaction pooler may run each message
+//!     of a client on another server session, which breaks named prepared
+//!     statements (`42P05 prepared statement "sqlx_s_1" already exists`,
+//!     `26000`) and even sqlx's unnamed ones (its `Parse`/`Describe` and
+//!     `Bind`/`Execute` are two round trips). It costs the server a parse
+//!     and plan per statement: try-acquire + release took 3.4 to 4.5 times
+//!     as long (p50) as with prepared statements on a direct connection,
+//!     and 16 tasks managed 0.24 to 0.34 of the throughput (`cargo bench -p
+//!     lock-postgres --bench protocols`, three runs on a loaded 2-core VM),
+//!     which is why it is not the default.
+//!   - Waiters `LISTEN` on `listen_url`, pointing past the pooler
+//!     (directly, or through a session-mode pool), and are woken by
+//!     `NOTIFY` as on a direct connection. Without `listen_url` nothing
+//!     can wake them (a `LISTEN` through the pooler would stay on a shared
+//!     server session), so they poll: an acquire attempt every
+//!     `poll_interval_ms` (default 100) per waiting call, and
+//!     [`Capabilities::native_wait`](lock_core::Capabilities) is false.
+//!     Still correct (every attempt is the atomic acquire statement); a
+//!     release is noticed on the next poll: a handoff took 57 ms at the
+//!     median and 93 ms at p90, against 1.4 ms and 2.0 ms with
+//!     `listen_url` (same benchmark).
+//!   - PgBouncer 1.21+ with `max_prepared_statements` tracks protocol-level
+//!     prepared statements itself; there the default `pool_mode=session`
+//!     with `listen_url` keeps prepared statements (not tested here: the
+//!     test machine has 1.18).
+//! - A notification that reaches one of the client's pooled connections
+//!   (its server session listens because someone sent `LISTEN` through the
+//!   pooler) never fails an operation: it is skipped, and a statement it
+//!   interrupted before running is sent again.
+//!
+//! # Lost connections
+//!
+//! A pooled connection the server closed — while idle in the pool
+//! (`idle_session_timeout`, a restart, a pooler's timeouts) or while its
+//! statement ran (`pg_terminate_backend`) — is closed and the statement sent
+//! again on another connection, within the operation timeout: every lock
+//! statement reads correctly when repeated (an acquire finds the lock held
+//! by its own owner token, a release finds it freed with its fencing
+//! token). The caller sees an error only if the server stays unreachable.
+//! A lost listener connection wakes its waiters, who subscribe again on a
+//! new one. Keep `idle_session_timeout` above 10 s (the listener pings a
+//! quiet connection every 10 s), or the listener is reopened each time
+//! it fires.
 //!
 //! # Cancellation
 //!
@@ -108,7 +165,7 @@ mod listener;
 mod sql;
 
 pub use backend::PostgresLock;
-pub use config::{PostgresConfig, DEFAULT_SCHEMA, DEFAULT_TABLE};
+pub use config::{PoolMode, PostgresConfig, DEFAULT_POLL_INTERVAL, DEFAULT_SCHEMA, DEFAULT_TABLE};
 pub use keys::{channel_name, MAX_IDENTIFIER_BYTES};
 /// The driver, for building pools and connect options by hand.
 pub use sqlx;

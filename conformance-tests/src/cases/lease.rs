@@ -34,6 +34,9 @@ const SLOW: Duration = Duration::from_millis(250);
 /// round trips, a connection handshake included, must fit).
 const SLOW_CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Calls a slow client makes at once before its path slows down.
+const WARM_UP_CALLS: usize = 4;
+
 /// A holder client: behind a fault path delaying what travels in
 /// `directions` by [`SLOW`] where faults can be injected, else direct.
 /// Before the delay starts, the client has made a plain and a renewing
@@ -49,11 +52,27 @@ async fn slow_client(
     }
     let path = ctx.fault_path().await?;
     let client = ctx.client_through_with(&path, SLOW_CLIENT_TIMEOUT).await?;
-    let scratch = ctx.key("lease-warm-up");
-    let plain = acquire(&client, &scratch, ttl, "warm-up").await?;
-    client.release(&plain).await?;
-    let renewing = granted(client.try_acquire_renewing(&scratch, ttl).await?, "warm-up")?;
-    client.release(&renewing).await?;
+    // As many calls at once as a case makes later (4 rounds), so a client
+    // with a connection pool has that many connections open before the
+    // path slows down: opening one through it (several round trips) would
+    // eat the short TTL.
+    let mut warm_ups = Vec::new();
+    for i in 0..WARM_UP_CALLS {
+        let client = client.clone();
+        let scratch = ctx.key(&format!("lease-warm-up-{i}"));
+        warm_ups.push(tokio::spawn(async move {
+            let plain = acquire(&client, &scratch, ttl, "warm-up").await?;
+            client.release(&plain).await?;
+            let renewing = granted(client.try_acquire_renewing(&scratch, ttl).await?, "warm-up")?;
+            client.release(&renewing).await?;
+            Ok::<_, CaseError>(())
+        }));
+    }
+    for warm_up in warm_ups {
+        warm_up
+            .await
+            .map_err(|e| format!("a warm-up panicked: {e}"))??;
+    }
     for direction in directions {
         path.delay(*direction, SLOW);
     }

@@ -15,7 +15,9 @@ mod etcd_cluster;
 mod etcd_tls;
 mod pgbouncer;
 mod pki;
+mod pooled_postgres;
 mod postgres;
+mod postgres_tls;
 mod redis;
 
 pub use self::etcd::Etcd;
@@ -23,7 +25,9 @@ pub use self::etcd_cluster::EtcdCluster;
 pub use self::etcd_tls::EtcdTls;
 pub use self::pgbouncer::{PgBouncer, PoolMode};
 pub use self::pki::{CertFiles, TestPki};
+pub use self::pooled_postgres::PooledPostgres;
 pub use self::postgres::Postgres;
+pub use self::postgres_tls::{PostgresTls, CERT_USER};
 pub use self::redis::Redis;
 
 /// A kind of lock server the harness knows how to run.

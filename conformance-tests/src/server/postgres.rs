@@ -56,7 +56,7 @@ impl Postgres {
             .map(|(_, bin)| bin)
     }
 
-    fn program(name: &str) -> PathBuf {
+    pub(super) fn program(name: &str) -> PathBuf {
         match Self::bin_dir() {
             Some(dir) => dir.join(name),
             None => PathBuf::from(name),
@@ -89,14 +89,14 @@ impl Postgres {
         ))
     }
 
-    fn as_user(command: &mut Command) -> io::Result<()> {
+    pub(super) fn as_user(command: &mut Command) -> io::Result<()> {
         if let Some((uid, gid)) = Self::run_as()? {
             command.uid(uid).gid(gid).env("HOME", "/tmp");
         }
         Ok(())
     }
 
-    fn give(path: &Path, mode: u32) -> io::Result<()> {
+    pub(super) fn give(path: &Path, mode: u32) -> io::Result<()> {
         if let Some((uid, gid)) = Self::run_as()? {
             std::os::unix::fs::chown(path, Some(uid), Some(gid))?;
         }

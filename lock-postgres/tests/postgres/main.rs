@@ -8,3 +8,6 @@ mod listener;
 mod pooler;
 mod rows;
 mod support;
+mod terminate;
+#[cfg(feature = "tls")]
+mod tls;

@@ -1,9 +1,12 @@
 //! Behind a transaction pooler, and notifications on pooled connections.
 
 use std::str::FromStr;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use lock_core::LockState;
+use conformance_tests::checker::ExclusionChecker;
+use conformance_tests::ObservedLock;
+use lock_core::{LockBackend, LockClient, LockState};
 use lock_postgres::{PostgresConfig, PostgresLock};
 
 use super::support::*;
@@ -113,4 +116,101 @@ async fn waiters_behind_a_transaction_pooler_listen_on_listen_url() {
     let lock = Pg::with_config(config).await;
     // Released through the pooler; heard on the direct listener connection.
     assert_release_heard(&lock, &lock, &key("pooled"), "the waiter was not woken").await;
+}
+
+#[tokio::test]
+async fn several_clients_with_several_connections_through_a_transaction_pooler() {
+    // Fewer server connections than the clients open: PgBouncer moves each
+    // client's transactions between server sessions, which breaks named
+    // (and unnamed extended-protocol) prepared statements.
+    let pooler = transaction_pooler_of(3).await;
+    let ns = random_name("pooled_many");
+    // A table of its own, so creating it runs through the pooler too.
+    let table = random_name("pooled_locks");
+    let url = format!(
+        "{}?namespace={ns}&table={table}&pool_mode=transaction&listen_url={}",
+        pooler.url(),
+        percent_encode(&server().url())
+    );
+    let mut clients = Vec::new();
+    for _ in 0..3 {
+        let config = PostgresConfig::from_url(&url).unwrap().max_connections(4);
+        clients.push(Pg::with_config(config).await);
+    }
+    let checker = ExclusionChecker::new();
+    let shared = key("shared");
+    let mut tasks = Vec::new();
+    for (i, client) in clients.iter().enumerate() {
+        for task in 0..4 {
+            let client = client.clone();
+            let checker = checker.clone();
+            let shared = shared.clone();
+            tasks.push(tokio::spawn(async move {
+                let own = key(&format!("own-{i}-{task}"));
+                for round in 0..10 {
+                    let lease = take(&client, &own, Duration::from_secs(30), "own key").await;
+                    let lease = client
+                        .extend(&lease, Duration::from_secs(30))
+                        .await
+                        .unwrap();
+                    assert!(matches!(
+                        client.inspect(&own).await.unwrap(),
+                        LockState::Held { .. }
+                    ));
+                    client.release(&lease).await.unwrap();
+                    let deadline = Instant::now() + Duration::from_secs(30);
+                    let lease = client
+                        .acquire(&shared, Duration::from_secs(30), deadline)
+                        .await
+                        .unwrap()
+                        .unwrap_or_else(|| panic!("round {round}: waited 30 s for the shared key"));
+                    checker
+                        .critical_section(&shared, lease.fencing_token())
+                        .await;
+                    client.release(&lease).await.unwrap();
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.expect("every call through the pooler succeeds");
+    }
+    let report = checker.verify().expect("no overlap, tokens grow");
+    assert_eq!(report.sections, 120);
+}
+
+#[tokio::test]
+async fn waiters_behind_a_transaction_pooler_without_listen_url_poll() {
+    let pooler = transaction_pooler_of(2).await;
+    let ns = random_name("pooled_poll");
+    let url = format!(
+        "{}?namespace={ns}&pool_mode=transaction&poll_interval_ms=50",
+        pooler.url()
+    );
+    let holder = Pg::connect(&url).await;
+    let waiter = Pg::connect(&url).await;
+    // Nothing can wake it: it says so, and never LISTENs through the pooler.
+    assert!(!waiter.backend.capabilities().native_wait);
+    assert!(waiter.backend.watch(&key("x")).await.unwrap().is_none());
+    let observed = Arc::new(ObservedLock::new(waiter.client.clone()));
+    let waiting = LockClient::new(observed.clone());
+    let k = key("polled");
+    let lease = take(&holder, &k, Duration::from_secs(60), "free").await;
+    let task = {
+        let k = k.clone();
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            waiting.acquire(&k, Duration::from_secs(5), deadline).await
+        })
+    };
+    while observed.attempts() < 3 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    holder.release(&lease).await.unwrap();
+    let got = task
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("a polling waiter gets the released lock long before the holder's 60 s");
+    assert!(got.fencing_token() > lease.fencing_token());
 }

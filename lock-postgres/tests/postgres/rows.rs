@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use lock_core::{AcquireAttempt, ErrorKind};
+use lock_core::{AcquireAttempt, ErrorKind, LockState};
 use lock_postgres::PostgresConfig;
 
 use super::support::*;
@@ -62,6 +62,56 @@ async fn awkward_keys_are_bind_parameters() {
     for name in &names {
         let lease = b.try_acquire(&key(name), ttl).await.unwrap().lease();
         assert!(lease.is_some(), "{name:?} is free again");
+    }
+}
+
+#[tokio::test]
+async fn awkward_values_as_literals_reach_the_same_rows_as_bind_parameters() {
+    // pool_mode=transaction sends values as literals (simple protocol); a
+    // default client binds them. Both must name the same rows, so the
+    // literals round-trip exactly, and none can break out of its quotes.
+    let ns = random_name("literal");
+    let table = format!("{}$1\"'x", random_name("lit"));
+    let base = format!(
+        "{}?namespace={}&table={}",
+        server().url(),
+        percent_encode(&ns),
+        percent_encode(&table)
+    );
+    let literal = Pg::connect(&format!("{base}&pool_mode=transaction")).await;
+    let bound = Pg::connect(&base).await;
+    let names = [
+        "it's",
+        "back\\slash\\",
+        "'); DROP TABLE distlock_locks; --",
+        "E'\\x27'",
+        "ünïcødé ключ 鍵 🔒",
+        "tab\there\nnew\u{7f}\u{80}\u{ffff}",
+        "$1 $2",
+        "%_",
+    ];
+    let ttl = Duration::from_secs(30);
+    for name in names {
+        let k = key(name);
+        let lease = take(&literal, &k, ttl, "free").await;
+        match bound.inspect(&k).await.unwrap() {
+            LockState::Held { fencing_token, .. } => {
+                assert_eq!(fencing_token, lease.fencing_token(), "{name:?}")
+            }
+            state => panic!("{name:?} taken with literals, but {state:?} with bind parameters"),
+        }
+        let lease = literal.extend(&lease, ttl).await.unwrap();
+        literal.release(&lease).await.unwrap();
+        let again = take(&bound, &k, ttl, "released through literals").await;
+        assert!(again.fencing_token() > lease.fencing_token(), "{name:?}");
+        assert!(
+            matches!(
+                literal.try_acquire(&k, ttl).await.unwrap(),
+                AcquireAttempt::Held { .. }
+            ),
+            "{name:?} held through bind parameters, seen through literals"
+        );
+        bound.release(&again).await.unwrap();
     }
 }
 

@@ -149,7 +149,13 @@ pub fn black_hole_current(proxy: &Proxy) {
 /// one server connection: every client of it shares one server session, so
 /// what transaction pooling does to session state (LISTEN) is deterministic.
 pub async fn transaction_pooler() -> ServerProcess {
-    let kind = PgBouncer::new(server_addr(), PoolMode::Transaction).pool_size(1);
+    transaction_pooler_of(1).await
+}
+
+/// A PgBouncer 1.18 in transaction mode in front of the shared server, with
+/// `server_connections` server connections.
+pub async fn transaction_pooler_of(server_connections: u32) -> ServerProcess {
+    let kind = PgBouncer::new(server_addr(), PoolMode::Transaction).pool_size(server_connections);
     tokio::task::spawn_blocking(move || ServerProcess::start(Arc::new(kind)))
         .await
         .unwrap()
