@@ -15,12 +15,19 @@ mod pgbouncer;
 mod pki;
 mod postgres;
 mod redis;
+mod redis_cluster;
+mod redis_node;
+mod redis_sentinel;
+mod redis_tls;
 
 pub use self::etcd::Etcd;
 pub use self::pgbouncer::{PgBouncer, PoolMode};
 pub use self::pki::{CertFiles, TestPki};
 pub use self::postgres::Postgres;
 pub use self::redis::Redis;
+pub use self::redis_cluster::{ClusterPrimary, RedisCluster};
+pub use self::redis_sentinel::{RedisSentinel, SENTINEL_SERVICE};
+pub use self::redis_tls::{RedisTls, RedisTlsAuth};
 
 /// A kind of lock server the harness knows how to run.
 ///

@@ -6,3 +6,5 @@ mod acl;
 mod commands;
 mod pubsub;
 mod support;
+#[cfg(feature = "tls")]
+mod tls;

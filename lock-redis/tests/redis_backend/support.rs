@@ -23,7 +23,7 @@ pub fn unique(prefix: &str) -> LockKey {
     LockKey::new(format!("{prefix}-{:016x}", rand_u64())).unwrap()
 }
 
-fn rand_u64() -> u64 {
+pub fn rand_u64() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(
@@ -273,6 +273,25 @@ pub fn parse_monitor_line(line: &str) -> Option<(String, String)> {
 pub fn names(commands: &[(String, String)]) -> Vec<&str> {
     commands.iter().map(|(n, _)| n.as_str()).collect()
 }
+
+/// Exactly the permissions the crate docs list for namespace `distlock`.
+pub const DOC_PERMISSIONS: &[&str] = &[
+    "~distlock:*",
+    "&distlock:*",
+    "+evalsha",
+    "+eval",
+    "+subscribe",
+    "+unsubscribe",
+    "+ping",
+    "+type",
+    "+get",
+    "+set",
+    "+del",
+    "+pttl",
+    "+pexpire",
+    "+time",
+    "+publish",
+];
 
 /// Creates (or resets) the ACL user `name` with password `pw` and `rules`.
 pub async fn acl_user(admin: &mut MultiplexedConnection, name: &str, rules: &[&str]) {
