@@ -65,8 +65,9 @@ pub(crate) enum Sink {
 
 /// The receiving side of a pub/sub connection.
 pub(crate) enum Stream {
-    /// Messages of a pub/sub connection to one server.
-    Node(PubSubStream),
+    /// Messages of a pub/sub connection to one server; for a Sentinel
+    /// primary, also which command connection goes to the same server.
+    Node(PubSubStream, Option<Primary>),
     /// The cluster connection's pushes.
     Cluster(
         mpsc::UnboundedReceiver<PushInfo>,
@@ -74,15 +75,38 @@ pub(crate) enum Stream {
     ),
 }
 
+/// A Sentinel primary and the generation of its command connection.
+pub(crate) struct Primary {
+    primary: Arc<SentinelPrimary>,
+    generation: u64,
+}
+
+impl Primary {
+    /// The pub/sub connection found the server gone: so is the command
+    /// connection to it, and the next request asks the sentinels (rather
+    /// than fail once on a dead connection).
+    fn gone(&self) {
+        self.primary.forget(self.generation);
+    }
+}
+
 impl PubSub {
-    async fn open_node(client: &redis::Client) -> Result<(Sink, Stream), LockError> {
+    async fn open_node(
+        client: &redis::Client,
+        primary: Option<Primary>,
+    ) -> Result<(Sink, Stream), LockError> {
         let what = "connecting the redis pub/sub connection";
-        let pubsub = client
-            .get_async_pubsub()
-            .await
-            .map_err(|e| errors::map(e, what))?;
+        let pubsub = match client.get_async_pubsub().await {
+            Ok(pubsub) => pubsub,
+            Err(e) => {
+                if let Some(primary) = &primary {
+                    primary.gone();
+                }
+                return Err(errors::map(e, what));
+            }
+        };
         let (sink, stream) = pubsub.split();
-        Ok((Sink::Node(sink), Stream::Node(stream)))
+        Ok((Sink::Node(sink), Stream::Node(stream, primary)))
     }
 }
 
@@ -117,8 +141,15 @@ impl NotificationSource for PubSub {
 
     async fn connect(&self) -> Result<(Sink, Stream), LockError> {
         match self {
-            PubSub::Node(client) => Self::open_node(client).await,
-            PubSub::Sentinel(primary) => Self::open_node(&primary.client().await?).await,
+            PubSub::Node(client) => Self::open_node(client, None).await,
+            PubSub::Sentinel(primary) => {
+                let (client, generation) = primary.client().await?;
+                let primary = Primary {
+                    primary: primary.clone(),
+                    generation,
+                };
+                Self::open_node(&client, Some(primary)).await
+            }
             PubSub::Cluster(cluster) => cluster.open().await,
         }
     }
@@ -170,10 +201,15 @@ impl NotificationSource for PubSub {
         match stream {
             // `StreamExt::next` is cancel-safe: a message is either
             // returned or left in the stream.
-            Stream::Node(stream) => {
-                let message = stream.next().await?;
-                Some(Ok(message.get_channel_name().to_owned()))
-            }
+            Stream::Node(stream, primary) => match stream.next().await {
+                Some(message) => Some(Ok(message.get_channel_name().to_owned())),
+                None => {
+                    if let Some(primary) = primary {
+                        primary.gone();
+                    }
+                    None
+                }
+            },
             // `recv` is cancel-safe too; pushes read and skipped carry
             // nothing a waiter needs.
             Stream::Cluster(pushes, expected) => loop {

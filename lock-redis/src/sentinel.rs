@@ -71,10 +71,14 @@ impl SentinelPrimary {
     }
 
     /// A client for the primary (for the pub/sub connection), finding it
-    /// first if needed.
-    pub(crate) async fn client(&self) -> Result<Client, LockError> {
+    /// first if needed, and the generation of the command connection to
+    /// the same server (to [`forget`](Self::forget) if the pub/sub
+    /// connection finds it gone).
+    pub(crate) async fn client(&self) -> Result<(Client, u64), LockError> {
         let current = self.current().await?;
-        Client::open(current.info).map_err(|e| errors::map(e, "opening the redis primary"))
+        let client =
+            Client::open(current.info).map_err(|e| errors::map(e, "opening the redis primary"))?;
+        Ok((client, current.generation))
     }
 
     /// Forgets connection `generation` (it failed, or the server stopped

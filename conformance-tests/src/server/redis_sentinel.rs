@@ -99,6 +99,11 @@ impl RedisSentinel {
         format!("redis://:{DATA_PASSWORD}@{}", node.addr())
     }
 
+    /// A plain `redis://` URL of `sentinel` (for the test's own commands).
+    pub fn sentinel_url(&self, sentinel: &ServerProcess) -> String {
+        format!("redis://:{SENTINEL_PASSWORD}@{}", sentinel.addr())
+    }
+
     /// The data node the sentinels name as the primary now.
     pub fn primary(&self) -> io::Result<&ServerProcess> {
         let port = self.primary_port()?;
