@@ -118,8 +118,8 @@ impl RedisLock {
         }
         let options = &config.client;
         let what = format!("connecting to redis at {config}");
-        let certificates = tls::certificates(&options.tls).await?;
         let tls = tls::is_tls(&server);
+        let certificates = tls::certificates(&options.tls, tls).await?;
         let connected = Self::open(server, &config, certificates, &what)
             .await
             .map_err(|e| tls::connect_hint(e, tls))?;

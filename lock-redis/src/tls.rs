@@ -40,50 +40,54 @@ pub(crate) fn connect_hint(err: LockError, tls: bool) -> LockError {
     .with_source(err)
 }
 
-/// The redis driver's certificate settings, when any file is given.
+/// The redis driver's certificate settings, for TLS connections.
 #[cfg(feature = "tls")]
 pub(crate) type Certificates = Option<redis::TlsCertificates>;
 /// Without the `tls` feature there are none (TLS URLs are refused earlier).
 #[cfg(not(feature = "tls"))]
 pub(crate) type Certificates = Option<std::convert::Infallible>;
 
-/// Reads `files` (errors name the parameter and the path) into the
-/// driver's settings.
+/// For a `tls` connection: the trusted roots and the client certificate,
+/// from `files` (errors name the parameter and the path).
 ///
-/// `tls_ca_file` is trusted *in addition to* the platform's roots: the
-/// driver replaces the platform's roots by the certificates it is given, so
-/// it is given both, the platform's (`rustls-native-certs`, as the driver
-/// itself loads them) followed by the file's.
+/// The roots are the platform's, read once per process with
+/// `rustls-native-certs`, followed by `tls_ca_file`'s (trusted *in
+/// addition to* the platform's). The driver is always given them: it would
+/// otherwise read and parse the platform's store again for every
+/// connection, and it *replaces* its roots by whatever it is given.
 #[cfg(feature = "tls")]
-pub(crate) async fn certificates(files: &TlsFiles) -> Result<Certificates, LockError> {
+pub(crate) async fn certificates(files: &TlsFiles, tls: bool) -> Result<Certificates, LockError> {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
-    if files.is_empty() {
+    if !tls {
         return Ok(None);
     }
     let pem = files.read().await?;
-    let root_cert = match pem.ca {
-        None => None,
-        Some(ca) => {
-            let parsed = CertificateDer::pem_slice_iter(&ca).collect::<Result<Vec<_>, _>>();
-            if let Err(e) = parsed {
-                return Err(LockError::config(format!(
-                    "tls_ca_file: {} is not a PEM certificate: {e}",
-                    path(&files.ca_file)
-                )));
-            }
-            let mut roots = tokio::task::spawn_blocking(platform_roots_pem)
+    let mut roots = match PLATFORM_ROOTS.get() {
+        Some(roots) => roots.clone(),
+        None => {
+            let loaded = tokio::task::spawn_blocking(platform_roots_pem)
                 .await
                 .map_err(|e| {
                     LockError::config(format!(
                         "loading the platform's root certificates failed: {e}"
                     ))
                 })?;
-            roots.extend_from_slice(&ca);
-            Some(roots)
+            PLATFORM_ROOTS.get_or_init(|| loaded).clone()
         }
     };
+    if let Some(ca) = pem.ca {
+        let parsed = CertificateDer::pem_slice_iter(&ca).collect::<Result<Vec<_>, _>>();
+        if let Err(e) = parsed {
+            return Err(LockError::config(format!(
+                "tls_ca_file: {} is not a PEM certificate: {e}",
+                path(&files.ca_file)
+            )));
+        }
+        roots.extend_from_slice(&ca);
+    }
+    let root_cert = Some(roots);
     let client_tls = match pem.identity {
         None => None,
         Some((cert, key)) => {
@@ -114,8 +118,8 @@ pub(crate) async fn certificates(files: &TlsFiles) -> Result<Certificates, LockE
 
 /// Without the `tls` feature no TLS URL gets this far.
 #[cfg(not(feature = "tls"))]
-pub(crate) async fn certificates(files: &TlsFiles) -> Result<Certificates, LockError> {
-    let _ = files;
+pub(crate) async fn certificates(files: &TlsFiles, tls: bool) -> Result<Certificates, LockError> {
+    let _ = (files, tls);
     Ok(None)
 }
 
@@ -125,6 +129,11 @@ fn path(file: &Option<std::path::PathBuf>) -> String {
         .map(|p| p.display().to_string())
         .unwrap_or_default()
 }
+
+/// The platform's roots as PEM, read once per process (reading and parsing
+/// the store costs more than a TLS handshake).
+#[cfg(feature = "tls")]
+static PLATFORM_ROOTS: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
 
 /// The platform's trusted roots as PEM. A store that cannot be read (or
 /// holds nothing) leaves only the CA file: a warning, not an error.
@@ -149,8 +158,8 @@ fn platform_roots_pem() -> Vec<u8> {
     pem
 }
 
-/// `info` with the certificates (a TLS address only; others are returned
-/// as they are).
+/// `info` with the certificates (a TLS address without settings of its
+/// own only; others are returned as they are).
 pub(crate) fn with_certificates(
     info: ConnectionInfo,
     certificates: &Certificates,

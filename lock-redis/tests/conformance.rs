@@ -60,7 +60,8 @@ fn main() -> ExitCode {
         return suite().run();
     }
     let mut args = Arguments::from_args();
-    args.test_threads.get_or_insert(8);
+    // Four suites of cases that mostly wait on TTLs and servers.
+    args.test_threads.get_or_insert(16);
 
     // The groups start side by side (each waits for its members).
     let sentinel = std::thread::spawn(RedisSentinel::start);

@@ -50,7 +50,25 @@ pub struct RedisCluster {
 impl RedisCluster {
     /// Starts six nodes, creates the cluster and waits until every node
     /// sees all slots served and every primary has an in-sync replica.
+    ///
+    /// A node also listens on its port + 10000 (the cluster bus), which the
+    /// harness cannot reserve: a node that finds it taken exits just after
+    /// it started, and the whole cluster is started again on other ports.
     pub fn start() -> io::Result<Self> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match Self::start_once() {
+                Ok(cluster) => return Ok(cluster),
+                Err(e) if attempt < 3 && e.kind() != io::ErrorKind::NotFound => {
+                    tracing::warn!("redis cluster start failed, trying other ports: {e}");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn start_once() -> io::Result<Self> {
         let mut nodes = Vec::new();
         for _ in 0..NODES {
             nodes.push(ServerProcess::start(Arc::new(Node::Cluster {
