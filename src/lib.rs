@@ -9,6 +9,8 @@
 //! | `memory://[name]`        | (always)      | [`MemoryLock`], in-process |
 //! | `redis://`               | `redis`       | `lock_redis::RedisLock` |
 //! | `rediss://` (TLS)        | `redis-tls`   | `lock_redis::RedisLock` |
+//! | `redis+sentinel://`, `redis+cluster://` | `redis` | `lock_redis::RedisLock` (Sentinel, Cluster) |
+//! | `rediss+sentinel://`, `rediss+cluster://` | `redis-tls` | the same over TLS |
 //! | `etcd://`                | `etcd`        | `lock_etcd::EtcdLock` |
 //! | `etcds://` (TLS)         | `etcd` + `tls` | `lock_etcd::EtcdLock` |
 //! | `postgres://`, `postgresql://` | `postgres` | `lock_postgres::PostgresLock` |
@@ -107,7 +109,14 @@ fn backends() -> [Backend; 3] {
     [
         Backend {
             // TLS needs `redis-tls` (which turns `redis` on too).
-            schemes: &[("redis", "redis"), ("rediss", "redis-tls")],
+            schemes: &[
+                ("redis", "redis"),
+                ("rediss", "redis-tls"),
+                ("redis+sentinel", "redis"),
+                ("rediss+sentinel", "redis-tls"),
+                ("redis+cluster", "redis"),
+                ("rediss+cluster", "redis-tls"),
+            ],
             connect: connector!("redis", lock_redis::RedisLock),
         },
         Backend {

@@ -1,6 +1,8 @@
 //! [`RedisLock`]: the [`LockBackend`] and [`LockAdmin`] implementation.
 
 use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lock_core::{
@@ -8,25 +10,31 @@ use lock_core::{
     ErrorKind, ExtendReply, HeldLock, Listener, LockAdmin, LockBackend, LockError, LockKey,
     LockState, ReleaseReply, ReleaseWatch,
 };
-use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncConnectionConfig, Client, Value};
 
-use crate::config::RedisConfig;
+use crate::config::{RedisConfig, Server};
+use crate::connection::{cluster_client, Commands, Conn};
 use crate::errors;
 use crate::keys::RedisKeys;
-use crate::listener::PubSub;
+use crate::listener::{ClusterPubSub, PubSub};
 use crate::scripts::{
     self, LuaScript, ACQUIRE_SCRIPT, EXTEND_SCRIPT, FORCE_RELEASE_SCRIPT, INSPECT_SCRIPT,
     PROBE_SCRIPT, RELEASE_SCRIPT,
 };
+use crate::sentinel::SentinelPrimary;
+use crate::tls;
 
-/// A lock server on Redis.
+/// A lock server on Redis: one server, the primary of a Sentinel group, or
+/// a Redis Cluster.
 ///
-/// One `RedisLock` is one client: a multiplexed, self-reconnecting command
-/// connection ([`ConnectionManager`]) shared by every lock operation, plus
-/// one pub/sub connection (opened on the first wait) shared by every waiter.
-/// Job code uses it through [`LockClient`](lock_core::LockClient) or
-/// [`Locker`](lock_core::Locker).
+/// One `RedisLock` is one client: a multiplexed command connection shared
+/// by every lock operation (a self-reconnecting [`ConnectionManager`] to
+/// one server; a connection to the Sentinel primary, replaced after a
+/// failure by asking the sentinels again; a cluster connection that routes
+/// each script to its slot's node), plus one pub/sub connection (opened on
+/// the first wait) shared by every waiter. Job code uses it through
+/// [`LockClient`](lock_core::LockClient) or [`Locker`](lock_core::Locker).
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -44,9 +52,32 @@ use crate::scripts::{
 /// # Ok(()) }
 /// ```
 pub struct RedisLock {
-    conn: ConnectionManager,
+    commands: Commands,
     config: RedisConfig,
+    channels: Channels,
     listener: Listener<PubSub>,
+}
+
+/// The pub/sub commands: sharded (`SPUBLISH`, `SSUBSCRIBE`) in a cluster,
+/// so a release reaches only the nodes of its slot.
+#[derive(Debug, Clone, Copy)]
+struct Channels {
+    publish: &'static str,
+    subscribe: &'static str,
+    unsubscribe: &'static str,
+}
+
+impl Channels {
+    const CLASSIC: Channels = Channels {
+        publish: "PUBLISH",
+        subscribe: "SUBSCRIBE",
+        unsubscribe: "UNSUBSCRIBE",
+    };
+    const SHARDED: Channels = Channels {
+        publish: "SPUBLISH",
+        subscribe: "SSUBSCRIBE",
+        unsubscribe: "SUNSUBSCRIBE",
+    };
 }
 
 impl fmt::Debug for RedisLock {
@@ -62,10 +93,11 @@ impl RedisLock {
     /// Connects to the server at `url` (see [`RedisConfig`] for the URL
     /// forms and parameters).
     ///
-    /// Fails with [`ErrorKind::Config`] for a bad URL, wrong credentials or
-    /// an ACL user missing a permission distlock needs (named),
-    /// [`ErrorKind::Unavailable`] or [`ErrorKind::Timeout`] if the server
-    /// cannot be reached within the connect timeout.
+    /// Fails with [`ErrorKind::Config`] for a bad URL, wrong credentials, an
+    /// ACL user missing a permission distlock needs (named), a TLS file
+    /// that cannot be read or a certificate that is refused (which one and
+    /// why), [`ErrorKind::Unavailable`] or [`ErrorKind::Timeout`] if the
+    /// server cannot be reached within the connect timeout.
     pub async fn connect(url: &str) -> Result<Self, LockError> {
         Self::with_config(RedisConfig::from_url(url)?).await
     }
@@ -73,50 +105,137 @@ impl RedisLock {
     /// Connects with explicit settings.
     pub async fn with_config(config: RedisConfig) -> Result<Self, LockError> {
         config.validate()?;
-        let Some(info) = config.connection_info().cloned() else {
+        let Some(server) = config.server_settings().cloned() else {
             return Err(LockError::config(
                 "RedisConfig names no server; build it with RedisConfig::from_url or RedisConfig::server, or use RedisLock::from_connection_manager",
             ));
         };
-        let server = config.to_string();
         #[cfg(feature = "tls")]
         {
             // rustls needs a process-wide crypto provider; keep one the
             // application installed, else install ring.
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
-        let client = Client::open(info).map_err(|e| {
-            LockError::config(format!("invalid redis settings for {server}: {e}")).with_source(e)
-        })?;
         let options = &config.client;
-        let what = format!("connecting to redis at {server}");
+        let what = format!("connecting to redis at {config}");
+        let tls = tls::is_tls(&server);
+        let certificates = tls::certificates(&options.tls, tls).await?;
+        let connected = Self::open(server, &config, certificates, &what)
+            .await
+            .map_err(|e| tls::connect_hint(e, tls))?;
+        let (commands, pubsub, channels) = connected;
+        tracing::debug!(server = %config, namespace = %options.namespace, "redis lock client ready");
+        Ok(Self::new(commands, pubsub, channels, config))
+    }
 
-        // One direct connection first: wrong credentials or an unreachable
-        // server are reported at once with a precise error (the manager
-        // would retry them), and the scripts are loaded.
-        let mut probe = first_connection(&client, options, &what).await?;
-        preload(&mut probe, options).await?;
-        check_permissions(&mut probe, options, &what).await?;
-        drop(probe);
-
-        let manager_config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(options.connect_timeout))
-            .set_response_timeout(Some(options.operation_timeout))
-            .set_number_of_retries(5)
-            .set_min_delay(Duration::from_millis(50))
-            .set_max_delay(Duration::from_secs(1));
-        let conn = ConnectionManager::new_lazy_with_config(client.clone(), manager_config)
-            .map_err(|e| errors::map(e, &what))?;
-        tracing::debug!(server = %server, namespace = %options.namespace, "redis lock client ready");
-        Ok(Self::new(conn, client, config))
+    /// The command connection, the pub/sub source and the channel commands
+    /// for `server`.
+    async fn open(
+        server: Server,
+        config: &RedisConfig,
+        certificates: tls::Certificates,
+        what: &str,
+    ) -> Result<(Commands, PubSub, Channels), LockError> {
+        let options = &config.client;
+        Ok(match server {
+            Server::Single(info) => {
+                let info = tls::with_certificates(info, &certificates)?;
+                let client = Client::open(info).map_err(|e| {
+                    LockError::config(format!("invalid redis settings for {config}: {e}"))
+                        .with_source(e)
+                })?;
+                // One direct connection first: wrong credentials or an
+                // unreachable server are reported at once with a precise
+                // error (the manager would retry them), and the scripts are
+                // loaded.
+                let connection_config = AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(options.connect_timeout))
+                    .set_response_timeout(Some(options.operation_timeout));
+                let mut probe = retry_connect(options, what, || async {
+                    client
+                        .get_multiplexed_async_connection_with_config(&connection_config)
+                        .await
+                        .map(Conn::Node)
+                        .map_err(|e| errors::map(e, what))
+                })
+                .await?;
+                prepare(&mut probe, options, Channels::CLASSIC, what).await?;
+                drop(probe);
+                let manager_config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(options.connect_timeout))
+                    .set_response_timeout(Some(options.operation_timeout))
+                    .set_number_of_retries(5)
+                    .set_min_delay(Duration::from_millis(50))
+                    .set_max_delay(Duration::from_secs(1));
+                // Connected now, not at the first request: a TLS handshake
+                // (the driver loads the platform's roots each time) would
+                // otherwise eat into the first lease.
+                let conn = with_timeout(
+                    options.connect_timeout + options.operation_timeout,
+                    what,
+                    async {
+                        ConnectionManager::new_with_config(client.clone(), manager_config)
+                            .await
+                            .map_err(|e| errors::map(e, what))
+                    },
+                )
+                .await?;
+                (
+                    Commands::Single(conn),
+                    PubSub::Node(client),
+                    Channels::CLASSIC,
+                )
+            }
+            Server::Sentinel(sentinel) => {
+                let primary = Arc::new(SentinelPrimary::new(
+                    sentinel,
+                    certificates,
+                    options.clone(),
+                )?);
+                let mut conn = retry_connect(options, what, || async {
+                    primary.connection().await.map(|(conn, _)| Conn::Node(conn))
+                })
+                .await?;
+                prepare(&mut conn, options, Channels::CLASSIC, what).await?;
+                (
+                    Commands::Sentinel(primary.clone()),
+                    PubSub::Sentinel(primary),
+                    Channels::CLASSIC,
+                )
+            }
+            Server::Cluster(cluster) => {
+                let client = cluster_client(&cluster, &certificates, options, None)
+                    .map_err(|e| errors::map(e, what))?;
+                let conn = retry_connect(options, what, || async {
+                    client
+                        .get_async_connection()
+                        .await
+                        .map_err(|e| errors::map(e, what))
+                })
+                .await?;
+                prepare(
+                    &mut Conn::Cluster(conn.clone()),
+                    options,
+                    Channels::SHARDED,
+                    what,
+                )
+                .await?;
+                let pubsub = PubSub::Cluster(ClusterPubSub {
+                    server: cluster,
+                    certificates,
+                    options: options.clone(),
+                });
+                (Commands::Cluster(conn), pubsub, Channels::SHARDED)
+            }
+        })
     }
 
     /// Uses a connection the application already has (its [`ConnectionManager`]
     /// is cloned, not reconnected), and `pubsub` to open the one pub/sub
     /// connection waiters share (a `ConnectionManager` cannot carry pub/sub
     /// messages on RESP2). The server in `config`, if any, is ignored; its
-    /// namespace, timeouts and retention apply. Permissions are not checked
-    /// up front: a missing one shows at first use
+    /// namespace, timeouts, retention and `min_replicas` apply. Permissions
+    /// are not checked up front: a missing one shows at first use
     /// ([`ErrorKind::Config`], with the server's reason).
     ///
     /// ```no_run
@@ -136,13 +255,19 @@ impl RedisLock {
         config: RedisConfig,
     ) -> Result<Self, LockError> {
         config.validate()?;
-        Ok(Self::new(manager, pubsub, config))
+        Ok(Self::new(
+            Commands::Single(manager),
+            PubSub::Node(pubsub),
+            Channels::CLASSIC,
+            config,
+        ))
     }
 
-    fn new(conn: ConnectionManager, pubsub: Client, config: RedisConfig) -> Self {
+    fn new(commands: Commands, pubsub: PubSub, channels: Channels, config: RedisConfig) -> Self {
         Self {
-            conn,
-            listener: Listener::new(PubSub::new(pubsub), &config.client),
+            commands,
+            listener: Listener::new(pubsub, &config.client),
+            channels,
             config,
         }
     }
@@ -152,9 +277,14 @@ impl RedisLock {
         &self.config
     }
 
-    /// A clone of the command connection, for the application's own use.
-    pub fn connection_manager(&self) -> ConnectionManager {
-        self.conn.clone()
+    /// A clone of the command connection, for the application's own use:
+    /// `None` for Sentinel and Cluster, whose connections this client
+    /// replaces and routes itself.
+    pub fn connection_manager(&self) -> Option<ConnectionManager> {
+        match &self.commands {
+            Commands::Single(manager) => Some(manager.clone()),
+            _ => None,
+        }
     }
 
     fn keys(&self, key: &LockKey) -> RedisKeys {
@@ -167,56 +297,161 @@ impl RedisLock {
     }
 
     /// Runs one script invocation under the operation timeout.
-    async fn run(
+    async fn run(&self, call: Call<'_>) -> Result<Value, LockError> {
+        Ok(self.execute(call, None).await?.0)
+    }
+
+    /// Runs a writing script, then, with [`min_replicas`](RedisConfig::min_replicas)
+    /// set, waits for that many replicas to acknowledge it (`WAIT`, on the
+    /// same connection): the reply and whether they did.
+    async fn run_replicated(&self, call: Call<'_>) -> Result<(Value, Replicated), LockError> {
+        let wanted = self.config.min_replicas;
+        if wanted == 0 {
+            return Ok((self.run(call).await?, Replicated::Enough));
+        }
+        let wait = self.config.replica_wait();
+        let (reply, acknowledged) = self.execute(call, Some((wanted, wait))).await?;
+        let acknowledged = acknowledged.unwrap_or(0);
+        let replicated = if acknowledged >= i64::from(wanted) {
+            Replicated::Enough
+        } else {
+            Replicated::Only {
+                acknowledged,
+                wanted,
+                wait,
+            }
+        };
+        Ok((reply, replicated))
+    }
+
+    /// Runs `call` under the operation timeout, followed by `WAIT replicas
+    /// timeout` if `wait` is given (then also returns its count).
+    async fn execute(
         &self,
-        what: &str,
-        key: &LockKey,
-        keys: &RedisKeys,
-        script: &LuaScript,
-        redis_keys: &[&str],
-        args: &[String],
-    ) -> Result<Value, LockError> {
-        let mut conn = self.conn.clone();
+        call: Call<'_>,
+        wait: Option<(u32, Duration)>,
+    ) -> Result<(Value, Option<i64>), LockError> {
+        let Call {
+            what,
+            key,
+            keys,
+            script,
+            redis_keys,
+            args,
+        } = call;
         self.config
             .client
             .timed(what, async {
-                script
-                    .invoke(&mut conn, redis_keys, args)
-                    .await
-                    .map_err(|e| errors::map_script(e, what, key, keys))
+                let mut checkout = self.commands.checkout().await?;
+                let result = match wait {
+                    None => script
+                        .invoke(&mut checkout.conn, redis_keys, args)
+                        .await
+                        .map(|reply| (reply, None)),
+                    Some((replicas, timeout)) => script
+                        .invoke_and_wait(&mut checkout.conn, redis_keys, args, replicas, timeout)
+                        .await
+                        .map(|(reply, acknowledged)| (reply, Some(acknowledged))),
+                };
+                checkout.finish(&result);
+                result.map_err(|e| errors::map_script(e, what, key, keys))
             })
             .await
+    }
+}
+
+impl RedisLock {
+    /// Releases the lock at `keys` if it holds `value`.
+    async fn release_value(
+        &self,
+        key: &LockKey,
+        keys: &RedisKeys,
+        value: String,
+    ) -> Result<ReleaseReply, LockError> {
+        let args = [
+            value,
+            keys.channel.clone(),
+            self.channels.publish.to_owned(),
+        ];
+        let reply = self
+            .run(Call {
+                what: "redis release",
+                key,
+                keys,
+                script: &RELEASE_SCRIPT,
+                redis_keys: &[&keys.lock],
+                args: &args,
+            })
+            .await?;
+        scripts::release_reply(key, &reply)
+    }
+}
+
+/// One script invocation: what it is for (for errors), the lock, its Redis
+/// names, and the script's keys and arguments.
+#[derive(Clone, Copy)]
+struct Call<'a> {
+    what: &'a str,
+    key: &'a LockKey,
+    keys: &'a RedisKeys,
+    script: &'a LuaScript,
+    redis_keys: &'a [&'a str],
+    args: &'a [String],
+}
+
+/// How many replicas acknowledged a write.
+#[derive(Debug, Clone, Copy)]
+enum Replicated {
+    /// As many as [`RedisConfig::min_replicas`] (or none was asked for).
+    Enough,
+    /// Fewer within the wait.
+    Only {
+        acknowledged: i64,
+        wanted: u32,
+        wait: Duration,
+    },
+}
+
+impl Replicated {
+    fn shortfall(self, what: &str, key: &LockKey, outcome: &str) -> Option<LockError> {
+        match self {
+            Replicated::Enough => None,
+            Replicated::Only {
+                acknowledged,
+                wanted,
+                wait,
+            } => Some(LockError::unavailable(format!(
+                "{what} on lock {key:?}: only {acknowledged} of the {wanted} replicas required by min_replicas acknowledged it within {wait:?}, so a failover could lose it; {outcome}"
+            ))),
+        }
     }
 }
 
 /// Pause between attempts of the first connection.
 const CONNECT_RETRY_PAUSE: Duration = Duration::from_millis(50);
 
-/// The first connection. A refused or reset connection is retried until the
-/// connect timeout (a server that is just starting or restarting); a wrong
-/// password or bad settings are reported at once.
-async fn first_connection(
-    client: &Client,
+/// The first connection, made by `attempt`. A refused or reset connection
+/// (`Unavailable`) is retried until the connect timeout (a server that is
+/// just starting or restarting, a failover under way); a wrong password,
+/// a refused certificate or bad settings are reported at once.
+async fn retry_connect<T, F, Fut>(
     options: &ClientOptions,
     what: &str,
-) -> Result<MultiplexedConnection, LockError> {
-    let config = AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(options.connect_timeout))
-        .set_response_timeout(Some(options.operation_timeout));
+    mut attempt: F,
+) -> Result<T, LockError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, LockError>>,
+{
     let give_up = Instant::now() + options.connect_timeout;
     loop {
-        let attempt = with_timeout(
+        let result = with_timeout(
             options.connect_timeout + options.operation_timeout,
             what,
-            async {
-                client
-                    .get_multiplexed_async_connection_with_config(&config)
-                    .await
-                    .map_err(|e| errors::map(e, what))
-            },
+            attempt(),
         )
         .await;
-        match attempt {
+        match result {
             Err(e) if e.kind() == ErrorKind::Unavailable && Instant::now() < give_up => {
                 tracing::debug!(error = %e, "redis not reachable yet; retrying");
                 tokio::time::sleep(CONNECT_RETRY_PAUSE).await;
@@ -226,12 +461,21 @@ async fn first_connection(
     }
 }
 
+/// Loads the scripts and checks the ACL user's permissions, on the first
+/// connection.
+async fn prepare(
+    conn: &mut Conn,
+    options: &ClientOptions,
+    channels: Channels,
+    what: &str,
+) -> Result<(), LockError> {
+    preload(conn, options).await?;
+    check_permissions(conn, options, channels, what).await
+}
+
 /// Loads the scripts so the first acquire is one EVALSHA; this also proves
 /// the credentials work.
-async fn preload(
-    conn: &mut MultiplexedConnection,
-    options: &ClientOptions,
-) -> Result<(), LockError> {
+async fn preload(conn: &mut impl ConnectionLike, options: &ClientOptions) -> Result<(), LockError> {
     for script in scripts::all() {
         let loaded = options
             .timed("redis SCRIPT LOAD", async {
@@ -258,8 +502,9 @@ async fn preload(
 /// naming what is missing. Servers before 7.0 cannot be asked (no
 /// `redis.acl_check_cmd`); there a missing permission shows at first use.
 async fn check_permissions(
-    conn: &mut MultiplexedConnection,
+    conn: &mut impl ConnectionLike,
     options: &ClientOptions,
+    channels: Channels,
     what: &str,
 ) -> Result<(), LockError> {
     let namespace = &options.namespace;
@@ -270,7 +515,12 @@ async fn check_permissions(
                 .invoke(
                     conn,
                     &[&probe.lock, &probe.fence],
-                    std::slice::from_ref(&probe.channel),
+                    &[
+                        probe.channel.clone(),
+                        channels.publish.to_owned(),
+                        channels.subscribe.to_owned(),
+                        channels.unsubscribe.to_owned(),
+                    ],
                 )
                 .await
             {
@@ -319,22 +569,42 @@ impl LockBackend for RedisLock {
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError> {
         let key = request.key;
         let keys = self.keys(key);
+        let owner = request.owner.to_hex();
         let args = [
-            request.owner.to_hex(),
+            owner.clone(),
             millis(request.ttl).to_string(),
             self.retention_ms(request.ttl).to_string(),
         ];
-        let reply = self
-            .run(
-                "redis acquire",
+        let (reply, replicated) = self
+            .run_replicated(Call {
+                what: "redis acquire",
                 key,
-                &keys,
-                &ACQUIRE_SCRIPT,
-                &[&keys.lock, &keys.fence],
-                &args,
-            )
+                keys: &keys,
+                script: &ACQUIRE_SCRIPT,
+                redis_keys: &[&keys.lock, &keys.fence],
+                args: &args,
+            })
             .await?;
-        scripts::acquire_reply(key, request.ttl, &reply)
+        let reply = scripts::acquire_reply(key, request.ttl, &reply)?;
+        let AcquireReply::Granted(grant) = &reply else {
+            return Ok(reply);
+        };
+        let value = scripts::lock_value(&owner, grant.fencing.get());
+        let Some(shortfall) = replicated.shortfall("redis acquire", key, "it was released again")
+        else {
+            return Ok(reply);
+        };
+        // Not replicated enough to survive a failover: give it back rather
+        // than hand out a lock a promoted replica would not know.
+        match self.release_value(key, &keys, value).await {
+            Ok(_) => Err(shortfall),
+            Err(e) => Err(LockError::unavailable(format!(
+                "{}; releasing it failed too ({e}), so it stays taken until its TTL runs out",
+                shortfall
+                    .message()
+                    .trim_end_matches("; it was released again")
+            ))),
+        }
     }
 
     async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError> {
@@ -344,36 +614,35 @@ impl LockBackend for RedisLock {
             millis(ttl).to_string(),
             self.retention_ms(ttl).to_string(),
         ];
-        let reply = self
-            .run(
+        let (reply, replicated) = self
+            .run_replicated(Call {
+                what: "redis extend",
+                key: lock.key,
+                keys: &keys,
+                script: &EXTEND_SCRIPT,
+                redis_keys: &[&keys.lock, &keys.fence],
+                args: &args,
+            })
+            .await?;
+        let reply = scripts::extend_reply(lock.key, lock.fencing, ttl, &reply)?;
+        if let ExtendReply::Extended(_) = reply {
+            // The primary extended it, but a promoted replica might still
+            // expire it at the old time: the lease keeps its old deadline.
+            if let Some(shortfall) = replicated.shortfall(
                 "redis extend",
                 lock.key,
-                &keys,
-                &EXTEND_SCRIPT,
-                &[&keys.lock, &keys.fence],
-                &args,
-            )
-            .await?;
-        scripts::extend_reply(lock.key, lock.fencing, ttl, &reply)
+                "the lease keeps its previous expiry",
+            ) {
+                return Err(shortfall);
+            }
+        }
+        Ok(reply)
     }
 
     async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
         let keys = self.keys(lock.key);
-        let args = [
-            scripts::lock_value(&lock.owner.to_hex(), lock.fencing.get()),
-            keys.channel.clone(),
-        ];
-        let reply = self
-            .run(
-                "redis release",
-                lock.key,
-                &keys,
-                &RELEASE_SCRIPT,
-                &[&keys.lock],
-                &args,
-            )
-            .await?;
-        scripts::release_reply(lock.key, &reply)
+        let value = scripts::lock_value(&lock.owner.to_hex(), lock.fencing.get());
+        self.release_value(lock.key, &keys, value).await
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
@@ -391,14 +660,14 @@ impl LockAdmin for RedisLock {
     async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
         let keys = self.keys(key);
         let reply = self
-            .run(
-                "redis inspect",
+            .run(Call {
+                what: "redis inspect",
                 key,
-                &keys,
-                &INSPECT_SCRIPT,
-                &[&keys.lock],
-                &[],
-            )
+                keys: &keys,
+                script: &INSPECT_SCRIPT,
+                redis_keys: &[&keys.lock],
+                args: &[],
+            })
             .await?;
         scripts::inspect_reply(key, &reply)
     }
@@ -406,14 +675,14 @@ impl LockAdmin for RedisLock {
     async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
         let keys = self.keys(key);
         let reply = self
-            .run(
-                "redis force release",
+            .run(Call {
+                what: "redis force release",
                 key,
-                &keys,
-                &FORCE_RELEASE_SCRIPT,
-                &[&keys.lock],
-                std::slice::from_ref(&keys.channel),
-            )
+                keys: &keys,
+                script: &FORCE_RELEASE_SCRIPT,
+                redis_keys: &[&keys.lock],
+                args: &[keys.channel.clone(), self.channels.publish.to_owned()],
+            })
             .await?;
         scripts::force_release_reply(key, &reply)
     }

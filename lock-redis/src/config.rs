@@ -1,11 +1,12 @@
-//! [`RedisConfig`]: where the server is, namespace and timeouts, and the
-//! fencing-counter retention.
+//! [`RedisConfig`]: where the server is (one server, a primary found
+//! through Sentinel, or a Redis Cluster), namespace and timeouts, the
+//! fencing-counter retention and the replica acknowledgement.
 
 use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use lock_core::{ClientOptions, LockError, LockUrl};
+use lock_core::{ClientOptions, LockError, LockUrl, UrlHost};
 use redis::{
     ConnectionAddr, ConnectionInfo, IntoConnectionInfo, ProtocolVersion, RedisConnectionInfo,
 };
@@ -14,20 +15,31 @@ use redis::{
 /// docs for why it may expire at all). Default one hour.
 pub const DEFAULT_FENCE_RETENTION: Duration = Duration::from_secs(3600);
 
-/// The port of a `redis://` URL without one.
+/// The port of a `redis://` or `redis+cluster://` host without one.
 const DEFAULT_PORT: u16 = 6379;
 
-/// The URL schemes [`RedisConfig::from_url`] accepts: the facade's
-/// [`SCHEMES`](crate::SCHEMES) and the Unix-socket ones.
-const ACCEPTED_SCHEMES: &[&str] = &["redis", "rediss", "unix", "redis+unix"];
+/// The port of a `redis+sentinel://` host without one.
+const DEFAULT_SENTINEL_PORT: u16 = 26379;
+
+/// The Unix-socket schemes, which [`RedisConfig::from_url`] accepts beside
+/// the facade's [`SCHEMES`](crate::SCHEMES).
+const UNIX_SCHEMES: &[&str] = &["unix", "redis+unix"];
 
 /// Settings of a [`RedisLock`](crate::RedisLock).
 ///
 /// Built from a URL with [`RedisConfig::from_url`]:
 ///
 /// - `redis://[[user]:password@]host[:port][/db]` (port 6379 by default,
-///   database 0);
-/// - `rediss://…` the same over TLS (cargo feature `tls`);
+///   database 0): one server;
+/// - `redis+sentinel://[[user]:password@]sentinel[:port][,sentinel[:port]...]/SERVICE[/db]`
+///   (sentinel port 26379 by default): the primary the sentinels monitor
+///   as `SERVICE`, found again after a failover; the user and password are
+///   the primary's;
+/// - `redis+cluster://[[user]:password@]host[:port][,host[:port]...]`: a
+///   Redis Cluster, reached through any of the listed nodes (database 0
+///   only, as Redis Cluster has no other);
+/// - `rediss://…`, `rediss+sentinel://…`, `rediss+cluster://…`: the same
+///   over TLS (cargo feature `tls`), to the sentinels too;
 /// - `unix:///path/to/redis.sock` or `redis+unix:///path/to/redis.sock`,
 ///   with the database, user and password as the `db`, `user` and `pass`
 ///   parameters (or the password as `unix://:password@/path`).
@@ -41,10 +53,14 @@ const ACCEPTED_SCHEMES: &[&str] = &["redis", "rediss", "unix", "redis+unix"];
 /// | `connect_timeout_ms` | connecting to the server | 5000 |
 /// | `operation_timeout_ms` | one request's reply | 5000 |
 /// | `fence_retention_ms` | minimum life of an idle fencing counter | 3600000 |
+/// | `min_replicas` | replicas that must acknowledge each acquire and extend (`WAIT`) | 0 (off) |
 /// | `protocol` | `resp2` or `resp3` (the driver's RESP version) | `resp2` |
+/// | `tls_ca_file` | PEM CA to trust in addition to the platform's roots (TLS URLs) | |
+/// | `tls_cert_file`, `tls_key_file` | PEM client certificate and key (TLS URLs) | |
+/// | `sentinel_user`, `sentinel_password` | the sentinels' own credentials (Sentinel URLs) | none |
 /// | `db`, `user`, `pass` | Unix sockets only, see above | |
 ///
-/// `Debug` and `Display` never show the password.
+/// `Debug` and `Display` never show a password.
 ///
 /// ```
 /// use std::time::Duration;
@@ -56,22 +72,65 @@ const ACCEPTED_SCHEMES: &[&str] = &["redis", "rediss", "unix", "redis+unix"];
 /// assert_eq!(config.to_string(), "redis://127.0.0.1:6379/0");
 /// assert!(!format!("{config:?}").contains("pw"));
 ///
+/// let sentinel = RedisConfig::from_url("redis+sentinel://:pw@10.0.0.1,10.0.0.2:5000/jobs-primary/2?min_replicas=1")?;
+/// assert_eq!(sentinel.to_string(), "redis+sentinel://10.0.0.1:26379,10.0.0.2:5000/jobs-primary/2");
+/// assert_eq!(sentinel.min_replicas, 1);
+///
 /// let typo = RedisConfig::from_url("redis://127.0.0.1/?namspace=jobs").unwrap_err();
 /// assert!(typo.to_string().contains("namspace"));
 /// # Ok::<(), lock_core::LockError>(())
 /// ```
 #[derive(Clone)]
 pub struct RedisConfig {
-    /// Namespace and timeouts.
+    /// Namespace, timeouts and TLS files.
     pub client: ClientOptions,
     /// The minimum time a fencing counter is kept after its last
     /// acquisition (it is always kept at least twice the lock's TTL).
     /// Tokens stay strictly increasing as long as the server's clock never
     /// steps back by more than this; see the crate docs.
     pub fence_retention: Duration,
+    /// How many replicas must acknowledge each acquisition and extension
+    /// (`WAIT`, bounded by half the operation timeout) before it counts; an
+    /// acquisition they do not acknowledge is released and reported as
+    /// [`Unavailable`](lock_core::ErrorKind::Unavailable). 0 (the default)
+    /// waits for none. See the crate docs, "Replication".
+    pub min_replicas: u32,
     /// Where the server is; `None` for
     /// [`RedisLock::from_connection_manager`](crate::RedisLock::from_connection_manager).
-    connection: Option<ConnectionInfo>,
+    server: Option<Server>,
+}
+
+/// Where the lock server is.
+#[derive(Clone)]
+pub(crate) enum Server {
+    /// One server (TCP, TLS or a Unix socket).
+    Single(ConnectionInfo),
+    /// The primary that Sentinel monitors under a name.
+    Sentinel(SentinelServer),
+    /// A Redis Cluster.
+    Cluster(ClusterServer),
+}
+
+/// A primary found through Sentinel.
+#[derive(Clone)]
+pub(crate) struct SentinelServer {
+    /// The sentinels (address, TLS, their own credentials), in URL order.
+    pub(crate) sentinels: Vec<ConnectionInfo>,
+    /// The name the sentinels monitor the primary under.
+    pub(crate) service: String,
+    /// Whether the primary (and the sentinels) are reached over TLS.
+    pub(crate) tls: bool,
+    /// Database, credentials and protocol for the primary.
+    pub(crate) node: RedisConnectionInfo,
+}
+
+/// A Redis Cluster.
+#[derive(Clone)]
+pub(crate) struct ClusterServer {
+    /// The nodes to start from (the others are found from them).
+    pub(crate) nodes: Vec<ConnectionInfo>,
+    /// Whether the nodes are reached over TLS.
+    pub(crate) tls: bool,
 }
 
 impl Default for RedisConfig {
@@ -81,7 +140,8 @@ impl Default for RedisConfig {
         Self {
             client: ClientOptions::default(),
             fence_retention: DEFAULT_FENCE_RETENTION,
-            connection: None,
+            min_replicas: 0,
+            server: None,
         }
     }
 }
@@ -91,17 +151,46 @@ impl RedisConfig {
     /// parameters.
     pub fn from_url(url: &str) -> Result<Self, LockError> {
         let mut url = LockUrl::parse(url)?;
-        url.expect_scheme("redis", ACCEPTED_SCHEMES)?;
+        let accepted: Vec<&str> = crate::SCHEMES.iter().chain(UNIX_SCHEMES).copied().collect();
+        url.expect_scheme("redis", &accepted)?;
         let client = url.take_client_options()?;
         let fence_retention = url
             .take_millis("fence_retention_ms")?
             .unwrap_or(DEFAULT_FENCE_RETENTION);
-        let connection = connection_info(&mut url)?;
+        let min_replicas = match url.take_u64("min_replicas")? {
+            None => 0,
+            Some(n) => u32::try_from(n).map_err(|_| {
+                LockError::config(format!(
+                    "URL parameter min_replicas={n} is more replicas than Redis can have"
+                ))
+            })?,
+        };
+        let tls = url.scheme().starts_with("rediss");
+        if tls && !cfg!(feature = "tls") {
+            return Err(LockError::config(format!(
+                "{}:// (TLS) needs the `tls` cargo feature of lock-redis (the `tls` or `redis-tls` feature of distlock); enable it or use {}://",
+                url.scheme(),
+                url.scheme().replacen("rediss", "redis", 1)
+            )));
+        }
+        if !tls && !client.tls.is_empty() {
+            return Err(LockError::config(format!(
+                "tls_ca_file, tls_cert_file and tls_key_file apply to TLS connections, but {}:// is not TLS; use {}://",
+                url.scheme(),
+                url.scheme().replacen("redis", "rediss", 1)
+            )));
+        }
+        let server = match url.scheme() {
+            "redis+sentinel" | "rediss+sentinel" => Server::Sentinel(sentinel(&mut url, tls)?),
+            "redis+cluster" | "rediss+cluster" => Server::Cluster(cluster(&mut url, tls)?),
+            _ => Server::Single(connection_info(&mut url)?),
+        };
         url.finish()?;
         Ok(Self {
             client,
             fence_retention,
-            connection: Some(connection),
+            min_replicas,
+            server: Some(server),
         })
     }
 
@@ -112,16 +201,32 @@ impl RedisConfig {
         self
     }
 
-    /// Sets where the server is, for settings built in code (the redis
-    /// driver's own description: address, credentials, database, TLS).
-    pub fn server(mut self, connection: ConnectionInfo) -> Self {
-        self.connection = Some(connection);
+    /// Sets how many replicas must acknowledge each acquisition and
+    /// extension (see [`min_replicas`](Self::min_replicas)).
+    pub fn min_replicas(mut self, replicas: u32) -> Self {
+        self.min_replicas = replicas;
         self
     }
 
-    /// Where the server is, if set.
+    /// Sets where the server is, for settings built in code: one server
+    /// (the redis driver's own description: address, credentials,
+    /// database, TLS).
+    pub fn server(mut self, connection: ConnectionInfo) -> Self {
+        self.server = Some(Server::Single(connection));
+        self
+    }
+
+    /// Where the server is, if it is one server (not Sentinel or Cluster).
     pub fn connection_info(&self) -> Option<&ConnectionInfo> {
-        self.connection.as_ref()
+        match &self.server {
+            Some(Server::Single(info)) => Some(info),
+            _ => None,
+        }
+    }
+
+    /// Where the server is, if set.
+    pub(crate) fn server_settings(&self) -> Option<&Server> {
+        self.server.as_ref()
     }
 
     /// Checks namespace, timeouts and retention.
@@ -134,43 +239,95 @@ impl RedisConfig {
         }
         Ok(())
     }
+
+    /// How long a `WAIT` for [`min_replicas`](Self::min_replicas) may
+    /// block: half the operation timeout, so releasing an unacknowledged
+    /// acquisition still fits in the rest.
+    pub(crate) fn replica_wait(&self) -> Duration {
+        (self.client.operation_timeout / 2).max(Duration::from_millis(1))
+    }
 }
 
 impl fmt::Display for RedisConfig {
     /// The server's URL without password or parameters.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let Some(connection) = &self.connection else {
-            return f.write_str("(application connection)");
-        };
-        let settings = connection.redis_settings();
-        let db = settings.db();
-        let user = settings
-            .username()
-            .map(|u| format!("{u}@"))
-            .unwrap_or_default();
-        let host = |host: &str| {
-            if host.contains(':') {
-                format!("[{host}]")
-            } else {
-                host.to_owned()
+        match &self.server {
+            None => f.write_str("(application connection)"),
+            Some(Server::Single(connection)) => fmt_single(connection, f),
+            Some(Server::Sentinel(sentinel)) => {
+                let scheme = if sentinel.tls { "rediss" } else { "redis" };
+                write!(
+                    f,
+                    "{scheme}+sentinel://{}{}/{}/{}",
+                    user_prefix(&sentinel.node),
+                    hosts(&sentinel.sentinels),
+                    sentinel.service,
+                    sentinel.node.db()
+                )
             }
-        };
-        match connection.addr() {
-            ConnectionAddr::Tcp(name, port) => {
-                write!(f, "redis://{user}{}:{port}/{db}", host(name))
+            Some(Server::Cluster(cluster)) => {
+                let scheme = if cluster.tls { "rediss" } else { "redis" };
+                let user = cluster
+                    .nodes
+                    .first()
+                    .map(|n| user_prefix(n.redis_settings()))
+                    .unwrap_or_default();
+                write!(f, "{scheme}+cluster://{user}{}", hosts(&cluster.nodes))
             }
-            ConnectionAddr::TcpTls {
-                host: name, port, ..
-            } => {
-                write!(f, "rediss://{user}{}:{port}/{db}", host(name))
-            }
-            ConnectionAddr::Unix(path) if db != 0 => {
-                write!(f, "unix://{}?db={db}", path.display())
-            }
-            ConnectionAddr::Unix(path) => write!(f, "unix://{}", path.display()),
-            other => write!(f, "{other}/{db}"),
         }
     }
+}
+
+fn fmt_single(connection: &ConnectionInfo, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    let settings = connection.redis_settings();
+    let db = settings.db();
+    let user = user_prefix(settings);
+    match connection.addr() {
+        ConnectionAddr::Tcp(name, port) => {
+            write!(f, "redis://{user}{}/{db}", host_port(name, *port))
+        }
+        ConnectionAddr::TcpTls {
+            host: name, port, ..
+        } => {
+            write!(f, "rediss://{user}{}/{db}", host_port(name, *port))
+        }
+        ConnectionAddr::Unix(path) if db != 0 => {
+            write!(f, "unix://{}?db={db}", path.display())
+        }
+        ConnectionAddr::Unix(path) => write!(f, "unix://{}", path.display()),
+        other => write!(f, "{other}/{db}"),
+    }
+}
+
+/// `user@` for a connection with a user name, else empty.
+fn user_prefix(settings: &RedisConnectionInfo) -> String {
+    settings
+        .username()
+        .map(|u| format!("{u}@"))
+        .unwrap_or_default()
+}
+
+/// `host:port`, IPv6 in brackets.
+pub(crate) fn host_port(host: &str, port: u16) -> String {
+    UrlHost {
+        name: host.to_owned(),
+        port: Some(port),
+    }
+    .address(port)
+}
+
+/// The addresses of `nodes`, comma-separated.
+fn hosts(nodes: &[ConnectionInfo]) -> String {
+    nodes
+        .iter()
+        .map(|n| match n.addr() {
+            ConnectionAddr::Tcp(host, port) | ConnectionAddr::TcpTls { host, port, .. } => {
+                host_port(host, *port)
+            }
+            other => other.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 impl fmt::Debug for RedisConfig {
@@ -179,22 +336,77 @@ impl fmt::Debug for RedisConfig {
             .field("server", &self.to_string())
             .field("client", &self.client)
             .field("fence_retention", &self.fence_retention)
+            .field("min_replicas", &self.min_replicas)
             .finish()
     }
 }
 
-/// The redis driver's connection settings from the parsed URL (its
-/// parameters taken): address, credentials, database, protocol.
-fn connection_info(url: &mut LockUrl) -> Result<ConnectionInfo, LockError> {
-    let protocol = match url.take("protocol").as_deref() {
-        None | Some("resp2" | "2") => ProtocolVersion::RESP2,
-        Some("resp3" | "3") => ProtocolVersion::RESP3,
-        Some(other) => {
-            return Err(LockError::config(format!(
-                "URL parameter protocol={other:?} is not a RESP version; use resp2 or resp3"
-            )))
+/// A TCP address, over TLS or not (the certificates are added at connect,
+/// when the files are read).
+pub(crate) fn tcp_addr(host: String, port: u16, tls: bool) -> ConnectionAddr {
+    if tls {
+        ConnectionAddr::TcpTls {
+            host,
+            port,
+            insecure: false,
+            tls_params: None,
         }
-    };
+    } else {
+        ConnectionAddr::Tcp(host, port)
+    }
+}
+
+/// The `protocol` parameter.
+fn protocol(url: &mut LockUrl) -> Result<ProtocolVersion, LockError> {
+    match url.take("protocol").as_deref() {
+        None | Some("resp2" | "2") => Ok(ProtocolVersion::RESP2),
+        Some("resp3" | "3") => Ok(ProtocolVersion::RESP3),
+        Some(other) => Err(LockError::config(format!(
+            "URL parameter protocol={other:?} is not a RESP version; use resp2 or resp3"
+        ))),
+    }
+}
+
+/// A database number from the URL.
+fn database(url: &LockUrl, db: Option<&str>) -> Result<i64, LockError> {
+    match db {
+        None => Ok(0),
+        Some(db) => db.parse::<i64>().ok().filter(|db| *db >= 0).ok_or_else(|| {
+            LockError::config(format!(
+                "{url}: the database {db:?} is not a number; write redis://host:port/0"
+            ))
+        }),
+    }
+}
+
+/// Credentials, database and protocol.
+fn settings(
+    db: i64,
+    username: Option<String>,
+    password: Option<String>,
+    protocol: ProtocolVersion,
+) -> RedisConnectionInfo {
+    let mut settings = RedisConnectionInfo::default()
+        .set_db(db)
+        .set_protocol(protocol);
+    if let Some(username) = username {
+        settings = settings.set_username(username);
+    }
+    if let Some(password) = password {
+        settings = settings.set_password(password);
+    }
+    settings
+}
+
+fn into_info(url: &LockUrl, addr: ConnectionAddr) -> Result<ConnectionInfo, LockError> {
+    addr.into_connection_info()
+        .map_err(|e| LockError::config(format!("{url}: {e}")))
+}
+
+/// The redis driver's connection settings for one server from the parsed
+/// URL (its parameters taken): address, credentials, database, protocol.
+fn connection_info(url: &mut LockUrl) -> Result<ConnectionInfo, LockError> {
+    let protocol = protocol(url)?;
     let unix = matches!(url.scheme(), "unix" | "redis+unix");
     let (addr, db, username, password) = if unix {
         if !url.hosts().is_empty() {
@@ -215,56 +427,99 @@ fn connection_info(url: &mut LockUrl) -> Result<ConnectionInfo, LockError> {
     } else {
         let [host] = url.hosts() else {
             return Err(LockError::config(format!(
-                "{url}: give exactly one host[:port] (Redis Cluster and Sentinel are not supported)"
+                "{url}: give exactly one host[:port]; for several, use redis+sentinel:// (Sentinel) or redis+cluster:// (Redis Cluster)"
             )));
         };
-        let (name, port) = (host.name.clone(), host.port.unwrap_or(DEFAULT_PORT));
-        let addr = if url.scheme() == "rediss" {
-            if !cfg!(feature = "tls") {
-                return Err(LockError::config(
-                    "rediss:// (TLS) needs the `tls` cargo feature of lock-redis (the `redis-tls` feature of distlock); enable it or use redis://",
-                ));
-            }
-            ConnectionAddr::TcpTls {
-                host: name,
-                port,
-                insecure: false,
-                tls_params: None,
-            }
-        } else {
-            ConnectionAddr::Tcp(name, port)
-        };
+        let addr = tcp_addr(
+            host.name.clone(),
+            host.port.unwrap_or(DEFAULT_PORT),
+            url.scheme() == "rediss",
+        );
         let db = url.path().trim_matches('/');
         let db = (!db.is_empty()).then(|| db.to_owned());
         let username = url.username().map(str::to_owned);
         let password = url.password().map(str::to_owned);
         (addr, db, username, password)
     };
-    let db = match db {
-        None => 0,
-        Some(db) => db
-            .parse::<i64>()
-            .ok()
-            .filter(|db| *db >= 0)
-            .ok_or_else(|| {
-                LockError::config(format!(
-                    "{url}: the database {db:?} is not a number; write redis://host:port/0"
-                ))
-            })?,
+    let db = database(url, db.as_deref())?;
+    let info = into_info(url, addr)?;
+    Ok(info.set_redis_settings(settings(db, username, password, protocol)))
+}
+
+/// `redis+sentinel://[user:pw@]sentinel[:port],.../SERVICE[/db]`.
+fn sentinel(url: &mut LockUrl, tls: bool) -> Result<SentinelServer, LockError> {
+    let protocol = protocol(url)?;
+    if url.hosts().is_empty() {
+        return Err(LockError::config(format!(
+            "{url} names no sentinel; write redis+sentinel://sentinel:26379[,sentinel:26379...]/SERVICE_NAME"
+        )));
+    }
+    let path = url.path().trim_matches('/').to_owned();
+    let (service, db) = match path.split_once('/') {
+        Some((service, db)) => (service.to_owned(), Some(db)),
+        None => (path.clone(), None),
     };
-    let mut settings = RedisConnectionInfo::default()
-        .set_db(db)
-        .set_protocol(protocol);
-    if let Some(username) = username {
-        settings = settings.set_username(username);
+    if service.is_empty() {
+        return Err(LockError::config(format!(
+            "{url} names no service; write redis+sentinel://sentinel:26379/SERVICE_NAME[/db] with the name the sentinels monitor the primary under"
+        )));
     }
-    if let Some(password) = password {
-        settings = settings.set_password(password);
+    let db = database(url, db)?;
+    let sentinel_user = url.take("sentinel_user");
+    let sentinel_password = url.take("sentinel_password");
+    let mut sentinels = Vec::new();
+    for host in url.hosts() {
+        let addr = tcp_addr(
+            host.name.clone(),
+            host.port.unwrap_or(DEFAULT_SENTINEL_PORT),
+            tls,
+        );
+        let info = into_info(url, addr)?.set_redis_settings(settings(
+            0,
+            sentinel_user.clone(),
+            sentinel_password.clone(),
+            ProtocolVersion::RESP2,
+        ));
+        sentinels.push(info);
     }
-    let info = addr
-        .into_connection_info()
-        .map_err(|e| LockError::config(format!("{url}: {e}")))?;
-    Ok(info.set_redis_settings(settings))
+    Ok(SentinelServer {
+        sentinels,
+        service,
+        tls,
+        node: settings(
+            db,
+            url.username().map(str::to_owned),
+            url.password().map(str::to_owned),
+            protocol,
+        ),
+    })
+}
+
+/// `redis+cluster://[user:pw@]host[:port],...`.
+fn cluster(url: &mut LockUrl, tls: bool) -> Result<ClusterServer, LockError> {
+    let protocol = protocol(url)?;
+    if url.hosts().is_empty() {
+        return Err(LockError::config(format!(
+            "{url} names no node; write redis+cluster://host:port[,host:port...]"
+        )));
+    }
+    if !matches!(url.path().trim_matches('/'), "" | "0") {
+        return Err(LockError::config(format!(
+            "{url}: Redis Cluster has only database 0; remove the path"
+        )));
+    }
+    let node = settings(
+        0,
+        url.username().map(str::to_owned),
+        url.password().map(str::to_owned),
+        protocol,
+    );
+    let mut nodes = Vec::new();
+    for host in url.hosts() {
+        let addr = tcp_addr(host.name.clone(), host.port.unwrap_or(DEFAULT_PORT), tls);
+        nodes.push(into_info(url, addr)?.set_redis_settings(node.clone()));
+    }
+    Ok(ClusterServer { nodes, tls })
 }
 
 /// A credential given as a parameter or in the URL's user info, not both.

@@ -11,6 +11,9 @@ pub(crate) const CORRUPT_CODE: &str = "DISTLOCK_CORRUPT";
 
 /// Maps a driver error from `what` (a short description of the request).
 pub(crate) fn map(err: RedisError, what: &str) -> LockError {
+    if let Some(failure) = crate::tls::failure(&err) {
+        return failure.error(what, err);
+    }
     let code = err.code().unwrap_or("");
     let kind = err.kind();
     if kind == RedisKind::AuthenticationFailed || matches!(code, "WRONGPASS" | "NOAUTH") {
@@ -26,6 +29,19 @@ pub(crate) fn map(err: RedisError, what: &str) -> LockError {
              permissions listed in the lock-redis docs (\"ACL users\") on its namespace's \
              keys and channels",
             err.detail().unwrap_or("NOPERM")
+        ))
+        .with_source(err);
+    }
+    if code == "READONLY" {
+        return LockError::unavailable(format!(
+            "{what}: the redis server is a read-only replica now ({err}); a failover is under way \
+             (or the URL names a replica): nothing was written, the client looks for the primary again"
+        ))
+        .with_source(err);
+    }
+    if matches!(code, "CLUSTERDOWN" | "MASTERDOWN" | "TRYAGAIN" | "LOADING") {
+        return LockError::unavailable(format!(
+            "{what}: the redis server cannot serve the request now ({err}); it will be retried"
         ))
         .with_source(err);
     }
@@ -47,6 +63,17 @@ pub(crate) fn map(err: RedisError, what: &str) -> LockError {
         "{what}: the redis server refused the request: {err}"
     ))
     .with_source(err)
+}
+
+/// Whether `err` means the Sentinel primary may be elsewhere now: the
+/// connection failed or timed out, or the server became a replica.
+pub(crate) fn primary_may_have_moved(err: &RedisError) -> bool {
+    err.is_io_error()
+        || err.is_connection_dropped()
+        || err.is_connection_refusal()
+        || err.is_timeout()
+        || err.is_unrecoverable_error()
+        || matches!(err.code(), Some("READONLY" | "MASTERDOWN" | "LOADING"))
 }
 
 /// Whether the server refused `err` for lack of an ACL permission.

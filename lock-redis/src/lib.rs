@@ -167,10 +167,13 @@
 
 mod backend;
 mod config;
+mod connection;
 mod errors;
 mod keys;
 mod listener;
 mod scripts;
+mod sentinel;
+mod tls;
 
 pub use backend::RedisLock;
 pub use config::{RedisConfig, DEFAULT_FENCE_RETENTION};
@@ -179,7 +182,14 @@ pub use scripts::acquire_script_sha;
 /// The URL schemes the `distlock` facade opens with this crate (`rediss`
 /// needs the `tls` feature). [`RedisLock::connect`] also accepts `unix://`
 /// and `redis+unix://` socket URLs.
-pub const SCHEMES: &[&str] = &["redis", "rediss"];
+pub const SCHEMES: &[&str] = &[
+    "redis",
+    "rediss",
+    "redis+sentinel",
+    "rediss+sentinel",
+    "redis+cluster",
+    "rediss+cluster",
+];
 
 /// The redis driver this backend is built on, re-exported so applications
 /// build a [`ConnectionManager`](redis::aio::ConnectionManager) with the same

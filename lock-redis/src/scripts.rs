@@ -30,11 +30,12 @@ end
 local function corrupt(which, detail)
   return redis.error_reply('DISTLOCK_CORRUPT ' .. which .. ' ' .. detail)
 end
--- After a DEL: wake the waiters. A script is not rolled back, so a refused
--- PUBLISH (no ACL channel permission) must not fail it: the lock is
--- released either way; the error text goes back for the client to log.
-local function released(channel)
-  local r = redis.pcall('PUBLISH', channel, 'released')
+-- After a DEL: wake the waiters (`publish` is PUBLISH, or SPUBLISH in a
+-- cluster). A script is not rolled back, so a refused publish (no ACL
+-- channel permission) must not fail it: the lock is released either way;
+-- the error text goes back for the client to log.
+local function released(publish, channel)
+  local r = redis.pcall(publish, channel, 'released')
   if type(r) == 'table' and r['err'] then return {1, r['err']} end
   return 1
 end
@@ -89,9 +90,9 @@ if not ours(v) then return corrupt('lock', 'holds a value in a format distlock d
 return 0
 "#;
 
-/// KEYS: lock. ARGV: expected value, channel.
+/// KEYS: lock. ARGV: expected value, channel, publish command.
 /// Returns 1 when released and published, `{1, error}` when released but
-/// the PUBLISH was refused, 0 when not held.
+/// the publish was refused, 0 when not held.
 const RELEASE: &str = r#"
 local lt = kind(KEYS[1])
 if lt == 'none' then return 0 end
@@ -99,7 +100,7 @@ if lt ~= 'string' then return corrupt('lock', 'holds a ' .. lt .. ', not a distl
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  return released(ARGV[2])
+  return released(ARGV[3], ARGV[2])
 end
 if not ours(v) then return corrupt('lock', 'holds a value in a format distlock does not write') end
 return 0
@@ -116,7 +117,8 @@ local _, fence = string.match(v, '^dl1:(%x+):(%d+)$')
 return {1, redis.call('PTTL', KEYS[1]), fence}
 "#;
 
-/// KEYS: lock. ARGV: channel. Deletes the lock whoever holds it.
+/// KEYS: lock. ARGV: channel, publish command. Deletes the lock whoever
+/// holds it.
 /// Returns as [`RELEASE`] (0 when free).
 const FORCE_RELEASE: &str = r#"
 local lt = kind(KEYS[1])
@@ -126,10 +128,11 @@ if not ours(redis.call('GET', KEYS[1])) then
   return corrupt('lock', 'holds a value in a format distlock does not write')
 end
 redis.call('DEL', KEYS[1])
-return released(ARGV[1])
+return released(ARGV[2], ARGV[1])
 "#;
 
-/// KEYS: a lock key and a fence key, ARGV: a channel, all in the namespace.
+/// KEYS: a lock key and a fence key, ARGV: a channel in the namespace and
+/// the publish, subscribe and unsubscribe commands (sharded in a cluster).
 /// Runs nothing: returns what the ACL user may not do there, as a flat list
 /// of `command, 'keys'|'channels'|''` pairs. Empty on servers before 7.0
 /// (no `redis.acl_check_cmd`); they report missing permissions at first use.
@@ -151,9 +154,9 @@ if redis.acl_check_cmd then
   end
   check('keys', 'DEL', KEYS[1])
   check('', 'TIME')
-  check('channels', 'PUBLISH', ARGV[1], 'released')
-  check('channels', 'SUBSCRIBE', ARGV[1])
-  check('channels', 'UNSUBSCRIBE', ARGV[1])
+  check('channels', ARGV[2], ARGV[1], 'released')
+  check('channels', ARGV[3], ARGV[1])
+  check('channels', ARGV[4], ARGV[1])
   check('', 'PING')
 end
 return denied
@@ -184,6 +187,39 @@ impl LuaScript {
             .query_async::<String>(conn)
             .await
             .map(drop)
+    }
+
+    /// Runs the script as [`invoke`](Self::invoke), then `WAIT replicas
+    /// timeout` on the same connection (one pipeline): the script's reply
+    /// and how many replicas acknowledged its writes.
+    pub(crate) async fn invoke_and_wait(
+        &self,
+        conn: &mut impl ConnectionLike,
+        keys: &[&str],
+        args: &[String],
+        replicas: u32,
+        timeout: Duration,
+    ) -> RedisResult<(Value, i64)> {
+        let pipeline = |eval: bool| {
+            let mut pipe = redis::pipe();
+            pipe.cmd(if eval { "EVAL" } else { "EVALSHA" })
+                .arg(if eval { &self.body } else { &self.sha })
+                .arg(keys.len())
+                .arg(keys)
+                .arg(args);
+            pipe.cmd("WAIT").arg(replicas).arg(
+                u64::try_from(timeout.as_millis())
+                    .unwrap_or(u64::MAX)
+                    .max(1),
+            );
+            pipe
+        };
+        match pipeline(false).query_async(conn).await {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                pipeline(true).query_async(conn).await
+            }
+            other => other,
+        }
     }
 
     /// Runs the script: `EVALSHA`, and `EVAL` with its text when the server

@@ -19,6 +19,10 @@ mod pooled_postgres;
 mod postgres;
 mod postgres_tls;
 mod redis;
+mod redis_cluster;
+mod redis_node;
+mod redis_sentinel;
+mod redis_tls;
 
 pub use self::etcd::Etcd;
 pub use self::etcd_cluster::EtcdCluster;
@@ -29,6 +33,9 @@ pub use self::pooled_postgres::PooledPostgres;
 pub use self::postgres::Postgres;
 pub use self::postgres_tls::{PostgresTls, CERT_USER};
 pub use self::redis::Redis;
+pub use self::redis_cluster::{ClusterPrimary, RedisCluster};
+pub use self::redis_sentinel::{RedisSentinel, SENTINEL_SERVICE};
+pub use self::redis_tls::{RedisTls, RedisTlsAuth};
 
 /// A kind of lock server the harness knows how to run.
 ///

@@ -18,28 +18,7 @@ async fn an_acl_user_without_script_permission_runs_the_scripts_with_eval() {
     let server = start(server::Redis::default());
     let mut admin = raw(&server.url()).await;
     // Exactly the permissions the crate docs list (no SCRIPT).
-    acl_user(
-        &mut admin,
-        "noscript",
-        &[
-            "~distlock:*",
-            "&distlock:*",
-            "+evalsha",
-            "+eval",
-            "+subscribe",
-            "+unsubscribe",
-            "+ping",
-            "+type",
-            "+get",
-            "+set",
-            "+del",
-            "+pttl",
-            "+pexpire",
-            "+time",
-            "+publish",
-        ],
-    )
-    .await;
+    acl_user(&mut admin, "noscript", DOC_PERMISSIONS).await;
     let flush = || async {
         let mut admin = raw(&server.url()).await;
         let _: () = redis::cmd("SCRIPT")

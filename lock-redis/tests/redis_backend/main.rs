@@ -1,8 +1,13 @@
 //! Redis-specific tests beyond the shared suite, each against its own
-//! `redis-server` started on a loopback port (never an external server,
-//! so command counts are exact).
+//! `redis-server` (or Sentinel group, or cluster) started on loopback
+//! (never an external server, so command counts are exact, and primaries
+//! can be killed).
 
 mod acl;
+mod cluster;
 mod commands;
 mod pubsub;
+mod sentinel;
 mod support;
+#[cfg(feature = "tls")]
+mod tls;

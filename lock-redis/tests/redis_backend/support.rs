@@ -23,7 +23,7 @@ pub fn unique(prefix: &str) -> LockKey {
     LockKey::new(format!("{prefix}-{:016x}", rand_u64())).unwrap()
 }
 
-fn rand_u64() -> u64 {
+pub fn rand_u64() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(
@@ -47,10 +47,11 @@ pub async fn raw(url: &str) -> MultiplexedConnection {
         .expect("raw connection to the test server")
 }
 
-/// How many clients are subscribed to `channel`.
-pub async fn numsub(conn: &mut MultiplexedConnection, channel: &str) -> i64 {
+/// How many clients are subscribed to `channel` (`which` is `NUMSUB`, or
+/// `SHARDNUMSUB` for a shard channel).
+async fn numsub_of(conn: &mut MultiplexedConnection, which: &str, channel: &str) -> i64 {
     let (_, count): (String, i64) = redis::cmd("PUBSUB")
-        .arg("NUMSUB")
+        .arg(which)
         .arg(channel)
         .query_async(conn)
         .await
@@ -63,6 +64,25 @@ pub async fn await_numsub(conn: &mut MultiplexedConnection, channel: &str, want:
     await_numsub_within(conn, channel, want, what, Duration::from_secs(10)).await
 }
 
+/// Waits (up to 10 s) until shard channel `channel` has exactly `want`
+/// subscribers on the node of `conn`.
+pub async fn await_shard_numsub(
+    conn: &mut MultiplexedConnection,
+    channel: &str,
+    want: i64,
+    what: &str,
+) {
+    await_subscribers(
+        conn,
+        "SHARDNUMSUB",
+        channel,
+        want,
+        what,
+        Duration::from_secs(10),
+    )
+    .await
+}
+
 /// Waits up to `within` until `channel` has exactly `want` subscribers.
 pub async fn await_numsub_within(
     conn: &mut MultiplexedConnection,
@@ -71,9 +91,20 @@ pub async fn await_numsub_within(
     what: &str,
     within: Duration,
 ) {
+    await_subscribers(conn, "NUMSUB", channel, want, what, within).await
+}
+
+async fn await_subscribers(
+    conn: &mut MultiplexedConnection,
+    which: &str,
+    channel: &str,
+    want: i64,
+    what: &str,
+    within: Duration,
+) {
     let deadline = Instant::now() + within;
     loop {
-        let count = numsub(conn, channel).await;
+        let count = numsub_of(conn, which, channel).await;
         if count == want {
             return;
         }
@@ -274,6 +305,25 @@ pub fn names(commands: &[(String, String)]) -> Vec<&str> {
     commands.iter().map(|(n, _)| n.as_str()).collect()
 }
 
+/// Exactly the permissions the crate docs list for namespace `distlock`.
+pub const DOC_PERMISSIONS: &[&str] = &[
+    "~distlock:*",
+    "&distlock:*",
+    "+evalsha",
+    "+eval",
+    "+subscribe",
+    "+unsubscribe",
+    "+ping",
+    "+type",
+    "+get",
+    "+set",
+    "+del",
+    "+pttl",
+    "+pexpire",
+    "+time",
+    "+publish",
+];
+
 /// Creates (or resets) the ACL user `name` with password `pw` and `rules`.
 pub async fn acl_user(admin: &mut MultiplexedConnection, name: &str, rules: &[&str]) {
     let _: () = redis::cmd("ACL")
@@ -286,4 +336,90 @@ pub async fn acl_user(admin: &mut MultiplexedConnection, name: &str, rules: &[&s
         .query_async(admin)
         .await
         .unwrap();
+}
+
+/// Starts a server group of the harness (blocking work) from async code.
+pub async fn start_group<T: Send + 'static>(start: fn() -> std::io::Result<T>) -> T {
+    tokio::task::spawn_blocking(start)
+        .await
+        .unwrap()
+        .expect("cannot start the redis servers")
+}
+
+/// A guard of one client on a lock and a waiter of another client on the
+/// same lock, for a fault in between.
+pub struct HeldAndAwaited {
+    pub guard: lock_core::LockGuard,
+    pub waiter: tokio::task::JoinHandle<Result<Option<lock_core::LockGuard>, LockError>>,
+}
+
+impl HeldAndAwaited {
+    /// `holder` takes `key` with a renewing guard (TTL `ttl`); `waiter`
+    /// waits for it for up to 60 s (the caller sees it subscribe).
+    pub async fn start(
+        holder: &LockClient,
+        waiter: &LockClient,
+        key: &LockKey,
+        ttl: Duration,
+    ) -> Self {
+        let options = lock_core::LockOptions::new(ttl);
+        let guard = lock_core::Locker::new(holder.clone())
+            .try_lock(key, &options)
+            .await
+            .unwrap()
+            .expect("the key is free");
+        let waiting = lock_core::Locker::new(waiter.clone());
+        let key2 = key.clone();
+        let waiter_task = tokio::spawn(async move {
+            waiting
+                .acquire(&key2, &options.wait(Duration::from_secs(60)))
+                .await
+        });
+        Self {
+            guard,
+            waiter: waiter_task,
+        }
+    }
+
+    /// After the fault: the guard either still holds the lock (then it is
+    /// released, and the waiter gets it; at its TTL if the release failed)
+    /// or reported it lost (then the waiter gets it, never before the
+    /// loss). Either way the waiter's
+    /// fencing token is greater. Returns the waiter's guard.
+    pub async fn settle(self) -> lock_core::LockGuard {
+        let Self { guard, waiter } = self;
+        // Read in this order: a waiter that already got the lock implies
+        // the guard knew it had lost it.
+        let waiter_done = waiter.is_finished();
+        let lost = guard.is_lost();
+        assert!(
+            !waiter_done || lost,
+            "the waiter got the lock while the guard held it"
+        );
+        let token = guard.fencing_token();
+        if !lost {
+            // The first request on a connection to the dead primary fails
+            // (Unavailable) and the next one finds the new primary; a
+            // release that fails so leaves the lock to its TTL.
+            if let Err(e) = guard.release().await {
+                assert!(
+                    matches!(
+                        e.kind(),
+                        lock_core::ErrorKind::NotHeld | lock_core::ErrorKind::Unavailable
+                    ),
+                    "{e}"
+                );
+            }
+        }
+        let next = waiter
+            .await
+            .unwrap()
+            .expect("the waiter rides through the failover")
+            .expect("the waiter gets the lock once it is free");
+        assert!(
+            next.fencing_token() > token,
+            "fencing tokens grow across the failover"
+        );
+        next
+    }
 }
