@@ -3,12 +3,11 @@
 //! `redis-cli --cluster create ... --cluster-replicas 1`.
 
 use std::io;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::redis_node::{cli, info_field, wait_until, Node};
-use super::ServerProcess;
+use super::redis_node::{info_field, wait_until, Access, Node, Role};
+use super::{ServerProcess, TestPki};
 
 /// Every node's password (`requirepass`, `masterauth`).
 const PASSWORD: &str = "cluster-pw";
@@ -45,6 +44,7 @@ pub struct ClusterPrimary {
 #[derive(Debug)]
 pub struct RedisCluster {
     nodes: Vec<ServerProcess>,
+    access: Access,
 }
 
 impl RedisCluster {
@@ -55,10 +55,26 @@ impl RedisCluster {
     /// harness cannot reserve: a node that finds it taken exits just after
     /// it started, and the whole cluster is started again on other ports.
     pub fn start() -> io::Result<Self> {
+        Self::start_with(None)
+    }
+
+    /// The same cluster over TLS only (clients, replication and the
+    /// cluster bus), with `pki`'s server certificate; its
+    /// [`url`](Self::url) is `rediss+cluster://…?tls_ca_file=CA`.
+    pub fn start_tls(pki: TestPki) -> io::Result<Self> {
+        Self::start_with(Some(pki))
+    }
+
+    fn start_with(tls: Option<TestPki>) -> io::Result<Self> {
+        let node = Arc::new(Node {
+            role: Role::Cluster,
+            password: PASSWORD.into(),
+            tls,
+        });
         let mut attempt = 0;
         loop {
             attempt += 1;
-            match Self::start_once() {
+            match Self::start_once(&node) {
                 Ok(cluster) => return Ok(cluster),
                 Err(e) if attempt < 3 && e.kind() != io::ErrorKind::NotFound => {
                     tracing::warn!("redis cluster start failed, trying other ports: {e}");
@@ -68,16 +84,16 @@ impl RedisCluster {
         }
     }
 
-    fn start_once() -> io::Result<Self> {
+    fn start_once(node: &Arc<Node>) -> io::Result<Self> {
         let mut nodes = Vec::new();
         for _ in 0..NODES {
-            nodes.push(ServerProcess::start(Arc::new(Node::Cluster {
-                password: PASSWORD.into(),
-            }))?);
+            nodes.push(ServerProcess::start(node.clone())?);
         }
+        let access = node.access();
         let addresses: Vec<String> = nodes.iter().map(|n| n.addr().to_string()).collect();
-        let output = Command::new("redis-cli")
-            .args(["-a", PASSWORD, "--no-auth-warning", "--cluster", "create"])
+        let output = access
+            .command()
+            .args(["--cluster", "create"])
             .args(&addresses)
             .args(["--cluster-replicas", "1", "--cluster-yes"])
             .output()?;
@@ -88,20 +104,29 @@ impl RedisCluster {
                 String::from_utf8_lossy(&output.stderr)
             )));
         }
-        let cluster = Self { nodes };
+        let cluster = Self { nodes, access };
         cluster.wait_healthy()?;
         Ok(cluster)
     }
 
-    /// `redis+cluster://:PASSWORD@` and every node's address.
+    /// `redis+cluster://:PASSWORD@` and every node's address
+    /// (`rediss+cluster://…?tls_ca_file=CA` over TLS).
     pub fn url(&self) -> String {
         let nodes: Vec<String> = self.nodes.iter().map(|n| n.addr().to_string()).collect();
-        format!("redis+cluster://:{PASSWORD}@{}", nodes.join(","))
+        match &self.access.ca {
+            Some(ca) => format!(
+                "rediss+cluster://:{PASSWORD}@{}?tls_ca_file={}",
+                nodes.join(","),
+                ca.display()
+            ),
+            None => format!("redis+cluster://:{PASSWORD}@{}", nodes.join(",")),
+        }
     }
 
-    /// A plain `redis://` URL of `node` (for the test's own commands).
+    /// A URL of `node` (for the test's own commands): `redis://:PASSWORD@…`
+    /// (`rediss://…?tls_ca_file=CA` over TLS).
     pub fn node_url(&self, node: &ServerProcess) -> String {
-        format!("redis://:{PASSWORD}@{}", node.addr())
+        self.access.url(node.addr())
     }
 
     /// The nodes.
@@ -121,7 +146,7 @@ impl RedisCluster {
             .iter()
             .find(|n| n.is_running())
             .ok_or_else(|| io::Error::other("no cluster node is running"))?;
-        let text = cli(node.port(), PASSWORD, &["CLUSTER", "NODES"])?;
+        let text = self.access.cli(node.port(), &["CLUSTER", "NODES"])?;
         let mut primaries = Vec::new();
         for line in text.lines() {
             let fields: Vec<&str> = line.split_whitespace().collect();
@@ -156,7 +181,7 @@ impl RedisCluster {
             .iter()
             .find(|n| n.is_running())
             .ok_or_else(|| io::Error::other("no cluster node is running"))?;
-        let reply = cli(node.port(), PASSWORD, &["CLUSTER", "KEYSLOT", key])?;
+        let reply = self.access.cli(node.port(), &["CLUSTER", "KEYSLOT", key])?;
         reply
             .trim()
             .parse()
@@ -173,7 +198,7 @@ impl RedisCluster {
             HEALTHY_TIMEOUT,
             || {
                 for node in self.nodes.iter().filter(|n| n.is_running()) {
-                    let info = cli(node.port(), PASSWORD, &["CLUSTER", "INFO"])?;
+                    let info = self.access.cli(node.port(), &["CLUSTER", "INFO"])?;
                     if info_field(&info, "cluster_state").as_deref() != Some("ok") {
                         return Ok(false);
                     }
@@ -190,7 +215,7 @@ impl RedisCluster {
                 let running = self.nodes.iter().filter(|n| n.is_running()).count();
                 let mut in_sync = 0;
                 for primary in &primaries {
-                    let info = cli(primary.port, PASSWORD, &["INFO", "replication"])?;
+                    let info = self.access.cli(primary.port, &["INFO", "replication"])?;
                     in_sync += info
                         .lines()
                         .filter(|l| l.starts_with("slave") && l.contains("state=online"))

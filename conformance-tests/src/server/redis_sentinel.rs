@@ -5,8 +5,8 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::redis_node::{cli, info_field, wait_until, Node};
-use super::ServerProcess;
+use super::redis_node::{info_field, wait_until, Access, Node, Role};
+use super::{ServerProcess, TestPki};
 
 /// The name the sentinels monitor the primary under.
 pub const SENTINEL_SERVICE: &str = "distlock-primary";
@@ -39,46 +39,75 @@ const HEALTHY_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct RedisSentinel {
     data: Vec<ServerProcess>,
     sentinels: Vec<ServerProcess>,
+    /// The data nodes' password and CA.
+    data_access: Access,
+    /// The sentinels' password and CA.
+    access: Access,
 }
 
 impl RedisSentinel {
     /// Starts the group and waits until the sentinels agree on the primary
     /// and the replica is in sync.
     pub fn start() -> io::Result<Self> {
-        let primary = ServerProcess::start(Arc::new(Node::Data {
+        Self::start_with(None)
+    }
+
+    /// The same group over TLS only (clients, replication and sentinels),
+    /// with `pki`'s server certificate; its [`url`](Self::url) is
+    /// `rediss+sentinel://…&tls_ca_file=CA`.
+    pub fn start_tls(pki: TestPki) -> io::Result<Self> {
+        Self::start_with(Some(pki))
+    }
+
+    fn start_with(tls: Option<TestPki>) -> io::Result<Self> {
+        let data = |replica_of| Node {
+            role: Role::Data { replica_of },
             password: DATA_PASSWORD.into(),
-            replica_of: None,
-        }))?;
-        let replica = ServerProcess::start(Arc::new(Node::Data {
-            password: DATA_PASSWORD.into(),
-            replica_of: Some(primary.port()),
-        }))?;
-        let mut sentinels = Vec::new();
-        for _ in 0..3 {
-            sentinels.push(ServerProcess::start(Arc::new(Node::Sentinel {
-                password: SENTINEL_PASSWORD.into(),
+            tls: tls.clone(),
+        };
+        let primary_node = data(None);
+        let data_access = primary_node.access();
+        let primary = ServerProcess::start(Arc::new(primary_node))?;
+        let replica = ServerProcess::start(Arc::new(data(Some(primary.port()))))?;
+        let sentinel = Node {
+            role: Role::Sentinel {
                 data_password: DATA_PASSWORD.into(),
                 service: SENTINEL_SERVICE.into(),
                 primary: primary.port(),
-            }))?);
+            },
+            password: SENTINEL_PASSWORD.into(),
+            tls: tls.clone(),
+        };
+        let access = sentinel.access();
+        let sentinel = Arc::new(sentinel);
+        let mut sentinels = Vec::new();
+        for _ in 0..3 {
+            sentinels.push(ServerProcess::start(sentinel.clone())?);
         }
         let group = Self {
             data: vec![primary, replica],
             sentinels,
+            data_access,
+            access,
         };
         group.wait_healthy()?;
         Ok(group)
     }
 
-    /// `redis+sentinel://:PASSWORD@127.0.0.1:S1,127.0.0.1:S2,127.0.0.1:S3/SERVICE?sentinel_password=...`.
+    /// `redis+sentinel://:PASSWORD@127.0.0.1:S1,127.0.0.1:S2,127.0.0.1:S3/SERVICE?sentinel_password=...`
+    /// (`rediss+sentinel://…&tls_ca_file=CA` over TLS).
     pub fn url(&self) -> String {
         let sentinels: Vec<String> = self
             .sentinels
             .iter()
             .map(|s| s.addr().to_string())
             .collect();
+        let (scheme, ca) = match &self.access.ca {
+            Some(ca) => ("rediss", format!("&tls_ca_file={}", ca.display())),
+            None => ("redis", String::new()),
+        };
         format!(
-            "redis+sentinel://:{DATA_PASSWORD}@{}/{SENTINEL_SERVICE}?sentinel_password={SENTINEL_PASSWORD}",
+            "{scheme}+sentinel://:{DATA_PASSWORD}@{}/{SENTINEL_SERVICE}?sentinel_password={SENTINEL_PASSWORD}{ca}",
             sentinels.join(",")
         )
     }
@@ -93,15 +122,16 @@ impl RedisSentinel {
         &self.sentinels
     }
 
-    /// A plain `redis://` URL of data node `node` (for the test's own
-    /// commands).
+    /// A URL of data node `node` (for the test's own commands):
+    /// `redis://:PASSWORD@…` (`rediss://…?tls_ca_file=CA` over TLS).
     pub fn node_url(&self, node: &ServerProcess) -> String {
-        format!("redis://:{DATA_PASSWORD}@{}", node.addr())
+        self.data_access.url(node.addr())
     }
 
-    /// A plain `redis://` URL of `sentinel` (for the test's own commands).
+    /// A URL of `sentinel` (for the test's own commands), as
+    /// [`node_url`](Self::node_url).
     pub fn sentinel_url(&self, sentinel: &ServerProcess) -> String {
-        format!("redis://:{SENTINEL_PASSWORD}@{}", sentinel.addr())
+        self.access.url(sentinel.addr())
     }
 
     /// The data node the sentinels name as the primary now.
@@ -118,9 +148,8 @@ impl RedisSentinel {
     fn primary_port(&self) -> io::Result<u16> {
         let mut last = None;
         for sentinel in self.sentinels.iter().filter(|s| s.is_running()) {
-            match cli(
+            match self.access.cli(
                 sentinel.port(),
-                SENTINEL_PASSWORD,
                 &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", SENTINEL_SERVICE],
             ) {
                 Ok(reply) => {
@@ -152,9 +181,8 @@ impl RedisSentinel {
     pub fn rejoin(&self, node: &ServerProcess) -> io::Result<()> {
         node.restart()?;
         let primary = self.primary_port()?;
-        cli(
+        self.data_access.cli(
             node.port(),
-            DATA_PASSWORD,
             &["REPLICAOF", "127.0.0.1", &primary.to_string()],
         )?;
         self.wait_healthy()
@@ -171,11 +199,9 @@ impl RedisSentinel {
             || {
                 let mut named = Vec::new();
                 for sentinel in self.sentinels.iter().filter(|s| s.is_running()) {
-                    let reply = cli(
-                        sentinel.port(),
-                        SENTINEL_PASSWORD,
-                        &["SENTINEL", "MASTER", SENTINEL_SERVICE],
-                    )?;
+                    let reply = self
+                        .access
+                        .cli(sentinel.port(), &["SENTINEL", "MASTER", SENTINEL_SERVICE])?;
                     let fields: Vec<&str> = reply.lines().collect();
                     let field = |name: &str| {
                         fields
@@ -207,7 +233,9 @@ impl RedisSentinel {
                 else {
                     return Ok(false);
                 };
-                let info = cli(primary.port(), DATA_PASSWORD, &["INFO", "replication"])?;
+                let info = self
+                    .data_access
+                    .cli(primary.port(), &["INFO", "replication"])?;
                 let replicas = self.data.iter().filter(|n| n.is_running()).count() - 1;
                 let online = info
                     .lines()

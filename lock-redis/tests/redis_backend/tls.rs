@@ -6,7 +6,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use conformance_tests::server::{self, RedisTls, RedisTlsAuth, ServerProcess, TestPki};
+use conformance_tests::server::{
+    self, RedisSentinel, RedisTls, RedisTlsAuth, ServerProcess, TestPki,
+};
 use lock_core::ErrorKind;
 use lock_redis::redis::{self, aio::MultiplexedConnection};
 
@@ -63,8 +65,10 @@ async fn refused(url: &str, kind: ErrorKind) -> String {
     err.message().to_owned()
 }
 
-/// A raw TLS connection trusting the PKI's CA, as `client` if given.
-async fn raw_tls(server: &ServerProcess, pki: &TestPki, client: bool) -> MultiplexedConnection {
+/// A raw TLS connection to `url` (`rediss://[:password@]host:port`,
+/// parameters ignored) trusting the PKI's CA, as the PKI's client if
+/// `client`.
+async fn raw_tls(url: &str, pki: &TestPki, client: bool) -> MultiplexedConnection {
     let read = |p: &std::path::Path| std::fs::read(p).unwrap();
     let certificates = redis::TlsCertificates {
         client_tls: client.then(|| redis::ClientTlsConfig {
@@ -74,7 +78,8 @@ async fn raw_tls(server: &ServerProcess, pki: &TestPki, client: bool) -> Multipl
         root_cert: Some(read(&pki.ca)),
     };
     let _ = rustls::crypto::ring::default_provider().install_default();
-    redis::Client::build_with_tls(format!("rediss://{}", server.addr()), certificates)
+    let url = url.split('?').next().unwrap_or(url);
+    redis::Client::build_with_tls(url, certificates)
         .unwrap()
         .get_multiplexed_async_connection()
         .await
@@ -168,7 +173,7 @@ async fn a_required_client_certificate_is_asked_for_and_accepted() {
             "{url}: {message}"
         );
     }
-    let mut admin = raw_tls(&server, &pki.pki, true).await;
+    let mut admin = raw_tls(&format!("rediss://{}", server.addr()), &pki.pki, true).await;
     lock_and_wake(&server.url(), &mut admin).await;
 }
 
@@ -179,7 +184,7 @@ async fn a_required_client_certificate_is_asked_for_and_accepted() {
 async fn an_acl_user_over_tls() {
     let pki = Pki::new();
     let server = start_tls(RedisTls::new(pki.pki.clone()));
-    let mut admin = raw_tls(&server, &pki.pki, false).await;
+    let mut admin = raw_tls(&format!("rediss://{}", server.addr()), &pki.pki, false).await;
     acl_user(&mut admin, "jobs", DOC_PERMISSIONS).await;
     let url = |user: &str, namespace: &str| {
         format!(
@@ -285,4 +290,25 @@ async fn missing_or_unusable_tls_files_name_the_parameter_and_path() {
     )
     .await;
     assert!(message.contains("rediss://"), "{message}");
+}
+
+/// `rediss+sentinel://`: the sentinels, the primary and the replication
+/// speak TLS only; the client finds the primary over TLS, locks, and its
+/// waiter is woken over a TLS pub/sub connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_over_tls() {
+    let pki = Pki::new();
+    let tls = pki.pki.clone();
+    let group = tokio::task::spawn_blocking(move || RedisSentinel::start_tls(tls))
+        .await
+        .unwrap()
+        .expect("cannot start the TLS sentinel group");
+    let url = group.url();
+    assert!(url.starts_with("rediss+sentinel://"), "{url}");
+    let mut admin = raw_tls(&group.node_url(group.primary().unwrap()), &pki.pki, false).await;
+    lock_and_wake(&url, &mut admin).await;
+    // The sentinels' certificate must be trusted too.
+    let untrusted = url.replace(&pki.ca(), &pki.pki.other_ca.display().to_string());
+    let message = refused(&format!("{untrusted}&{CONNECT}"), ErrorKind::Config).await;
+    assert!(message.contains("TLS certificate problem"), "{message}");
 }
