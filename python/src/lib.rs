@@ -1,6 +1,6 @@
 //! `distlock._distlock`: the Python extension module of distlock.
 //!
-//! Every operation runs the Rust library (through [`backend`]) on a tokio
+//! Every operation runs the Rust library (through the `backend` module) on a tokio
 //! runtime of this process, with the GIL released while it waits on the
 //! server. The asyncio glue and the Celery helpers are in the Python package
 //! around this module (`python/distlock`).
