@@ -55,7 +55,9 @@ async fn disabled_etcd_names_its_feature() {
 #[cfg(all(feature = "etcd", not(feature = "tls")))]
 #[tokio::test]
 async fn etcds_without_tls_names_the_feature() {
-    let err = distlock::connect("etcds://127.0.0.1:2379").await.unwrap_err();
+    let err = distlock::connect("etcds://127.0.0.1:2379")
+        .await
+        .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Config, "{err}");
     assert!(err.to_string().contains("`tls` feature"), "{err}");
 }
