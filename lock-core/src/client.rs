@@ -145,9 +145,9 @@ impl LockClient {
     /// [`is_expired`](Lease::is_expired) is true: do not act on it (release
     /// it; [`Locker`](crate::Locker) never hands such a lease to a job).
     ///
-    /// Errors: [`ErrorKind::InvalidInput`] for a zero or too long TTL;
-    /// [`ErrorKind::Unavailable`] / [`ErrorKind::Timeout`] if the server
-    /// cannot answer; [`ErrorKind::Corrupted`] for a value at the key that
+    /// Errors: [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for a zero or too long TTL;
+    /// [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) / [`ErrorKind::Timeout`](crate::ErrorKind::Timeout) if the server
+    /// cannot answer; [`ErrorKind::Corrupted`](crate::ErrorKind::Corrupted) for a value at the key that
     /// distlock did not write.
     ///
     /// Cancel safety: if this future is dropped after the request was sent,
@@ -275,7 +275,7 @@ impl LockClient {
 
     /// Resets the lease's TTL to `ttl` from now if, and only if, the server
     /// still holds it for this owner; returns the renewed lease (same owner
-    /// and fencing token). [`ErrorKind::NotHeld`] if it does not: an expired
+    /// and fencing token). [`ErrorKind::NotHeld`](crate::ErrorKind::NotHeld) if it does not: an expired
     /// or released lock is never recreated.
     pub async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
         let span = tracing::debug_span!("distlock.extend", backend = self.name(), key = %lease.key(), fencing = %lease.fencing_token());
@@ -324,7 +324,7 @@ impl LockClient {
     }
 
     /// Deletes the lock if, and only if, this lease still holds it, waking
-    /// waiters. [`ErrorKind::NotHeld`] if it does not (released already,
+    /// waiters. [`ErrorKind::NotHeld`](crate::ErrorKind::NotHeld) if it does not (released already,
     /// expired, or taken by someone else — whose lock stays).
     pub async fn release(&self, lease: &Lease) -> Result<(), LockError> {
         let span = tracing::debug_span!("distlock.release", backend = self.name(), key = %lease.key(), fencing = %lease.fencing_token());
@@ -354,7 +354,7 @@ impl LockClient {
         result
     }
 
-    /// Reads who holds `key` (an operator call; [`ErrorKind::Unsupported`]
+    /// Reads who holds `key` (an operator call; [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported)
     /// if the backend has none).
     pub async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
         let result = match self.admin() {
@@ -366,7 +366,7 @@ impl LockClient {
     }
 
     /// Deletes the lock at `key` whoever holds it, waking waiters; returns
-    /// whether one was held (an operator call; [`ErrorKind::Unsupported`]
+    /// whether one was held (an operator call; [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported)
     /// if the backend has none).
     pub async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
         let result = match self.admin() {

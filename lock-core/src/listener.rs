@@ -85,7 +85,12 @@ pub trait NotificationSource: Send + Sync + 'static {
 /// topics without waiters are unsubscribed.
 const HEALTH_CHECK_AFTER: Duration = Duration::from_secs(10);
 
-/// The notification listener of one client; see the [module](self) docs.
+/// The notification listener of one client: connects on the first waiter,
+/// subscribes a topic when its first waiter arrives (returning once the
+/// server confirmed), wakes a topic's waiters on each release notification,
+/// pings a quiet connection, and on any failure drops the connection and
+/// wakes every waiter with an error so each subscribes again. A backend
+/// describes its connection as a [`NotificationSource`].
 ///
 /// ```
 /// use lock_core::{async_trait, ClientOptions, Listener, LockError, NotificationSource};
