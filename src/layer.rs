@@ -279,7 +279,7 @@ where
             let outcome = guard.while_held(inner.call(request)).await;
             match outcome {
                 Ok(result) => {
-                    // The lock-core guard logs a failed release; the inner
+                    // The distlock-core guard logs a failed release; the inner
                     // result stands either way.
                     let _ = guard.release().await;
                     result

@@ -7,13 +7,13 @@
 //! | URL scheme               | cargo feature | backend |
 //! |--------------------------|---------------|---------|
 //! | `memory://[name]`        | (always)      | [`MemoryLock`], in-process |
-//! | `redis://`               | `redis`       | `lock_redis::RedisLock` |
-//! | `rediss://` (TLS)        | `redis-tls`   | `lock_redis::RedisLock` |
-//! | `redis+sentinel://`, `redis+cluster://` | `redis` | `lock_redis::RedisLock` (Sentinel, Cluster) |
+//! | `redis://`               | `redis`       | `distlock_redis::RedisLock` |
+//! | `rediss://` (TLS)        | `redis-tls`   | `distlock_redis::RedisLock` |
+//! | `redis+sentinel://`, `redis+cluster://` | `redis` | `distlock_redis::RedisLock` (Sentinel, Cluster) |
 //! | `rediss+sentinel://`, `rediss+cluster://` | `redis-tls` | the same over TLS |
-//! | `etcd://`                | `etcd`        | `lock_etcd::EtcdLock` |
-//! | `etcds://` (TLS)         | `etcd` + `tls` | `lock_etcd::EtcdLock` |
-//! | `postgres://`, `postgresql://` | `postgres` | `lock_postgres::PostgresLock` |
+//! | `etcd://`                | `etcd`        | `distlock_etcd::EtcdLock` |
+//! | `etcds://` (TLS)         | `etcd` + `tls` | `distlock_etcd::EtcdLock` |
+//! | `postgres://`, `postgresql://` | `postgres` | `distlock_postgres::PostgresLock` |
 //!
 //! `full` enables `redis`, `etcd` and `postgres`; `tower` adds
 //! `layer::LockLayer`. Building with `etcd` needs `protoc` and the protobuf
@@ -45,7 +45,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Mutex, OnceLock};
 
-pub use lock_core::{
+pub use distlock_core::{
     run_exclusive, AcquireAttempt, Capabilities, ClientOptions, ErrorKind, FencingToken, Fire,
     JobContext, JobKey, Lease, LockAdmin, LockBackend, LockClient, LockError, LockGuard, LockKey,
     LockOptions, LockState, Locker, LostReason, LostSignal, MemoryLock, OnLost, OwnerToken,
@@ -59,13 +59,13 @@ pub mod layer;
 
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
-pub use lock_etcd as etcd;
+pub use distlock_etcd as etcd;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use lock_postgres as postgres;
+pub use distlock_postgres as postgres;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
-pub use lock_redis as redis;
+pub use distlock_redis as redis;
 
 type Connecting = Pin<Box<dyn Future<Output = Result<LockClient, LockError>> + Send>>;
 
@@ -117,16 +117,16 @@ fn backends() -> [Backend; 3] {
                 ("redis+cluster", "redis"),
                 ("rediss+cluster", "redis-tls"),
             ],
-            connect: connector!("redis", lock_redis::RedisLock),
+            connect: connector!("redis", distlock_redis::RedisLock),
         },
         Backend {
-            // TLS also needs `tls`; lock-etcd says so.
+            // TLS also needs `tls`; distlock-etcd says so.
             schemes: &[("etcd", "etcd"), ("etcds", "etcd")],
-            connect: connector!("etcd", lock_etcd::EtcdLock),
+            connect: connector!("etcd", distlock_etcd::EtcdLock),
         },
         Backend {
             schemes: &[("postgres", "postgres"), ("postgresql", "postgres")],
-            connect: connector!("postgres", lock_postgres::PostgresLock),
+            connect: connector!("postgres", distlock_postgres::PostgresLock),
         },
     ]
 }
@@ -155,7 +155,7 @@ pub async fn connect(url: &str) -> Result<LockClient, LockError> {
     let Some((scheme, rest)) = url.split_once("://") else {
         return Err(LockError::config(format!(
             "{:?} is not a lock URL; expected one of {}",
-            lock_core::LockUrl::parse(url)
+            distlock_core::LockUrl::parse(url)
                 .map_or_else(|_| "(unparsable)".to_owned(), |u| u.to_string()),
             known()
         )));
@@ -198,11 +198,11 @@ mod tests {
         for backend in super::backends() {
             let declared: &[&str] = match backend.schemes[0].0 {
                 #[cfg(feature = "redis")]
-                "redis" => lock_redis::SCHEMES,
+                "redis" => distlock_redis::SCHEMES,
                 #[cfg(feature = "etcd")]
-                "etcd" => lock_etcd::SCHEMES,
+                "etcd" => distlock_etcd::SCHEMES,
                 #[cfg(feature = "postgres")]
-                "postgres" => lock_postgres::SCHEMES,
+                "postgres" => distlock_postgres::SCHEMES,
                 _ => continue,
             };
             let schemes: Vec<&str> = backend.schemes.iter().map(|(s, _)| *s).collect();

@@ -6,11 +6,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use conformance_tests::{Call, ObservedLock};
 use distlock::layer::{LockLayer, LockServiceError, LockedResponse};
 use distlock::{
     ErrorKind, JobKey, LockError, LockKey, LockOptions, Locker, LostReason, MemoryLock,
 };
+use distlock_conformance::{Call, ObservedLock};
 use tokio::sync::mpsc;
 use tower::{service_fn, Layer, Service, ServiceExt};
 

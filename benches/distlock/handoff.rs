@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use conformance_tests::fault::Link;
 use distlock::{LockClient, LockKey, LockOptions, Locker, Renewal};
+use distlock_conformance::fault::Link;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::plan::{BenchResult, Plan, TTL, WARMUP_HANDOFFS};

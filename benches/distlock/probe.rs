@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use conformance_tests::fault::Link;
+use distlock_conformance::fault::Link;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
 use crate::plan::BenchResult;
@@ -77,7 +77,7 @@ pub fn source(backend: Backend, count: &ServerCount, per: f64) -> String {
     }
 }
 
-/// The commands lock-redis's scripts run inside EVALSHA.
+/// The commands distlock-redis's scripts run inside EVALSHA.
 const REDIS_SCRIPT_INNER: &[&str] = &[
     "type", "get", "set", "del", "pttl", "pexpire", "publish", "time",
 ];
@@ -208,7 +208,7 @@ async fn pg_statements(url: &str) -> Option<PgPool> {
     }
 }
 
-/// A short name for a statement lock-postgres (or the raw baseline) runs
+/// A short name for a statement distlock-postgres (or the raw baseline) runs
 /// (`pg_stat_statements` shows constants such as NULL as parameters).
 fn pg_label(query: &str) -> String {
     let q = query.split_whitespace().collect::<Vec<_>>().join(" ");

@@ -6,8 +6,8 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use conformance_tests::fault::Link;
 use distlock::{LockKey, LockOptions, Locker};
+use distlock_conformance::fault::Link;
 use serde_json::{json, Value};
 
 use crate::plan::{BenchResult, Plan};

@@ -11,7 +11,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use conformance_tests::server::{Etcd, Postgres, Redis, ServerKind, ServerProcess};
+use distlock_conformance::server::{Etcd, Postgres, Redis, ServerKind, ServerProcess};
 
 /// A backend under test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -12,8 +12,8 @@
 //!   whenever two sections interleave) lost no increment.
 //!
 //! ```
-//! use conformance_tests::checker::ExclusionChecker;
-//! use lock_core::{FencingToken, LockKey};
+//! use distlock_conformance::checker::ExclusionChecker;
+//! use distlock_core::{FencingToken, LockKey};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
@@ -34,7 +34,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use lock_core::{FencingToken, LockKey};
+use distlock_core::{FencingToken, LockKey};
 
 /// One recorded critical section.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -8,7 +8,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lock_core::{Capabilities, LockClient, LockError, LockKey, Locker};
+use distlock_core::{Capabilities, LockClient, LockError, LockKey, Locker};
 
 use crate::fault::{with_timeouts, FaultPath, Link, Proxy};
 use crate::server::{ServerHandle, ServerKind, ServerProcess};
@@ -88,19 +88,19 @@ macro_rules! check_eq {
 ///
 /// ```
 /// use std::sync::Arc;
-/// use conformance_tests::{connect_fn, CaseResult, TestContext};
-/// use lock_core::{LockClient, MemoryLock};
+/// use distlock_conformance::{connect_fn, CaseResult, TestContext};
+/// use distlock_core::{LockClient, MemoryLock};
 ///
 /// async fn my_case(ctx: TestContext) -> CaseResult {
 ///     let client = ctx.client().await?;
 ///     let key = ctx.key("mine");
-///     let lease = conformance_tests::cases::support::acquire(&client, &key, ctx.long_ttl(), "mine").await?;
+///     let lease = distlock_conformance::cases::support::acquire(&client, &key, ctx.long_ttl(), "mine").await?;
 ///     client.release(&lease).await?;
 ///     Ok(())
 /// }
 ///
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), conformance_tests::CaseError> {
+/// # async fn main() -> Result<(), distlock_conformance::CaseError> {
 /// let server = MemoryLock::new();
 /// let connect = connect_fn(move |_url| {
 ///     let client = server.client();

@@ -6,8 +6,8 @@
 //!
 //! ```no_run
 //! // tests/conformance.rs
-//! use conformance_tests::{server, Suite};
-//! use lock_core::{LockClient, LockError, MemoryLock};
+//! use distlock_conformance::{server, Suite};
+//! use distlock_core::{LockClient, LockError, MemoryLock};
 //!
 //! # async fn connect_my_backend(_url: &str) -> Result<MemoryLock, LockError> { Ok(MemoryLock::new()) }
 //! fn main() -> std::process::ExitCode {
@@ -41,7 +41,7 @@
 //!   or stalled (SIGSTOPped) server, restarts, a torture run.
 //!
 //! A case the backend cannot support (per its declared
-//! [`Capabilities`](lock_core::Capabilities)) is reported as `ignored` with
+//! [`Capabilities`](distlock_core::Capabilities)) is reported as `ignored` with
 //! the reason, never as a pass. Each case uses fresh random keys; nothing
 //! wipes shared state.
 //!

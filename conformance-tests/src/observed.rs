@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lock_core::{
+use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ErrorKind, ExtendReply, FencingToken, Grant,
     HeldLock, LockAdmin, LockBackend, LockClient, LockError, LockKey, OwnerToken, PermitReply,
     PermitRequest, ReleaseReply, ReleaseWatch, SemaphoreBackend,
@@ -93,10 +93,10 @@ impl Granted {
 ///
 /// ```
 /// use std::sync::Arc;
-/// use conformance_tests::ObservedLock;
-/// use lock_core::{Locker, LockKey, LockOptions, MemoryLock};
+/// use distlock_conformance::ObservedLock;
+/// use distlock_core::{Locker, LockKey, LockOptions, MemoryLock};
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), lock_core::LockError> {
+/// # async fn main() -> Result<(), distlock_core::LockError> {
 /// let observed = Arc::new(ObservedLock::new(MemoryLock::new()));
 /// let guard = Locker::new(observed.clone())
 ///     .try_lock(&LockKey::new("job")?, &LockOptions::new(std::time::Duration::from_secs(5)))
@@ -324,7 +324,7 @@ impl ObservedLock {
 }
 
 #[deny(clippy::missing_trait_methods)]
-#[lock_core::async_trait]
+#[distlock_core::async_trait]
 impl LockBackend for ObservedLock {
     fn name(&self) -> &'static str {
         self.inner.name()
@@ -368,7 +368,7 @@ impl LockBackend for ObservedLock {
 
 /// Permits go through the same counts and faults as the lock's calls.
 #[deny(clippy::missing_trait_methods)]
-#[lock_core::async_trait]
+#[distlock_core::async_trait]
 impl SemaphoreBackend for ObservedLock {
     async fn acquire_permit(&self, request: PermitRequest<'_>) -> Result<PermitReply, LockError> {
         let semaphore = self.inner.semaphore().ok_or_else(no_semaphore)?;

@@ -7,8 +7,8 @@ use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use distlock_core::{LockClient, LockError};
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
-use lock_core::{LockClient, LockError};
 use tokio::sync::watch;
 
 use crate::cases::{self, Case};
@@ -26,8 +26,8 @@ const DEFAULT_TEST_THREADS: usize = 8;
 ///
 /// ```no_run
 /// use std::sync::Arc;
-/// use conformance_tests::Suite;
-/// use lock_core::{LockClient, MemoryLock};
+/// use distlock_conformance::Suite;
+/// use distlock_core::{LockClient, MemoryLock};
 ///
 /// fn main() -> std::process::ExitCode {
 ///     let server = MemoryLock::new();
@@ -45,9 +45,9 @@ const DEFAULT_TEST_THREADS: usize = 8;
 ///
 /// ```no_run
 /// use std::sync::Arc;
-/// use conformance_tests::cases::{Case, Needs};
-/// use conformance_tests::{check, CaseResult, Suite, TestContext};
-/// use lock_core::{LockClient, MemoryLock};
+/// use distlock_conformance::cases::{Case, Needs};
+/// use distlock_conformance::{check, CaseResult, Suite, TestContext};
+/// use distlock_core::{LockClient, MemoryLock};
 ///
 /// async fn keys_are_namespaced(ctx: TestContext) -> CaseResult {
 ///     let client = ctx.client().await?;
@@ -172,8 +172,8 @@ impl Suite {
     /// so give every suite the same one.
     ///
     /// ```no_run
-    /// use conformance_tests::{server, Suite};
-    /// use lock_core::{LockClient, MemoryLock};
+    /// use distlock_conformance::{server, Suite};
+    /// use distlock_core::{LockClient, MemoryLock};
     ///
     /// fn main() -> std::process::ExitCode {
     /// #   let cluster_url = String::new();
@@ -226,8 +226,8 @@ impl Suite {
     /// simulated network (delays, cuts, black holes, a dead server):
     ///
     /// ```no_run
-    /// use conformance_tests::{fault::Link, Suite};
-    /// use lock_core::MemoryLock;
+    /// use distlock_conformance::{fault::Link, Suite};
+    /// use distlock_core::MemoryLock;
     ///
     /// fn main() -> std::process::ExitCode {
     ///     let server = MemoryLock::new();

@@ -2,9 +2,9 @@
 //! simulated network (the clients of fault cases are attached to a
 //! [`Link`]).
 
-use conformance_tests::fault::Link;
-use conformance_tests::Suite;
-use lock_core::{LockClient, MemoryLock};
+use distlock_conformance::fault::Link;
+use distlock_conformance::Suite;
+use distlock_core::{LockClient, MemoryLock};
 
 fn main() -> std::process::ExitCode {
     let server = MemoryLock::new();

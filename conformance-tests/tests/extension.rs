@@ -3,10 +3,10 @@
 
 use std::sync::{Arc, Mutex};
 
-use conformance_tests::cases::support::acquire;
-use conformance_tests::cases::{Case, Needs};
-use conformance_tests::{check, CaseOutcome, CaseResult, CaseRun, Suite, TestContext};
-use lock_core::MemoryLock;
+use distlock_conformance::cases::support::acquire;
+use distlock_conformance::cases::{Case, Needs};
+use distlock_conformance::{check, CaseOutcome, CaseResult, CaseRun, Suite, TestContext};
+use distlock_core::MemoryLock;
 
 async fn holds_a_key(ctx: TestContext) -> CaseResult {
     let client = ctx.client().await?;

@@ -1,5 +1,5 @@
 //! A complete backend written the way a third party would write one — with
-//! only the published API of `lock-core` — run through the whole
+//! only the published API of `distlock-core` — run through the whole
 //! conformance suite. The README's "Running the conformance suite against
 //! a new backend" walks through this file.
 //!
@@ -14,9 +14,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use conformance_tests::fault::Link;
-use conformance_tests::Suite;
-use lock_core::{
+use distlock_conformance::fault::Link;
+use distlock_conformance::Suite;
+use distlock_core::{
     async_trait, AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant,
     HeldLock, LockAdmin, LockBackend, LockClient, LockError, LockKey, LockState, OwnerToken,
     ReleaseNotifier, ReleaseReply, ReleaseWatch,

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use conformance_tests::server::{Etcd, Postgres, Redis, ServerHandle, ServerKind};
+use distlock_conformance::server::{Etcd, Postgres, Redis, ServerHandle, ServerKind};
 
 /// Generous bound on how long anything may take before the test is declared
 /// hung (a hang guard, not a timing assertion).
@@ -212,7 +212,7 @@ fn bad_url_is_a_config_error() {
 
 #[test]
 fn unreachable_server_is_unavailable() {
-    let port = conformance_tests::server::free_port().expect("port");
+    let port = distlock_conformance::server::free_port().expect("port");
     let url = format!("redis://127.0.0.1:{port}/?connect_timeout_ms=500&operation_timeout_ms=500");
     let output = distlock()
         .args(["run", "--url", &url, "--key", "k", "--", "true"])

@@ -6,7 +6,7 @@ mod etcd_common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use conformance_tests::server::EtcdCluster;
+use distlock_conformance::server::EtcdCluster;
 use etcd_common::{code, run_sh, stderr, TempDir};
 
 /// Processes, each running the job this many times in a row.

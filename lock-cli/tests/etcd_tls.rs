@@ -7,7 +7,7 @@ mod etcd_common;
 
 use std::sync::Arc;
 
-use conformance_tests::server::{EtcdTls, ServerProcess, TestPki};
+use distlock_conformance::server::{EtcdTls, ServerProcess, TestPki};
 use etcd_common::{code, run_sh, stderr, unique, TempDir};
 
 #[test]

@@ -3,7 +3,7 @@
 
 mod postgres_support;
 
-use conformance_tests::server::{PoolMode, PooledPostgres};
+use distlock_conformance::server::{PoolMode, PooledPostgres};
 use postgres_support::{distlock, finish, start, stderr, TempDir, HANG};
 
 /// 6 "hosts" (threads) each run `distlock run --wait 60s` 10 times on one

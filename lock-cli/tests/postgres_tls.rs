@@ -4,7 +4,7 @@ mod postgres_support;
 
 use std::time::Duration;
 
-use conformance_tests::server::PostgresTls;
+use distlock_conformance::server::PostgresTls;
 use postgres_support::{distlock, finish, start, stderr, TempDir, HANG};
 
 #[test]

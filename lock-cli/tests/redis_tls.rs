@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::Arc;
 
-use conformance_tests::server::{RedisTls, ServerProcess, TestPki};
+use distlock_conformance::server::{RedisTls, ServerProcess, TestPki};
 
 /// A directory removed on drop.
 struct TempDir(PathBuf);

@@ -143,7 +143,7 @@ pub enum ReleaseReply {
 ///   task of their own, but the suite drops raw futures on purpose).
 ///
 /// Object safe: the client holds an `Arc<dyn LockBackend>`. See the
-/// conformance-tests crate for a complete third-party backend.
+/// distlock-conformance crate for a complete third-party backend.
 #[async_trait]
 pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     /// A short name for logs and metric labels (`redis`, `etcd`, ...).

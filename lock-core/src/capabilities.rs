@@ -12,7 +12,7 @@ use crate::LockError;
 ///
 /// ```
 /// use std::time::Duration;
-/// use lock_core::Capabilities;
+/// use distlock_core::Capabilities;
 /// let caps = Capabilities {
 ///     min_ttl: Duration::from_secs(1),
 ///     ttl_granularity: Duration::from_secs(1),
@@ -21,7 +21,7 @@ use crate::LockError;
 /// // Shorter TTLs are rounded up, never dropped.
 /// assert_eq!(caps.effective_ttl(Duration::from_millis(1500))?, Duration::from_secs(2));
 /// assert!(caps.effective_ttl(Duration::ZERO).is_err());
-/// # Ok::<(), lock_core::LockError>(())
+/// # Ok::<(), distlock_core::LockError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Capabilities {

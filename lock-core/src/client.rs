@@ -52,10 +52,10 @@ impl AcquireAttempt {
 ///
 /// ```
 /// use std::time::Duration;
-/// use lock_core::{LockClient, LockKey, MemoryLock};
+/// use distlock_core::{LockClient, LockKey, MemoryLock};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), lock_core::LockError> {
+/// # async fn main() -> Result<(), distlock_core::LockError> {
 /// let server = MemoryLock::new();
 /// let client = LockClient::new(server.clone());
 /// let other = LockClient::new(server);

@@ -17,13 +17,13 @@ pub const DEFAULT_NAMESPACE: &str = "distlock";
 ///
 /// ```
 /// use std::time::Duration;
-/// use lock_core::ClientOptions;
+/// use distlock_core::ClientOptions;
 /// let options = ClientOptions::default()
 ///     .namespace("jobs")
 ///     .operation_timeout(Duration::from_millis(250));
 /// options.validate()?;
 /// assert_eq!(options.connect_timeout, Duration::from_secs(5));
-/// # Ok::<(), lock_core::LockError>(())
+/// # Ok::<(), distlock_core::LockError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientOptions {

@@ -50,7 +50,7 @@ type Source = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// An error from any distlock operation.
 ///
 /// ```
-/// use lock_core::{ErrorKind, LockKey};
+/// use distlock_core::{ErrorKind, LockKey};
 /// let err = LockKey::new("").unwrap_err();
 /// assert_eq!(err.kind(), ErrorKind::InvalidInput);
 /// assert!(err.to_string().contains("empty"));

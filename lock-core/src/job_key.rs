@@ -18,7 +18,7 @@ const HASH_HEX_LEN: usize = 32;
 ///
 /// ```
 /// use serde_json::json;
-/// use lock_core::JobKey;
+/// use distlock_core::JobKey;
 /// let a = JobKey::new("send_invoice").args(&json!({"customer": 7, "month": "2026-11"}))?.key()?;
 /// let b = JobKey::new("send_invoice").args(&json!({"month": "2026-11", "customer": 7}))?.key()?;
 /// assert_eq!(a, b);
@@ -28,7 +28,7 @@ const HASH_HEX_LEN: usize = 32;
 ///     .only(&["customer", "month"])
 ///     .key()?;
 /// assert_eq!(a, c);
-/// # Ok::<(), lock_core::LockError>(())
+/// # Ok::<(), distlock_core::LockError>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct JobKey {

@@ -14,17 +14,17 @@ pub const MAX_KEY_BYTES: usize = 512;
 /// interfere, however alike they look (`a/b`, `a:b`, `a{b}`).
 ///
 /// ```
-/// use lock_core::LockKey;
+/// use distlock_core::LockKey;
 /// let key = LockKey::new("reports/nightly")?;
 /// assert_eq!(key.as_str(), "reports/nightly");
 /// assert!(LockKey::new("a\0b").is_err());
 /// // A key over the limit is refused with a pointer to `JobKey`, which
 /// // hashes the long parts (a job's arguments) into a short key.
 /// let err = LockKey::new("x".repeat(513)).unwrap_err();
-/// assert!(err.message().contains("lock_core::JobKey"), "{err}");
-/// let short = lock_core::JobKey::new("report").args(&"x".repeat(513))?.key()?;
-/// assert!(short.as_str().len() <= lock_core::MAX_KEY_BYTES);
-/// # Ok::<(), lock_core::LockError>(())
+/// assert!(err.message().contains("distlock_core::JobKey"), "{err}");
+/// let short = distlock_core::JobKey::new("report").args(&"x".repeat(513))?.key()?;
+/// assert!(short.as_str().len() <= distlock_core::MAX_KEY_BYTES);
+/// # Ok::<(), distlock_core::LockError>(())
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct LockKey(String);
@@ -42,7 +42,7 @@ impl LockKey {
         }
         if key.len() > MAX_KEY_BYTES {
             return Err(LockError::invalid_input(format!(
-                "lock key is {} bytes, the limit is {MAX_KEY_BYTES}; use a shorter name, or pass the long parts as arguments of lock_core::JobKey, which hashes them",
+                "lock key is {} bytes, the limit is {MAX_KEY_BYTES}; use a shorter name, or pass the long parts as arguments of distlock_core::JobKey, which hashes them",
                 key.len()
             )));
         }

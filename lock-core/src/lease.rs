@@ -15,7 +15,7 @@ use crate::LockKey;
 /// holder that lost the lock without knowing (a paused process, a partition).
 ///
 /// ```
-/// use lock_core::FencingToken;
+/// use distlock_core::FencingToken;
 /// assert!(FencingToken::new(2) > FencingToken::new(1));
 /// assert_eq!(FencingToken::new(7).get(), 7);
 /// ```
@@ -48,7 +48,7 @@ impl fmt::Display for FencingToken {
 /// redacts it.
 ///
 /// ```
-/// use lock_core::OwnerToken;
+/// use distlock_core::OwnerToken;
 /// let token = OwnerToken::random();
 /// assert_eq!(OwnerToken::from_hex(&token.to_hex()), Some(token));
 /// assert_ne!(OwnerToken::random(), token);

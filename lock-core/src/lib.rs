@@ -17,10 +17,10 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use lock_core::{Locker, LockKey, LockOptions, MemoryLock, RunOptions, RunOutcome};
+//! use distlock_core::{Locker, LockKey, LockOptions, MemoryLock, RunOptions, RunOutcome};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), lock_core::LockError> {
+//! # async fn main() -> Result<(), distlock_core::LockError> {
 //! let locker = Locker::new(MemoryLock::new());
 //! let key = LockKey::new("nightly-report")?;
 //! let options = RunOptions::new(LockOptions::new(Duration::from_secs(30)));

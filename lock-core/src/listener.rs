@@ -93,7 +93,7 @@ const HEALTH_CHECK_AFTER: Duration = Duration::from_secs(10);
 /// describes its connection as a [`NotificationSource`].
 ///
 /// ```
-/// use lock_core::{async_trait, ClientOptions, Listener, LockError, NotificationSource};
+/// use distlock_core::{async_trait, ClientOptions, Listener, LockError, NotificationSource};
 /// use tokio::sync::mpsc;
 ///
 /// /// A toy source: notifications come from an in-process channel.

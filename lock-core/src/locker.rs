@@ -15,10 +15,10 @@ use crate::{LockClient, LockError, LockGuard, LockKey, LockOptions};
 ///
 /// ```
 /// use std::time::Duration;
-/// use lock_core::{Locker, LockKey, LockOptions, MemoryLock};
+/// use distlock_core::{Locker, LockKey, LockOptions, MemoryLock};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), lock_core::LockError> {
+/// # async fn main() -> Result<(), distlock_core::LockError> {
 /// let locker = Locker::new(MemoryLock::new());
 /// let key = LockKey::new("invoices")?;
 /// let options = LockOptions::new(Duration::from_secs(10)).wait(Duration::from_secs(1));

@@ -78,10 +78,10 @@ fn live_permit<'a>(
 ///
 /// ```
 /// use std::time::Duration;
-/// use lock_core::{Locker, LockKey, LockOptions, MemoryLock};
+/// use distlock_core::{Locker, LockKey, LockOptions, MemoryLock};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), lock_core::LockError> {
+/// # async fn main() -> Result<(), distlock_core::LockError> {
 /// let server = MemoryLock::new();
 /// let worker_a = Locker::new(server.client());
 /// let worker_b = Locker::new(server.client());

@@ -30,9 +30,9 @@ type Registry = Mutex<HashMap<String, Channel>>;
 /// One client's registry of channels with local waiters.
 ///
 /// ```
-/// use lock_core::ReleaseNotifier;
+/// use distlock_core::ReleaseNotifier;
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), lock_core::LockError> {
+/// # async fn main() -> Result<(), distlock_core::LockError> {
 /// let notifier = ReleaseNotifier::new();
 /// // The closure runs once per channel: subscribe on the server there.
 /// let mut watch = notifier.subscribe("jobs:report", || async { Ok(()) }).await?;

@@ -34,7 +34,7 @@ pub enum Renewal {
 ///
 /// ```
 /// use std::time::Duration;
-/// use lock_core::LockOptions;
+/// use distlock_core::LockOptions;
 /// let options = LockOptions::new(Duration::from_secs(30))
 ///     .wait(Duration::from_secs(5))          // wait up to 5 s if held
 ///     .max_hold(Duration::from_secs(600))    // stop renewing after 10 min
@@ -44,7 +44,7 @@ pub enum Renewal {
 /// options.validate()?;
 /// // A stop margin must leave time to hold the lock at all.
 /// assert!(options.clone().stop_margin(Duration::from_secs(30)).validate().is_err());
-/// # Ok::<(), lock_core::LockError>(())
+/// # Ok::<(), distlock_core::LockError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LockOptions {

@@ -24,7 +24,7 @@ pub enum OnLost {
 ///
 /// ```
 /// use std::time::Duration;
-/// use lock_core::{LockOptions, OnLost, RunOptions};
+/// use distlock_core::{LockOptions, OnLost, RunOptions};
 /// let options = RunOptions::new(LockOptions::new(Duration::from_secs(60))).on_lost(OnLost::Continue);
 /// assert_eq!(options.lock_options().ttl(), Duration::from_secs(60));
 /// ```
@@ -126,10 +126,10 @@ impl<T> RunOutcome<T> {
 ///
 /// ```
 /// use std::time::Duration;
-/// use lock_core::{run_exclusive, Locker, LockKey, LockOptions, MemoryLock, RunOptions, RunOutcome};
+/// use distlock_core::{run_exclusive, Locker, LockKey, LockOptions, MemoryLock, RunOptions, RunOutcome};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), lock_core::LockError> {
+/// # async fn main() -> Result<(), distlock_core::LockError> {
 /// let locker = Locker::new(MemoryLock::new());
 /// let key = LockKey::new("nightly-report")?;
 /// let options = RunOptions::new(LockOptions::new(Duration::from_secs(30)));

@@ -69,10 +69,10 @@ pub enum ScheduledOutcome<T> {
 ///
 /// ```
 /// use std::time::Duration;
-/// use lock_core::{Fire, Locker, MemoryLock, ScheduledJob, ScheduledOutcome};
+/// use distlock_core::{Fire, Locker, MemoryLock, ScheduledJob, ScheduledOutcome};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), lock_core::LockError> {
+/// # async fn main() -> Result<(), distlock_core::LockError> {
 /// let server = MemoryLock::new();
 /// let job = ScheduledJob::new("nightly-report", Duration::from_secs(60))?;
 /// let fire = Fire::At(std::time::SystemTime::now());

@@ -16,7 +16,7 @@ use crate::LockError;
 ///   (mutual TLS); one without the other is a configuration error.
 ///
 /// ```
-/// use lock_core::TlsFiles;
+/// use distlock_core::TlsFiles;
 /// let only_cert = TlsFiles { cert_file: Some("client.pem".into()), ..TlsFiles::default() };
 /// assert!(only_cert.validate().is_err());
 /// assert!(TlsFiles::default().is_empty());

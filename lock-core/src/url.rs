@@ -38,7 +38,7 @@ impl UrlHost {
 ///
 /// ```
 /// use std::time::Duration;
-/// use lock_core::LockUrl;
+/// use distlock_core::LockUrl;
 /// let mut url = LockUrl::parse("etcd://locker:p%40ss@10.0.0.1:2379,10.0.0.2/?namespace=jobs&operation_timeout_ms=250")?;
 /// assert_eq!(url.scheme(), "etcd");
 /// assert_eq!(url.username(), Some("locker"));
@@ -54,7 +54,7 @@ impl UrlHost {
 /// typo.take_client_options()?;
 /// let err = typo.finish().unwrap_err();
 /// assert!(err.to_string().contains("namspace"));
-/// # Ok::<(), lock_core::LockError>(())
+/// # Ok::<(), distlock_core::LockError>(())
 /// ```
 #[derive(Clone, PartialEq, Eq)]
 pub struct LockUrl {

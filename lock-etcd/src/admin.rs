@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
+use distlock_core::{FencingToken, LockAdmin, LockError, LockKey, LockState};
 use etcd_client::{Compare, CompareOp, KeyValue, Txn, TxnOp};
-use lock_core::{FencingToken, LockAdmin, LockError, LockKey, LockState};
 
 use crate::backend::EtcdLock;
 use crate::errors::Repeat;

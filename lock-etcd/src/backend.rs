@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use etcd_client::{Client, ConnectOptions, KvClient, LeaseClient};
-use lock_core::{
+use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, Grant, HeldLock, Listener, LockAdmin,
     LockBackend, LockError, LockKey, ReleaseNotifier, ReleaseReply, ReleaseWatch,
 };
+use etcd_client::{Client, ConnectOptions, KvClient, LeaseClient};
 
 use crate::config::EtcdConfig;
 use crate::errors::{self, Repeat, Requests};
@@ -30,7 +30,7 @@ use crate::txn::{self, AcquireOutcome};
 pub(crate) const MIN_TTL: Duration = Duration::from_secs(1);
 
 /// etcd's largest lease TTL (`MaxLeaseTTL`, 9 000 000 000 s); we cap lower,
-/// at lock-core's default of a year.
+/// at distlock-core's default of a year.
 const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// HTTP/2 keep-alive ping interval, so a watch stream to a vanished server
@@ -43,7 +43,7 @@ const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
 const WATCH_SWEEP: Duration = Duration::from_secs(1);
 
 /// A distributed lock server on etcd v3, for
-/// [`LockClient`](lock_core::LockClient) and [`Locker`](lock_core::Locker).
+/// [`LockClient`](distlock_core::LockClient) and [`Locker`](distlock_core::Locker).
 ///
 /// A lock is the key `NS/lock/<escaped key>` attached to an etcd lease
 /// whose TTL is the lock's TTL, so etcd itself deletes it when the holder
@@ -52,7 +52,7 @@ const WATCH_SWEEP: Duration = Duration::from_secs(1);
 /// across releases, expiries and server restarts, unchanged by renewals.
 ///
 /// Locks whose holder renews them (a renewing [`AcquireRequest`], which
-/// [`Locker`](lock_core::Locker) makes for guards with renewal on) share a
+/// [`Locker`](distlock_core::Locker) makes for guards with renewal on) share a
 /// *session* lease instead: one etcd lease per client and TTL, granted on
 /// first use and kept alive by one keep-alive stream, as etcd's Go
 /// `concurrency.Session`. The session also deletes any of its locks whose
@@ -96,7 +96,7 @@ const WATCH_SWEEP: Duration = Duration::from_secs(1);
 ///
 /// A renewing acquire whose session is lost while the request is in flight
 /// (no keep-alive answered within the TTL) is refused with an
-/// [`Unavailable`](lock_core::ErrorKind::Unavailable) error: the lock it
+/// [`Unavailable`](distlock_core::ErrorKind::Unavailable) error: the lock it
 /// created goes with the session lease, so no lease is dated from it.
 ///
 /// Cancel safety: each future may be dropped at any await point (under a
@@ -121,11 +121,11 @@ const WATCH_SWEEP: Duration = Duration::from_secs(1);
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use lock_core::{LockClient, LockKey};
-/// use lock_etcd::EtcdLock;
+/// use distlock_core::{LockClient, LockKey};
+/// use distlock_etcd::EtcdLock;
 ///
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), lock_core::LockError> {
+/// # async fn main() -> Result<(), distlock_core::LockError> {
 /// let client = LockClient::new(EtcdLock::connect("etcd://127.0.0.1:2379?namespace=jobs").await?);
 /// let key = LockKey::new("nightly-report")?;
 /// if let Some(lease) = client.try_acquire(&key, Duration::from_secs(30)).await?.lease() {
@@ -176,7 +176,7 @@ impl EtcdLock {
 
     /// Connects with `config`: authenticates if it has a user, and checks
     /// the cluster answers, within the connect timeout. A wrong password is an
-    /// [`ErrorKind::Config`](lock_core::ErrorKind) error.
+    /// [`ErrorKind::Config`](distlock_core::ErrorKind) error.
     pub async fn with_config(config: EtcdConfig) -> Result<Self, LockError> {
         config.validate()?;
         let options = &config.client;
@@ -200,7 +200,7 @@ impl EtcdLock {
         }
         let endpoints = config.endpoints().to_vec();
         let what = format!("connecting to etcd at {}", endpoints.join(","));
-        let client = lock_core::with_timeout(options.connect_timeout, &what, async {
+        let client = distlock_core::with_timeout(options.connect_timeout, &what, async {
             Client::connect(&endpoints, Some(connect.clone()))
                 .await
                 .map_err(|e| errors::map(&what, e))
@@ -530,7 +530,7 @@ fn closed_by_peer(error: &LockError) -> bool {
 }
 
 fn unreachable_on_timeout(error: LockError) -> LockError {
-    if error.kind() == lock_core::ErrorKind::Timeout {
+    if error.kind() == distlock_core::ErrorKind::Timeout {
         LockError::unavailable(error.message().to_owned()).with_source(error)
     } else {
         error

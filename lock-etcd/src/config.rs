@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use lock_core::{ClientOptions, LockError, LockUrl};
+use distlock_core::{ClientOptions, LockError, LockUrl};
 
 use crate::SCHEMES;
 
@@ -28,12 +28,12 @@ pub const DEFAULT_PORT: u16 = 2379;
 /// Several endpoints of one cluster are separated by commas; the client
 /// balances between them and fails over when one is unreachable. The port
 /// defaults to 2379. Any other parameter, or a path, is a
-/// [`Config`](lock_core::ErrorKind::Config) error, and so are TLS files
+/// [`Config`](distlock_core::ErrorKind::Config) error, and so are TLS files
 /// on an `etcd://` URL. `Debug` and `Display` never show the password.
 ///
 /// ```
 /// use std::time::Duration;
-/// use lock_etcd::EtcdConfig;
+/// use distlock_etcd::EtcdConfig;
 ///
 /// let config = EtcdConfig::from_url("etcd://locker:s3cret@10.0.0.1:2379,10.0.0.2?namespace=jobs")?;
 /// assert_eq!(config.endpoints(), ["http://10.0.0.1:2379", "http://10.0.0.2:2379"]);
@@ -43,7 +43,7 @@ pub const DEFAULT_PORT: u16 = 2379;
 ///
 /// let mut config = EtcdConfig::new(["127.0.0.1:2379"]);
 /// config.client.operation_timeout = Duration::from_secs(2);
-/// # Ok::<(), lock_core::LockError>(())
+/// # Ok::<(), distlock_core::LockError>(())
 /// ```
 #[derive(Clone, PartialEq, Eq)]
 pub struct EtcdConfig {
@@ -194,7 +194,7 @@ impl EtcdConfig {
             }
             if !cfg!(feature = "tls") {
                 return Err(LockError::config(
-                    "etcds:// (TLS) needs the `tls` cargo feature of lock-etcd (the `tls` feature of distlock); enable it or use etcd://",
+                    "etcds:// (TLS) needs the `tls` cargo feature of distlock-etcd (the `tls` feature of distlock); enable it or use etcd://",
                 ));
             }
         } else if !self.client.tls.is_empty() {
@@ -209,7 +209,7 @@ impl EtcdConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lock_core::ErrorKind;
+    use distlock_core::ErrorKind;
     use std::time::Duration;
 
     #[test]

@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lock_core::{ClientOptions, LockError};
+use distlock_core::{ClientOptions, LockError};
 
 use crate::health::Health;
 
@@ -139,7 +139,7 @@ fn is_tls_failure(error: &(dyn StdError + 'static)) -> bool {
 }
 
 /// What a connection-level failure says about the setup, if anything: a
-/// certificate verdict (a [`Config`](lock_core::ErrorKind::Config) error:
+/// certificate verdict (a [`Config`](distlock_core::ErrorKind::Config) error:
 /// trying again cannot help), or a hint for a plaintext/TLS mismatch.
 fn diagnosis(error: &etcd_client::Error) -> Option<(bool, String)> {
     let etcd_client::Error::GRpcStatus(status) = error else {
@@ -333,7 +333,7 @@ impl Requests {
             Repeat::Safe => (timeout / ATTEMPTS).max(MIN_ATTEMPT),
             Repeat::IfUnapplied => timeout,
         };
-        lock_core::with_timeout(timeout, what, async {
+        distlock_core::with_timeout(timeout, what, async {
             let mut pause = FIRST_PAUSE;
             loop {
                 let left = deadline.saturating_duration_since(Instant::now());

@@ -36,7 +36,7 @@ enum Opened {
     Stream((LeaseKeeper, LeaseKeepAliveStream)),
     Shutdown,
     LeaseGone,
-    Failed(lock_core::LockError),
+    Failed(distlock_core::LockError),
 }
 
 enum Stop {
@@ -185,7 +185,7 @@ impl Task {
         let lease_id = self.session.lease_id();
         // Short (half a period): a member that does not answer must leave
         // time for another try before the lease runs out.
-        let open = lock_core::with_timeout(timeout, "etcd lease keep-alive", async {
+        let open = distlock_core::with_timeout(timeout, "etcd lease keep-alive", async {
             Ok(leases.keep_alive(lease_id).await)
         });
         tokio::select! {

@@ -19,7 +19,7 @@
 //! The value is `dl1:<32 hex digits of the owner token>`; anything else at a
 //! lock key was not written by distlock and is reported as corrupted.
 
-use lock_core::{LockKey, OwnerToken};
+use distlock_core::{LockKey, OwnerToken};
 
 /// Prefix of every value we write.
 const VALUE_PREFIX: &str = "dl1:";

@@ -17,13 +17,13 @@
 //! TTLs are whole seconds: shorter or fractional TTLs are rounded up (1.2 s
 //! becomes 2 s), and a server with default settings grants at least 2 s
 //! (1.5 × its election timeout). [`EtcdLock`]'s
-//! [`capabilities`](lock_core::LockBackend::capabilities) declare a 1 s
-//! minimum and 1 s granularity, so [`LockClient`](lock_core::LockClient)
+//! [`capabilities`](distlock_core::LockBackend::capabilities) declare a 1 s
+//! minimum and 1 s granularity, so [`LockClient`](distlock_core::LockClient)
 //! rounds up before asking.
 //!
-//! [`EtcdLock`] is the raw [`LockBackend`](lock_core::LockBackend) (plus
-//! [`LockAdmin`](lock_core::LockAdmin)); job code uses it through
-//! [`LockClient`](lock_core::LockClient) or [`Locker`](lock_core::Locker),
+//! [`EtcdLock`] is the raw [`LockBackend`](distlock_core::LockBackend) (plus
+//! [`LockAdmin`](distlock_core::LockAdmin)); job code uses it through
+//! [`LockClient`](distlock_core::LockClient) or [`Locker`](distlock_core::Locker),
 //! which own owner tokens, lease deadlines, waiting and renewal.
 //!
 //! URL: `etcd://[user:password@]host[:port][,host[:port]...][?namespace=N&connect_timeout_ms=N&operation_timeout_ms=N]`,
@@ -34,7 +34,7 @@
 //!
 //! # TLS errors
 //!
-//! A certificate problem is a [`Config`](lock_core::ErrorKind::Config)
+//! A certificate problem is a [`Config`](distlock_core::ErrorKind::Config)
 //! error at connect that names it: the server's certificate not signed by
 //! a trusted CA, not naming the host in the URL, or out of its validity
 //! period; a client certificate missing or refused (etcd refuses it after
@@ -42,7 +42,7 @@
 //! connection, so a second, diagnostic handshake reads the server's
 //! alert); a file that is missing, unreadable or not PEM of the right
 //! kind. A TLS URL against a plaintext port, and a plaintext URL against
-//! a TLS port, are [`Unavailable`](lock_core::ErrorKind::Unavailable)
+//! a TLS port, are [`Unavailable`](distlock_core::ErrorKind::Unavailable)
 //! errors that say so. None waits longer than the connect timeout.
 //!
 //! # Clusters
@@ -71,8 +71,8 @@
 //! half its period. So through a leader's death (an election), or a
 //! member cut off from the client, guards keep their locks if their
 //! renewals get through before the stop moment, or report
-//! [`lost()`](lock_core::LockGuard::lost) before anyone else can get the
-//! lock; waiting acquires ride it out (lock-core retries them until their
+//! [`lost()`](distlock_core::LockGuard::lost) before anyone else can get the
+//! lock; waiting acquires ride it out (distlock-core retries them until their
 //! deadline) and get the lock once a leader exists; fencing tokens (etcd
 //! revisions) keep growing, across a whole-cluster restart too. Choose a
 //! TTL of a few election timeouts at least (etcd's default election
@@ -80,11 +80,11 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use lock_core::{Locker, LockKey, LockOptions};
-//! use lock_etcd::EtcdLock;
+//! use distlock_core::{Locker, LockKey, LockOptions};
+//! use distlock_etcd::EtcdLock;
 //!
 //! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), lock_core::LockError> {
+//! # async fn main() -> Result<(), distlock_core::LockError> {
 //! let lock = EtcdLock::connect("etcd://locker:secret@127.0.0.1:2379?namespace=jobs").await?;
 //! let locker = Locker::new(lock);
 //! let key = LockKey::new("nightly-report")?;
@@ -98,7 +98,7 @@
 //! With authentication enabled in etcd, the URL's user needs a role with
 //! readwrite permission on the prefix `NS/lock/` (see
 //! [`EtcdLock::key_prefix`]); a wrong password is reported as
-//! [`ErrorKind::Config`](lock_core::ErrorKind::Config).
+//! [`ErrorKind::Config`](distlock_core::ErrorKind::Config).
 //!
 //! # Building
 //!

@@ -1,5 +1,5 @@
 //! Release notifications from one etcd watch stream per client, as a
-//! [`NotificationSource`] for lock-core's [`Listener`](lock_core::Listener).
+//! [`NotificationSource`] for distlock-core's [`Listener`](distlock_core::Listener).
 //!
 //! The listener opens the stream on the first waiter, reads it on one task
 //! and, on any failure, drops it and wakes every waiter with an error so
@@ -33,8 +33,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
+use distlock_core::{LockError, NotificationSource};
 use etcd_client::{EventType, WatchClient, WatchOptions, WatchRequestSender, WatchResponseStream};
-use lock_core::{LockError, NotificationSource};
 use tokio::sync::oneshot;
 
 use crate::errors;

@@ -22,7 +22,7 @@
 //! queue-entry delete and its successor's look-up.
 //!
 //! The caller's channel lives in a
-//! [`ReleaseNotifier`](lock_core::ReleaseNotifier) of the queue's own,
+//! [`ReleaseNotifier`](distlock_core::ReleaseNotifier) of the queue's own,
 //! not in the watch listener's: when the watch stream is lost, the listener
 //! fails the *task's* watch, and the task looks its place up again (one
 //! transaction) and watches from the revision it read, waking the caller
@@ -32,7 +32,7 @@
 //!
 //! When the waiting call ends (acquired, deadline, or its future dropped)
 //! its [`ReleaseWatch`] is dropped; the task learns it at once
-//! ([`ReleaseNotifier::closed`](lock_core::ReleaseNotifier::closed)) and deletes the queue entry in the
+//! ([`ReleaseNotifier::closed`](distlock_core::ReleaseNotifier::closed)) and deletes the queue entry in the
 //! background, so the successor moves up. A woken first waiter that finds
 //! the lock taken (another client acquired without queueing) stays first
 //! and keeps watching the lock key.
@@ -41,9 +41,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use distlock_core::{LockError, LockKey, ReleaseWatch};
 use etcd_client::{GetOptions, KeyValue, PutOptions, SortOrder, SortTarget, Txn, TxnOp};
 use etcd_client::{TxnOpResponse, TxnResponse};
-use lock_core::{LockError, LockKey, ReleaseWatch};
 use tokio::sync::oneshot;
 
 use crate::backend::{EtcdLock, Inner, MIN_TTL};

@@ -21,10 +21,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use etcd_client::{KvClient, LeaseClient};
-use lock_core::{
+use distlock_core::{
     AcquireReply, AcquireRequest, ExtendReply, FencingToken, Grant, HeldLock, LockError,
 };
+use etcd_client::{KvClient, LeaseClient};
 use tokio::sync::watch;
 
 use crate::backend::EtcdLock;

@@ -6,8 +6,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use distlock_core::{LockError, TlsFiles, TlsPem};
 use etcd_client::{Certificate, Identity, TlsOptions};
-use lock_core::{LockError, TlsFiles, TlsPem};
 use rustls::{AlertDescription, CertificateError};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};

@@ -17,7 +17,7 @@
 use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse};
 use std::time::Duration;
 
-use lock_core::{AcquireReply, FencingToken, LockError, LockKey, OwnerToken};
+use distlock_core::{AcquireReply, FencingToken, LockError, LockKey, OwnerToken};
 
 use crate::keys::decode_value;
 

@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use common::{
     acquire, any_server, connect, endpoint, key, observed, own_server, random, raw_client,
 };
-use lock_core::{AcquireAttempt, ErrorKind, LockClient, LockKey};
-use lock_etcd::etcd_client::{self, Permission};
-use lock_etcd::EtcdLock;
+use distlock_core::{AcquireAttempt, ErrorKind, LockClient, LockKey};
+use distlock_etcd::etcd_client::{self, Permission};
+use distlock_etcd::EtcdLock;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquire_extend_release_and_fencing() {
@@ -144,7 +144,7 @@ async fn keys_stay_in_namespace_and_foreign_values_are_reported() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_server_gives_unavailable_in_bounded_time() {
-    let port = conformance_tests::server::free_port().unwrap();
+    let port = distlock_conformance::server::free_port().unwrap();
     let err = EtcdLock::connect(&format!("etcd://127.0.0.1:{port}?connect_timeout_ms=500"))
         .await
         .unwrap_err();

@@ -11,10 +11,10 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use conformance_tests::checker::ExclusionChecker;
-use conformance_tests::fault::Proxy;
-use conformance_tests::server::EtcdCluster;
-use lock_core::{
+use distlock_conformance::checker::ExclusionChecker;
+use distlock_conformance::fault::Proxy;
+use distlock_conformance::server::EtcdCluster;
+use distlock_core::{
     AcquireAttempt, ErrorKind, FencingToken, LockError, LockKey, LockOptions, Locker, LostReason,
 };
 use tokio::sync::oneshot;

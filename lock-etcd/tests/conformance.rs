@@ -12,11 +12,11 @@
 
 use std::process::ExitCode;
 
-use conformance_tests::fault::holder::HOLDER_ENV;
-use conformance_tests::server::{self, EtcdCluster};
-use conformance_tests::Suite;
-use lock_core::LockClient;
-use lock_etcd::EtcdLock;
+use distlock_conformance::fault::holder::HOLDER_ENV;
+use distlock_conformance::server::{self, EtcdCluster};
+use distlock_conformance::Suite;
+use distlock_core::LockClient;
+use distlock_etcd::EtcdLock;
 
 fn suite() -> Suite {
     Suite::new("etcd", |url: String| async move {

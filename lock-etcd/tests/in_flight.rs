@@ -14,9 +14,9 @@ use common::{
     acquire, acquire_renewing, any_server, assert_freed, assert_queue_empties, connect, key,
     observed, proxy_for, random, raw_client, through, Waiting,
 };
-use conformance_tests::fault::{Direction, Proxy};
-use lock_core::{AcquireAttempt, LockBackend, LockClient, LockKey};
-use lock_etcd::EtcdLock;
+use distlock_conformance::fault::{Direction, Proxy};
+use distlock_core::{AcquireAttempt, LockBackend, LockClient, LockKey};
+use distlock_etcd::EtcdLock;
 
 /// How long after the replies are cut [`kill_session_during`] sends the
 /// request: well after the last keep-alive that can still be answered.
@@ -75,7 +75,7 @@ async fn assert_not_taken_before(other: &LockClient, key: &LockKey, until: Insta
 /// A client `a` behind a fault proxy in front of `server` (with `query`
 /// in its URL), and a direct client `b`.
 async fn proxied_clients(
-    server: &conformance_tests::server::ServerHandle,
+    server: &distlock_conformance::server::ServerHandle,
     query: &str,
 ) -> (Proxy, LockClient, LockClient) {
     let proxy = proxy_for(server).await;

@@ -10,8 +10,8 @@ use common::{
     acquire, any_server, connect, key, observed, own_server, proxy_for, through, Waiting,
     SHORT_TIMEOUTS,
 };
-use lock_core::LockBackend;
-use lock_etcd::EtcdLock;
+use distlock_core::LockBackend;
+use distlock_etcd::EtcdLock;
 
 /// Fencing tokens survive a restart; a waiter's watch reconnects by itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

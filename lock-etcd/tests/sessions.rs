@@ -11,7 +11,7 @@ use common::{
     acquire, acquire_renewing, any_server, connect, grpc_started, key, own_server, raw_client,
     requests_between,
 };
-use lock_core::{AcquireAttempt, ErrorKind};
+use distlock_core::{AcquireAttempt, ErrorKind};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewing_acquire_is_one_round_trip_and_still_expires() {

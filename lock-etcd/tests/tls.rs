@@ -12,9 +12,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use conformance_tests::server::{Etcd, EtcdTls, ServerProcess, TestPki};
-use lock_core::{AcquireAttempt, ErrorKind, LockClient, LockError};
-use lock_etcd::EtcdLock;
+use distlock_conformance::server::{Etcd, EtcdTls, ServerProcess, TestPki};
+use distlock_core::{AcquireAttempt, ErrorKind, LockClient, LockError};
+use distlock_etcd::EtcdLock;
 
 use common::key;
 
@@ -68,7 +68,7 @@ where
     tokio::task::spawn_blocking(f).await.expect("server start")
 }
 
-fn server(kind: impl conformance_tests::server::ServerKind) -> ServerProcess {
+fn server(kind: impl distlock_conformance::server::ServerKind) -> ServerProcess {
     ServerProcess::start(Arc::new(kind)).expect("etcd must start")
 }
 

@@ -12,8 +12,8 @@ use common::{
     acquire, any_server, assert_queue_empties, connect, grpc_started, key, keys_under, observed,
     own_server, random, raw_client, requests_between,
 };
-use conformance_tests::server::ServerProcess;
-use lock_core::LockKey;
+use distlock_conformance::server::ServerProcess;
+use distlock_core::LockKey;
 
 /// A waiter blocked for 2 s makes at most 2 attempts: it is woken by the
 /// watch, not by polling. The operation timeout is shorter than the wait,

@@ -2,7 +2,7 @@
 //! against real servers the conformance harness starts on loopback:
 //!
 //! ```text
-//! cargo bench -p lock-postgres --bench protocols
+//! cargo bench -p distlock-postgres --bench protocols
 //! ```
 //!
 //! 1. try-acquire + release on a direct connection with named prepared
@@ -19,9 +19,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use conformance_tests::server::{PgBouncer, PoolMode, Postgres, ServerProcess};
-use lock_core::{LockClient, LockKey};
-use lock_postgres::PostgresLock;
+use distlock_conformance::server::{PgBouncer, PoolMode, Postgres, ServerProcess};
+use distlock_core::{LockClient, LockKey};
+use distlock_postgres::PostgresLock;
 
 const ROUNDS: usize = 10;
 const BATCH: usize = 200;

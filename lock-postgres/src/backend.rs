@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use lock_core::{
+use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
     Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, ReleaseReply, ReleaseWatch,
 };
@@ -35,16 +35,16 @@ use crate::sql::{self, Arg, Call, InFlight, Protocol, Reply, Statements, Undo};
 /// a session-mode pool (`listen_url`), or else poll. See the crate docs on
 /// poolers, TLS, the database clock and cancellation.
 ///
-/// Job code uses it through a [`LockClient`](lock_core::LockClient) (or a
-/// [`Locker`](lock_core::Locker)):
+/// Job code uses it through a [`LockClient`](distlock_core::LockClient) (or a
+/// [`Locker`](distlock_core::Locker)):
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use lock_core::{LockClient, LockKey};
-/// use lock_postgres::PostgresLock;
+/// use distlock_core::{LockClient, LockKey};
+/// use distlock_postgres::PostgresLock;
 ///
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), lock_core::LockError> {
+/// # async fn main() -> Result<(), distlock_core::LockError> {
 /// let lock = PostgresLock::connect("postgres://app:secret@127.0.0.1:5432/app?namespace=jobs").await?;
 /// let client = LockClient::new(lock);
 /// let key = LockKey::new("nightly-report")?;
@@ -83,13 +83,13 @@ impl PostgresLock {
     /// parameters of [`PostgresConfig::from_url`]) and creates the lock table
     /// if it does not exist.
     ///
-    /// Errors: [`ErrorKind::Config`](lock_core::ErrorKind) for a bad URL,
+    /// Errors: [`ErrorKind::Config`](distlock_core::ErrorKind) for a bad URL,
     /// failed authentication, missing privileges, or a TLS problem that
     /// retrying cannot fix (a missing or unreadable TLS file, an untrusted
     /// server certificate or one for another host name, a client
     /// certificate the server refused, TLS asked of a server without it, a
     /// plaintext connection refused by a TLS-only server);
-    /// [`ErrorKind::Unavailable`](lock_core::ErrorKind) if the server cannot
+    /// [`ErrorKind::Unavailable`](distlock_core::ErrorKind) if the server cannot
     /// be reached within the connect timeout.
     pub async fn connect(url: &str) -> Result<Self, LockError> {
         Self::with_config(PostgresConfig::from_url(url)?).await
@@ -106,7 +106,7 @@ impl PostgresLock {
         let timeout = config.client.connect_timeout;
         config.tls.check_files().await?;
         config.listen_tls.check_files().await?;
-        let pool = lock_core::with_timeout(timeout, "connecting to PostgreSQL", async {
+        let pool = distlock_core::with_timeout(timeout, "connecting to PostgreSQL", async {
             PgPoolOptions::new()
                 .max_connections(config.max_connections)
                 .min_connections(0)

@@ -7,7 +7,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use lock_core::{ClientOptions, LockError, LockUrl};
+use distlock_core::{ClientOptions, LockError, LockUrl};
 use sqlx::postgres::PgConnectOptions;
 
 use crate::keys::validate_identifier;
@@ -97,12 +97,12 @@ pub enum PoolMode {
 ///   `statement-cache-capacity`, `host`, `hostaddr`, `port`, `dbname`,
 ///   `user`, `password`, passed on to sqlx.
 ///
-/// Any other parameter is a [`Config`](lock_core::ErrorKind::Config) error
+/// Any other parameter is a [`Config`](distlock_core::ErrorKind::Config) error
 /// naming it. `Debug` never shows the password.
 ///
 /// ```
 /// use std::time::Duration;
-/// use lock_postgres::{PoolMode, PostgresConfig};
+/// use distlock_postgres::{PoolMode, PostgresConfig};
 /// let mut config = PostgresConfig::from_url(
 ///     "postgres://app:secret@127.0.0.1:5432/app?namespace=jobs&table=locks&connect_timeout_ms=500&sslmode=disable",
 /// )?;
@@ -120,7 +120,7 @@ pub enum PoolMode {
 ///
 /// let typo = PostgresConfig::from_url("postgres://app@127.0.0.1/app?tabel=locks").unwrap_err();
 /// assert!(typo.to_string().contains("tabel"));
-/// # Ok::<(), lock_core::LockError>(())
+/// # Ok::<(), distlock_core::LockError>(())
 /// ```
 #[derive(Clone)]
 pub struct PostgresConfig {
@@ -218,7 +218,7 @@ impl PostgresConfig {
             let in_listen = |e: LockError| LockError::config(format!("listen_url: {e}"));
             let mut listen = LockUrl::parse(&listen).map_err(in_listen)?;
             listen.expect_scheme("PostgreSQL", SCHEMES)?;
-            let shared = lock_core::TlsFiles {
+            let shared = distlock_core::TlsFiles {
                 ca_file: listen.take("tls_ca_file").map(Into::into),
                 cert_file: listen.take("tls_cert_file").map(Into::into),
                 key_file: listen.take("tls_key_file").map(Into::into),
@@ -412,7 +412,7 @@ fn encode(text: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use lock_core::ErrorKind;
+    use distlock_core::ErrorKind;
     use sqlx::postgres::PgSslMode;
 
     use super::*;

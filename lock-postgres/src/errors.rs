@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use lock_core::LockError;
+use distlock_core::LockError;
 use sqlx::postgres::{PgDatabaseError, PgSeverity};
 
 /// SQLSTATE codes we treat specially.
@@ -198,7 +198,7 @@ pub(crate) fn map(
                 ))
             } else if text.contains("without TLS support") {
                 LockError::config(format!(
-                    "{what} failed: the connection settings (sslmode, or PGSSLMODE in the environment) require TLS, but distlock was built without it: enable the `tls` cargo feature (of distlock, or of lock-postgres)"
+                    "{what} failed: the connection settings (sslmode, or PGSSLMODE in the environment) require TLS, but distlock was built without it: enable the `tls` cargo feature (of distlock, or of distlock-postgres)"
                 ))
             } else {
                 LockError::config(format!(

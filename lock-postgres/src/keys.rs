@@ -11,7 +11,7 @@
 //! they come from the configuration (never from a lock key), are validated
 //! and are always double-quoted.
 
-use lock_core::LockError;
+use distlock_core::LockError;
 
 /// The longest identifier PostgreSQL keeps (NAMEDATALEN - 1).
 pub const MAX_IDENTIFIER_BYTES: usize = 63;

@@ -1,24 +1,24 @@
 //! PostgreSQL backend of distlock: locks as rows of a lease table.
 //!
-//! [`PostgresLock`] implements [`lock_core::LockBackend`] (and
-//! [`lock_core::LockAdmin`]) on a table the client creates on first use (`public.distlock_locks` by default). Each
+//! [`PostgresLock`] implements [`distlock_core::LockBackend`] (and
+//! [`distlock_core::LockAdmin`]) on a table the client creates on first use (`public.distlock_locks` by default). Each
 //! lock is one row per `(namespace, key)` holding the owner token, a fencing
 //! counter and an expiry computed by the **database clock**. Acquire,
 //! extend and release are one SQL statement each, atomic on the server; keys
 //! are always bind parameters. Waiters are woken by `LISTEN`/`NOTIFY` on one
-//! shared connection per client (lock-core's
-//! [`Listener`](lock_core::Listener)), and by a timer set to the holder's
+//! shared connection per client (distlock-core's
+//! [`Listener`](distlock_core::Listener)), and by a timer set to the holder's
 //! remaining lease in case the holder crashed. TTLs, owner tokens, lease
-//! deadlines and the waiting loop are lock-core's
-//! [`LockClient`](lock_core::LockClient), which job code uses.
+//! deadlines and the waiting loop are distlock-core's
+//! [`LockClient`](distlock_core::LockClient), which job code uses.
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use lock_core::{LockKey, LockOptions, Locker};
-//! use lock_postgres::PostgresLock;
+//! use distlock_core::{LockKey, LockOptions, Locker};
+//! use distlock_postgres::PostgresLock;
 //!
 //! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), lock_core::LockError> {
+//! # async fn main() -> Result<(), distlock_core::LockError> {
 //! let lock = PostgresLock::connect("postgres://app:secret@127.0.0.1:5432/app?namespace=jobs").await?;
 //! let locker = Locker::new(lock);
 //! let key = LockKey::new("nightly-report")?;
@@ -50,7 +50,7 @@
 //! An untrusted server certificate, one for another host name, a client
 //! certificate the server refuses or lacks, a missing or unreadable file,
 //! TLS asked of a server without it and plaintext refused by a TLS-only
-//! server are each a [`Config`](lock_core::ErrorKind::Config) error within
+//! server are each a [`Config`](distlock_core::ErrorKind::Config) error within
 //! the connect timeout, saying whether the certificate or the connection is
 //! the problem. Known limit: `verify-ca` still checks the host name (sqlx
 //! 0.8.6 with rustls 0.23.24+, launchbadge/sqlx#3793), so it behaves as
@@ -109,7 +109,7 @@
 //!     and plan per statement: try-acquire + release took 3.4 to 4.5 times
 //!     as long (p50) as with prepared statements on a direct connection,
 //!     and 16 tasks managed 0.24 to 0.34 of the throughput (`cargo bench -p
-//!     lock-postgres --bench protocols`, three runs on a loaded 2-core VM),
+//!     distlock-postgres --bench protocols`, three runs on a loaded 2-core VM),
 //!     which is why it is not the default.
 //!   - Waiters `LISTEN` on `listen_url`, pointing past the pooler
 //!     (directly, or through a session-mode pool), and are woken by
@@ -117,7 +117,7 @@
 //!     can wake them (a `LISTEN` through the pooler would stay on a shared
 //!     server session), so they poll: an acquire attempt every
 //!     `poll_interval_ms` (default 100) per waiting call, and
-//!     [`Capabilities::native_wait`](lock_core::Capabilities) is false.
+//!     [`Capabilities::native_wait`](distlock_core::Capabilities) is false.
 //!     Still correct (every attempt is the atomic acquire statement); a
 //!     release is noticed on the next poll: a handoff took 57 ms at the
 //!     median and 93 ms at p90, against 1.4 ms and 2.0 ms with

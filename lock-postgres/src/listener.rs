@@ -1,5 +1,5 @@
 //! Server-driven wake-up: `LISTEN` on one connection per client, through
-//! lock-core's [`Listener`](lock_core::Listener).
+//! distlock-core's [`Listener`](distlock_core::Listener).
 //!
 //! Release runs `pg_notify(channel, key)` in the same statement that frees
 //! the row, so the notification is delivered when (and only if) the release
@@ -15,7 +15,7 @@
 
 use std::time::Duration;
 
-use lock_core::{async_trait, LockError, LockKey, NotificationSource};
+use distlock_core::{async_trait, LockError, LockKey, NotificationSource};
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 
 use crate::errors;

@@ -9,16 +9,16 @@
 //!   connection — the listener's included — over mutual TLS with the
 //!   `tls_ca_file`/`tls_cert_file`/`tls_key_file` parameters.
 //!
-//! `cargo test -p lock-postgres --all-features --test conformance -- pgbouncer`
+//! `cargo test -p distlock-postgres --all-features --test conformance -- pgbouncer`
 //! runs one of them.
 
 use std::process::ExitCode;
 
-use conformance_tests::fault::HOLDER_ENV;
-use conformance_tests::server::{PoolMode, PooledPostgres, Postgres};
-use conformance_tests::Suite;
+use distlock_conformance::fault::HOLDER_ENV;
+use distlock_conformance::server::{PoolMode, PooledPostgres, Postgres};
+use distlock_conformance::Suite;
+use distlock_core::{LockClient, LockError};
 use libtest_mimic::{Arguments, Trial};
-use lock_core::{LockClient, LockError};
 
 /// Cases run at once unless the command line says. 8 (and 12) let a 200 ms
 /// TTL guard case miss its renewals while the three exclusion tortures ran
@@ -27,7 +27,7 @@ const TEST_THREADS: usize = 4;
 
 async fn connect(url: String) -> Result<LockClient, LockError> {
     Ok(LockClient::new(
-        lock_postgres::PostgresLock::connect(&url).await?,
+        distlock_postgres::PostgresLock::connect(&url).await?,
     ))
 }
 
@@ -53,7 +53,7 @@ fn main() -> ExitCode {
             )
         });
         #[cfg(feature = "tls")]
-        let tls = scope.spawn(|| match conformance_tests::server::PostgresTls::new() {
+        let tls = scope.spawn(|| match distlock_conformance::server::PostgresTls::new() {
             Ok(server) => kind(
                 "tls",
                 Suite::new("postgres-tls", connect)

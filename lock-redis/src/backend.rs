@@ -5,7 +5,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lock_core::{
+use distlock_core::{
     async_trait, with_timeout, AcquireReply, AcquireRequest, Capabilities, ClientOptions,
     ErrorKind, ExtendReply, HeldLock, Listener, LockAdmin, LockBackend, LockError, LockKey,
     LockState, ReleaseReply, ReleaseWatch,
@@ -34,15 +34,15 @@ use crate::tls;
 /// failure by asking the sentinels again; a cluster connection that routes
 /// each script to its slot's node), plus one pub/sub connection (opened on
 /// the first wait) shared by every waiter. Job code uses it through
-/// [`LockClient`](lock_core::LockClient) or [`Locker`](lock_core::Locker).
+/// [`LockClient`](distlock_core::LockClient) or [`Locker`](distlock_core::Locker).
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use lock_core::{LockClient, LockKey};
-/// use lock_redis::RedisLock;
+/// use distlock_core::{LockClient, LockKey};
+/// use distlock_redis::RedisLock;
 ///
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), lock_core::LockError> {
+/// # async fn main() -> Result<(), distlock_core::LockError> {
 /// let client = LockClient::new(RedisLock::connect("redis://127.0.0.1:6379/?namespace=jobs").await?);
 /// let key = LockKey::new("nightly-report")?;
 /// if let Some(lease) = client.try_acquire(&key, Duration::from_secs(30)).await?.lease() {
@@ -239,7 +239,7 @@ impl RedisLock {
     /// ([`ErrorKind::Config`], with the server's reason).
     ///
     /// ```no_run
-    /// use lock_redis::{RedisConfig, RedisLock};
+    /// use distlock_redis::{RedisConfig, RedisLock};
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// let client = redis::Client::open("redis://127.0.0.1:6379/")?;

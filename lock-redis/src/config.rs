@@ -6,7 +6,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use lock_core::{ClientOptions, LockError, LockUrl, UrlHost};
+use distlock_core::{ClientOptions, LockError, LockUrl, UrlHost};
 use redis::{
     ConnectionAddr, ConnectionInfo, IntoConnectionInfo, ProtocolVersion, RedisConnectionInfo,
 };
@@ -45,7 +45,7 @@ const UNIX_SCHEMES: &[&str] = &["unix", "redis+unix"];
 ///   parameters (or the password as `unix://:password@/path`).
 ///
 /// Query parameters (anything else is a
-/// [`Config`](lock_core::ErrorKind::Config) error naming it):
+/// [`Config`](distlock_core::ErrorKind::Config) error naming it):
 ///
 /// | parameter | meaning | default |
 /// |---|---|---|
@@ -64,7 +64,7 @@ const UNIX_SCHEMES: &[&str] = &["unix", "redis+unix"];
 ///
 /// ```
 /// use std::time::Duration;
-/// use lock_redis::RedisConfig;
+/// use distlock_redis::RedisConfig;
 /// let mut config = RedisConfig::from_url("redis://:pw@127.0.0.1:6379/0?namespace=jobs&operation_timeout_ms=250")?;
 /// config.client.connect_timeout = Duration::from_secs(1);
 /// assert_eq!(config.client.namespace, "jobs");
@@ -78,7 +78,7 @@ const UNIX_SCHEMES: &[&str] = &["unix", "redis+unix"];
 ///
 /// let typo = RedisConfig::from_url("redis://127.0.0.1/?namspace=jobs").unwrap_err();
 /// assert!(typo.to_string().contains("namspace"));
-/// # Ok::<(), lock_core::LockError>(())
+/// # Ok::<(), distlock_core::LockError>(())
 /// ```
 #[derive(Clone)]
 pub struct RedisConfig {
@@ -92,7 +92,7 @@ pub struct RedisConfig {
     /// How many replicas must acknowledge each acquisition and extension
     /// (`WAIT`, bounded by half the operation timeout) before it counts; an
     /// acquisition they do not acknowledge is released and reported as
-    /// [`Unavailable`](lock_core::ErrorKind::Unavailable). 0 (the default)
+    /// [`Unavailable`](distlock_core::ErrorKind::Unavailable). 0 (the default)
     /// waits for none. See the crate docs, "Replication".
     pub min_replicas: u32,
     /// Where the server is; `None` for
@@ -168,7 +168,7 @@ impl RedisConfig {
         let tls = url.scheme().starts_with("rediss");
         if tls && !cfg!(feature = "tls") {
             return Err(LockError::config(format!(
-                "{}:// (TLS) needs the `tls` cargo feature of lock-redis (the `tls` or `redis-tls` feature of distlock); enable it or use {}://",
+                "{}:// (TLS) needs the `tls` cargo feature of distlock-redis (the `tls` or `redis-tls` feature of distlock); enable it or use {}://",
                 url.scheme(),
                 url.scheme().replacen("rediss", "redis", 1)
             )));
@@ -539,7 +539,7 @@ fn either(
 
 #[cfg(test)]
 mod tests {
-    use lock_core::ErrorKind;
+    use distlock_core::ErrorKind;
 
     use super::*;
 

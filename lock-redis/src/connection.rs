@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use lock_core::ClientOptions;
+use distlock_core::ClientOptions;
 use redis::aio::{ConnectionLike, ConnectionManager, MultiplexedConnection};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
@@ -56,7 +56,7 @@ impl Commands {
     /// A connection for one request. Report how the request went with
     /// [`Checkout::finish`]; a checkout dropped before (the request timed
     /// out or was cancelled) counts as failed.
-    pub(crate) async fn checkout(&self) -> Result<Checkout<'_>, lock_core::LockError> {
+    pub(crate) async fn checkout(&self) -> Result<Checkout<'_>, distlock_core::LockError> {
         Ok(match self {
             Commands::Single(manager) => Checkout::new(Conn::Manager(manager.clone()), None),
             Commands::Cluster(cluster) => Checkout::new(Conn::Cluster(cluster.clone()), None),

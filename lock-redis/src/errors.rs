@@ -1,6 +1,6 @@
 //! Redis driver errors -> [`LockError`].
 
-use lock_core::{LockError, LockKey};
+use distlock_core::{LockError, LockKey};
 use redis::{ErrorKind as RedisKind, RedisError};
 
 use crate::keys::RedisKeys;
@@ -26,7 +26,7 @@ pub(crate) fn map(err: RedisError, what: &str) -> LockError {
     if code == "NOPERM" {
         return LockError::config(format!(
             "{what}: the redis ACL user is not allowed to do this ({}); distlock needs the \
-             permissions listed in the lock-redis docs (\"ACL users\") on its namespace's \
+             permissions listed in the distlock-redis docs (\"ACL users\") on its namespace's \
              keys and channels",
             err.detail().unwrap_or("NOPERM")
         ))
@@ -91,7 +91,7 @@ pub(crate) fn acl_refused(what: &str, namespace: &str, detail: &str) -> LockErro
     };
     LockError::config(format!(
         "{what}: the redis ACL user may not run distlock's scripts ({detail}); grant it {grant}. \
-         The permissions distlock needs are listed in the lock-redis docs (\"ACL users\")"
+         The permissions distlock needs are listed in the distlock-redis docs (\"ACL users\")"
     ))
 }
 
@@ -117,13 +117,13 @@ pub(crate) fn acl_denied(what: &str, namespace: &str, denied: &[(&str, &str)]) -
     }
     LockError::config(format!(
         "{what}: the redis ACL user may not run {}; grant it those. The permissions distlock \
-         needs are listed in the lock-redis docs (\"ACL users\")",
+         needs are listed in the distlock-redis docs (\"ACL users\")",
         parts.join("; ")
     ))
 }
 
 /// Maps an error from one of our scripts on `key`: a `DISTLOCK_CORRUPT`
-/// reply becomes [`ErrorKind::Corrupted`](lock_core::ErrorKind) naming the
+/// reply becomes [`ErrorKind::Corrupted`](distlock_core::ErrorKind) naming the
 /// Redis key, anything else goes through [`map`].
 pub(crate) fn map_script(
     err: RedisError,
@@ -143,7 +143,7 @@ pub(crate) fn map_script(
     corrupted(key, redis_key, rest)
 }
 
-/// A [`ErrorKind::Corrupted`](lock_core::ErrorKind) error for `redis_key`.
+/// A [`ErrorKind::Corrupted`](distlock_core::ErrorKind) error for `redis_key`.
 pub(crate) fn corrupted(key: &LockKey, redis_key: &str, detail: &str) -> LockError {
     LockError::corrupted(format!(
         "lock {key:?}: redis key {redis_key:?} {detail}; distlock did not write it and left it \
@@ -167,7 +167,7 @@ mod tests {
                 ("TIME", ""),
             ],
         );
-        assert_eq!(err.kind(), lock_core::ErrorKind::Config);
+        assert_eq!(err.kind(), distlock_core::ErrorKind::Config);
         let message = err.message();
         assert!(message.contains("SET on the keys `~jobs:*`"), "{message}");
         assert!(

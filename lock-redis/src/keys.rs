@@ -11,10 +11,10 @@
 //! characters, and `%` itself is escaped), so distinct keys never share Redis
 //! keys; and `E` contains no brace, so `{E}` is always the hash tag and all
 //! three names hash to one cluster slot. The namespace is validated by
-//! [`lock_core::ClientOptions::validate`] (letters, digits, `_`, `-`, `.`),
+//! [`distlock_core::ClientOptions::validate`] (letters, digits, `_`, `-`, `.`),
 //! so nothing a caller passes can reach outside `NS:{`.
 
-use lock_core::LockKey;
+use distlock_core::LockKey;
 
 /// The Redis names one lock touches.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -2,11 +2,11 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use lock_core::{Locker, LockKey, LockOptions};
-//! use lock_redis::RedisLock;
+//! use distlock_core::{Locker, LockKey, LockOptions};
+//! use distlock_redis::RedisLock;
 //!
 //! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), lock_core::LockError> {
+//! # async fn main() -> Result<(), distlock_core::LockError> {
 //! let lock = RedisLock::connect("redis://:secret@127.0.0.1:6379/0?namespace=jobs").await?;
 //! let locker = Locker::new(lock);
 //! let key = LockKey::new("nightly-report")?;
@@ -22,7 +22,7 @@
 //! - [`RedisLock::connect`]`("redis://[user:password@]host[:port][/db]")`;
 //!   with an ACL user, `redis://user:password@host`; with the legacy
 //!   `requirepass`, `redis://:password@host`. Wrong credentials give
-//!   [`ErrorKind::Config`](lock_core::ErrorKind) saying authentication failed.
+//!   [`ErrorKind::Config`](distlock_core::ErrorKind) saying authentication failed.
 //! - `rediss://…` connects over TLS (rustls, the platform's root
 //!   certificates) when the cargo feature **`tls`** is enabled; without it a
 //!   `rediss://` URL is refused with a message naming the feature. (TLS is
@@ -36,7 +36,7 @@
 //! - Query parameters `namespace`, `connect_timeout_ms`,
 //!   `operation_timeout_ms`, `fence_retention_ms` and the driver's
 //!   `protocol` (see [`RedisConfig`]); any other parameter is a
-//!   [`ErrorKind::Config`](lock_core::ErrorKind) error naming it.
+//!   [`ErrorKind::Config`](distlock_core::ErrorKind) error naming it.
 //!
 //! Every request runs under the operation timeout; the command connection
 //! reconnects by itself when the server comes back.
@@ -57,7 +57,7 @@
 //! +subscribe +unsubscribe +ping +type +get +set +del +pttl +pexpire +time
 //! +publish`. [`RedisLock::connect`] checks this on Redis 7 and later (with
 //! `redis.acl_check_cmd`, running nothing) and fails with
-//! [`ErrorKind::Config`](lock_core::ErrorKind) naming what is missing, rather
+//! [`ErrorKind::Config`](distlock_core::ErrorKind) naming what is missing, rather
 //! than connecting a client whose every acquire fails, or whose releases
 //! wake nobody. A missing channel permission is refused too: without it a
 //! release cannot wake the waiters of other clients, which would then wait
@@ -83,23 +83,23 @@
 //!   `SCRIPT FLUSH` — is sent once more with `EVAL`).
 //! - **Acquire**: if the lock key exists it
 //!   returns the holder's `PTTL` (filling
-//!   [`AcquireReply::Held::expires_in`](lock_core::AcquireReply)); else
+//!   [`AcquireReply::Held::expires_in`](distlock_core::AcquireReply)); else
 //!   it computes the fencing token, `SET lock dl1:<owner>:<token> PX ttl`
 //!   (the owner token is the one in the request, minted by
-//!   [`LockClient`](lock_core::LockClient)), stores the token in the fence
+//!   [`LockClient`](distlock_core::LockClient)), stores the token in the fence
 //!   key and returns it.
 //! - **Extend**: compares the stored value with the held lock's owner and
 //!   fencing token, then `PEXPIRE`; a missing key is never recreated.
 //! - **Release**: compares, `DEL`, `PUBLISH` on the channel.
 //! - **Waiting**: one pub/sub connection per client, shared by all waiters
-//!   and run by [`lock_core::Listener`]; the first waiter of a key
+//!   and run by [`distlock_core::Listener`]; the first waiter of a key
 //!   subscribes to its channel before its first attempt; a release wakes
 //!   the waiters; a holder that crashed is covered by a timer set to its
 //!   `PTTL`. No polling. If the pub/sub connection fails (closed, a
 //!   SUBSCRIBE, UNSUBSCRIBE or PING that errs or times out), it is dropped
 //!   and every waiter subscribes again before its next attempt.
 //! - A value distlock did not write (another type, another format, a lock
-//!   without expiry) gives [`ErrorKind::Corrupted`](lock_core::ErrorKind)
+//!   without expiry) gives [`ErrorKind::Corrupted`](distlock_core::ErrorKind)
 //!   naming the Redis key; nothing is overwritten or deleted.
 //!
 //! # Fencing tokens without a key per lock name forever
@@ -125,8 +125,8 @@
 //! Each operation of [`RedisLock`] is one script call. Dropping its future
 //! (say under `tokio::time::timeout`) after the request went out lets the
 //! server finish it: an `acquire` may have taken a lock nobody will
-//! release, which expires after its TTL ([`LockClient::acquire`](lock_core::LockClient::acquire)
-//! and [`Locker`](lock_core::Locker) release such a grant); an `extend` may
+//! release, which expires after its TTL ([`LockClient::acquire`](distlock_core::LockClient::acquire)
+//! and [`Locker`](distlock_core::Locker) release such a grant); an `extend` may
 //! have extended the lock, for its new TTL; a `release` may have released
 //! it, and then woke the waiters (`DEL` and `PUBLISH` are one script). A
 //! dropped `watch` unregisters its waiter; if its `SUBSCRIBE` was in flight,

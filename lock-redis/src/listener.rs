@@ -1,5 +1,5 @@
 //! Server-driven wake-up: the pub/sub connection as a
-//! [`NotificationSource`], driven by [`lock_core::Listener`].
+//! [`NotificationSource`], driven by [`distlock_core::Listener`].
 //!
 //! A release script publishes on the lock's channel (`NS:{K'}:released`).
 //! The listener opens one pub/sub connection per client on the first wait,
@@ -22,8 +22,8 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
+use distlock_core::{async_trait, ClientOptions, LockError, NotificationSource};
 use futures_util::StreamExt;
-use lock_core::{async_trait, ClientOptions, LockError, NotificationSource};
 use redis::aio::{PubSubSink, PubSubStream};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};

@@ -10,7 +10,7 @@
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use lock_core::{
+use distlock_core::{
     AcquireReply, ExtendReply, FencingToken, Grant, LockError, LockKey, LockState, ReleaseReply,
 };
 use redis::aio::ConnectionLike;

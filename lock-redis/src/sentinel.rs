@@ -11,7 +11,7 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use lock_core::{with_timeout, ClientOptions, ErrorKind, LockError};
+use distlock_core::{with_timeout, ClientOptions, ErrorKind, LockError};
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, ConnectionInfo, Role};
 

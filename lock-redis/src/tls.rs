@@ -2,7 +2,7 @@
 //! redis driver's certificates, and the driver's TLS failures as errors
 //! that say whether the certificate or the connection is the problem.
 
-use lock_core::{ErrorKind, LockError, TlsFiles};
+use distlock_core::{ErrorKind, LockError, TlsFiles};
 use redis::{ConnectionAddr, ConnectionInfo, RedisError};
 
 use crate::config::Server;

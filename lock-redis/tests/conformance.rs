@@ -19,15 +19,17 @@
 
 use std::process::ExitCode;
 
-use conformance_tests::fault::HOLDER_ENV;
-use conformance_tests::server::{self, RedisCluster, RedisSentinel};
-use conformance_tests::Suite;
+use distlock_conformance::fault::HOLDER_ENV;
+use distlock_conformance::server::{self, RedisCluster, RedisSentinel};
+use distlock_conformance::Suite;
+use distlock_core::LockClient;
 use libtest_mimic::{Arguments, Trial};
-use lock_core::LockClient;
 
 fn suite() -> Suite {
     Suite::new("redis", |url: String| async move {
-        Ok(LockClient::new(lock_redis::RedisLock::connect(&url).await?))
+        Ok(LockClient::new(
+            distlock_redis::RedisLock::connect(&url).await?,
+        ))
     })
 }
 
@@ -41,7 +43,7 @@ fn group_trials(kind: &str, url: Result<String, String>) -> Vec<Trial> {
             .into_iter()
             .map(|t| t.with_kind(kind))
             .collect(),
-        Err(reason) => conformance_tests::cases::all()
+        Err(reason) => distlock_conformance::cases::all()
             .into_iter()
             .map(|case| {
                 let reason = format!("the {kind} servers did not start: {reason}");

@@ -238,7 +238,7 @@ def test_fork_child_reconnects_and_leaves_parent_lock_alone(redis_server):
 
 
 def test_job_key_matches_the_rust_pins():
-    # The same inputs and expected keys as lock-core's job_key tests.
+    # The same inputs and expected keys as distlock-core's job_key tests.
     assert (
         distlock.job_key("report", kwargs={"b": [1, {"y": 2, "x": 1}], "a": "é"})
         == "report:7d3c8b032ac468d2d8d4df08d101faa3"

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lock_core::{LockOptions, LockState, Locker};
+use distlock_core::{LockOptions, LockState, Locker};
 
 use crate::cases::support::{
     acquire, background_bound, eventually_acquire, expiry_bound, until_attempts, within,

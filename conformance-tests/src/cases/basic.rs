@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use lock_core::{AcquireAttempt, ErrorKind};
+use distlock_core::{AcquireAttempt, ErrorKind};
 
 use super::support::{
     acquire, eventually_acquire, expect_kind, expiry_bound, key_with, refused, stem,
@@ -177,7 +177,7 @@ pub async fn renewing_acquire_expires_without_renewal(ctx: TestContext) -> CaseR
     let key = ctx.key("basic");
     let ttl = ctx.short_ttl();
     let lease = match a.try_acquire_renewing(&key, ttl).await? {
-        lock_core::AcquireAttempt::Acquired(lease) => lease,
+        distlock_core::AcquireAttempt::Acquired(lease) => lease,
         other => return Err(format!("a free key must be acquired, got {other:?}").into()),
     };
     refused(&b, &key, "right after the renewing acquire").await?;
@@ -203,7 +203,7 @@ pub async fn renewing_acquire_expires_without_renewal(ctx: TestContext) -> CaseR
     b.release(&next).await?;
     // And a renewing lock released normally frees the key at once.
     let again = match a.try_acquire_renewing(&key, ttl).await? {
-        lock_core::AcquireAttempt::Acquired(lease) => lease,
+        distlock_core::AcquireAttempt::Acquired(lease) => lease,
         other => return Err(format!("the released key must be free, got {other:?}").into()),
     };
     a.release(&again).await?;

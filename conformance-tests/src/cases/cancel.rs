@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lock_core::{AcquireRequest, Lease, LockClient, LockKey, OwnerToken};
+use distlock_core::{AcquireRequest, Lease, LockClient, LockKey, OwnerToken};
 
 use super::support::{acquire, eventually_acquire, until_attempts, within};
 use crate::context::{CaseError, CaseResult, TestContext};
@@ -240,7 +240,7 @@ pub async fn dropped_calls_leave_later_waiters_woken(ctx: TestContext) -> CaseRe
             if let Some(lease) = &lease {
                 waiter.release(lease).await?;
             }
-            Ok::<_, lock_core::LockError>(lease.map(|_| granted_at))
+            Ok::<_, distlock_core::LockError>(lease.map(|_| granted_at))
         }));
     }
     for (i, waiter) in observed.iter().enumerate() {

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use lock_core::{LockKey, LockOptions, Locker, RunOptions, RunOutcome};
+use distlock_core::{LockKey, LockOptions, Locker, RunOptions, RunOutcome};
 
 use super::support::within;
 use crate::checker::ExclusionChecker;

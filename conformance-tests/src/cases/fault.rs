@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lock_core::{
+use distlock_core::{
     AcquireAttempt, ErrorKind, LockClient, LockError, LockKey, LockOptions, Locker, LostReason,
     RunOptions, RunOutcome,
 };

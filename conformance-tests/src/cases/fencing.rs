@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lock_core::{LockOptions, Locker, Renewal};
+use distlock_core::{LockOptions, Locker, Renewal};
 
 use super::support::{acquire, eventually_acquire, expiry_bound, until_attempts, within};
 use crate::context::{CaseResult, TestContext};
@@ -173,7 +173,7 @@ pub async fn increases_for_successive_waiters(ctx: TestContext) -> CaseResult {
             let token = guard.fencing_token();
             tokio::task::yield_now().await;
             guard.release().await?;
-            Ok::<_, lock_core::LockError>(Some(token))
+            Ok::<_, distlock_core::LockError>(Some(token))
         }));
     }
     for (i, client) in observed.iter().enumerate() {

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lock_core::{ErrorKind, Fire, LockOptions, Locker, LostReason, Renewal, ScheduledJob};
+use distlock_core::{ErrorKind, Fire, LockOptions, Locker, LostReason, Renewal, ScheduledJob};
 
 use super::support::{
     acquire, background_bound, eventually_acquire, expect_kind, expiry_bound, refused, within,
@@ -120,7 +120,7 @@ pub async fn renewal_off_expires(ctx: TestContext) -> CaseResult {
 /// the next renewal is refused and `lost` fires.
 pub async fn lost_fires_when_taken(ctx: TestContext) -> CaseResult {
     let client = ctx.client().await?;
-    let locker = lock_core::Locker::new(client.clone());
+    let locker = distlock_core::Locker::new(client.clone());
     let other = ctx.client().await?;
     let key = ctx.key("guard");
     let ttl = ctx.short_ttl();
@@ -165,7 +165,7 @@ pub async fn lost_fires_when_taken(ctx: TestContext) -> CaseResult {
 /// renewal is refused (never recreates the key) and `lost` fires.
 pub async fn lost_fires_when_deleted(ctx: TestContext) -> CaseResult {
     let client = ctx.client().await?;
-    let locker = lock_core::Locker::new(client.clone());
+    let locker = distlock_core::Locker::new(client.clone());
     let key = ctx.key("guard");
     let ttl = ctx.short_ttl();
     let guard = locker

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use lock_core::{ErrorKind, LockKey, LockOptions, Locker, MemoryLock, MAX_KEY_BYTES};
+use distlock_core::{ErrorKind, LockKey, LockOptions, Locker, MemoryLock, MAX_KEY_BYTES};
 
 use super::support::{acquire, expect_kind, key_with, refused, stem};
 use crate::context::{CaseResult, TestContext};

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lock_core::{
+use distlock_core::{
     AcquireAttempt, ErrorKind, Lease, LockClient, LockKey, LockOptions, Locker, LostReason, Renewal,
 };
 
@@ -163,7 +163,7 @@ pub async fn never_granted_before_holder_deadline(ctx: TestContext) -> CaseResul
 async fn server_holds_until_deadline(
     observer: &LockClient,
     key: &LockKey,
-    token: lock_core::FencingToken,
+    token: distlock_core::FencingToken,
     valid_until: impl Fn() -> Instant,
     believed: impl Fn() -> bool,
     what: &str,

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lock_core::{
+use distlock_core::{
     AcquireAttempt, ErrorKind, Lease, LockClient, LockError, LockKey, LockOptions, Locker,
     LostReason, OnLost, Renewal, RunOptions, RunOutcome,
 };

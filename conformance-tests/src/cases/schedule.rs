@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use lock_core::{
+use distlock_core::{
     ErrorKind, Fire, LockOptions, Locker, RunOptions, ScheduledJob, ScheduledOutcome, SkipReason,
 };
 
@@ -77,7 +77,7 @@ async fn simulate(
         let locker = Locker::new(ctx.client().await?);
         let job = job.clone();
         let runs = runs.clone();
-        let plain_key = lock_core::LockKey::new(name.clone())?;
+        let plain_key = distlock_core::LockKey::new(name.clone())?;
         tasks.push(tokio::spawn(async move {
             let mut failures = Vec::new();
             for fire in 0..FIRES {
@@ -106,7 +106,7 @@ async fn simulate(
                         )
                         .await
                         .map(|o| match o {
-                            lock_core::RunOutcome::Completed { output, .. } => Some(output),
+                            distlock_core::RunOutcome::Completed { output, .. } => Some(output),
                             _ => None,
                         }),
                     Labels::SlotOfNow | Labels::Intended => {

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lock_core::{AcquireAttempt, ErrorKind, Lease, LockClient, LockKey, LockOptions, Locker};
+use distlock_core::{AcquireAttempt, ErrorKind, Lease, LockClient, LockKey, LockOptions, Locker};
 
 use super::support::{background_bound, expect_kind, expiry_bound, until_attempts, within};
 use crate::context::{CaseError, CaseResult, TestContext};
@@ -455,7 +455,7 @@ pub async fn guards_and_run_exclusive(ctx: TestContext) -> CaseResult {
     let outcome = other
         .run_exclusive(
             &key,
-            &lock_core::RunOptions::new(options.clone()),
+            &distlock_core::RunOptions::new(options.clone()),
             |_| async { 1 },
         )
         .await?;
@@ -469,7 +469,7 @@ pub async fn guards_and_run_exclusive(ctx: TestContext) -> CaseResult {
         let outcome = other
             .run_exclusive(
                 &key,
-                &lock_core::RunOptions::new(options.clone()),
+                &distlock_core::RunOptions::new(options.clone()),
                 |ctx| async move { ctx.fencing_token },
             )
             .await?;

@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use lock_core::{
+use distlock_core::{
     AcquireAttempt, ErrorKind, FencingToken, Lease, LockClient, LockError, LockKey, LockState,
 };
 

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lock_core::{LockClient, LockOptions, Locker};
+use distlock_core::{LockClient, LockOptions, Locker};
 
 use super::support::{
     acquire, background_bound, eventually_acquire, expiry_bound, refused, until_attempts, within,
@@ -178,7 +178,7 @@ pub async fn cancelled_waiters_leave_nothing_held(ctx: TestContext) -> CaseResul
                         guard.release().await?;
                     }
                 }
-                Ok::<_, lock_core::LockError>(())
+                Ok::<_, distlock_core::LockError>(())
             }));
         }
         tokio::time::sleep(Duration::from_millis(rand::random_range(20..80))).await;
@@ -223,7 +223,7 @@ pub async fn sixteen_waiters_each_once(ctx: TestContext) -> CaseResult {
         tasks.push(tokio::spawn(async move {
             let guard = locker.acquire(&key, &options).await?;
             let Some(guard) = guard else {
-                return Ok::<_, lock_core::LockError>(Err(format!("waiter {i} gave up")));
+                return Ok::<_, distlock_core::LockError>(Err(format!("waiter {i} gave up")));
             };
             checker.critical_section(&key, guard.fencing_token()).await;
             guard.release().await?;

@@ -12,7 +12,7 @@ use std::io::{self, BufRead, Write};
 use std::process::{ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use lock_core::{FencingToken, LockKey, LockOptions, Locker};
+use distlock_core::{FencingToken, LockKey, LockOptions, Locker};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::process::{Child, ChildStderr, Command};
 

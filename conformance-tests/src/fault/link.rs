@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use lock_core::{
+use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, HeldLock, LockAdmin, LockBackend,
     LockClient, LockError, LockKey, LockState, PermitReply, PermitRequest, ReleaseNotifier,
     ReleaseReply, ReleaseWatch, SemaphoreBackend,
@@ -52,11 +52,11 @@ static LINKS: Mutex<BTreeMap<u64, Weak<Shared>>> = Mutex::new(BTreeMap::new());
 /// ```
 /// use std::sync::Arc;
 /// use std::time::Duration;
-/// use conformance_tests::fault::{Direction, Link};
-/// use lock_core::{ErrorKind, LockKey, MemoryLock};
+/// use distlock_conformance::fault::{Direction, Link};
+/// use distlock_core::{ErrorKind, LockKey, MemoryLock};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), lock_core::LockError> {
+/// # async fn main() -> Result<(), distlock_core::LockError> {
 /// let server = MemoryLock::new();
 /// let link = Link::new();
 /// let client = Link::attach(&link.url(), server.client())?;
@@ -363,7 +363,7 @@ async fn forward(
 }
 
 #[deny(clippy::missing_trait_methods)]
-#[lock_core::async_trait]
+#[distlock_core::async_trait]
 impl LockBackend for LinkedLock {
     fn name(&self) -> &'static str {
         self.inner.name()
@@ -439,7 +439,7 @@ impl LinkedLock {
 }
 
 #[deny(clippy::missing_trait_methods)]
-#[lock_core::async_trait]
+#[distlock_core::async_trait]
 impl SemaphoreBackend for LinkedLock {
     async fn acquire_permit(&self, request: PermitRequest<'_>) -> Result<PermitReply, LockError> {
         let semaphore = self.inner_semaphore()?;
@@ -472,7 +472,7 @@ impl SemaphoreBackend for LinkedLock {
     }
 }
 
-#[lock_core::async_trait]
+#[distlock_core::async_trait]
 impl LockAdmin for LinkedLock {
     async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
         let admin = self.inner.admin().ok_or_else(no_admin)?;
@@ -491,7 +491,7 @@ fn no_admin() -> LockError {
 
 #[cfg(test)]
 mod tests {
-    use lock_core::{ErrorKind, MemoryLock};
+    use distlock_core::{ErrorKind, MemoryLock};
 
     use super::*;
 

@@ -121,7 +121,7 @@ impl FaultPath {
 ///
 /// ```
 /// use std::time::Duration;
-/// use conformance_tests::fault::with_timeouts;
+/// use distlock_conformance::fault::with_timeouts;
 /// let ms = Duration::from_millis;
 /// assert_eq!(
 ///     with_timeouts("redis://127.0.0.1:1", ms(500), ms(800)),

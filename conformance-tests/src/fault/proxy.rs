@@ -43,7 +43,7 @@ use super::Direction;
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use conformance_tests::fault::{Direction, Proxy};
+/// use distlock_conformance::fault::{Direction, Proxy};
 /// # async fn demo(server: std::net::SocketAddr) -> std::io::Result<()> {
 /// let proxy = Proxy::start(server).await?;
 /// let url = format!("redis://{}", proxy.addr()); // the client goes through it

@@ -75,7 +75,7 @@ impl ServerKind for Member {
 /// `etcd://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3`.
 ///
 /// ```no_run
-/// use conformance_tests::server::EtcdCluster;
+/// use distlock_conformance::server::EtcdCluster;
 /// let cluster = EtcdCluster::start(3)?;
 /// let leader = cluster.wait_for_leader()?;
 /// cluster.member(leader).kill();

@@ -25,7 +25,7 @@ const METRICS_PORT_FILE: &str = "metrics-port";
 ///
 /// ```no_run
 /// use std::sync::Arc;
-/// use conformance_tests::server::{EtcdTls, ServerProcess, TestPki};
+/// use distlock_conformance::server::{EtcdTls, ServerProcess, TestPki};
 /// let pki = TestPki::generate(&std::env::temp_dir().join("etcd-pki"))?;
 /// let server = ServerProcess::start(Arc::new(EtcdTls::mutual(&pki)))?;
 /// assert!(server.url().starts_with("etcds://127.0.0.1:"));

@@ -49,7 +49,7 @@ impl PoolMode {
 ///
 /// ```no_run
 /// use std::sync::Arc;
-/// use conformance_tests::server::{PgBouncer, Postgres, PoolMode, ServerProcess};
+/// use distlock_conformance::server::{PgBouncer, Postgres, PoolMode, ServerProcess};
 /// let postgres = ServerProcess::start(Arc::new(Postgres))?;
 /// let pooler = ServerProcess::start(Arc::new(PgBouncer::new(postgres.addr(), PoolMode::Transaction)))?;
 /// assert!(pooler.url().starts_with("postgres://"));

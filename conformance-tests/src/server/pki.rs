@@ -34,7 +34,7 @@ pub struct CertFiles {
 ///
 /// ```no_run
 /// let dir = std::env::temp_dir().join("pki-example");
-/// let pki = conformance_tests::server::TestPki::generate(&dir)?;
+/// let pki = distlock_conformance::server::TestPki::generate(&dir)?;
 /// let url = format!("rediss://127.0.0.1:6380?tls_ca_file={}", pki.ca.display());
 /// # let _ = url; Ok::<(), std::io::Error>(())
 /// ```

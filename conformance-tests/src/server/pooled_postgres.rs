@@ -19,13 +19,13 @@ use super::{PgBouncer, PoolMode, Postgres, ServerKind, ServerProcess};
 /// stops when the test process exits.
 ///
 /// Its [`url`](ServerKind::url) is the pooler's, and in transaction mode
-/// carries lock-postgres's parameters for it: `pool_mode=transaction` and
+/// carries distlock-postgres's parameters for it: `pool_mode=transaction` and
 /// `listen_url` pointing past the pooler at the database (waiters `LISTEN`
 /// there).
 ///
 /// ```no_run
 /// use std::sync::Arc;
-/// use conformance_tests::server::{PoolMode, PooledPostgres, ServerProcess};
+/// use distlock_conformance::server::{PoolMode, PooledPostgres, ServerProcess};
 /// let pooler = ServerProcess::start(Arc::new(PooledPostgres::new(PoolMode::Transaction)))?;
 /// assert!(pooler.url().contains("pool_mode=transaction&listen_url="));
 /// # Ok::<(), std::io::Error>(())

@@ -42,7 +42,7 @@ pub const CERT_USER: &str = "distlock";
 ///
 /// ```no_run
 /// use std::sync::Arc;
-/// use conformance_tests::server::{PostgresTls, ServerProcess};
+/// use distlock_conformance::server::{PostgresTls, ServerProcess};
 /// let kind = PostgresTls::new()?;
 /// let server = ServerProcess::start(Arc::new(kind.clone()))?;
 /// assert!(server.url().contains("sslmode=verify-full"));

@@ -12,7 +12,7 @@ use super::ServerKind;
 ///
 /// ```no_run
 /// use std::sync::Arc;
-/// use conformance_tests::server::{Redis, ServerProcess};
+/// use distlock_conformance::server::{Redis, ServerProcess};
 /// let server = ServerProcess::start(Arc::new(Redis::with_password("s3cret")))?;
 /// assert!(server.url().starts_with("redis://:s3cret@127.0.0.1:"));
 /// # Ok::<(), std::io::Error>(())

@@ -35,7 +35,7 @@ pub struct ClusterPrimary {
 /// killed when the cluster is dropped.
 ///
 /// ```no_run
-/// use conformance_tests::server::RedisCluster;
+/// use distlock_conformance::server::RedisCluster;
 /// let cluster = RedisCluster::start()?;
 /// assert!(cluster.url().starts_with("redis+cluster://"));
 /// assert_eq!(cluster.primaries()?.len(), 3);

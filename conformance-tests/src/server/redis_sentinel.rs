@@ -27,7 +27,7 @@ const HEALTHY_TIMEOUT: Duration = Duration::from_secs(60);
 /// password. Everything is killed when the group is dropped.
 ///
 /// ```no_run
-/// use conformance_tests::server::RedisSentinel;
+/// use distlock_conformance::server::RedisSentinel;
 /// let group = RedisSentinel::start()?;
 /// assert!(group.url().starts_with("redis+sentinel://"));
 /// let primary = group.primary()?;

@@ -32,7 +32,7 @@ pub enum RedisTlsAuth {
 ///
 /// ```no_run
 /// use std::sync::Arc;
-/// use conformance_tests::server::{RedisTlsAuth, RedisTls, ServerProcess, TestPki};
+/// use distlock_conformance::server::{RedisTlsAuth, RedisTls, ServerProcess, TestPki};
 /// let pki = TestPki::generate(&std::env::temp_dir().join("redis-tls-example"))?;
 /// let server = ServerProcess::start(Arc::new(RedisTls::new(pki).client_auth(RedisTlsAuth::Required)))?;
 /// assert!(server.url().starts_with("rediss://127.0.0.1:"));

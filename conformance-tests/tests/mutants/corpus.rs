@@ -1,12 +1,12 @@
 //! The mutants: one wrapper backend around `MemoryLock` (through a
-//! simulated network [`Link`](conformance_tests::fault::Link) for the
+//! simulated network [`Link`](distlock_conformance::fault::Link) for the
 //! clients of fault cases), forwarding everything except the one defect
 //! its [`Defect`] names. Public API only, as a third party would write it:
 //! each mutant is a raw `LockBackend`, so it can break exactly what a
 //! backend author could break.
 //!
 //! Some defects of the first corpus cannot be written any more since
-//! lock-core owns every lease rule (issue 14): an issuer check a backend
+//! distlock-core owns every lease rule (issue 14): an issuer check a backend
 //! skips, a waiting loop that ignores its deadline, a lease dated from the
 //! reply (a backend can only report the TTL the server applied; the
 //! closest it can get is to inflate it, `deadline_from_reply` below).
@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lock_core::{
+use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
     LockAdmin, LockBackend, LockClient, LockError, LockKey, LockState, OwnerToken, ReleaseNotifier,
     ReleaseReply, ReleaseWatch, SemaphoreBackend,
@@ -215,7 +215,7 @@ pub const CORPUS: &[MutantSpec] = &[
     MutantSpec {
         name: "extend_changes_token",
         defect: Defect::ExtendChangesToken,
-        what: "extend hands back a different fencing token (lock-core reports it as corrupted data)",
+        what: "extend hands back a different fencing token (distlock-core reports it as corrupted data)",
         killers: &["fencing::unchanged_by_extend"],
     },
     MutantSpec {
@@ -488,7 +488,7 @@ impl Mutant {
     }
 }
 
-#[lock_core::async_trait]
+#[distlock_core::async_trait]
 impl LockBackend for Mutant {
     fn name(&self) -> &'static str {
         "mutant"
@@ -636,7 +636,7 @@ impl LockBackend for Mutant {
     }
 }
 
-#[lock_core::async_trait]
+#[distlock_core::async_trait]
 impl LockAdmin for Mutant {
     async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
         self.admin_of_inner()?.inspect(&self.server_key(key)).await

@@ -15,10 +15,10 @@ mod corpus;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use conformance_tests::fault::Link;
-use conformance_tests::{CaseOutcome, CaseRun, Suite};
+use distlock_conformance::fault::Link;
+use distlock_conformance::{CaseOutcome, CaseRun, Suite};
+use distlock_core::{LockClient, MemoryLock};
 use libtest_mimic::{Arguments, Failed, Trial};
-use lock_core::{LockClient, MemoryLock};
 
 use corpus::{Defect, Mutant, MutantSpec, CORPUS};
 

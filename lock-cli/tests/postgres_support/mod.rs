@@ -6,7 +6,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use conformance_tests::server::{ServerKind, ServerProcess};
+use distlock_conformance::server::{ServerKind, ServerProcess};
 
 /// Generous bound on one `distlock` run before the test calls it hung (a
 /// hang guard, not a timing assertion).

@@ -9,12 +9,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use conformance_tests::fault::Proxy;
-use conformance_tests::server::{self, ServerHandle, ServerProcess};
-use conformance_tests::ObservedLock;
-use lock_core::{AcquireAttempt, Lease, LockClient, LockError, LockKey};
-use lock_etcd::etcd_client::{self, Client};
-use lock_etcd::EtcdLock;
+use distlock_conformance::fault::Proxy;
+use distlock_conformance::server::{self, ServerHandle, ServerProcess};
+use distlock_conformance::ObservedLock;
+use distlock_core::{AcquireAttempt, Lease, LockClient, LockError, LockKey};
+use distlock_etcd::etcd_client::{self, Client};
+use distlock_etcd::EtcdLock;
 
 pub fn random() -> u64 {
     use std::hash::{BuildHasher, Hasher};

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use lock_core::{LockError, LockUrl, TlsFiles};
+use distlock_core::{LockError, LockUrl, TlsFiles};
 use sqlx::postgres::{PgConnectOptions, PgSslMode};
 
 /// Whether this build can speak TLS (the `tls` cargo feature).
@@ -201,7 +201,7 @@ impl TlsSettings {
             );
         if needs_tls && !TLS_BUILT {
             return Err(LockError::config(
-                "this URL asks for TLS (sslmode=require/verify-ca/verify-full or a TLS file), but distlock was built without TLS: enable the `tls` cargo feature (of distlock, or of lock-postgres)",
+                "this URL asks for TLS (sslmode=require/verify-ca/verify-full or a TLS file), but distlock was built without TLS: enable the `tls` cargo feature (of distlock, or of distlock-postgres)",
             ));
         }
         Ok(())
@@ -238,7 +238,7 @@ impl TlsSettings {
 
 #[cfg(test)]
 mod tests {
-    use lock_core::ErrorKind;
+    use distlock_core::ErrorKind;
 
     use super::*;
 

@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use lock_core::ErrorKind;
-use lock_postgres::{PostgresConfig, PostgresLock};
+use distlock_core::ErrorKind;
+use distlock_postgres::{PostgresConfig, PostgresLock};
 
 use super::support::*;
 
@@ -95,7 +95,7 @@ async fn schema_and_table_are_configurable_and_quoted() {
 
 #[tokio::test]
 async fn unreachable_server_is_unavailable_in_bounded_time() {
-    let port = conformance_tests::server::free_port().unwrap();
+    let port = distlock_conformance::server::free_port().unwrap();
     let url =
         format!("postgres://postgres:postgres@127.0.0.1:{port}/postgres?connect_timeout_ms=500");
     let err = PostgresLock::connect(&url).await.unwrap_err();

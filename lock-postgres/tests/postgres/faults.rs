@@ -3,9 +3,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use conformance_tests::server::{Postgres, ServerProcess};
-use lock_core::AcquireAttempt;
-use lock_postgres::PostgresConfig;
+use distlock_conformance::server::{Postgres, ServerProcess};
+use distlock_core::AcquireAttempt;
+use distlock_postgres::PostgresConfig;
 
 use super::support::*;
 

@@ -4,9 +4,9 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use conformance_tests::ObservedLock;
-use lock_core::LockClient;
-use lock_postgres::{PostgresConfig, PostgresLock};
+use distlock_conformance::ObservedLock;
+use distlock_core::LockClient;
+use distlock_postgres::{PostgresConfig, PostgresLock};
 
 use super::support::*;
 

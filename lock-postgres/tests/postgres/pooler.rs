@@ -4,10 +4,10 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use conformance_tests::checker::ExclusionChecker;
-use conformance_tests::ObservedLock;
-use lock_core::{LockBackend, LockClient, LockState};
-use lock_postgres::{PostgresConfig, PostgresLock};
+use distlock_conformance::checker::ExclusionChecker;
+use distlock_conformance::ObservedLock;
+use distlock_core::{LockBackend, LockClient, LockState};
+use distlock_postgres::{PostgresConfig, PostgresLock};
 
 use super::support::*;
 

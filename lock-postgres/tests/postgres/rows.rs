@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use lock_core::{AcquireAttempt, ErrorKind, LockState};
-use lock_postgres::PostgresConfig;
+use distlock_core::{AcquireAttempt, ErrorKind, LockState};
+use distlock_postgres::PostgresConfig;
 
 use super::support::*;
 

@@ -6,10 +6,10 @@ use std::ops::Deref;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use conformance_tests::fault::{Direction, Proxy};
-use conformance_tests::server::{PgBouncer, PoolMode, Postgres, ServerHandle, ServerProcess};
-use lock_core::{Lease, LockBackend, LockClient, LockKey};
-use lock_postgres::{PgPool, PostgresConfig, PostgresLock};
+use distlock_conformance::fault::{Direction, Proxy};
+use distlock_conformance::server::{PgBouncer, PoolMode, Postgres, ServerHandle, ServerProcess};
+use distlock_core::{Lease, LockBackend, LockClient, LockKey};
+use distlock_postgres::{PgPool, PostgresConfig, PostgresLock};
 
 pub fn server() -> &'static ServerHandle {
     static SERVER: OnceLock<ServerHandle> = OnceLock::new();
@@ -56,7 +56,7 @@ impl Pg {
     }
 
     /// Subscribes to releases of `k` (returns once the server listens).
-    pub async fn watch(&self, k: &LockKey) -> lock_core::ReleaseWatch {
+    pub async fn watch(&self, k: &LockKey) -> distlock_core::ReleaseWatch {
         self.backend.watch(k).await.unwrap().expect("native wait")
     }
 }

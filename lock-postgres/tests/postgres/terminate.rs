@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use conformance_tests::ObservedLock;
-use lock_core::{Lease, LockClient, LockError, LockKey, LockState};
+use distlock_conformance::ObservedLock;
+use distlock_core::{Lease, LockClient, LockError, LockKey, LockState};
 
 use super::support::*;
 

@@ -6,9 +6,9 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use conformance_tests::server::{PostgresTls, ServerKind, ServerProcess, CERT_USER};
-use lock_core::{ErrorKind, LockError};
-use lock_postgres::PostgresLock;
+use distlock_conformance::server::{PostgresTls, ServerKind, ServerProcess, CERT_USER};
+use distlock_core::{ErrorKind, LockError};
+use distlock_postgres::PostgresLock;
 
 use super::support::*;
 

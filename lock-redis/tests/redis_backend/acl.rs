@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use conformance_tests::server;
-use lock_core::ErrorKind;
-use lock_redis::redis::{self, AsyncCommands};
+use distlock_conformance::server;
+use distlock_core::ErrorKind;
+use distlock_redis::redis::{self, AsyncCommands};
 
 use crate::support::*;
 
@@ -49,7 +49,7 @@ async fn an_acl_user_without_script_permission_runs_the_scripts_with_eval() {
     flush().await;
     assert!(matches!(
         waiter.inspect(got.key()).await.unwrap(),
-        lock_core::LockState::Held { .. }
+        distlock_core::LockState::Held { .. }
     ));
     assert!(waiter.force_release(got.key()).await.unwrap());
 }

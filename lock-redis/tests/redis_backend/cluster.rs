@@ -7,9 +7,9 @@
 
 use std::time::Duration;
 
-use conformance_tests::server::RedisCluster;
-use lock_core::{ErrorKind, LockKey};
-use lock_redis::redis::{self, aio::MultiplexedConnection, AsyncCommands};
+use distlock_conformance::server::RedisCluster;
+use distlock_core::{ErrorKind, LockKey};
+use distlock_redis::redis::{self, aio::MultiplexedConnection, AsyncCommands};
 
 use crate::support::*;
 

@@ -3,10 +3,10 @@
 
 use std::time::{Duration, Instant};
 
-use conformance_tests::server;
-use lock_core::{AcquireAttempt, ErrorKind, LockClient, LockKey};
-use lock_redis::redis::{self, AsyncCommands};
-use lock_redis::{RedisConfig, RedisLock};
+use distlock_conformance::server;
+use distlock_core::{AcquireAttempt, ErrorKind, LockClient, LockKey};
+use distlock_redis::redis::{self, AsyncCommands};
+use distlock_redis::{RedisConfig, RedisLock};
 
 use crate::support::*;
 
@@ -23,7 +23,7 @@ async fn acquire_extend_release_are_one_command_each() {
     );
     lock.release(&warm).await.unwrap();
     let mut monitor = Monitor::start(&url).await;
-    let acquire_sha = lock_redis::acquire_script_sha();
+    let acquire_sha = distlock_redis::acquire_script_sha();
 
     let key = unique("count");
     let lease = acquired(
@@ -94,7 +94,7 @@ async fn a_blocked_waiter_attempts_at_most_twice() {
         .expect("the waiter gets the lock after the release");
     let after_release = monitor.mark().await;
 
-    let acquire_sha = lock_redis::acquire_script_sha();
+    let acquire_sha = distlock_redis::acquire_script_sha();
     let attempts = |phase: &[(String, String)]| {
         phase
             .iter()

@@ -1,10 +1,10 @@
 //! The pub/sub connection of waiters: lost, stalled, dropped mid-subscribe
-//! (the issue-12 regressions, now through `lock_core::Listener`).
+//! (the issue-12 regressions, now through `distlock_core::Listener`).
 
 use std::time::Duration;
 
-use conformance_tests::server;
-use lock_redis::redis;
+use distlock_conformance::server;
+use distlock_redis::redis;
 
 use crate::support::*;
 

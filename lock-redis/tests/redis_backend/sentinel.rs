@@ -7,9 +7,9 @@
 
 use std::time::Duration;
 
-use conformance_tests::server::{RedisSentinel, SENTINEL_SERVICE};
-use lock_core::{ErrorKind, LockState};
-use lock_redis::redis::{self, AsyncCommands};
+use distlock_conformance::server::{RedisSentinel, SENTINEL_SERVICE};
+use distlock_core::{ErrorKind, LockState};
+use distlock_redis::redis::{self, AsyncCommands};
 
 use crate::support::*;
 

@@ -4,11 +4,11 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use conformance_tests::server::{self, ServerProcess};
+use distlock_conformance::server::{self, ServerProcess};
+use distlock_core::{AcquireAttempt, Lease, LockClient, LockError, LockKey};
+use distlock_redis::redis::{self, aio::MultiplexedConnection, AsyncCommands};
+use distlock_redis::RedisLock;
 use futures_util::StreamExt;
-use lock_core::{AcquireAttempt, Lease, LockClient, LockError, LockKey};
-use lock_redis::redis::{self, aio::MultiplexedConnection, AsyncCommands};
-use lock_redis::RedisLock;
 
 /// A client over a new [`RedisLock`] connected to `url`.
 pub async fn connect(url: &str) -> Result<LockClient, LockError> {
@@ -127,7 +127,7 @@ pub fn spawn_acquire(
     lock: &LockClient,
     key: &LockKey,
     wait: Duration,
-) -> tokio::task::JoinHandle<Result<Option<Lease>, lock_core::LockError>> {
+) -> tokio::task::JoinHandle<Result<Option<Lease>, distlock_core::LockError>> {
     let lock = lock.clone();
     let key = key.clone();
     tokio::spawn(async move {
@@ -142,7 +142,7 @@ pub struct Waiting {
     key: LockKey,
     pub channel: String,
     lease: Lease,
-    task: tokio::task::JoinHandle<Result<Option<Lease>, lock_core::LockError>>,
+    task: tokio::task::JoinHandle<Result<Option<Lease>, distlock_core::LockError>>,
 }
 
 impl Waiting {
@@ -349,8 +349,8 @@ pub async fn start_group<T: Send + 'static>(start: fn() -> std::io::Result<T>) -
 /// A guard of one client on a lock and a waiter of another client on the
 /// same lock, for a fault in between.
 pub struct HeldAndAwaited {
-    pub guard: lock_core::LockGuard,
-    pub waiter: tokio::task::JoinHandle<Result<Option<lock_core::LockGuard>, LockError>>,
+    pub guard: distlock_core::LockGuard,
+    pub waiter: tokio::task::JoinHandle<Result<Option<distlock_core::LockGuard>, LockError>>,
 }
 
 impl HeldAndAwaited {
@@ -362,13 +362,13 @@ impl HeldAndAwaited {
         key: &LockKey,
         ttl: Duration,
     ) -> Self {
-        let options = lock_core::LockOptions::new(ttl);
-        let guard = lock_core::Locker::new(holder.clone())
+        let options = distlock_core::LockOptions::new(ttl);
+        let guard = distlock_core::Locker::new(holder.clone())
             .try_lock(key, &options)
             .await
             .unwrap()
             .expect("the key is free");
-        let waiting = lock_core::Locker::new(waiter.clone());
+        let waiting = distlock_core::Locker::new(waiter.clone());
         let key2 = key.clone();
         let waiter_task = tokio::spawn(async move {
             waiting
@@ -386,7 +386,7 @@ impl HeldAndAwaited {
     /// or reported it lost (then the waiter gets it, never before the
     /// loss). Either way the waiter's
     /// fencing token is greater. Returns the waiter's guard.
-    pub async fn settle(self) -> lock_core::LockGuard {
+    pub async fn settle(self) -> distlock_core::LockGuard {
         let Self { guard, waiter } = self;
         // Read in this order: a waiter that already got the lock implies
         // the guard knew it had lost it.
@@ -405,7 +405,7 @@ impl HeldAndAwaited {
                 assert!(
                     matches!(
                         e.kind(),
-                        lock_core::ErrorKind::NotHeld | lock_core::ErrorKind::Unavailable
+                        distlock_core::ErrorKind::NotHeld | distlock_core::ErrorKind::Unavailable
                     ),
                     "{e}"
                 );

@@ -6,11 +6,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use conformance_tests::server::{
+use distlock_conformance::server::{
     self, RedisSentinel, RedisTls, RedisTlsAuth, ServerProcess, TestPki,
 };
-use lock_core::ErrorKind;
-use lock_redis::redis::{self, aio::MultiplexedConnection};
+use distlock_core::ErrorKind;
+use distlock_redis::redis::{self, aio::MultiplexedConnection};
 
 use crate::support::*;
 
