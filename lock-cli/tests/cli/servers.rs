@@ -1,0 +1,315 @@
+//! Cross-process scenarios against real Redis, etcd and PostgreSQL servers
+//! started by the conformance harness on 127.0.0.1 (a server that cannot
+//! be started fails the test).
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use distlock_conformance::server::{Etcd, Postgres, Redis, ServerKind};
+
+use crate::support::{
+    code, distlock, finish, process_gone, read_token, run_sh, signal, start, stderr, stdout,
+    unique, wait_for_file, TempDir, HANG,
+};
+
+fn against(kind: impl ServerKind) {
+    let server = start(kind);
+    let url = server.url();
+    two_concurrent_runs_exactly_one_runs(&url);
+    fencing_tokens_increase_across_processes(&url);
+    status_reports_held_and_free(&url);
+    sigkill_of_holder_frees_key_after_ttl(&url);
+    lost_lock_kills_the_command(&url);
+    paused_holder_is_taken_over_and_its_command_stopped(&url);
+    drop(server);
+}
+
+#[test]
+fn redis() {
+    against(Redis::default());
+}
+
+#[test]
+fn etcd() {
+    against(Etcd);
+}
+
+#[test]
+fn postgres() {
+    against(Postgres);
+}
+
+fn two_concurrent_runs_exactly_one_runs(url: &str) {
+    let dir = TempDir::new("distlock-cli-test");
+    let key = unique("concurrent");
+    let script = r#"touch "$DIR/ran.$$"; while [ ! -e "$DIR/go" ]; do sleep 0.05; done"#;
+    let mut a = Some(
+        run_sh(url, &key, &[], dir.path(), script)
+            .spawn()
+            .expect("spawn a"),
+    );
+    let mut b = Some(
+        run_sh(url, &key, &[], dir.path(), script)
+            .spawn()
+            .expect("spawn b"),
+    );
+    // The loser exits on its own; the winner waits for `go`.
+    let deadline = Instant::now() + HANG;
+    let (loser, winner) = loop {
+        assert!(Instant::now() < deadline, "neither run exited");
+        if a.as_mut()
+            .and_then(|c| c.try_wait().expect("try_wait"))
+            .is_some()
+        {
+            break (a.take(), b.take());
+        }
+        if b.as_mut()
+            .and_then(|c| c.try_wait().expect("try_wait"))
+            .is_some()
+        {
+            break (b.take(), a.take());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let loser = finish(loser.expect("loser"));
+    assert_eq!(code(&loser), 75, "{}", stderr(&loser));
+    let err = stderr(&loser);
+    assert!(err.contains("is held"), "{err}");
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
+    std::fs::write(dir.file("go"), "").expect("go");
+    let winner = finish(winner.expect("winner"));
+    assert_eq!(code(&winner), 0, "{}", stderr(&winner));
+    let ran = std::fs::read_dir(dir.path())
+        .expect("read dir")
+        .filter(|e| {
+            e.as_ref()
+                .map(|e| e.file_name().to_string_lossy().starts_with("ran."))
+                .unwrap_or(false)
+        })
+        .count();
+    assert_eq!(ran, 1, "exactly one command ran");
+
+    // A custom conflict code.
+    let holder = run_sh(
+        url,
+        &key,
+        &[],
+        dir.path(),
+        r#"touch "$DIR/held"; while [ ! -e "$DIR/go2" ]; do sleep 0.05; done"#,
+    )
+    .spawn()
+    .expect("spawn holder");
+    wait_for_file(&dir.file("held"));
+    let other = finish(
+        run_sh(
+            url,
+            &key,
+            &["--conflict-exit-code", "0"],
+            dir.path(),
+            "exit 3",
+        )
+        .spawn()
+        .expect("spawn"),
+    );
+    assert_eq!(code(&other), 0, "{}", stderr(&other));
+    std::fs::write(dir.file("go2"), "").expect("go2");
+    assert_eq!(code(&finish(holder)), 0);
+}
+
+fn fencing_tokens_increase_across_processes(url: &str) {
+    let dir = TempDir::new("distlock-cli-test");
+    let key = unique("fencing");
+    let script = r#"echo "$DISTLOCK_FENCING_TOKEN" > "$DIR/token"; exit 5"#;
+    let first = finish(
+        run_sh(url, &key, &[], dir.path(), script)
+            .spawn()
+            .expect("spawn"),
+    );
+    assert_eq!(code(&first), 5, "{}", stderr(&first));
+    let t1 = read_token(&dir.file("token"));
+    let second = finish(
+        run_sh(url, &key, &[], dir.path(), script)
+            .spawn()
+            .expect("spawn"),
+    );
+    assert_eq!(code(&second), 5, "{}", stderr(&second));
+    let t2 = read_token(&dir.file("token"));
+    assert!(t2 > t1, "fencing token went from {t1} to {t2}");
+    let died = finish(
+        run_sh(url, &key, &[], dir.path(), "kill -TERM $$")
+            .spawn()
+            .expect("spawn"),
+    );
+    assert_eq!(code(&died), 128 + libc::SIGTERM, "{}", stderr(&died));
+}
+
+fn status_reports_held_and_free(url: &str) {
+    let dir = TempDir::new("distlock-cli-test");
+    let key = unique("status");
+    let output = distlock()
+        .args(["status", "--url", url, &key])
+        .output()
+        .expect("run");
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    assert!(stdout(&output).contains("free"), "{}", stdout(&output));
+
+    let holder = run_sh(
+        url,
+        &key,
+        &["--ttl", "2s"],
+        dir.path(),
+        r#"touch "$DIR/held"; while [ ! -e "$DIR/go" ]; do sleep 0.05; done"#,
+    )
+    .spawn()
+    .expect("spawn");
+    wait_for_file(&dir.file("held"));
+    let output = distlock()
+        .args(["status", "--url", url, &key])
+        .output()
+        .expect("run");
+    assert_eq!(code(&output), 75, "{}", stderr(&output));
+    assert!(stdout(&output).contains("held"), "{}", stdout(&output));
+    assert!(
+        stdout(&output).contains("fencing token"),
+        "{}",
+        stdout(&output)
+    );
+    let output = distlock()
+        .args(["release", "--url", url, "--force", &key])
+        .output()
+        .expect("run");
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    assert!(stdout(&output).contains("released"), "{}", stdout(&output));
+    // The holder learns at its next renewal: it stops its command and says so.
+    let held = finish(holder);
+    assert_eq!(
+        code(&held),
+        70,
+        "holder after a force release: {}",
+        stderr(&held)
+    );
+    let output = distlock()
+        .args(["status", "--url", url, &key])
+        .output()
+        .expect("run");
+    assert_eq!(
+        code(&output),
+        0,
+        "released after the command: {}",
+        stdout(&output)
+    );
+}
+
+fn sigkill_of_holder_frees_key_after_ttl(url: &str) {
+    let dir = TempDir::new("distlock-cli-test");
+    let key = unique("sigkill");
+    let mut holder = run_sh(
+        url,
+        &key,
+        &["--ttl", "1s"],
+        dir.path(),
+        r#"echo $$ > "$DIR/pid"; touch "$DIR/started"; exec sleep 60"#,
+    )
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .expect("spawn");
+    wait_for_file(&dir.file("started"));
+    let output = distlock()
+        .args(["status", "--url", url, &key])
+        .output()
+        .expect("run");
+    assert_eq!(
+        code(&output),
+        75,
+        "held before the kill: {}",
+        stdout(&output)
+    );
+    holder.kill().expect("SIGKILL the holder");
+    holder.wait().expect("reap");
+    // Its watchdog kills the orphaned command; nobody renews the lease.
+    let pid: u32 = std::fs::read_to_string(dir.file("pid"))
+        .expect("pid file")
+        .trim()
+        .parse()
+        .expect("pid");
+    let deadline = Instant::now() + HANG;
+    while !process_gone(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "the command outlived its killed distlock"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let next = finish(
+        run_sh(
+            url,
+            &key,
+            &["--wait", "60s"],
+            dir.path(),
+            r#"touch "$DIR/next""#,
+        )
+        .spawn()
+        .expect("spawn"),
+    );
+    assert_eq!(code(&next), 0, "{}", stderr(&next));
+    assert!(dir.file("next").exists());
+}
+
+fn lost_lock_kills_the_command(url: &str) {
+    let dir = TempDir::new("distlock-cli-test");
+    let key = unique("lost");
+    let output = finish(
+        run_sh(
+            url,
+            &key,
+            &["--ttl", "1s", "--max-hold", "1s", "--kill-grace", "200ms"],
+            dir.path(),
+            r#"trap '' TERM; touch "$DIR/started"; while :; do sleep 0.05; done"#,
+        )
+        .spawn()
+        .expect("spawn"),
+    );
+    assert_eq!(code(&output), 70, "{}", stderr(&output));
+    let err = stderr(&output);
+    assert!(err.contains("lost lock"), "{err}");
+    assert!(err.contains("SIGKILL"), "{err}");
+    assert!(dir.file("started").exists());
+}
+
+fn paused_holder_is_taken_over_and_its_command_stopped(url: &str) {
+    let dir = TempDir::new("distlock-cli-test");
+    let key = unique("takeover");
+    let holder = run_sh(
+        url,
+        &key,
+        &["--ttl", "1s"],
+        dir.path(),
+        r#"echo "$DISTLOCK_FENCING_TOKEN" > "$DIR/t1"; trap 'touch "$DIR/terminated"; exit 1' TERM; while :; do sleep 0.05; done"#,
+    )
+    .spawn()
+    .expect("spawn");
+    wait_for_file(&dir.file("t1"));
+    // A stopped distlock cannot renew: its lease runs out and another
+    // process takes the key.
+    signal(holder.id(), libc::SIGSTOP);
+    let next = finish(
+        run_sh(
+            url,
+            &key,
+            &["--wait", "60s"],
+            dir.path(),
+            r#"echo "$DISTLOCK_FENCING_TOKEN" > "$DIR/t2""#,
+        )
+        .spawn()
+        .expect("spawn"),
+    );
+    signal(holder.id(), libc::SIGCONT);
+    assert_eq!(code(&next), 0, "{}", stderr(&next));
+    assert!(read_token(&dir.file("t2")) > read_token(&dir.file("t1")));
+    // Resumed, the old holder finds its lease gone and stops its command.
+    let output = finish(holder);
+    assert_eq!(code(&output), 70, "{}", stderr(&output));
+    assert!(stderr(&output).contains("lost lock"), "{}", stderr(&output));
+    wait_for_file(&dir.file("terminated"));
+}
