@@ -382,3 +382,41 @@ fn kill_grace_must_fit_in_the_stop_margin() {
     ]);
     assert_eq!(code(&output), 0, "{}", stderr(&output));
 }
+
+#[test]
+fn the_default_stop_margin_follows_a_max_hold_shorter_than_the_ttl() {
+    // The lease is 5 s (max hold) of the default 30 s TTL: the default stop
+    // margin is a third of the lease, not of --ttl.
+    let output = run_true(&["--max-hold", "5s"]);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    let output = run_true(&["--max-hold", "5s", "--kill-grace", "1s"]);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    // A margin the user set that does not fit names the flags to change.
+    let output = run_true(&["--max-hold", "5s", "--stop-margin", "10s"]);
+    assert_eq!(code(&output), 64, "{}", stderr(&output));
+    let err = stderr(&output);
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
+    assert!(err.contains("--stop-margin 10"), "{err}");
+    assert!(err.contains("--max-hold 5"), "{err}");
+}
+
+#[test]
+fn renewals_rearm_the_watchdog() {
+    // The first stop moment is about 1.3 s in; the command runs 5 s, across
+    // several renewals. Had the watchdog not been told of them, it would
+    // have stopped the command at the first stop moment.
+    let dir = TempDir::new("distlock-cli-test");
+    let output = finish(
+        run_sh(
+            "memory://",
+            "k",
+            &["--ttl", "2s"],
+            dir.path(),
+            r#"sleep 5; touch "$DIR/done""#,
+        )
+        .spawn()
+        .expect("spawn"),
+    );
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    assert!(dir.file("done").exists(), "the command ran to its end");
+}

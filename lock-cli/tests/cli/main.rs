@@ -9,5 +9,7 @@ mod local;
 mod postgres_pgbouncer;
 mod postgres_tls;
 mod redis_tls;
+mod secrets;
 mod servers;
+mod stuck_attempt;
 mod support;

@@ -21,6 +21,8 @@ fn against(kind: impl ServerKind) {
     sigkill_of_holder_frees_key_after_ttl(&url);
     lost_lock_kills_the_command(&url);
     paused_holder_is_taken_over_and_its_command_stopped(&url);
+    suspended_holder_keeps_renewing(&url);
+    permits_need_a_backend_with_semaphores(&url);
     drop(server);
 }
 
@@ -277,39 +279,138 @@ fn lost_lock_kills_the_command(url: &str) {
     assert!(dir.file("started").exists());
 }
 
+/// The holder's command: its pid in `$DIR/a.pid`, its fencing token in
+/// `$DIR/t1`, a line in `$DIR/a.log` every 50 ms until `$DIR/go` exists;
+/// SIGTERM leaves `$DIR/terminated`.
+const HOLDER: &str = r#"echo $$ > "$DIR/a.pid"; echo "$DISTLOCK_FENCING_TOKEN" > "$DIR/t1"; trap 'touch "$DIR/terminated"; exit 1' TERM; while [ ! -e "$DIR/go" ]; do echo x >> "$DIR/a.log"; sleep 0.05; done"#;
+
+/// The next holder's command: first of all, it records in `$DIR/overlap`
+/// whether the holder's command still runs (its process exists and is not
+/// a zombie), and how many lines the holder had logged; then its own
+/// fencing token in `$DIR/t2`.
+const NEXT: &str = r#"A=$(cat "$DIR/a.pid"); s=$(cat "/proc/$A/stat" 2>/dev/null); state=${s##*") "}; state=${state%% *}
+case "$state" in ""|Z|X) ;; *) echo "the first command ($A) was still running (state $state)" > "$DIR/overlap" ;; esac
+wc -l < "$DIR/a.log" > "$DIR/a.lines"
+echo "$DISTLOCK_FENCING_TOKEN" > "$DIR/t2""#;
+
+/// Checks what [`NEXT`] found: it ran with the holder's command dead, and
+/// the holder logged nothing after that.
+fn assert_no_overlap(dir: &TempDir) {
+    if let Ok(overlap) = std::fs::read_to_string(dir.file("overlap")) {
+        panic!("two holders: the next command started while {overlap}");
+    }
+    let seen: usize = std::fs::read_to_string(dir.file("a.lines"))
+        .expect("the next command ran")
+        .trim()
+        .parse()
+        .expect("a line count");
+    let logged = std::fs::read_to_string(dir.file("a.log"))
+        .expect("the holder's log")
+        .lines()
+        .count();
+    assert_eq!(
+        logged, seen,
+        "the first command went on logging after the next one started"
+    );
+    assert!(read_token(&dir.file("t2")) > read_token(&dir.file("t1")));
+}
+
+/// SIGSTOP (which cannot be caught) freezes distlock, not its command: the
+/// watchdog stops the command at the stop moment by itself, so the next
+/// holder (who gets the key once the unrenewed lease expired) never runs
+/// beside it.
 fn paused_holder_is_taken_over_and_its_command_stopped(url: &str) {
     let dir = TempDir::new("distlock-cli-test");
     let key = unique("takeover");
-    let holder = run_sh(
-        url,
-        &key,
-        &["--ttl", "1s"],
-        dir.path(),
-        r#"echo "$DISTLOCK_FENCING_TOKEN" > "$DIR/t1"; trap 'touch "$DIR/terminated"; exit 1' TERM; while :; do sleep 0.05; done"#,
-    )
-    .spawn()
-    .expect("spawn");
+    let holder = run_sh(url, &key, &["--ttl", "3s"], dir.path(), HOLDER)
+        .spawn()
+        .expect("spawn");
     wait_for_file(&dir.file("t1"));
     // A stopped distlock cannot renew: its lease runs out and another
     // process takes the key.
     signal(holder.id(), libc::SIGSTOP);
     let next = finish(
+        run_sh(url, &key, &["--wait", "60s"], dir.path(), NEXT)
+            .spawn()
+            .expect("spawn"),
+    );
+    assert_eq!(code(&next), 0, "{}", stderr(&next));
+    signal(holder.id(), libc::SIGCONT);
+    // Resumed, the old holder finds its lease gone and says so.
+    let output = finish(holder);
+    assert_eq!(code(&output), 70, "{}", stderr(&output));
+    assert!(stderr(&output).contains("lost lock"), "{}", stderr(&output));
+    assert!(dir.file("terminated").exists(), "the command got SIGTERM");
+    assert_no_overlap(&dir);
+}
+
+/// SIGTSTP (Ctrl-Z) does not stop distlock while its command runs (it
+/// says so and keeps renewing); whatever happens, the next holder's
+/// command never runs beside the first.
+fn suspended_holder_keeps_renewing(url: &str) {
+    use std::os::unix::process::CommandExt;
+    let dir = TempDir::new("distlock-cli-test");
+    let key = unique("suspend");
+    // A group of its own, with its parent (this test) outside it: the
+    // group is not orphaned, so the kernel does not discard SIGTSTP.
+    let holder = run_sh(url, &key, &["--ttl", "3s"], dir.path(), HOLDER)
+        .process_group(0)
+        .spawn()
+        .expect("spawn");
+    wait_for_file(&dir.file("t1"));
+    signal(holder.id(), libc::SIGTSTP);
+    // Twice the TTL: had the holder stopped, its lease would be gone.
+    let next = finish(
+        run_sh(url, &key, &["--wait", "6s"], dir.path(), NEXT)
+            .spawn()
+            .expect("spawn"),
+    );
+    std::fs::write(dir.file("go"), "").expect("go");
+    // In case it did stop.
+    signal(holder.id(), libc::SIGCONT);
+    let output = finish(holder);
+    if let Ok(overlap) = std::fs::read_to_string(dir.file("overlap")) {
+        panic!("two holders: the next command started while {overlap}");
+    }
+    match (code(&output), code(&next)) {
+        // The holder kept its lock; the next run gave up.
+        (0, 75) => assert!(!dir.file("t2").exists()),
+        // The holder lost its lock anyway (a starved machine): its command
+        // was stopped before the next one ran.
+        (70, 0) => assert_no_overlap(&dir),
+        (holder_code, next_code) => panic!(
+            "holder exited {holder_code}: {}\nnext exited {next_code}: {}",
+            stderr(&output),
+            stderr(&next)
+        ),
+    }
+    assert!(
+        stderr(&output).contains("ignoring SIGTSTP"),
+        "{}",
+        stderr(&output)
+    );
+}
+
+/// `--permits` needs a backend with semaphores: a configuration error
+/// (78) saying so, not the lock-lost code (70); the command never runs.
+fn permits_need_a_backend_with_semaphores(url: &str) {
+    let dir = TempDir::new("distlock-cli-test");
+    let key = unique("permits");
+    let output = finish(
         run_sh(
             url,
             &key,
-            &["--wait", "60s"],
+            &["--permits", "3"],
             dir.path(),
-            r#"echo "$DISTLOCK_FENCING_TOKEN" > "$DIR/t2""#,
+            r#"touch "$DIR/ran""#,
         )
         .spawn()
         .expect("spawn"),
     );
-    signal(holder.id(), libc::SIGCONT);
-    assert_eq!(code(&next), 0, "{}", stderr(&next));
-    assert!(read_token(&dir.file("t2")) > read_token(&dir.file("t1")));
-    // Resumed, the old holder finds its lease gone and stops its command.
-    let output = finish(holder);
-    assert_eq!(code(&output), 70, "{}", stderr(&output));
-    assert!(stderr(&output).contains("lost lock"), "{}", stderr(&output));
-    wait_for_file(&dir.file("terminated"));
+    let err = stderr(&output);
+    assert_eq!(code(&output), 78, "{err}");
+    assert!(err.contains("--permits"), "{err}");
+    assert!(err.contains("semaphores"), "{err}");
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
+    assert!(!dir.file("ran").exists(), "the command never runs");
 }

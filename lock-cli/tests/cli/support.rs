@@ -151,23 +151,6 @@ pub fn process_gone(pid: u32) -> bool {
     matches!(process_state(pid), None | Some('Z') | Some('X'))
 }
 
-/// Waits until process `pid` is gone (hang guard [`HANG`]).
-pub fn wait_until_gone(pid: u32, what: &str) {
-    let deadline = Instant::now() + HANG;
-    while !process_gone(pid) {
-        assert!(Instant::now() < deadline, "{what} ({pid}) still running");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// The pid a script wrote into `path`.
-pub fn read_pid(path: &Path) -> u32 {
-    let text = std::fs::read_to_string(path).expect("pid file");
-    text.trim()
-        .parse()
-        .unwrap_or_else(|_| panic!("{} held {text:?}, not a pid", path.display()))
-}
-
 /// `distlock run --url URL --key KEY EXTRA... -- sh -c SCRIPT`, with `$DIR`
 /// set for the script, stdin empty and output piped.
 pub fn run_sh(url: &str, key: &str, extra: &[&str], dir: &Path, script: &str) -> Command {
