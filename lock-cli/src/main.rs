@@ -4,9 +4,10 @@
 //! Exit codes follow sysexits(3): 64 usage, 69 unavailable, 70 internal or
 //! lock lost, 75 lock held (conflict, configurable), 78 configuration (also
 //! an operation the backend does not have, such as `--permits` without
-//! semaphores);
+//! semaphores, and data distlock did not write at the lock key);
 //! `run` otherwise passes the command's exit code through (128+N when it
-//! died of signal N, 126/127 when it could not be started).
+//! died of signal N, or when distlock got SIGINT/SIGTERM before it started;
+//! 126/127 when it could not be started).
 
 use std::ffi::{OsStr, OsString};
 use std::process::ExitCode;
@@ -49,11 +50,12 @@ Examples:
   distlock run --key migrate --ttl 1m -- ./migrate --apply
   distlock status migrate
 
-Exit codes: 0 or the command's own code (128+N if it died of signal N;
-126/127 if it could not be executed), 75 lock held elsewhere (see
+Exit codes: 0 or the command's own code (128+N if it died of signal N, or
+if distlock got SIGINT/SIGTERM before the command started; 126/127 if it
+could not be executed), 75 lock held elsewhere (see
 --conflict-exit-code), 70 lock lost while running (the command was stopped),
 69 lock server unavailable, 64 usage error, 78 configuration error (also
---permits on a backend without semaphores).
+--permits on a backend without semaphores, or foreign data at the key).
 
 URL schemes: redis://, rediss://, etcd://, postgres://, memory:// (one process only).";
 
@@ -218,8 +220,10 @@ impl Failure {
         let code = match error.kind() {
             ErrorKind::InvalidInput => code::USAGE,
             ErrorKind::Unavailable | ErrorKind::Timeout => code::UNAVAILABLE,
-            // Not in this backend: nothing to retry, the URL must change.
-            ErrorKind::Config | ErrorKind::Unsupported => code::CONFIG,
+            // Retrying cannot help; an operator must change the URL (an
+            // operation this backend lacks) or the data at the key (foreign
+            // data in distlock's namespace). 70 stays "lock lost".
+            ErrorKind::Config | ErrorKind::Unsupported | ErrorKind::Corrupted => code::CONFIG,
             _ => code::SOFTWARE,
         };
         Self::new(code, format!("{context}: {error}"))

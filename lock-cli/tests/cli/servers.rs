@@ -414,3 +414,27 @@ fn permits_need_a_backend_with_semaphores(url: &str) {
     assert_eq!(err.lines().count(), 1, "one line: {err}");
     assert!(!dir.file("ran").exists(), "the command never runs");
 }
+
+/// A value distlock did not write at the lock key: a configuration error
+/// (78), not the lock-lost code (70); the value is left alone and the
+/// command never runs.
+#[test]
+fn foreign_data_at_the_key_is_a_configuration_error() {
+    let server = crate::support::start_process(Redis::default());
+    let addr = server.addr().to_string();
+    let key = unique("foreign");
+    let redis_key = format!("distlock:{{{key}}}:lock");
+    crate::support::redis_command(&addr, &["SET", &redis_key, "someone else's value"]);
+    let dir = TempDir::new("distlock-cli-test");
+    let output = finish(
+        run_sh(&server.url(), &key, &[], dir.path(), r#"touch "$DIR/ran""#)
+            .spawn()
+            .expect("spawn"),
+    );
+    assert_eq!(code(&output), 78, "{}", stderr(&output));
+    assert!(!dir.file("ran").exists(), "the command never runs");
+    assert_eq!(
+        crate::support::redis_command(&addr, &["GET", &redis_key]),
+        "someone else's value"
+    );
+}

@@ -1,5 +1,5 @@
-//! A signal ends `distlock run --wait` even while an attempt is stuck on
-//! the server, and gives back what the attempt took.
+//! A signal ends `distlock run` promptly even while it is stuck connecting
+//! or in an attempt on the server, and gives back what the attempt took.
 
 use std::time::Instant;
 
@@ -53,4 +53,26 @@ fn sigterm_ends_an_attempt_stuck_waiting_for_a_replica() {
         stdout(&status),
         stderr(&status)
     );
+}
+
+/// A server that accepts the connection and never answers: the first
+/// connection would wait out its connect timeout (10 min here, beyond the
+/// hang guard). SIGTERM ends it at once with 128+SIGTERM.
+#[test]
+fn sigterm_ends_a_connect_to_a_server_that_never_answers() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("address");
+    let url = format!("redis://{addr}/?connect_timeout_ms=600000&operation_timeout_ms=600000");
+    let dir = TempDir::new("distlock-cli-stuck");
+    let child = run_sh(&url, "k", &[], dir.path(), r#"touch "$DIR/ran""#)
+        .spawn()
+        .expect("spawn");
+    // distlock is connecting once the connection arrives (its signal
+    // handlers are installed before).
+    let (connection, _) = listener.accept().expect("accept");
+    signal(child.id(), libc::SIGTERM);
+    let output = finish(child);
+    drop(connection);
+    assert_eq!(code(&output), 128 + libc::SIGTERM, "{}", stderr(&output));
+    assert!(!dir.file("ran").exists(), "the command never runs");
 }
