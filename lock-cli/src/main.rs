@@ -316,7 +316,7 @@ fn run_options(args: &RunArgs) -> Result<(LockOptions, Duration), Failure> {
         return Err(Failure::new(
             code::USAGE,
             format!(
-                "--kill-grace {} does not fit in the stop margin {}: CMD could outlive the lock; use a shorter --kill-grace, or a longer --stop-margin (which must stay below --ttl)",
+                "--kill-grace {} does not fit in the stop margin {}: CMD could outlive the lock; use a shorter --kill-grace, or a longer --stop-margin (which must stay below the lease: --ttl, or a shorter --max-hold)",
                 format_duration(kill_grace),
                 format_duration(margin)
             ),
