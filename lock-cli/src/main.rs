@@ -2,19 +2,22 @@
 //! PostgreSQL), so the same cron line on every host runs the job once.
 //!
 //! Exit codes follow sysexits(3): 64 usage, 69 unavailable, 70 internal or
-//! lock lost, 75 lock held (conflict, configurable), 78 configuration;
+//! lock lost, 75 lock held (conflict, configurable), 78 configuration (also
+//! an operation the backend does not have, such as `--permits` without
+//! semaphores, and data distlock did not write at the lock key);
 //! `run` otherwise passes the command's exit code through (128+N when it
-//! died of signal N, 126/127 when it could not be started).
+//! died of signal N, or when distlock got SIGINT/SIGTERM before it started;
+//! 126/127 when it could not be started).
 
 use std::ffi::{OsStr, OsString};
 use std::process::ExitCode;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
 use distlock::{
     AcquireAttempt, ErrorKind, LockClient, LockError, LockKey, LockOptions, LockState, Locker,
 };
-use tokio::signal::unix::{signal, SignalKind};
+use tokio::signal::unix::{signal, Signal, SignalKind};
 
 mod duration;
 mod watchdog;
@@ -47,10 +50,12 @@ Examples:
   distlock run --key migrate --ttl 1m -- ./migrate --apply
   distlock status migrate
 
-Exit codes: 0 or the command's own code (128+N if it died of signal N;
-126/127 if it could not be executed), 75 lock held elsewhere (see
+Exit codes: 0 or the command's own code (128+N if it died of signal N, or
+if distlock got SIGINT/SIGTERM before the command started; 126/127 if it
+could not be executed), 75 lock held elsewhere (see
 --conflict-exit-code), 70 lock lost while running (the command was stopped),
-69 lock server unavailable, 64 usage error, 78 configuration error.
+69 lock server unavailable, 64 usage error, 78 configuration error (also
+--permits on a backend without semaphores, or foreign data at the key).
 
 URL schemes: redis://, rediss://, etcd://, postgres://, memory:// (one process only).";
 
@@ -70,18 +75,24 @@ enum Command {
     /// If the lock is held elsewhere, prints one line and exits with the
     /// conflict code (75) without running CMD. CMD runs in a process group
     /// of its own and gets the fencing token of this acquisition in
-    /// DISTLOCK_FENCING_TOKEN. SIGINT/SIGTERM sent to distlock are forwarded
-    /// to the whole group. When CMD exits, whatever it left running in its
-    /// group is killed (SIGKILL) before the lock is released.
+    /// DISTLOCK_FENCING_TOKEN (and the key in DISTLOCK_KEY); it does not get
+    /// DISTLOCK_URL, which may hold a password, unless --pass-url.
+    /// SIGINT/SIGTERM sent to distlock are forwarded to the whole group
+    /// (before CMD starts, they end the wait, giving back anything granted);
+    /// SIGTSTP (Ctrl-Z) is ignored, with a note, because a stopped distlock
+    /// cannot renew. When CMD exits, whatever it left running in its group
+    /// is killed (SIGKILL) before the lock is released.
     ///
     /// Stop before expiry: if the lock is lost, or a renewal has not
     /// succeeded by the stop moment (--stop-margin before the earliest moment
     /// the server may expire the lease), the whole group gets SIGTERM, then
     /// SIGKILL --kill-grace later, and distlock exits 70. --kill-grace must
     /// be shorter than --stop-margin, so CMD is gone before another host can
-    /// get the lock. If distlock itself is killed, a watchdog process kills
-    /// the group at once. (CMD is not the terminal's foreground group: it
-    /// cannot read from the terminal.)
+    /// get the lock. A watchdog process enforces this even when distlock
+    /// cannot (stopped with SIGSTOP, frozen or starved): it stops the group
+    /// at the stop moment unless distlock has told it of a renewal first,
+    /// and kills the group at once if distlock dies. (CMD is not the
+    /// terminal's foreground group: it cannot read from the terminal.)
     #[command(after_help = EXAMPLES)]
     Run(RunArgs),
     /// Say whether KEY is held, by which fencing token and for how much
@@ -109,8 +120,11 @@ enum Command {
 #[derive(Debug, Args)]
 struct UrlArg {
     /// The lock server, e.g. redis://127.0.0.1:6379, etcd://127.0.0.1:2379,
-    /// postgres://user:pass@127.0.0.1/db.
-    #[arg(long, env = "DISTLOCK_URL", value_name = "URL")]
+    /// postgres://user:pass@127.0.0.1/db. Give a URL with a password in
+    /// DISTLOCK_URL rather than --url: other local users can read command
+    /// lines.
+    // Never shown in --help: the value may hold a password.
+    #[arg(long, env = "DISTLOCK_URL", hide_env_values = true, value_name = "URL")]
     url: String,
 }
 
@@ -138,8 +152,9 @@ struct RunArgs {
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     max_hold: Option<Duration>,
     /// How long before the earliest moment the server may expire an
-    /// unrenewed lease CMD is stopped (SIGTERM). Default: a third of --ttl
-    /// (10s of the default 30s).
+    /// unrenewed lease CMD is stopped (SIGTERM). Default: a third of the
+    /// lease, which is --ttl or a shorter --max-hold (10s of the default
+    /// 30s).
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     stop_margin: Option<Duration>,
     /// How long CMD has to exit after SIGTERM before its group gets SIGKILL
@@ -156,6 +171,10 @@ struct RunArgs {
     /// Exit code when the lock (or every permit) is held elsewhere.
     #[arg(long, default_value_t = code::TEMPFAIL, value_name = "N")]
     conflict_exit_code: u8,
+    /// Pass the lock server's URL, password included, to CMD in
+    /// DISTLOCK_URL (without it CMD does not get DISTLOCK_URL at all).
+    #[arg(long)]
+    pass_url: bool,
     /// The command and its arguments (after `--`).
     #[arg(required = true, last = true, value_name = "CMD")]
     command: Vec<OsString>,
@@ -201,7 +220,10 @@ impl Failure {
         let code = match error.kind() {
             ErrorKind::InvalidInput => code::USAGE,
             ErrorKind::Unavailable | ErrorKind::Timeout => code::UNAVAILABLE,
-            ErrorKind::Config => code::CONFIG,
+            // Retrying cannot help; an operator must change the URL (an
+            // operation this backend lacks) or the data at the key (foreign
+            // data in distlock's namespace). 70 stays "lock lost".
+            ErrorKind::Config | ErrorKind::Unsupported | ErrorKind::Corrupted => code::CONFIG,
             _ => code::SOFTWARE,
         };
         Self::new(code, format!("{context}: {error}"))
@@ -283,16 +305,18 @@ fn exit_code_of(status: std::process::ExitStatus) -> u8 {
 }
 
 /// The lock options of `run` and the kill grace, checked before connecting:
-/// the stop margin defaults to a third of the TTL, the kill grace to half
-/// the stop margin, and the grace must fit inside the margin.
+/// the stop margin defaults to a third of the lease (the TTL, or a shorter
+/// max hold time), the kill grace to half the stop margin, and the grace
+/// must fit inside the margin.
 fn run_options(args: &RunArgs) -> Result<(LockOptions, Duration), Failure> {
-    let margin = args.stop_margin.unwrap_or(args.ttl / 3);
+    let lease = args.max_hold.map_or(args.ttl, |max| args.ttl.min(max));
+    let margin = args.stop_margin.unwrap_or(lease / 3);
     let kill_grace = args.kill_grace.unwrap_or(margin / 2);
     if kill_grace >= margin {
         return Err(Failure::new(
             code::USAGE,
             format!(
-                "--kill-grace {} does not fit in the stop margin {}: CMD could outlive the lock; use a shorter --kill-grace, or a longer --stop-margin (which must stay below --ttl)",
+                "--kill-grace {} does not fit in the stop margin {}: CMD could outlive the lock; use a shorter --kill-grace, or a longer --stop-margin (which must stay below the lease: --ttl, or a shorter --max-hold)",
                 format_duration(kill_grace),
                 format_duration(margin)
             ),
@@ -317,22 +341,105 @@ fn run_options(args: &RunArgs) -> Result<(LockOptions, Duration), Failure> {
         1 => {}
         n => options = options.permits(n),
     }
-    options
-        .validate()
-        .map_err(|e| Failure::lock("bad durations", &e))?;
+    options.validate().map_err(|e| {
+        Failure::new(
+            code::USAGE,
+            format!("{} do not fit together: {e}", given_durations(args, margin)),
+        )
+    })?;
     Ok((options, kill_grace))
+}
+
+/// `--ttl 30s, --max-hold 5s and --stop-margin 10s`: the flags that make
+/// up the lease and its stop moment, as given or defaulted.
+fn given_durations(args: &RunArgs, margin: Duration) -> String {
+    let mut flags = vec![format!("--ttl {}", format_duration(args.ttl))];
+    if let Some(max) = args.max_hold {
+        flags.push(format!("--max-hold {}", format_duration(max)));
+    }
+    match args.stop_margin {
+        Some(margin) => flags.push(format!("--stop-margin {}", format_duration(margin))),
+        None => flags.push(format!(
+            "the default --stop-margin {}",
+            format_duration(margin)
+        )),
+    }
+    let last = flags.pop().unwrap_or_default();
+    format!("{} and {last}", flags.join(", "))
+}
+
+/// The signals `run` handles itself: SIGINT and SIGTERM end the wait, and
+/// are forwarded to CMD's group once it runs; SIGTSTP (Ctrl-Z) is refused,
+/// since a stopped distlock renews nothing (CMD would be stopped at the
+/// stop moment by the watchdog). Installed before anything is sent, so no
+/// signal between connecting and running is lost or acted on by default.
+struct Signals {
+    interrupt: Signal,
+    terminate: Signal,
+    suspend: Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Self, Failure> {
+        let install = |kind: SignalKind, name: &str| {
+            signal(kind)
+                .map_err(|e| Failure::new(code::SOFTWARE, format!("cannot handle {name}: {e}")))
+        };
+        Ok(Self {
+            interrupt: install(SignalKind::interrupt(), "SIGINT")?,
+            terminate: install(SignalKind::terminate(), "SIGTERM")?,
+            suspend: install(SignalKind::from_raw(libc::SIGTSTP), "SIGTSTP")?,
+        })
+    }
+
+    /// The next SIGINT or SIGTERM; a SIGTSTP meanwhile gets a note on
+    /// stderr and nothing else. Cancel-safe.
+    async fn next(&mut self) -> libc::c_int {
+        loop {
+            tokio::select! {
+                _ = self.interrupt.recv() => return libc::SIGINT,
+                _ = self.terminate.recv() => return libc::SIGTERM,
+                _ = self.suspend.recv() => eprintln!(
+                    "distlock: ignoring SIGTSTP (Ctrl-Z): a stopped distlock could not renew its lock; end it with SIGINT (Ctrl-C) or SIGTERM instead"
+                ),
+            }
+        }
+    }
+}
+
+/// The exit code for death by `signal` (128+N).
+fn signal_code(signal: libc::c_int) -> u8 {
+    u8::try_from(128 + signal).unwrap_or(code::SOFTWARE)
+}
+
+/// How often `run` passes the guard's stop moment on to the watchdog: a
+/// small part of the time to the first stop moment, so a renewal reaches
+/// the watchdog long before the stop moment it replaces.
+fn forward_period(stop_moment: Instant) -> Duration {
+    (stop_moment.saturating_duration_since(Instant::now()) / 20)
+        .clamp(Duration::from_millis(5), Duration::from_millis(100))
 }
 
 async fn run(args: RunArgs) -> Result<u8, Failure> {
     let key = lock_key(&args.key)?;
     let what = display_command(&args.command);
     let (options, kill_grace) = run_options(&args)?;
-    let mut interrupt = signal(SignalKind::interrupt())
-        .map_err(|e| Failure::new(code::SOFTWARE, format!("cannot handle SIGINT: {e}")))?;
-    let mut terminate = signal(SignalKind::terminate())
-        .map_err(|e| Failure::new(code::SOFTWARE, format!("cannot handle SIGTERM: {e}")))?;
+    let mut signals = Signals::install()?;
 
-    let backend = connect(&args.url.url).await?;
+    let backend = tokio::select! {
+        backend = connect(&args.url.url) => backend?,
+        signal = signals.next() => return Ok(signal_code(signal)),
+    };
+    if args.permits > 1 && backend.semaphore().is_none() {
+        return Err(Failure::new(
+            code::CONFIG,
+            format!(
+                "--permits {} needs a backend with semaphores, and the {} backend has none; drop --permits to run under the lock itself",
+                args.permits,
+                backend.name()
+            ),
+        ));
+    }
     let locker = Locker::new(backend);
 
     // A signal ends the wait; a lock granted at that moment is released
@@ -340,14 +447,11 @@ async fn run(args: RunArgs) -> Result<u8, Failure> {
     let mut stopped_by = None;
     let acquired = locker
         .acquire_unless(&key, &options, async {
-            stopped_by = Some(tokio::select! {
-                _ = interrupt.recv() => libc::SIGINT,
-                _ = terminate.recv() => libc::SIGTERM,
-            });
+            stopped_by = Some(signals.next().await);
         })
         .await;
     if let Some(signal) = stopped_by {
-        return Ok(128 + signal as u8);
+        return Ok(signal_code(signal));
     }
     let guard = match acquired {
         Ok(Some(guard)) => guard,
@@ -377,9 +481,10 @@ async fn run(args: RunArgs) -> Result<u8, Failure> {
         .command
         .split_first()
         .ok_or_else(|| Failure::new(code::USAGE, "no command given after `--`"))?;
-    // The group CMD joins; it outlives distlock only until the watchdog
-    // notices distlock is gone.
-    let mut watchdog = match Watchdog::spawn() {
+    // The group CMD joins. The watchdog stops it at the stop moment unless
+    // told of a renewal first, and at once if distlock dies; it is armed
+    // before CMD starts.
+    let mut watchdog = match Watchdog::spawn(kill_grace) {
         Ok(watchdog) => watchdog,
         Err(e) => {
             let _ = guard.release().await;
@@ -391,14 +496,28 @@ async fn run(args: RunArgs) -> Result<u8, Failure> {
             ));
         }
     };
+    if let Err(e) = watchdog.arm(guard.stop_moment()).await {
+        watchdog.stop_group().await;
+        let _ = guard.release().await;
+        return Err(Failure::new(
+            code::SOFTWARE,
+            format!("cannot arm the watchdog process that stops `{what}` in time: {e}"),
+        ));
+    }
     let group = watchdog.group();
-    let mut child = match tokio::process::Command::new(program)
+    let mut command = tokio::process::Command::new(program);
+    command
         .args(program_args)
         .env("DISTLOCK_FENCING_TOKEN", fencing.to_string())
         .env("DISTLOCK_KEY", key.as_str())
-        .process_group(group)
-        .spawn()
-    {
+        .process_group(group);
+    if args.pass_url {
+        command.env("DISTLOCK_URL", &args.url.url);
+    } else {
+        // It may hold the server's password.
+        command.env_remove("DISTLOCK_URL");
+    }
+    let mut child = match command.spawn() {
         Ok(child) => child,
         Err(e) => {
             let code = if e.kind() == std::io::ErrorKind::NotFound {
@@ -413,35 +532,67 @@ async fn run(args: RunArgs) -> Result<u8, Failure> {
     };
     let lost = guard.lost();
     tokio::pin!(lost);
+    let mut forward = tokio::time::interval(forward_period(guard.stop_moment()));
+    forward.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
-    let status = loop {
+    let lost_while_running = |reason: &dyn std::fmt::Display| {
+        format!("lost lock {key:?} (fencing token {fencing}) while `{what}` was running: {reason}")
+    };
+    // Ok: CMD exited by itself. Err: why it must be stopped.
+    let ended = loop {
         tokio::select! {
             biased;
-            reason = &mut lost => {
-                eprintln!(
-                    "distlock: lost lock {key:?} (fencing token {fencing}) while `{what}` was running: {reason}; stopping its process group with SIGTERM"
-                );
-                signal_group(group, libc::SIGTERM);
-                let exited = tokio::time::timeout(kill_grace, child.wait()).await.is_ok();
-                if !exited {
-                    eprintln!(
-                        "distlock: `{what}` did not exit within {} of SIGTERM; sending SIGKILL",
-                        format_duration(kill_grace)
-                    );
+            reason = &mut lost => break Err(lost_while_running(&reason)),
+            status = child.wait() => {
+                // Past the stop moment the watchdog has signalled CMD (or is
+                // about to): CMD was stopped, whatever it exited with.
+                if guard.is_lost() || watchdog.armed_until().is_some_and(|at| Instant::now() >= at) {
+                    break Err(lost_while_running(
+                        &"no renewal was confirmed by the stop moment, so the watchdog stopped it",
+                    ));
                 }
-                // Also whatever the command left behind in its group.
-                watchdog.stop_group().await;
-                let _ = child.wait().await;
-                // Frees the key before its TTL if the server still had it.
-                let _ = guard.release().await;
-                return Err(Failure::new(
-                    code::SOFTWARE,
-                    format!("`{what}` was stopped because lock {key:?} was lost"),
-                ));
+                break Ok(status);
             }
-            status = child.wait() => break status,
-            _ = interrupt.recv() => signal_group(group, libc::SIGINT),
-            _ = terminate.recv() => signal_group(group, libc::SIGTERM),
+            _ = forward.tick() => {
+                // After each confirmed renewal the guard's stop moment moves
+                // on: re-arm the watchdog's timer with it.
+                if let Err(e) = watchdog.arm(guard.stop_moment()).await {
+                    break Err(format!(
+                        "the watchdog process of `{what}` is gone ({e}): nothing would stop it in time if distlock could not"
+                    ));
+                }
+            }
+            signal = signals.next() => signal_group(group, signal),
+        }
+    };
+    let status = match ended {
+        Ok(status) => status,
+        Err(why) => {
+            eprintln!("distlock: {why}; stopping its process group with SIGTERM");
+            signal_group(group, libc::SIGTERM);
+            // Killed by the watchdog, which keeps the same grace, or by us.
+            let killed = match tokio::time::timeout(kill_grace, child.wait()).await {
+                Ok(Ok(status)) => {
+                    std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL)
+                }
+                Ok(Err(_)) => false,
+                Err(_) => true,
+            };
+            if killed {
+                eprintln!(
+                    "distlock: `{what}` did not exit within {} of SIGTERM; its group gets SIGKILL",
+                    format_duration(kill_grace)
+                );
+            }
+            // Also whatever the command left behind in its group.
+            watchdog.stop_group().await;
+            let _ = child.wait().await;
+            // Frees the key before its TTL if the server still had it.
+            let _ = guard.release().await;
+            return Err(Failure::new(
+                code::SOFTWARE,
+                format!("`{what}` was stopped because lock {key:?} was lost"),
+            ));
         }
     };
     // Nothing of CMD runs on once the lock is released.

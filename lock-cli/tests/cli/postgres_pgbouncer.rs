@@ -1,10 +1,9 @@
 //! The real `distlock` binary through PgBouncer in transaction mode: many
 //! processes waiting on one key, as cron on several hosts.
 
-mod postgres_support;
-
 use distlock_conformance::server::{PoolMode, PooledPostgres};
-use postgres_support::{distlock, finish, start, stderr, TempDir, HANG};
+
+use crate::support::{distlock, run_to_end, start_process, stderr, TempDir};
 
 /// 6 "hosts" (threads) each run `distlock run --wait 60s` 10 times on one
 /// key through PgBouncer in transaction mode (fewer server connections
@@ -14,7 +13,7 @@ use postgres_support::{distlock, finish, start, stderr, TempDir, HANG};
 fn many_processes_wait_on_one_key_through_pgbouncer() {
     const HOSTS: usize = 6;
     const RUNS: usize = 10;
-    let pooler = start(PooledPostgres::new(PoolMode::Transaction).pool_size(3));
+    let pooler = start_process(PooledPostgres::new(PoolMode::Transaction).pool_size(3));
     let with_listen = pooler.url();
     let (polling, _) = with_listen
         .split_once("&listen_url=")
@@ -39,7 +38,7 @@ fn many_processes_wait_on_one_key_through_pgbouncer() {
                         .args(["run", "--url", url, "--key", "pooled-job", "--wait", "60s"])
                         .args(["--ttl", "10s", "--", "sh", "-c", script])
                         .env("LOG", log);
-                    let output = finish(command, HANG);
+                    let output = run_to_end(command);
                     assert_eq!(
                         output.status.code(),
                         Some(0),

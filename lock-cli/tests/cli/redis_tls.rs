@@ -1,55 +1,36 @@
-//! `distlock run` against a TLS-only Redis (issue 15): it runs the command
+//! `distlock run` against a TLS-only Redis: it runs the command
 //! given the server's CA, and fails fast with a message about the
 //! certificate given the wrong one.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
+use std::process::Output;
 use std::sync::Arc;
 
 use distlock_conformance::server::{RedisTls, ServerProcess, TestPki};
 
-/// A directory removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(label: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "distlock-cli-redis-tls-{label}-{}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&dir).expect("create temp dir");
-        Self(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use crate::support::{distlock, run_to_end, TempDir};
 
 /// `distlock run --url URL --key KEY -- touch MARKER`, with `env` set.
 fn run(url: &str, key: &str, marker: &Path, env: &[(&str, &Path)]) -> Output {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_distlock"));
+    let mut command = distlock();
     command
-        .env_remove("DISTLOCK_URL")
         .args(["run", "--url", url, "--key", key, "--", "touch"])
         .arg(marker);
     for (name, value) in env {
         command.env(name, value);
     }
-    command.output().expect("run distlock")
+    run_to_end(command)
 }
 
 #[test]
 fn run_against_tls_redis_with_its_ca_and_fails_fast_with_the_wrong_one() {
-    let dir = TempDir::new("run");
-    let pki = TestPki::generate(&dir.0.join("pki")).expect("test certificates");
+    let dir = TempDir::new("distlock-cli-redis-tls");
+    let pki = TestPki::generate(&dir.file("pki")).expect("test certificates");
     let server = ServerProcess::start(Arc::new(RedisTls::new(pki.clone())))
         .expect("cannot start redis-server with TLS");
 
     // The server's CA: the command runs.
-    let ran = dir.0.join("ran");
+    let ran = dir.file("ran");
     let output = run(&server.url(), "tls-job", &ran, &[]);
     assert!(
         output.status.success(),
@@ -61,7 +42,7 @@ fn run_against_tls_redis_with_its_ca_and_fails_fast_with_the_wrong_one() {
 
     // Another CA: exit 78 (configuration), a message about the
     // certificate and what to do, and the command never ran.
-    let refused = dir.0.join("refused");
+    let refused = dir.file("refused");
     let url = format!(
         "rediss://{}/?tls_ca_file={}&connect_timeout_ms=2000",
         server.addr(),
@@ -78,9 +59,9 @@ fn run_against_tls_redis_with_its_ca_and_fails_fast_with_the_wrong_one() {
 
     // tls_ca_file adds to the platform's roots: with the server's CA as the
     // platform's (SSL_CERT_FILE) and another as tls_ca_file, it connects.
-    let empty = dir.0.join("no-more-roots");
+    let empty = dir.file("no-more-roots");
     std::fs::create_dir_all(&empty).unwrap();
-    let both = dir.0.join("both");
+    let both = dir.file("both");
     let output = run(
         &url,
         "tls-job",

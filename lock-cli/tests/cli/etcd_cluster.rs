@@ -1,13 +1,12 @@
 //! `distlock run --wait` against a 3-member etcd cluster whose leader is
-//! SIGKILLed mid-run (issue 16): every run completes, none overlaps.
-
-mod etcd_common;
+//! SIGKILLed mid-run: every run completes, none overlaps.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use distlock_conformance::server::EtcdCluster;
-use etcd_common::{code, run_sh, stderr, TempDir};
+
+use crate::support::{code, run_sh, run_to_end, stderr, unique, TempDir};
 
 /// Processes, each running the job this many times in a row.
 const PROCESSES: usize = 6;
@@ -29,13 +28,13 @@ fn waits_ride_through_a_leader_kill() {
     let cluster = Arc::new(EtcdCluster::start(3).expect("a 3-member etcd cluster"));
     let url = cluster.url();
     let dir = Arc::new(TempDir::new("distlock-etcd-cluster"));
-    let key = etcd_common::unique("failover");
+    let key = unique("failover");
     let runners: Vec<_> = (0..PROCESSES)
         .map(|_| {
             let (url, key, dir) = (url.clone(), key.clone(), dir.clone());
             std::thread::spawn(move || {
                 (0..RUNS_EACH)
-                    .map(|_| run_sh(&url, &key, &["--wait", "60s"], dir.path(), JOB))
+                    .map(|_| run_to_end(run_sh(&url, &key, &["--wait", "60s"], dir.path(), JOB)))
                     .collect::<Vec<_>>()
             })
         })

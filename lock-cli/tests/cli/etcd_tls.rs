@@ -1,14 +1,13 @@
-//! `distlock run` against an etcd that requires mutual TLS (issue 15):
+//! `distlock run` against an etcd that requires mutual TLS:
 //! `etcds://...?tls_ca_file=...&tls_cert_file=...&tls_key_file=...` works
 //! (a waiter is woken over the TLS watch too), and the wrong CA fails at
 //! once with a configuration error that says so.
 
-mod etcd_common;
-
 use std::sync::Arc;
 
 use distlock_conformance::server::{EtcdTls, ServerProcess, TestPki};
-use etcd_common::{code, run_sh, stderr, unique, TempDir};
+
+use crate::support::{code, run_sh, run_to_end, stderr, unique, TempDir};
 
 #[test]
 fn run_against_mutual_tls_etcd() {
@@ -27,13 +26,13 @@ fn run_against_mutual_tls_etcd() {
     let holder = {
         let (url, key, dir) = (url.clone(), key.clone(), dir.clone());
         std::thread::spawn(move || {
-            run_sh(
+            run_to_end(run_sh(
                 &url,
                 &key,
                 &[],
                 dir.path(),
                 r#"echo "$DISTLOCK_FENCING_TOKEN" > "$DIR/first"; while [ ! -e "$DIR/go" ]; do sleep 0.05; done"#,
-            )
+            ))
         })
     };
     while !dir.path().join("first").exists() {
@@ -42,13 +41,13 @@ fn run_against_mutual_tls_etcd() {
     let waiter = {
         let (url, key, dir) = (url.clone(), key.clone(), dir.clone());
         std::thread::spawn(move || {
-            run_sh(
+            run_to_end(run_sh(
                 &url,
                 &key,
                 &["--wait", "60s"],
                 dir.path(),
                 r#"echo "$DISTLOCK_FENCING_TOKEN" > "$DIR/second""#,
-            )
+            ))
         })
     };
     std::fs::write(dir.path().join("go"), "").expect("go");
@@ -68,7 +67,13 @@ fn run_against_mutual_tls_etcd() {
         &format!("tls_ca_file={}", pki.other_ca.display()),
     );
     assert_ne!(wrong_ca, url);
-    let refused = run_sh(&wrong_ca, &key, &[], dir.path(), "touch \"$DIR/ran\"");
+    let refused = run_to_end(run_sh(
+        &wrong_ca,
+        &key,
+        &[],
+        dir.path(),
+        "touch \"$DIR/ran\"",
+    ));
     assert_eq!(code(&refused), 78, "{}", stderr(&refused));
     let err = stderr(&refused);
     assert_eq!(err.lines().count(), 1, "one line: {err}");

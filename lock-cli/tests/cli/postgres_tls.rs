@@ -1,16 +1,16 @@
 //! The real `distlock` binary against a `hostssl`-only PostgreSQL over TLS.
 
-mod postgres_support;
-
+use std::process::Stdio;
 use std::time::Duration;
 
 use distlock_conformance::server::PostgresTls;
-use postgres_support::{distlock, finish, start, stderr, TempDir, HANG};
+
+use crate::support::{distlock, finish_within, run_to_end, start_process, stderr, TempDir};
 
 #[test]
 fn run_against_a_hostssl_only_postgres() {
     let kind = PostgresTls::new().expect("generate the test PKI");
-    let server = start(kind.clone());
+    let server = start_process(kind.clone());
     let dir = TempDir::new("distlock-cli-pg-tls");
     // libpq's parameters, as in a managed PostgreSQL's connection string.
     let url = kind.url_with_ca(server.addr(), &kind.pki().ca);
@@ -24,7 +24,7 @@ fn run_against_a_hostssl_only_postgres() {
             r#"echo "$DISTLOCK_FENCING_TOKEN" > "$DIR/token""#,
         ])
         .env("DIR", dir.path());
-    let output = finish(run, HANG);
+    let output = run_to_end(run);
     assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
     let written = std::fs::read_to_string(&token).expect("the command ran");
     assert!(written.trim().parse::<u64>().is_ok(), "{written:?}");
@@ -36,7 +36,13 @@ fn run_against_a_hostssl_only_postgres() {
     run.args([
         "run", "--url", &wrong, "--key", "tls-job", "--wait", "60s", "--", "true",
     ]);
-    let output = finish(run, Duration::from_secs(30));
+    let child = run
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn distlock");
+    let output = finish_within(child, Duration::from_secs(30));
     let err = stderr(&output);
     assert_eq!(output.status.code(), Some(78), "{err}");
     assert!(err.contains("TLS certificate problem"), "{err}");
