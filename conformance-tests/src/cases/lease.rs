@@ -591,10 +591,12 @@ async fn reported_end_within_expiry(
                     expires_in: None,
                     fencing_token,
                 } if fencing_token == lease.fencing_token() => {}
-                state if answered < lease.valid_until() => return Err(CaseError(format!(
+                state if answered < lease.valid_until() => {
+                    return Err(CaseError(format!(
                     "{what}: inspect shows {state:?} while the holder's lease (token {}) is valid",
                     lease.fencing_token()
-                ))),
+                )))
+                }
                 _ => break,
             }
         }
