@@ -509,7 +509,7 @@ pub async fn extend_atomic_against_expiry(ctx: TestContext) -> CaseResult {
 
 /// How far before a lease's reported end `reported_ttl_within_server_expiry`
 /// starts asking for the key, at most.
-const REPORTED_LEAD: Duration = Duration::from_millis(50);
+const REPORTED_LEAD: Duration = Duration::from_millis(25);
 
 /// The TTL a backend reports is the one the server applied: the moment the
 /// holder's lease says the server lets the lock go (`sent_at + ttl`, before
