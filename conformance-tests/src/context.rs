@@ -121,6 +121,7 @@ pub struct TestContext {
     pub(crate) admin: bool,
     pub(crate) semaphore: bool,
     pub(crate) simulated_network: bool,
+    pub(crate) namespaces: bool,
 }
 
 /// Builds a [`TestContext`]; see [`TestContext::builder`].
@@ -130,6 +131,7 @@ pub struct ContextBuilder {
     server: Option<Arc<ServerHandle>>,
     kind: Option<Arc<dyn ServerKind>>,
     simulated_network: bool,
+    namespaces: bool,
 }
 
 impl fmt::Debug for ContextBuilder {
@@ -168,6 +170,14 @@ impl ContextBuilder {
         self
     }
 
+    /// The factory of this in-process backend honours `namespace=NAME` in
+    /// the URL it gets (see [`Suite::namespaces`](crate::Suite::namespaces));
+    /// a backend with a server always must.
+    pub fn namespaces(mut self, on: bool) -> Self {
+        self.namespaces = on;
+        self
+    }
+
     /// Opens one client to read the backend's capabilities.
     pub async fn build(self) -> Result<TestContext, CaseError> {
         let url = self.server.as_ref().map(|s| s.url()).unwrap_or_default();
@@ -191,6 +201,7 @@ impl ContextBuilder {
             admin,
             semaphore,
             simulated_network: self.simulated_network,
+            namespaces: self.namespaces,
         })
     }
 }
@@ -219,6 +230,7 @@ impl TestContext {
             server: None,
             kind: None,
             simulated_network: false,
+            namespaces: false,
         }
     }
 
@@ -418,4 +430,67 @@ impl TestContext {
             .await
             .map_err(|e| CaseError(format!("cannot start a fault proxy: {e}")))
     }
+}
+
+/// Namespaces: clients of one server that must never see each other's locks.
+impl TestContext {
+    /// Whether a case can open clients in namespaces of their own
+    /// ([`client_in_namespace`](Self::client_in_namespace)): every backend
+    /// with a server (its URL takes `namespace=NAME`), and an in-process
+    /// one whose suite declares [`Suite::namespaces`](crate::Suite::namespaces).
+    pub fn has_namespaces(&self) -> bool {
+        self.server.is_some() || self.namespaces
+    }
+
+    /// The suite's URL with its `namespace=` parameter set to `namespace`
+    /// (see [`with_namespace`]); for an in-process backend, whose URL is
+    /// empty, `?namespace=NAME`.
+    pub fn namespaced_url(&self, namespace: &str) -> String {
+        with_namespace(&self.url, namespace)
+    }
+
+    /// A new client of the suite's server in `namespace` (1 to 64 ASCII
+    /// letters, digits, `_`, `-`, `.`), opened by the factory with
+    /// [`namespaced_url`](Self::namespaced_url).
+    pub async fn client_in_namespace(&self, namespace: &str) -> Result<LockClient, CaseError> {
+        self.client_at(&self.namespaced_url(namespace)).await
+    }
+}
+
+/// `url` with its `namespace=` query parameter set to `namespace`: an
+/// existing one is replaced, else it is appended (after `?` or `&`).
+///
+/// ```
+/// use distlock_conformance::with_namespace;
+/// assert_eq!(with_namespace("redis://h:1", "a"), "redis://h:1?namespace=a");
+/// assert_eq!(
+///     with_namespace("redis://h:1?namespace=x&operation_timeout_ms=9", "a"),
+///     "redis://h:1?namespace=a&operation_timeout_ms=9"
+/// );
+/// assert_eq!(with_namespace("", "a"), "?namespace=a");
+/// ```
+pub fn with_namespace(url: &str, namespace: &str) -> String {
+    let (base, query) = url.split_once('?').unwrap_or((url, ""));
+    let mut params: Vec<String> = query
+        .split('&')
+        .filter(|p| !p.is_empty() && p.split('=').next() != Some("namespace"))
+        .map(str::to_owned)
+        .collect();
+    params.insert(0, format!("namespace={namespace}"));
+    format!("{base}?{}", params.join("&"))
+}
+
+/// The `namespace=` parameter of a URL the suite gave a client factory, if
+/// it has one: what the factory of an in-process backend declared with
+/// [`Suite::namespaces`](crate::Suite::namespaces) keys its servers by.
+///
+/// ```
+/// use distlock_conformance::namespace_of;
+/// assert_eq!(namespace_of("?namespace=a"), Some("a"));
+/// assert_eq!(namespace_of("redis://h?x=1&namespace=b"), Some("b"));
+/// assert_eq!(namespace_of(""), None);
+/// ```
+pub fn namespace_of(url: &str) -> Option<&str> {
+    let (_, query) = url.split_once('?')?;
+    query.split('&').find_map(|p| p.strip_prefix("namespace="))
 }

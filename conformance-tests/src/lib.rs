@@ -86,3 +86,5 @@ pub use context::{
 };
 pub use observed::{Call, Granted, ObservedLock};
 pub use suite::{CaseOutcome, CaseReport, CaseRun, Suite};
+
+pub use context::{namespace_of, with_namespace};

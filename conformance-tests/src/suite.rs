@@ -75,6 +75,7 @@ pub struct Suite {
     simulated_network: bool,
     extra: Vec<Case>,
     variant: Option<String>,
+    namespaces: bool,
 }
 
 /// How one case ended when run by [`Suite::run_cases`].
@@ -135,6 +136,7 @@ struct Shared {
     server: Result<Option<Arc<ServerHandle>>, String>,
     kind: Option<Arc<dyn ServerKind>>,
     simulated_network: bool,
+    namespaces: bool,
 }
 
 impl Suite {
@@ -153,6 +155,7 @@ impl Suite {
             simulated_network: false,
             extra: Vec::new(),
             variant: None,
+            namespaces: false,
         }
     }
 
@@ -241,6 +244,38 @@ impl Suite {
     /// ```
     pub fn simulated_network(mut self) -> Self {
         self.simulated_network = true;
+        self
+    }
+
+    /// Declares that the factory of this in-process backend honours the
+    /// `namespace=NAME` parameter of the URL it gets (`?namespace=NAME`:
+    /// the usual empty URL plus the parameter; read it with
+    /// [`namespace_of`](crate::namespace_of)): clients of two namespaces
+    /// share no lock. The cases that open clients in namespaces of their own
+    /// ([`Needs::Namespaces`](crate::cases::Needs::Namespaces)) then run;
+    /// a backend with a server runs them always (its URL takes
+    /// `namespace=`).
+    ///
+    /// ```no_run
+    /// use std::collections::HashMap;
+    /// use std::sync::{Arc, Mutex};
+    /// use distlock_conformance::{namespace_of, Suite};
+    /// use distlock_core::MemoryLock;
+    ///
+    /// fn main() -> std::process::ExitCode {
+    ///     // One in-process server per namespace.
+    ///     let servers = Arc::new(Mutex::new(HashMap::<String, MemoryLock>::new()));
+    ///     Suite::new("memory", move |url: String| {
+    ///         let namespace = namespace_of(&url).unwrap_or_default().to_owned();
+    ///         let client = servers.lock().unwrap().entry(namespace).or_default().client();
+    ///         async move { Ok(client) }
+    ///     })
+    ///     .namespaces()
+    ///     .run()
+    /// }
+    /// ```
+    pub fn namespaces(mut self) -> Self {
+        self.namespaces = true;
         self
     }
 
@@ -365,6 +400,7 @@ impl Suite {
             server,
             kind: self.server,
             simulated_network: self.simulated_network,
+            namespaces: self.namespaces,
         });
         let mut cases = cases::all();
         cases.extend(self.extra);
@@ -393,7 +429,8 @@ fn run_case(case: Case, shared: &Shared, stop: Option<watch::Receiver<bool>>) ->
         Err(e) => return CaseOutcome::Failed(format!("cannot build a tokio runtime: {e}")),
     };
     let mut builder = TestContext::builder(backend, shared.connect.clone())
-        .simulated_network(shared.simulated_network);
+        .simulated_network(shared.simulated_network)
+        .namespaces(shared.namespaces);
     if let Some(server) = server {
         builder = builder.server(server);
     }

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use distlock_conformance::fault::Link;
-use distlock_conformance::Suite;
+use distlock_conformance::{namespace_of, Suite};
 use distlock_core::{
     async_trait, AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant,
     HeldLock, LockAdmin, LockBackend, LockClient, LockError, LockKey, LockState, OwnerToken,
@@ -162,13 +162,19 @@ impl LockAdmin for TinyLock {
 }
 
 fn main() -> std::process::ExitCode {
-    let server = TinyLock::default();
+    // A server per namespace: the suite opens clients with `namespace=NAME`
+    // in their URL (`?namespace=NAME` for an in-process backend), and two
+    // namespaces must share nothing.
+    let servers = Arc::new(Mutex::new(HashMap::<String, TinyLock>::new()));
     Suite::new("tiny", move |url: String| {
-        let client = LockClient::new(server.clone());
+        let namespace = namespace_of(&url).unwrap_or_default().to_owned();
+        let mut servers = servers.lock().unwrap_or_else(|e| e.into_inner());
+        let client = LockClient::new(servers.entry(namespace).or_default().clone());
         // Fault cases get `link://` URLs: the client behind a simulated
         // network (an in-process server has no process to cut off).
         async move { Link::attach(&url, client) }
     })
     .simulated_network()
+    .namespaces()
     .run()
 }

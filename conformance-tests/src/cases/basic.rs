@@ -1,8 +1,8 @@
 //! `basic::` — acquire, refuse, release, extend, expire, owner checks.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use distlock_core::{AcquireAttempt, ErrorKind};
+use distlock_core::{AcquireAttempt, ErrorKind, Lease, LockKey, LockState};
 
 use super::support::{
     acquire, eventually_acquire, expect_kind, expiry_bound, key_with, refused, stem,
@@ -412,8 +412,6 @@ pub async fn extend_after_release_fails(ctx: TestContext) -> CaseResult {
 /// Keys that look alike in some encoding (paths, Redis hash tags, URL
 /// escapes, globs, Unicode normal forms, trailing space) are independent.
 pub async fn lookalike_keys_independent(ctx: TestContext) -> CaseResult {
-    let a = ctx.client().await?;
-    let b = ctx.client().await?;
     let stem = stem("look");
     let suffixes = [
         "a",
@@ -446,42 +444,13 @@ pub async fn lookalike_keys_independent(ctx: TestContext) -> CaseResult {
         "a_",
         "a\u{1F512}",
     ];
-    let mut leases = Vec::new();
-    for suffix in suffixes {
-        let key = key_with(&stem, suffix)?;
-        let lease = acquire(
-            &a,
-            &key,
-            ctx.long_ttl(),
-            &format!("look-alike {suffix:?} (collides with an earlier one?)"),
-        )
-        .await?;
-        leases.push(lease);
-    }
+    let mut keys = suffixes
+        .iter()
+        .map(|suffix| key_with(&stem, suffix))
+        .collect::<Result<Vec<_>, _>>()?;
     // Also the bare stem (a prefix of every other key).
-    let bare = key_with(stem.trim_end_matches('-'), "")?;
-    let bare_lease = acquire(&a, &bare, ctx.long_ttl(), "the bare stem").await?;
-    for lease in &leases {
-        refused(&b, lease.key(), "held look-alike").await?;
-    }
-    // Release every other key: exactly those become free.
-    for (i, lease) in leases.iter().enumerate() {
-        if i % 2 == 0 {
-            a.release(lease).await?;
-        }
-    }
-    for (i, lease) in leases.iter().enumerate() {
-        if i % 2 == 0 {
-            let got = acquire(&b, lease.key(), ctx.long_ttl(), "released look-alike").await?;
-            b.release(&got).await?;
-        } else {
-            refused(&b, lease.key(), "look-alike not released").await?;
-            a.release(lease).await?;
-        }
-    }
-    refused(&b, &bare, "bare stem still held").await?;
-    a.release(&bare_lease).await?;
-    Ok(())
+    keys.push(key_with(stem.trim_end_matches('-'), "")?);
+    independent_keys(&ctx, &keys).await
 }
 
 /// One client holds many keys at once; releasing one frees only that one.
@@ -502,5 +471,261 @@ pub async fn many_keys_per_client(ctx: TestContext) -> CaseResult {
         a.release(lease).await?;
     }
     b.release(&got).await?;
+    Ok(())
+}
+
+/// Distinct `keys` never interfere: one client takes them all (each must be
+/// free: a key the server merged with an earlier one is refused), another
+/// is refused every one, and releasing every other key frees exactly those.
+async fn independent_keys(ctx: &TestContext, keys: &[LockKey]) -> CaseResult {
+    let distinct: std::collections::HashSet<&str> = keys.iter().map(LockKey::as_str).collect();
+    check_eq!(
+        distinct.len(),
+        keys.len(),
+        "the case's keys are distinct strings"
+    );
+    let a = ctx.client().await?;
+    let b = ctx.client().await?;
+    let mut leases = Vec::new();
+    for key in keys {
+        let what = format!("look-alike {key:?} (merged with an earlier key by the server?)");
+        leases.push(acquire(&a, key, ctx.long_ttl(), &what).await?);
+    }
+    for lease in &leases {
+        refused(&b, lease.key(), "held look-alike").await?;
+    }
+    // Release every other key: exactly those become free.
+    for lease in leases.iter().step_by(2) {
+        a.release(lease).await?;
+    }
+    for (i, lease) in leases.iter().enumerate() {
+        if i % 2 == 0 {
+            let got = acquire(&b, lease.key(), ctx.long_ttl(), "released look-alike").await?;
+            b.release(&got).await?;
+        } else {
+            refused(&b, lease.key(), "look-alike not released").await?;
+            a.release(lease).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Keys that differ only by Unicode compatibility forms (fullwidth and
+/// halfwidth letters, ligatures, superscripts, the Kelvin and Ångström
+/// signs), canonical equivalents (precomposed and combining forms), or
+/// invisible characters (zero-width space, joiners, word joiner, byte-order
+/// mark, soft hyphen, direction marks, variation selectors, non-breaking and
+/// ideographic spaces) are independent: a key is its exact UTF-8 bytes, and
+/// a server that normalises or strips characters merges two locks.
+pub async fn unicode_lookalike_keys_independent(ctx: TestContext) -> CaseResult {
+    let stem = stem("uni");
+    let suffixes = [
+        "",
+        "a",
+        "\u{ff41}",
+        "A",
+        "\u{ff21}",
+        "ab",
+        "\u{ff41}\u{ff42}",
+        "1",
+        "\u{ff11}",
+        "\u{2460}",
+        "\u{b9}",
+        "2",
+        "\u{b2}",
+        "fi",
+        "\u{fb01}",
+        "K",
+        "\u{212a}",
+        "k",
+        "\u{c5}",
+        "\u{212b}",
+        "A\u{30a}",
+        "\u{e9}",
+        "e\u{301}",
+        "\u{1c6}",
+        "d\u{17e}",
+        "\u{30ab}",
+        "\u{ff76}",
+        "\u{30ac}",
+        "\u{30ab}\u{3099}",
+        "a\u{200b}b",
+        "a\u{200c}b",
+        "a\u{200d}b",
+        "a\u{2060}b",
+        "\u{feff}ab",
+        "ab\u{feff}",
+        "a\u{ad}b",
+        "a\u{200e}b",
+        "a\u{202e}b",
+        "ab\u{200b}",
+        "\u{200b}",
+        "a\u{fe0f}",
+        "a b",
+        "a\u{a0}b",
+        "a\u{2009}b",
+        "a\u{3000}b",
+    ];
+    let keys = suffixes
+        .iter()
+        .map(|suffix| key_with(&stem, suffix))
+        .collect::<Result<Vec<_>, _>>()?;
+    independent_keys(&ctx, &keys).await
+}
+
+/// Two clients in different namespaces of one server never see each
+/// other's locks: the same key is held at once in the suite's own namespace
+/// and in namespaces named alike (a prefix and its extensions by `x`, `.x`,
+/// `-x`, `_x`, and the same letters in upper case); each namespace's own
+/// second client is refused it (the namespace is honoured consistently),
+/// and a release in one namespace frees the key there only.
+pub async fn namespaces_independent(ctx: TestContext) -> CaseResult {
+    let base = format!("dl{:016x}", rand::random::<u64>());
+    let namespaces = [
+        None,
+        Some(base.clone()),
+        Some(format!("{base}x")),
+        Some(format!("{base}.x")),
+        Some(format!("{base}-x")),
+        Some(format!("{base}_x")),
+        Some(base.to_uppercase()),
+    ];
+    let key = ctx.key("ns");
+    let mut sides = Vec::new();
+    for namespace in &namespaces {
+        let name = namespace.as_deref().unwrap_or("the suite's own");
+        let (holder, other) = match namespace {
+            Some(ns) => (
+                ctx.client_in_namespace(ns).await?,
+                ctx.client_in_namespace(ns).await?,
+            ),
+            None => (ctx.client().await?, ctx.client().await?),
+        };
+        let what =
+            format!("namespace {name:?}: the key held in the other namespaces must be free here");
+        let lease = acquire(&holder, &key, ctx.long_ttl(), &what).await?;
+        sides.push((name, holder, other, lease));
+    }
+    for (name, _, other, _) in &sides {
+        refused(
+            other,
+            &key,
+            &format!("namespace {name:?}: its own holder's lock"),
+        )
+        .await?;
+    }
+    // A release in one namespace frees the key there only.
+    let (name, holder, other, lease) = &sides[1];
+    holder.release(lease).await?;
+    let got = acquire(
+        other,
+        &key,
+        ctx.long_ttl(),
+        &format!("namespace {name:?} after its holder released"),
+    )
+    .await?;
+    for (name, _, other, _) in sides.iter().filter(|side| side.0 != *name) {
+        refused(
+            other,
+            &key,
+            &format!("namespace {name:?} after a release in another namespace"),
+        )
+        .await?;
+    }
+    other.release(&got).await?;
+    for (_, holder, _, lease) in sides.iter().filter(|side| side.0 != *name) {
+        holder.release(lease).await?;
+    }
+    Ok(())
+}
+
+/// A refusal's `expires_in`, and `inspect`'s where the backend has it, is
+/// the holder's real time left: more than zero, at most its TTL, and at
+/// least what its lease still promises (`valid_until` minus the instant the
+/// answer arrived, less the backend's TTL granularity) — for a plain and a
+/// renewing holder, after acquire and after extend. A "held" answer with
+/// no time left makes every waiter retry at once, over and over.
+pub async fn held_reports_time_left(ctx: TestContext) -> CaseResult {
+    let holder = ctx.client().await?;
+    let other = ctx.client().await?;
+    let ttl = ctx.capabilities().effective_ttl(Duration::from_secs(30))?;
+    for renewing in [false, true] {
+        let key = ctx.key("basic-left");
+        let attempt = if renewing {
+            holder.try_acquire_renewing(&key, ttl).await?
+        } else {
+            holder.try_acquire(&key, ttl).await?
+        };
+        let AcquireAttempt::Acquired(acquired) = attempt else {
+            return Err(format!("a free key must be acquired, got {attempt:?}").into());
+        };
+        let extended = holder.extend(&acquired, ttl).await?;
+        for (step, lease) in [("acquired", &acquired), ("extended", &extended)] {
+            let what = format!("holder {step} (renewing: {renewing})");
+            match other.try_acquire(&key, ttl).await? {
+                AcquireAttempt::Held {
+                    expires_in: Some(left),
+                } => time_left_is_real(&ctx, left, lease, Instant::now(), &what)?,
+                AcquireAttempt::Held { expires_in: None } => {}
+                AcquireAttempt::Acquired(_) => {
+                    return Err(format!("{what}: a held key was granted to another client").into())
+                }
+            }
+            if other.admin().is_some() {
+                match other.inspect(&key).await? {
+                    LockState::Held {
+                        expires_in: Some(left),
+                        fencing_token,
+                    } if fencing_token == lease.fencing_token() => time_left_is_real(
+                        &ctx,
+                        left,
+                        lease,
+                        Instant::now(),
+                        &format!("inspect, {what}"),
+                    )?,
+                    LockState::Held {
+                        expires_in: None, ..
+                    } => {}
+                    state => {
+                        return Err(format!(
+                            "inspect, {what}: expected the holder's token {}, got {state:?}",
+                            lease.fencing_token()
+                        )
+                        .into())
+                    }
+                }
+            }
+        }
+        holder.release(&extended).await?;
+    }
+    Ok(())
+}
+
+/// Fails unless `left`, reported for `lease`'s live lock in an answer that
+/// arrived at `answered`, is more than zero, at most the lease's TTL and at
+/// least its remaining validity (one-sided: the server may keep a lock
+/// longer than its holder's conservative deadline, never shorter).
+fn time_left_is_real(
+    ctx: &TestContext,
+    left: Duration,
+    lease: &Lease,
+    answered: Instant,
+    what: &str,
+) -> CaseResult {
+    let granularity = ctx.capabilities().ttl_granularity;
+    let promised = lease.valid_until().saturating_duration_since(answered);
+    check!(
+        !left.is_zero(),
+        "{what}: a live holder's lock was reported with no time left, though its lease is valid for {promised:?} more"
+    );
+    check!(
+        left <= lease.ttl() + granularity,
+        "{what}: {left:?} left exceeds the holder's TTL {:?}",
+        lease.ttl()
+    );
+    check!(
+        left + granularity >= promised,
+        "{what}: {left:?} left reported, but the holder's lease is valid for {promised:?} more (the server cannot expire it before)"
+    );
     Ok(())
 }

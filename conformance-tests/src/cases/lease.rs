@@ -506,3 +506,127 @@ pub async fn release_atomic_against_expiry(ctx: TestContext) -> CaseResult {
 pub async fn extend_atomic_against_expiry(ctx: TestContext) -> CaseResult {
     race_against_expiry(ctx, RaceOp::Extend).await
 }
+
+/// How far before a lease's reported end `reported_ttl_within_server_expiry`
+/// starts asking for the key, at most.
+const REPORTED_LEAD: Duration = Duration::from_millis(25);
+
+/// The TTL a backend reports is the one the server applied: the moment the
+/// holder's lease says the server lets the lock go (`sent_at + ttl`, before
+/// any drift allowance) is never later than the server's own expiry, after
+/// acquire (plain and renewing) and after extend, twice each.
+///
+/// Two readings of the server's expiry, neither waiting for a coarse
+/// deadline: `inspect` right after the grant (where the backend has it: the
+/// expiry is at most the answer's arrival plus the time left it reports,
+/// plus the TTL granularity), and another client asking for the key without
+/// pause from shortly before the reported end (a grant arriving is after
+/// the server expired the lock). One-sided, with 0.1% of the TTL for clock
+/// rates: a conservative backend passes on any machine, one that reports a
+/// few milliseconds more than it set fails.
+pub async fn reported_ttl_within_server_expiry(ctx: TestContext) -> CaseResult {
+    let ttl = ctx.capabilities().effective_ttl(Duration::from_secs(1))?;
+    let holder = ctx.client().await?;
+    let other = ctx.client().await?;
+    let mut rounds = Vec::new();
+    for round in 0..8 {
+        let (extend, renewing) = (round % 4 >= 2, round % 2 == 1);
+        let (ctx, holder, other) = (ctx.clone(), holder.clone(), other.clone());
+        rounds.push(tokio::spawn(async move {
+            let what = format!(
+                "round {round} ({}, renewing: {renewing})",
+                if extend { "extend" } else { "acquire" }
+            );
+            let key = ctx.key("lease-reported");
+            let attempt = if renewing {
+                holder.try_acquire_renewing(&key, ttl).await?
+            } else {
+                holder.try_acquire(&key, ttl).await?
+            };
+            let mut lease = granted(attempt, &what)?;
+            if extend {
+                tokio::time::sleep(ttl / 4).await;
+                lease = holder.extend(&lease, ttl).await?;
+            }
+            reported_end_within_expiry(&ctx, &other, &lease, &what).await
+        }));
+    }
+    for round in rounds {
+        within(expiry_bound(ttl) * 2, round, "a round")
+            .await?
+            .map_err(|e| format!("a round panicked: {e}"))??;
+    }
+    Ok(())
+}
+
+/// Checks `lease`'s reported end against the server's expiry, read through
+/// `other` (see [`reported_ttl_within_server_expiry`]).
+async fn reported_end_within_expiry(
+    ctx: &TestContext,
+    other: &LockClient,
+    lease: &Lease,
+    what: &str,
+) -> CaseResult {
+    let reported_end = lease.sent_at() + lease.ttl();
+    let rate = lease.ttl() / 1000;
+    let granularity = ctx.capabilities().ttl_granularity;
+    if other.admin().is_some() {
+        for _ in 0..3 {
+            let state = other.inspect(lease.key()).await?;
+            let answered = Instant::now();
+            match state {
+                distlock_core::LockState::Held {
+                    expires_in: Some(left),
+                    fencing_token,
+                } if fencing_token == lease.fencing_token() => {
+                    let expiry = answered + left + granularity + rate;
+                    check!(
+                        reported_end <= expiry,
+                        "{what}: the lease reports the lock lasts {:?} past the server's own expiry (inspect: {left:?} left; reported TTL {:?} from before the request was sent)",
+                        reported_end - expiry,
+                        lease.ttl()
+                    );
+                }
+                distlock_core::LockState::Held {
+                    expires_in: None,
+                    fencing_token,
+                } if fencing_token == lease.fencing_token() => {}
+                state if answered < lease.valid_until() => {
+                    return Err(CaseError(format!(
+                    "{what}: inspect shows {state:?} while the holder's lease (token {}) is valid",
+                    lease.fencing_token()
+                )))
+                }
+                _ => break,
+            }
+        }
+    }
+    let lead = (lease.ttl() / 4).min(REPORTED_LEAD);
+    tokio::time::sleep_until(
+        reported_end
+            .checked_sub(lead)
+            .unwrap_or(reported_end)
+            .into(),
+    )
+    .await;
+    loop {
+        let asked = Instant::now();
+        match other.try_acquire(lease.key(), ctx.long_ttl()).await? {
+            AcquireAttempt::Acquired(next) => {
+                let got = Instant::now();
+                other.release(&next).await?;
+                check!(
+                    reported_end <= got + rate,
+                    "{what}: another client was granted the lock {:?} before the holder's lease ends by the TTL the backend reported ({:?} from before the request was sent)",
+                    reported_end - got,
+                    lease.ttl()
+                );
+                return Ok(());
+            }
+            // Asked after the reported end and still refused: nobody can
+            // be granted the lock before it any more.
+            AcquireAttempt::Held { .. } if asked >= reported_end => return Ok(()),
+            AcquireAttempt::Held { .. } => tokio::task::yield_now().await,
+        }
+    }
+}

@@ -48,6 +48,11 @@ pub enum Needs {
     /// goes in front of it), or an in-process backend over a simulated
     /// network ([`Suite::simulated_network`](crate::Suite::simulated_network)).
     Faults,
+    /// Clients in namespaces of their own
+    /// ([`TestContext::client_in_namespace`]): a backend with a server, or
+    /// an in-process one whose factory honours `namespace=`
+    /// ([`Suite::namespaces`](crate::Suite::namespaces)).
+    Namespaces,
 }
 
 impl Needs {
@@ -76,6 +81,9 @@ impl Needs {
             Needs::Faults => (!context.can_inject_faults()).then(|| match context.server() {
                 None => "in-process backend without a simulated network (Suite::simulated_network): no faults can be put between client and server".into(),
                 Some(_) => "the suite runs against an external server (URL in the environment): the harness cannot proxy it".into(),
+            }),
+            Needs::Namespaces => (!context.has_namespaces()).then(|| {
+                "in-process backend whose factory does not honour namespace= (Suite::namespaces): no second namespace to open a client in".into()
             }),
         }
     }
@@ -162,6 +170,9 @@ pub fn all() -> Vec<Case> {
         extend_after_release_fails,
         lookalike_keys_independent,
         many_keys_per_client,
+        unicode_lookalike_keys_independent,
+        namespaces_independent => Needs::Namespaces,
+        held_reports_time_left,
     ));
     all.extend(cases!(input:
         empty_key_rejected,
@@ -195,6 +206,7 @@ pub fn all() -> Vec<Case> {
         sixteen_waiters_each_once,
         waiter_on_free_key_not_blocked_by_other_key,
         cancel_at_grant_leaves_nothing_held,
+        waiters_woken_for_every_key_shape,
     ));
     all.extend(cases!(guard:
         renewal_keeps_lock_past_ttl,
@@ -248,6 +260,8 @@ pub fn all() -> Vec<Case> {
         limit_disagreement => Needs::Semaphore,
         one_permit_is_a_mutex => Needs::Semaphore,
         guards_and_run_exclusive => Needs::Semaphore,
+        lock_and_semaphore_of_one_name_independent => Needs::Semaphore,
+        renewing_permit_holder_death_frees_permit => Needs::Semaphore,
     ));
     all.extend(cases!(admin:
         inspect_reports_holder => Needs::Admin,
@@ -268,6 +282,7 @@ pub fn all() -> Vec<Case> {
         renewing_holder_death_frees_key,
         release_atomic_against_expiry,
         extend_atomic_against_expiry,
+        reported_ttl_within_server_expiry,
     ));
     all.extend(cases!(cancel:
         dropped_calls_leave_nothing_held,
@@ -284,6 +299,8 @@ pub fn all() -> Vec<Case> {
         exclusion_torture,
         unreachable_is_an_error_not_held => Needs::Faults,
         stalled_server_waiters_recover => Needs::Faults,
+        unreachable_extend_and_release_are_errors => Needs::Faults,
+        renewal_outage_keeps_guard => Needs::Faults,
     ));
     all
 }

@@ -485,3 +485,149 @@ pub async fn guards_and_run_exclusive(ctx: TestContext) -> CaseResult {
     second.release().await?;
     Ok(())
 }
+
+/// A lock and a semaphore of the same name share nothing: while the lock is
+/// held, every permit of the semaphore is granted (and no more); releasing
+/// the lock leaves the permits held, the lock can be taken again while they
+/// are, and returning the permits leaves the lock held. `inspect` shows the
+/// lock's own holder throughout. For a limit of 1 and of 3.
+pub async fn lock_and_semaphore_of_one_name_independent(ctx: TestContext) -> CaseResult {
+    let a = ctx.client().await?;
+    let b = ctx.client().await?;
+    for limit in [1, N] {
+        let key = ctx.key("sem-vs-lock");
+        let lock = super::support::acquire(&a, &key, ctx.long_ttl(), "the lock").await?;
+        let mut permits = Vec::new();
+        for i in 0..limit {
+            let what = format!("permit {i} of {limit} of the semaphore named like a held lock");
+            permits.push(permit(&b, &key, limit, ctx.long_ttl(), &what).await?);
+        }
+        full(
+            &a,
+            &key,
+            limit,
+            "every permit held (the lock is not one of them)",
+        )
+        .await?;
+        super::support::refused(&b, &key, "the lock, with the permits taken").await?;
+        a.release(&lock).await?;
+        full(
+            &a,
+            &key,
+            limit,
+            "after the lock of the same name was released",
+        )
+        .await?;
+        let again = super::support::acquire(
+            &a,
+            &key,
+            ctx.long_ttl(),
+            "the lock while every permit is held",
+        )
+        .await?;
+        if a.admin().is_some() {
+            match a.inspect(&key).await? {
+                distlock_core::LockState::Held { fencing_token, .. } => {
+                    check_eq!(
+                        fencing_token,
+                        again.fencing_token(),
+                        "the lock's holder per inspect"
+                    );
+                }
+                state => return Err(format!("inspect shows {state:?} for a held lock").into()),
+            }
+        }
+        for lease in permits {
+            b.release(&lease).await?;
+        }
+        super::support::refused(&b, &key, "the lock after every permit was returned").await?;
+        let back = permit(
+            &b,
+            &key,
+            limit,
+            ctx.long_ttl(),
+            "a permit once all came back",
+        )
+        .await?;
+        b.release(&back).await?;
+        a.release(&again).await?;
+    }
+    Ok(())
+}
+
+/// A renewing permit (what a permit guard takes, `renewing` set) whose
+/// holder stops before its first renewal (its client dropped, or alive and
+/// silent) comes back within its TTL: a plain lock of three times that TTL,
+/// taken right after, must still be held when the permit is granted to
+/// another client. A backend that attaches such permits to a session much
+/// longer than the TTL keeps them far longer. The permit is taken through
+/// the backend's raw `SemaphoreBackend`, as the guard's first attempt is,
+/// and never renewed.
+pub async fn renewing_permit_holder_death_frees_permit(ctx: TestContext) -> CaseResult {
+    let ttl = ctx.short_ttl();
+    let reference_ttl = ctx.capabilities().effective_ttl(ttl * 3)?;
+    let mut runs = Vec::new();
+    for drop_client in [true, false] {
+        let ctx = ctx.clone();
+        runs.push(tokio::spawn(async move {
+            let holder = ctx.client().await?;
+            let reference = ctx.client().await?;
+            let other = ctx.client().await?;
+            let key = ctx.key("sem-renewing");
+            let reference_key = ctx.key("sem-reference");
+            let semaphore = holder
+                .semaphore()
+                .ok_or("the holder's client has no semaphores")?;
+            let request = distlock_core::PermitRequest {
+                key: &key,
+                owner: distlock_core::OwnerToken::random(),
+                ttl,
+                limit: 1,
+                renewing: true,
+            };
+            let fencing = match semaphore.acquire_permit(request).await? {
+                distlock_core::PermitReply::Granted(grant) => grant.fencing,
+                reply => return Err(CaseError(format!("a renewing permit of a free semaphore: {reply:?}"))),
+            };
+            let reference_lease =
+                super::support::acquire(&reference, &reference_key, reference_ttl, "reference lock")
+                    .await?;
+            if drop_client {
+                drop(holder);
+            }
+            let deadline = Instant::now() + expiry_bound(reference_ttl);
+            let next = loop {
+                if let AcquireAttempt::Acquired(lease) =
+                    other.try_acquire_permit(&key, 1, ctx.long_ttl()).await?
+                {
+                    break lease;
+                }
+                check!(
+                    Instant::now() < deadline,
+                    "the renewing permit (TTL {ttl:?}) did not come back within {:?}",
+                    expiry_bound(reference_ttl)
+                );
+                tokio::time::sleep(super::support::POLL).await;
+            };
+            check!(
+                super::support::still_held_by(&other, &reference_key, reference_lease.fencing_token())
+                    .await?,
+                "the renewing permit (TTL {ttl:?}) of a holder that {} outlived a plain lock of {reference_ttl:?} taken after it",
+                if drop_client { "was dropped" } else { "stopped renewing" }
+            );
+            check!(
+                next.fencing_token() > fencing,
+                "the next permit's token grows past the dead holder's"
+            );
+            other.release(&next).await?;
+            reference.release(&reference_lease).await?;
+            Ok::<_, CaseError>(())
+        }));
+    }
+    for run in runs {
+        within(expiry_bound(reference_ttl) * 2, run, "a permit holder")
+            .await?
+            .map_err(|e| format!("a permit holder panicked: {e}"))??;
+    }
+    Ok(())
+}

@@ -317,3 +317,112 @@ pub async fn cancel_at_grant_leaves_nothing_held(ctx: TestContext) -> CaseResult
     }
     Ok(())
 }
+
+/// Key shapes a server's channels, patterns, prefixes or identifiers may
+/// mishandle: separators, hash tags, URL escapes, glob and regex
+/// characters, whitespace and line breaks, quotes, Unicode.
+const KEY_SHAPES: &[&str] = &[
+    "",
+    "a",
+    "ab",
+    "a/b",
+    "a:b",
+    "a.b",
+    "a{b}",
+    "{a}b",
+    "a%2Fb",
+    "a%",
+    "*",
+    "?",
+    "[x]",
+    "a*",
+    "a?b",
+    "[",
+    "]",
+    "\\",
+    "a\\*",
+    "^",
+    "$",
+    ".*",
+    "a|b",
+    "a b",
+    " ",
+    "a\nb",
+    "\n",
+    "\r\n",
+    "\t",
+    "a'b",
+    "a\"b",
+    "_",
+    "-",
+    "\u{e9}",
+    "e\u{301}",
+    "\u{65e5}\u{672c}",
+    "\u{1f512}",
+    "\u{ff41}",
+    "a\u{200b}b",
+];
+
+/// Waiters are woken by the release of their own key whatever its shape:
+/// every shape of [`KEY_SHAPES`] after a common random stem (so the keys are
+/// prefixes of one another), some of them before it, and two keys of
+/// exactly 512 bytes (ASCII, and multibyte) are held at once, a waiter
+/// blocked on each (its first attempt refused). The waiters subscribe from
+/// the last key to the first and the keys are released from the first to
+/// the last, so a waiter queued or subscribed under a key's prefix instead
+/// of the key itself is not the one woken. Each release must hand its key
+/// to its waiter, far below the holder's TTL (a waiter its release did not
+/// reach sleeps until the holder's expiry).
+pub async fn waiters_woken_for_every_key_shape(ctx: TestContext) -> CaseResult {
+    let stem = super::support::stem("shape");
+    let mut keys = Vec::new();
+    for shape in KEY_SHAPES {
+        keys.push(super::support::key_with(&stem, shape)?);
+    }
+    for shape in ["*", "?", "[x]", "{a}", " ", "\n", "\u{65e5}", "/", "%2F"] {
+        keys.push(super::support::key_with(shape, &stem)?);
+    }
+    for filler in ["x", "\u{e9}"] {
+        let mut text = stem.clone();
+        while text.len() + filler.len() <= distlock_core::MAX_KEY_BYTES {
+            text.push_str(filler);
+        }
+        while text.len() < distlock_core::MAX_KEY_BYTES {
+            text.push('y');
+        }
+        keys.push(super::support::key_with(&text, "")?);
+    }
+    let holder = ctx.client().await?;
+    let waiter = ctx.client().await?;
+    let mut leases = Vec::new();
+    for key in &keys {
+        leases.push(acquire(&holder, key, ctx.long_ttl(), &format!("holder of {key:?}")).await?);
+    }
+    let mut waiting = Vec::new();
+    for key in keys.iter().rev() {
+        let observed = Arc::new(ObservedLock::new(waiter.clone()));
+        let locker = Locker::new(observed.clone());
+        let options = LockOptions::new(ctx.long_ttl()).wait(Duration::from_secs(120));
+        let task = {
+            let key = key.clone();
+            tokio::spawn(async move { locker.acquire(&key, &options).await })
+        };
+        until_attempts(&observed, 1, &format!("the waiter on {key:?}")).await?;
+        waiting.push(task);
+    }
+    waiting.reverse();
+    for (lease, task) in leases.iter().zip(waiting) {
+        holder.release(lease).await?;
+        let what = format!("the waiter on {:?} woken by its release", lease.key());
+        let guard = within(background_bound(), task, &what)
+            .await?
+            .map_err(|e| format!("{what}: panicked: {e}"))??
+            .ok_or_else(|| format!("{what}: gave up although the key was released"))?;
+        check!(
+            guard.fencing_token() > lease.fencing_token(),
+            "{what}: its token grows"
+        );
+        guard.release().await?;
+    }
+    Ok(())
+}

@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
-    LockAdmin, LockBackend, LockClient, LockError, LockKey, LockState, OwnerToken, ReleaseNotifier,
-    ReleaseReply, ReleaseWatch, SemaphoreBackend,
+    LockAdmin, LockBackend, LockClient, LockError, LockKey, LockState, OwnerToken, PermitReply,
+    PermitRequest, ReleaseNotifier, ReleaseReply, ReleaseWatch, SemaphoreBackend,
 };
 
 /// The one thing a mutant does wrong.
@@ -63,6 +63,20 @@ pub enum Defect {
     ExtendChangesToken,
     ExpiresInInflated,
     HeldAsError,
+    // Look-alikes, wake-ups per key shape, reported TTLs, outages, time left.
+    SemaphoreSharesLockState,
+    RenewingPermitTenTimesTtl,
+    AcquireTtlFewMsLong,
+    ExtendTtlFewMsLong,
+    GlobKeysNeverWoken,
+    FullwidthFolded,
+    InvisibleStripped,
+    /// Every namespace on one server (the factory in `main.rs` gives each
+    /// namespace its own in-memory server otherwise).
+    NamespacesShared,
+    ExtendErrorAsNotHeld,
+    ReleaseErrorAsReleased,
+    HeldNoTimeLeft,
 }
 
 /// One mutant of the corpus.
@@ -230,7 +244,93 @@ pub const CORPUS: &[MutantSpec] = &[
         what: "a held key is reported as an unavailable server",
         killers: &["basic::held_key_is_refused"],
     },
+    MutantSpec {
+        name: "semaphore_shares_lock_state",
+        defect: Defect::SemaphoreSharesLockState,
+        what: "a semaphore counts the lock of the same name as one of its holders (one key space for both)",
+        killers: &["semaphore::lock_and_semaphore_of_one_name_independent"],
+    },
+    MutantSpec {
+        name: "renewing_permit_ten_times_ttl",
+        defect: Defect::RenewingPermitTenTimesTtl,
+        what: "a renewing permit lives on a session of 10x the TTL (a holder that dies before renewing keeps it 10x too long)",
+        killers: &["semaphore::renewing_permit_holder_death_frees_permit"],
+    },
+    MutantSpec {
+        name: "acquire_ttl_few_ms_long",
+        defect: Defect::AcquireTtlFewMsLong,
+        what: "a grant reports a TTL 5 ms longer than the server set",
+        killers: &["lease::reported_ttl_within_server_expiry"],
+    },
+    MutantSpec {
+        name: "extend_ttl_few_ms_long",
+        defect: Defect::ExtendTtlFewMsLong,
+        what: "an extend reports a TTL 5 ms longer than the server set",
+        killers: &["lease::reported_ttl_within_server_expiry"],
+    },
+    MutantSpec {
+        name: "glob_keys_never_woken",
+        defect: Defect::GlobKeysNeverWoken,
+        what: "waiters on keys with glob characters (* ? [ ] \\) are never woken (the channel is subscribed as an unescaped pattern)",
+        killers: &["wait::waiters_woken_for_every_key_shape"],
+    },
+    MutantSpec {
+        name: "fullwidth_folded",
+        defect: Defect::FullwidthFolded,
+        what: "fullwidth letters are folded to ASCII on the server (a compatibility normalisation: \u{ff41} and a collide)",
+        killers: &["basic::unicode_lookalike_keys_independent"],
+    },
+    MutantSpec {
+        name: "invisible_stripped",
+        defect: Defect::InvisibleStripped,
+        what: "zero-width and other invisible characters are stripped from keys on the server (a\u{200b}b and ab collide)",
+        killers: &["basic::unicode_lookalike_keys_independent"],
+    },
+    MutantSpec {
+        name: "namespaces_shared",
+        defect: Defect::NamespacesShared,
+        what: "the namespace= of the URL is accepted and ignored: every namespace sees every lock",
+        killers: &["basic::namespaces_independent"],
+    },
+    MutantSpec {
+        name: "extend_error_as_not_held",
+        defect: Defect::ExtendErrorAsNotHeld,
+        what: "an extend that could not reach the server is answered NotHeld (a brief outage loses the guard)",
+        killers: &[
+            "fault::renewal_outage_keeps_guard",
+            "fault::unreachable_extend_and_release_are_errors",
+        ],
+    },
+    MutantSpec {
+        name: "release_error_as_released",
+        defect: Defect::ReleaseErrorAsReleased,
+        what: "a release that could not reach the server is answered Released (the lock stays held, the caller thinks it free)",
+        killers: &["fault::unreachable_extend_and_release_are_errors"],
+    },
+    MutantSpec {
+        name: "held_no_time_left",
+        defect: Defect::HeldNoTimeLeft,
+        what: "a refusal reports no time left on the holder's lease (waiters retry at once, over and over)",
+        killers: &["basic::held_reports_time_left"],
+    },
 ];
+
+/// How much longer than the server's TTL the `*TtlFewMsLong` mutants report.
+const FEW_MS: Duration = Duration::from_millis(5);
+
+/// Characters a channel pattern treats specially (`GlobKeysNeverWoken`).
+const GLOB: &[char] = &['*', '?', '[', ']', '\\'];
+
+/// Characters nobody sees (`InvisibleStripped`).
+const INVISIBLE: &[char] = &[
+    '\u{ad}', '\u{200b}', '\u{200c}', '\u{200d}', '\u{200e}', '\u{200f}', '\u{202a}', '\u{202b}',
+    '\u{202c}', '\u{202d}', '\u{202e}', '\u{2060}', '\u{feff}', '\u{fe0f}',
+];
+
+/// Whether the factory ignores `namespace=` for `defect`.
+pub fn shares_namespaces(defect: Defect) -> bool {
+    defect == Defect::NamespacesShared
+}
 
 /// How long the check-then-act mutants wait between their two steps.
 const GAP: Duration = Duration::from_millis(5);
@@ -313,6 +413,19 @@ impl Mutant {
                 }
                 key.as_str()[..end].to_owned()
             }
+            Defect::FullwidthFolded => key
+                .as_str()
+                .chars()
+                .map(|c| match c {
+                    '\u{ff01}'..='\u{ff5e}' => char::from_u32(c as u32 - 0xfee0).unwrap_or(c),
+                    c => c,
+                })
+                .collect(),
+            Defect::InvisibleStripped => key
+                .as_str()
+                .chars()
+                .filter(|c| !INVISIBLE.contains(c))
+                .collect(),
             _ => return key.clone(),
         };
         LockKey::new(mapped).unwrap_or_else(|_| key.clone())
@@ -359,6 +472,7 @@ impl Mutant {
         grant.ttl = request.ttl;
         match self.defect {
             Defect::DeadlineFromReply => grant.ttl = request.ttl + started.elapsed(),
+            Defect::AcquireTtlFewMsLong => grant.ttl = request.ttl + FEW_MS,
             Defect::FencingPerClient => {
                 let mine = FencingToken::new(self.counter.fetch_add(1, Ordering::SeqCst) + 1);
                 self.server_tokens
@@ -521,6 +635,9 @@ impl LockBackend for Mutant {
             (Defect::HeldAsError, Ok(AcquireReply::Held { .. })) => {
                 Err(LockError::unavailable("the lock server did not answer"))
             }
+            (Defect::HeldNoTimeLeft, Ok(AcquireReply::Held { .. })) => Ok(AcquireReply::Held {
+                expires_in: Some(Duration::ZERO),
+            }),
             (Defect::ExpiresInInflated, Ok(AcquireReply::Held { expires_in })) => {
                 Ok(AcquireReply::Held {
                     expires_in: expires_in.map(|left| left * 100 + Duration::from_secs(3600)),
@@ -543,6 +660,9 @@ impl LockBackend for Mutant {
         let reported = |grant: Grant| {
             let mut grant = grant;
             grant.ttl = ttl;
+            if self.is(Defect::ExtendTtlFewMsLong) {
+                grant.ttl = ttl + FEW_MS;
+            }
             // The token this backend handed out for the acquisition.
             grant.fencing = lock.fencing;
             if self.is(Defect::ExtendChangesToken) {
@@ -583,9 +703,13 @@ impl LockBackend for Mutant {
                 }
                 ExtendReply::Extended(grant) => Ok(reported(grant)),
             },
-            _ => Ok(match self.inner.extend(server, server_ttl).await? {
-                ExtendReply::Extended(grant) => reported(grant),
-                ExtendReply::NotHeld => ExtendReply::NotHeld,
+            _ => Ok(match self.inner.extend(server, server_ttl).await {
+                Ok(ExtendReply::Extended(grant)) => reported(grant),
+                Ok(ExtendReply::NotHeld) => ExtendReply::NotHeld,
+                Err(e) if e.is_transient() && self.is(Defect::ExtendErrorAsNotHeld) => {
+                    ExtendReply::NotHeld
+                }
+                Err(e) => return Err(e),
             }),
         }
     }
@@ -610,13 +734,21 @@ impl LockBackend for Mutant {
                 self.admin_of_inner()?.force_release(&key).await?;
                 Ok(ReleaseReply::Released)
             }
-            _ => self.inner.release(server).await,
+            _ => match self.inner.release(server).await {
+                Err(e) if e.is_transient() && self.is(Defect::ReleaseErrorAsReleased) => {
+                    Ok(ReleaseReply::Released)
+                }
+                other => other,
+            },
         }
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
         match self.defect {
             Defect::WatchNeverFires => Ok(Some(ReleaseWatch::never())),
+            Defect::GlobKeysNeverWoken if key.as_str().contains(GLOB) => {
+                Ok(Some(ReleaseWatch::never()))
+            }
             Defect::SubscribeAfterTry => {
                 self.rerouted_watch(key, Some(Duration::from_millis(50)))
                     .await
@@ -630,9 +762,11 @@ impl LockBackend for Mutant {
         self.inner.admin().map(|_| self as &dyn LockAdmin)
     }
 
-    // Permits are forwarded unchanged: the defects are in the lock.
+    // Permits are forwarded unchanged but for the semaphore defects.
     fn semaphore(&self) -> Option<&dyn SemaphoreBackend> {
-        self.inner.semaphore()
+        self.inner
+            .semaphore()
+            .map(|_| self as &dyn SemaphoreBackend)
     }
 }
 
@@ -646,5 +780,47 @@ impl LockAdmin for Mutant {
         self.admin_of_inner()?
             .force_release(&self.server_key(key))
             .await
+    }
+}
+
+impl Mutant {
+    fn inner_semaphore(&self) -> Result<&dyn SemaphoreBackend, LockError> {
+        self.inner
+            .semaphore()
+            .ok_or_else(|| LockError::unsupported("the mutant's inner backend has no semaphores"))
+    }
+}
+
+#[distlock_core::async_trait]
+impl SemaphoreBackend for Mutant {
+    async fn acquire_permit(&self, request: PermitRequest<'_>) -> Result<PermitReply, LockError> {
+        if self.is(Defect::SemaphoreSharesLockState) {
+            if let LockState::Held { expires_in, .. } =
+                self.admin_of_inner()?.inspect(request.key).await?
+            {
+                return Ok(PermitReply::Full { expires_in });
+            }
+        }
+        let mut request = request;
+        if self.is(Defect::RenewingPermitTenTimesTtl) && request.renewing {
+            request.ttl = (request.ttl * 10).min(self.inner.capabilities().max_ttl);
+        }
+        self.inner_semaphore()?.acquire_permit(request).await
+    }
+
+    async fn extend_permit(
+        &self,
+        permit: HeldLock<'_>,
+        ttl: Duration,
+    ) -> Result<ExtendReply, LockError> {
+        self.inner_semaphore()?.extend_permit(permit, ttl).await
+    }
+
+    async fn release_permit(&self, permit: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
+        self.inner_semaphore()?.release_permit(permit).await
+    }
+
+    async fn watch_permits(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        self.inner_semaphore()?.watch_permits(key).await
     }
 }

@@ -12,11 +12,13 @@
 
 mod corpus;
 
+use std::collections::HashMap;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use distlock_conformance::fault::Link;
-use distlock_conformance::{CaseOutcome, CaseRun, Suite};
+use distlock_conformance::{namespace_of, CaseOutcome, CaseRun, Suite};
 use distlock_core::{LockClient, MemoryLock};
 use libtest_mimic::{Arguments, Failed, Trial};
 
@@ -34,12 +36,23 @@ static EVALUATED: AtomicUsize = AtomicUsize::new(0);
 static REJECTED: AtomicUsize = AtomicUsize::new(0);
 
 fn suite(name: &str, defect: Defect) -> Suite {
-    let server = MemoryLock::new();
+    // One in-memory server per namespace, as the memory target has.
+    let servers = Arc::new(Mutex::new(HashMap::<String, MemoryLock>::new()));
     Suite::new(name, move |url: String| {
-        let client: LockClient = server.client();
+        let namespace = match corpus::shares_namespaces(defect) {
+            true => "",
+            false => namespace_of(&url).unwrap_or_default(),
+        };
+        let client: LockClient = servers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(namespace.to_owned())
+            .or_default()
+            .client();
         async move { Ok(Mutant::wrap(defect, Link::attach(&url, client)?)) }
     })
     .simulated_network()
+    .namespaces()
 }
 
 fn skipped() -> Vec<String> {
