@@ -349,22 +349,32 @@ impl RedisLock {
             redis_keys,
             args,
         } = call;
-        with_timeout(timeout, what, async {
-            let mut checkout = self.commands.checkout().await?;
-            let result = match wait {
+        let started = Instant::now();
+        // Finding the Sentinel primary is part of the budget.
+        let mut checkout = with_timeout(timeout, what, self.commands.checkout()).await?;
+        let left = timeout.saturating_sub(started.elapsed());
+        let request = async {
+            match wait {
                 None => script
                     .invoke(&mut checkout.conn, redis_keys, args)
                     .await
                     .map(|reply| (reply, None)),
-                Some((replicas, timeout)) => script
-                    .invoke_and_wait(&mut checkout.conn, redis_keys, args, replicas, timeout)
+                Some((replicas, wait)) => script
+                    .invoke_and_wait(&mut checkout.conn, redis_keys, args, replicas, wait)
                     .await
                     .map(|(reply, acknowledged)| (reply, Some(acknowledged))),
-            };
-            checkout.finish(&result);
-            result.map_err(|e| errors::map_script(e, what, key, keys))
-        })
-        .await
+            }
+        };
+        // Not `with_timeout`: this timeout, unlike a caller's cancellation,
+        // says the connection may be dead.
+        let Ok(result) = tokio::time::timeout(left, request).await else {
+            checkout.timed_out();
+            return Err(LockError::timeout(format!(
+                "{what} got no reply within {timeout:?}; the server may be down or overloaded"
+            )));
+        };
+        checkout.finish(&result);
+        result.map_err(|e| errors::map_script(e, what, key, keys))
     }
 }
 

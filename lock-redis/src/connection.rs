@@ -61,8 +61,9 @@ pub(crate) enum Commands {
 
 impl Commands {
     /// A connection for one request. Report how the request went with
-    /// [`Checkout::finish`]; a checkout dropped before (the request timed
-    /// out or was cancelled) counts as failed.
+    /// [`Checkout::finish`] or [`Checkout::timed_out`]; a checkout dropped
+    /// without either (its caller cancelled it: a guard released during a
+    /// renewal, say) says nothing about the connection and changes nothing.
     pub(crate) async fn checkout(&self) -> Result<Checkout<'_>, distlock_core::LockError> {
         Ok(match self {
             Commands::Single(manager) => {
@@ -154,40 +155,40 @@ enum Origin<'a> {
 pub(crate) struct Checkout<'a> {
     /// The connection.
     pub(crate) conn: Conn,
-    /// Where it came from, until the request went well.
-    origin: Option<Origin<'a>>,
+    /// Where it came from.
+    origin: Origin<'a>,
 }
 
 impl<'a> Checkout<'a> {
     fn new(conn: Conn, origin: Origin<'a>) -> Self {
-        Self {
-            conn,
-            origin: Some(origin),
-        }
+        Self { conn, origin }
     }
 
     /// Reports the outcome: an error that means the connection may be dead
     /// (it failed or timed out) or the Sentinel primary may have moved (the
     /// server is a replica now) replaces the connection (finds the primary
     /// again) for the next request.
-    pub(crate) fn finish<T>(mut self, result: &RedisResult<T>) {
-        let suspect = result
+    pub(crate) fn finish<T>(self, result: &RedisResult<T>) {
+        if result
             .as_ref()
             .err()
-            .is_some_and(errors::connection_suspect);
-        if !suspect {
-            self.origin = None;
+            .is_some_and(errors::connection_suspect)
+        {
+            self.replace();
         }
     }
-}
 
-impl Drop for Checkout<'_> {
-    fn drop(&mut self) {
-        match self.origin.take() {
-            None => {}
-            Some(Origin::Single(manager, generation)) => manager.replace(generation),
-            Some(Origin::Cluster(cluster, generation)) => cluster.replace(generation),
-            Some(Origin::Sentinel(primary, generation)) => primary.forget(generation),
+    /// The request got no reply within the operation timeout: the
+    /// connection is replaced (found again) for the next request.
+    pub(crate) fn timed_out(self) {
+        self.replace();
+    }
+
+    fn replace(self) {
+        match self.origin {
+            Origin::Single(manager, generation) => manager.replace(generation),
+            Origin::Cluster(cluster, generation) => cluster.replace(generation),
+            Origin::Sentinel(primary, generation) => primary.forget(generation),
         }
     }
 }
