@@ -119,12 +119,6 @@ impl<C: Clone> Replaceable<C> {
 
     /// Replaces connection `generation`, unless that happened already.
     fn replace(&self, generation: u64) {
-        // The driver spawns a new connection's tasks on the runtime: a
-        // request future dropped outside one (nothing to spawn on) keeps
-        // the old connection; the next failure replaces it.
-        if tokio::runtime::Handle::try_current().is_err() {
-            return;
-        }
         let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
         if current.1 != generation {
             return;

@@ -166,8 +166,7 @@
 //!
 //! Each operation of [`RedisLock`] is one script call. Dropping its future
 //! (say under `tokio::time::timeout`) after the request went out lets the
-//! server finish it (the connection is replaced then, and closed once no
-//! other request uses it): an `acquire` may have
+//! server finish it: an `acquire` may have
 //! taken a lock, which the next attempt with the same owner token adopts,
 //! and which otherwise expires after its TTL ([`LockClient::acquire`](distlock_core::LockClient::acquire)
 //! and [`Locker`](distlock_core::Locker) release such a grant); an `extend` may
