@@ -8,14 +8,17 @@ use std::time::{Duration, Instant};
 use distlock_core::{
     async_trait, with_timeout, AcquireReply, AcquireRequest, Capabilities, ClientOptions,
     ErrorKind, ExtendReply, HeldLock, Listener, LockAdmin, LockBackend, LockError, LockKey,
-    LockState, ReleaseReply, ReleaseWatch,
+    LockState, OwnerToken, ReleaseReply, ReleaseWatch,
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncConnectionConfig, Client, Value};
 
 use crate::config::{RedisConfig, Server};
-use crate::connection::{cluster_client, Commands, Conn};
+use crate::connection::{
+    cluster_client, connect_budget, pending_cluster, Commands, Conn, Replaceable,
+};
 use crate::errors;
+use crate::eviction;
 use crate::keys::RedisKeys;
 use crate::listener::{ClusterPubSub, PubSub};
 use crate::scripts::{
@@ -29,11 +32,12 @@ use crate::tls;
 /// a Redis Cluster.
 ///
 /// One `RedisLock` is one client: a multiplexed command connection shared
-/// by every lock operation (a self-reconnecting [`ConnectionManager`] to
-/// one server; a connection to the Sentinel primary, replaced after a
-/// failure by asking the sentinels again; a cluster connection that routes
-/// each script to its slot's node), plus one pub/sub connection (opened on
-/// the first wait) shared by every waiter. Job code uses it through
+/// by every lock operation (a [`ConnectionManager`] to one server; a
+/// connection to the Sentinel primary, found again by asking the sentinels;
+/// a cluster connection that routes each script to its slot's node), each
+/// replaced by a new one after a request on it fails or times out, plus
+/// one pub/sub connection (opened on the first wait) shared by every
+/// waiter. Job code uses it through
 /// [`LockClient`](distlock_core::LockClient) or [`Locker`](distlock_core::Locker).
 ///
 /// ```no_run
@@ -159,29 +163,19 @@ impl RedisLock {
                         .map_err(|e| errors::map(e, what))
                 })
                 .await?;
-                prepare(&mut probe, options, Channels::CLASSIC, what).await?;
+                prepare(&mut probe, config, Channels::CLASSIC, what).await?;
                 drop(probe);
-                let manager_config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(options.connect_timeout))
-                    .set_response_timeout(Some(options.operation_timeout))
-                    .set_number_of_retries(5)
-                    .set_min_delay(Duration::from_millis(50))
-                    .set_max_delay(Duration::from_secs(1));
                 // Connected now, not at the first request: a TLS handshake
                 // (the driver loads the platform's roots each time) would
                 // otherwise eat into the first lease.
-                let conn = with_timeout(
-                    options.connect_timeout + options.operation_timeout,
-                    what,
-                    async {
-                        ConnectionManager::new_with_config(client.clone(), manager_config)
-                            .await
-                            .map_err(|e| errors::map(e, what))
-                    },
-                )
+                let conn = with_timeout(connect_budget(options), what, async {
+                    ConnectionManager::new_with_config(client.clone(), manager_config(options))
+                        .await
+                        .map_err(|e| errors::map(e, what))
+                })
                 .await?;
                 (
-                    Commands::Single(conn),
+                    Commands::Single(replaceable_manager(conn, &client, options)),
                     PubSub::Node(client),
                     Channels::CLASSIC,
                 )
@@ -196,7 +190,7 @@ impl RedisLock {
                     primary.connection().await.map(|(conn, _)| Conn::Node(conn))
                 })
                 .await?;
-                prepare(&mut conn, options, Channels::CLASSIC, what).await?;
+                prepare(&mut conn, config, Channels::CLASSIC, what).await?;
                 (
                     Commands::Sentinel(primary.clone()),
                     PubSub::Sentinel(primary),
@@ -215,7 +209,7 @@ impl RedisLock {
                 .await?;
                 prepare(
                     &mut Conn::Cluster(conn.clone()),
-                    options,
+                    config,
                     Channels::SHARDED,
                     what,
                 )
@@ -225,7 +219,11 @@ impl RedisLock {
                     certificates,
                     options: options.clone(),
                 });
-                (Commands::Cluster(conn), pubsub, Channels::SHARDED)
+                let renew_options = options.clone();
+                let commands = Replaceable::new(conn, "redis cluster", move || {
+                    Ok(pending_cluster(&client, &renew_options))
+                });
+                (Commands::Cluster(commands), pubsub, Channels::SHARDED)
             }
         })
     }
@@ -235,8 +233,14 @@ impl RedisLock {
     /// connection waiters share (a `ConnectionManager` cannot carry pub/sub
     /// messages on RESP2). The server in `config`, if any, is ignored; its
     /// namespace, timeouts, retention and `min_replicas` apply. Permissions
-    /// are not checked up front: a missing one shows at first use
-    /// ([`ErrorKind::Config`], with the server's reason).
+    /// and the `maxmemory-policy` are not checked up front: a missing
+    /// permission shows at first use ([`ErrorKind::Config`], with the
+    /// server's reason).
+    ///
+    /// If a request on the application's manager fails or times out, this
+    /// client goes on with a `ConnectionManager` of its own to `pubsub`'s
+    /// server (the driver's manager reconnects only once a connection
+    /// closes, not after a timeout on one that stays open).
     ///
     /// ```no_run
     /// use distlock_redis::{RedisConfig, RedisLock};
@@ -255,8 +259,9 @@ impl RedisLock {
         config: RedisConfig,
     ) -> Result<Self, LockError> {
         config.validate()?;
+        let commands = replaceable_manager(manager, &pubsub, &config.client);
         Ok(Self::new(
-            Commands::Single(manager),
+            Commands::Single(commands),
             PubSub::Node(pubsub),
             Channels::CLASSIC,
             config,
@@ -277,12 +282,13 @@ impl RedisLock {
         &self.config
     }
 
-    /// A clone of the command connection, for the application's own use:
-    /// `None` for Sentinel and Cluster, whose connections this client
-    /// replaces and routes itself.
+    /// A clone of the command connection (the current one: it is replaced
+    /// after a request on it fails or times out), for the application's
+    /// own use: `None` for Sentinel and Cluster, whose connections this
+    /// client finds and routes itself.
     pub fn connection_manager(&self) -> Option<ConnectionManager> {
         match &self.commands {
-            Commands::Single(manager) => Some(manager.clone()),
+            Commands::Single(manager) => Some(manager.current().0),
             _ => None,
         }
     }
@@ -292,13 +298,14 @@ impl RedisLock {
     }
 
     /// How long the fencing counter is kept after an acquisition for `ttl`.
-    fn retention_ms(&self, ttl: Duration) -> u64 {
-        millis(self.config.fence_retention.max(ttl.saturating_mul(2)))
+    fn retention_ms(&self, ttl: Duration) -> String {
+        arg_millis(self.config.fence_retention.max(ttl.saturating_mul(2)))
     }
 
     /// Runs one script invocation under the operation timeout.
     async fn run(&self, call: Call<'_>) -> Result<Value, LockError> {
-        Ok(self.execute(call, None).await?.0)
+        let timeout = self.config.client.operation_timeout;
+        Ok(self.execute(call, None, timeout).await?.0)
     }
 
     /// Runs a writing script, then, with [`min_replicas`](RedisConfig::min_replicas)
@@ -310,7 +317,8 @@ impl RedisLock {
             return Ok((self.run(call).await?, Replicated::Enough));
         }
         let wait = self.config.replica_wait();
-        let (reply, acknowledged) = self.execute(call, Some((wanted, wait))).await?;
+        let timeout = self.config.client.operation_timeout;
+        let (reply, acknowledged) = self.execute(call, Some((wanted, wait)), timeout).await?;
         let acknowledged = acknowledged.unwrap_or(0);
         let replicated = if acknowledged >= i64::from(wanted) {
             Replicated::Enough
@@ -324,12 +332,14 @@ impl RedisLock {
         Ok((reply, replicated))
     }
 
-    /// Runs `call` under the operation timeout, followed by `WAIT replicas
-    /// timeout` if `wait` is given (then also returns its count).
+    /// Runs `call` within `timeout` (connecting, resending included),
+    /// followed by `WAIT replicas timeout` if `wait` is given (then also
+    /// returns its count).
     async fn execute(
         &self,
         call: Call<'_>,
         wait: Option<(u32, Duration)>,
+        timeout: Duration,
     ) -> Result<(Value, Option<i64>), LockError> {
         let Call {
             what,
@@ -339,51 +349,71 @@ impl RedisLock {
             redis_keys,
             args,
         } = call;
-        self.config
-            .client
-            .timed(what, async {
-                let mut checkout = self.commands.checkout().await?;
-                let result = match wait {
-                    None => script
-                        .invoke(&mut checkout.conn, redis_keys, args)
-                        .await
-                        .map(|reply| (reply, None)),
-                    Some((replicas, timeout)) => script
-                        .invoke_and_wait(&mut checkout.conn, redis_keys, args, replicas, timeout)
-                        .await
-                        .map(|(reply, acknowledged)| (reply, Some(acknowledged))),
-                };
-                checkout.finish(&result);
-                result.map_err(|e| errors::map_script(e, what, key, keys))
-            })
-            .await
+        let started = Instant::now();
+        // Finding the Sentinel primary is part of the budget.
+        let mut checkout = with_timeout(timeout, what, self.commands.checkout()).await?;
+        let left = timeout.saturating_sub(started.elapsed());
+        let request = async {
+            match wait {
+                None => script
+                    .invoke(&mut checkout.conn, redis_keys, args)
+                    .await
+                    .map(|reply| (reply, None)),
+                Some((replicas, wait)) => script
+                    .invoke_and_wait(&mut checkout.conn, redis_keys, args, replicas, wait)
+                    .await
+                    .map(|(reply, acknowledged)| (reply, Some(acknowledged))),
+            }
+        };
+        // Not `with_timeout`: this timeout, unlike a caller's cancellation,
+        // says the connection may be dead.
+        let Ok(result) = tokio::time::timeout(left, request).await else {
+            checkout.timed_out();
+            return Err(LockError::timeout(format!(
+                "{what} got no reply within {timeout:?}; the server may be down or overloaded"
+            )));
+        };
+        checkout.finish(&result);
+        result.map_err(|e| errors::map_script(e, what, key, keys))
     }
 }
 
 impl RedisLock {
-    /// Releases the lock at `keys` if it holds `value`.
+    /// Releases the lock at `keys` if it holds `value`, within `timeout`.
     async fn release_value(
         &self,
         key: &LockKey,
         keys: &RedisKeys,
         value: String,
+        timeout: Duration,
     ) -> Result<ReleaseReply, LockError> {
         let args = [
             value,
             keys.channel.clone(),
             self.channels.publish.to_owned(),
+            self.released_marker_ms(),
+            // Identifies this release call: a resend of the same request
+            // (by the driver) carries it, a second call does not.
+            OwnerToken::random().to_hex(),
         ];
-        let reply = self
-            .run(Call {
-                what: "redis release",
-                key,
-                keys,
-                script: &RELEASE_SCRIPT,
-                redis_keys: &[&keys.lock],
-                args: &args,
-            })
-            .await?;
+        let call = Call {
+            what: "redis release",
+            key,
+            keys,
+            script: &RELEASE_SCRIPT,
+            redis_keys: &[&keys.lock, &keys.gone],
+            args: &args,
+        };
+        let (reply, _) = self.execute(call, None, timeout).await?;
         scripts::release_reply(key, &reply)
+    }
+
+    /// How long a release's released-by marker is kept (at most the lock's
+    /// remaining TTL, the script decides): twice the operation timeout, so
+    /// that a resend of the release (the cluster driver resends after a
+    /// dropped connection, within the timeout) finds it.
+    fn released_marker_ms(&self) -> String {
+        arg_millis(self.config.client.operation_timeout.saturating_mul(2))
     }
 }
 
@@ -427,6 +457,29 @@ impl Replicated {
     }
 }
 
+/// The driver's manager settings for one server under `options`.
+fn manager_config(options: &ClientOptions) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(options.connect_timeout))
+        .set_response_timeout(Some(options.operation_timeout))
+        .set_number_of_retries(5)
+        .set_min_delay(Duration::from_millis(50))
+        .set_max_delay(Duration::from_secs(1))
+}
+
+/// `first`, replaced after a failure or timeout by a new manager of
+/// `client` (which connects at its first request).
+fn replaceable_manager(
+    first: ConnectionManager,
+    client: &Client,
+    options: &ClientOptions,
+) -> Replaceable<ConnectionManager> {
+    let (client, options) = (client.clone(), options.clone());
+    Replaceable::new(first, "redis command", move || {
+        ConnectionManager::new_lazy_with_config(client.clone(), manager_config(&options))
+    })
+}
+
 /// Pause between attempts of the first connection.
 const CONNECT_RETRY_PAUSE: Duration = Duration::from_millis(50);
 
@@ -443,16 +496,15 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, LockError>>,
 {
-    let give_up = Instant::now() + options.connect_timeout;
+    // None: a timeout too long to date (it never runs out).
+    let give_up = Instant::now().checked_add(options.connect_timeout);
     loop {
-        let result = with_timeout(
-            options.connect_timeout + options.operation_timeout,
-            what,
-            attempt(),
-        )
-        .await;
+        let result = with_timeout(connect_budget(options), what, attempt()).await;
         match result {
-            Err(e) if e.kind() == ErrorKind::Unavailable && Instant::now() < give_up => {
+            Err(e)
+                if e.kind() == ErrorKind::Unavailable
+                    && give_up.is_none_or(|at| Instant::now() < at) =>
+            {
                 tracing::debug!(error = %e, "redis not reachable yet; retrying");
                 tokio::time::sleep(CONNECT_RETRY_PAUSE).await;
             }
@@ -461,16 +513,18 @@ where
     }
 }
 
-/// Loads the scripts and checks the ACL user's permissions, on the first
-/// connection.
+/// Loads the scripts, checks the ACL user's permissions and the server's
+/// eviction policy, on the first connection.
 async fn prepare(
     conn: &mut Conn,
-    options: &ClientOptions,
+    config: &RedisConfig,
     channels: Channels,
     what: &str,
 ) -> Result<(), LockError> {
+    let options = &config.client;
     preload(conn, options).await?;
-    check_permissions(conn, options, channels, what).await
+    check_permissions(conn, options, channels, what).await?;
+    eviction::check(conn, config, what).await
 }
 
 /// Loads the scripts so the first acquire is one EVALSHA; this also proves
@@ -514,7 +568,7 @@ async fn check_permissions(
             match PROBE_SCRIPT
                 .invoke(
                     conn,
-                    &[&probe.lock, &probe.fence],
+                    &[&probe.lock, &probe.fence, &probe.gone],
                     &[
                         probe.channel.clone(),
                         channels.publish.to_owned(),
@@ -546,8 +600,13 @@ async fn check_permissions(
     Err(errors::acl_denied(what, namespace, &pairs))
 }
 
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+/// A duration as a script argument: whole milliseconds, from 1 to the
+/// scripts' bound (15 digits).
+fn arg_millis(d: Duration) -> String {
+    u64::try_from(d.as_millis())
+        .unwrap_or(u64::MAX)
+        .clamp(1, scripts::MAX_ARG_MILLIS)
+        .to_string()
 }
 
 #[async_trait]
@@ -572,9 +631,11 @@ impl LockBackend for RedisLock {
         let owner = request.owner.to_hex();
         let args = [
             owner.clone(),
-            millis(request.ttl).to_string(),
-            self.retention_ms(request.ttl).to_string(),
+            arg_millis(request.ttl),
+            self.retention_ms(request.ttl),
         ];
+        // The give-back below shares this operation's timeout.
+        let sent = Instant::now();
         let (reply, replicated) = self
             .run_replicated(Call {
                 what: "redis acquire",
@@ -595,8 +656,14 @@ impl LockBackend for RedisLock {
             return Ok(reply);
         };
         // Not replicated enough to survive a failover: give it back rather
-        // than hand out a lock a promoted replica would not know.
-        match self.release_value(key, &keys, value).await {
+        // than hand out a lock a promoted replica would not know. (Its
+        // outcome is known: the primary granted it.)
+        let left = self
+            .config
+            .client
+            .operation_timeout
+            .saturating_sub(sent.elapsed());
+        match self.release_value(key, &keys, value, left).await {
             Ok(_) => Err(shortfall),
             Err(e) => Err(LockError::unavailable(format!(
                 "{}; releasing it failed too ({e}), so it stays taken until its TTL runs out",
@@ -611,8 +678,8 @@ impl LockBackend for RedisLock {
         let keys = self.keys(lock.key);
         let args = [
             scripts::lock_value(&lock.owner.to_hex(), lock.fencing.get()),
-            millis(ttl).to_string(),
-            self.retention_ms(ttl).to_string(),
+            arg_millis(ttl),
+            self.retention_ms(ttl),
         ];
         let (reply, replicated) = self
             .run_replicated(Call {
@@ -642,12 +709,21 @@ impl LockBackend for RedisLock {
     async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
         let keys = self.keys(lock.key);
         let value = scripts::lock_value(&lock.owner.to_hex(), lock.fencing.get());
-        self.release_value(lock.key, &keys, value).await
+        let timeout = self.config.client.operation_timeout;
+        self.release_value(lock.key, &keys, value, timeout).await
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
         let channel = self.keys(key).channel;
-        Ok(Some(self.listener.watch(channel).await?))
+        // Connecting (the first waiter) and subscribing, however long other
+        // waiters' subscriptions hold the connection: one bound in all.
+        let watch = with_timeout(
+            connect_budget(&self.config.client),
+            "redis subscribe for release notifications",
+            self.listener.watch(channel),
+        )
+        .await?;
+        Ok(Some(watch))
     }
 
     fn admin(&self) -> Option<&dyn LockAdmin> {

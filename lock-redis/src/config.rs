@@ -15,6 +15,11 @@ use redis::{
 /// docs for why it may expire at all). Default one hour.
 pub const DEFAULT_FENCE_RETENTION: Duration = Duration::from_secs(3600);
 
+/// The longest [`fence_retention`](RedisConfig::fence_retention) accepted:
+/// 365 days, the longest TTL. (A longer one was accepted once and failed
+/// inside the acquire script.)
+pub const MAX_FENCE_RETENTION: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// The port of a `redis://` or `redis+cluster://` host without one.
 const DEFAULT_PORT: u16 = 6379;
 
@@ -52,8 +57,9 @@ const UNIX_SCHEMES: &[&str] = &["unix", "redis+unix"];
 /// | `namespace` | prefix of every key and channel | `distlock` |
 /// | `connect_timeout_ms` | connecting to the server | 5000 |
 /// | `operation_timeout_ms` | one request's reply | 5000 |
-/// | `fence_retention_ms` | minimum life of an idle fencing counter | 3600000 |
+/// | `fence_retention_ms` | minimum life of an idle fencing counter, 1 ms to 365 days | 3600000 |
 /// | `min_replicas` | replicas that must acknowledge each acquire and extend (`WAIT`) | 0 (off) |
+/// | `allow_eviction` | connect to a server whose `maxmemory-policy` may evict keys (with a warning) | `false` |
 /// | `protocol` | `resp2` or `resp3` (the driver's RESP version) | `resp2` |
 /// | `tls_ca_file` | PEM CA to trust in addition to the platform's roots (TLS URLs) | |
 /// | `tls_cert_file`, `tls_key_file` | PEM client certificate and key (TLS URLs) | |
@@ -95,6 +101,12 @@ pub struct RedisConfig {
     /// [`Unavailable`](distlock_core::ErrorKind::Unavailable). 0 (the default)
     /// waits for none. See the crate docs, "Replication".
     pub min_replicas: u32,
+    /// Connect to a server whose `maxmemory-policy` is not `noeviction`
+    /// (logging a warning) instead of refusing it with
+    /// [`Config`](distlock_core::ErrorKind::Config): such a server may evict
+    /// a held lock when its memory is full, letting a second holder in. See
+    /// the crate docs, "Eviction". Default `false`.
+    pub allow_eviction: bool,
     /// Where the server is; `None` for
     /// [`RedisLock::from_connection_manager`](crate::RedisLock::from_connection_manager).
     server: Option<Server>,
@@ -141,6 +153,7 @@ impl Default for RedisConfig {
             client: ClientOptions::default(),
             fence_retention: DEFAULT_FENCE_RETENTION,
             min_replicas: 0,
+            allow_eviction: false,
             server: None,
         }
     }
@@ -157,6 +170,8 @@ impl RedisConfig {
         let fence_retention = url
             .take_millis("fence_retention_ms")?
             .unwrap_or(DEFAULT_FENCE_RETENTION);
+        check_retention(fence_retention, "URL parameter fence_retention_ms")?;
+        let allow_eviction = url.take_bool("allow_eviction")?.unwrap_or(false);
         let min_replicas = match url.take_u64("min_replicas")? {
             None => 0,
             Some(n) => u32::try_from(n).map_err(|_| {
@@ -190,6 +205,7 @@ impl RedisConfig {
             client,
             fence_retention,
             min_replicas,
+            allow_eviction,
             server: Some(server),
         })
     }
@@ -205,6 +221,13 @@ impl RedisConfig {
     /// extension (see [`min_replicas`](Self::min_replicas)).
     pub fn min_replicas(mut self, replicas: u32) -> Self {
         self.min_replicas = replicas;
+        self
+    }
+
+    /// Sets whether a server whose `maxmemory-policy` may evict keys is
+    /// used anyway, with a warning (see [`allow_eviction`](Self::allow_eviction)).
+    pub fn allow_eviction(mut self, allow: bool) -> Self {
+        self.allow_eviction = allow;
         self
     }
 
@@ -229,15 +252,11 @@ impl RedisConfig {
         self.server.as_ref()
     }
 
-    /// Checks namespace, timeouts and retention.
+    /// Checks namespace, timeouts and retention (more than zero, at most
+    /// [`MAX_FENCE_RETENTION`]).
     pub fn validate(&self) -> Result<(), LockError> {
         self.client.validate()?;
-        if self.fence_retention.is_zero() {
-            return Err(LockError::config(
-                "fence_retention must be greater than zero",
-            ));
-        }
-        Ok(())
+        check_retention(self.fence_retention, "fence_retention")
     }
 
     /// How long a `WAIT` for [`min_replicas`](Self::min_replicas) may
@@ -337,8 +356,26 @@ impl fmt::Debug for RedisConfig {
             .field("client", &self.client)
             .field("fence_retention", &self.fence_retention)
             .field("min_replicas", &self.min_replicas)
+            .field("allow_eviction", &self.allow_eviction)
             .finish()
     }
+}
+
+/// A fencing retention (`name` says where it was given) within its bounds.
+fn check_retention(retention: Duration, name: &str) -> Result<(), LockError> {
+    if retention.is_zero() {
+        return Err(LockError::config(format!(
+            "{name} must be greater than zero"
+        )));
+    }
+    if retention > MAX_FENCE_RETENTION {
+        return Err(LockError::config(format!(
+            "{name} of {retention:?} is longer than the longest accepted, {} days ({} ms)",
+            MAX_FENCE_RETENTION.as_secs() / 86_400,
+            MAX_FENCE_RETENTION.as_millis()
+        )));
+    }
+    Ok(())
 }
 
 /// A TCP address, over TLS or not (the certificates are added at connect,
@@ -603,6 +640,12 @@ mod tests {
         let cases: &[(&str, &str)] = &[
             ("http://h", "not a redis URL"),
             ("redis://h/?fence_retention_ms=x", "fence_retention_ms"),
+            ("redis://h/?fence_retention_ms=0", "fence_retention_ms"),
+            (
+                "redis://h/?fence_retention_ms=31536000001",
+                "fence_retention_ms",
+            ),
+            ("redis://h/?allow_eviction=maybe", "allow_eviction"),
             ("redis://h/?colour=blue&db=1", "colour"),
             ("redis://h/x", "database"),
             ("redis://h/?protocol=resp4", "protocol"),

@@ -1,9 +1,11 @@
-//! The command connection of each topology: one server (a self-reconnecting
-//! [`ConnectionManager`]), the primary found through Sentinel (found again
-//! after a failure), or a Redis Cluster (the driver routes each script to
-//! the node of its keys' slot and follows `MOVED`/`ASK`).
+//! The command connection of each topology: one server (a
+//! [`ConnectionManager`], replaced after a failure or timeout), the primary
+//! found through Sentinel (found again after one), or a Redis Cluster (the
+//! driver routes each script to the node of its keys' slot and follows
+//! `MOVED`/`ASK`; the whole cluster connection is replaced after a failure
+//! or timeout).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use distlock_core::ClientOptions;
 use redis::aio::{ConnectionLike, ConnectionManager, MultiplexedConnection};
@@ -18,6 +20,11 @@ use crate::tls::Certificates;
 
 /// A driver client for `cluster` under the client's timeouts; with `push`,
 /// on RESP3 with pushes (pub/sub messages) sent there.
+///
+/// The driver resends a request whose connection dropped, or that got
+/// `MOVED`/`ASK`/`TRYAGAIN`, within the operation timeout: the scripts are
+/// safe to resend (a resent acquire adopts the lock the first one took, a
+/// resent release finds its released-by marker, extend is idempotent).
 pub(crate) fn cluster_client(
     cluster: &ClusterServer,
     certificates: &Certificates,
@@ -45,60 +52,137 @@ pub(crate) fn cluster_client(
 /// Where lock scripts are sent.
 pub(crate) enum Commands {
     /// One server.
-    Single(ConnectionManager),
+    Single(Replaceable<ConnectionManager>),
     /// The primary of a Sentinel group.
     Sentinel(Arc<SentinelPrimary>),
     /// A Redis Cluster.
-    Cluster(ClusterConnection),
+    Cluster(Replaceable<ClusterConnection>),
 }
 
 impl Commands {
     /// A connection for one request. Report how the request went with
-    /// [`Checkout::finish`]; a checkout dropped before (the request timed
-    /// out or was cancelled) counts as failed.
+    /// [`Checkout::finish`] or [`Checkout::timed_out`]; a checkout dropped
+    /// without either (its caller cancelled it: a guard released during a
+    /// renewal, say) says nothing about the connection and changes nothing.
     pub(crate) async fn checkout(&self) -> Result<Checkout<'_>, distlock_core::LockError> {
         Ok(match self {
-            Commands::Single(manager) => Checkout::new(Conn::Manager(manager.clone()), None),
-            Commands::Cluster(cluster) => Checkout::new(Conn::Cluster(cluster.clone()), None),
+            Commands::Single(manager) => {
+                let (conn, generation) = manager.current();
+                Checkout::new(Conn::Manager(conn), Origin::Single(manager, generation))
+            }
+            Commands::Cluster(cluster) => {
+                let (conn, generation) = cluster.current();
+                Checkout::new(Conn::Cluster(conn), Origin::Cluster(cluster, generation))
+            }
             Commands::Sentinel(primary) => {
                 let (conn, generation) = primary.connection().await?;
-                Checkout::new(Conn::Node(conn), Some((primary, generation)))
+                Checkout::new(Conn::Node(conn), Origin::Sentinel(primary, generation))
             }
         })
     }
+}
+
+/// A connection that is replaced by a new one when a request on it fails
+/// or times out. The driver reconnects only once a connection closes; one
+/// that stays open but never answers (a peer gone without a reset, a
+/// half-open TCP connection, a stalled path) would otherwise fail every
+/// request for as long as the operating system keeps it.
+pub(crate) struct Replaceable<C> {
+    current: Mutex<(C, u64)>,
+    /// Makes the replacement, without I/O: it connects on first use, within
+    /// that request's operation timeout.
+    renew: Box<dyn Fn() -> RedisResult<C> + Send + Sync>,
+    what: &'static str,
+}
+
+impl<C: Clone> Replaceable<C> {
+    /// Starts with `first`; `renew` makes each replacement.
+    pub(crate) fn new(
+        first: C,
+        what: &'static str,
+        renew: impl Fn() -> RedisResult<C> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            current: Mutex::new((first, 0)),
+            renew: Box::new(renew),
+            what,
+        }
+    }
+
+    /// The connection now, and its generation.
+    pub(crate) fn current(&self) -> (C, u64) {
+        self.current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Replaces connection `generation`, unless that happened already.
+    fn replace(&self, generation: u64) {
+        let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        if current.1 != generation {
+            return;
+        }
+        match (self.renew)() {
+            Ok(conn) => {
+                tracing::debug!(
+                    connection = self.what,
+                    "redis connection failed or timed out; replaced by a new one"
+                );
+                *current = (conn, generation.wrapping_add(1));
+            }
+            Err(e) => {
+                tracing::warn!(connection = self.what, error = %e, "redis connection failed or timed out, and no new one could be made");
+            }
+        }
+    }
+}
+
+/// Where a checked-out connection came from, and which one it is.
+enum Origin<'a> {
+    Single(&'a Replaceable<ConnectionManager>, u64),
+    Cluster(&'a Replaceable<ClusterConnection>, u64),
+    Sentinel(&'a Arc<SentinelPrimary>, u64),
 }
 
 /// A connection checked out of [`Commands`] for one request.
 pub(crate) struct Checkout<'a> {
     /// The connection.
     pub(crate) conn: Conn,
-    /// The Sentinel primary it goes to, and which of its connections.
-    primary: Option<(&'a Arc<SentinelPrimary>, u64)>,
+    /// Where it came from.
+    origin: Origin<'a>,
 }
 
 impl<'a> Checkout<'a> {
-    fn new(conn: Conn, primary: Option<(&'a Arc<SentinelPrimary>, u64)>) -> Self {
-        Self { conn, primary }
+    fn new(conn: Conn, origin: Origin<'a>) -> Self {
+        Self { conn, origin }
     }
 
-    /// Reports the outcome: an error that means the primary may have
-    /// moved (the connection failed or timed out, the server is a replica
-    /// now) makes the next request find the primary again.
-    pub(crate) fn finish<T>(mut self, result: &RedisResult<T>) {
-        let moved = result
+    /// Reports the outcome: an error that means the connection may be dead
+    /// (it failed or timed out) or the Sentinel primary may have moved (the
+    /// server is a replica now) replaces the connection (finds the primary
+    /// again) for the next request.
+    pub(crate) fn finish<T>(self, result: &RedisResult<T>) {
+        if result
             .as_ref()
             .err()
-            .is_some_and(errors::primary_may_have_moved);
-        if !moved {
-            self.primary = None;
+            .is_some_and(errors::connection_suspect)
+        {
+            self.replace();
         }
     }
-}
 
-impl Drop for Checkout<'_> {
-    fn drop(&mut self) {
-        if let Some((primary, generation)) = self.primary.take() {
-            primary.forget(generation);
+    /// The request got no reply within the operation timeout: the
+    /// connection is replaced (found again) for the next request.
+    pub(crate) fn timed_out(self) {
+        self.replace();
+    }
+
+    fn replace(self) {
+        match self.origin {
+            Origin::Single(manager, generation) => manager.replace(generation),
+            Origin::Cluster(cluster, generation) => cluster.replace(generation),
+            Origin::Sentinel(primary, generation) => primary.forget(generation),
         }
     }
 }
@@ -106,7 +190,7 @@ impl Drop for Checkout<'_> {
 /// One of the driver's connections.
 #[derive(Clone)]
 pub(crate) enum Conn {
-    /// One server, reconnecting by itself.
+    /// One server.
     Manager(ConnectionManager),
     /// A plain connection to one server.
     Node(MultiplexedConnection),
@@ -143,4 +227,24 @@ impl ConnectionLike for Conn {
             Conn::Cluster(c) => c.get_db(),
         }
     }
+}
+
+/// A new connection to `cluster`'s nodes that connects in the background
+/// (no I/O here), under the client's timeouts.
+pub(crate) fn pending_cluster(
+    client: &ClusterClient,
+    options: &ClientOptions,
+) -> ClusterConnection {
+    let config = redis::cluster::ClusterConfig::new()
+        .set_connection_timeout(options.connect_timeout)
+        .set_response_timeout(options.operation_timeout);
+    client.get_pending_async_connection_with_config(config)
+}
+
+/// How long connecting and a first request may take together (saturating:
+/// a timeout too long to add is as good as none).
+pub(crate) fn connect_budget(options: &ClientOptions) -> std::time::Duration {
+    options
+        .connect_timeout
+        .saturating_add(options.operation_timeout)
 }

@@ -9,6 +9,10 @@ use crate::keys::RedisKeys;
 /// not write.
 pub(crate) const CORRUPT_CODE: &str = "DISTLOCK_CORRUPT";
 
+/// The error code our scripts reply with when an argument is out of range
+/// (checked before anything is written).
+pub(crate) const ARGS_CODE: &str = "DISTLOCK_ARGS";
+
 /// Maps a driver error from `what` (a short description of the request).
 pub(crate) fn map(err: RedisError, what: &str) -> LockError {
     if let Some(failure) = crate::tls::failure(&err) {
@@ -65,9 +69,11 @@ pub(crate) fn map(err: RedisError, what: &str) -> LockError {
     .with_source(err)
 }
 
-/// Whether `err` means the Sentinel primary may be elsewhere now: the
-/// connection failed or timed out, or the server became a replica.
-pub(crate) fn primary_may_have_moved(err: &RedisError) -> bool {
+/// Whether the connection `err` came from should be replaced: it failed or
+/// timed out (a connection whose replies stall stays open, and the
+/// driver's reconnection waits for it to close), or the server became a
+/// replica (the Sentinel primary moved).
+pub(crate) fn connection_suspect(err: &RedisError) -> bool {
     err.is_io_error()
         || err.is_connection_dropped()
         || err.is_connection_refusal()
@@ -124,23 +130,31 @@ pub(crate) fn acl_denied(what: &str, namespace: &str, denied: &[(&str, &str)]) -
 
 /// Maps an error from one of our scripts on `key`: a `DISTLOCK_CORRUPT`
 /// reply becomes [`ErrorKind::Corrupted`](distlock_core::ErrorKind) naming the
-/// Redis key, anything else goes through [`map`].
+/// Redis key, `DISTLOCK_ARGS` [`ErrorKind::InvalidInput`](distlock_core::ErrorKind),
+/// anything else goes through [`map`].
 pub(crate) fn map_script(
     err: RedisError,
     what: &str,
     key: &LockKey,
     keys: &RedisKeys,
 ) -> LockError {
-    if err.code() != Some(CORRUPT_CODE) {
-        return map(err, what);
+    match err.code() {
+        Some(CORRUPT_CODE) => {
+            let detail = err.detail().unwrap_or("holds data distlock did not write");
+            let (which, rest) = detail.split_once(' ').unwrap_or((detail, ""));
+            let redis_key = match which {
+                "fence" => &keys.fence,
+                "gone" => &keys.gone,
+                _ => &keys.lock,
+            };
+            corrupted(key, redis_key, rest)
+        }
+        Some(ARGS_CODE) => LockError::invalid_input(format!(
+            "{what} on lock {key:?}: the script refused its arguments ({}) before writing anything",
+            err.detail().unwrap_or("out of range")
+        )),
+        _ => map(err, what),
     }
-    let detail = err.detail().unwrap_or("holds data distlock did not write");
-    let (which, rest) = detail.split_once(' ').unwrap_or((detail, ""));
-    let redis_key = match which {
-        "fence" => &keys.fence,
-        _ => &keys.lock,
-    };
-    corrupted(key, redis_key, rest)
 }
 
 /// A [`ErrorKind::Corrupted`](distlock_core::ErrorKind) error for `redis_key`.

@@ -4,13 +4,16 @@
 //!
 //! - `NS:{E}:lock`  — the lock itself, a string `dl1:<owner hex>:<fencing token>` with a PX expiry;
 //! - `NS:{E}:fence` — the fencing counter, with a retention expiry;
+//! - `NS:{E}:gone` — the value of the lock released last and the id of
+//!   that release, kept briefly (a release resent after it was applied is
+//!   recognised);
 //! - `NS:{E}:released` — the pub/sub channel a release publishes on;
 //!
 //! where `E` is `K` with `%`, `{` and `}` percent-escaped (`%25`, `%7B`, `%7D`).
 //! The escape is injective (it is a standard percent-encoding of a subset of
 //! characters, and `%` itself is escaped), so distinct keys never share Redis
 //! keys; and `E` contains no brace, so `{E}` is always the hash tag and all
-//! three names hash to one cluster slot. The namespace is validated by
+//! names hash to one cluster slot. The namespace is validated by
 //! [`distlock_core::ClientOptions::validate`] (letters, digits, `_`, `-`, `.`),
 //! so nothing a caller passes can reach outside `NS:{`.
 
@@ -23,6 +26,8 @@ pub(crate) struct RedisKeys {
     pub(crate) lock: String,
     /// The fencing counter key.
     pub(crate) fence: String,
+    /// The released-by marker key.
+    pub(crate) gone: String,
     /// The release notification channel.
     pub(crate) channel: String,
 }
@@ -43,6 +48,7 @@ impl RedisKeys {
         Self {
             lock: format!("{namespace}:{{{tag}}}:lock"),
             fence: format!("{namespace}:{{{tag}}}:fence"),
+            gone: format!("{namespace}:{{{tag}}}:gone"),
             channel: format!("{namespace}:{{{tag}}}:released"),
         }
     }
@@ -108,6 +114,7 @@ mod tests {
             let keys = RedisKeys::new("ns", &LockKey::new(*key).unwrap());
             assert!(seen.insert(keys.lock.clone()), "collision for {key:?}");
             assert!(seen.insert(keys.fence.clone()));
+            assert!(seen.insert(keys.gone.clone()));
             assert!(seen.insert(keys.channel.clone()));
         }
     }
@@ -119,6 +126,7 @@ mod tests {
             let tag = hash_part(&keys.lock);
             assert_eq!(tag, escape(key));
             assert_eq!(hash_part(&keys.fence), tag);
+            assert_eq!(hash_part(&keys.gone), tag);
             assert_eq!(hash_part(&keys.channel), tag);
             assert!(keys.lock.starts_with("ns:{"));
         }

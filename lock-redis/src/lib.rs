@@ -34,12 +34,39 @@
 //!   or built in code); [`RedisLock::from_connection_manager`] reuses an
 //!   application's [`ConnectionManager`](redis::aio::ConnectionManager).
 //! - Query parameters `namespace`, `connect_timeout_ms`,
-//!   `operation_timeout_ms`, `fence_retention_ms` and the driver's
-//!   `protocol` (see [`RedisConfig`]); any other parameter is a
+//!   `operation_timeout_ms`, `fence_retention_ms`, `min_replicas`,
+//!   `allow_eviction` and the driver's `protocol` (see [`RedisConfig`]);
+//!   any other parameter, or a value out of its range, is a
 //!   [`ErrorKind::Config`](distlock_core::ErrorKind) error naming it.
 //!
-//! Every request runs under the operation timeout; the command connection
-//! reconnects by itself when the server comes back.
+//! Every operation ends within the operation timeout counted from its
+//! first send, whatever it does meanwhile (connecting, `EVAL` after
+//! `NOSCRIPT`, the cluster driver's resends, `WAIT` and giving back an
+//! unreplicated grant); a wait's subscription within the connect and
+//! operation timeouts together. A command connection on which a request
+//! failed or timed out is replaced by a new one (a connection that stays
+//! open but never answers would otherwise fail every request: the
+//! driver reconnects only once a connection closes), so the client
+//! recovers by itself when the server or the path to it comes back.
+//!
+//! # Eviction
+//!
+//! A server whose `maxmemory-policy` is anything but `noeviction` deletes
+//! keys when its memory is full: `allkeys-*` any key, `volatile-*` keys
+//! with an expiry, which every lock has. A held lock evicted lets a second
+//! client take it while the first still runs its job. [`RedisLock::connect`]
+//! reads the policy (`CONFIG GET maxmemory-policy`, on every primary of a
+//! cluster) and refuses such a server with
+//! [`ErrorKind::Config`](distlock_core::ErrorKind) naming the setting and
+//! the fix (`maxmemory-policy noeviction`): a lock that silently stops
+//! excluding is worse than a client that does not start. Where the risk is
+//! accepted (a shared cache that must evict, with memory to spare),
+//! `allow_eviction=true` ([`RedisConfig::allow_eviction`]) connects with a
+//! warning. A server that will not say (`CONFIG` refused by the ACL user,
+//! or renamed or disabled, as on many managed services) is used with a
+//! warning. The policy is read at connect only (a Sentinel failover, or a
+//! `CONFIG SET` later, is not seen), and not at all by
+//! [`RedisLock::from_connection_manager`].
 //!
 //! # ACL users
 //!
@@ -51,7 +78,9 @@
 //! - the commands `EVALSHA`, `EVAL`, `SUBSCRIBE`, `UNSUBSCRIBE`, `PING`, and
 //!   inside its scripts `TYPE`, `GET`, `SET`, `DEL`, `PTTL`, `PEXPIRE`,
 //!   `TIME`, `PUBLISH`. `SCRIPT LOAD` is optional: without it a script the
-//!   server does not have is sent with `EVAL` (which caches it).
+//!   server does not have is sent with `EVAL` (which caches it). `CONFIG`
+//!   (`CONFIG GET maxmemory-policy`, see "Eviction") is optional too:
+//!   without it the policy is not checked, and a warning says so.
 //!
 //! For example `ACL SETUSER jobs on >pw ~jobs:* &jobs:* +evalsha +eval
 //! +subscribe +unsubscribe +ping +type +get +set +del +pttl +pexpire +time
@@ -74,23 +103,35 @@
 //! # How it works
 //!
 //! Keys (see the table in `keys.rs`): for lock `K` in namespace `NS`,
-//! `NS:{K'}:lock`, `NS:{K'}:fence` and the channel `NS:{K'}:released`, where
-//! `K'` is `K` with `%`, `{`, `}` percent-escaped — injective, and the hash
-//! tag `{K'}` puts all three in one Redis Cluster slot whatever `K` contains.
+//! `NS:{K'}:lock`, `NS:{K'}:fence`, `NS:{K'}:gone` and the channel
+//! `NS:{K'}:released`, where `K'` is `K` with `%`, `{`, `}` percent-escaped
+//! — injective, and the hash tag `{K'}` puts them all in one Redis Cluster
+//! slot whatever `K` contains.
 //!
 //! - Every operation is one `EVALSHA` of a Lua script (the scripts are
 //!   loaded at connect; one the server lacks — after a restart, a failover,
 //!   `SCRIPT FLUSH` — is sent once more with `EVAL`).
-//! - **Acquire**: if the lock key exists it
-//!   returns the holder's `PTTL` (filling
-//!   [`AcquireReply::Held::expires_in`](distlock_core::AcquireReply)); else
-//!   it computes the fencing token, `SET lock dl1:<owner>:<token> PX ttl`
-//!   (the owner token is the one in the request, minted by
-//!   [`LockClient`](distlock_core::LockClient)), stores the token in the fence
-//!   key and returns it.
+//! - **Acquire**: if the lock key holds another owner's lock it returns
+//!   the holder's `PTTL` (filling
+//!   [`AcquireReply::Held::expires_in`](distlock_core::AcquireReply)); if
+//!   it holds the request's own owner token (an earlier attempt of the same
+//!   acquisition took it, and its reply was lost), it *adopts* it: `PEXPIRE
+//!   lock ttl` and the lock's own fencing token; else it computes the
+//!   fencing token, `SET lock dl1:<owner>:<token> PX ttl` (the owner token
+//!   is the one in the request, minted by
+//!   [`LockClient`](distlock_core::LockClient)), stores the token in the
+//!   fence key and returns it.
 //! - **Extend**: compares the stored value with the held lock's owner and
 //!   fencing token, then `PEXPIRE`; a missing key is never recreated.
-//! - **Release**: compares, `DEL`, `PUBLISH` on the channel.
+//! - **Release**: compares, `DEL`, `PUBLISH` on the channel, and leaves the
+//!   released value with a random id of the release call in
+//!   `NS:{K'}:gone` for twice the operation timeout (at most the lock's
+//!   remaining TTL): the same request sent again (the cluster driver
+//!   resends a request whose connection dropped) reports `Released`, as
+//!   the first did, instead of `NotHeld`; a second release call still
+//!   reports `NotHeld`.
+//! - Every script checks its arguments, and the type and shape of every
+//!   key it reads, before its first write (a script is not rolled back).
 //! - **Waiting**: one pub/sub connection per client, shared by all waiters
 //!   and run by [`distlock_core::Listener`]; the first waiter of a key
 //!   subscribes to its channel before its first attempt; a release wakes
@@ -98,9 +139,10 @@
 //!   `PTTL`. No polling. If the pub/sub connection fails (closed, a
 //!   SUBSCRIBE, UNSUBSCRIBE or PING that errs or times out), it is dropped
 //!   and every waiter subscribes again before its next attempt.
-//! - A value distlock did not write (another type, another format, a lock
-//!   without expiry) gives [`ErrorKind::Corrupted`](distlock_core::ErrorKind)
-//!   naming the Redis key; nothing is overwritten or deleted.
+//! - A value distlock did not write (another type, another format, a lock,
+//!   counter or marker without expiry) at any of these keys gives
+//!   [`ErrorKind::Corrupted`](distlock_core::ErrorKind) naming the Redis
+//!   key; nothing is overwritten, deleted or given another expiry.
 //!
 //! # Fencing tokens without a key per lock name forever
 //!
@@ -124,8 +166,9 @@
 //!
 //! Each operation of [`RedisLock`] is one script call. Dropping its future
 //! (say under `tokio::time::timeout`) after the request went out lets the
-//! server finish it: an `acquire` may have taken a lock nobody will
-//! release, which expires after its TTL ([`LockClient::acquire`](distlock_core::LockClient::acquire)
+//! server finish it: an `acquire` may have
+//! taken a lock, which the next attempt with the same owner token adopts,
+//! and which otherwise expires after its TTL ([`LockClient::acquire`](distlock_core::LockClient::acquire)
 //! and [`Locker`](distlock_core::Locker) release such a grant); an `extend` may
 //! have extended the lock, for its new TTL; a `release` may have released
 //! it, and then woke the waiters (`DEL` and `PUBLISH` are one script). A
@@ -169,6 +212,7 @@ mod backend;
 mod config;
 mod connection;
 mod errors;
+mod eviction;
 mod keys;
 mod listener;
 mod scripts;
@@ -176,7 +220,7 @@ mod sentinel;
 mod tls;
 
 pub use backend::RedisLock;
-pub use config::{RedisConfig, DEFAULT_FENCE_RETENTION};
+pub use config::{RedisConfig, DEFAULT_FENCE_RETENTION, MAX_FENCE_RETENTION};
 pub use scripts::acquire_script_sha;
 
 /// The URL schemes the `distlock` facade opens with this crate (`rediss`

@@ -3,9 +3,12 @@
 //! how each is invoked and what its reply means.
 //!
 //! The value at a lock key is `dl1:<32 hex owner>:<fencing token>`, with a
-//! PX expiry. Anything else there (another type, another format, no expiry)
-//! is answered with a `DISTLOCK_CORRUPT lock|fence <detail>` error reply and
-//! nothing is written.
+//! PX expiry; the released-by marker holds such a value and a release id,
+//! `dl1:<owner>:<token>/<hex id>`, with a PX expiry. Anything else
+//! at a key a script reads (another type, another format, no expiry) is
+//! answered with a `DISTLOCK_CORRUPT lock|fence|gone <detail>` error reply
+//! and nothing is written; an argument out of range with `DISTLOCK_ARGS
+//! <detail>`, before anything is written.
 
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -17,23 +20,87 @@ use redis::aio::ConnectionLike;
 use redis::{ErrorKind, RedisResult, Script, ServerErrorKind, Value};
 
 /// Shared helpers, prepended to every script.
+///
+/// A script is not rolled back when it fails half-way, so every script
+/// checks its arguments and everything it reads before its first write:
+/// a value distlock did not write, at any key the script would write, is
+/// reported and nothing is written.
 const PRELUDE: &str = r#"
 local function kind(key)
   local t = redis.call('TYPE', key)
   if type(t) == 'table' then t = t['ok'] end
   return t
 end
-local function ours(v)
+-- The owner hex and fencing token of a lock value, or nil.
+local function parse(v)
   local owner, fence = string.match(v, '^dl1:(%x+):(%d+)$')
-  return owner ~= nil and #owner == 32 and #fence <= 20
+  if owner ~= nil and #owner == 32 and #fence <= 20 then return owner, fence end
+  return nil
+end
+local function ours(v)
+  return parse(v) ~= nil
 end
 local function corrupt(which, detail)
   return redis.error_reply('DISTLOCK_CORRUPT ' .. which .. ' ' .. detail)
 end
+-- A string key of `which` whose value passes `valid`, with an expiry:
+-- {value, pttl}; {} if there is none; an error reply (a table with
+-- `err`) for anything else.
+local function string_at(which, key, noun, valid)
+  local t = kind(key)
+  if t == 'none' then return {} end
+  if t ~= 'string' then return corrupt(which, 'holds a ' .. t .. ', not ' .. noun) end
+  local v = redis.call('GET', key)
+  if not valid(v) then return corrupt(which, 'holds a value in a format distlock does not write') end
+  local pttl = redis.call('PTTL', key)
+  if pttl < 0 then return corrupt(which, 'has no expiry, which distlock never leaves') end
+  return {value = v, pttl = pttl}
+end
+local function lock_at(key)
+  return string_at('lock', key, 'a distlock lock', ours)
+end
+-- The released-by marker: a lock value and the id of the release that
+-- deleted it, `dl1:<owner>:<token>/<release id>`.
+local function marker(v)
+  local lock, id = string.match(v, '^(.+)/(%x+)$')
+  return lock ~= nil and #id <= 32 and ours(lock)
+end
+local function gone_at(key)
+  return string_at('gone', key, 'a distlock released-by marker', marker)
+end
+-- The fencing counter: {counter, pttl} (0 and -2 if there is none), or an
+-- error reply.
+local function fence_at(key)
+  local t = kind(key)
+  if t == 'none' then return {counter = 0, pttl = -2} end
+  if t ~= 'string' then return corrupt('fence', 'holds a ' .. t .. ', not a fencing counter') end
+  local c = redis.call('GET', key)
+  if string.match(c, '^%d+$') == nil or #c > 16 or tonumber(c) >= 9007199254740000 then
+    return corrupt('fence', 'holds a value that is not a distlock fencing counter')
+  end
+  local pttl = redis.call('PTTL', key)
+  if pttl < 0 then return corrupt('fence', 'has no expiry, which distlock never leaves') end
+  return {counter = tonumber(c), pttl = pttl}
+end
+-- Keeps an existing fencing counter at least `keep` ms more (never less).
+local function retain(key, fence, keep)
+  if fence.pttl >= 0 and fence.pttl < tonumber(keep) then redis.call('PEXPIRE', key, keep) end
+end
+-- Durations in milliseconds: whole, positive, at most 15 digits, which
+-- every expiry command accepts.
+local function millis_ok(...)
+  for _, a in ipairs({...}) do
+    if type(a) ~= 'string' or string.match(a, '^[1-9]%d*$') == nil or #a > 15 then return false end
+  end
+  return true
+end
+local function bad_args(detail)
+  return redis.error_reply('DISTLOCK_ARGS ' .. detail)
+end
 -- After a DEL: wake the waiters (`publish` is PUBLISH, or SPUBLISH in a
--- cluster). A script is not rolled back, so a refused publish (no ACL
--- channel permission) must not fail it: the lock is released either way;
--- the error text goes back for the client to log.
+-- cluster). A refused publish (no ACL channel permission) must not fail
+-- the script after its DEL: the lock is released either way; the error
+-- text goes back for the client to log.
 local function released(publish, channel)
   local r = redis.pcall(publish, channel, 'released')
   if type(r) == 'table' and r['err'] then return {1, r['err']} end
@@ -43,30 +110,29 @@ end
 
 /// KEYS: lock, fence. ARGV: owner hex, ttl ms, fence retention ms.
 /// Returns `{1, token}` when acquired, `{0, pttl}` when held.
+///
+/// The lock held by this same owner is *adopted*: an earlier attempt of
+/// the same acquisition took it but its reply was lost (a timeout, a
+/// dropped connection, a driver resending the request). Its TTL is reset
+/// to `ttl` from now and its own fencing token returned.
 const ACQUIRE: &str = r#"
-local lt = kind(KEYS[1])
-if lt ~= 'none' then
-  if lt ~= 'string' then return corrupt('lock', 'holds a ' .. lt .. ', not a distlock lock') end
-  if not ours(redis.call('GET', KEYS[1])) then
-    return corrupt('lock', 'holds a value in a format distlock does not write')
-  end
-  local pttl = redis.call('PTTL', KEYS[1])
-  if pttl < 0 then return corrupt('lock', 'has no expiry, which distlock never leaves') end
-  return {0, pttl}
+if not millis_ok(ARGV[2], ARGV[3]) then
+  return bad_args('ttl ' .. tostring(ARGV[2]) .. ' ms, fence retention ' .. tostring(ARGV[3]) .. ' ms')
 end
-local counter = 0
-local ft = kind(KEYS[2])
-if ft ~= 'none' then
-  if ft ~= 'string' then return corrupt('fence', 'holds a ' .. ft .. ', not a fencing counter') end
-  local c = redis.call('GET', KEYS[2])
-  if string.match(c, '^%d+$') == nil or #c > 16 or tonumber(c) >= 9007199254740000 then
-    return corrupt('fence', 'holds a value that is not a distlock fencing counter')
-  end
-  counter = tonumber(c)
+local lock = lock_at(KEYS[1])
+if lock.err then return lock end
+local fence = fence_at(KEYS[2])
+if fence.err then return fence end
+if lock.value then
+  local owner, token = parse(lock.value)
+  if owner ~= ARGV[1] then return {0, lock.pttl} end
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  retain(KEYS[2], fence, ARGV[3])
+  return {1, token}
 end
 local now = redis.call('TIME')
 local token = tonumber(now[1]) * 1000000 + tonumber(now[2])
-if counter + 1 > token then token = counter + 1 end
+if fence.counter + 1 > token then token = fence.counter + 1 end
 local text = string.format('%.0f', token)
 redis.call('SET', KEYS[1], 'dl1:' .. ARGV[1] .. ':' .. text, 'PX', ARGV[2])
 redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
@@ -76,34 +142,49 @@ return {1, text}
 /// KEYS: lock, fence. ARGV: expected value, ttl ms, fence retention ms.
 /// Returns 1 when extended, 0 when not held. Never recreates the lock.
 const EXTEND: &str = r#"
-local lt = kind(KEYS[1])
-if lt == 'none' then return 0 end
-if lt ~= 'string' then return corrupt('lock', 'holds a ' .. lt .. ', not a distlock lock') end
-local v = redis.call('GET', KEYS[1])
-if v == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  local fp = redis.call('PTTL', KEYS[2])
-  if fp >= 0 and fp < tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[2], ARGV[3]) end
-  return 1
+if not millis_ok(ARGV[2], ARGV[3]) then
+  return bad_args('ttl ' .. tostring(ARGV[2]) .. ' ms, fence retention ' .. tostring(ARGV[3]) .. ' ms')
 end
-if not ours(v) then return corrupt('lock', 'holds a value in a format distlock does not write') end
-return 0
+local lock = lock_at(KEYS[1])
+if lock.err then return lock end
+if lock.value ~= ARGV[1] then return 0 end
+local fence = fence_at(KEYS[2])
+if fence.err then return fence end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+retain(KEYS[2], fence, ARGV[3])
+return 1
 "#;
 
-/// KEYS: lock. ARGV: expected value, channel, publish command.
+/// KEYS: lock, released-by marker. ARGV: expected value, channel, publish
+/// command, marker life ms, release id (fresh hex per release call).
 /// Returns 1 when released and published, `{1, error}` when released but
 /// the publish was refused, 0 when not held.
+///
+/// A release leaves its value and id in the marker for the marker life (at
+/// most the lock's remaining TTL): the same request sent again (a driver
+/// resending it after a dropped connection) answers 1, as the first did;
+/// another release of the same lock (another id) answers 0.
 const RELEASE: &str = r#"
-local lt = kind(KEYS[1])
-if lt == 'none' then return 0 end
-if lt ~= 'string' then return corrupt('lock', 'holds a ' .. lt .. ', not a distlock lock') end
-local v = redis.call('GET', KEYS[1])
-if v == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  return released(ARGV[3], ARGV[2])
+if not millis_ok(ARGV[4]) then
+  return bad_args('released-marker life ' .. tostring(ARGV[4]) .. ' ms')
 end
-if not ours(v) then return corrupt('lock', 'holds a value in a format distlock does not write') end
-return 0
+if type(ARGV[5]) ~= 'string' or string.match(ARGV[5], '^%x+$') == nil or #ARGV[5] > 32 then
+  return bad_args('release id ' .. tostring(ARGV[5]))
+end
+local lock = lock_at(KEYS[1])
+if lock.err then return lock end
+local gone = gone_at(KEYS[2])
+if gone.err then return gone end
+local mark = ARGV[1] .. '/' .. ARGV[5]
+if lock.value ~= ARGV[1] then
+  if gone.value == mark then return 1 end
+  return 0
+end
+redis.call('DEL', KEYS[1])
+local keep = math.min(lock.pttl, tonumber(ARGV[4]))
+if keep < 1 then keep = 1 end
+redis.call('SET', KEYS[2], mark, 'PX', string.format('%.0f', keep))
+return released(ARGV[3], ARGV[2])
 "#;
 
 /// KEYS: lock. Returns `{0}` when free, `{1, pttl, token}` when held.
@@ -131,7 +212,7 @@ redis.call('DEL', KEYS[1])
 return released(ARGV[2], ARGV[1])
 "#;
 
-/// KEYS: a lock key and a fence key, ARGV: a channel in the namespace and
+/// KEYS: a lock key, a fence key and a released-by marker key, ARGV: a channel in the namespace and
 /// the publish, subscribe and unsubscribe commands (sharded in a cluster).
 /// Runs nothing: returns what the ACL user may not do there, as a flat list
 /// of `command, 'keys'|'channels'|''` pairs. Empty on servers before 7.0
@@ -161,6 +242,10 @@ if redis.acl_check_cmd then
 end
 return denied
 "#;
+
+/// The largest duration argument the scripts accept, in milliseconds (15
+/// digits: exact in Lua, and far from overflowing the server's clock).
+pub(crate) const MAX_ARG_MILLIS: u64 = 999_999_999_999_999;
 
 /// A Lua script: its text, for EVAL, and its SHA1, for EVALSHA.
 pub(crate) struct LuaScript {
@@ -200,26 +285,36 @@ impl LuaScript {
         replicas: u32,
         timeout: Duration,
     ) -> RedisResult<(Value, i64)> {
+        // Errors stay in the replies (`ignore_errors`): a pipeline error
+        // loses the error code, and so the script's own markers.
         let pipeline = |eval: bool| {
             let mut pipe = redis::pipe();
+            pipe.ignore_errors();
             pipe.cmd(if eval { "EVAL" } else { "EVALSHA" })
                 .arg(if eval { &self.body } else { &self.sha })
                 .arg(keys.len())
                 .arg(keys)
                 .arg(args);
-            pipe.cmd("WAIT").arg(replicas).arg(
-                u64::try_from(timeout.as_millis())
-                    .unwrap_or(u64::MAX)
-                    .max(1),
-            );
+            pipe.cmd("WAIT").arg(replicas).arg(wait_millis(timeout));
             pipe
         };
-        match pipeline(false).query_async(conn).await {
-            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                pipeline(true).query_async(conn).await
-            }
-            other => other,
+        let mut replies: Vec<Value> = pipeline(false).query_async(conn).await?;
+        if matches!(replies.first(), Some(Value::ServerError(e)) if e.kind() == Some(ServerErrorKind::NoScript))
+        {
+            replies = pipeline(true).query_async(conn).await?;
         }
+        let mut replies = replies.into_iter();
+        let (Some(reply), Some(acknowledged), None) =
+            (replies.next(), replies.next(), replies.next())
+        else {
+            return Err(redis::RedisError::from((
+                ErrorKind::Parse,
+                "a script and WAIT pipeline did not answer twice",
+            )));
+        };
+        let reply = reply.extract_error()?;
+        let acknowledged = redis::from_redis_value(acknowledged.extract_error()?)?;
+        Ok((reply, acknowledged))
     }
 
     /// Runs the script: `EVALSHA`, and `EVAL` with its text when the server
@@ -268,6 +363,14 @@ pub(crate) static INSPECT_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScri
 /// The force-release script (operators only; not preloaded).
 pub(crate) static FORCE_RELEASE_SCRIPT: LazyLock<LuaScript> =
     LazyLock::new(|| LuaScript::new(FORCE_RELEASE));
+
+/// `WAIT`'s timeout: whole milliseconds, at least 1 (0 waits forever), at
+/// most a day (a bound the server adds to its clock without overflow).
+fn wait_millis(timeout: Duration) -> u64 {
+    u64::try_from(timeout.as_millis())
+        .unwrap_or(u64::MAX)
+        .clamp(1, 86_400_000)
+}
 
 /// The SHA1 of the acquire script (tests count its EVALSHA calls).
 pub fn acquire_script_sha() -> &'static str {

@@ -16,6 +16,7 @@ use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, ConnectionInfo, Role};
 
 use crate::config::{host_port, tcp_addr, SentinelServer};
+use crate::connection::connect_budget;
 use crate::errors;
 use crate::tls::{self, Certificates};
 
@@ -238,17 +239,13 @@ impl SentinelPrimary {
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.options.connect_timeout))
             .set_response_timeout(Some(self.options.operation_timeout));
-        with_timeout(
-            self.options.connect_timeout + self.options.operation_timeout,
-            what,
-            async {
-                let client = Client::open(info).map_err(|e| errors::map(e, what))?;
-                client
-                    .get_multiplexed_async_connection_with_config(&config)
-                    .await
-                    .map_err(|e| errors::map(e, what))
-            },
-        )
+        with_timeout(connect_budget(&self.options), what, async {
+            let client = Client::open(info).map_err(|e| errors::map(e, what))?;
+            client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await
+                .map_err(|e| errors::map(e, what))
+        })
         .await
     }
 

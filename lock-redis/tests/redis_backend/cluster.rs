@@ -7,7 +7,8 @@
 
 use std::time::Duration;
 
-use distlock_conformance::server::RedisCluster;
+use distlock_conformance::fault::Proxy;
+use distlock_conformance::server::{ClusterPrimary, RedisCluster};
 use distlock_core::{ErrorKind, LockKey};
 use distlock_redis::redis::{self, aio::MultiplexedConnection, AsyncCommands};
 
@@ -140,4 +141,176 @@ async fn locks_in_every_primarys_slots_and_a_primary_killed() {
         );
         holder.release(&lease).await.unwrap();
     }
+}
+
+/// The port `CLUSTER SLOTS` on `conn` names for the primary of `slot`.
+async fn slot_port(conn: &mut MultiplexedConnection, slot: u16) -> Option<u16> {
+    let ranges: Vec<redis::Value> = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(conn)
+        .await
+        .ok()?;
+    for range in ranges {
+        let redis::Value::Array(items) = range else {
+            continue;
+        };
+        let bound = |i: usize| match items.get(i) {
+            Some(redis::Value::Int(n)) => u16::try_from(*n).ok(),
+            _ => None,
+        };
+        let (Some(start), Some(end)) = (bound(0), bound(1)) else {
+            continue;
+        };
+        if (start..=end).contains(&slot) {
+            if let Some(redis::Value::Array(node)) = items.get(2) {
+                if let Some(redis::Value::Int(port)) = node.get(1) {
+                    return u16::try_from(*port).ok();
+                }
+            }
+        }
+    }
+    None
+}
+
+/// A primary whose clients are sent through a fault proxy: it announces
+/// the proxy's port (`cluster-announce-port`), and once every node's
+/// `CLUSTER SLOTS` says so, clients reach it only through the proxy.
+async fn proxied_primary(
+    cluster: &RedisCluster,
+) -> (ClusterPrimary, Proxy, MultiplexedConnection, String) {
+    let primary = cluster.primaries().unwrap().remove(0);
+    let node = cluster.node(primary.port).unwrap();
+    let node_url = cluster.node_url(node);
+    let proxy = Proxy::start(node.addr()).await.unwrap();
+    let mut on_node = raw(&node_url).await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("cluster-announce-port")
+        .arg(proxy.addr().port())
+        .query_async(&mut on_node)
+        .await
+        .unwrap();
+    let slot = primary.slots[0].0;
+    for other in cluster.nodes() {
+        let conn = raw(&cluster.node_url(other)).await;
+        eventually("every node names the proxy for the primary's slots", || {
+            let mut conn = conn.clone();
+            let want = proxy.addr().port();
+            async move { (slot_port(&mut conn, slot).await == Some(want)).then_some(()) }
+        })
+        .await;
+    }
+    (primary, proxy, on_node, node_url)
+}
+
+/// How many scripts clients sent in a MONITOR phase.
+fn evalshas(phase: &[(String, String)]) -> usize {
+    phase.iter().filter(|(name, _)| name == "evalsha").count()
+}
+
+/// Suspected: the cluster driver resends a request whose connection
+/// dropped after it was sent, though the server may have applied it. An
+/// acquire resent so found its own lock (and reported it held: an orphan),
+/// a release resent so found the lock gone (and reported NotHeld for a
+/// release that happened). Both are recognised now: the resent acquire
+/// adopts its own lock, the resent release finds its released-by marker.
+/// Then: a dead connection to the node is replaced, and an evicting
+/// `maxmemory-policy` on any primary is refused at connect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resent_scripts_dead_node_connections_and_eviction() {
+    use distlock_conformance::fault::Direction;
+    let cluster = start_group(RedisCluster::start).await;
+    let (primary, proxy, mut on_node, node_url) = proxied_primary(&cluster).await;
+    let url = format!(
+        "{}?connect_timeout_ms=2000&operation_timeout_ms=5000",
+        cluster.url()
+    );
+    let lock = connect(&url).await.unwrap();
+    let key = key_in(&mut on_node, &primary.slots, "resent").await;
+    let mut monitor = Monitor::start(&node_url).await;
+
+    // Acquire: applied, its reply lost with the connection.
+    proxy.hold(Direction::ToClient);
+    let task = {
+        let (lock, key) = (lock.clone(), key.clone());
+        tokio::spawn(async move { lock.try_acquire(&key, Duration::from_secs(30)).await })
+    };
+    let value = value_appears(&on_node, &lock_key_of(&key)).await;
+    proxy.drop_all();
+    proxy.pass(Direction::ToClient);
+    let lease = match task.await.unwrap().unwrap() {
+        distlock_core::AcquireAttempt::Acquired(lease) => lease,
+        held => panic!("the driver resent the acquire after its connection dropped, and the resend was told the client's own lock is held: {held:?}"),
+    };
+    assert_eq!(lease.fencing_token().get(), token_of(&value));
+    let phase = monitor.mark().await;
+    assert!(evalshas(&phase) >= 2, "the driver resent it: {phase:?}");
+
+    // Release: applied, its reply lost with the connection.
+    proxy.hold(Direction::ToClient);
+    let task = {
+        let (lock, lease) = (lock.clone(), lease.clone());
+        tokio::spawn(async move { lock.release(&lease).await })
+    };
+    eventually("the release is applied", || {
+        let mut conn = on_node.clone();
+        let name = lock_key_of(&key);
+        async move { (!conn.exists::<_, bool>(&name).await.unwrap()).then_some(()) }
+    })
+    .await;
+    proxy.drop_all();
+    proxy.pass(Direction::ToClient);
+    task.await
+        .unwrap()
+        .expect("the release happened; its resend must not report NotHeld");
+    let phase = monitor.mark().await;
+    assert!(evalshas(&phase) >= 2, "the driver resent it: {phase:?}");
+
+    // Every connection to the node so far goes dead without closing.
+    let lock = connect(&format!(
+        "{}?connect_timeout_ms=2000&operation_timeout_ms=500",
+        cluster.url()
+    ))
+    .await
+    .unwrap();
+    let warm = key_in(&mut on_node, &primary.slots, "warm").await;
+    let lease = acquired(
+        lock.try_acquire(&warm, Duration::from_secs(5))
+            .await
+            .unwrap(),
+    );
+    lock.release(&lease).await.unwrap();
+    let dead = kill_connections_so_far(&proxy);
+    let mut failures = Vec::new();
+    loop {
+        let key = key_in(&mut on_node, &primary.slots, "recover").await;
+        match lock.try_acquire(&key, Duration::from_secs(5)).await {
+            Ok(attempt) => {
+                lock.release(&acquired(attempt)).await.unwrap();
+                break;
+            }
+            Err(e) if failures.len() < 16 => {
+                assert!(e.is_transient(), "{e}");
+                failures.push(e.to_string());
+            }
+            Err(e) => panic!(
+                "{} requests failed after the node connection died, the last: {e}; {failures:?}",
+                failures.len() + 1
+            ),
+        }
+    }
+    assert!(failures.len() <= 2, "{failures:?}");
+    assert!(proxy.connections_accepted() > dead, "a new connection");
+
+    // An evicting policy on one primary.
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("allkeys-lfu")
+        .query_async(&mut on_node)
+        .await
+        .unwrap();
+    let err = connect(&url).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+    assert!(err.message().contains("allkeys-lfu"), "{err}");
 }

@@ -6,6 +6,9 @@
 mod acl;
 mod cluster;
 mod commands;
+mod eviction;
+mod foreign;
+mod outcomes;
 mod pubsub;
 mod sentinel;
 mod support;

@@ -208,7 +208,8 @@ async fn a_demoted_primary_is_left_for_the_new_one() {
 /// `min_replicas=1`: every acquisition and extension waits for the
 /// replica. More replicas than there are: the acquisition is given back
 /// and reported as `Unavailable`. The replica frozen: an extension is
-/// reported as `Unavailable`, and the lease keeps its old expiry.
+/// reported as `Unavailable`, and the lease keeps its old expiry. Then an
+/// evicting `maxmemory-policy` on the primary is refused at connect.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn min_replicas_waits_for_the_replicas() {
     let group = start_group(RedisSentinel::start).await;
@@ -257,4 +258,18 @@ async fn min_replicas_waits_for_the_replicas() {
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
     assert!(err.message().contains("min_replicas"), "{err}");
     one.release(&lease).await.unwrap();
+
+    // An evicting maxmemory-policy on the primary the sentinels name: the
+    // connection is refused, naming it.
+    let mut primary = raw(&group.node_url(group.primary().unwrap())).await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("volatile-lru")
+        .query_async(&mut primary)
+        .await
+        .unwrap();
+    let err = connect(&url(&group, "")).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+    assert!(err.message().contains("volatile-lru"), "{err}");
 }

@@ -423,3 +423,147 @@ impl HeldAndAwaited {
         next
     }
 }
+
+/// One raw acquisition attempt on `lock` for `owner` (no client around it:
+/// no owner token minted, nothing released on a timeout).
+pub async fn raw_acquire(
+    lock: &RedisLock,
+    key: &LockKey,
+    owner: distlock_core::OwnerToken,
+    ttl: Duration,
+) -> Result<distlock_core::AcquireReply, LockError> {
+    use distlock_core::LockBackend;
+    lock.acquire(distlock_core::AcquireRequest {
+        key,
+        owner,
+        ttl,
+        renewing: false,
+    })
+    .await
+}
+
+/// Polls `check` every 20 ms until it gives a value (up to 20 s).
+pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "never happened: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The value at `redis_key` once there is one.
+pub async fn value_appears(conn: &MultiplexedConnection, redis_key: &str) -> String {
+    eventually(&format!("{redis_key} is written"), || {
+        let mut conn = conn.clone();
+        async move { conn.get::<_, Option<String>>(redis_key).await.unwrap() }
+    })
+    .await
+}
+
+/// The fencing token in a lock value `dl1:<owner>:<token>`.
+pub fn token_of(value: &str) -> u64 {
+    value
+        .rsplit(':')
+        .next()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("not a distlock lock value: {value:?}"))
+}
+
+/// Every connection the proxy accepted so far stalls for an hour in both
+/// directions (dead, though open); connections opened later pass.
+pub fn kill_connections_so_far(proxy: &distlock_conformance::fault::Proxy) -> usize {
+    use distlock_conformance::fault::Direction;
+    let accepted = proxy.connections_accepted();
+    for connection in 0..accepted {
+        for direction in [Direction::ToServer, Direction::ToClient] {
+            proxy.delay_connection(connection, direction, Duration::from_secs(3600));
+        }
+    }
+    accepted
+}
+
+/// Tries an acquisition on a fresh key up to `attempts` times, until one
+/// answers; the errors before it (each a `Timeout` or `Unavailable`).
+pub async fn first_answer_within(
+    lock: &LockClient,
+    attempts: usize,
+) -> Result<Vec<LockError>, Vec<LockError>> {
+    let mut failures = Vec::new();
+    for _ in 0..attempts {
+        let key = unique("recover");
+        match lock.try_acquire(&key, Duration::from_secs(5)).await {
+            Ok(attempt) => {
+                lock.release(&acquired(attempt)).await.unwrap();
+                return Ok(failures);
+            }
+            Err(e) => {
+                assert!(e.is_transient(), "{e}");
+                failures.push(e);
+            }
+        }
+    }
+    Err(failures)
+}
+
+/// The WARN events emitted on this thread while it lives (for tests on a
+/// current-thread runtime), as text.
+pub struct Warnings {
+    events: Arc<Mutex<Vec<String>>>,
+    _guard: tracing::subscriber::DefaultGuard,
+}
+
+impl Warnings {
+    pub fn capture() -> Self {
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let guard = tracing::subscriber::set_default(Capture {
+            events: events.clone(),
+        });
+        Self {
+            events,
+            _guard: guard,
+        }
+    }
+
+    /// Every warning so far, emptying the list.
+    pub fn take(&self) -> Vec<String> {
+        std::mem::take(&mut *self.events.lock().unwrap())
+    }
+}
+
+struct Capture {
+    events: Arc<Mutex<Vec<String>>>,
+}
+
+struct Text(String);
+
+impl tracing::field::Visit for Text {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        use std::fmt::Write;
+        let _ = write!(self.0, "{}={:?} ", field.name(), value);
+    }
+}
+
+impl tracing::Subscriber for Capture {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        *metadata.level() <= tracing::Level::WARN
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut text = Text(String::new());
+        event.record(&mut text);
+        self.events.lock().unwrap().push(text.0);
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}

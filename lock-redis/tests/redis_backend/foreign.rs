@@ -1,0 +1,193 @@
+//! Data distlock did not write, of every type, at each of the Redis keys of
+//! a lock (the lock, its fencing counter, its released-by marker), met by
+//! each operation: every script that would write there reports it
+//! (`Corrupted`) and writes nothing; one that does not touch the key goes
+//! on and leaves it alone.
+
+use std::time::Duration;
+
+use distlock_conformance::server;
+use distlock_core::{ErrorKind, Lease, LockClient, LockError, LockKey};
+use distlock_redis::redis::{self, aio::MultiplexedConnection, AsyncCommands};
+
+use crate::support::*;
+
+const NS: &str = "fm";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Target {
+    Lock,
+    Fence,
+    Gone,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Op {
+    Acquire,
+    Extend,
+    Release,
+}
+
+const VARIANTS: &[&str] = &[
+    "string",
+    "hash",
+    "list",
+    "set",
+    "zset",
+    "stream",
+    "no-expiry",
+];
+
+fn redis_key(key: &LockKey, target: Target) -> String {
+    let suffix = match target {
+        Target::Lock => "lock",
+        Target::Fence => "fence",
+        Target::Gone => "gone",
+    };
+    format!("{NS}:{{{}}}:{suffix}", key.as_str())
+}
+
+/// Writes foreign data of `variant` at `name`; with an expiry of 5 s
+/// except for `no-expiry` (a value in distlock's own format, which
+/// distlock never leaves without one).
+async fn plant(conn: &mut MultiplexedConnection, name: &str, variant: &str, target: Target) {
+    let _: () = conn.del(name).await.unwrap();
+    let _: () = match variant {
+        "string" => conn.set(name, "someone else's").await.unwrap(),
+        "hash" => conn.hset(name, "f", "v").await.unwrap(),
+        "list" => conn.rpush(name, "a").await.unwrap(),
+        "set" => conn.sadd(name, "a").await.unwrap(),
+        "zset" => conn.zadd(name, "a", 1).await.unwrap(),
+        "stream" => redis::cmd("XADD")
+            .arg(name)
+            .arg("*")
+            .arg("f")
+            .arg("v")
+            .query_async::<String>(conn)
+            .await
+            .map(drop)
+            .unwrap(),
+        "no-expiry" => {
+            let value = match target {
+                Target::Fence => "42".to_owned(),
+                Target::Lock => format!("dl1:{}:7", "ab".repeat(16)),
+                Target::Gone => format!("dl1:{}:7/{}", "ab".repeat(16), "cd".repeat(16)),
+            };
+            conn.set(name, value).await.unwrap()
+        }
+        other => unreachable!("{other}"),
+    };
+    if variant != "no-expiry" {
+        let _: () = conn.pexpire(name, 5000).await.unwrap();
+    }
+}
+
+/// What is at `name`: its serialized value and its PTTL.
+async fn snapshot(conn: &mut MultiplexedConnection, name: &str) -> (Vec<u8>, i64) {
+    let dump: Vec<u8> = redis::cmd("DUMP")
+        .arg(name)
+        .query_async(conn)
+        .await
+        .unwrap();
+    let pttl: i64 = conn.pttl(name).await.unwrap();
+    (dump, pttl)
+}
+
+/// Runs `op` with foreign `variant` data at `target`; the mismatches with
+/// what should happen, if any.
+async fn case(
+    lock: &LockClient,
+    conn: &mut MultiplexedConnection,
+    target: Target,
+    variant: &str,
+    op: Op,
+) -> Option<String> {
+    let key = unique("foreign");
+    let name = redis_key(&key, target);
+    let lock_name = redis_key(&key, Target::Lock);
+    // Extend and release need a lock of ours first, taken for 10 s.
+    let lease: Option<Lease> = match op {
+        Op::Acquire => None,
+        Op::Extend | Op::Release => Some(acquired(
+            lock.try_acquire(&key, Duration::from_secs(10))
+                .await
+                .unwrap(),
+        )),
+    };
+    plant(conn, &name, variant, target).await;
+    let before = snapshot(conn, &name).await;
+    let result: Result<(), LockError> = match (&lease, op) {
+        (None, _) => lock
+            .try_acquire(&key, Duration::from_secs(60))
+            .await
+            .map(drop),
+        (Some(lease), Op::Extend) => lock.extend(lease, Duration::from_secs(60)).await.map(drop),
+        (Some(lease), _) => lock.release(lease).await,
+    };
+    let after = snapshot(conn, &name).await;
+    let label = format!("{op:?} with a foreign {variant} at the {target:?} key");
+    let touches = !matches!(
+        (target, op),
+        (Target::Fence, Op::Release) | (Target::Gone, Op::Acquire | Op::Extend)
+    );
+    let mut problems = Vec::new();
+    match (&result, touches) {
+        (Err(e), true) if e.kind() == ErrorKind::Corrupted => {
+            if !e.message().contains(&name) {
+                problems.push(format!("the error does not name {name}: {e}"));
+            }
+        }
+        (Ok(()), false) => {}
+        (other, true) => problems.push(format!("expected Corrupted, got {other:?}")),
+        (other, false) => problems.push(format!("expected success, got {other:?}")),
+    }
+    if after.0 != before.0 {
+        problems.push("the foreign value was changed".to_owned());
+    }
+    let pttl_kept = match before.1 {
+        -1 => after.1 == -1,
+        ms => after.1 > 0 && after.1 <= ms,
+    };
+    if !pttl_kept {
+        problems.push(format!(
+            "its expiry went from {} to {} ms",
+            before.1, after.1
+        ));
+    }
+    // Nothing else was written: no lock taken, extended or deleted.
+    if target != Target::Lock {
+        let lock_pttl: i64 = conn.pttl(&lock_name).await.unwrap();
+        let expected = match (op, touches) {
+            (Op::Acquire, true) => lock_pttl == -2,
+            (Op::Acquire, false) => lock_pttl > 10_000,
+            (Op::Extend, true) => (0..=10_000).contains(&lock_pttl),
+            (Op::Extend, false) => lock_pttl > 10_000,
+            (Op::Release, true) => (0..=10_000).contains(&lock_pttl),
+            (Op::Release, false) => lock_pttl == -2,
+        };
+        if !expected {
+            problems.push(format!("the lock key's PTTL is {lock_pttl} ms"));
+        }
+    }
+    let _: () = conn.del(&[&name, &lock_name]).await.unwrap();
+    (!problems.is_empty()).then(|| format!("{label}: {}", problems.join("; ")))
+}
+
+#[tokio::test]
+async fn foreign_data_at_every_key_is_reported_and_left_alone() {
+    let server = start(server::Redis::default());
+    let url = server.url();
+    let lock = connect(&format!("{url}/?namespace={NS}")).await.unwrap();
+    let mut conn = raw(&url).await;
+    let mut problems = Vec::new();
+    for target in [Target::Lock, Target::Fence, Target::Gone] {
+        for variant in VARIANTS {
+            for op in [Op::Acquire, Op::Extend, Op::Release] {
+                if let Some(problem) = case(&lock, &mut conn, target, variant, op).await {
+                    problems.push(problem);
+                }
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
