@@ -27,8 +27,9 @@ use crate::sql::{self, Arg, Call, GiveBack, Protocol, Reply, Statements};
 /// table the client creates on first use (`public.distlock_locks` unless
 /// configured; idempotent, safe when many clients start at once; PostgreSQL
 /// 13 or newer). Expiry is computed by the database clock. Acquire, extend
-/// and release are one statement each; rows stay after release (owner set
-/// to NULL) so the fencing counter of a key keeps growing.
+/// and release are one statement each; rows stay after release (marked
+/// given up, see the crate docs on unknown outcomes) so the fencing counter
+/// of a key keeps growing.
 ///
 /// No lock statement uses session state — no advisory locks, no `SET`.
 /// Behind a transaction pooler (`pool_mode=transaction`) statements use the
