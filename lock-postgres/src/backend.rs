@@ -599,7 +599,9 @@ impl LockBackend for PostgresLock {
         );
         let row = self.fetch_one("extend", key, call).await?.row;
         Ok(if self.held_by(&lock, &row)? {
-            ExtendReply::Extended(Grant::new(lock.fencing, ttl))
+            // The handle (the acquisition's send number) stays with the
+            // lease, for its release to refuse that acquisition's late sends.
+            ExtendReply::Extended(Grant::new(lock.fencing, ttl).with_handle(lock.handle))
         } else {
             ExtendReply::NotHeld
         })

@@ -124,48 +124,9 @@ async fn a_first_send_applied_after_the_give_back_leaves_nothing_held() {
     // nobody.
     let (proxy, proxied) = proxied().await;
     let ns = random_name("late_first");
-    let table = random_name("late_first");
-    let app = random_name("app");
-    let lock = Pg::connect(&format!(
-        "{proxied}?namespace={ns}&table={table}&application_name={app}&operation_timeout_ms=20000"
-    ))
-    .await;
-    let direct = Pg::connect(&format!("{}?namespace={ns}&table={table}", server().url())).await;
+    let (lock, direct, app) = on_own_table(&proxied, &ns).await;
     let (first_send, second_send) = (rand::random::<i32>(), rand::random::<i32>());
-    let sequence = random_name("sends");
-    let function = random_name("stall");
-    admin(&direct, &format!("CREATE SEQUENCE {sequence}")).await;
-    admin(
-        &direct,
-        &format!(
-            "CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $f$
-             BEGIN
-                 CASE nextval('{sequence}')
-                     WHEN 1 THEN PERFORM pg_advisory_xact_lock({first_send});
-                     WHEN 2 THEN PERFORM pg_advisory_xact_lock({second_send});
-                     ELSE NULL;
-                 END CASE;
-                 RETURN NEW;
-             END $f$"
-        ),
-    )
-    .await;
-    admin(
-        &direct,
-        &format!(
-            "CREATE TRIGGER stall BEFORE INSERT ON {} FOR EACH ROW EXECUTE FUNCTION {function}()",
-            direct.table()
-        ),
-    )
-    .await;
-    let mut gate = PgConnection::connect(&server().url()).await.unwrap();
-    sqlx::query(&format!(
-        "SELECT pg_advisory_lock({first_send}), pg_advisory_lock({second_send})"
-    ))
-    .execute(&mut gate)
-    .await
-    .unwrap();
-
+    let mut gate = stall_inserts(&direct, &[first_send, second_send]).await;
     let k = key("late");
     let owner = OwnerToken::random();
     let call = {
@@ -177,18 +138,14 @@ async fn a_first_send_applied_after_the_give_back_leaves_nothing_held() {
                 .await
         })
     };
-    let stalled = "wait_event_type = 'Lock' AND wait_event = 'advisory'";
-    let first = backend(&direct, &app, stalled).await;
+    let first = backend(&direct, &app, STALLED).await;
     // The connection of the first send is cut; the server goes on with it.
     proxy.drop_all();
-    backend(&direct, &app, &format!("{stalled} AND pid <> {first}")).await;
+    backend(&direct, &app, &format!("{STALLED} AND pid <> {first}")).await;
     // The caller leaves while the second send is in flight.
     call.abort();
     assert!(call.await.unwrap_err().is_cancelled());
-    sqlx::query(&format!("SELECT pg_advisory_unlock({second_send})"))
-        .execute(&mut gate)
-        .await
-        .unwrap();
+    open(&mut gate, second_send).await;
     // The second send took the lock; its caller is gone, so it is given back.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -204,22 +161,8 @@ async fn a_first_send_applied_after_the_give_back_leaves_nothing_held() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // Now the first send goes on, and ends.
-    sqlx::query(&format!("SELECT pg_advisory_unlock({first_send})"))
-        .execute(&mut gate)
-        .await
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !backends(
-        &direct,
-        &app,
-        &format!("pid = {first} AND state = 'active'"),
-    )
-    .await
-    .is_empty()
-    {
-        assert!(Instant::now() < deadline, "the first send never ended");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    open(&mut gate, first_send).await;
+    ended(&direct, &app, first).await;
     assert_eq!(
         direct.inspect(&k).await.unwrap(),
         LockState::Free,
@@ -301,4 +244,114 @@ async fn an_extend_sent_again_after_a_lost_connection_ends_by_its_first_sends_de
 #[tokio::test]
 async fn a_release_sent_again_after_a_lost_connection_ends_by_its_first_sends_deadline() {
     assert_ends_by_the_first_sends_deadline(Op::Release).await;
+}
+
+/// Makes the n-th `INSERT` into `lock`'s table (the n-th send of an
+/// acquire, counting every client) wait on the advisory lock `gates[n - 1]`,
+/// which the returned connection holds until the test unlocks it.
+async fn stall_inserts(lock: &Pg, gates: &[i32]) -> PgConnection {
+    let sequence = random_name("sends");
+    let function = random_name("stall");
+    let cases: String = gates
+        .iter()
+        .enumerate()
+        .map(|(i, gate)| format!("WHEN {} THEN PERFORM pg_advisory_xact_lock({gate});", i + 1))
+        .collect();
+    admin(lock, &format!("CREATE SEQUENCE {sequence}")).await;
+    admin(
+        lock,
+        &format!(
+            "CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $f$
+             BEGIN
+                 CASE nextval('{sequence}') {cases} ELSE NULL; END CASE;
+                 RETURN NEW;
+             END $f$"
+        ),
+    )
+    .await;
+    admin(
+        lock,
+        &format!(
+            "CREATE TRIGGER stall BEFORE INSERT ON {} FOR EACH ROW EXECUTE FUNCTION {function}()",
+            lock.table()
+        ),
+    )
+    .await;
+    let mut gate = PgConnection::connect(&server().url()).await.unwrap();
+    for lock in gates {
+        sqlx::query(&format!("SELECT pg_advisory_lock({lock})"))
+            .execute(&mut gate)
+            .await
+            .unwrap();
+    }
+    gate
+}
+
+/// Opens `gate` (see [`stall_inserts`]).
+async fn open(gate_holder: &mut PgConnection, gate: i32) {
+    sqlx::query(&format!("SELECT pg_advisory_unlock({gate})"))
+        .execute(gate_holder)
+        .await
+        .unwrap();
+}
+
+/// A client through `proxied` on its own table (so that a trigger can stall
+/// its inserts), with its `application_name`, and a direct client on the
+/// same rows.
+async fn on_own_table(proxied: &str, ns: &str) -> (Pg, Pg, String) {
+    let table = random_name("stalled");
+    let app = random_name("app");
+    let lock = Pg::connect(&format!(
+        "{proxied}?namespace={ns}&table={table}&application_name={app}&operation_timeout_ms=20000"
+    ))
+    .await;
+    let direct = Pg::connect(&format!("{}?namespace={ns}&table={table}", server().url())).await;
+    (lock, direct, app)
+}
+
+/// Waits until the backend `pid` of `app` no longer runs a statement.
+async fn ended(direct: &Pg, app: &str, pid: i32) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !backends(direct, app, &format!("pid = {pid} AND state = 'active'"))
+        .await
+        .is_empty()
+    {
+        assert!(Instant::now() < deadline, "the stalled send never ended");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+const STALLED: &str = "wait_event_type = 'Lock' AND wait_event = 'advisory'";
+
+#[tokio::test]
+async fn a_first_send_applied_after_its_lease_was_renewed_and_released_takes_nothing() {
+    // The first send of an acquire stalls on the server and its connection
+    // is cut; the resend takes the lock, which is renewed and released.
+    // Only then does the first send go on: it must not take the lock again
+    // for nobody.
+    let (proxy, proxied) = proxied().await;
+    let ns = random_name("late_after_release");
+    let (lock, direct, app) = on_own_table(&proxied, &ns).await;
+    let first_send = rand::random::<i32>();
+    let mut gate = stall_inserts(&direct, &[first_send]).await;
+    let k = key("late");
+    let call = spawn_op(&lock, &k, None, Op::Acquire);
+    let first = backend(&direct, &app, STALLED).await;
+    proxy.drop_all();
+    let lease = call
+        .await
+        .unwrap()
+        .expect("sent again after the lost connection")
+        .expect("free");
+    let lease = lock.extend(&lease, Duration::from_secs(60)).await.unwrap();
+    lock.release(&lease).await.unwrap();
+    open(&mut gate, first_send).await;
+    ended(&direct, &app, first).await;
+    assert_eq!(
+        direct.inspect(&k).await.unwrap(),
+        LockState::Free,
+        "the first send, applied after the release, took the lock for nobody: {:?}",
+        row(&direct, &k).await
+    );
+    take(&direct, &k, Duration::from_secs(5), "free").await;
 }
