@@ -100,7 +100,10 @@ async fn an_attempt_whose_reply_was_lost_is_adopted_by_the_next_with_its_owner_t
         (Some(owner.to_hex()), fencing),
         "the timed-out attempt's client undid the lock the next attempt adopted"
     );
-    assert!(left > 20_000, "{left} ms left");
+    assert!(
+        left > 20_000,
+        "the timed-out attempt's client gave up the lock the next attempt adopted: {left} ms left"
+    );
     let released = direct
         .backend
         .release(HeldLock {
