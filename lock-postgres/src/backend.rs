@@ -1,8 +1,9 @@
 //! [`PostgresLock`]: the lease-table backend.
 
 use std::fmt;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use distlock_core::{
@@ -12,12 +13,13 @@ use distlock_core::{
 use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::Row;
 use tokio::sync::OnceCell;
+use tokio::time::Instant;
 
 use crate::config::{PoolMode, PostgresConfig};
 use crate::errors;
 use crate::keys::{channel_name, is_owner_token, qualified_table};
 use crate::listener::Releases;
-use crate::sql::{self, Arg, Call, InFlight, Protocol, Reply, Statements, Undo};
+use crate::sql::{self, Arg, Call, GiveBack, Protocol, Reply, Statements};
 
 /// A lock backend on a PostgreSQL lock table.
 ///
@@ -25,8 +27,9 @@ use crate::sql::{self, Arg, Call, InFlight, Protocol, Reply, Statements, Undo};
 /// table the client creates on first use (`public.distlock_locks` unless
 /// configured; idempotent, safe when many clients start at once; PostgreSQL
 /// 13 or newer). Expiry is computed by the database clock. Acquire, extend
-/// and release are one statement each; rows stay after release (owner set
-/// to NULL) so the fencing counter of a key keeps growing.
+/// and release are one statement each; rows stay after release (marked
+/// given up, see the crate docs on unknown outcomes) so the fencing counter
+/// of a key keeps growing.
 ///
 /// No lock statement uses session state — no advisory locks, no `SET`.
 /// Behind a transaction pooler (`pool_mode=transaction`) statements use the
@@ -195,78 +198,94 @@ impl PostgresLock {
     }
 
     /// A statement on `sql` with `args`, for this client's protocol.
-    fn call<'a>(&self, sql: &'a sql::Sql, args: Vec<Arg<'a>>) -> Call<'a> {
+    fn call(&self, sql: &Arc<sql::Sql>, args: Vec<Arg>) -> Call {
         Call::new(self.protocol, sql, args)
     }
 
-    /// Runs one statement (see [`sql::run`]) and returns its reply: a pooled
-    /// connection within the connect timeout (the pool's acquire timeout),
-    /// the statement within the operation timeout.
+    /// The error of a statement whose operation timeout ran out.
+    fn timed_out(&self, what: &str, key: Option<&LockKey>) -> LockError {
+        let on_key = key
+            .map(|k| format!(" on lock {:?}", k.as_str()))
+            .unwrap_or_default();
+        LockError::timeout(format!(
+            "{what}{on_key} got no reply within the operation timeout of {:?} (counted from its first send, resends included); \
+             whether it took effect is unknown; the server may be down or overloaded",
+            self.config.client.operation_timeout
+        ))
+    }
+
+    /// Runs one statement (see [`sql::send`]) and returns its reply: a
+    /// pooled connection within the connect timeout (the pool's acquire
+    /// timeout), then the statement within the operation timeout, counted
+    /// from its first send, whatever is resent.
     ///
     /// A connection found broken — closed by the server while idle in the
     /// pool (`idle_session_timeout`, a restart, a pooler's own timeouts) or
     /// terminated while the statement ran (`pg_terminate_backend`) — is
     /// closed and the statement sent again on another one, while the
-    /// operation timeout allows and at most once per pooled connection and
-    /// one more: every lock statement reads correctly when repeated (see
-    /// [`sql::run`]), so the caller sees an error only if the server stays
-    /// unreachable.
+    /// deadline of the first send allows and at most once per pooled
+    /// connection and one more: every lock statement reads correctly when
+    /// repeated (see [`sql::send`]), so the caller sees an error only if
+    /// the server stays unreachable.
     ///
-    /// Cancel-safe: if the reply is not read — the operation timed out, or
-    /// the caller dropped this future — the connection still has it
-    /// outstanding (on a black-holed network, forever). It is then never
-    /// returned to the pool as is (sqlx would ping it without a time limit,
-    /// holding a pool slot): `undo` runs on it in the background, bounded by
-    /// the operation timeout, or it is closed.
+    /// Cancel-safe: the statement runs on a task of its own, which reads
+    /// its reply even after this future was dropped or timed out, then
+    /// gives the connection back (or closes it), and gives back a lock an
+    /// acquire was granted with `give_back`; it reads no longer than one
+    /// more operation timeout.
     async fn fetch(
         &self,
         what: &str,
         key: Option<&LockKey>,
-        call: &Call<'_>,
-        undo: Option<Undo>,
+        call: Call,
+        give_back: Option<GiveBack>,
     ) -> Result<Reply, LockError> {
-        let started = Instant::now();
-        let operation_timeout = self.config.client.operation_timeout;
+        let call = Arc::new(call);
+        let timeout = self.config.client.operation_timeout;
+        // Set at the first send: resends share it.
+        let mut deadline: Option<Instant> = None;
         let mut lost = 0;
         let mut resent = false;
         loop {
-            let conn = self
-                .pool
-                .acquire()
-                .await
-                .map_err(|e| self.map_err(e, what, key))?;
-            let mut flight = InFlight::new(conn, undo.clone(), operation_timeout);
-            let reply = self
-                .config
-                .client
-                .timed(what, async { Ok(sql::run(flight.conn(), call).await) })
-                .await?;
-            match reply {
-                Ok(mut reply) => {
-                    flight.finish();
+            let conn = match deadline {
+                None => self.pool.acquire().await,
+                Some(deadline) => {
+                    match tokio::time::timeout_at(deadline, self.pool.acquire()).await {
+                        Ok(conn) => conn,
+                        Err(_) => return Err(self.timed_out(what, key)),
+                    }
+                }
+            }
+            .map_err(|e| self.map_err(e, what, key))?;
+            let deadline = *deadline.get_or_insert_with(|| Instant::now() + timeout);
+            let mut sent = sql::send(
+                conn,
+                call.clone(),
+                give_back.clone(),
+                deadline + timeout,
+                timeout,
+            );
+            let Some(mut done) = sent.wait(deadline).await else {
+                return Err(self.timed_out(what, key));
+            };
+            match done.take() {
+                Some(Ok(mut reply)) => {
                     reply.resent |= resent;
                     return Ok(reply);
                 }
-                Err(e)
+                Some(Err(e))
                     if errors::is_connection_lost(&e)
                         && lost <= self.pool.options().get_max_connections()
-                        && started.elapsed() < operation_timeout =>
+                        && Instant::now() < deadline =>
                 {
-                    flight.close();
                     lost += 1;
                     // The statement may have run before the connection
                     // broke: the next reply is read as a repeat.
                     resent = true;
                     tracing::debug!(error = %e, what, "connection lost; sending the statement again on another one");
                 }
-                Err(e) => {
-                    if errors::is_connection_lost(&e) {
-                        flight.close();
-                    } else {
-                        flight.finish();
-                    }
-                    return Err(self.map_err(e, what, key));
-                }
+                Some(Err(e)) => return Err(self.map_err(e, what, key)),
+                None => return Err(self.timed_out(what, key)),
             }
         }
     }
@@ -277,7 +296,7 @@ impl PostgresLock {
         &self,
         what: &str,
         key: &LockKey,
-        call: &Call<'_>,
+        call: Call,
     ) -> Result<Reply<PgRow>, LockError> {
         let reply = self.fetch(what, Some(key), call, None).await?;
         let row = reply.row.ok_or_else(|| {
@@ -293,7 +312,7 @@ impl PostgresLock {
     }
 
     /// Whether the catalog query `call` answers `exists = true`.
-    async fn exists(&self, call: &Call<'_>) -> Result<bool, LockError> {
+    async fn exists(&self, call: Call) -> Result<bool, LockError> {
         let what = "creating the lock table";
         match self.fetch(what, None, call, None).await?.row {
             Some(row) => row
@@ -320,7 +339,7 @@ impl PostgresLock {
     async fn create_table(&self) -> Result<(), LockError> {
         let qualified = self.table();
         if self
-            .exists(&self.call(&self.sql.table_exists, vec![Arg::Text(&qualified)]))
+            .exists(self.call(&self.sql.table_exists, vec![Arg::text(&qualified)]))
             .await?
         {
             return Ok(());
@@ -346,18 +365,18 @@ impl PostgresLock {
     async fn create_table_once(&self) -> Result<(), LockError> {
         let what = "creating the lock table";
         if !self
-            .exists(&self.call(
+            .exists(self.call(
                 &self.sql.schema_exists,
-                vec![Arg::Text(&self.config.schema)],
+                vec![Arg::text(&self.config.schema)],
             ))
             .await?
         {
             // Sent once: no statement to cache.
             let call = Call::new(Protocol::Simple, &self.sql.create_schema, Vec::new());
-            self.fetch(what, None, &call, None).await?;
+            self.fetch(what, None, call, None).await?;
         }
         let call = Call::new(Protocol::Simple, &self.sql.create_table, Vec::new());
-        self.fetch(what, None, &call, None).await?;
+        self.fetch(what, None, call, None).await?;
         Ok(())
     }
 
@@ -439,15 +458,29 @@ impl PostgresLock {
             })
     }
 
-    /// Whether the row, as the release statement found it, is free with
-    /// `lock`'s fencing token: released by this lock (or force-released
-    /// since), not taken by anyone after it.
+    /// Whether the row, as the release statement found it, was given up by
+    /// `lock` (released by it) or freed with its fencing token
+    /// (force-released since), and not taken by anyone after it.
     fn freed_with(&self, lock: &HeldLock<'_>, row: &PgRow) -> Result<bool, LockError> {
         let owner: Option<String> = self.column(row, "owner", lock.key)?;
         let fencing: Option<i64> = self.column(row, "fencing", lock.key)?;
+        let given_up: bool = self.column(row, "given_up", lock.key)?;
         let fencing = fencing.and_then(|f| u64::try_from(f).ok());
-        Ok(owner.is_none() && fencing == Some(lock.fencing.get()))
+        let released = match owner {
+            None => true,
+            Some(owner) => given_up && owner == lock.owner.to_hex(),
+        };
+        Ok(released && fencing == Some(lock.fencing.get()))
     }
+}
+
+/// The acquisitions this process started, each numbered for the statement
+/// that carries it (see `Statements::acquire`).
+static SENDS: AtomicI64 = AtomicI64::new(0);
+
+/// A send number greater than every one this process used so far.
+fn next_send() -> i64 {
+    SENDS.fetch_add(1, Ordering::SeqCst) + 1
 }
 
 /// `lock`'s fencing token as a bigint (every token this backend grants is one).
@@ -485,25 +518,31 @@ impl LockBackend for PostgresLock {
         let ttl_ms = ttl_millis(request.ttl);
         self.ensure_table().await?;
         let owner = request.owner.to_hex();
-        // A call dropped before the reply gives back what it was granted.
-        let undo = Undo {
+        let send = next_send();
+        // The statement's caller may leave (a timeout, a dropped future)
+        // before its reply: then what it was granted is given back.
+        let give_back = GiveBack {
             sql: self.sql.clone(),
             protocol: self.protocol,
             namespace: self.namespace().to_owned(),
             key: key.as_str().to_owned(),
             owner: owner.clone(),
+            send,
             channel: self.channel.clone(),
         };
         let call = self.call(
             &self.sql.acquire,
             vec![
-                Arg::Text(self.namespace()),
-                Arg::Text(key.as_str()),
-                Arg::Text(&owner),
+                Arg::text(self.namespace()),
+                Arg::text(key.as_str()),
+                Arg::Text(owner.clone()),
                 Arg::Int(ttl_ms),
+                Arg::Int(send),
             ],
         );
-        let reply = self.fetch("acquire", Some(key), &call, Some(undo)).await?;
+        let reply = self
+            .fetch("acquire", Some(key), call, Some(give_back))
+            .await?;
         let Some(row) = reply.row else {
             // Someone inserted the first row for this key concurrently and
             // this statement's snapshot cannot see it yet: try again soon.
@@ -514,17 +553,14 @@ impl LockBackend for PostgresLock {
         };
         let acquired: bool = self.column(&row, "acquired", key)?;
         let fencing: Option<i64> = self.column(&row, "fencing", key)?;
-        let grant = |fencing| Ok(AcquireReply::Granted(Grant::new(fencing, request.ttl)));
         if acquired {
-            return grant(self.granted(key, fencing)?);
+            // Taken, or adopted from an earlier attempt with this owner
+            // token whose reply was lost (same fencing token, TTL reset).
+            let grant = Grant::new(self.granted(key, fencing)?, request.ttl);
+            return Ok(AcquireReply::Granted(grant.with_handle(send as u64)));
         }
         let holder: Option<String> = self.column(&row, "owner", key)?;
         self.check_row(key, holder.as_deref(), fencing, None)?;
-        if reply.resent && holder.as_deref() == Some(owner.as_str()) {
-            // An earlier attempt took it and its reply was lost; the owner
-            // token is this request's alone.
-            return grant(self.granted(key, fencing)?);
-        }
         if fencing.is_none() {
             return Err(LockError::corrupted(format!(
                 "the row for lock {:?} in {} has no fencing counter; it is left untouched",
@@ -533,8 +569,10 @@ impl LockBackend for PostgresLock {
             )));
         }
         let expires_in = match holder {
-            // The row changed after this statement's snapshot: retry soon.
+            // The row changed after this statement's snapshot (or, for this
+            // owner token, is one it gave up): retry soon.
             None => Some(Duration::ZERO),
+            Some(holder) if holder == owner => Some(Duration::ZERO),
             Some(_) => {
                 let ms: Option<i64> = self.column(&row, "expires_in_ms", key)?;
                 ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)))
@@ -552,16 +590,18 @@ impl LockBackend for PostgresLock {
         let call = self.call(
             &self.sql.extend,
             vec![
-                Arg::Text(self.namespace()),
-                Arg::Text(key.as_str()),
-                Arg::Text(&owner),
+                Arg::text(self.namespace()),
+                Arg::text(key.as_str()),
+                Arg::Text(owner),
                 Arg::Int(fencing),
                 Arg::Int(ttl_ms),
             ],
         );
-        let row = self.fetch_one("extend", key, &call).await?.row;
+        let row = self.fetch_one("extend", key, call).await?.row;
         Ok(if self.held_by(&lock, &row)? {
-            ExtendReply::Extended(Grant::new(lock.fencing, ttl))
+            // The handle (the acquisition's send number) stays with the
+            // lease, for its release to refuse that acquisition's late sends.
+            ExtendReply::Extended(Grant::new(lock.fencing, ttl).with_handle(lock.handle))
         } else {
             ExtendReply::NotHeld
         })
@@ -575,16 +615,18 @@ impl LockBackend for PostgresLock {
         let call = self.call(
             &self.sql.release,
             vec![
-                Arg::Text(self.namespace()),
-                Arg::Text(key.as_str()),
-                Arg::Text(&owner),
+                Arg::text(self.namespace()),
+                Arg::text(key.as_str()),
+                Arg::Text(owner),
                 Arg::Int(fencing),
-                Arg::Text(&self.channel),
+                Arg::text(&self.channel),
+                // Acquire sends up to this lease's are refused from now on.
+                Arg::Int(i64::try_from(lock.handle).unwrap_or(0)),
             ],
         );
-        let reply = self.fetch_one("release", key, &call).await?;
+        let reply = self.fetch_one("release", key, call).await?;
         // A resent release whose earlier attempt freed the row (its reply
-        // was lost) finds it free with this lock's fencing token.
+        // was lost) finds it given up with this lock's fencing token.
         let released = (reply.resent && self.freed_with(&lock, &reply.row)?)
             || self.held_by(&lock, &reply.row)?;
         Ok(if released {
@@ -612,9 +654,9 @@ impl LockAdmin for PostgresLock {
         self.ensure_table().await?;
         let call = self.call(
             &self.sql.inspect,
-            vec![Arg::Text(self.namespace()), Arg::Text(key.as_str())],
+            vec![Arg::text(self.namespace()), Arg::text(key.as_str())],
         );
-        let Some(row) = self.fetch("inspect", Some(key), &call, None).await?.row else {
+        let Some(row) = self.fetch("inspect", Some(key), call, None).await?.row else {
             return Ok(LockState::Free);
         };
         let held: bool = self.column(&row, "held", key)?;
@@ -636,12 +678,12 @@ impl LockAdmin for PostgresLock {
         let call = self.call(
             &self.sql.force_release,
             vec![
-                Arg::Text(self.namespace()),
-                Arg::Text(key.as_str()),
-                Arg::Text(&self.channel),
+                Arg::text(self.namespace()),
+                Arg::text(key.as_str()),
+                Arg::text(&self.channel),
             ],
         );
-        let row = self.fetch_one("force release", key, &call).await?.row;
+        let row = self.fetch_one("force release", key, call).await?.row;
         let done: i64 = self.column(&row, "done", key)?;
         let owner: Option<String> = self.column(&row, "owner", key)?;
         let fencing: Option<i64> = self.column(&row, "fencing", key)?;

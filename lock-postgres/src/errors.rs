@@ -21,9 +21,42 @@ mod code {
     pub const DUPLICATE_OBJECT: &str = "42710";
     pub const SERIALIZATION_FAILURE: &str = "40001";
     pub const DEADLOCK_DETECTED: &str = "40P01";
+    pub const READ_ONLY_TRANSACTION: &str = "25006";
+    pub const UNDEFINED_FUNCTION: &str = "42883";
+    pub const UNTRANSLATABLE_CHARACTER: &str = "22P05";
+    pub const CHARACTER_NOT_IN_REPERTOIRE: &str = "22021";
+    pub const DATA_CORRUPTED: &str = "XX001";
+    pub const INDEX_CORRUPTED: &str = "XX002";
+    pub const LOCK_NOT_AVAILABLE: &str = "55P03";
+    pub const DATABASE_DROPPED: &str = "57P04";
     /// Class 08: connection exceptions (PgBouncer reports a server
     /// connection lost under a transaction as 08P01).
     pub const CONNECTION_EXCEPTION_CLASS: &str = "08";
+    /// Class 53: insufficient resources (disk full, out of memory, too many
+    /// connections).
+    pub const INSUFFICIENT_RESOURCES_CLASS: &str = "53";
+    /// Class 57: operator intervention (shutdown, cannot connect now,
+    /// idle session timeout, statement canceled).
+    pub const OPERATOR_INTERVENTION_CLASS: &str = "57";
+}
+
+/// Whether a statement that failed with SQLSTATE `code` may succeed when
+/// sent again later: the connection or the server was unavailable (class
+/// 08; class 57 — shutting down, starting up, a session or statement ended
+/// by the server — but for a dropped database), the server lacked
+/// resources (class 53), or the statement lost to a concurrent
+/// transaction (serialization failure, deadlock, `lock_timeout`). Every
+/// other error — a read-only server, a missing function, a rejected value
+/// or literal, a broken trigger — comes back the same however often it is
+/// sent, so a waiting acquire reports it at once.
+pub(crate) fn is_transient_sqlstate(code: &str) -> bool {
+    code.starts_with(code::CONNECTION_EXCEPTION_CLASS)
+        || code.starts_with(code::INSUFFICIENT_RESOURCES_CLASS)
+        || (code.starts_with(code::OPERATOR_INTERVENTION_CLASS) && code != code::DATABASE_DROPPED)
+        || matches!(
+            code,
+            code::SERIALIZATION_FAILURE | code::DEADLOCK_DETECTED | code::LOCK_NOT_AVAILABLE
+        )
 }
 
 /// The SQLSTATE of a database error, if it is one.
@@ -245,18 +278,54 @@ pub(crate) fn map(
                 Some(code::NUMERIC_VALUE_OUT_OF_RANGE) => LockError::corrupted(format!(
                     "{what}{on_key}: the lock row holds a value out of range ({message}); it is left untouched"
                 )),
-                Some(c) if c.starts_with("08") || c.starts_with("57") || c.starts_with("53") => {
-                    LockError::unavailable(format!(
-                        "{what}{on_key} failed: the PostgreSQL server is not available ({message})"
+                Some(c) if is_transient_sqlstate(c) => LockError::unavailable(format!(
+                    "{what}{on_key} failed: the PostgreSQL server is not available ({c}: {message})"
+                )),
+                Some(c @ code::READ_ONLY_TRANSACTION) => LockError::config(format!(
+                    "{what}{on_key} failed ({c}: {message}): the server only allows reads (a hot standby, or default_transaction_read_only = on for this user or database); \
+                     connect to the primary with a user and database that may write"
+                )),
+                Some(c @ code::UNDEFINED_FUNCTION) => LockError::config(format!(
+                    "{what}{on_key} failed ({c}: {message}): a function or operator the statement needs does not exist; \
+                     check the lock table's layout and any trigger on it (PostgreSQL 13 or newer is needed)"
+                )),
+                Some(c @ (code::UNTRANSLATABLE_CHARACTER | code::CHARACTER_NOT_IN_REPERTOIRE)) => {
+                    LockError::invalid_input(format!(
+                        "{what}{on_key} failed ({c}: {message}): the database's encoding cannot store this key or namespace; \
+                         use characters it can store, or a UTF8 database"
                     ))
                 }
-                _ => LockError::unavailable(format!(
-                    "{what}{on_key} failed: PostgreSQL error {}: {message}",
-                    db.code().unwrap_or_default()
+                Some(c @ (code::DATA_CORRUPTED | code::INDEX_CORRUPTED)) => LockError::corrupted(format!(
+                    "{what}{on_key} failed ({c}: {message}): the server reports damaged data in the lock table"
+                )),
+                code => LockError::config(format!(
+                    "{what}{on_key} failed: PostgreSQL error {}: {message}; sending it again cannot help (check the server's settings, the lock table and any trigger on it)",
+                    code.unwrap_or_default()
                 )),
             }
         }
         _ => LockError::unavailable(format!("{what}{on_key} failed: {error}")),
     };
     mapped.with_source(error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_connection_resource_and_conflict_errors_are_transient() {
+        for transient in [
+            "08000", "08006", "08P01", "53100", "53200", "53300", "57P01", "57P02", "57P03",
+            "57P05", "57014", "40001", "40P01", "55P03",
+        ] {
+            assert!(is_transient_sqlstate(transient), "{transient}");
+        }
+        for permanent in [
+            "22P06", "22P05", "22021", "25006", "42883", "42P01", "42501", "0A000", "23505",
+            "57P04", "P0001", "XX000", "XX001", "58030", "40002",
+        ] {
+            assert!(!is_transient_sqlstate(permanent), "{permanent}");
+        }
+    }
 }

@@ -1,11 +1,12 @@
 //! How user keys, namespaces and table names reach PostgreSQL.
 //!
 //! A lock is the row `(namespace, key)` of the lock table: the namespace and
-//! the user key are two separate columns, each sent as a bind parameter, so
-//! the mapping is injective by construction — look-alike keys (`a`, `a/b`,
-//! `a:b`, `a{b}`, `a%2Fb`, unicode, quotes, backslashes) are different rows,
-//! and a client only ever reads or writes rows of its own namespace. No key
-//! is ever spliced into SQL text.
+//! the user key are two separate columns, each sent as a bind parameter (or,
+//! behind a transaction pooler, a dollar-quoted literal that reads as the
+//! same text: see the `sql` module), so the mapping is injective by
+//! construction — look-alike keys (`a`, `a/b`, `a:b`, `a{b}`, `a%2Fb`,
+//! unicode, quotes, backslashes) are different rows, and a client only ever
+//! reads or writes rows of its own namespace.
 //!
 //! Schema and table names are identifiers, which cannot be bind parameters;
 //! they come from the configuration (never from a lock key), are validated

@@ -5,7 +5,8 @@
 //! lock is one row per `(namespace, key)` holding the owner token, a fencing
 //! counter and an expiry computed by the **database clock**. Acquire,
 //! extend and release are one SQL statement each, atomic on the server; keys
-//! are always bind parameters. Waiters are woken by `LISTEN`/`NOTIFY` on one
+//! are bind parameters (dollar-quoted literals behind a transaction
+//! pooler), never SQL text. Waiters are woken by `LISTEN`/`NOTIFY` on one
 //! shared connection per client (distlock-core's
 //! [`Listener`](distlock_core::Listener)), and by a timer set to the holder's
 //! remaining lease in case the holder crashed. TTLs, owner tokens, lease
@@ -100,8 +101,10 @@
 //! - **Transaction (or statement) pooling** (PgBouncer `pool_mode =
 //!   transaction`, PgBouncer 1.18 included): add `pool_mode=transaction`.
 //!   - Statements then use the simple query protocol with the values as
-//!     escaped literals (see the `sql` module: printable ASCII only, so
-//!     nothing can be injected): a transaction pooler may run each message
+//!     dollar-quoted literals (see the `sql` module: nothing in them is
+//!     special, whatever `standard_conforming_strings` and `backslash_quote`
+//!     say, and they reach the same rows as bind parameters, on a
+//!     `SQL_ASCII` database too): a transaction pooler may run each message
 //!     of a client on another server session, which breaks named prepared
 //!     statements (`42P05 prepared statement "sqlx_s_1" already exists`,
 //!     `26000`) and even sqlx's unnamed ones (its `Parse`/`Describe` and
@@ -136,24 +139,54 @@
 //! A pooled connection the server closed — while idle in the pool
 //! (`idle_session_timeout`, a restart, a pooler's timeouts) or while its
 //! statement ran (`pg_terminate_backend`) — is closed and the statement sent
-//! again on another connection, within the operation timeout: every lock
-//! statement reads correctly when repeated (an acquire finds the lock held
-//! by its own owner token, a release finds it freed with its fencing
-//! token). The caller sees an error only if the server stays unreachable.
-//! A lost listener connection wakes its waiters, who subscribe again on a
-//! new one. Keep `idle_session_timeout` above 10 s (the listener pings a
-//! quiet connection every 10 s), or the listener is reopened each time
-//! it fires.
+//! again on another connection: every lock statement reads correctly when
+//! repeated (an acquire adopts the lock its own owner token holds, a release
+//! finds the row given up with its fencing token). The caller sees an error
+//! only if the server stays unreachable. Every call ends within its
+//! operation timeout counted from its *first* send: a resend gets what is
+//! left of it, never a timeout of its own. A lost listener connection wakes
+//! its waiters, who subscribe again on a new one. Keep
+//! `idle_session_timeout` above 10 s (the listener pings a quiet connection
+//! every 10 s), or the listener is reopened each time it fires.
+//!
+//! # Unknown outcomes
+//!
+//! A statement that timed out, or whose connection broke, may still be
+//! applied by the server later. This backend keeps distlock's rule for
+//! such requests:
+//!
+//! - **Adoption**: an acquire that finds the lock held, live, by its own
+//!   owner token (an earlier attempt of the same acquisition whose reply was
+//!   lost) gets it, in the same statement: the lock's existing fencing token,
+//!   its expiry reset to the request's TTL by the database clock.
+//! - **Exact give-back**: each statement runs on a task of its own that reads
+//!   its reply even after the caller stopped waiting (its timeout, or a
+//!   dropped future), bounded by one more operation timeout. A lock an
+//!   acquire was granted after its caller left is then given back by the
+//!   row version that acquire wrote, so a lock adopted or renewed since by a
+//!   later attempt is never undone.
+//! - **Given-up rows refuse late sends**: release and give-back keep the
+//!   owner token in the row and set its expiry to a moment in 1970 that
+//!   encodes the acquisition's *send number* (numbers grow with every
+//!   acquire this process starts). Such a row is free for everyone, but an
+//!   acquire of that owner token with a send number up to it is refused, so
+//!   an earlier send that the server applies late — after the release, or
+//!   after the give-back — never takes the lock for nobody. A later
+//!   acquisition with the same owner token has a greater number and is not
+//!   refused. Older versions of this crate read such a row as expired.
+//!
+//! What is left: if the give-back itself cannot run (the server unreachable
+//! until the operation timeout passes), or another client takes and frees
+//! the row before a late send lands, that send's lock expires after its TTL.
 //!
 //! # Cancellation
 //!
 //! Every future of [`PostgresLock`] may be dropped at any await point (a
-//! caller's timeout). A connection whose statement was in flight is never
-//! returned to the pool with the reply unread: for an acquire, a background
-//! task reads the reply and gives back a lock the statement may have been
-//! granted (bounded by the operation timeout; if that fails, the lock
-//! expires after its TTL); for other statements the connection is closed. A
-//! dropped extend or release may or may not have taken effect.
+//! caller's timeout). A statement in flight goes on on its own task (see
+//! above): the connection goes back to the pool once its reply is read, or
+//! is closed if none comes within one more operation timeout; a lock an
+//! acquire was granted is given back (if that fails, it expires after its
+//! TTL). A dropped extend or release may or may not have taken effect.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

@@ -1,6 +1,11 @@
 //! How one statement is run on a pooled connection.
 //!
-//! [`run`] sends one statement on a pooled connection and does three
+//! [`send`] runs one statement on a task of its own, so that its reply is
+//! read to the end even when the caller stops waiting for it (its
+//! operation timeout passed, or its future was dropped): the connection
+//! never goes back to the pool with a reply outstanding, and what an
+//! acquire whose caller left was granted is known, and given back exactly
+//! ([`GiveBack`]) instead of guessed at. [`run`], on that task, does three
 //! things sqlx does not do for us:
 //! - A `NotificationResponse` on a connection that is not a listener (it
 //!   happens behind a transaction pooler, whose server sessions are shared
@@ -12,8 +17,8 @@
 //!   statement ran — which it may still do, since the statement may have
 //!   been sent already: the statement is sent again and the caller learns
 //!   that an earlier attempt may have taken effect ([`Reply::resent`]).
-//!   Every lock statement reads correctly when repeated: an acquire finds
-//!   the lock held by its own owner token, a release finds it freed with
+//!   Every lock statement reads correctly when repeated: an acquire adopts
+//!   the lock its own owner token holds, a release finds it given up with
 //!   its fencing token, extend and inspect simply run again.
 //! - A statement the server rolled back because it conflicted with a
 //!   concurrent transaction (serialization failure under a `REPEATABLE READ`
@@ -22,11 +27,6 @@
 //! - A connection lost under the statement is not retried here: the
 //!   backend's `fetch` closes it and sends the statement again on another
 //!   one, read as a repeat like the case above.
-//! - A call dropped while its statement is in flight (a caller's timeout)
-//!   leaves the reply outstanding on the connection. [`InFlight`] then
-//!   finishes in the background, bounded by the operation timeout: it gives
-//!   back a lock the statement may have granted ([`Undo`]) or closes the
-//!   connection, so the pool never waits on a reply nobody reads.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,6 +35,8 @@ use futures_util::TryStreamExt;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnection, PgRow};
 use sqlx::{Either, Executor, Postgres, Row};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 use super::{Arg, Call, Protocol, Statement, Statements};
 use crate::errors;
@@ -67,7 +69,7 @@ pub(crate) struct Reply<R = Option<PgRow>> {
 /// to [`ATTEMPTS`] times) when its reply was lost to a notification or the
 /// server rolled it back. Not bounded in time: the caller puts it under the
 /// operation timeout.
-pub(crate) async fn run(conn: &mut PgConnection, call: &Call<'_>) -> Result<Reply, sqlx::Error> {
+pub(crate) async fn run(conn: &mut PgConnection, call: &Call) -> Result<Reply, sqlx::Error> {
     let mut attempt = 1;
     let mut resent = false;
     loop {
@@ -124,103 +126,174 @@ async fn read_reply(
     }
 }
 
-/// Gives back the lock an acquire may have been granted, if its caller went
-/// away before the reply.
-#[derive(Clone)]
-pub(crate) struct Undo {
+/// Gives back the lock granted to an acquire whose caller left before
+/// its reply (see [`Statements::give_back`]).
+#[derive(Debug, Clone)]
+pub(crate) struct GiveBack {
     pub(crate) sql: Arc<Statements>,
     pub(crate) protocol: Protocol,
     pub(crate) namespace: String,
     pub(crate) key: String,
     pub(crate) owner: String,
+    /// The acquisition's send number.
+    pub(crate) send: i64,
     pub(crate) channel: String,
 }
 
-/// A pooled connection with a statement in flight; see the module docs.
-pub(crate) struct InFlight {
+/// How a statement sent with [`send`] ended, and the connection it ran on.
+/// Dropping it gives the connection back to the pool, or closes it if the
+/// statement found it broken.
+pub(crate) struct Done {
+    result: Option<Result<Reply, sqlx::Error>>,
+    /// The connection broke under the statement.
+    lost: bool,
     conn: Option<PoolConnection<Postgres>>,
-    undo: Option<Undo>,
+}
+
+impl Done {
+    fn new(result: Result<Reply, sqlx::Error>, conn: PoolConnection<Postgres>) -> Self {
+        Self {
+            lost: matches!(&result, Err(e) if errors::is_connection_lost(e)),
+            result: Some(result),
+            conn: Some(conn),
+        }
+    }
+
+    /// The statement's reply or error (once).
+    pub(crate) fn take(&mut self) -> Option<Result<Reply, sqlx::Error>> {
+        self.result.take()
+    }
+}
+
+impl Drop for Done {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            if self.lost {
+                drop(conn.detach());
+            }
+        }
+    }
+}
+
+/// A statement in flight on its own task; see the module docs.
+pub(crate) struct Sent {
+    reply: oneshot::Receiver<Done>,
+    give_back: Option<GiveBack>,
     timeout: Duration,
 }
 
-impl InFlight {
-    pub(crate) fn new(
-        conn: PoolConnection<Postgres>,
-        undo: Option<Undo>,
-        timeout: Duration,
-    ) -> Self {
-        Self {
-            conn: Some(conn),
-            undo,
-            timeout,
-        }
-    }
-
-    /// The connection, for running the statement.
-    pub(crate) fn conn(&mut self) -> &mut PgConnection {
-        self.conn
-            .as_deref_mut()
-            .expect("the connection is only taken by finish and drop")
-    }
-
-    /// The reply was read: the connection goes back to the pool.
-    pub(crate) fn finish(mut self) {
-        self.conn.take();
-    }
-
-    /// The connection broke: it is closed, not given back to the pool.
-    pub(crate) fn close(mut self) {
-        if let Some(conn) = self.conn.take() {
+/// Runs `call` on `conn` on a task of its own (see the module docs), which
+/// reads the reply until `read_until` at the latest and then closes the
+/// connection. If nobody takes the reply, a lock it granted is given back
+/// with `give_back`, within `timeout`.
+pub(crate) fn send(
+    conn: PoolConnection<Postgres>,
+    call: Arc<Call>,
+    give_back: Option<GiveBack>,
+    read_until: Instant,
+    timeout: Duration,
+) -> Sent {
+    let (tx, reply) = oneshot::channel();
+    let left_behind = give_back.clone();
+    tokio::spawn(async move {
+        let mut conn = conn;
+        let Ok(result) = tokio::time::timeout_at(read_until, run(&mut conn, &call)).await else {
+            // Its caller has long left and nobody can learn more.
+            tracing::debug!("no reply to a statement its caller left; closing its connection");
             drop(conn.detach());
+            return;
+        };
+        if let Err(done) = tx.send(Done::new(result, conn)) {
+            abandon(done, left_behind, timeout).await;
+        }
+    });
+    Sent {
+        reply,
+        give_back,
+        timeout,
+    }
+}
+
+impl Sent {
+    /// How the statement ended, if it did by `deadline`; `None` if not (it
+    /// goes on, see [`send`]).
+    pub(crate) async fn wait(&mut self, deadline: Instant) -> Option<Done> {
+        match tokio::time::timeout_at(deadline, &mut self.reply).await {
+            Ok(done) => done.ok(),
+            Err(_) => {
+                // A reply that came just now is still taken.
+                self.reply.close();
+                self.reply.try_recv().ok()
+            }
         }
     }
 }
 
-impl Drop for InFlight {
+impl Drop for Sent {
     fn drop(&mut self) {
-        let Some(mut conn) = self.conn.take() else {
-            return;
-        };
-        let (Some(undo), Ok(runtime)) = (self.undo.take(), tokio::runtime::Handle::try_current())
-        else {
-            // Nothing to give back: close the connection rather than wait
-            // for a reply that may never come.
-            drop(conn.detach());
-            return;
-        };
-        let timeout = self.timeout;
-        runtime.spawn(async move {
-            // Runs after the dropped statement: sqlx first reads the rest
-            // of its reply on this connection.
-            let call = Call::new(
-                undo.protocol,
-                &undo.sql.abandon,
-                vec![
-                    Arg::Text(&undo.namespace),
-                    Arg::Text(&undo.key),
-                    Arg::Text(&undo.owner),
-                    Arg::Text(&undo.channel),
-                ],
-            );
-            let give_back = run(&mut conn, &call);
-            match tokio::time::timeout(timeout, give_back).await {
-                Ok(Ok(reply)) => {
-                    let given_back = reply.row.and_then(|r| r.try_get::<i64, _>("done").ok());
-                    tracing::debug!(
-                        key = %undo.key,
-                        given_back = given_back.unwrap_or(0) > 0,
-                        "acquire dropped by its caller: a lock it was granted is given back"
-                    );
-                }
-                Ok(Err(error)) => {
-                    tracing::warn!(key = %undo.key, %error, "acquire dropped by its caller: a lock it may have been granted could not be given back and stays until its TTL");
-                    drop(conn.detach());
-                }
-                Err(_) => {
-                    tracing::warn!(key = %undo.key, "acquire dropped by its caller: no reply within the operation timeout; a lock it may have been granted stays until its TTL");
-                    drop(conn.detach());
-                }
+        // After close(), the task's send fails (and it deals with the
+        // reply itself), or the reply it sent before is here to take.
+        self.reply.close();
+        if let Ok(done) = self.reply.try_recv() {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(abandon(done, self.give_back.take(), self.timeout));
             }
-        });
+        }
+    }
+}
+
+/// Deals with the end of a statement nobody waits for any more: gives back
+/// what an acquire was granted (the reply says which row version it wrote,
+/// so nothing adopted or renewed since is touched), and marks a free row
+/// given up so that an earlier send of the same acquire, applied late on a
+/// lost connection, is refused.
+async fn abandon(mut done: Done, give_back: Option<GiveBack>, timeout: Duration) {
+    let Some(give_back) = give_back.filter(|_| !done.lost) else {
+        return;
+    };
+    let Some(mut conn) = done.conn.take() else {
+        return;
+    };
+    let version = match done.take() {
+        Some(Ok(reply)) => reply
+            .row
+            .and_then(|row| row.try_get::<Option<String>, _>("version").ok().flatten()),
+        _ => None,
+    };
+    let granted = version.is_some();
+    let call = Call::new(
+        give_back.protocol,
+        &give_back.sql.give_back,
+        vec![
+            Arg::Text(give_back.namespace),
+            Arg::Text(give_back.key.clone()),
+            Arg::Text(give_back.owner),
+            // No row version is 0 (InvalidTransactionId).
+            Arg::Text(version.unwrap_or_else(|| "0".to_owned())),
+            Arg::Int(give_back.send),
+            Arg::Text(give_back.channel),
+        ],
+    );
+    let key = give_back.key;
+    match tokio::time::timeout(timeout, run(&mut conn, &call)).await {
+        Ok(Ok(reply)) => {
+            let written = reply.row.and_then(|r| r.try_get::<i64, _>("done").ok());
+            tracing::debug!(
+                key = %key,
+                granted,
+                given_back = written.unwrap_or(0) > 0,
+                "acquire left by its caller: what it was granted is given back"
+            );
+        }
+        Ok(Err(error)) => {
+            tracing::warn!(key = %key, granted, %error, "acquire left by its caller: a lock it may have been granted could not be given back and stays until its TTL");
+            if errors::is_connection_lost(&error) {
+                drop(conn.detach());
+            }
+        }
+        Err(_) => {
+            tracing::warn!(key = %key, granted, "acquire left by its caller: no reply to the give-back within the operation timeout; a lock it may have been granted stays until its TTL");
+            drop(conn.detach());
+        }
     }
 }

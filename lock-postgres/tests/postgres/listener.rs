@@ -4,8 +4,9 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use distlock_conformance::fault::Direction;
 use distlock_conformance::ObservedLock;
-use distlock_core::LockClient;
+use distlock_core::{LockBackend, LockClient};
 use distlock_postgres::{PostgresConfig, PostgresLock};
 
 use super::support::*;
@@ -121,4 +122,37 @@ fn a_listener_whose_runtime_shut_down_is_restarted() {
             "the waiter gave up although the lock was released"
         );
     });
+}
+
+#[tokio::test]
+async fn a_listener_whose_server_is_silent_fails_in_bounded_time_and_reconnects_later() {
+    let (proxy, proxied) = proxied().await;
+    let ns = random_name("listen_silent");
+    let waiter = Pg::connect(&format!(
+        "{proxied}?namespace={ns}&connect_timeout_ms=500&operation_timeout_ms=500"
+    ))
+    .await;
+    let holder = client(&ns).await;
+    let k = key("k");
+    // The listener connects for the first waiter; the server's replies to
+    // it are held back. Subscribing fails with a transient error, it does
+    // not hang (the outer timeout only guards the test run).
+    proxy.hold(Direction::ToClient);
+    let watched = tokio::time::timeout(Duration::from_secs(30), waiter.backend.watch(&k))
+        .await
+        .expect("subscribing through a silent server hung");
+    match watched {
+        Err(e) => assert!(e.is_transient(), "{e}"),
+        Ok(_) => panic!("subscribed without a reply from the server"),
+    }
+    // Once the server answers again, the next waiter connects anew and
+    // hears a release.
+    proxy.pass(Direction::ToClient);
+    assert_release_heard(
+        &holder,
+        &waiter,
+        &k,
+        "the listener never reconnected once its server answered again",
+    )
+    .await;
 }

@@ -5,8 +5,10 @@
 mod connect;
 mod faults;
 mod listener;
+mod outcomes;
 mod pooler;
 mod rows;
+mod settings;
 mod support;
 mod terminate;
 #[cfg(feature = "tls")]

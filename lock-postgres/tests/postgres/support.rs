@@ -4,11 +4,11 @@
 use std::net::SocketAddr;
 use std::ops::Deref;
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use distlock_conformance::fault::{Direction, Proxy};
 use distlock_conformance::server::{PgBouncer, PoolMode, Postgres, ServerHandle, ServerProcess};
-use distlock_core::{Lease, LockBackend, LockClient, LockKey};
+use distlock_core::{Lease, LockBackend, LockClient, LockError, LockKey};
 use distlock_postgres::{PgPool, PostgresConfig, PostgresLock};
 
 pub fn server() -> &'static ServerHandle {
@@ -173,4 +173,132 @@ pub async fn assert_release_heard(holder: &Pg, waiter: &Pg, k: &LockKey, why_not
         .await
         .expect(why_not)
         .unwrap();
+}
+
+/// A client whose connections carry a unique `application_name`, so the
+/// test can find its server backends.
+pub async fn named_client(ns: &str, extra: &str) -> (Pg, String) {
+    let app = random_name("app");
+    let lock = Pg::connect(&format!(
+        "{}?namespace={ns}&application_name={app}{extra}",
+        server().url()
+    ))
+    .await;
+    (lock, app)
+}
+
+/// The backends of `app` matching `condition` (SQL on pg_stat_activity).
+pub async fn backends(admin: &Pg, app: &str, condition: &str) -> Vec<i32> {
+    sqlx::query_scalar(&format!(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND {condition}"
+    ))
+    .bind(app)
+    .fetch_all(admin.pool())
+    .await
+    .unwrap()
+}
+
+/// Waits for a backend of `app` matching `condition` and returns its pid.
+pub async fn backend(admin: &Pg, app: &str, condition: &str) -> i32 {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(pid) = backends(admin, app, condition).await.first() {
+            return *pid;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no backend of {app} with {condition}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Ends backend `pid` (`pg_terminate_backend`).
+pub async fn terminate(admin: &Pg, pid: i32) {
+    let done: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(admin.pool())
+        .await
+        .unwrap();
+    assert!(done, "backend {pid} was not terminated");
+}
+
+/// Waits until no statement of `lock` is in flight: every connection of its
+/// pool is back and idle (statements a caller left behind run on tasks of
+/// their own, which give the connection back, or close it, when done).
+pub async fn settled(lock: &Pg) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while lock.pool().num_idle() < lock.pool().size() as usize {
+        assert!(
+            Instant::now() < deadline,
+            "statements left behind by their callers never finished"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The row of `k` in `lock`'s namespace and table: its owner, fencing
+/// counter and the milliseconds until it expires by the database clock
+/// (negative once expired); `None` if there is no row.
+pub async fn row(lock: &Pg, k: &LockKey) -> Option<(Option<String>, i64, i64)> {
+    sqlx::query_as(&format!(
+        "SELECT owner, fencing,
+                floor(extract(epoch FROM (expires_at - clock_timestamp())) * 1000)::bigint
+         FROM {} WHERE namespace = $1 AND key = $2",
+        lock.table()
+    ))
+    .bind(&lock.backend.config().client.namespace)
+    .bind(k.as_str())
+    .fetch_optional(lock.pool())
+    .await
+    .unwrap()
+}
+
+/// A lock call a test interrupts.
+#[derive(Debug, Clone, Copy)]
+pub enum Op {
+    Acquire,
+    Extend,
+    Release,
+}
+
+/// Runs `op` on `k` (extend and release on `lease`) with a 30 s TTL on a
+/// task of its own.
+pub fn spawn_op(
+    lock: &Pg,
+    k: &LockKey,
+    lease: Option<Lease>,
+    op: Op,
+) -> tokio::task::JoinHandle<Result<Option<Lease>, LockError>> {
+    let lock = lock.clone();
+    let k = k.clone();
+    tokio::spawn(async move {
+        let ttl = Duration::from_secs(30);
+        let lease = || lease.clone().expect("a lease to extend or release");
+        match op {
+            Op::Acquire => lock.try_acquire(&k, ttl).await.map(|a| a.lease()),
+            Op::Extend => lock.extend(&lease(), ttl).await.map(Some),
+            Op::Release => lock.release(&lease()).await.map(|()| None),
+        }
+    })
+}
+
+/// A transaction of `admin` holding the row of `k` in `lock`'s namespace
+/// and table locked (`FOR UPDATE`): `lock`'s statements on it wait.
+pub async fn lock_row(
+    admin: &Pg,
+    lock: &Pg,
+    k: &LockKey,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut blocker = admin.pool().begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM {} WHERE namespace = $1 AND key = $2 FOR UPDATE",
+        lock.table()
+    ))
+    .bind(&lock.backend.config().client.namespace)
+    .bind(k.as_str())
+    .execute(&mut *blocker)
+    .await
+    .unwrap();
+    blocker
 }

@@ -10,61 +10,6 @@ use distlock_core::{Lease, LockClient, LockError, LockKey, LockState};
 
 use super::support::*;
 
-/// A client whose connections carry a unique `application_name`, so the
-/// test can find its server backends.
-async fn named_client(ns: &str, extra: &str) -> (Pg, String) {
-    let app = random_name("app");
-    let lock = Pg::connect(&format!(
-        "{}?namespace={ns}&application_name={app}{extra}",
-        server().url()
-    ))
-    .await;
-    (lock, app)
-}
-
-/// The backends of `app` matching `condition` (SQL on pg_stat_activity).
-async fn backends(admin: &Pg, app: &str, condition: &str) -> Vec<i32> {
-    sqlx::query_scalar(&format!(
-        "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND {condition}"
-    ))
-    .bind(app)
-    .fetch_all(admin.pool())
-    .await
-    .unwrap()
-}
-
-/// Waits for a backend of `app` matching `condition` and returns its pid.
-async fn backend(admin: &Pg, app: &str, condition: &str) -> i32 {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Some(pid) = backends(admin, app, condition).await.first() {
-            return *pid;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no backend of {app} with {condition}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-async fn terminate(admin: &Pg, pid: i32) {
-    let done: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
-        .bind(pid)
-        .fetch_one(admin.pool())
-        .await
-        .unwrap();
-    assert!(done, "backend {pid} was not terminated");
-}
-
-/// Which call is interrupted.
-#[derive(Debug, Clone, Copy)]
-enum Op {
-    Acquire,
-    Extend,
-    Release,
-}
-
 /// Runs `op` on `k` while another transaction holds the row locked, kills
 /// the backend running it once it waits for that row lock, then lets the
 /// row go. Returns the call's result.
@@ -76,28 +21,8 @@ async fn interrupted(
     lease: Option<Lease>,
     op: Op,
 ) -> Result<Option<Lease>, LockError> {
-    let mut blocker = admin.pool().begin().await.unwrap();
-    sqlx::query(&format!(
-        "SELECT 1 FROM {} WHERE namespace = $1 AND key = $2 FOR UPDATE",
-        lock.table()
-    ))
-    .bind(&lock.backend.config().client.namespace)
-    .bind(k.as_str())
-    .execute(&mut *blocker)
-    .await
-    .unwrap();
-    let call = {
-        let lock = lock.clone();
-        let k = k.clone();
-        tokio::spawn(async move {
-            let ttl = Duration::from_secs(30);
-            match op {
-                Op::Acquire => lock.try_acquire(&k, ttl).await.map(|a| a.lease()),
-                Op::Extend => lock.extend(&lease.unwrap(), ttl).await.map(Some),
-                Op::Release => lock.release(&lease.unwrap()).await.map(|()| None),
-            }
-        })
-    };
+    let blocker = lock_row(admin, lock, k).await;
+    let call = spawn_op(lock, k, lease, op);
     let pid = backend(admin, app, "wait_event_type = 'Lock'").await;
     terminate(admin, pid).await;
     blocker.commit().await.unwrap();

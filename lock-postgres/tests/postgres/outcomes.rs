@@ -1,0 +1,362 @@
+//! Requests whose outcome is unknown: a reply held back while the server
+//! applies the request, a connection cut under a statement, a caller that
+//! left. The server may apply such a request later than its client gave up
+//! on it; nothing may then be left held by nobody, and no call may outlast
+//! its operation timeout counted from its first send.
+
+use std::time::{Duration, Instant};
+
+use distlock_conformance::fault::Direction;
+use distlock_core::{
+    AcquireReply, AcquireRequest, ErrorKind, Grant, HeldLock, LockBackend, LockKey, LockState,
+    OwnerToken, ReleaseReply,
+};
+use distlock_postgres::PostgresConfig;
+use sqlx::{Connection, PgConnection};
+
+use super::support::*;
+
+fn request(k: &LockKey, owner: OwnerToken, ttl: Duration) -> AcquireRequest<'_> {
+    AcquireRequest {
+        key: k,
+        owner,
+        ttl,
+        renewing: false,
+    }
+}
+
+fn granted(reply: AcquireReply, why: &str) -> Grant {
+    match reply {
+        AcquireReply::Granted(grant) => grant,
+        held => panic!("{why}: {held:?}"),
+    }
+}
+
+#[tokio::test]
+async fn an_attempt_whose_reply_was_lost_is_adopted_by_the_next_with_its_owner_token() {
+    let (proxy, proxied) = proxied().await;
+    let ns = random_name("adopt");
+    // One connection, whose acquire statement is prepared before replies
+    // are held (preparing it takes a round trip of its own).
+    let config = PostgresConfig::from_url(&format!(
+        "{proxied}?namespace={ns}&operation_timeout_ms=1000"
+    ))
+    .unwrap()
+    .max_connections(1);
+    let late = Pg::with_config(config).await;
+    let direct = client(&ns).await;
+    let warm = take(&late, &key("warm-up"), Duration::from_secs(5), "free").await;
+    late.release(&warm).await.unwrap();
+    // sqlx checks a connection given back to the pool with a round trip of
+    // its own: hold replies only once that is done.
+    settled(&late).await;
+    let k = key("adopted");
+    let owner = OwnerToken::random();
+
+    // The first attempt reaches the server and takes the lock; its reply
+    // is held back past the operation timeout.
+    proxy.hold(Direction::ToClient);
+    let first = late
+        .backend
+        .acquire(request(&k, owner, Duration::from_secs(20)))
+        .await;
+    let err = first.expect_err("the reply was held back");
+    assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
+    let (holder, fencing, left) = row(&direct, &k)
+        .await
+        .expect("the first attempt wrote its row");
+    assert_eq!(holder, Some(owner.to_hex()), "taken by the first attempt");
+    assert!(left > 0 && left <= 20_000, "{left} ms left");
+
+    // The next attempt with the same owner token gets that lock: the same
+    // fencing token, its expiry reset to the new TTL by the database clock.
+    let grant = granted(
+        direct
+            .backend
+            .acquire(request(&k, owner, Duration::from_secs(120)))
+            .await
+            .unwrap(),
+        "a lock held by the request's own owner token was not adopted",
+    );
+    assert_eq!(grant.fencing.get(), fencing as u64, "a new fencing token");
+    let (holder, now_fencing, left) = row(&direct, &k).await.unwrap();
+    assert_eq!(
+        (holder, now_fencing),
+        (Some(owner.to_hex()), fencing),
+        "the adopted row changed hands"
+    );
+    assert!(
+        left > 20_000,
+        "the adopting attempt did not reset the expiry to its TTL: {left} ms left"
+    );
+
+    // The first attempt's reply arrives late, after its caller gave up on
+    // it: whatever its client does then must leave the adopted lock alone.
+    proxy.pass(Direction::ToClient);
+    settled(&late).await;
+    let (holder, now_fencing, left) = row(&direct, &k).await.unwrap();
+    assert_eq!(
+        (holder, now_fencing),
+        (Some(owner.to_hex()), fencing),
+        "the timed-out attempt's client undid the lock the next attempt adopted"
+    );
+    assert!(
+        left > 20_000,
+        "the timed-out attempt's client gave up the lock the next attempt adopted: {left} ms left"
+    );
+    let released = direct
+        .backend
+        .release(HeldLock {
+            key: &k,
+            owner,
+            fencing: grant.fencing,
+            handle: grant.handle,
+        })
+        .await
+        .unwrap();
+    assert_eq!(released, ReleaseReply::Released);
+}
+
+#[tokio::test]
+async fn a_first_send_applied_after_the_give_back_leaves_nothing_held() {
+    // The first send of an acquire stalls on the server (a trigger waits on
+    // an advisory lock the test holds) and its connection is cut, so the
+    // client sends the statement again on another one. That second send
+    // takes the lock, its caller leaves, and the lock is given back. Only
+    // then does the first send go on: it must not take the lock again for
+    // nobody.
+    let (proxy, proxied) = proxied().await;
+    let ns = random_name("late_first");
+    let (lock, direct, app) = on_own_table(&proxied, &ns).await;
+    let (first_send, second_send) = (rand::random::<i32>(), rand::random::<i32>());
+    let mut gate = stall_inserts(&direct, &[first_send, second_send]).await;
+    let k = key("late");
+    let owner = OwnerToken::random();
+    let call = {
+        let lock = lock.clone();
+        let k = k.clone();
+        tokio::spawn(async move {
+            lock.backend
+                .acquire(request(&k, owner, Duration::from_secs(60)))
+                .await
+        })
+    };
+    let first = backend(&direct, &app, STALLED).await;
+    // The connection of the first send is cut; the server goes on with it.
+    proxy.drop_all();
+    backend(&direct, &app, &format!("{STALLED} AND pid <> {first}")).await;
+    // The caller leaves while the second send is in flight.
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+    open(&mut gate, second_send).await;
+    // The second send took the lock; its caller is gone, so it is given back.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match row(&direct, &k).await {
+            Some((Some(_), _, left)) if left > 0 => {}
+            Some(_) => break,
+            None => {}
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the lock granted to a caller that left was never given back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Now the first send goes on, and ends.
+    open(&mut gate, first_send).await;
+    ended(&direct, &app, first).await;
+    assert_eq!(
+        direct.inspect(&k).await.unwrap(),
+        LockState::Free,
+        "the first send, applied after the give-back, took the lock for nobody: {:?}",
+        row(&direct, &k).await
+    );
+    // And the lock is anybody's.
+    take(&direct, &k, Duration::from_secs(5), "free").await;
+}
+
+/// Runs `op` on a row another transaction holds locked, with a 4 s
+/// operation timeout; terminates the backend running it 3 s after its
+/// first send was seen waiting, so the client sends it again on another
+/// connection, and lets the row go 6 s after that sighting: past the
+/// deadline of the first send (by at least 2 s), before that of the resend
+/// if the resend had a timeout of its own (7 s). The call must have timed
+/// out by then; an acquire's late grant is given back.
+async fn assert_ends_by_the_first_sends_deadline(op: Op) {
+    const TIMEOUT: Duration = Duration::from_secs(4);
+    let ns = random_name("resent_late");
+    let admin = client(&ns).await;
+    let (lock, app) = named_client(
+        &ns,
+        &format!("&operation_timeout_ms={}", TIMEOUT.as_millis()),
+    )
+    .await;
+    let k = key("k");
+    let lease = take(&lock, &k, Duration::from_secs(60), "free").await;
+    if let Op::Acquire = op {
+        lock.release(&lease).await.unwrap();
+    }
+    let blocker = lock_row(&admin, &lock, &k).await;
+    let mut call = spawn_op(&lock, &k, Some(lease), op);
+    let waiting = "wait_event_type = 'Lock'";
+    let first = backend(&admin, &app, waiting).await;
+    // The first send left before now: its deadline is at most 4 s away.
+    let seen = Instant::now();
+    tokio::time::sleep_until((seen + TIMEOUT * 3 / 4).into()).await;
+    terminate(&admin, first).await;
+    // The client sent the statement again.
+    backend(&admin, &app, &format!("{waiting} AND pid <> {first}")).await;
+    let result = tokio::select! {
+        result = &mut call => {
+            blocker.commit().await.unwrap();
+            result
+        }
+        () = tokio::time::sleep_until((seen + TIMEOUT * 3 / 2).into()) => {
+            blocker.commit().await.unwrap();
+            call.await
+        }
+    };
+    match result.unwrap() {
+        Err(e) if e.kind() == ErrorKind::Timeout => {}
+        other => panic!(
+            "{op:?} sent again after a lost connection ran past the operation timeout counted from its first send \
+             (it was still running when the row was let go at 1.5 times the timeout): {other:?}"
+        ),
+    }
+    if let Op::Acquire = op {
+        // The resend takes the lock once the row is let go, after its
+        // caller gave up: the lock is given back.
+        settled(&lock).await;
+        assert_eq!(
+            admin.inspect(&k).await.unwrap(),
+            LockState::Free,
+            "a lock granted after its caller timed out was left held"
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_acquire_sent_again_after_a_lost_connection_ends_by_its_first_sends_deadline() {
+    assert_ends_by_the_first_sends_deadline(Op::Acquire).await;
+}
+
+#[tokio::test]
+async fn an_extend_sent_again_after_a_lost_connection_ends_by_its_first_sends_deadline() {
+    assert_ends_by_the_first_sends_deadline(Op::Extend).await;
+}
+
+#[tokio::test]
+async fn a_release_sent_again_after_a_lost_connection_ends_by_its_first_sends_deadline() {
+    assert_ends_by_the_first_sends_deadline(Op::Release).await;
+}
+
+/// Makes the n-th `INSERT` into `lock`'s table (the n-th send of an
+/// acquire, counting every client) wait on the advisory lock `gates[n - 1]`,
+/// which the returned connection holds until the test unlocks it.
+async fn stall_inserts(lock: &Pg, gates: &[i32]) -> PgConnection {
+    let sequence = random_name("sends");
+    let function = random_name("stall");
+    let cases: String = gates
+        .iter()
+        .enumerate()
+        .map(|(i, gate)| format!("WHEN {} THEN PERFORM pg_advisory_xact_lock({gate});", i + 1))
+        .collect();
+    admin(lock, &format!("CREATE SEQUENCE {sequence}")).await;
+    admin(
+        lock,
+        &format!(
+            "CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $f$
+             BEGIN
+                 CASE nextval('{sequence}') {cases} ELSE NULL; END CASE;
+                 RETURN NEW;
+             END $f$"
+        ),
+    )
+    .await;
+    admin(
+        lock,
+        &format!(
+            "CREATE TRIGGER stall BEFORE INSERT ON {} FOR EACH ROW EXECUTE FUNCTION {function}()",
+            lock.table()
+        ),
+    )
+    .await;
+    let mut gate = PgConnection::connect(&server().url()).await.unwrap();
+    for lock in gates {
+        sqlx::query(&format!("SELECT pg_advisory_lock({lock})"))
+            .execute(&mut gate)
+            .await
+            .unwrap();
+    }
+    gate
+}
+
+/// Opens `gate` (see [`stall_inserts`]).
+async fn open(gate_holder: &mut PgConnection, gate: i32) {
+    sqlx::query(&format!("SELECT pg_advisory_unlock({gate})"))
+        .execute(gate_holder)
+        .await
+        .unwrap();
+}
+
+/// A client through `proxied` on its own table (so that a trigger can stall
+/// its inserts), with its `application_name`, and a direct client on the
+/// same rows.
+async fn on_own_table(proxied: &str, ns: &str) -> (Pg, Pg, String) {
+    let table = random_name("stalled");
+    let app = random_name("app");
+    let lock = Pg::connect(&format!(
+        "{proxied}?namespace={ns}&table={table}&application_name={app}&operation_timeout_ms=20000"
+    ))
+    .await;
+    let direct = Pg::connect(&format!("{}?namespace={ns}&table={table}", server().url())).await;
+    (lock, direct, app)
+}
+
+/// Waits until the backend `pid` of `app` no longer runs a statement.
+async fn ended(direct: &Pg, app: &str, pid: i32) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !backends(direct, app, &format!("pid = {pid} AND state = 'active'"))
+        .await
+        .is_empty()
+    {
+        assert!(Instant::now() < deadline, "the stalled send never ended");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+const STALLED: &str = "wait_event_type = 'Lock' AND wait_event = 'advisory'";
+
+#[tokio::test]
+async fn a_first_send_applied_after_its_lease_was_renewed_and_released_takes_nothing() {
+    // The first send of an acquire stalls on the server and its connection
+    // is cut; the resend takes the lock, which is renewed and released.
+    // Only then does the first send go on: it must not take the lock again
+    // for nobody.
+    let (proxy, proxied) = proxied().await;
+    let ns = random_name("late_after_release");
+    let (lock, direct, app) = on_own_table(&proxied, &ns).await;
+    let first_send = rand::random::<i32>();
+    let mut gate = stall_inserts(&direct, &[first_send]).await;
+    let k = key("late");
+    let call = spawn_op(&lock, &k, None, Op::Acquire);
+    let first = backend(&direct, &app, STALLED).await;
+    proxy.drop_all();
+    let lease = call
+        .await
+        .unwrap()
+        .expect("sent again after the lost connection")
+        .expect("free");
+    let lease = lock.extend(&lease, Duration::from_secs(60)).await.unwrap();
+    lock.release(&lease).await.unwrap();
+    open(&mut gate, first_send).await;
+    ended(&direct, &app, first).await;
+    assert_eq!(
+        direct.inspect(&k).await.unwrap(),
+        LockState::Free,
+        "the first send, applied after the release, took the lock for nobody: {:?}",
+        row(&direct, &k).await
+    );
+    take(&direct, &k, Duration::from_secs(5), "free").await;
+}
