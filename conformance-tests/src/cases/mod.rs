@@ -20,6 +20,7 @@ mod run;
 mod schedule;
 mod semaphore;
 pub mod support;
+mod unknown_outcome;
 mod wait;
 
 /// What a case needs from the backend beyond the core contract; a case whose
@@ -48,6 +49,8 @@ pub enum Needs {
     /// goes in front of it), or an in-process backend over a simulated
     /// network ([`Suite::simulated_network`](crate::Suite::simulated_network)).
     Faults,
+    /// Every one of these (`Needs::All(&[Needs::Faults, Needs::Semaphore])`).
+    All(&'static [Needs]),
 }
 
 impl Needs {
@@ -77,6 +80,7 @@ impl Needs {
                 None => "in-process backend without a simulated network (Suite::simulated_network): no faults can be put between client and server".into(),
                 Some(_) => "the suite runs against an external server (URL in the environment): the harness cannot proxy it".into(),
             }),
+            Needs::All(needs) => needs.iter().find_map(|need| need.missing(context)),
         }
     }
 }
@@ -126,15 +130,19 @@ impl std::fmt::Debug for Case {
 }
 
 /// Declares cases of one group module: `cases!(basic: acquire_release, ...)`;
-/// a case may carry `=> Needs::X`.
+/// a case may carry `=> Needs::X`. `cases!(fault in unknown_outcome: ...)` puts
+/// the cases of module `unknown_outcome` in group `fault`.
 macro_rules! cases {
-    ($group:ident : $($name:ident $(=> $needs:expr)?),+ $(,)?) => {
+    ($group:ident in $module:ident : $($name:ident $(=> $needs:expr)?),+ $(,)?) => {
         vec![$(Case {
             group: stringify!($group),
             name: stringify!($name),
             needs: { #[allow(unused_mut, unused_assignments)] let mut n = Needs::Nothing; $(n = $needs;)? n },
-            run: |ctx| Box::pin($group::$name(ctx)),
+            run: |ctx| Box::pin($module::$name(ctx)),
         }),+]
+    };
+    ($group:ident : $($rest:tt)+) => {
+        cases!($group in $group : $($rest)+)
     };
 }
 
@@ -284,6 +292,22 @@ pub fn all() -> Vec<Case> {
         exclusion_torture,
         unreachable_is_an_error_not_held => Needs::Faults,
         stalled_server_waiters_recover => Needs::Faults,
+    ));
+    all.extend(cases!(fault in unknown_outcome:
+        late_reply_acquire => Needs::Faults,
+        late_reply_renewing_acquire => Needs::Faults,
+        late_reply_extend => Needs::Faults,
+        late_reply_release => Needs::Faults,
+        late_reply_waiting_acquire => Needs::Faults,
+        late_reply_waiter_queue => Needs::Faults,
+        late_reply_permit_acquire => Needs::All(&[Needs::Faults, Needs::Semaphore]),
+        late_reply_permit_waiting_acquire => Needs::All(&[Needs::Faults, Needs::Semaphore]),
+        late_reply_permit_extend => Needs::All(&[Needs::Faults, Needs::Semaphore]),
+        late_reply_permit_release => Needs::All(&[Needs::Faults, Needs::Semaphore]),
+    ));
+    all.extend(cases!(lease in unknown_outcome:
+        same_owner_acquire_adopts,
+        same_owner_permit_adopts => Needs::Semaphore,
     ));
     all
 }
