@@ -221,7 +221,7 @@ pub fn all() -> Vec<Case> {
         huge_durations_rejected_or_saturated,
         lost_fires_a_stop_margin_before_expiry,
         unworkable_stop_margin_rejected,
-        cancelled_acquire_releases_before_returning,
+        cancel_returns_at_once_and_late_grant_is_released,
     ));
     all.extend(cases!(exclusion:
         counter_is_exact,
