@@ -37,7 +37,13 @@ fn suite(name: &str, defect: Defect) -> Suite {
     let server = MemoryLock::new();
     Suite::new(name, move |url: String| {
         let client: LockClient = server.client();
-        async move { Ok(Mutant::wrap(defect, Link::attach(&url, client)?)) }
+        async move {
+            if defect.below_link() {
+                Link::attach(&url, Mutant::wrap(defect, client))
+            } else {
+                Ok(Mutant::wrap(defect, Link::attach(&url, client)?))
+            }
+        }
     })
     .simulated_network()
 }
