@@ -271,10 +271,7 @@ pub const CORPUS: &[MutantSpec] = &[
         name: "second_lock_instead_of_adopting",
         defect: Defect::SecondLockInsteadOfAdopting,
         what: "an acquire by the owner token that holds the key replaces that lock with a new one (new fencing token) instead of adopting it",
-        killers: &[
-            "lease::same_owner_acquire_adopts",
-            "fault::late_reply_waiting_acquire",
-        ],
+        killers: &["lease::same_owner_acquire_adopts"],
     },
     MutantSpec {
         name: "second_permit_instead_of_adopting",
