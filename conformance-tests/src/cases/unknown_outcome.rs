@@ -233,23 +233,45 @@ async fn joined<T>(
         .map_err(|e| CaseError(format!("{what} panicked: {e}")))
 }
 
+/// Rounds of a case run at once, each with clients and a fault path of its
+/// own: a race a backend loses in one round of several shows.
+const ROUNDS: usize = 3;
+
+/// Runs `round` [`ROUNDS`] times at once; the first failure fails the case.
+async fn in_rounds<F, Fut>(ctx: TestContext, round: F) -> CaseResult
+where
+    F: Fn(TestContext) -> Fut,
+    Fut: Future<Output = CaseResult> + Send + 'static,
+{
+    let rounds: Vec<_> = (0..ROUNDS)
+        .map(|_| tokio::spawn(round(ctx.clone())))
+        .collect();
+    for (i, round) in rounds.into_iter().enumerate() {
+        let bound = WAITER_WAIT * 2 + background_bound() * 3;
+        joined(round, bound, "a round")
+            .await?
+            .map_err(|e| CaseError(format!("round {i}: {e}")))?;
+    }
+    Ok(())
+}
+
 /// A plain acquire whose reply is held: the lock the server granted
 /// nobody must be free once its TTL ran out.
 pub async fn late_reply_acquire(ctx: TestContext) -> CaseResult {
-    late_attempt(ctx, Target::Lock, false).await
+    in_rounds(ctx, move |ctx| late_attempt(ctx, Target::Lock, false)).await
 }
 
 /// A renewing acquire (a backend may attach it to a session its client
 /// keeps alive) whose reply is held: the lock nobody knows of must be free
 /// once its TTL ran out, while the client that sent it lives on.
 pub async fn late_reply_renewing_acquire(ctx: TestContext) -> CaseResult {
-    late_attempt(ctx, Target::Lock, true).await
+    in_rounds(ctx, move |ctx| late_attempt(ctx, Target::Lock, true)).await
 }
 
 /// A permit attempt whose reply is held: the permit must come back once its
 /// TTL ran out.
 pub async fn late_reply_permit_acquire(ctx: TestContext) -> CaseResult {
-    late_attempt(ctx, Target::Permit, false).await
+    in_rounds(ctx, move |ctx| late_attempt(ctx, Target::Permit, false)).await
 }
 
 async fn late_attempt(ctx: TestContext, target: Target, renewing: bool) -> CaseResult {
@@ -285,12 +307,12 @@ async fn late_attempt(ctx: TestContext, target: Target, renewing: bool) -> CaseR
 /// free when that last TTL ran out, not when the acquisition's long TTL
 /// would have.
 pub async fn late_reply_extend(ctx: TestContext) -> CaseResult {
-    late_extend(ctx, Target::Lock).await
+    in_rounds(ctx, move |ctx| late_extend(ctx, Target::Lock)).await
 }
 
 /// [`late_reply_extend`] for a permit.
 pub async fn late_reply_permit_extend(ctx: TestContext) -> CaseResult {
-    late_extend(ctx, Target::Permit).await
+    in_rounds(ctx, move |ctx| late_extend(ctx, Target::Permit)).await
 }
 
 async fn late_extend(ctx: TestContext, target: Target) -> CaseResult {
@@ -342,12 +364,12 @@ async fn late_extend(ctx: TestContext, target: Target) -> CaseResult {
 /// its deadline (the released lock's TTL is far longer), and the second
 /// release leaves the waiter's lock alone.
 pub async fn late_reply_release(ctx: TestContext) -> CaseResult {
-    late_release(ctx, Target::Lock).await
+    in_rounds(ctx, move |ctx| late_release(ctx, Target::Lock)).await
 }
 
 /// [`late_reply_release`] for a permit.
 pub async fn late_reply_permit_release(ctx: TestContext) -> CaseResult {
-    late_release(ctx, Target::Permit).await
+    in_rounds(ctx, move |ctx| late_release(ctx, Target::Permit)).await
 }
 
 async fn late_release(ctx: TestContext, target: Target) -> CaseResult {
@@ -585,6 +607,10 @@ async fn late_waiting_round(
 /// holder's TTL is far longer), so nothing the held calls left on the
 /// server stands in its way, while the client that sent them lives on.
 pub async fn late_reply_waiter_queue(ctx: TestContext) -> CaseResult {
+    in_rounds(ctx, waiter_queue_round).await
+}
+
+async fn waiter_queue_round(ctx: TestContext) -> CaseResult {
     let (path, client) = held_client(&ctx, Target::Lock).await?;
     let observed = Arc::new(ObservedLock::new(client));
     let queued = LockClient::new(observed.clone());
