@@ -92,7 +92,12 @@ pub(crate) async fn acquire_until_cancelled(
             match subscribed {
                 Ok(subscribed) => watch = subscribed,
                 Err(e) if e.is_transient() => watch_error = Some(e),
-                Err(e) => return Err(e),
+                Err(e) => {
+                    if unknown {
+                        client.settle_in_background(key, ttl, attempt, owner);
+                    }
+                    return Err(e);
+                }
             }
         }
         let result = match watch_error {
