@@ -35,10 +35,13 @@
 //! - `lease::` — a lease's deadline against the server's expiry: nobody is
 //!   granted a lock before its holder's deadline, the deadline never
 //!   outlives the server's expiry, release and extend stay atomic against
-//!   an expiry and re-acquire;
+//!   an expiry and re-acquire, an acquire by the owner that holds the key
+//!   adopts it (`lease::same_owner_*`);
 //! - `cancel::` — the raw trait's futures dropped at random points;
 //! - `fault::` — real faults: SIGKILLed holders, resets, black holes, a dead
-//!   or stalled (SIGSTOPped) server, restarts, a torture run.
+//!   or stalled (SIGSTOPped) server, restarts, a torture run, and every
+//!   operation applied while its reply is held past the client's timeout
+//!   (`fault::late_reply_*`: its outcome unknown to the client).
 //!
 //! A case the backend cannot support (per its declared
 //! [`Capabilities`](distlock_core::Capabilities)) is reported as `ignored` with

@@ -9,6 +9,11 @@
 //! never validates a TTL, mints an owner token, dates a lease or checks
 //! which client issued it — `LockClient` does all of that, once, for every
 //! backend.
+//!
+//! What it must do beyond the obvious is the unknown-outcome rule of the
+//! `LockBackend` docs: an acquire by the owner token that already holds
+//! the key is that owner's retry of a request whose reply was lost, and it
+//! is granted the same lock with its TTL reset (adoption).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -74,16 +79,28 @@ impl LockBackend for TinyLock {
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError> {
         let now = Instant::now();
         let mut store = self.store();
-        if let Some(held) = store.locks.get(request.key).filter(|e| e.expires_at > now) {
+        let expires_at = now
+            .checked_add(request.ttl)
+            .ok_or_else(|| LockError::invalid_input("TTL too long for this server's clock"))?;
+        if let Some(held) = store
+            .locks
+            .get_mut(request.key)
+            .filter(|e| e.expires_at > now)
+        {
+            if held.owner == request.owner {
+                // Adoption: the client retries one acquisition under one
+                // owner token, so this is its own earlier attempt, applied
+                // although its reply was lost. Same lock, same fencing
+                // token, TTL reset from now — in the same atomic step.
+                held.expires_at = expires_at;
+                return Ok(AcquireReply::Granted(Grant::new(held.fencing, request.ttl)));
+            }
             return Ok(AcquireReply::Held {
                 expires_in: Some(held.expires_at - now),
             });
         }
         store.last_fencing += 1;
         let fencing = FencingToken::new(store.last_fencing);
-        let expires_at = now
-            .checked_add(request.ttl)
-            .ok_or_else(|| LockError::invalid_input("TTL too long for this server's clock"))?;
         store.locks.insert(
             request.key.clone(),
             Entry {

@@ -11,14 +11,18 @@ use crate::{Capabilities, FencingToken, LockError, LockKey, OwnerToken, ReleaseW
 /// What the client asks a backend to take.
 ///
 /// Everything in it is already checked: the key is valid, the owner token is
-/// fresh and random, the TTL is one the backend declared it can honour (see
-/// [`Capabilities::effective_ttl`]).
+/// random and never used by another acquisition, the TTL is one the
+/// backend declared it can honour (see [`Capabilities::effective_ttl`]).
 #[derive(Debug, Clone, Copy)]
 pub struct AcquireRequest<'a> {
     /// The lock to take.
     pub key: &'a LockKey,
     /// This acquisition's identity; store it, and compare it in `extend`
-    /// and `release`.
+    /// and `release`. Every attempt of one logical acquisition (the retries
+    /// of a waiting acquire) carries the same token: a key held by it is
+    /// this acquisition's own lock, taken by an earlier attempt whose reply
+    /// was lost, and must be granted again (adopted, see [`LockBackend`]),
+    /// never refused as held.
     pub owner: OwnerToken,
     /// How long the server keeps the lock unless extended.
     pub ttl: Duration,
@@ -138,9 +142,47 @@ pub enum ReleaseReply {
 /// - bounds every network call by its connect and operation timeouts
 ///   ([`ErrorKind::Unavailable`](crate::ErrorKind) /
 ///   [`ErrorKind::Timeout`](crate::ErrorKind));
+/// - follows the unknown-outcome rule below;
 /// - is cancel-safe: a future dropped at any await point leaves nothing that
 ///   outlives the TTL (the client drives acquisitions to completion on a
 ///   task of their own, but the suite drops raw futures on purpose).
+///
+/// # Unknown outcomes
+///
+/// Every call has one of three outcomes: granted (done), refused (nothing
+/// changed), or **unknown**. A request that timed out or lost its
+/// connection may still be applied by the server, later; its outcome is
+/// unknown, never "refused". The client answers that with one owner token
+/// per logical acquisition, and the backend's part is:
+///
+/// - **Adoption.** When [`acquire`](Self::acquire) finds the key held —
+///   live, not expired — by a lock whose stored owner token equals
+///   `request.owner`, it resets that lock's TTL to `request.ttl` from now
+///   by the server's clock, atomically in the same step, and answers
+///   [`AcquireReply::Granted`] with the lock's *existing* fencing token (and
+///   its handle). So an earlier attempt that the server applied but whose
+///   reply was lost is handed back to its owner by the next attempt,
+///   instead of becoming a lock nobody holds and every attempt is refused.
+///   The client dates the adopted lease from the adopting attempt's send
+///   time, which the TTL reset makes right. Never a second lock, never a
+///   new fencing token, never `Held` for its own owner.
+/// - **Undo only once the outcome is known.** A step the backend takes to
+///   undo a request it sent (a delete, a lease revoke, a queue entry
+///   removed) is sent only once that request's outcome is known, or is
+///   built so that the request, applied late, cannot outlive it: the
+///   request is itself conditional, or the undo revokes the lease the
+///   request was attached to instead of deleting a key. Something left on
+///   a session or lease that a client keeps alive (etcd) is tracked until
+///   its outcome is known, and removed then.
+/// - **Bounded resends.** A backend that resends a request (after a
+///   reconnect, on another endpoint) resends the same request (same owner
+///   token), and the whole call, resends included, ends within its
+///   operation timeout counted from the *first* send.
+///
+/// The suite checks all three by letting the server apply each operation
+/// while its reply is held past the client's operation timeout
+/// (`fault::late_reply_*`), and adoption at the raw level
+/// (`lease::same_owner_acquire_adopts`, `lease::same_owner_permit_adopts`).
 ///
 /// Object safe: the client holds an `Arc<dyn LockBackend>`. See the
 /// distlock-conformance crate for a complete third-party backend.
@@ -154,8 +196,10 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
 
     /// One atomic attempt: takes `request.key` for `request.ttl` if nobody
     /// holds it (or its holder's TTL ran out), storing the owner token and
-    /// a fencing token greater than every earlier one for the key. Never
-    /// waits.
+    /// a fencing token greater than every earlier one for the key. If
+    /// `request.owner` holds it, adopts it: same fencing token, TTL reset
+    /// to `request.ttl` from now (see [Unknown outcomes](Self#unknown-outcomes)).
+    /// Never waits.
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError>;
 
     /// Resets the lock's TTL to `ttl` from now if, and only if, the server

@@ -75,6 +75,8 @@ struct Inner {
     name: &'static str,
     capabilities: Capabilities,
     issuer: LeaseIssuer,
+    /// How many of the client's background tasks run (see [`LockClient::idle`]).
+    background: tokio::sync::watch::Sender<usize>,
 }
 
 impl fmt::Debug for LockClient {
@@ -105,6 +107,7 @@ impl LockClient {
                 name: backend.name(),
                 capabilities: backend.capabilities(),
                 issuer: LeaseIssuer::random(),
+                background: tokio::sync::watch::Sender::new(0),
                 backend,
             }),
         }
@@ -152,14 +155,18 @@ impl LockClient {
     ///
     /// Cancel safety: if this future is dropped after the request was sent,
     /// a lock the server granted is not released; it expires after `ttl`.
-    /// [`acquire`](Self::acquire) and [`Locker`](crate::Locker) never leave
-    /// a lock behind.
+    /// The same holds for a `Timeout` or `Unavailable` error: the request
+    /// may have been applied (its outcome is unknown), and a lock it took
+    /// expires after `ttl`. [`acquire`](Self::acquire) and
+    /// [`Locker`](crate::Locker) give such a lock back (see
+    /// [`acquire`](Self::acquire)).
     pub async fn try_acquire(
         &self,
         key: &LockKey,
         ttl: Duration,
     ) -> Result<AcquireAttempt, LockError> {
-        self.attempt(key, ttl, Attempt::PLAIN).await
+        self.attempt(key, ttl, Attempt::PLAIN, OwnerToken::random())
+            .await
     }
 
     /// As [`try_acquire`](Self::try_acquire), for a lock its holder will
@@ -178,6 +185,7 @@ impl LockClient {
                 renewing: true,
                 permits: None,
             },
+            OwnerToken::random(),
         )
         .await
     }
@@ -205,6 +213,7 @@ impl LockClient {
                 renewing: false,
                 permits: Some(limit),
             },
+            OwnerToken::random(),
         )
         .await
     }
@@ -254,8 +263,17 @@ impl LockClient {
     /// backoff until the deadline, then the last one is returned; a deadline
     /// in the past means one attempt.
     ///
+    /// Every attempt of one call uses the same owner token, so an attempt
+    /// that timed out but was applied by the server is recognised by the
+    /// next one: the backend hands that lock back to its owner (adoption)
+    /// instead of refusing it, and the call never waits on its own orphan.
+    /// If the call ends (deadline, error, cancellation) while the last
+    /// attempt's outcome is unknown, one more attempt with that token is
+    /// made in the background and a lock it finds is released.
+    ///
     /// Cancel-safe: dropping the future leaves no lock held, even if the
-    /// server granted it at that moment (the grant is released).
+    /// server granted it at that moment (the grant is released in the
+    /// background, while the runtime runs; see [`idle`](Self::idle)).
     pub async fn acquire(
         &self,
         key: &LockKey,
@@ -407,12 +425,15 @@ impl LockClient {
         }
     }
 
-    /// One attempt, inline (not cancel-safe by itself).
+    /// One attempt under `owner`, inline (not cancel-safe by itself).
+    /// Every attempt of one logical acquisition passes the same `owner`, so
+    /// the backend recognises a lock an earlier attempt took unseen.
     pub(crate) async fn attempt(
         &self,
         key: &LockKey,
         ttl: Duration,
         attempt: Attempt,
+        owner: OwnerToken,
     ) -> Result<AcquireAttempt, LockError> {
         let span = tracing::debug_span!(
             "distlock.try_acquire",
@@ -422,7 +443,6 @@ impl LockClient {
         );
         let result = async {
             let ttl = self.inner.capabilities.effective_ttl(ttl)?;
-            let owner = OwnerToken::random();
             if attempt.permits == Some(0) {
                 return Err(LockError::invalid_input(format!(
                     "semaphore {:?}: a limit of 0 permits can never be acquired; use at least 1",
@@ -501,9 +521,10 @@ impl LockClient {
 
     /// The waiting loop on a task of its own, so that dropping the
     /// caller's future never abandons an attempt in flight: a lease granted
-    /// after the caller left is released. When `cancel` completes, the loop
-    /// stops at its next wait and a lease it got is released before this
-    /// returns `Ok(None)`. With `guard_options`, a grant already inside
+    /// after the caller left is released. When `cancel` completes this
+    /// returns `Ok(None)` at once; an attempt in flight finishes on the task,
+    /// and a lease it (or the settling attempt after an unknown outcome)
+    /// gets is released there. With `guard_options`, a grant already inside
     /// its stop margin is given back and retried while time remains.
     pub(crate) async fn acquire_until<C: Future<Output = ()>>(
         &self,
@@ -521,7 +542,7 @@ impl LockClient {
         let (reply, answer) = oneshot::channel();
         let span = tracing::debug_span!("distlock.acquire", backend = self.name(), key = %key);
         let started = Instant::now();
-        tokio::spawn(
+        self.spawn_background(
             async move {
                 let result = wait::acquire_until_cancelled(
                     &client,
@@ -551,17 +572,20 @@ impl LockClient {
             answer,
             client: self.clone(),
         };
-        let panicked = |_| Err(LockError::unavailable("the acquire task panicked"));
+        let panicked = |_| {
+            Err(LockError::unavailable(
+                "the acquire task stopped before answering (it panicked, or no tokio runtime runs it)",
+            ))
+        };
         tokio::select! {
             // Cancel first: a caller that was cancelled never gets a lease.
             biased;
             () = cancel => {
+                // At once, even with an attempt in flight: the task finishes
+                // it, and this side's answer is dropped unread, so a lease
+                // sent now or later is released (UnreadAnswer, the task).
+                tracing::debug!(key = %key, "acquire cancelled; a lock still granted is released in the background");
                 stop_waiting.cancel();
-                let result = (&mut answer.answer).await.unwrap_or_else(panicked);
-                if let Ok(Some(lease)) = result {
-                    tracing::debug!(key = %key, fencing = %lease.fencing_token(), "acquire cancelled as the lock was granted; releasing it");
-                    self.release_unused(lease).await;
-                }
                 Ok(None)
             }
             result = &mut answer.answer => result.unwrap_or_else(panicked),
@@ -572,23 +596,117 @@ impl LockClient {
     /// the caller's future cannot abandon the release; waits for it.
     pub(crate) async fn release_unused(&self, lease: Lease) {
         let client = self.clone();
-        let release = tokio::spawn(async move {
+        let release = self.spawn_background(async move {
             if let Err(e) = client.release(&lease).await {
                 tracing::debug!(key = %lease.key(), fencing = %lease.fencing_token(), error = %e, "releasing an unused lease failed; it expires after its TTL");
             }
         });
-        let _ = release.await;
+        if let Some(release) = release {
+            let _ = release.await;
+        }
     }
 
     /// Releases `lease` on the current runtime without waiting (a late
     /// grant, a waiter that left). Failing only means it expires by its TTL.
     pub(crate) fn release_in_background(&self, lease: Lease) {
         let client = self.clone();
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
+        self.spawn_background(async move {
+            let _ = client.release(&lease).await;
+        });
+    }
+
+    /// Settles an attempt whose outcome is unknown (it timed out or lost
+    /// its connection, and the server may have applied it), in the
+    /// background: one more attempt with the same owner token is answered
+    /// with that lock if the server holds it for the token (adoption), and
+    /// the lock is released. Failing only means it expires by its TTL.
+    pub(crate) fn settle_in_background(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+        attempt: Attempt,
+        owner: OwnerToken,
+    ) {
+        let (client, key) = (self.clone(), key.clone());
+        self.spawn_background(async move {
+            if let Some(lease) = client.settle(&key, ttl, attempt, owner).await {
                 let _ = client.release(&lease).await;
-            });
+            }
+        });
+    }
+
+    /// One more attempt under `owner` after an unknown outcome: the lock
+    /// that token holds, if any (a lock it takes now is ours as well).
+    pub(crate) async fn settle(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+        attempt: Attempt,
+        owner: OwnerToken,
+    ) -> Option<Lease> {
+        match self.attempt(key, ttl, attempt, owner).await {
+            Ok(AcquireAttempt::Acquired(lease)) => {
+                tracing::debug!(key = %key, fencing = %lease.fencing_token(), "an attempt whose outcome was unknown had been granted; giving it back");
+                Some(lease)
+            }
+            Ok(AcquireAttempt::Held { .. }) => None,
+            Err(e) => {
+                tracing::debug!(key = %key, error = %e, "could not settle an attempt whose outcome is unknown; a lock it took expires after its TTL");
+                None
+            }
         }
+    }
+
+    /// Resolves once none of this client's background work runs: waiting
+    /// acquisitions whose caller left or was cancelled (an attempt in
+    /// flight finishing, a late grant being released), releases of dropped
+    /// guards and unused leases, settling attempts whose outcome was
+    /// unknown. Also waits for acquisitions in progress on other tasks.
+    ///
+    /// Background work runs on the tokio runtime; a process that exits
+    /// with it pending leaves such locks to expire by their TTL. Await this,
+    /// with a timeout, before exiting to give them back:
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # async fn demo(client: distlock_core::LockClient) {
+    /// let _ = tokio::time::timeout(Duration::from_secs(5), client.idle()).await;
+    /// # }
+    /// ```
+    pub async fn idle(&self) {
+        let mut running = self.inner.background.subscribe();
+        let _ = running.wait_for(|n| *n == 0).await;
+    }
+
+    /// Spawns `task` on the current runtime, counted for [`idle`](Self::idle);
+    /// `None` outside a runtime (nothing runs).
+    pub(crate) fn spawn_background<F>(&self, task: F) -> Option<tokio::task::JoinHandle<()>>
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
+        let count = BackgroundCount::start(self.inner.clone());
+        Some(runtime.spawn(async move {
+            let _count = count;
+            task.await;
+        }))
+    }
+}
+
+/// One running background task of a client, counted until dropped (also
+/// when the task is aborted by a runtime shutting down).
+struct BackgroundCount(Arc<Inner>);
+
+impl BackgroundCount {
+    fn start(inner: Arc<Inner>) -> Self {
+        inner.background.send_modify(|n| *n += 1);
+        Self(inner)
+    }
+}
+
+impl Drop for BackgroundCount {
+    fn drop(&mut self) {
+        self.0.background.send_modify(|n| *n = n.saturating_sub(1));
     }
 }
 

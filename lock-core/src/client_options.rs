@@ -9,6 +9,11 @@ use crate::LockError;
 /// The namespace every backend uses unless told otherwise.
 pub const DEFAULT_NAMESPACE: &str = "distlock";
 
+/// The longest connect or operation timeout a client accepts (one hour):
+/// far above any real need, and far below what deadline arithmetic on
+/// `Instant` can overflow on.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
+
 /// Namespace and timeouts of a backend client.
 ///
 /// Every backend config embeds them, and every backend accepts them in its
@@ -70,7 +75,9 @@ impl ClientOptions {
     }
 
     /// Checks the namespace (non-empty, at most 64 bytes of ASCII letters,
-    /// digits, `_`, `-`, `.`) and the timeouts (non-zero).
+    /// digits, `_`, `-`, `.`) and the timeouts (non-zero, at most
+    /// [`MAX_TIMEOUT`]); a [`ErrorKind::Config`](crate::ErrorKind) error
+    /// names the setting.
     pub fn validate(&self) -> Result<(), LockError> {
         let ns = &self.namespace;
         if ns.is_empty()
@@ -83,8 +90,21 @@ impl ClientOptions {
                 "namespace {ns:?} is invalid: use 1 to 64 ASCII letters, digits, '_', '-' or '.'"
             )));
         }
-        if self.connect_timeout.is_zero() || self.operation_timeout.is_zero() {
-            return Err(LockError::config("timeouts must be greater than zero"));
+        for (name, timeout) in [
+            ("connect_timeout", self.connect_timeout),
+            ("operation_timeout", self.operation_timeout),
+        ] {
+            if timeout.is_zero() {
+                return Err(LockError::config(format!(
+                    "{name} must be greater than zero (URL parameter {name}_ms)"
+                )));
+            }
+            if timeout > MAX_TIMEOUT {
+                return Err(LockError::config(format!(
+                    "{name} of {timeout:?} is above the maximum of {MAX_TIMEOUT:?}; use at most {} ms (URL parameter {name}_ms)",
+                    MAX_TIMEOUT.as_millis()
+                )));
+            }
         }
         self.tls.validate()?;
         Ok(())
@@ -112,5 +132,77 @@ pub async fn with_timeout<T>(
         Err(_) => Err(LockError::timeout(format!(
             "{what} got no reply within {timeout:?}; the server may be down or overloaded"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ErrorKind, LockUrl};
+
+    /// Zero and huge timeouts, set in code or in the URL, are Config errors
+    /// naming the setting; the largest accepted one works.
+    #[test]
+    fn timeouts_are_bounded_and_named() {
+        let huge = Duration::from_secs(u64::MAX);
+        for (options, name) in [
+            (
+                ClientOptions::default().connect_timeout(huge),
+                "connect_timeout",
+            ),
+            (
+                ClientOptions::default().operation_timeout(huge),
+                "operation_timeout",
+            ),
+            (
+                ClientOptions::default().connect_timeout(MAX_TIMEOUT + Duration::from_millis(1)),
+                "connect_timeout",
+            ),
+            (
+                ClientOptions::default().operation_timeout(Duration::ZERO),
+                "operation_timeout",
+            ),
+        ] {
+            let err = options.validate().unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Config);
+            assert!(err.to_string().contains(name), "{err}");
+        }
+        ClientOptions::default()
+            .connect_timeout(MAX_TIMEOUT)
+            .operation_timeout(MAX_TIMEOUT)
+            .validate()
+            .unwrap();
+        for (url, name) in [
+            (
+                "redis://h?connect_timeout_ms=18446744073709551615",
+                "connect_timeout",
+            ),
+            (
+                "redis://h?operation_timeout_ms=3600001",
+                "operation_timeout",
+            ),
+            ("redis://h?connect_timeout_ms=0", "connect_timeout"),
+        ] {
+            let err = LockUrl::parse(url)
+                .unwrap()
+                .take_client_options()
+                .unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Config, "{url}");
+            assert!(err.to_string().contains(name), "{url}: {err}");
+        }
+    }
+
+    /// A call under the largest timeout starts and finishes (no `Instant`
+    /// overflow anywhere on the way).
+    #[tokio::test]
+    async fn largest_timeout_runs() {
+        let options = ClientOptions::default().operation_timeout(MAX_TIMEOUT);
+        assert_eq!(options.timed("a call", async { Ok(7) }).await.unwrap(), 7);
+        assert_eq!(
+            with_timeout(Duration::MAX, "a call", async { Ok(8) })
+                .await
+                .unwrap(),
+            8
+        );
     }
 }

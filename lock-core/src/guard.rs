@@ -15,7 +15,10 @@ use crate::{
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum LostReason {
-    /// The server refused a renewal: the key is gone or has another owner.
+    /// The server refused a renewal: the key is gone, has another owner, or
+    /// holds data distlock did not write (a renewal answered with any error
+    /// but a transient one, [`ErrorKind::Unavailable`] or
+    /// [`ErrorKind::Timeout`], is a refusal).
     Refused,
     /// The lease reached its stop moment (the stop margin before it may
     /// run out, see [`LockOptions::stop_margin`]) without a successful
@@ -27,7 +30,9 @@ pub enum LostReason {
 impl fmt::Display for LostReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            LostReason::Refused => "the server refused renewal (key deleted or taken over)",
+            LostReason::Refused => {
+                "the server refused renewal (key deleted, taken over or overwritten)"
+            }
             LostReason::Expired => {
                 "the lease was about to run out (within its stop margin) and could not be renewed"
             }
@@ -294,17 +299,14 @@ impl Drop for LockGuard {
             return;
         }
         let shared = self.shared.clone();
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn(async move {
-                    let _ = shared.release(false).await;
-                });
-            }
-            Err(_) => {
-                let lease = shared.lease();
-                tracing::warn!(key = %lease.key(), fencing = %lease.fencing_token(),
-                    "lock guard dropped outside a tokio runtime; the lock expires after its TTL");
-            }
+        let lease = shared.lease();
+        let client = shared.client.clone();
+        let release = client.spawn_background(async move {
+            let _ = shared.release(false).await;
+        });
+        if release.is_none() {
+            tracing::warn!(key = %lease.key(), fencing = %lease.fencing_token(),
+                "lock guard dropped outside a tokio runtime; the lock expires after its TTL");
         }
     }
 }
@@ -374,7 +376,13 @@ async fn keep_alive(
                 next_renewal = period.map(|p| later(got_at, p));
             }
             Ok(None) => next_renewal = None,
-            Err(e) if e.kind() == ErrorKind::NotHeld => {
+            // Only a transient failure may be retried: a refusal, or data
+            // at the key that distlock did not write (the lock was
+            // overwritten), means the lock is gone now.
+            Err(e) if !e.is_transient() => {
+                if e.kind() != ErrorKind::NotHeld {
+                    tracing::warn!(key = %lease.key(), fencing = %lease.fencing_token(), error = %e, kind = ?e.kind(), "lock renewal failed for good");
+                }
                 shared.mark_lost(LostReason::Refused);
                 return;
             }

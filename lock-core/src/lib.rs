@@ -52,6 +52,8 @@ mod options;
 mod run;
 mod schedule;
 mod semaphore;
+#[cfg(test)]
+mod tests;
 mod tls;
 mod url;
 mod wait;
@@ -62,7 +64,7 @@ pub use backend::{
 };
 pub use capabilities::Capabilities;
 pub use client::{AcquireAttempt, LockClient};
-pub use client_options::{with_timeout, ClientOptions, DEFAULT_NAMESPACE};
+pub use client_options::{with_timeout, ClientOptions, DEFAULT_NAMESPACE, MAX_TIMEOUT};
 pub use error::{ErrorKind, LockError};
 pub use guard::{LockGuard, LostReason, LostSignal};
 pub use job_key::JobKey;

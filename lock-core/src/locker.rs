@@ -11,7 +11,10 @@ use crate::{LockClient, LockError, LockGuard, LockKey, LockOptions};
 ///
 /// Cheap to clone. Every future it returns is cancel-safe: dropping a waiting
 /// future leaves no lock held, even if the server granted the lock just
-/// before the drop (the grant is released in the background).
+/// before the drop (the grant is released in the background; see
+/// [`LockClient::idle`]). All attempts of one call share one owner token,
+/// so an attempt that timed out although the server applied it is
+/// recognised by the next (see [`LockClient::acquire`]).
 ///
 /// ```
 /// use std::time::Duration;
@@ -78,11 +81,16 @@ impl Locker {
     }
 
     /// As [`acquire`](Self::acquire), but gives up waiting when `cancel`
-    /// completes (a signal, a shutdown), returning `Ok(None)`. Unlike
-    /// dropping the future of `acquire` (which releases a late grant in the
-    /// background), this returns only once nothing is held: an attempt in
-    /// flight is finished, and a lease it got is released before returning.
-    /// Use it where the process may exit right after.
+    /// completes (a signal, a shutdown), returning `Ok(None)` at once — also
+    /// while an attempt is in flight, however long its operation timeout.
+    ///
+    /// What was granted is still given back: the attempt in flight finishes
+    /// on the acquisition's own task, and a lock it is granted (or that one
+    /// more attempt with the same owner token finds, when its outcome was
+    /// unknown) is released there, while the tokio runtime runs. A process
+    /// that exits right after awaits [`LockClient::idle`] first (with a
+    /// timeout of its choice); a lock whose give-back did not finish
+    /// expires by its TTL (a renewing one once its client is gone).
     pub async fn acquire_unless<C>(
         &self,
         key: &LockKey,

@@ -72,7 +72,9 @@ fn live_permit<'a>(
 ///
 /// It is a product backend, not a test double: it passes the whole
 /// conformance suite. Time is the process's monotonic clock; waiters are
-/// woken on release; the map holds only live locks. Each
+/// woken on release; the map holds only live locks. An acquire (or permit
+/// attempt) by the owner token that holds the key adopts that lock, as
+/// the [`LockBackend`] contract asks. Each
 /// [`client`](MemoryLock::client) is a separate client of the same server,
 /// as a separate process would have.
 ///
@@ -147,8 +149,14 @@ impl LockBackend for MemoryLock {
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError> {
         let now = Instant::now();
         let mut locks = self.store.locks();
-        if let Some(held) = locks.get(request.key) {
+        if let Some(held) = locks.get_mut(request.key) {
             if held.expires_at > now {
+                if held.owner == request.owner {
+                    // An earlier attempt of this acquisition took it unseen:
+                    // adopted, its TTL reset from now.
+                    held.expires_at = later(now, request.ttl);
+                    return Ok(AcquireReply::Granted(Grant::new(held.fencing, request.ttl)));
+                }
                 return Ok(AcquireReply::Held {
                     expires_in: Some(held.expires_at - now),
                 });
@@ -232,6 +240,16 @@ impl SemaphoreBackend for MemoryLock {
             return Ok(PermitReply::LimitMismatch {
                 stored: semaphore.limit,
             });
+        }
+        if let Some(own) = semaphore
+            .permits
+            .iter_mut()
+            .find(|p| p.owner == request.owner)
+        {
+            // This owner's permit, taken by an earlier attempt unseen:
+            // adopted, its TTL reset from now (never a second permit).
+            own.expires_at = later(now, request.ttl);
+            return Ok(PermitReply::Granted(Grant::new(own.fencing, request.ttl)));
         }
         if semaphore.permits.len() >= semaphore.limit as usize {
             let first_out = semaphore.permits.iter().map(|p| p.expires_at).min();

@@ -29,6 +29,9 @@ pub struct PermitRequest<'a> {
     /// The semaphore.
     pub key: &'a LockKey,
     /// This permit's identity; store it, compare it in extend and release.
+    /// Every attempt of one logical acquisition carries the same token: a
+    /// live permit held by it is this acquisition's own, taken by an
+    /// earlier attempt whose reply was lost, and is granted again (adopted).
     pub owner: OwnerToken,
     /// How long the server keeps this permit unless extended.
     pub ttl: Duration,
@@ -62,13 +65,18 @@ pub enum PermitReply {
 ///
 /// The rules are a lock's, per permit: owner token and fencing token
 /// compared atomically in extend and release, expiry by the server's clock,
-/// nothing outside the namespace, cancel-safe futures. A crashed holder's
+/// nothing outside the namespace, cancel-safe futures, and the
+/// [unknown-outcome rule](crate::LockBackend#unknown-outcomes): a permit
+/// attempt by an owner token that holds a live permit of the semaphore
+/// adopts that permit — its fencing token, its TTL reset to the request's
+/// from now, atomically — and never takes a second one. A crashed holder's
 /// permit comes back when its TTL runs out.
 #[async_trait]
 pub trait SemaphoreBackend: Send + Sync {
     /// One atomic attempt: takes a permit if fewer than `request.limit`
     /// live permits are held (expired ones do not count) and no live permit
-    /// is held under another limit. Never waits.
+    /// is held under another limit; if `request.owner` holds a live permit,
+    /// adopts it (same fencing token, TTL reset from now). Never waits.
     async fn acquire_permit(&self, request: PermitRequest<'_>) -> Result<PermitReply, LockError>;
 
     /// Resets the permit's TTL if, and only if, this owner and token still

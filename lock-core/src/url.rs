@@ -31,7 +31,13 @@ impl UrlHost {
 /// A parsed lock-server URL:
 /// `scheme://[user[:password]@]host[:port][,host[:port]...][/path][?name=value&...]`.
 ///
-/// User, password, path and parameter values are percent-decoded. A backend
+/// User, password, path and parameter values are percent-decoded. As in
+/// RFC 3986 and the WHATWG URL standard, the host part ends at the first
+/// `/`, `?` or `#`, and the user information is everything before its
+/// last `@`: a password may hold `@` and `:` as they are, but `/`, `?`
+/// and `#` must be percent-encoded (`%2F`, `%3F`, `%23`). A URL with an
+/// `@` after its host part (such a password, unencoded) is refused
+/// without echoing any of it. A backend
 /// *takes* the parameters it understands; [`finish`](Self::finish) then
 /// refuses any left over, naming it, so a typo never passes silently.
 /// `Display` and `Debug` never show the password.
@@ -87,14 +93,34 @@ impl LockUrl {
                 redact_raw(url)
             )));
         }
-        let (rest, query) = match rest.split_once('?') {
-            Some((rest, query)) => (rest, Some(query)),
-            None => (rest, None),
+        // The authority ends at the first '/', '?' or '#' (RFC 3986, WHATWG);
+        // its user information is everything before its last '@'.
+        let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(authority_end);
+        if tail.contains('@') {
+            // A raw '@' after the host part: a password (or user name)
+            // holding '/', '?' or '#' unencoded. Nothing of it may be
+            // echoed, so the error shows only what follows the last '@'.
+            return Err(LockError::config(format!(
+                "{:?} has an '@' after its host part: percent-encode '/', '?', '#' and '@' in the user name and password (%2F, %3F, %23, %40), and '@' in parameter values",
+                redact_raw(url)
+            )));
+        }
+        let (tail, fragment) = match tail.split_once('#') {
+            Some((tail, fragment)) => (tail, Some(fragment)),
+            None => (tail, None),
         };
-        let (authority, path) = match rest.find('/') {
-            Some(slash) => (&rest[..slash], &rest[slash + 1..]),
-            None => (rest, ""),
+        if fragment.is_some() {
+            return Err(LockError::config(format!(
+                "{:?} has a '#' fragment, which lock URLs do not use; remove it (percent-encode '#' as %23 in a password)",
+                redact_raw(url)
+            )));
+        }
+        let (path, query) = match tail.split_once('?') {
+            Some((path, query)) => (path, Some(query)),
+            None => (tail, None),
         };
+        let path = path.strip_prefix('/').unwrap_or(path);
         let (userinfo, hosts) = match authority.rsplit_once('@') {
             Some((userinfo, hosts)) => (Some(userinfo), hosts),
             None => (None, authority),
@@ -382,21 +408,19 @@ fn decode(text: &str, what: &str) -> Result<String, LockError> {
         .map_err(|_| LockError::config(format!("{what} in the URL is not UTF-8 once decoded")))
 }
 
-/// `url` with everything between `://` and the last `@` of the authority
-/// replaced by `***`, for errors about URLs that did not parse.
+/// `url` with everything between `://` and its last `@` replaced by `***`,
+/// for errors about URLs that did not parse. The last `@` anywhere, not
+/// the authority's: a password holding an unencoded `/`, `?` or `#` ends
+/// the authority early, and none of it may show.
 fn redact_raw(url: &str) -> String {
-    match url.split_once("://") {
-        Some((scheme, rest)) => {
-            let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-            match rest[..authority_end].rfind('@') {
-                Some(at) => format!("{scheme}://***@{}", &rest[at + 1..]),
-                None => url.to_owned(),
-            }
-        }
-        None => match url.rfind('@') {
-            Some(at) => format!("***@{}", &url[at + 1..]),
-            None => url.to_owned(),
-        },
+    let (scheme, rest) = match url.split_once("://") {
+        Some((scheme, rest)) => (Some(scheme), rest),
+        None => (None, url),
+    };
+    match (scheme, rest.rfind('@')) {
+        (Some(scheme), Some(at)) => format!("{scheme}://***@{}", &rest[at + 1..]),
+        (None, Some(at)) => format!("***@{}", &rest[at + 1..]),
+        (_, None) => url.to_owned(),
     }
 }
 
@@ -458,6 +482,81 @@ mod tests {
             let err = LockUrl::parse(bad).unwrap_err();
             assert_eq!(err.kind(), ErrorKind::Config, "{bad}");
             assert!(!err.to_string().contains("pw"), "{bad}: {err}");
+        }
+    }
+
+    /// Passwords with every character that ends a URL part: percent-encoded
+    /// they are taken whole; '@' and ':' work as they are.
+    #[test]
+    fn passwords_with_delimiters() {
+        for (url, password) in [
+            ("redis://u:a%2Fb%3Fc%23d%40e%3Af@h:1/2?x=1", "a/b?c#d@e:f"),
+            ("redis://u:my%2Fsecretpw@h", "my/secretpw"),
+            ("redis://u:p@ss@h/0", "p@ss"),
+            ("redis://u:a:b:c@h", "a:b:c"),
+            ("redis://u:@:@@h", "@:@"),
+            ("postgres://u:%23%3F%2F@h/db?sslmode=disable", "#?/"),
+        ] {
+            let parsed = LockUrl::parse(url).unwrap_or_else(|e| panic!("{url}: {e}"));
+            assert_eq!(parsed.username(), Some("u"), "{url}");
+            assert_eq!(parsed.password(), Some(password), "{url}");
+            assert_eq!(parsed.hosts()[0].name, "h", "{url}");
+            assert!(!parsed.to_string().contains(password), "{url}: {parsed}");
+            assert!(!format!("{parsed:?}").contains(password), "{url}");
+        }
+    }
+
+    /// A password holding '/', '?' or '#' unencoded ends the host part
+    /// early: the URL is refused, and no error shows any of it (nor of the
+    /// user name).
+    #[test]
+    fn unencoded_delimiters_in_passwords_never_echoed() {
+        for (url, secrets) in [
+            (
+                "redis://user:1234/SECRETPART@host",
+                &["1234", "SECRETPART", "user:"][..],
+            ),
+            (
+                "redis://user:my/secretpw@host:6379/0",
+                &[":my", "my/", "secretpw"],
+            ),
+            ("redis://user:pa?xyzzy@host", &["pa?", "xyzzy"]),
+            ("redis://user:pa#xyzzy@host", &["pa#", "xyzzy"]),
+            (
+                "redis://user:a/b?c#d@e@host/1?namespace=x",
+                &["a/b", "c#d", "d@e", "user:"],
+            ),
+            (
+                "etcd://user:x/y@h1:2379,h2?operation_timeout_ms=5",
+                &["x/y", "user:"],
+            ),
+        ] {
+            let err = LockUrl::parse(url).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Config, "{url}");
+            let message = err.to_string();
+            for secret in secrets {
+                assert!(
+                    !message.contains(secret),
+                    "{url}: {message:?} shows {secret:?}"
+                );
+            }
+            assert!(message.contains("percent-encode"), "{url}: {message}");
+        }
+        // Every other error of a URL with credentials hides them too.
+        for url in [
+            "redis://user:my/pw@h:99999",
+            "redis://user:my?pw@[::1",
+            "redis://user:s3cr%zzet@h",
+            "redis://user:s3cret@h#frag",
+        ] {
+            let err = LockUrl::parse(url).unwrap_err();
+            let message = err.to_string();
+            for secret in ["my/", "my?", "pw", "s3cr", "user:"] {
+                assert!(
+                    !message.contains(secret),
+                    "{url}: {message:?} shows {secret:?}"
+                );
+            }
         }
     }
 

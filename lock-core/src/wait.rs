@@ -6,7 +6,10 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::lease::later;
-use crate::{AcquireAttempt, Lease, LockClient, LockError, LockKey, LockOptions, ReleaseWatch};
+use crate::{
+    AcquireAttempt, ErrorKind, Lease, LockClient, LockError, LockKey, LockOptions, OwnerToken,
+    ReleaseWatch,
+};
 
 /// Extra wait after a holder's predicted expiry, so the retry lands after the
 /// server expired it rather than just before.
@@ -47,9 +50,16 @@ fn unusable(lease: &Lease, options: Option<&LockOptions>, now: Instant) -> bool 
 
 /// Waits for `key` until `deadline`; gives up (`Ok(None)`) when `cancel`
 /// fires. Cancellation is only observed between attempts, never while an
-/// attempt is in flight, so a lock the server granted is always returned.
+/// attempt is in flight, so a lock the server granted is always returned
+/// (to a caller that is gone, if it was cancelled: the task releases it).
 /// `Unavailable`/`Timeout` errors are retried with backoff while the
 /// deadline allows; the last one is returned when it passes.
+///
+/// Every attempt uses one owner token, so a lock an attempt took although
+/// its reply never came (its outcome unknown) is handed back by the next
+/// one (the backend adopts it). If the loop ends while the last attempt's
+/// outcome is unknown, one more attempt with that token settles it: on the
+/// task when cancelled, in the background when an error is returned.
 pub(crate) async fn acquire_until_cancelled(
     client: &LockClient,
     key: &LockKey,
@@ -64,7 +74,13 @@ pub(crate) async fn acquire_until_cancelled(
     let mut never = ReleaseWatch::never();
     let mut backoff = BACKOFF_MIN;
     let mut attempts = 0u64;
+    let mut owner = OwnerToken::random();
+    // Whether the last attempt failed after it may have reached the server.
+    let mut unknown = false;
     loop {
+        if cancel.is_cancelled() {
+            return Ok(settle(client, key, ttl, attempt, owner, unknown).await);
+        }
         // Subscribe before the attempt: a release between a failed attempt
         // and a later subscription would otherwise be missed.
         let mut watch_error = None;
@@ -76,14 +92,23 @@ pub(crate) async fn acquire_until_cancelled(
             match subscribed {
                 Ok(subscribed) => watch = subscribed,
                 Err(e) if e.is_transient() => watch_error = Some(e),
-                Err(e) => return Err(e),
+                Err(e) => {
+                    if unknown {
+                        client.settle_in_background(key, ttl, attempt, owner);
+                    }
+                    return Err(e);
+                }
             }
         }
-        attempts += 1;
         let result = match watch_error {
             // No subscription: an attempt now could miss the next release.
             Some(e) => Err(e),
-            None => client.attempt(key, ttl, attempt).await,
+            None => {
+                attempts += 1;
+                let result = client.attempt(key, ttl, attempt, owner).await;
+                unknown = matches!(&result, Err(e) if e.is_transient());
+                result
+            }
         };
         let now = Instant::now();
         let wake_at = match result {
@@ -91,10 +116,19 @@ pub(crate) async fn acquire_until_cancelled(
                 if now < deadline && unusable(&lease, guard_options, now) =>
             {
                 // Granted too late to use (a slow reply, a dying session):
-                // give it back and try again.
+                // give it back and try again. Awaited, so that no retry
+                // adopts the lock this give-back then deletes; if its
+                // outcome is unknown, later attempts use a new token.
                 tracing::debug!(key = %key, fencing = %lease.fencing_token(), "lock granted too late to use; releasing it and retrying");
-                client.release_in_background(lease);
-                later(now, caps.retry_interval.min(backoff))
+                match client.release(&lease).await {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == ErrorKind::NotHeld => {}
+                    Err(e) => {
+                        tracing::debug!(key = %key, error = %e, "giving back a late grant failed; it expires after its TTL");
+                        owner = OwnerToken::random();
+                    }
+                }
+                later(Instant::now(), caps.retry_interval.min(backoff))
             }
             Ok(AcquireAttempt::Acquired(lease)) => {
                 tracing::debug!(key = %key, fencing = %lease.fencing_token(), attempts, "lock acquired after waiting");
@@ -122,11 +156,18 @@ pub(crate) async fn acquire_until_cancelled(
                 backoff = (backoff * 2).min(BACKOFF_MAX);
                 wake_at
             }
-            Err(e) => return Err(e),
+            Err(e) => {
+                if unknown {
+                    client.settle_in_background(key, ttl, attempt, owner);
+                }
+                return Err(e);
+            }
         };
         let watch_ref = watch.as_mut().unwrap_or(&mut never);
         tokio::select! {
-            _ = cancel.cancelled() => return Ok(None),
+            _ = cancel.cancelled() => {
+                return Ok(settle(client, key, ttl, attempt, owner, unknown).await);
+            }
             woke = watch_ref.released() => {
                 if let Err(e) = woke {
                     tracing::debug!(key = %key, error = %e, "release subscription failed; subscribing again");
@@ -136,4 +177,21 @@ pub(crate) async fn acquire_until_cancelled(
             _ = tokio::time::sleep_until(wake_at.into()) => {}
         }
     }
+}
+
+/// After cancellation: if the last attempt's outcome is unknown, one more
+/// attempt under its token finds the lock it may have taken (for the task
+/// to release, as its caller is gone).
+async fn settle(
+    client: &LockClient,
+    key: &LockKey,
+    ttl: Duration,
+    attempt: Attempt,
+    owner: OwnerToken,
+    unknown: bool,
+) -> Option<Lease> {
+    if !unknown {
+        return None;
+    }
+    client.settle(key, ttl, attempt, owner).await
 }

@@ -552,10 +552,13 @@ pub async fn unworkable_stop_margin_rejected(ctx: TestContext) -> CaseResult {
     Ok(())
 }
 
-/// `acquire_unless`: cancelled while the server's grant is on its way, it
-/// returns only after that lease was released (a process may exit at once
-/// and leave nothing held).
-pub async fn cancelled_acquire_releases_before_returning(ctx: TestContext) -> CaseResult {
+/// `acquire_unless`: cancelled while an attempt is in flight (the server
+/// granted the lock, its reply is held), it returns `Ok(None)` at once —
+/// while the reply is still held, so it cannot have waited for it. The
+/// attempt finishes on its task, which gives the late grant back: once the
+/// client is idle ([`LockClient::idle`](distlock_core::LockClient::idle))
+/// the key is free, long before its 60 s TTL.
+pub async fn cancel_returns_at_once_and_late_grant_is_released(ctx: TestContext) -> CaseResult {
     let slow = Arc::new(ObservedLock::new(ctx.client().await?));
     let locker = Locker::new(slow.clone());
     let other = ctx.client().await?;
@@ -563,7 +566,7 @@ pub async fn cancelled_acquire_releases_before_returning(ctx: TestContext) -> Ca
     slow.hold_replies(Call::Acquire);
     let (cancel_tx, cancel_rx) = tokio::sync::oneshot::channel::<()>();
     let acquiring = {
-        let key = key.clone();
+        let (key, locker) = (key.clone(), locker.clone());
         let options = LockOptions::new(ctx.long_ttl()).wait(ctx.long_ttl());
         tokio::spawn(async move {
             locker
@@ -579,22 +582,33 @@ pub async fn cancelled_acquire_releases_before_returning(ctx: TestContext) -> Ca
         "the grant reaches the hold",
     )
     .await?;
+    check!(
+        slow.last_granted().is_some(),
+        "the server granted the lock whose reply is held"
+    );
     let _ = cancel_tx.send(());
-    slow.open(Call::Acquire);
     let result = within(background_bound(), acquiring, "the cancelled acquire")
         .await?
         .map_err(|e| format!("acquire task panicked: {e}"))??;
     check!(result.is_none(), "a cancelled acquire returned a guard");
-    check!(
-        slow.last_granted().is_some(),
-        "the server had granted the lock"
+    check_eq!(
+        slow.waiting(Call::Acquire),
+        1,
+        "the attempt in flight when the acquire returned"
     );
-    // Released before acquire_unless returned: free now, not after 60 s.
+    refused(&other, &key, "while the late grant is still on its way").await?;
+    slow.open(Call::Acquire);
+    within(
+        background_bound(),
+        locker.client().idle(),
+        "the client's background work",
+    )
+    .await?;
     let lease = acquire(
         &other,
         &key,
         ctx.long_ttl(),
-        "right after the cancelled acquire",
+        "once the late grant was given back",
     )
     .await?;
     other.release(&lease).await?;

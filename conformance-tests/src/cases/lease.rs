@@ -160,7 +160,7 @@ pub async fn never_granted_before_holder_deadline(ctx: TestContext) -> CaseResul
 /// lock the server expired before the holder's deadline is caught, while a
 /// conforming backend (whose deadline is counted from before the request
 /// was sent, minus a drift allowance) never is.
-async fn server_holds_until_deadline(
+pub(super) async fn server_holds_until_deadline(
     observer: &LockClient,
     key: &LockKey,
     token: distlock_core::FencingToken,

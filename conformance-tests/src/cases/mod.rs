@@ -20,6 +20,7 @@ mod run;
 mod schedule;
 mod semaphore;
 pub mod support;
+mod unknown_outcome;
 mod wait;
 
 /// What a case needs from the backend beyond the core contract; a case whose
@@ -53,6 +54,8 @@ pub enum Needs {
     /// an in-process one whose factory honours `namespace=`
     /// ([`Suite::namespaces`](crate::Suite::namespaces)).
     Namespaces,
+    /// Every one of these (`Needs::All(&[Needs::Faults, Needs::Semaphore])`).
+    All(&'static [Needs]),
 }
 
 impl Needs {
@@ -85,6 +88,7 @@ impl Needs {
             Needs::Namespaces => (!context.has_namespaces()).then(|| {
                 "in-process backend whose factory does not honour namespace= (Suite::namespaces): no second namespace to open a client in".into()
             }),
+            Needs::All(needs) => needs.iter().find_map(|need| need.missing(context)),
         }
     }
 }
@@ -134,15 +138,19 @@ impl std::fmt::Debug for Case {
 }
 
 /// Declares cases of one group module: `cases!(basic: acquire_release, ...)`;
-/// a case may carry `=> Needs::X`.
+/// a case may carry `=> Needs::X`. `cases!(fault in unknown_outcome: ...)` puts
+/// the cases of module `unknown_outcome` in group `fault`.
 macro_rules! cases {
-    ($group:ident : $($name:ident $(=> $needs:expr)?),+ $(,)?) => {
+    ($group:ident in $module:ident : $($name:ident $(=> $needs:expr)?),+ $(,)?) => {
         vec![$(Case {
             group: stringify!($group),
             name: stringify!($name),
             needs: { #[allow(unused_mut, unused_assignments)] let mut n = Needs::Nothing; $(n = $needs;)? n },
-            run: |ctx| Box::pin($group::$name(ctx)),
+            run: |ctx| Box::pin($module::$name(ctx)),
         }),+]
+    };
+    ($group:ident : $($rest:tt)+) => {
+        cases!($group in $group : $($rest)+)
     };
 }
 
@@ -225,7 +233,7 @@ pub fn all() -> Vec<Case> {
         huge_durations_rejected_or_saturated,
         lost_fires_a_stop_margin_before_expiry,
         unworkable_stop_margin_rejected,
-        cancelled_acquire_releases_before_returning,
+        cancel_returns_at_once_and_late_grant_is_released,
     ));
     all.extend(cases!(exclusion:
         counter_is_exact,
@@ -301,6 +309,22 @@ pub fn all() -> Vec<Case> {
         stalled_server_waiters_recover => Needs::Faults,
         unreachable_extend_and_release_are_errors => Needs::Faults,
         renewal_outage_keeps_guard => Needs::Faults,
+    ));
+    all.extend(cases!(fault in unknown_outcome:
+        late_reply_acquire => Needs::Faults,
+        late_reply_renewing_acquire => Needs::Faults,
+        late_reply_extend => Needs::Faults,
+        late_reply_release => Needs::Faults,
+        late_reply_waiting_acquire => Needs::Faults,
+        late_reply_waiter_queue => Needs::Faults,
+        late_reply_permit_acquire => Needs::All(&[Needs::Faults, Needs::Semaphore]),
+        late_reply_permit_waiting_acquire => Needs::All(&[Needs::Faults, Needs::Semaphore]),
+        late_reply_permit_extend => Needs::All(&[Needs::Faults, Needs::Semaphore]),
+        late_reply_permit_release => Needs::All(&[Needs::Faults, Needs::Semaphore]),
+    ));
+    all.extend(cases!(lease in unknown_outcome:
+        same_owner_acquire_adopts,
+        same_owner_permit_adopts => Needs::Semaphore,
     ));
     all
 }

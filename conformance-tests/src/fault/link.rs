@@ -17,7 +17,7 @@ use distlock_core::{
 };
 use tokio::sync::watch;
 
-use super::state::{until_forwarding, wait_cut, State};
+use super::state::{until_passing, wait_cut, State};
 use super::Direction;
 
 /// The URL scheme of a link: `link://<id>`, optionally followed by the
@@ -35,7 +35,8 @@ static LINKS: Mutex<BTreeMap<u64, Weak<Shared>>> = Mutex::new(BTreeMap::new());
 /// Each call a client makes through it is a request and a reply that can be
 /// delayed ([`delay`](Self::delay), per direction, or per client with
 /// [`delay_connection`](Self::delay_connection)), held back
-/// ([`black_hole`](Self::black_hole) until [`heal`](Self::heal)), cut
+/// ([`black_hole`](Self::black_hole) until [`heal`](Self::heal), or one
+/// direction only with [`hold`](Self::hold) until [`pass`](Self::pass)), cut
 /// ([`drop_all`](Self::drop_all): a call whose request was handled loses
 /// its reply) or refused ([`down`](Self::down) until [`up`](Self::up)), as
 /// the TCP [`Proxy`](super::Proxy) does to a server's clients. A call
@@ -203,6 +204,27 @@ impl Link {
         self.shared.state.send_modify(|s| s.black_hole = false);
     }
 
+    /// Holds back everything travelling in `direction` until
+    /// [`pass`](Self::pass); the other direction flows. With
+    /// [`Direction::ToClient`]: every call's request reaches the server and
+    /// is applied, but its reply (and every release notification) waits, so
+    /// the caller sees a `Timeout` after its operation timeout although the
+    /// server acted: the outcome is unknown to the client. A reply whose
+    /// caller gave up is dropped when passed.
+    pub fn hold(&self, direction: Direction) {
+        self.shared
+            .state
+            .send_modify(|s| s.held[direction.index()] = true);
+    }
+
+    /// Delivers what [`hold`](Self::hold) held back in `direction`, late,
+    /// and forwards again.
+    pub fn pass(&self, direction: Direction) {
+        self.shared
+            .state
+            .send_modify(|s| s.held[direction.index()] = false);
+    }
+
     /// Delays every request ([`Direction::ToServer`]) or reply and
     /// notification ([`Direction::ToClient`]) by `delay`, for every client
     /// without a delay of its own.
@@ -310,8 +332,8 @@ impl LinkedLock {
     }
 }
 
-/// One crossing of the link: its delay, then any black hole. `false` if
-/// the connection was cut meanwhile.
+/// One crossing of the link: its delay, then any black hole or hold of
+/// `direction`. `false` if the connection was cut meanwhile.
 async fn travel(link: &Shared, index: usize, direction: Direction, epoch: u64) -> bool {
     let mut state = link.state.subscribe();
     let delay = state.borrow_and_update().delay(index, direction);
@@ -321,7 +343,7 @@ async fn travel(link: &Shared, index: usize, direction: Direction, epoch: u64) -
             _ = wait_cut(state.clone(), epoch) => return false,
         }
     }
-    until_forwarding(&mut state, epoch).await
+    until_passing(&mut state, epoch, direction).await
 }
 
 /// Passes the inner client's release notifications for `key` across the

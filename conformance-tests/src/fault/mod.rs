@@ -81,6 +81,27 @@ impl FaultPath {
         }
     }
 
+    /// Holds back everything travelling in `direction` until
+    /// [`pass`](Self::pass), the other direction flowing: with
+    /// [`Direction::ToClient`], requests reach the server and are applied
+    /// while their replies wait, so each call times out with its outcome
+    /// unknown to the client (see [`Proxy::hold`], [`Link::hold`]).
+    pub fn hold(&self, direction: Direction) {
+        match self {
+            FaultPath::Proxy(p) => p.hold(direction),
+            FaultPath::Link(l) => l.hold(direction),
+        }
+    }
+
+    /// Delivers what [`hold`](Self::hold) held back, late, and forwards
+    /// again.
+    pub fn pass(&self, direction: Direction) {
+        match self {
+            FaultPath::Proxy(p) => p.pass(direction),
+            FaultPath::Link(l) => l.pass(direction),
+        }
+    }
+
     /// Delays everything travelling in `direction` by `delay` (zero: none).
     pub fn delay(&self, direction: Direction, delay: Duration) {
         match self {

@@ -77,6 +77,28 @@ pub enum Defect {
     ExtendErrorAsNotHeld,
     ReleaseErrorAsReleased,
     HeldNoTimeLeft,
+    // The unknown-outcome rule: an acquire by the owner token that holds
+    // the key must adopt that lock (same fencing token, TTL reset).
+    RefusesOwnOwner,
+    AdoptsWithoutTtlReset,
+    SecondLockInsteadOfAdopting,
+    SecondPermitInsteadOfAdopting,
+}
+
+impl Defect {
+    /// Whether the mutant sits below the simulated network, as a broken
+    /// server would: its defect is in how the server applies a request
+    /// whose reply the network may then lose. The others sit above it, in
+    /// the client's backend, and see the network's faults as errors.
+    pub fn below_link(self) -> bool {
+        matches!(
+            self,
+            Defect::RefusesOwnOwner
+                | Defect::AdoptsWithoutTtlReset
+                | Defect::SecondLockInsteadOfAdopting
+                | Defect::SecondPermitInsteadOfAdopting
+        )
+    }
 }
 
 /// One mutant of the corpus.
@@ -313,6 +335,36 @@ pub const CORPUS: &[MutantSpec] = &[
         what: "a refusal reports no time left on the holder's lease (waiters retry at once, over and over)",
         killers: &["basic::held_reports_time_left"],
     },
+    MutantSpec {
+        name: "refuses_own_owner",
+        defect: Defect::RefusesOwnOwner,
+        what: "an acquire by the owner token that holds the key is refused as held (SET NX without adoption): a retry whose earlier attempt was applied unseen waits on its own orphan",
+        killers: &[
+            "lease::same_owner_acquire_adopts",
+            "fault::late_reply_waiting_acquire",
+        ],
+    },
+    MutantSpec {
+        name: "adopts_without_ttl_reset",
+        defect: Defect::AdoptsWithoutTtlReset,
+        what: "an acquire by the owner token that holds the key is granted it without resetting its TTL, so the adopted lease's deadline outlives the server's expiry",
+        killers: &["lease::same_owner_acquire_adopts"],
+    },
+    MutantSpec {
+        name: "second_lock_instead_of_adopting",
+        defect: Defect::SecondLockInsteadOfAdopting,
+        what: "an acquire by the owner token that holds the key replaces that lock with a new one (new fencing token) instead of adopting it",
+        killers: &["lease::same_owner_acquire_adopts"],
+    },
+    MutantSpec {
+        name: "second_permit_instead_of_adopting",
+        defect: Defect::SecondPermitInsteadOfAdopting,
+        what: "a permit attempt by an owner token that holds a permit takes a second permit (or is refused as full) instead of adopting its own",
+        killers: &[
+            "lease::same_owner_permit_adopts",
+            "fault::late_reply_permit_waiting_acquire",
+        ],
+    },
 ];
 
 /// How much longer than the server's TTL the `*TtlFewMsLong` mutants report.
@@ -350,6 +402,13 @@ pub struct Mutant {
     broken: Arc<Mutex<HashSet<String>>>,
     /// Local fan-out for the mutants that reroute wake-ups.
     notifier: ReleaseNotifier,
+    /// The owner token the server really stores behind each lock or permit
+    /// (key, fencing token) for the mutants that never adopt: every attempt
+    /// reaches the server under a token of its own.
+    inner_owners: Mutex<HashMap<(String, FencingToken), OwnerToken>>,
+    /// The last lock granted per key (owner, token), for the mutants that
+    /// adopt wrongly.
+    grants: Mutex<HashMap<String, (OwnerToken, FencingToken)>>,
 }
 
 impl fmt::Debug for Mutant {
@@ -389,7 +448,58 @@ impl Mutant {
             server_tokens: Mutex::new(HashMap::new()),
             broken: Arc::new(Mutex::new(HashSet::new())),
             notifier: ReleaseNotifier::new(),
+            inner_owners: Mutex::new(HashMap::new()),
+            grants: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The owner token the server stores for `lock`.
+    fn inner_owner(&self, lock: &HeldLock<'_>) -> OwnerToken {
+        self.inner_owners
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(lock.key.as_str().to_owned(), lock.fencing))
+            .copied()
+            .unwrap_or(lock.owner)
+    }
+
+    /// A fresh owner token for the server, remembered behind the grant.
+    async fn under_fresh_owner<R>(
+        &self,
+        key: &LockKey,
+        send: impl std::future::Future<Output = Result<R, LockError>>,
+        granted: impl Fn(&R) -> Option<FencingToken>,
+        fresh: OwnerToken,
+    ) -> Result<R, LockError> {
+        let reply = send.await?;
+        if let Some(fencing) = granted(&reply) {
+            self.inner_owners
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert((key.as_str().to_owned(), fencing), fresh);
+        }
+        Ok(reply)
+    }
+
+    /// The lock `owner` was last granted at `key`, if the server still
+    /// shows it.
+    async fn own_live_lock(
+        &self,
+        key: &LockKey,
+        owner: OwnerToken,
+    ) -> Result<Option<FencingToken>, LockError> {
+        let last = self
+            .grants
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key.as_str())
+            .copied();
+        match last {
+            Some((holder, fencing)) if holder == owner && self.shows(key, fencing).await? => {
+                Ok(Some(fencing))
+            }
+            _ => Ok(None),
+        }
     }
 
     fn is(&self, defect: Defect) -> bool {
@@ -445,7 +555,7 @@ impl Mutant {
     fn server_lock<'a>(&self, lock: &HeldLock<'_>, key: &'a LockKey) -> HeldLock<'a> {
         HeldLock {
             key,
-            owner: lock.owner,
+            owner: self.inner_owner(lock),
             fencing: self.server_token(lock),
             handle: lock.handle,
         }
@@ -613,6 +723,42 @@ impl LockBackend for Mutant {
     }
 
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError> {
+        match self.defect {
+            Defect::RefusesOwnOwner => {
+                let fresh = OwnerToken::random();
+                let send = self.inner.acquire(AcquireRequest {
+                    owner: fresh,
+                    ..request
+                });
+                let granted = |reply: &AcquireReply| match reply {
+                    AcquireReply::Granted(grant) => Some(grant.fencing),
+                    AcquireReply::Held { .. } => None,
+                };
+                return self
+                    .under_fresh_owner(request.key, send, granted, fresh)
+                    .await;
+            }
+            Defect::AdoptsWithoutTtlReset | Defect::SecondLockInsteadOfAdopting => {
+                if let Some(fencing) = self.own_live_lock(request.key, request.owner).await? {
+                    if self.is(Defect::AdoptsWithoutTtlReset) {
+                        return Ok(AcquireReply::Granted(Grant::new(fencing, request.ttl)));
+                    }
+                    self.admin_of_inner()?.force_release(request.key).await?;
+                }
+                let reply = self.inner.acquire(request).await?;
+                if let AcquireReply::Granted(grant) = &reply {
+                    self.grants
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(
+                            request.key.as_str().to_owned(),
+                            (request.owner, grant.fencing),
+                        );
+                }
+                return Ok(reply);
+            }
+            _ => {}
+        }
         let started = Instant::now();
         let key = self.server_key(request.key);
         let reply = match (self.defect, self.take(request, &key).await) {
@@ -762,24 +908,11 @@ impl LockBackend for Mutant {
         self.inner.admin().map(|_| self as &dyn LockAdmin)
     }
 
-    // Permits are forwarded unchanged but for the semaphore defects.
+    // Permits are forwarded unchanged but for the permit defects.
     fn semaphore(&self) -> Option<&dyn SemaphoreBackend> {
         self.inner
             .semaphore()
             .map(|_| self as &dyn SemaphoreBackend)
-    }
-}
-
-#[distlock_core::async_trait]
-impl LockAdmin for Mutant {
-    async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
-        self.admin_of_inner()?.inspect(&self.server_key(key)).await
-    }
-
-    async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
-        self.admin_of_inner()?
-            .force_release(&self.server_key(key))
-            .await
     }
 }
 
@@ -788,6 +921,14 @@ impl Mutant {
         self.inner
             .semaphore()
             .ok_or_else(|| LockError::unsupported("the mutant's inner backend has no semaphores"))
+    }
+
+    /// `permit` as the server stores it.
+    fn server_permit<'a>(&self, permit: &HeldLock<'a>) -> HeldLock<'a> {
+        HeldLock {
+            owner: self.inner_owner(permit),
+            ..*permit
+        }
     }
 }
 
@@ -805,7 +946,21 @@ impl SemaphoreBackend for Mutant {
         if self.is(Defect::RenewingPermitTenTimesTtl) && request.renewing {
             request.ttl = (request.ttl * 10).min(self.inner.capabilities().max_ttl);
         }
-        self.inner_semaphore()?.acquire_permit(request).await
+        let semaphore = self.inner_semaphore()?;
+        if !self.is(Defect::SecondPermitInsteadOfAdopting) {
+            return semaphore.acquire_permit(request).await;
+        }
+        let fresh = OwnerToken::random();
+        let send = semaphore.acquire_permit(PermitRequest {
+            owner: fresh,
+            ..request
+        });
+        let granted = |reply: &PermitReply| match reply {
+            PermitReply::Granted(grant) => Some(grant.fencing),
+            _ => None,
+        };
+        self.under_fresh_owner(request.key, send, granted, fresh)
+            .await
     }
 
     async fn extend_permit(
@@ -813,14 +968,33 @@ impl SemaphoreBackend for Mutant {
         permit: HeldLock<'_>,
         ttl: Duration,
     ) -> Result<ExtendReply, LockError> {
-        self.inner_semaphore()?.extend_permit(permit, ttl).await
+        self.inner_semaphore()?
+            .extend_permit(self.server_permit(&permit), ttl)
+            .await
     }
 
     async fn release_permit(&self, permit: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
-        self.inner_semaphore()?.release_permit(permit).await
+        self.inner_semaphore()?
+            .release_permit(self.server_permit(&permit))
+            .await
     }
 
     async fn watch_permits(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
         self.inner_semaphore()?.watch_permits(key).await
     }
 }
+
+#[distlock_core::async_trait]
+impl LockAdmin for Mutant {
+    async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
+        self.admin_of_inner()?.inspect(&self.server_key(key)).await
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
+        self.admin_of_inner()?
+            .force_release(&self.server_key(key))
+            .await
+    }
+}
+
+

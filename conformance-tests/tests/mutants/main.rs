@@ -49,7 +49,13 @@ fn suite(name: &str, defect: Defect) -> Suite {
             .entry(namespace.to_owned())
             .or_default()
             .client();
-        async move { Ok(Mutant::wrap(defect, Link::attach(&url, client)?)) }
+        async move {
+            if defect.below_link() {
+                Link::attach(&url, Mutant::wrap(defect, client))
+            } else {
+                Ok(Mutant::wrap(defect, Link::attach(&url, client)?))
+            }
+        }
     })
     .simulated_network()
     .namespaces()

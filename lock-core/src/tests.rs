@@ -1,0 +1,144 @@
+//! Lock-core's own rules over a backend that misbehaves in one way: the
+//! waiting loop after an attempt whose outcome is unknown, and a guard
+//! whose renewal finds foreign data.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+
+use crate::{
+    AcquireReply, AcquireRequest, Capabilities, ErrorKind, ExtendReply, HeldLock, LockBackend,
+    LockClient, LockError, LockKey, LockOptions, Locker, LostReason, MemoryLock, ReleaseReply,
+    ReleaseWatch, Renewal,
+};
+
+/// `MemoryLock` with two faults: the first `lost_replies` acquire
+/// attempts are applied but answered `Timeout` (the reply lost), and with
+/// `corrupt_extends` every extend answers `Corrupted` (foreign data at the
+/// key).
+#[derive(Debug, Default)]
+struct Faulty {
+    server: MemoryLock,
+    lost_replies: AtomicUsize,
+    corrupt_extends: bool,
+    attempts: AtomicUsize,
+}
+
+#[async_trait]
+impl LockBackend for Faulty {
+    fn name(&self) -> &'static str {
+        "faulty"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.server.capabilities()
+    }
+
+    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError> {
+        self.attempts.fetch_add(1, Ordering::SeqCst);
+        let reply = self.server.acquire(request).await?;
+        let lost = self
+            .lost_replies
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if lost {
+            return Err(LockError::timeout("the reply was lost (applied)"));
+        }
+        Ok(reply)
+    }
+
+    async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError> {
+        if self.corrupt_extends {
+            return Err(LockError::corrupted(
+                "the key holds a value distlock did not write",
+            ));
+        }
+        self.server.extend(lock, ttl).await
+    }
+
+    async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
+        self.server.release(lock).await
+    }
+
+    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        self.server.watch(key).await
+    }
+}
+
+fn faulty(lost_replies: usize, corrupt_extends: bool) -> (Arc<Faulty>, LockClient) {
+    let backend = Arc::new(Faulty {
+        lost_replies: AtomicUsize::new(lost_replies),
+        corrupt_extends,
+        ..Faulty::default()
+    });
+    (backend.clone(), LockClient::new(backend))
+}
+
+fn key() -> LockKey {
+    LockKey::new("job").unwrap()
+}
+
+const TTL: Duration = Duration::from_secs(60);
+
+/// A waiting acquire whose first attempt was applied unseen gets that lock
+/// from its next attempt (one owner token per acquisition, adopted by the
+/// backend), not `Ok(None)` after waiting on its own orphan.
+#[tokio::test]
+async fn waiting_acquire_adopts_what_a_lost_reply_took() {
+    let (backend, client) = faulty(1, false);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let lease = client
+        .acquire(&key(), TTL, deadline)
+        .await
+        .unwrap()
+        .expect("the lock its own first attempt took");
+    assert_eq!(backend.attempts.load(Ordering::SeqCst), 2);
+    assert_eq!(backend.server.held_count(), 1, "one lock, not two");
+    client.release(&lease).await.unwrap();
+    assert_eq!(backend.server.held_count(), 0);
+}
+
+/// A single try whose reply is lost ends with the error, and the lock it
+/// took is given back in the background (one more attempt with the same
+/// owner token finds it): once the client is idle, nothing is held.
+#[tokio::test]
+async fn try_lock_with_a_lost_reply_leaves_nothing_held() {
+    let (backend, client) = faulty(1, false);
+    let locker = Locker::new(client.clone());
+    let err = locker
+        .try_lock(&key(), &LockOptions::new(TTL))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Timeout);
+    tokio::time::timeout(Duration::from_secs(10), client.idle())
+        .await
+        .expect("background work ends");
+    assert_eq!(backend.attempts.load(Ordering::SeqCst), 2);
+    assert_eq!(backend.server.held_count(), 0, "the orphan was given back");
+}
+
+/// A renewal answered `Corrupted` (the lock was overwritten by a value
+/// distlock did not write) loses the lock at once, as a refusal: long
+/// before the stop moment, where a transient failure would be retried.
+#[tokio::test]
+async fn renewal_finding_foreign_data_loses_the_lock_at_once() {
+    let (_backend, client) = faulty(0, true);
+    let guard = Locker::new(client)
+        .try_lock(
+            &key(),
+            &LockOptions::new(TTL).renewal(Renewal::Every(Duration::from_millis(20))),
+        )
+        .await
+        .unwrap()
+        .expect("free");
+    let reason = tokio::time::timeout(Duration::from_secs(10), guard.lost())
+        .await
+        .expect("lost at the first renewal, not at the stop moment");
+    assert_eq!(reason, LostReason::Refused);
+    assert!(
+        Instant::now() < guard.stop_moment(),
+        "lost before the stop moment"
+    );
+}
