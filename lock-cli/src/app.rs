@@ -303,9 +303,18 @@ pub fn main() -> ExitCode {
 }
 
 async fn connect(url: &str) -> Result<LockClient, Failure> {
-    distlock::connect(url)
-        .await
-        .map_err(|e| Failure::lock("cannot connect to the lock server", &e))
+    if let Some(message) = help::not_in_this_build(url) {
+        return Err(Failure::new(code::CONFIG, message));
+    }
+    distlock::connect(url).await.map_err(|e| {
+        let mut failure = Failure::lock("cannot connect to the lock server", &e);
+        if e.kind() == ErrorKind::Config {
+            if let Some(hint) = help::tls_hint(&failure.message) {
+                failure.message.push_str(hint);
+            }
+        }
+        failure
+    })
 }
 
 fn lock_key(key: &str) -> Result<LockKey, Failure> {

@@ -106,3 +106,47 @@ fn schemes() -> String {
 pub fn after_help() -> String {
     format!("{EXAMPLES}\n\n{EXIT_CODES}\n\n{}", schemes())
 }
+
+/// The backend features this build leaves out.
+fn left_out() -> Vec<&'static str> {
+    backends()
+        .into_iter()
+        .filter(|backend| backend.schemes.is_none())
+        .map(|backend| backend.feature)
+        .collect()
+}
+
+/// For a URL whose scheme no backend of this build opens, while the build
+/// leaves some backend out: the message to give instead of the library's
+/// (which tells a Cargo.toml how to enable a feature).
+pub fn not_in_this_build(url: &str) -> Option<String> {
+    let (scheme, _) = url.split_once("://")?;
+    let scheme = scheme.to_ascii_lowercase();
+    let opened: Vec<&str> = backends()
+        .into_iter()
+        .filter_map(|backend| backend.schemes)
+        .flatten()
+        .copied()
+        .collect();
+    let missing = left_out();
+    if scheme == "memory" || opened.contains(&scheme.as_str()) || missing.is_empty() {
+        return None;
+    }
+    let mut opens = vec!["memory://".to_owned()];
+    opens.extend(opened.iter().map(|s| format!("{s}://")));
+    Some(format!(
+        "{scheme}:// is not a URL scheme this build of distlock opens ({}); it was built without {}: `cargo install distlock-cli` builds every backend{}",
+        opens.join(", "),
+        missing.join(", "),
+        if missing.contains(&"etcd") { " (etcd needs protoc to build)" } else { "" }
+    ))
+}
+
+/// A hint for a configuration error from a build without TLS whose
+/// message is about TLS (a `rediss://` URL, `sslmode=`): the library's
+/// advice is for a Cargo.toml.
+pub fn tls_hint(message: &str) -> Option<&'static str> {
+    (!cfg!(feature = "tls") && message.to_ascii_lowercase().contains("tls")).then_some(
+        "; this build of distlock has no TLS: build it with the `tls` feature (`cargo install distlock-cli --no-default-features --features redis,postgres,tls` needs no protoc)",
+    )
+}
