@@ -55,8 +55,8 @@ pub struct LogArgs {
     /// a wait, no warnings.
     #[arg(short, long, global = true, conflicts_with = "verbose")]
     quiet: bool,
-    /// Say more: -v the library's info events (lock acquired, released),
-    /// -vv debug, -vvv trace. Without -q or -v, RUST_LOG (e.g.
+    /// Say more: -v adds the library's info events (a lock acquired), -vv
+    /// debug, -vvv trace. Without -q or -v, RUST_LOG (e.g.
     /// RUST_LOG=distlock_core=debug) replaces the default levels.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     verbose: u8,

@@ -67,41 +67,6 @@ fn help_lists_every_scheme_and_exit_code() {
     }
 }
 
-/// A build without etcd (what installs without protoc) says which schemes
-/// it opens and how to get the one it left out, not the library's advice
-/// for a Cargo.toml.
-#[cfg(not(feature = "etcd"))]
-#[test]
-fn a_backend_left_out_of_the_build_is_named() {
-    let output = distlock()
-        .args([
-            "run",
-            "--url",
-            "etcd://127.0.0.1:2379",
-            "--key",
-            "k",
-            "--",
-            "true",
-        ])
-        .output()
-        .expect("run");
-    assert_eq!(code(&output), 78, "{}", stderr(&output));
-    let err = stderr(&output);
-    assert_eq!(err.lines().count(), 1, "one line: {err}");
-    assert!(
-        err.contains("etcd:// is not a URL scheme this build of distlock opens"),
-        "{err}"
-    );
-    assert!(err.contains("cargo install distlock-cli"), "{err}");
-    assert!(!err.contains("Cargo.toml"), "{err}");
-    let output = distlock().arg("--help").output().expect("run");
-    assert!(
-        stdout(&output).contains("Not in this build: etcd"),
-        "{}",
-        stdout(&output)
-    );
-}
-
 /// `distlock run --url memory:// --key k FLAGS... -- true`, with `env`.
 fn run_true(flags: &[&str], env: &[(&str, &str)]) -> Output {
     let mut command = distlock();
