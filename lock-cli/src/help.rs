@@ -94,9 +94,8 @@ fn schemes() -> String {
     }
     if !missing.is_empty() {
         text.push_str(&format!(
-            "\n  Not in this build: {} (cargo install distlock-cli --features {}; etcd needs protoc to build).",
-            missing.join(", "),
-            missing.join(",")
+            "\n  Not in this build: {} (`cargo install distlock-cli` builds every backend; etcd needs protoc to build).",
+            missing.join(", ")
         ));
     }
     text
