@@ -5,7 +5,7 @@
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use distlock_conformance::server::{Etcd, Postgres, Redis, ServerKind};
+use distlock_conformance::server::ServerKind;
 
 use crate::support::{
     code, distlock, finish, process_gone, read_token, run_sh, signal, start, stderr, stdout,
@@ -26,19 +26,22 @@ fn against(kind: impl ServerKind) {
     drop(server);
 }
 
+#[cfg(feature = "redis")]
 #[test]
 fn redis() {
-    against(Redis::default());
+    against(distlock_conformance::server::Redis::default());
 }
 
+#[cfg(feature = "etcd")]
 #[test]
 fn etcd() {
-    against(Etcd);
+    against(distlock_conformance::server::Etcd);
 }
 
+#[cfg(feature = "postgres")]
 #[test]
 fn postgres() {
-    against(Postgres);
+    against(distlock_conformance::server::Postgres);
 }
 
 fn two_concurrent_runs_exactly_one_runs(url: &str) {
@@ -145,6 +148,32 @@ fn fencing_tokens_increase_across_processes(url: &str) {
     assert_eq!(code(&died), 128 + libc::SIGTERM, "{}", stderr(&died));
 }
 
+/// `status --json KEY` (or `inspect KEY`), parsed; checks the exit code
+/// that goes with it (0 free, 75 held).
+fn status_json(url: &str, key: &str, inspect: bool) -> serde_json::Map<String, serde_json::Value> {
+    let mut command = distlock();
+    if inspect {
+        command.args(["inspect", "--url", url, key]);
+    } else {
+        command.args(["status", "--json", "--url", url, key]);
+    }
+    let output = command.output().expect("run");
+    let text = stdout(&output);
+    let object = match serde_json::from_str(text.trim_end()) {
+        Ok(serde_json::Value::Object(object)) => object,
+        other => panic!(
+            "status --json printed {text:?} ({other:?}); {}",
+            stderr(&output)
+        ),
+    };
+    let held = object["held"].as_bool().expect("held is a boolean");
+    assert_eq!(code(&output), if held { 75 } else { 0 }, "{text}");
+    assert_eq!(object["key"], key, "{text}");
+    assert!(object["backend"].is_string(), "{text}");
+    assert_eq!(text.lines().count(), 1, "one line: {text}");
+    object
+}
+
 fn status_reports_held_and_free(url: &str) {
     let dir = TempDir::new("distlock-cli-test");
     let key = unique("status");
@@ -154,17 +183,24 @@ fn status_reports_held_and_free(url: &str) {
         .expect("run");
     assert_eq!(code(&output), 0, "{}", stderr(&output));
     assert!(stdout(&output).contains("free"), "{}", stdout(&output));
+    for inspect in [false, true] {
+        let free = status_json(url, &key, inspect);
+        assert_eq!(free["held"], false);
+        assert!(free["fencing_token"].is_null(), "{free:?}");
+        assert!(free["expires_in_ms"].is_null(), "{free:?}");
+    }
 
     let holder = run_sh(
         url,
         &key,
         &["--ttl", "2s"],
         dir.path(),
-        r#"touch "$DIR/held"; while [ ! -e "$DIR/go" ]; do sleep 0.05; done"#,
+        r#"echo "$DISTLOCK_FENCING_TOKEN" > "$DIR/t"; touch "$DIR/held"; while [ ! -e "$DIR/go" ]; do sleep 0.05; done"#,
     )
     .spawn()
     .expect("spawn");
     wait_for_file(&dir.file("held"));
+    let token = read_token(&dir.file("t"));
     let output = distlock()
         .args(["status", "--url", url, &key])
         .output()
@@ -172,22 +208,43 @@ fn status_reports_held_and_free(url: &str) {
     assert_eq!(code(&output), 75, "{}", stderr(&output));
     assert!(stdout(&output).contains("held"), "{}", stdout(&output));
     assert!(
-        stdout(&output).contains("fencing token"),
+        stdout(&output).contains(&format!("fencing token {token}")),
         "{}",
         stdout(&output)
     );
+    for inspect in [false, true] {
+        let held = status_json(url, &key, inspect);
+        assert_eq!(held["held"], true, "{held:?}");
+        assert_eq!(held["fencing_token"].as_u64(), Some(token), "{held:?}");
+        // Time left by the server's clock: at most the 2 s TTL (renewal
+        // may have moved it on), or unknown.
+        let left = &held["expires_in_ms"];
+        assert!(
+            left.is_null() || left.as_u64().is_some_and(|ms| ms <= 2000),
+            "{held:?}"
+        );
+    }
     let output = distlock()
         .args(["release", "--url", url, "--force", &key])
         .output()
         .expect("run");
     assert_eq!(code(&output), 0, "{}", stderr(&output));
     assert!(stdout(&output).contains("released"), "{}", stdout(&output));
-    // The holder learns at its next renewal: it stops its command and says so.
+    // The holder learns at its next renewal: it stops its command and says
+    // why.
     let held = finish(holder);
     assert_eq!(
         code(&held),
         70,
         "holder after a force release: {}",
+        stderr(&held)
+    );
+    let refused = distlock::LostReason::Refused.to_string();
+    assert!(
+        stderr(&held)
+            .lines()
+            .any(|line| line.starts_with("distlock: lost lock") && line.contains(&refused)),
+        "the lost line gives the reason ({refused}): {}",
         stderr(&held)
     );
     let output = distlock()
@@ -418,9 +475,10 @@ fn permits_need_a_backend_with_semaphores(url: &str) {
 /// A value distlock did not write at the lock key: a configuration error
 /// (78), not the lock-lost code (70); the value is left alone and the
 /// command never runs.
+#[cfg(feature = "redis")]
 #[test]
 fn foreign_data_at_the_key_is_a_configuration_error() {
-    let server = crate::support::start_process(Redis::default());
+    let server = crate::support::start_process(distlock_conformance::server::Redis::default());
     let addr = server.addr().to_string();
     let key = unique("foreign");
     let redis_key = format!("distlock:{{{key}}}:lock");

@@ -1,5 +1,10 @@
 //! What the CLI tests share: the binary, bounded runs, temporary
 //! directories, signals, process states and servers.
+// A build without some backend leaves some of these unused.
+#![cfg_attr(
+    not(all(feature = "redis", feature = "etcd", feature = "postgres")),
+    allow(dead_code)
+)]
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -16,10 +21,11 @@ use distlock_conformance::server::{ServerHandle, ServerKind, ServerProcess};
 /// assertion.
 pub const HANG: Duration = Duration::from_secs(120);
 
-/// The `distlock` binary, without `DISTLOCK_URL` from the environment.
+/// The `distlock` binary, without `DISTLOCK_URL` or `RUST_LOG` from the
+/// environment (a test sets them itself).
 pub fn distlock() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_distlock"));
-    command.env_remove("DISTLOCK_URL");
+    command.env_remove("DISTLOCK_URL").env_remove("RUST_LOG");
     command
 }
 
