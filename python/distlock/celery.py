@@ -655,6 +655,7 @@ def _run_once_per_fire(
             "Import distlock.celery in the Beat process (defining the task there does it).",
             name,
         )
+    assert spec.period is not None
     try:
         outcome = locker(task.app if task else None).run_once_per_fire_with(
             job, spec.period, fired, spec.ttl, call, args, kwargs
@@ -732,7 +733,7 @@ def _unavailable(
 def _task_running(wrapper: Callable[..., Any]) -> Any:
     """The Celery task executing ``wrapper`` now, or ``None`` (called
     directly, or from inside another task)."""
-    task = current_task._get_current_object() if current_task else None
+    task: Any = current_task._get_current_object() if current_task else None  # type: ignore[attr-defined]
     if task is None:
         return None
     run: Any = getattr(task.run, "__func__", task.run)
@@ -754,10 +755,10 @@ def _function_of(task: Any) -> Callable[..., Any]:
 def _bound_args(task: Any, args: Any) -> Tuple[Any, ...]:
     """The arguments a run of ``task`` gets: with ``bind=True`` the task
     itself comes first (and is left out of the key)."""
-    args = tuple(args or ())
+    given: Tuple[Any, ...] = tuple(args or ())
     if getattr(task.run, "__self__", None) is task:
-        return (task, *args)
-    return args
+        return (task, *given)
+    return given
 
 
 def _task_name(task: Any, func: Callable[..., Any]) -> str:

@@ -571,3 +571,84 @@ def test_two_beats_run_a_once_per_fire_task_once_per_fire(redis_server, tmp_path
     assert set(guarded) == set(delivered) and max(guarded.values()) == 1, summary
     # ...and the plain one ran once per Beat: twice for most fires.
     assert sum(plain[f] > 1 for f in fires) >= FIRES * 3 // 4, summary
+
+
+def _dead(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[-1].startswith("Z")
+    except FileNotFoundError:
+        return True
+
+
+def test_two_beats_with_a_worker_killed_mid_run(redis_server, tmp_path):
+    """A worker killed with SIGKILL mid-run: the next run starts only once
+    the killed run's lock has expired on the server."""
+    base = redis_server.url
+    record = redis.Redis.from_url(f"{base}/4")
+    broker = redis.Redis.from_url(f"{base}/3")
+    lock_server = redis.Redis.from_url(base)
+    record.flushdb()
+    broker.flushdb()
+    namespace = f"kill_{uuid.uuid4().hex[:8]}"
+    env = {
+        **os.environ,
+        "PYTHONPATH": TESTS,
+        "BEAT_TEST_SCENARIO": "kill",
+        "BEAT_TEST_BROKER": f"{base}/3",
+        "BEAT_TEST_RECORD": f"{base}/4",
+        "BEAT_TEST_LOCK_URL": f"{base}?namespace={namespace}",
+    }
+    running_key = f"{namespace}:{{beat_app.slow@running}}:lock"
+    processes = Processes(str(tmp_path), env)
+
+    def starts():
+        return [line.decode().split() for line in record.lrange("started:beat_app.slow", 0, -1)]
+
+    try:
+        for worker in ("worker1", "worker2"):
+            processes.start(
+                worker, "worker", "-n", f"{worker}@%h", "--concurrency=2",
+                "--without-gossip", "--without-mingle", "--without-heartbeat",
+            )
+        processes.wait_for(
+            lambda: all(" ready." in processes.log(w) for w in ("worker1", "worker2")), "workers", 90
+        )
+        for beat in ("beat1", "beat2"):
+            processes.start(beat, "beat", "-s", str(tmp_path / f"{beat}-schedule"),
+                            f"--pidfile={tmp_path / (beat + '.pid')}")
+        processes.wait_for(lambda: len(starts()) >= 1, "the first run", 90)
+        first_start, pid, first_token = starts()[0]
+        os.kill(int(pid), signal.SIGKILL)
+        processes.wait_for(lambda: _dead(int(pid)), "the killed worker process to die", 30)
+
+        def expiry():
+            # The server's clock and the lock's time left, read at one instant.
+            pipe = lock_server.pipeline(transaction=True)
+            pipe.time()
+            pipe.pttl(running_key)
+            (seconds, micros), left = pipe.execute()
+            assert left > 0, f"the killed run's lock is not held on the server ({left})"
+            return seconds + micros / 1e6 + left / 1000
+
+        # Nobody renews it any more: its expiry stays put.
+        expires_at = expiry()
+        time.sleep(0.2)
+        assert abs(expiry() - expires_at) < 0.05
+        processes.wait_for(lambda: len(starts()) >= 2, "the run after the killed one", 90)
+        record.set("stop:beat_app.slow", 1)
+        logs = "\n".join(processes.log(w) for w in ("worker1", "worker2"))
+    finally:
+        processes.stop()
+
+    (_, _, _), (second_start, _, second_token) = starts()[:2]
+    summary = (
+        f"killed run started {float(first_start):.3f} (token {first_token}), its lock expired at "
+        f"{expires_at:.3f} by the server's clock; the next run started {float(second_start):.3f} (token {second_token})"
+    )
+    print(summary)
+    assert float(second_start) >= expires_at, summary
+    assert int(second_token) > int(first_token), summary
+    # The library's own log events reach the worker's log.
+    assert "lock acquired key=beat_app.slow@running" in logs, logs[-3000:]
+    assert "previous run still going; skipping this fire" in logs, logs[-3000:]
