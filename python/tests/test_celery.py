@@ -171,7 +171,7 @@ def test_decorator_above_app_task_is_refused_at_import():
         # A lazy task (a Proxy: the app is not finalized) and a finished one.
         with pytest.raises(TypeError, match=r"above @app.task.*put it below") as caught:
             @decorator
-            @app.task
+            @app.task(shared=False)
             def lazy():
                 pass
         assert "@app.task\n    @" in str(caught.value)
@@ -182,7 +182,7 @@ def test_decorator_above_app_task_is_refused_at_import():
             pass
 
         with pytest.raises(TypeError, match="put it below"):
-            decorator(finished.task(plain))
+            decorator(finished.task(plain, shared=False))
     with pytest.raises(TypeError, match=r"needs its options: write @singleton\(ttl=60\)"):
         @singleton
         def forgot_parentheses():
