@@ -351,8 +351,8 @@ impl Locker {
     fn inspect(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Option<LockInfo>> {
         let key = check::key(key, "key")?;
         let client = self.client(py)?;
-        let holder = runtime::block_on(py, async move { client.inspect(&key).await })?
-            .map_err(to_py)?;
+        let holder =
+            runtime::block_on(py, async move { client.inspect(&key).await })?.map_err(to_py)?;
         Ok(holder.map(|holder| LockInfo {
             fencing_token: holder.fencing_token,
             expires_in: holder.expires_in.map(|left| left.as_secs_f64()),

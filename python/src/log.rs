@@ -154,7 +154,10 @@ fn forward(lines: Receiver<Line>) {
         }
         let dropped = DROPPED.swap(0, Ordering::Relaxed);
         if dropped > 0 {
-            let _ = write!(line.message, " ({dropped} earlier distlock log records dropped)");
+            let _ = write!(
+                line.message,
+                " ({dropped} earlier distlock log records dropped)"
+            );
         }
         Python::attach(|py| {
             let logged = py
