@@ -504,7 +504,8 @@ class OncePerFireTask(_TaskBase):
 
 # --- publishing ---------------------------------------------------------------
 
-_original_apply_async: Callable[..., Any] = Task.apply_async
+# (A reload of this module must not wrap the wrapper.)
+_original_apply_async: Callable[..., Any] = getattr(Task.apply_async, "_distlock_original", Task.apply_async)
 
 
 def _apply_async(self: Any, args: Any = None, kwargs: Any = None, *rest: Any, **options: Any) -> Any:
@@ -515,6 +516,7 @@ def _apply_async(self: Any, args: Any = None, kwargs: Any = None, *rest: Any, **
 
 
 # Every task's apply_async; only decorated tasks with dedup_publish change.
+setattr(_apply_async, "_distlock_original", _original_apply_async)
 setattr(Task, "apply_async", _apply_async)
 
 
@@ -532,7 +534,8 @@ def _publish(
     if spec.dedup_seconds is None or eager or options.get("retries"):
         return send(task, args, kwargs, *rest, **options)
     key = _job_key(task.name, _function_of(task), _bound_args(task, args), dict(kwargs or {}), spec.key_args)
-    headers = options.setdefault("headers", None) or {}
+    # A copy: the caller's dict (Beat's entry options) stays as it was.
+    headers = dict(options.get("headers") or {})
     options["headers"] = headers
     if spec.kind == "once_per_fire":
         if not (_in_beat or headers.get("celery_beat_task")):

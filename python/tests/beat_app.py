@@ -22,6 +22,7 @@ else:
     app.conf.beat_schedule = {
         "guarded-every-second": {"task": "beat_app.guarded", "schedule": 1.0},
         "plain-every-second": {"task": "beat_app.plain", "schedule": 1.0},
+        "deduped-every-second": {"task": "beat_app.deduped", "schedule": 1.0},
     }
 
 _record = redis.Redis.from_url(os.environ["BEAT_TEST_RECORD"])
@@ -48,6 +49,13 @@ def guarded():
 @app.task
 def plain():
     _ran("beat_app.plain")
+
+
+@app.task
+@once_per_fire(period=1, dedup_publish=True)
+def deduped():
+    # The second Beat's message for a fire is not even queued.
+    _ran("beat_app.deduped")
 
 
 #: The running lock's TTL of `slow`, in seconds.

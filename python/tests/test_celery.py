@@ -541,11 +541,13 @@ def test_two_beats_run_a_once_per_fire_task_once_per_fire(redis_server, tmp_path
         processes.wait_for(lambda: fires_seen() >= FIRES + 2, f"{FIRES + 2} fires", 120)
         processes.stop("beat1", "beat2")
 
+        def delivered_so_far():
+            return sum(record.llen(f"delivered:beat_app.{name}") for name in ("guarded", "plain", "deduped"))
+
         def drained():
-            before = record.llen("delivered:beat_app.guarded") + record.llen("delivered:beat_app.plain")
+            before = delivered_so_far()
             time.sleep(1.0)
-            after = record.llen("delivered:beat_app.guarded") + record.llen("delivered:beat_app.plain")
-            return broker.llen("celery") == 0 and before == after
+            return broker.llen("celery") == 0 and before == delivered_so_far()
 
         processes.wait_for(drained, "the queue to drain", 60)
     finally:
@@ -554,11 +556,15 @@ def test_two_beats_run_a_once_per_fire_task_once_per_fire(redis_server, tmp_path
     delivered = slot_counts(record.lrange("delivered:beat_app.guarded", 0, -1))
     guarded = slot_counts(record.lrange("ran:beat_app.guarded", 0, -1))
     plain = slot_counts(record.lrange("ran:beat_app.plain", 0, -1))
+    deduped_delivered = slot_counts(record.lrange("delivered:beat_app.deduped", 0, -1))
+    deduped = slot_counts(record.lrange("ran:beat_app.deduped", 0, -1))
     fires = sorted(delivered)[1 : FIRES + 1]
     summary = (
         f"over {len(fires)} fires: Beat messages per fire {[delivered[f] for f in fires]}; "
         f"runs per fire with once_per_fire {[guarded[f] for f in fires]} (total {sum(guarded[f] for f in fires)}); "
-        f"without it {[plain[f] for f in fires]} (total {sum(plain[f] for f in fires)})"
+        f"without it {[plain[f] for f in fires]} (total {sum(plain[f] for f in fires)}); "
+        f"with dedup_publish, messages per fire {[deduped_delivered[f] for f in fires]}, "
+        f"runs {[deduped[f] for f in fires]}"
     )
     print(summary)
     with open(os.environ.get("DISTLOCK_BEAT_SUMMARY", os.devnull), "a") as out:
@@ -571,6 +577,11 @@ def test_two_beats_run_a_once_per_fire_task_once_per_fire(redis_server, tmp_path
     assert set(guarded) == set(delivered) and max(guarded.values()) == 1, summary
     # ...and the plain one ran once per Beat: twice for most fires.
     assert sum(plain[f] > 1 for f in fires) >= FIRES * 3 // 4, summary
+    # With dedup_publish the second Beat's message is never queued: one
+    # message per fire reaches a worker (none ever twice), and it runs.
+    assert max(deduped_delivered.values()) == 1, summary
+    assert sum(deduped_delivered[f] for f in fires) >= FIRES - 2, summary
+    assert max(deduped.values()) == 1 and set(deduped) == set(deduped_delivered), summary
 
 
 def _dead(pid):
