@@ -14,7 +14,7 @@ import maturin  # noqa: E402
 _NO_TOOLCHAIN = """\
 distlock-rs: building from source needs the Rust toolchain (cargo and rustc 1.88 or newer) \
 on PATH, and protoc for the etcd backend (Debian/Ubuntu: apt-get install protobuf-compiler), \
-and compiles about 250 crates (minutes). None was found, so nothing was downloaded.
+and compiles about 250 crates (minutes). cargo is not on PATH, so nothing was built or downloaded.
 Install a prebuilt wheel instead (pip install distlock-rs, or a wheel built by \
 scripts/build-wheels), or install Rust (https://rustup.rs) and retry."""
 
