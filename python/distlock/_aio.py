@@ -4,19 +4,28 @@ an awaitable on the caller's event loop, and cancels the operation (which is
 cancel-safe) when the awaiting task is cancelled."""
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Generator
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Protocol, Type
 
 if TYPE_CHECKING:
     from ._distlock import LockGuard
 
 
-def _discard(ok, value):
+class _Handle(Protocol):
+    def cancel(self) -> None: ...
+
+
+_Done = Callable[[bool, Any], None]
+_Start = Callable[[_Done], _Handle]
+
+
+def _discard(ok: bool, value: Any) -> None:
     # A guard nobody will receive: release it in the background.
     if ok and hasattr(value, "_abandon"):
         value._abandon()
 
 
-def _settle(future, ok, value):
+def _settle(future: "asyncio.Future[Any]", ok: bool, value: Any) -> None:
     if future.cancelled():
         _discard(ok, value)
     elif ok:
@@ -25,12 +34,12 @@ def _settle(future, ok, value):
         future.set_exception(value)
 
 
-async def run(start):
+async def run(start: _Start) -> Any:
     """Awaits the operation that ``start(done)`` launches."""
     loop = asyncio.get_running_loop()
-    future = loop.create_future()
+    future: "asyncio.Future[Any]" = loop.create_future()
 
-    def done(ok, value):
+    def done(ok: bool, value: Any) -> None:
         try:
             loop.call_soon_threadsafe(_settle, future, ok, value)
         except RuntimeError:  # the loop was closed meanwhile
@@ -50,26 +59,33 @@ class AsyncAcquire:
 
     __slots__ = ("_start", "_guard")
 
-    def __init__(self, start):
+    def __init__(self, start: _Start) -> None:
         self._start = start
-        self._guard = None
+        self._guard: "Optional[LockGuard]" = None
 
     def __await__(self) -> "Generator[Any, None, LockGuard]":
-        return run(self._start).__await__()
+        guard: "LockGuard" = yield from run(self._start).__await__()
+        return guard
 
     async def __aenter__(self) -> "LockGuard":
-        self._guard = await run(self._start)
-        return self._guard
+        guard: "LockGuard" = await run(self._start)
+        self._guard = guard
+        return guard
 
-    async def __aexit__(self, exc_type, exc, traceback) -> bool:
+    async def __aexit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> bool:
         return await release(self._guard, exc_type)
 
 
-async def ready(guard):
+async def ready(guard: "LockGuard") -> "LockGuard":
     return guard
 
 
-async def release(guard, exc_type=None):
+async def release(guard: Any, exc_type: Optional[Type[BaseException]] = None) -> bool:
     """Releases ``guard``; an exception of the block wins over a release
     error."""
     try:

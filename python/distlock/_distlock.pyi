@@ -3,7 +3,7 @@
 import contextvars
 import datetime
 from types import TracebackType
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Type, Union, final
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Tuple, Type, Union, final
 
 from distlock._aio import AsyncAcquire
 
@@ -65,13 +65,27 @@ def job_key(
     indexes. The key equals Rust's
     ``JobKey::new(name).args(&that_object).only(&only).key()``. Raises
     `InvalidInput` for arguments without a JSON form (select others with
-    ``only``)."""
+    ``only``), and for a name in ``only`` that is not among the arguments."""
 
 def current_lock() -> Optional[LockGuard]:
     """The lock of the job running in this context (`Locker.run_once_per_fire`
     and the `distlock.celery` helpers), or ``None``."""
 
 _current_lock: contextvars.ContextVar[Optional[LockGuard]]
+
+def _check_lock_options(
+    ttl: _Seconds,
+    wait: Optional[_Seconds] = None,
+    max_hold: Optional[_Seconds] = None,
+    hold_at_least: Optional[_Seconds] = None,
+) -> None:
+    """Raises `InvalidInput` for options `Locker.lock` would refuse."""
+
+def _check_schedule(period: _Seconds, ttl: Optional[_Seconds] = None, job_name: Optional[str] = None) -> None:
+    """Raises `InvalidInput` for a schedule `Locker.run_once_per_fire` would refuse."""
+
+def _stop_logging() -> None: ...
+def _refresh_logging() -> None: ...
 
 @final
 class Locker:
@@ -125,7 +139,44 @@ class Locker:
         `func` runs in the calling thread; `current_lock()` is its lock. A
         Python function cannot be stopped from outside, so if the lock is
         lost it runs to its end and the outcome says `lost`. Exceptions of
-        `func` propagate (the fire counts as taken)."""
+        `func` propagate (the fire counts as taken). The lock held while
+        `func` runs has a TTL of min(30 s, period); see
+        `run_once_per_fire_with` to set it."""
+
+    def run_once_per_fire_with(
+        self,
+        job_name: str,
+        period: _Seconds,
+        fire_time: _FireTime,
+        ttl: Optional[_Seconds],
+        func: Callable[..., Any],
+        args: Tuple[Any, ...],
+        kwargs: Optional[Mapping[str, Any]] = None,
+    ) -> FireOutcome:
+        """`run_once_per_fire` with the TTL of the lock held while `func`
+        runs (renewed meanwhile; ``None``: min(30 s, period), at least 1 s),
+        and `func`'s arguments passed as a tuple and a dict."""
+
+    def inspect(self, key: str) -> Optional[LockInfo]:
+        """Who holds `key`: ``None`` if nobody. An operator call (status
+        pages, stuck locks): the answer is stale as soon as it arrives, so
+        never decide whether to run a job by it. `Unsupported` if the
+        backend has no operator calls."""
+
+    def force_release(self, key: str) -> bool:
+        """Deletes the lock at `key` whoever holds it, waking its waiters;
+        returns whether one was held. The holder learns at its next renewal
+        that it lost the lock. An operator call, for stuck locks."""
+
+@final
+class LockInfo:
+    """Who holds a lock, as `Locker.inspect` read it."""
+
+    fencing_token: int
+    """The holder's fencing token."""
+    expires_in: Optional[float]
+    """Seconds left on the holder's lease by the server's clock (renewal
+    extends it), or ``None`` if the backend does not tell."""
 
 @final
 class LockGuard:

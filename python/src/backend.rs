@@ -6,9 +6,11 @@
 use std::future::Future;
 use std::time::{Duration, SystemTime};
 
-use distlock::{Fire, JobKey, LockKey, LockOptions, Locker, OnLost, ScheduledJob};
+use distlock::{Fire, JobKey, LockKey, LockOptions, LockState, Locker, OnLost, ScheduledJob};
 
-pub use distlock::{ErrorKind, LockError, LockGuard, LostSignal, ScheduledOutcome, SkipReason};
+pub use distlock::{
+    ErrorKind, LockError, LockGuard, LostReason, LostSignal, ScheduledOutcome, SkipReason,
+};
 
 /// A connected lock client.
 #[derive(Debug, Clone)]
@@ -24,7 +26,7 @@ pub async fn connect(url: &str) -> Result<Client, LockError> {
 }
 
 /// How to take one lock.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Acquire {
     /// TTL of each lease (the guard renews it every third).
     pub ttl: Duration,
@@ -35,6 +37,38 @@ pub struct Acquire {
     /// On release, keep the lock until this long after acquisition.
     pub hold_at_least: Option<Duration>,
 }
+
+impl Acquire {
+    fn options(&self) -> LockOptions {
+        let mut options = LockOptions::new(self.ttl).wait(self.wait);
+        if let Some(max) = self.max_hold {
+            options = options.max_hold(max);
+        }
+        if let Some(min) = self.hold_at_least {
+            options = options.hold_at_least(min);
+        }
+        options
+    }
+
+    /// Whether the Rust API accepts these durations (the binding words
+    /// the refusal for Python itself).
+    pub fn is_valid(&self) -> bool {
+        self.options().validate().is_ok()
+    }
+}
+
+/// Who holds a key, as an operator reads it.
+#[derive(Debug, Clone, Copy)]
+pub struct Holder {
+    /// The holder's fencing token.
+    pub fencing_token: u64,
+    /// Time left on the holder's lease, if the backend tells.
+    pub expires_in: Option<Duration>,
+}
+
+/// The longest key a schedule name may have: the fire key adds
+/// `@fire:` and a 20-digit slot number.
+pub const SCHEDULE_SUFFIX_BYTES: usize = "@fire:".len() + 20;
 
 /// A job's view of the lock it runs under.
 #[derive(Debug, Clone)]
@@ -58,33 +92,55 @@ impl Held {
     }
 }
 
-/// Why a lock was lost, in words.
-pub fn lost_reason(lost: &LostSignal) -> Option<String> {
-    lost.reason().map(|reason| reason.to_string())
+/// Why a lock was lost.
+pub fn lost_reason(lost: &LostSignal) -> Option<LostReason> {
+    lost.reason()
 }
 
 impl Client {
+    /// The longest TTL (and hold-at-least time) the backend accepts.
+    pub fn max_ttl(&self) -> Duration {
+        self.locker.client().capabilities().max_ttl
+    }
+
     /// Takes `key`, waiting up to `how.wait`; `None` if it stayed held.
     pub async fn acquire(&self, key: &str, how: Acquire) -> Result<Option<LockGuard>, LockError> {
         let key = LockKey::new(key)?;
-        let mut options = LockOptions::new(how.ttl).wait(how.wait);
-        if let Some(max) = how.max_hold {
-            options = options.max_hold(max);
-        }
-        if let Some(min) = how.hold_at_least {
-            options = options.hold_at_least(min);
-        }
-        self.locker.acquire(&key, &options).await
+        self.locker.acquire(&key, &how.options()).await
+    }
+
+    /// Who holds `key` (`None`: nobody), by the operator call.
+    pub async fn inspect(&self, key: &str) -> Result<Option<Holder>, LockError> {
+        let key = LockKey::new(key)?;
+        Ok(match self.locker.client().inspect(&key).await? {
+            LockState::Held {
+                expires_in,
+                fencing_token,
+            } => Some(Holder {
+                fencing_token: fencing_token.get(),
+                expires_in,
+            }),
+            LockState::Free => None,
+        })
+    }
+
+    /// Deletes the lock at `key` whoever holds it; whether one was held.
+    pub async fn force_release(&self, key: &str) -> Result<bool, LockError> {
+        let key = LockKey::new(key)?;
+        self.locker.client().force_release(&key).await
     }
 
     /// Runs `job` once for the fire of `job_name` at `fire_time` (`None`:
     /// now) unless another instance took that fire or the previous run is
     /// still going. The job is not stopped if the lock is lost (a Python
     /// function cannot be interrupted); the outcome then says so.
+    /// `ttl` is the running lock's (renewed while the job runs; `None`:
+    /// the Rust default, min(30 s, period)).
     pub async fn run_once_per_fire<F, Fut, T>(
         &self,
         job_name: &str,
         period: Duration,
+        ttl: Option<Duration>,
         fire_time: Option<SystemTime>,
         job: F,
     ) -> Result<ScheduledOutcome<T>, LockError>
@@ -92,7 +148,10 @@ impl Client {
         F: FnOnce(Held) -> Fut,
         Fut: Future<Output = T>,
     {
-        let job_spec = ScheduledJob::new(job_name, period)?.on_lost(OnLost::Continue);
+        let mut job_spec = ScheduledJob::new(job_name, period)?.on_lost(OnLost::Continue);
+        if let Some(ttl) = ttl {
+            job_spec = job_spec.ttl(ttl);
+        }
         let fire = fire_time.map_or(Fire::Now, Fire::At);
         job_spec
             .run(&self.locker, fire, |context| {

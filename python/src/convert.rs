@@ -92,9 +92,16 @@ pub fn job_args(
     let args = args.filter(|a| !a.is_none());
     let kwargs = kwargs.filter(|k| !k.is_none());
     if args.is_none() && kwargs.is_none() {
+        if let Some(name) = only.and_then(|only| only.first()) {
+            return Err(invalid_input(format!(
+                "only names '{name}', but no arguments were given"
+            )));
+        }
         return Ok(None);
     }
     let mut object = Map::new();
+    // Every argument name given, for checking `only`.
+    let mut given: Vec<String> = Vec::new();
     if let Some(args) = args {
         if !(args.is_instance_of::<PyList>() || args.is_instance_of::<PyTuple>()) {
             return Err(invalid_input(format!(
@@ -105,8 +112,9 @@ pub fn job_args(
         for (index, item) in args.try_iter()?.enumerate() {
             let (name, item) = (index.to_string(), item?);
             if counted(&name) {
-                object.insert(name, json(&item, 0)?);
+                object.insert(name.clone(), json(&item, 0)?);
             }
+            given.push(name);
         }
     }
     if let Some(kwargs) = kwargs {
@@ -123,8 +131,25 @@ pub fn job_args(
                 )));
             }
             if counted(&name) {
-                object.insert(name, json(&value, 0)?);
+                object.insert(name.clone(), json(&value, 0)?);
             }
+            given.push(name);
+        }
+    }
+    if let Some(only) = only {
+        let unknown: Vec<String> = only
+            .iter()
+            .filter(|name| !given.contains(name))
+            .map(|name| format!("'{name}'"))
+            .collect();
+        if !unknown.is_empty() {
+            return Err(invalid_input(format!(
+                "only names {}, which {} not among the arguments given ({}); list positional \
+                 indexes (0, 1, ...) or keyword names of this call",
+                unknown.join(", "),
+                if unknown.len() == 1 { "is" } else { "are" },
+                given.join(", ")
+            )));
         }
     }
     Ok(Some(Value::Object(object)))
@@ -186,7 +211,8 @@ fn json(value: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
     }
 }
 
-fn type_name(value: &Bound<'_, PyAny>) -> String {
+/// The Python type name of `value`, for messages.
+pub fn type_name(value: &Bound<'_, PyAny>) -> String {
     value
         .get_type()
         .name()

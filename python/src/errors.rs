@@ -1,11 +1,13 @@
-//! The exception hierarchy: `LockError` and one subclass per error kind,
-//! carrying the Rust error's message unchanged.
+//! The exception hierarchy: `LockError` and one subclass per error kind.
+//! Bad arguments are refused by the binding itself (`check`), in Python's
+//! words; errors from the lock servers carry the Rust message, which names
+//! the server and what to do.
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
-use crate::backend::{ErrorKind, LockError as RustLockError};
+use crate::backend::{ErrorKind, LockError as RustLockError, LostReason};
 
 create_exception!(
     distlock,
@@ -70,7 +72,14 @@ create_exception!(
 
 /// The Python exception for a Rust error, with the Rust message.
 pub fn to_py(error: RustLockError) -> PyErr {
-    let message = error.to_string();
+    let mut message = error.to_string();
+    if error.kind() == ErrorKind::Timeout && message.contains("too late to use") {
+        // The Rust wording names the guard's stop margin and Rust durations.
+        message = "timeout: the lock was granted too late to use: less than a third of its ttl was \
+                   left when the server's answer arrived. It was released and nothing ran; the server \
+                   or network is too slow for this ttl: retry, or use a longer ttl"
+            .to_owned();
+    }
     match error.kind() {
         ErrorKind::InvalidInput => InvalidInput::new_err(message),
         ErrorKind::NotHeld => NotHeld::new_err(message),
@@ -80,6 +89,20 @@ pub fn to_py(error: RustLockError) -> PyErr {
         ErrorKind::Config => ConfigError::new_err(message),
         ErrorKind::Unsupported => Unsupported::new_err(message),
         _ => LockError::new_err(message),
+    }
+}
+
+/// Why a lock was lost, worded for Python (the Rust wording names the
+/// guard's stop margin, which Python does not expose).
+pub fn lost_text(reason: &LostReason) -> String {
+    match reason {
+        LostReason::Refused => {
+            "the server refused renewal (the lock was deleted or taken over)".to_owned()
+        }
+        LostReason::Expired => "its lease was about to run out and could not be renewed in time \
+             (server unreachable or slow, or max_hold reached)"
+            .to_owned(),
+        other => other.to_string(),
     }
 }
 

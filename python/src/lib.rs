@@ -15,16 +15,21 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 mod backend;
+mod check;
 mod convert;
 mod errors;
+mod log;
 mod runtime;
 
 use backend::{Acquire, Client, ErrorKind, Held, LockError as RustLockError, ScheduledOutcome};
-use errors::{invalid_input, to_py, LockHeld, LockLost};
+use errors::{invalid_input, lost_text, to_py, LockHeld, LockLost};
 
 /// Opens a lock client for `url` and returns its `Locker`.
 #[pyfunction]
-fn connect(py: Python<'_>, url: String) -> PyResult<Locker> {
+fn connect(py: Python<'_>, url: &Bound<'_, PyAny>) -> PyResult<Locker> {
+    let url = check::string(url, "url", "a lock URL such as 'redis://127.0.0.1:6379'")?;
+    // Logging may have been configured since the import.
+    log::refresh(py)?;
     let client = runtime::block_on(py, backend::connect(&url))?.map_err(to_py)?;
     Ok(Locker {
         url,
@@ -36,11 +41,12 @@ fn connect(py: Python<'_>, url: String) -> PyResult<Locker> {
 #[pyfunction]
 #[pyo3(signature = (name, args=None, kwargs=None, only=None))]
 fn job_key(
-    name: &str,
+    name: &Bound<'_, PyAny>,
     args: Option<&Bound<'_, PyAny>>,
     kwargs: Option<&Bound<'_, PyAny>>,
     only: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<String> {
+    let name = check::string(name, "name", "the job's name, such as 'tasks.send_invoice'")?;
     let only = match only.filter(|only| !only.is_none()) {
         None => None,
         Some(only) => Some(
@@ -59,7 +65,19 @@ fn job_key(
         ),
     };
     let value = convert::job_args(args, kwargs, only.as_deref())?;
-    backend::job_key(name, value, only).map_err(to_py)
+    // The key is the name, or the name, ':' and 32 hex digits.
+    let hashed = if value.is_some() { 33 } else { 0 };
+    check::key_text(&name, "name")?;
+    if name.len() + hashed > check::MAX_KEY_BYTES {
+        return Err(invalid_input(format!(
+            "name (the job name) is {} bytes in UTF-8; with the argument hash the key must stay within {} bytes, \
+             so the name may have at most {}",
+            name.len(),
+            check::MAX_KEY_BYTES,
+            check::MAX_KEY_BYTES - hashed
+        )));
+    }
+    backend::job_key(&name, value, only).map_err(to_py)
 }
 
 /// The lock of the job running in this context (`run_once_per_fire`, the
@@ -133,18 +151,64 @@ impl Locker {
     }
 }
 
+/// The durations of one acquisition, checked (against the backend's
+/// limits too when `client` is given).
 fn acquire_options(
     ttl: &Bound<'_, PyAny>,
     wait: Option<&Bound<'_, PyAny>>,
     max_hold: Option<&Bound<'_, PyAny>>,
     hold_at_least: Option<&Bound<'_, PyAny>>,
+    client: Option<&Client>,
 ) -> PyResult<Acquire> {
-    Ok(Acquire {
+    let how = Acquire {
         ttl: convert::duration(ttl, "ttl")?,
         wait: convert::optional_duration(wait, "wait")?.unwrap_or(Duration::ZERO),
         max_hold: convert::optional_duration(max_hold, "max_hold")?,
         hold_at_least: convert::optional_duration(hold_at_least, "hold_at_least")?,
-    })
+    };
+    check::acquire(&how, client.map(Client::max_ttl))?;
+    Ok(how)
+}
+
+/// Checks lock options as `Locker.lock` would, without a server (the
+/// Celery decorators call it when decorating).
+#[pyfunction]
+#[pyo3(signature = (ttl, wait=None, max_hold=None, hold_at_least=None))]
+fn _check_lock_options(
+    ttl: &Bound<'_, PyAny>,
+    wait: Option<&Bound<'_, PyAny>>,
+    max_hold: Option<&Bound<'_, PyAny>>,
+    hold_at_least: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    acquire_options(ttl, wait, max_hold, hold_at_least, None).map(|_| ())
+}
+
+/// Checks a schedule as `Locker.run_once_per_fire` would (`job_name` may
+/// be `None` when the name is not known yet).
+#[pyfunction]
+#[pyo3(signature = (period, ttl=None, job_name=None))]
+fn _check_schedule(
+    period: &Bound<'_, PyAny>,
+    ttl: Option<&Bound<'_, PyAny>>,
+    job_name: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    schedule(period, ttl, job_name).map(|_| ())
+}
+
+/// A checked schedule: job name, period, running lock TTL.
+fn schedule(
+    period: &Bound<'_, PyAny>,
+    ttl: Option<&Bound<'_, PyAny>>,
+    job_name: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(String, Duration, Option<Duration>)> {
+    let period = convert::duration(period, "period")?;
+    let ttl = convert::optional_duration(ttl, "ttl")?;
+    let job_name = match job_name {
+        Some(name) => check::string(name, "job_name", "the job's name, such as 'nightly-report'")?,
+        None => "job".to_owned(),
+    };
+    check::schedule(&job_name, period, ttl)?;
+    Ok((job_name, period, ttl))
 }
 
 async fn acquire(client: Client, key: String, how: Acquire) -> PyResult<LockGuard> {
@@ -169,14 +233,15 @@ impl Locker {
     fn lock(
         &self,
         py: Python<'_>,
-        key: String,
+        key: &Bound<'_, PyAny>,
         ttl: &Bound<'_, PyAny>,
         wait: Option<&Bound<'_, PyAny>>,
         max_hold: Option<&Bound<'_, PyAny>>,
         hold_at_least: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<LockGuard> {
-        let how = acquire_options(ttl, wait, max_hold, hold_at_least)?;
+        let key = check::key(key, "key")?;
         let client = self.client(py)?;
+        let how = acquire_options(ttl, wait, max_hold, hold_at_least, Some(&client))?;
         runtime::block_on(py, acquire(client, key, how))?
     }
 
@@ -186,18 +251,16 @@ impl Locker {
     fn lock_async<'py>(
         &self,
         py: Python<'py>,
-        key: String,
+        key: &Bound<'py, PyAny>,
         ttl: &Bound<'py, PyAny>,
         wait: Option<&Bound<'py, PyAny>>,
         max_hold: Option<&Bound<'py, PyAny>>,
         hold_at_least: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let how = acquire_options(ttl, wait, max_hold, hold_at_least)?;
-        let request = LockRequest {
-            client: self.client(py)?,
-            key,
-            how,
-        };
+        let key = check::key(key, "key")?;
+        let client = self.client(py)?;
+        let how = acquire_options(ttl, wait, max_hold, hold_at_least, Some(&client))?;
+        let request = LockRequest { client, key, how };
         let start = Bound::new(py, request)?.getattr("_start")?;
         aio(py)?.getattr("AsyncAcquire")?.call1((start,))
     }
@@ -211,14 +274,33 @@ impl Locker {
     fn run_once_per_fire(
         &self,
         py: Python<'_>,
-        job_name: String,
+        job_name: &Bound<'_, PyAny>,
         period: &Bound<'_, PyAny>,
         fire_time: Option<&Bound<'_, PyAny>>,
         func: &Bound<'_, PyAny>,
         args: &Bound<'_, PyTuple>,
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<FireOutcome> {
-        let period = convert::duration(period, "period")?;
+        self.run_once_per_fire_with(py, job_name, period, fire_time, None, func, args, kwargs)
+    }
+
+    /// `run_once_per_fire` with the running lock's TTL (`None`: min(30 s,
+    /// period)); `args` and `kwargs` are passed as they are, so `func` may
+    /// take an argument called `ttl`.
+    #[pyo3(signature = (job_name, period, fire_time, ttl, func, args, kwargs=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn run_once_per_fire_with(
+        &self,
+        py: Python<'_>,
+        job_name: &Bound<'_, PyAny>,
+        period: &Bound<'_, PyAny>,
+        fire_time: Option<&Bound<'_, PyAny>>,
+        ttl: Option<&Bound<'_, PyAny>>,
+        func: &Bound<'_, PyAny>,
+        args: &Bound<'_, PyTuple>,
+        kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<FireOutcome> {
+        let (job_name, period, ttl) = schedule(period, ttl, Some(job_name))?;
         let fire = convert::fire_time(fire_time)?;
         if !func.is_callable() {
             return Err(invalid_input("func is not callable"));
@@ -228,7 +310,7 @@ impl Locker {
         let (start_tx, start_rx) = oneshot::channel::<(Held, Reply)>();
         let task = AbortOnDrop(runtime::handle()?.spawn(async move {
             client
-                .run_once_per_fire(&job_name, period, fire, |held| async move {
+                .run_once_per_fire(&job_name, period, ttl, fire, |held| async move {
                     let (reply_tx, reply_rx) = oneshot::channel();
                     start_tx.send((held, reply_tx)).ok()?;
                     reply_rx.await.ok()
@@ -263,8 +345,54 @@ impl Locker {
         FireOutcome::from_outcome(py, outcome)
     }
 
+    /// Who holds `key`: `None` if nobody, else a `LockInfo`. An operator
+    /// call (status pages, stuck locks): the answer is stale as soon as it
+    /// arrives, so never decide whether to run a job by it.
+    fn inspect(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Option<LockInfo>> {
+        let key = check::key(key, "key")?;
+        let client = self.client(py)?;
+        let holder =
+            runtime::block_on(py, async move { client.inspect(&key).await })?.map_err(to_py)?;
+        Ok(holder.map(|holder| LockInfo {
+            fencing_token: holder.fencing_token,
+            expires_in: holder.expires_in.map(|left| left.as_secs_f64()),
+        }))
+    }
+
+    /// Deletes the lock at `key` whoever holds it, waking its waiters;
+    /// returns whether one was held. The holder learns at its next renewal
+    /// that it lost the lock. An operator call, for stuck locks.
+    fn force_release(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let key = check::key(key, "key")?;
+        let client = self.client(py)?;
+        runtime::block_on(py, async move { client.force_release(&key).await })?.map_err(to_py)
+    }
+
     fn __repr__(&self) -> String {
         format!("Locker({:?})", redact(&self.url))
+    }
+}
+
+/// Who holds a lock, as `Locker.inspect` read it.
+#[pyclass(module = "distlock", frozen, get_all)]
+struct LockInfo {
+    /// The holder's fencing token.
+    fencing_token: u64,
+    /// Seconds left on the holder's lease by the server's clock (renewal
+    /// extends it), or `None` if the backend does not tell.
+    expires_in: Option<f64>,
+}
+
+#[pymethods]
+impl LockInfo {
+    fn __repr__(&self) -> String {
+        match self.expires_in {
+            Some(left) => format!(
+                "LockInfo(fencing_token={}, expires_in={left:.3})",
+                self.fencing_token
+            ),
+            None => format!("LockInfo(fencing_token={})", self.fencing_token),
+        }
     }
 }
 
@@ -364,6 +492,7 @@ impl LockGuard {
 
     fn lost_error(held: &Held) -> PyErr {
         let reason = backend::lost_reason(&held.lost)
+            .map(|reason| lost_text(&reason))
             .unwrap_or_else(|| "the server no longer knows this owner".to_owned());
         LockLost::new_err(format!(
             "lock lost: {:?} (fencing token {}) was lost: {reason}; another owner may have run meanwhile",
@@ -405,7 +534,7 @@ impl LockGuard {
     /// Why the lock was lost, or `None`.
     #[getter]
     fn lost_reason(&self) -> Option<String> {
-        backend::lost_reason(&self.held.lost)
+        backend::lost_reason(&self.held.lost).map(|reason| lost_text(&reason))
     }
 
     /// Raises `LockLost` if the lock is lost; call it before each write.
@@ -606,7 +735,7 @@ impl FireOutcome {
                 ran: true,
                 value: output.flatten().ok_or_else(gone)??,
                 skipped: None,
-                lost: Some(reason.to_string()),
+                lost: Some(lost_text(&reason)),
                 fencing_token: Some(fencing_token.get()),
                 duration: None,
             },
@@ -637,7 +766,13 @@ fn _distlock(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(connect, module)?)?;
     module.add_function(wrap_pyfunction!(job_key, module)?)?;
     module.add_function(wrap_pyfunction!(current_lock, module)?)?;
+    module.add_function(wrap_pyfunction!(_check_lock_options, module)?)?;
+    module.add_function(wrap_pyfunction!(_check_schedule, module)?)?;
+    module.add_function(wrap_pyfunction!(log::_stop_logging, module)?)?;
+    module.add_function(wrap_pyfunction!(log::_refresh_logging, module)?)?;
+    log::install(module.py())?;
     module.add_class::<Locker>()?;
+    module.add_class::<LockInfo>()?;
     module.add_class::<LockGuard>()?;
     module.add_class::<FireOutcome>()?;
     module.add("_current_lock", current_lock_var(module.py())?)?;

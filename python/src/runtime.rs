@@ -63,8 +63,11 @@ where
     py.detach(|| {
         handle.block_on(async {
             tokio::pin!(future);
-            let mut ticks = tokio::time::interval(SIGNAL_CHECK);
-            ticks.tick().await;
+            // The first check one period from now: an interval's immediate
+            // first tick only fires when the time driver next turns (about
+            // 1 ms), which would cost every short call that much.
+            let mut ticks =
+                tokio::time::interval_at(tokio::time::Instant::now() + SIGNAL_CHECK, SIGNAL_CHECK);
             loop {
                 tokio::select! {
                     output = &mut future => return Ok(output),

@@ -116,7 +116,10 @@ def test_async_lock(backend):
             waiter.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiter
-        second = await locker.lock_async("async", ttl=10)
+        # The cancelled waiter may have been granted the lock as it was
+        # released; it gives it back in the background, so wait a little
+        # (a lock it kept would stay held for its 10 s TTL).
+        second = await locker.lock_async("async", ttl=10, wait=5)
         assert second.fencing_token > guard.fencing_token
         async with second:
             pass
@@ -260,14 +263,14 @@ def test_job_key_matches_the_rust_pins():
         (lambda l: l.lock("", 5), distlock.InvalidInput, "empty"),
         (lambda l: l.lock("a\0b", 5), distlock.InvalidInput, "NUL"),
         (lambda l: l.lock("x" * 513, 5), distlock.InvalidInput, "513 bytes"),
-        (lambda l: l.lock("k", 0), distlock.InvalidInput, "TTL is zero"),
+        (lambda l: l.lock("k", 0), distlock.InvalidInput, "ttl is 0"),
         (lambda l: l.lock("k", -1), distlock.InvalidInput, "negative"),
         (lambda l: l.lock("k", float("nan")), distlock.InvalidInput, "finite"),
         (lambda l: l.lock("k", "10"), distlock.InvalidInput, "not str"),
         (lambda l: l.lock("k", True), distlock.InvalidInput, "not bool"),
         (lambda l: l.lock("k", 5, wait=-1), distlock.InvalidInput, "wait is negative"),
         (lambda l: l.lock_async("k", -5), distlock.InvalidInput, "negative"),
-        (lambda l: l.run_once_per_fire("j", 0, None, print), distlock.InvalidInput, "period is zero"),
+        (lambda l: l.run_once_per_fire("j", 0, None, print), distlock.InvalidInput, "period is 0"),
         (lambda l: l.run_once_per_fire("j", 1, -5, print), distlock.InvalidInput, "before 1970"),
         (lambda l: l.run_once_per_fire("j", 1, None, 42), distlock.InvalidInput, "not callable"),
         (lambda l: distlock.job_key("j", kwargs={"a": object()}), distlock.InvalidInput, "no JSON form"),
@@ -276,6 +279,23 @@ def test_job_key_matches_the_rust_pins():
         (lambda l: distlock.job_key("j", kwargs={"a": {1: 2}}), distlock.InvalidInput, "string keys"),
         (lambda l: distlock.job_key("j", args="abc"), distlock.InvalidInput, "list or tuple"),
         (lambda l: distlock.job_key("n" * 500, args=[1]), distlock.InvalidInput, "job name"),
+        (lambda l: distlock.job_key("j", kwargs={"a": 1}, only=["nope"]), distlock.InvalidInput,
+         r"only names 'nope', which is not among the arguments given \(a\)"),
+        (lambda l: distlock.job_key("j", [1], only=[3]), distlock.InvalidInput, "only names '3'"),
+        (lambda l: distlock.job_key("j", only=["a"]), distlock.InvalidInput, "no arguments were given"),
+        (lambda l: distlock.job_key(5), distlock.InvalidInput, "name must be a str"),
+        (lambda l: distlock.connect(6379), distlock.InvalidInput, "url must be a str"),
+        (lambda l: l.lock(7, 5), distlock.InvalidInput, "key must be a str"),
+        (lambda l: l.lock("x" * 513, 5), distlock.InvalidInput, r"distlock.job_key\(name, args\)"),
+        (lambda l: l.lock("k", 0.001), distlock.InvalidInput, "ttl of 0.001 s is too short"),
+        (lambda l: l.lock("k", 10, max_hold=0.001), distlock.InvalidInput, "max_hold of 0.001 s is too short"),
+        (lambda l: l.lock("k", 10, max_hold=0), distlock.InvalidInput, "max_hold is 0"),
+        (lambda l: l.inspect(None), distlock.InvalidInput, "key must be a str"),
+        (lambda l: l.force_release(""), distlock.InvalidInput, "key is empty"),
+        (lambda l: l.run_once_per_fire(1, 60, None, print), distlock.InvalidInput, "job_name must be a str"),
+        (lambda l: l.run_once_per_fire("j" * 490, 60, None, print), distlock.InvalidInput, "limit is 486"),
+        (lambda l: l.run_once_per_fire_with("j", 60, None, 0.001, print, ()), distlock.InvalidInput,
+         "ttl of 0.001 s is too short"),
     ],
 )
 def test_bad_input_raises_typed_errors(call, error, message):
@@ -284,6 +304,33 @@ def test_bad_input_raises_typed_errors(call, error, message):
         call(locker)
     assert isinstance(caught.value, distlock.LockError)
     assert str(caught.value).startswith("invalid input: ")
+    # Worded for Python: no Rust type, path or duration syntax.
+    for rust in ("stop margin", "JobKey", "distlock_core", "Duration", "::", "PyString", "µs"):
+        assert rust not in str(caught.value), str(caught.value)
+
+
+def test_the_shortest_ttl_the_message_names_is_accepted():
+    # Checked without a server: whether a 10 ms lease arrives in time
+    # depends on the machine's load.
+    distlock._distlock._check_lock_options(0.01)
+    distlock._distlock._check_lock_options(10, max_hold=0.01)
+
+
+def test_inspect_and_force_release(backend):
+    locker = distlock.connect(backend.url)
+    assert locker.inspect("stuck") is None
+    guard = locker.lock("stuck", ttl=1.5)
+    info = locker.inspect("stuck")
+    assert info.fencing_token == guard.fencing_token
+    assert info.expires_in is None or 0 < info.expires_in <= 1.5
+    assert "LockInfo(fencing_token=" in repr(info)
+    assert locker.force_release("stuck") is True
+    assert locker.inspect("stuck") is None
+    # The holder learns it at its next renewal.
+    assert guard.wait_lost(timeout=30)
+    assert locker.force_release("stuck") is False
+    with distlock.connect(backend.url).lock("stuck", ttl=5) as again:
+        assert again.fencing_token > guard.fencing_token
 
 
 @pytest.mark.parametrize(
