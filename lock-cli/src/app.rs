@@ -489,8 +489,10 @@ async fn run(args: RunArgs) -> Result<u8, Failure> {
     }
     let locker = Locker::new(backend);
 
-    // A signal ends the wait; a lock granted at that moment is released
-    // before this returns (the runtime is shut down right after).
+    // A signal ends the wait at once, even with an attempt in flight; that
+    // attempt finishes on a task of its own, which gives back a lock it
+    // was granted. Wait for that give-back for up to the kill grace (the
+    // runtime is shut down right after).
     let mut stopped_by = None;
     let acquired = locker
         .acquire_unless(&key, &options, async {
@@ -498,6 +500,17 @@ async fn run(args: RunArgs) -> Result<u8, Failure> {
         })
         .await;
     if let Some(signal) = stopped_by {
+        if tokio::time::timeout(kill_grace, locker.client().idle())
+            .await
+            .is_err()
+        {
+            warning!(
+                key = key.as_str(),
+                "an acquire attempt for {key:?} was still waiting for the server's answer {} after the signal; if the server applies it, that lock is held by nobody until its TTL ({}) runs out",
+                format_duration(kill_grace),
+                format_duration(options.ttl()),
+            );
+        }
         return Ok(signal_code(signal));
     }
     let guard = match acquired {

@@ -996,5 +996,3 @@ impl LockAdmin for Mutant {
             .await
     }
 }
-
-
