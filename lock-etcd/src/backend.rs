@@ -437,7 +437,7 @@ impl EtcdLock {
             .run_txn(
                 "etcd acquire",
                 Repeat::Safe,
-                txn::acquire(&etcd_key, &value, lease_id),
+                txn::acquire(&etcd_key, &value, lease_id, None, &[]),
             )
             .await
         {

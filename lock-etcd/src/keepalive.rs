@@ -14,7 +14,8 @@ use tokio::sync::watch;
 
 use crate::backend;
 use crate::errors::{self, Repeat, Requests};
-use crate::session::Session;
+use crate::fence::Fence;
+use crate::session::{Session, Undo};
 
 /// Shortest pause before reopening a failed keep-alive stream.
 const REOPEN_PAUSE: Duration = Duration::from_millis(100);
@@ -211,14 +212,24 @@ impl Task {
     /// TTL; returns the next such deadline.
     fn sweep(&self, now: Instant) -> Option<Instant> {
         let (expired, next) = self.session.take_expired(now);
-        for (value, tracked) in expired {
+        for undo in expired {
             let session = self.session.clone();
             let kv = self.kv.clone();
             let requests = self.requests.clone();
             tokio::spawn(async move {
+                let Undo {
+                    value,
+                    tracked,
+                    fence,
+                    raise,
+                } = undo;
                 let mut when = vec![
                     Compare::value(tracked.key.clone(), CompareOp::Equal, value.clone()),
                     Compare::lease(tracked.key.clone(), CompareOp::Equal, session.lease_id()),
+                    // An undo applied after a later one (or a later
+                    // acquire of the same owner) put its fence up does
+                    // nothing.
+                    fence.down(),
                 ];
                 if let Some(fencing) = tracked.fencing {
                     when.push(Compare::create_revision(
@@ -227,9 +238,14 @@ impl Task {
                         i64::try_from(fencing.get()).unwrap_or(i64::MAX),
                     ));
                 }
+                // Either way the owner's unknown requests are fenced off,
+                // so none of them can take the lock after this.
+                let mut then = vec![TxnOp::delete(tracked.key.clone(), None)];
+                then.extend(raise.iter().map(Fence::raise));
                 let txn = Txn::new()
                     .when(when)
-                    .and_then([TxnOp::delete(tracked.key.clone(), None)]);
+                    .and_then(then)
+                    .or_else(raise.iter().map(Fence::raise).collect::<Vec<_>>());
                 let result = requests
                     .send("etcd expire session lock", Repeat::Safe, || {
                         let mut kv = kv.clone();
@@ -239,6 +255,7 @@ impl Task {
                     .await;
                 match result {
                     Ok(reply) => {
+                        session.settled(&value, &raise, &fence);
                         tracing::debug!(
                             fencing = ?tracked.fencing,
                             deleted = reply.succeeded(),

@@ -16,6 +16,10 @@
 //! range. Every key the backend touches starts with `NS/lock/`, so one
 //! readwrite permission on that prefix covers locks and queues.
 //!
+//! A request whose outcome is unknown is fenced off under
+//! `NS/lock/<escape(k)>/fences/` (see [`crate::fence`]): no lock key and no
+//! queue range lies there.
+//!
 //! The value is `dl1:<32 hex digits of the owner token>`; anything else at a
 //! lock key was not written by distlock and is reported as corrupted.
 

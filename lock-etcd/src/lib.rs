@@ -119,6 +119,7 @@ mod admin;
 mod backend;
 mod config;
 mod errors;
+mod fence;
 mod health;
 mod keepalive;
 mod keys;

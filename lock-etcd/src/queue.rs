@@ -41,14 +41,16 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use distlock_core::{LockError, LockKey, ReleaseWatch};
+use distlock_core::{ErrorKind, LockError, LockKey, ReleaseWatch};
 use etcd_client::{GetOptions, KeyValue, PutOptions, SortOrder, SortTarget, Txn, TxnOp};
 use etcd_client::{TxnOpResponse, TxnResponse};
 use tokio::sync::oneshot;
 
 use crate::backend::{EtcdLock, Inner, MIN_TTL};
 use crate::errors::Repeat;
+use crate::fence::Fence;
 use crate::listener::Topic;
+use crate::session::Session;
 
 /// Pauses between retries of a failed look-up or entry delete.
 const RETRY_MIN: Duration = Duration::from_millis(100);
@@ -87,6 +89,9 @@ struct Waiter {
     watch: ReleaseWatch,
     /// The watch was lost with its stream: replace it at the next look-up.
     stale: bool,
+    /// Fences of re-queueing puts whose outcome is unknown: put up with
+    /// the entry's final delete.
+    fences: Vec<Fence>,
 }
 
 /// Queues a waiter on `key` and returns the watch that wakes it; the queue
@@ -94,10 +99,11 @@ struct Waiter {
 ///
 /// Cancel-safe: the entry is written and watched by a task of its own, so
 /// dropping this future at any point leaves nothing behind. The task then
-/// finds the caller's watch gone and deletes the entry once its write's
-/// outcome is known (a delete sent while the write is still in flight
-/// could be applied first, leaving the entry on the session lease for as
-/// long as the client lives).
+/// finds the caller's watch gone and deletes the entry. A put whose
+/// outcome is unknown is fenced (see [`crate::fence`]): its delete puts
+/// the fence up in the same transaction, so the put, applied after it,
+/// writes nothing (a plain delete could be applied first and leave the
+/// entry on the session lease for as long as the client lives).
 pub(crate) async fn enqueue(lock: &EtcdLock, key: &LockKey) -> Result<ReleaseWatch, LockError> {
     let inner = &lock.inner;
     let waiter = inner.next_waiter.fetch_add(1, Ordering::Relaxed);
@@ -138,11 +144,13 @@ async fn join(
     };
     let waiter_id = format!("{:x}-{waiter:x}", session.lease_id());
     let entry = inner.layout.queue_entry(&key, &waiter_id);
-    let placed = match put_entry(&lock, &key, &entry).await {
+    let fence = Fence::new(&inner.layout.lock_key(&key), session.lease_id());
+    let placed = match put_entry(&lock, &key, &entry, &session, &fence).await {
         Ok(placed) => placed,
         Err(e) => {
-            // The put may have happened: take it out again.
-            delete_later(Arc::downgrade(inner), entry);
+            // The put may have happened, or may still happen: take it out
+            // again with its fence up, so a late put writes nothing.
+            delete_later(Arc::downgrade(inner), entry, vec![fence]);
             let _ = joined.send(Err(e));
             return;
         }
@@ -153,7 +161,7 @@ async fn join(
     let watch = match watch_target(inner, first_watch, &target, start).await {
         Ok(watch) => watch,
         Err(e) => {
-            delete_later(Arc::downgrade(inner), entry);
+            delete_later(Arc::downgrade(inner), entry, Vec::new());
             let _ = joined.send(Err(e));
             return;
         }
@@ -169,6 +177,7 @@ async fn join(
         target,
         watch,
         stale: false,
+        fences: Vec::new(),
     };
     drop(lock);
     // The caller tries right after this, so a free lock needs no wake-up
@@ -212,8 +221,7 @@ fn reads(lock: &EtcdLock, key: &LockKey, below: i64, limit: i64) -> [TxnOp; 2] {
     let mut queue = GetOptions::new()
         .with_prefix()
         .with_sort(SortTarget::Create, SortOrder::Descend)
-        .with_limit(limit)
-        .with_keys_only();
+        .with_limit(limit);
     if below > 0 {
         queue = queue.with_max_create_revision(below - 1);
     }
@@ -245,17 +253,20 @@ fn revision_of(reply: &TxnResponse) -> Result<i64, LockError> {
         .ok_or_else(|| LockError::unavailable("etcd answered a queue transaction without revision"))
 }
 
-/// Writes our queue entry on the client's session lease and reads our
+/// Writes our queue entry on the client's session lease `session` (fenced
+/// by `fence`, on that lease) and reads our
 /// predecessor and the lock key, in one transaction. Returns our place
 /// (the entry's create revision) and what was read.
 async fn put_entry(
     lock: &EtcdLock,
     key: &LockKey,
     entry: &[u8],
+    session: &Session,
+    fence: &Fence,
 ) -> Result<(i64, Position), LockError> {
-    let session = lock.session(MIN_TTL).await?;
     let [queue, held] = reads(lock, key, 0, 2);
-    let txn = Txn::new().and_then([
+    // Fenced: applied after its undo, it writes nothing.
+    let txn = Txn::new().when([fence.down()]).and_then([
         TxnOp::put(
             entry,
             ENTRY_VALUE,
@@ -267,10 +278,16 @@ async fn put_entry(
     let reply = lock
         .run_txn("etcd queue waiter", Repeat::IfUnapplied, txn)
         .await?;
+    if !reply.succeeded() {
+        return Err(LockError::unavailable(
+            "etcd refused a queue entry whose request was given up",
+        ));
+    }
     let revision = revision_of(&reply)?;
     // The put is the transaction's only write: its revision is ours.
     let place = revision;
     let ranges = ranges(&reply);
+    check_entries(lock, key, ranges.first())?;
     // Newest first; skip our own entry (whether or not the read saw it).
     let predecessor = ranges
         .first()
@@ -291,17 +308,57 @@ async fn put_entry(
     ))
 }
 
+/// Refuses queue entries distlock did not write (a key not named
+/// `<session lease>-<number>` in hex, another value, or no lease): obeying
+/// one would stall every waiter behind it, and deleting it would destroy
+/// data that is not ours.
+fn check_entries(
+    lock: &EtcdLock,
+    key: &LockKey,
+    kvs: Option<&Vec<KeyValue>>,
+) -> Result<(), LockError> {
+    let prefix = lock.inner.layout.queue_prefix(key);
+    for kv in kvs.into_iter().flatten() {
+        let id = kv.key().strip_prefix(prefix.as_slice()).unwrap_or_default();
+        if kv.value() != ENTRY_VALUE || kv.lease() == 0 || !is_waiter_id(id) {
+            return Err(LockError::corrupted(format!(
+                "the etcd waiter queue of lock {:?} holds a key distlock did not write ({:?}); it was left untouched — remove it or use another namespace",
+                key.as_str(),
+                String::from_utf8_lossy(kv.key())
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `id` is `<hex>-<hex>`, as the waiter ids distlock writes.
+fn is_waiter_id(id: &[u8]) -> bool {
+    let hex = |part: &[u8]| {
+        !part.is_empty()
+            && part
+                .iter()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b))
+    };
+    let mut parts = id.split(|b| *b == b'-');
+    matches!((parts.next(), parts.next(), parts.next()), (Some(a), Some(b), None) if hex(a) && hex(b))
+}
+
 /// Deletes a queue entry in the background, retrying (each attempt under
 /// the operation timeout) while the client lives; a dropped client's
 /// entries go with its session lease.
-fn delete_later(client: Weak<Inner>, entry: Vec<u8>) {
+fn delete_later(client: Weak<Inner>, entry: Vec<u8>, fences: Vec<Fence>) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;
     };
-    runtime.spawn(delete_entry(client, entry));
+    runtime.spawn(delete_entry(client, entry, fences));
 }
 
-async fn delete_entry(client: Weak<Inner>, entry: Vec<u8>) {
+/// Deletes a queue entry and puts up `fences` (of its puts whose outcome
+/// is unknown) in one transaction, retrying while the client lives.
+async fn delete_entry(client: Weak<Inner>, entry: Vec<u8>, fences: Vec<Fence>) {
+    let mut ops = vec![TxnOp::delete(entry.clone(), None)];
+    ops.extend(fences.iter().map(Fence::raise));
+    let txn = Txn::new().and_then(ops);
     let mut pause = RETRY_MIN;
     loop {
         let Some(inner) = client.upgrade() else {
@@ -312,8 +369,8 @@ async fn delete_entry(client: Weak<Inner>, entry: Vec<u8>) {
             .requests
             .send("etcd dequeue waiter", Repeat::Safe, || {
                 let mut kv = kv.clone();
-                let entry = entry.clone();
-                async move { kv.delete(entry, None).await }
+                let txn = txn.clone();
+                async move { kv.txn(txn).await }
             })
             .await;
         drop(inner);
@@ -392,6 +449,14 @@ impl Waiter {
             // again.
             match self.move_up(&lock).await {
                 Ok(()) => retry = None,
+                Err(e) if e.kind() == ErrorKind::Corrupted => {
+                    // Not obeyed (it would stall the line) and not deleted:
+                    // every waiting call of this client queues again, and
+                    // one that finds it in its way reports it.
+                    tracing::error!(key = %self.key, error = %e, "foreign data in an etcd waiter queue");
+                    lock.inner.waiting.reset();
+                    break;
+                }
                 Err(e) => {
                     tracing::debug!(key = %self.key, error = %e, "etcd queue look-up failed; retrying");
                     let pause = retry.map_or(RETRY_MIN, |p| (p * 2).min(RETRY_MAX));
@@ -400,7 +465,7 @@ impl Waiter {
             }
         }
         tracing::trace!(key = %self.key, place = self.place, "etcd waiter left the queue");
-        delete_entry(self.client.clone(), self.entry.clone()).await;
+        delete_entry(self.client.clone(), self.entry.clone(), self.fences).await;
     }
 
     /// Reads our predecessor and the lock key; watches the new predecessor,
@@ -418,6 +483,7 @@ impl Waiter {
             .await?;
         let revision = revision_of(&reply)?;
         let ranges = ranges(&reply);
+        check_entries(lock, &self.key, ranges.first())?;
         let mut position = Position {
             revision,
             predecessor: ranges
@@ -430,7 +496,17 @@ impl Waiter {
         if !position.queued {
             // Our entry is gone (our session lease was lost): queue again,
             // at the end of the line.
-            let (place, again) = put_entry(lock, &self.key, &self.entry).await?;
+            let session = lock.session(MIN_TTL).await?;
+            let fence = Fence::new(&lock.inner.layout.lock_key(&self.key), session.lease_id());
+            let (place, again) =
+                match put_entry(lock, &self.key, &self.entry, &session, &fence).await {
+                    Ok(placed) => placed,
+                    Err(e) => {
+                        // Its outcome is unknown: fenced off when we leave.
+                        self.fences.push(fence);
+                        return Err(e);
+                    }
+                };
             tracing::debug!(key = %self.key, place, "etcd queue entry lost; queued again");
             self.place = place;
             position = again;

@@ -29,6 +29,7 @@ use tokio::sync::watch;
 
 use crate::backend::EtcdLock;
 use crate::errors::{Repeat, Requests};
+use crate::fence::Fence;
 use crate::keepalive::Task;
 use crate::keys::encode_value;
 use crate::txn::{self, AcquireOutcome};
@@ -80,26 +81,33 @@ impl EtcdLock {
         let session = self.session(request.ttl).await?;
         let etcd_key = self.inner.layout.lock_key(key);
         let value = encode_value(request.owner);
+        let fence = Fence::new(&etcd_key, session.lease_id());
         // Tracked before it is sent: if this future is dropped before the
-        // reply, the session still deletes the lock a TTL after now, as
+        // reply, the session still undoes the lock a TTL after now, as
         // any lock its holder stopped renewing (the session lease itself
         // lives as long as the client). Now is after the client took its
-        // send time, so the client's lease ends before that deletion.
+        // send time, so the client's lease ends before that undo. The
+        // transaction puts up the fences of this acquisition's earlier
+        // requests whose outcome is unknown.
         let tracked_from = Instant::now();
-        session.track(&etcd_key, &value, None, tracked_from);
+        let raise = session.begin(&etcd_key, &value, &fence, tracked_from);
         let reply = match self
             .run_txn(
                 "etcd acquire",
                 Repeat::Safe,
-                txn::acquire(&etcd_key, &value, session.lease_id()),
+                txn::acquire(&etcd_key, &value, session.lease_id(), Some(&fence), &raise),
             )
             .await
         {
-            Ok(reply) => reply,
+            Ok(reply) => {
+                session.settled(&value, &raise, &fence);
+                reply
+            }
             Err(e) => {
                 // Unknown outcome, and the session lease cannot be revoked
-                // for one lock: make it due now, so the session deletes it
-                // (if it was created) at its next tick.
+                // for one lock: make it due now, so the session undoes it
+                // at its next tick, fence first (see `crate::fence`): the
+                // request, applied after that, writes nothing.
                 let due = tracked_from
                     .checked_sub(session.ttl())
                     .unwrap_or(tracked_from);
@@ -250,6 +258,7 @@ impl Sessions {
                 alive: true,
                 confirmed_sent_at: sent_at,
                 locks: HashMap::new(),
+                pending: HashMap::new(),
             }),
         });
         let task = Task {
@@ -285,6 +294,19 @@ struct State {
     confirmed_sent_at: Instant,
     /// Attached locks by owner value (unique per acquisition).
     locks: HashMap<Vec<u8>, Tracked>,
+    /// By owner value: the fences of requests (acquires, undos) whose
+    /// outcome is unknown; the next request for that owner puts them up.
+    pending: HashMap<Vec<u8>, Vec<Fence>>,
+}
+
+/// A lock the session undoes (its holder stopped renewing it, or its
+/// acquire's outcome is unknown): the undo is fenced by `fence` and puts
+/// up `raise`, the fences of the owner's earlier unknown requests.
+pub(crate) struct Undo {
+    pub(crate) value: Vec<u8>,
+    pub(crate) tracked: Tracked,
+    pub(crate) fence: Fence,
+    pub(crate) raise: Vec<Fence>,
 }
 
 #[derive(Clone)]
@@ -357,9 +379,62 @@ impl Session {
         }
     }
 
-    /// Detaches a lock (released, moved to its own lease, or gone).
+    /// Starts an acquire request of owner `value` fenced by `fence`, sent
+    /// at `at`: tracks it as attached (outcome unknown) and returns the
+    /// fences it must put up.
+    pub(crate) fn begin(&self, key: &[u8], value: &[u8], fence: &Fence, at: Instant) -> Vec<Fence> {
+        let mut state = self.state();
+        if !state.alive {
+            return Vec::new();
+        }
+        state.locks.insert(
+            value.to_vec(),
+            Tracked {
+                key: key.to_vec(),
+                fencing: None,
+                renewed_at: at,
+            },
+        );
+        let pending = state.pending.entry(value.to_vec()).or_default();
+        let raise = pending.clone();
+        pending.push(fence.clone());
+        raise
+    }
+
+    /// A request fenced by `fence` that put up `raised` was answered: the
+    /// outcome of both is known.
+    pub(crate) fn settled(&self, value: &[u8], raised: &[Fence], fence: &Fence) {
+        let mut state = self.state();
+        if let Some(pending) = state.pending.get_mut(value) {
+            pending.retain(|f| f != fence && !raised.contains(f));
+            if pending.is_empty() {
+                state.pending.remove(value);
+            }
+        }
+    }
+
+    /// Detaches a lock (released, moved to its own lease, or gone). If a
+    /// request of its owner has an unknown outcome, it stays due for an
+    /// undo, which puts that request's fence up.
     pub(crate) fn untrack(&self, value: &[u8]) {
-        self.state().locks.remove(value);
+        let mut state = self.state();
+        let removed = state.locks.remove(value);
+        if let Some(tracked) = removed {
+            if state.pending.contains_key(value) {
+                let due = tracked
+                    .renewed_at
+                    .checked_sub(self.ttl)
+                    .unwrap_or(tracked.renewed_at);
+                state.locks.insert(
+                    value.to_vec(),
+                    Tracked {
+                        fencing: None,
+                        renewed_at: due,
+                        ..tracked
+                    },
+                );
+            }
+        }
     }
 
     /// How many locks are attached.
@@ -368,9 +443,10 @@ impl Session {
         self.state().locks.len()
     }
 
-    /// Removes and returns the locks not renewed for the TTL, and the
-    /// earliest deadline of the others.
-    pub(crate) fn take_expired(&self, now: Instant) -> (Vec<(Vec<u8>, Tracked)>, Option<Instant>) {
+    /// Removes and returns the locks not renewed for the TTL, each with the
+    /// fence of its undo (counted as pending until the undo is answered),
+    /// and the earliest deadline of the others.
+    pub(crate) fn take_expired(&self, now: Instant) -> (Vec<Undo>, Option<Instant>) {
         let mut state = self.state();
         let ttl = self.ttl;
         let expired: Vec<Vec<u8>> = state
@@ -379,15 +455,28 @@ impl Session {
             .filter(|(_, t)| t.renewed_at + ttl <= now)
             .map(|(v, _)| v.clone())
             .collect();
-        let taken = expired
-            .into_iter()
-            .filter_map(|v| state.locks.remove(&v).map(|t| (v, t)))
-            .collect();
+        let mut taken = Vec::with_capacity(expired.len());
+        for value in expired {
+            let Some(tracked) = state.locks.remove(&value) else {
+                continue;
+            };
+            let fence = Fence::new(&tracked.key, self.lease_id);
+            let pending = state.pending.entry(value.clone()).or_default();
+            let raise = pending.clone();
+            pending.push(fence.clone());
+            taken.push(Undo {
+                value,
+                tracked,
+                fence,
+                raise,
+            });
+        }
         let next = state.locks.values().map(|t| t.renewed_at + ttl).min();
         (taken, next)
     }
 
-    /// Puts back a lock whose deletion failed, to be retried.
+    /// Puts back a lock whose undo failed, to be undone again (unless a
+    /// new request of its owner tracks it already).
     pub(crate) fn put_back(&self, value: Vec<u8>, tracked: Tracked) {
         let mut state = self.state();
         if state.alive {
@@ -405,6 +494,7 @@ impl Session {
         let mut state = self.state();
         state.alive = false;
         state.locks.clear();
+        state.pending.clear();
     }
 }
 
@@ -430,6 +520,7 @@ mod tests {
                 alive: true,
                 confirmed_sent_at: start,
                 locks: HashMap::new(),
+                pending: HashMap::new(),
             }),
         };
         session.track(b"k1", b"v1", Some(FencingToken::new(3)), start);
@@ -437,7 +528,7 @@ mod tests {
         assert!(session.renew(b"v2", start + Duration::from_secs(1)));
         let (expired, next) = session.take_expired(start + Duration::from_secs(2));
         assert_eq!(expired.len(), 1);
-        assert_eq!(expired[0].0, b"v1".to_vec());
+        assert_eq!(expired[0].value, b"v1".to_vec());
         assert_eq!(next, Some(start + Duration::from_secs(3)));
         assert!(!session.renew(b"v1", start + Duration::from_secs(2)));
         session.untrack(b"v2");

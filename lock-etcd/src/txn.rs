@@ -3,7 +3,8 @@
 //! Each is one `Txn` request, so the comparison and the write happen
 //! atomically on the server:
 //!
-//! - acquire: `if create_revision(key) == 0 then put(key, value, lease) else get(key)`;
+//! - acquire: `if create_revision(key) == 0 then put(key, value, lease) else get(key)`
+//!   (a renewing one also only while its fence is down, see [`crate::fence`]);
 //!   the put's revision (the transaction's header revision) is the key's
 //!   `create_revision` and becomes the fencing token.
 //! - extend: `if value(key) == ours and create_revision(key) == fencing then
@@ -19,18 +20,30 @@ use std::time::Duration;
 
 use distlock_core::{AcquireReply, FencingToken, LockError, LockKey, OwnerToken};
 
+use crate::fence::Fence;
 use crate::keys::decode_value;
 
-/// The acquire transaction.
-pub(crate) fn acquire(key: &[u8], value: &[u8], lease_id: i64) -> Txn {
-    Txn::new()
-        .when([Compare::create_revision(key, CompareOp::Equal, 0)])
-        .and_then([TxnOp::put(
-            key,
-            value,
-            Some(PutOptions::new().with_lease(lease_id)),
-        )])
-        .or_else([TxnOp::get(key, None)])
+/// The acquire transaction. A `fence`d one writes nothing once its fence
+/// is up; either branch puts the fences in `raise` up (earlier requests of
+/// the same acquisition whose outcome is unknown; see [`crate::fence`]).
+pub(crate) fn acquire(
+    key: &[u8],
+    value: &[u8],
+    lease_id: i64,
+    fence: Option<&Fence>,
+    raise: &[Fence],
+) -> Txn {
+    let mut when = vec![Compare::create_revision(key, CompareOp::Equal, 0)];
+    when.extend(fence.map(Fence::down));
+    let mut then = vec![TxnOp::put(
+        key,
+        value,
+        Some(PutOptions::new().with_lease(lease_id)),
+    )];
+    let mut otherwise = vec![TxnOp::get(key, None)];
+    then.extend(raise.iter().map(Fence::raise));
+    otherwise.extend(raise.iter().map(Fence::raise));
+    Txn::new().when(when).and_then(then).or_else(otherwise)
 }
 
 /// The comparisons that prove the lock is still this acquisition's.
