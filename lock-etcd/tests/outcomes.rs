@@ -1,0 +1,90 @@
+//! Requests whose outcome is unknown, and foreign data in a waiter queue.
+//! A renewing acquire whose requests reach the server late (held by a
+//! delaying proxy past the operation timeout) never leaves a lock that
+//! outlives the client's undo, and a queue key distlock did not write is
+//! reported, not obeyed and not deleted.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{
+    acquire, any_server, assert_freed, connect, key, proxy_for, random, raw_client, through,
+};
+use distlock_conformance::fault::Direction;
+use distlock_core::ErrorKind;
+
+/// A key under a lock's waiter queue that distlock did not write makes a
+/// waiting acquire fail with `Corrupted` once the lock is freed at the
+/// latest (it never waits on the foreign key until its deadline), and the
+/// key is left in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_key_in_a_waiter_queue_is_reported_not_obeyed() {
+    let server = any_server();
+    let ns = format!("foreign{:x}", random() as u32);
+    let url = format!("{}?namespace={ns}", server.url());
+    let mut raw = raw_client(&server.url()).await;
+    let holder = connect(&url).await;
+    let waiter = connect(&url).await;
+    let k = key("foreign-queue");
+    let foreign = format!("{ns}/lock/{}/waiters/not-ours", k.as_str());
+    raw.put(foreign.clone(), "hello", None)
+        .await
+        .expect("raw put");
+    let held = acquire(&holder, &k, Duration::from_secs(30)).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let waiting = {
+        let waiter = waiter.clone();
+        let k = k.clone();
+        tokio::spawn(async move { waiter.acquire(&k, Duration::from_secs(30), deadline).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    holder.release(&held).await.expect("release");
+    let result = tokio::time::timeout(Duration::from_secs(30), waiting)
+        .await
+        .map(|joined| joined.expect("waiting task"));
+    match result {
+        Ok(Err(e)) if e.kind() == ErrorKind::Corrupted => {}
+        Ok(other) => panic!("the waiter obeyed or ignored the foreign queue key: {other:?}"),
+        Err(_) => panic!("the waiter was still waiting 30 s after the release (stalled behind the foreign queue key)"),
+    }
+    let left = raw.get(foreign.clone(), None).await.expect("raw get");
+    assert_eq!(left.kvs().len(), 1, "the foreign key was deleted");
+}
+
+/// A renewing acquire whose requests reach the server only after its
+/// operation timeout (a proxy delays every request by 3× that timeout), in
+/// rounds: whatever order the server applies the late acquire and the
+/// client's undo in, no lock is left on the session lease — another client
+/// gets the lock once the acquire's TTL has passed, while the first client
+/// (and so its session lease) lives on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_renewing_acquire_never_outlives_its_undo() {
+    let server = any_server();
+    let proxy = proxy_for(&server).await;
+    let a = connect(&through(&proxy, "operation_timeout_ms=400")).await;
+    let b = connect(&server.url()).await;
+    let ttl = Duration::from_secs(3);
+    for round in 0..10 {
+        let k = key("late-renewing");
+        proxy.delay(Direction::ToServer, Duration::from_millis(1200));
+        let attempt = a.try_acquire_renewing(&k, ttl).await;
+        proxy.delay(Direction::ToServer, Duration::ZERO);
+        match attempt {
+            // Delayed requests are answered after the timeout: nothing
+            // can have been granted in time.
+            Ok(got) => panic!("round {round}: answered in time: {got:?}"),
+            Err(e) => assert!(e.is_transient(), "round {round}: {e}"),
+        }
+        // Nobody renews it: free after the TTL (plus the delayed
+        // requests' landing), never held for the life of client `a`.
+        tokio::time::sleep(ttl).await;
+        assert_freed(
+            &b,
+            &k,
+            &format!("round {round}: a late renewing acquire stayed on the session lease"),
+        )
+        .await;
+    }
+    drop(a);
+}
