@@ -57,7 +57,9 @@ async fn a_foreign_key_in_a_waiter_queue_is_reported_not_obeyed() {
 /// rounds: whatever order the server applies the late acquire and the
 /// client's undo in, no lock is left on the session lease — another client
 /// gets the lock once the acquire's TTL has passed, while the first client
-/// (and so its session lease) lives on.
+/// (and so its session lease) lives on. A regression guard: on this
+/// machine it also passed before fences (the reordering it guards against
+/// needs the client to switch connections while requests are delayed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_renewing_acquire_never_outlives_its_undo() {
     let server = any_server();
