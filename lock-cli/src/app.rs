@@ -16,6 +16,11 @@ use crate::help;
 use crate::log::{failure, note, warning, LogArgs};
 use crate::watchdog::{self, signal_group, Watchdog, WATCHDOG_ARG};
 
+/// How long a signal that ended the wait waits, at most, for the give-back
+/// of what an attempt in flight took (one settling attempt and a release;
+/// also bounded by the kill grace).
+const GIVE_BACK_WAIT: Duration = Duration::from_secs(10);
+
 /// sysexits(3) codes.
 mod code {
     pub const OK: u8 = 0;
@@ -489,10 +494,12 @@ async fn run(args: RunArgs) -> Result<u8, Failure> {
     }
     let locker = Locker::new(backend);
 
-    // A signal ends the wait at once, even with an attempt in flight; that
-    // attempt finishes on a task of its own, which gives back a lock it
-    // was granted. Wait for that give-back for up to the kill grace (the
-    // runtime is shut down right after).
+    // A signal ends the wait at once, even with an attempt in flight: the
+    // client then settles that attempt beside it (one more attempt with its
+    // owner token, released at once), so a lock it took is given back
+    // without waiting for its reply. Wait a little for that give-back (the
+    // runtime is shut down right after); the attempt itself may stay
+    // unanswered far longer (a Redis WAIT for a missing replica).
     let mut stopped_by = None;
     let acquired = locker
         .acquire_unless(&key, &options, async {
@@ -500,14 +507,15 @@ async fn run(args: RunArgs) -> Result<u8, Failure> {
         })
         .await;
     if let Some(signal) = stopped_by {
-        if tokio::time::timeout(kill_grace, locker.client().idle())
+        let give_back = kill_grace.min(GIVE_BACK_WAIT);
+        if tokio::time::timeout(give_back, locker.client().idle())
             .await
             .is_err()
         {
             warning!(
                 key = key.as_str(),
-                "an acquire attempt for {key:?} was still waiting for the server's answer {} after the signal; if the server applies it, that lock is held by nobody until its TTL ({}) runs out",
-                format_duration(kill_grace),
+                "an acquire attempt for {key:?} was still unanswered {} after the signal; a lock it still takes is held by nobody until its TTL ({}) runs out",
+                format_duration(give_back),
                 format_duration(options.ttl()),
             );
         }

@@ -30,6 +30,12 @@ pub struct AcquireRequest<'a> {
     /// session that one keep-alive renews (etcd). It must still expire
     /// within `ttl` of its last renewal if its holder stops renewing.
     pub renewing: bool,
+    /// This attempt only settles an earlier attempt of the same owner whose
+    /// outcome is unknown: the client gives back at once whatever it is
+    /// granted (adopted or new). A backend may skip what only a lock that
+    /// someone will use needs (waiting for replicas to acknowledge it), so
+    /// the give-back is not held up by what delays the attempt it settles.
+    pub settling: bool,
 }
 
 /// A lock the client holds, as the backend is asked to extend or release it.

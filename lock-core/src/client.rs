@@ -178,16 +178,8 @@ impl LockClient {
         key: &LockKey,
         ttl: Duration,
     ) -> Result<AcquireAttempt, LockError> {
-        self.attempt(
-            key,
-            ttl,
-            Attempt {
-                renewing: true,
-                permits: None,
-            },
-            OwnerToken::random(),
-        )
-        .await
+        self.attempt(key, ttl, Attempt::RENEWING, OwnerToken::random())
+            .await
     }
 
     /// One atomic attempt at a permit of `key`'s semaphore of `limit`: at
@@ -206,16 +198,8 @@ impl LockClient {
         limit: u32,
         ttl: Duration,
     ) -> Result<AcquireAttempt, LockError> {
-        self.attempt(
-            key,
-            ttl,
-            Attempt {
-                renewing: false,
-                permits: Some(limit),
-            },
-            OwnerToken::random(),
-        )
-        .await
+        self.attempt(key, ttl, Attempt::permit(limit), OwnerToken::random())
+            .await
     }
 
     /// Waits for a permit of `key`'s semaphore of `limit` until `deadline`,
@@ -227,10 +211,7 @@ impl LockClient {
         ttl: Duration,
         deadline: Instant,
     ) -> Result<Option<Lease>, LockError> {
-        let attempt = Attempt {
-            renewing: false,
-            permits: Some(limit),
-        };
+        let attempt = Attempt::permit(limit);
         self.acquire_until(key, ttl, deadline, attempt, None, std::future::pending())
             .await
     }
@@ -459,6 +440,7 @@ impl LockClient {
                         owner,
                         ttl,
                         renewing: attempt.renewing,
+                        settling: attempt.settling,
                     };
                     self.raw().acquire(request).await?
                 }
@@ -469,6 +451,7 @@ impl LockClient {
                         ttl,
                         limit,
                         renewing: attempt.renewing,
+                        settling: attempt.settling,
                     };
                     match self.semaphore_or_error()?.acquire_permit(request).await? {
                         PermitReply::Granted(grant) => AcquireReply::Granted(grant),
@@ -644,7 +627,7 @@ impl LockClient {
         attempt: Attempt,
         owner: OwnerToken,
     ) -> Option<Lease> {
-        match self.attempt(key, ttl, attempt, owner).await {
+        match self.attempt(key, ttl, attempt.settling(), owner).await {
             Ok(AcquireAttempt::Acquired(lease)) => {
                 tracing::debug!(key = %key, fencing = %lease.fencing_token(), "an attempt whose outcome was unknown had been granted; giving it back");
                 Some(lease)

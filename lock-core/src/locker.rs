@@ -84,10 +84,14 @@ impl Locker {
     /// completes (a signal, a shutdown), returning `Ok(None)` at once — also
     /// while an attempt is in flight, however long its operation timeout.
     ///
-    /// What was granted is still given back: the attempt in flight finishes
-    /// on the acquisition's own task, and a lock it is granted (or that one
-    /// more attempt with the same owner token finds, when its outcome was
-    /// unknown) is released there, while the tokio runtime runs. A process
+    /// What was granted is still given back: beside an attempt in flight,
+    /// one more attempt with its owner token settles it at once (it adopts
+    /// a lock the first one took, without waiting for that one's reply,
+    /// which a server may hold up for the whole operation timeout) and
+    /// releases what it gets; the attempt in flight finishes on the
+    /// acquisition's own task, and a lock it is granted (or that a settling
+    /// attempt finds, when its outcome was unknown) is released there,
+    /// while the tokio runtime runs. A process
     /// that exits right after awaits [`LockClient::idle`] first (with a
     /// timeout of its choice); a lock whose give-back did not finish
     /// expires by its TTL (a renewing one once its client is gone).
@@ -112,10 +116,10 @@ impl Locker {
         cancel: C,
     ) -> Result<Option<LockGuard>, LockError> {
         self.check(options)?;
-        let attempt = Attempt {
-            renewing: options.renew_period(options.request_ttl()).is_some(),
-            permits: options.permit_limit(),
-        };
+        let attempt = options
+            .permit_limit()
+            .map_or(Attempt::PLAIN, Attempt::permit)
+            .renewed(options.renew_period(options.request_ttl()).is_some());
         let lease = self
             .client
             .acquire_until(

@@ -39,6 +39,12 @@ pub struct PermitRequest<'a> {
     pub limit: u32,
     /// A guard will renew this permit.
     pub renewing: bool,
+    /// This attempt only settles an earlier attempt of the same owner whose
+    /// outcome is unknown: the client gives back at once whatever it is
+    /// granted (adopted or new). A backend may skip what only a lock that
+    /// someone will use needs (waiting for replicas to acknowledge it), so
+    /// the give-back is not held up by what delays the attempt it settles.
+    pub settling: bool,
 }
 
 /// The server's answer to one permit attempt.

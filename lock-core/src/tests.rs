@@ -14,16 +14,22 @@ use crate::{
     ReleaseWatch, Renewal,
 };
 
-/// `MemoryLock` with two faults: the first `lost_replies` acquire
-/// attempts are applied but answered `Timeout` (the reply lost), and with
-/// `corrupt_extends` every extend answers `Corrupted` (foreign data at the
-/// key).
+/// `MemoryLock` with three faults: the first `lost_replies` acquire
+/// attempts are applied but answered `Timeout` (the reply lost); with
+/// `stall_replies` every attempt that is not settling is applied and then
+/// never answered (a server holding the reply, as Redis's `WAIT` does for a
+/// missing replica); with `corrupt_extends` every extend answers
+/// `Corrupted` (foreign data at the key).
 #[derive(Debug, Default)]
 struct Faulty {
     server: MemoryLock,
     lost_replies: AtomicUsize,
+    stall_replies: bool,
     corrupt_extends: bool,
     attempts: AtomicUsize,
+    settling_attempts: AtomicUsize,
+    /// Signalled when a stalled attempt has been applied.
+    applied: tokio::sync::Notify,
 }
 
 #[async_trait]
@@ -38,7 +44,14 @@ impl LockBackend for Faulty {
 
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError> {
         self.attempts.fetch_add(1, Ordering::SeqCst);
+        if request.settling {
+            self.settling_attempts.fetch_add(1, Ordering::SeqCst);
+        }
         let reply = self.server.acquire(request).await?;
+        if self.stall_replies && !request.settling {
+            self.applied.notify_one();
+            std::future::pending::<()>().await;
+        }
         let lost = self
             .lost_replies
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
@@ -117,6 +130,41 @@ async fn try_lock_with_a_lost_reply_leaves_nothing_held() {
         .expect("background work ends");
     assert_eq!(backend.attempts.load(Ordering::SeqCst), 2);
     assert_eq!(backend.server.held_count(), 0, "the orphan was given back");
+}
+
+/// A waiting acquire cancelled while its attempt is in flight (applied,
+/// its reply held by the server) returns at once, and the lock that
+/// attempt took is given back without waiting for that reply: a settling
+/// attempt with the same owner token adopts it, and it is released.
+#[tokio::test]
+async fn cancel_gives_back_what_an_attempt_in_flight_took() {
+    let backend = Arc::new(Faulty {
+        stall_replies: true,
+        ..Faulty::default()
+    });
+    let client = LockClient::new(backend.clone());
+    let locker = Locker::new(client.clone());
+    let options = LockOptions::new(TTL).wait(Duration::from_secs(3600));
+    let applied = backend.applied.notified();
+    let acquired = tokio::time::timeout(
+        Duration::from_secs(10),
+        locker.acquire_unless(&key(), &options, applied),
+    )
+    .await
+    .expect("the cancelled acquire returns at once");
+    assert!(
+        acquired.unwrap().is_none(),
+        "a cancelled acquire gets no guard"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while backend.server.held_count() != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the lock the stalled attempt took is still held: nothing gave it back while its reply was pending"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(backend.settling_attempts.load(Ordering::SeqCst), 1);
 }
 
 /// A renewal answered `Corrupted` (the lock was overwritten by a value

@@ -27,6 +27,9 @@ pub(crate) struct Attempt {
     pub(crate) renewing: bool,
     /// `Some(limit)`: one permit of a semaphore of `limit`, not the lock.
     pub(crate) permits: Option<u32>,
+    /// Only settles an earlier attempt whose outcome is unknown: what it is
+    /// granted is given back at once.
+    pub(crate) settling: bool,
 }
 
 impl Attempt {
@@ -34,7 +37,35 @@ impl Attempt {
     pub(crate) const PLAIN: Attempt = Attempt {
         renewing: false,
         permits: None,
+        settling: false,
     };
+
+    /// A lock a guard will renew.
+    pub(crate) const RENEWING: Attempt = Attempt {
+        renewing: true,
+        ..Attempt::PLAIN
+    };
+
+    /// One permit of a semaphore of `limit` nobody will renew.
+    pub(crate) const fn permit(limit: u32) -> Attempt {
+        Attempt {
+            permits: Some(limit),
+            ..Attempt::PLAIN
+        }
+    }
+
+    /// The same acquisition, renewed by a guard or not.
+    pub(crate) const fn renewed(self, renewing: bool) -> Attempt {
+        Attempt { renewing, ..self }
+    }
+
+    /// The attempt that settles this one's unknown outcome.
+    pub(crate) const fn settling(self) -> Attempt {
+        Attempt {
+            settling: true,
+            ..self
+        }
+    }
 }
 
 /// A granted lease the loop gives back and tries again for (time
@@ -105,7 +136,8 @@ pub(crate) async fn acquire_until_cancelled(
             Some(e) => Err(e),
             None => {
                 attempts += 1;
-                let result = client.attempt(key, ttl, attempt, owner).await;
+                let result =
+                    attempt_giving_back_on_cancel(client, key, ttl, attempt, owner, cancel).await;
                 unknown = matches!(&result, Err(e) if e.is_transient());
                 result
             }
@@ -177,6 +209,32 @@ pub(crate) async fn acquire_until_cancelled(
             _ = tokio::time::sleep_until(wake_at.into()) => {}
         }
     }
+}
+
+/// One attempt. If `cancel` fires while it is in flight, a settling attempt
+/// with the same owner token runs beside it and gives back what it finds:
+/// the caller is gone, and a lock the attempt took should not wait for a
+/// reply the server may hold up for the whole operation timeout (a Redis
+/// `WAIT` for replicas, say). The attempt still runs to completion, and
+/// what it is granted is given back after it (an undo that a late reply
+/// cannot outlive: both are conditional on the owner token).
+async fn attempt_giving_back_on_cancel(
+    client: &LockClient,
+    key: &LockKey,
+    ttl: Duration,
+    attempt: Attempt,
+    owner: OwnerToken,
+    cancel: &CancellationToken,
+) -> Result<AcquireAttempt, LockError> {
+    let in_flight = client.attempt(key, ttl, attempt, owner);
+    tokio::pin!(in_flight);
+    tokio::select! {
+        biased;
+        result = &mut in_flight => return result,
+        () = cancel.cancelled() => {}
+    }
+    client.settle_in_background(key, ttl, attempt, owner);
+    in_flight.await
 }
 
 /// After cancellation: if the last attempt's outcome is unknown, one more

@@ -636,16 +636,21 @@ impl LockBackend for RedisLock {
         ];
         // The give-back below shares this operation's timeout.
         let sent = Instant::now();
-        let (reply, replicated) = self
-            .run_replicated(Call {
-                what: "redis acquire",
-                key,
-                keys: &keys,
-                script: &ACQUIRE_SCRIPT,
-                redis_keys: &[&keys.lock, &keys.fence],
-                args: &args,
-            })
-            .await?;
+        let call = Call {
+            what: "redis acquire",
+            key,
+            keys: &keys,
+            script: &ACQUIRE_SCRIPT,
+            redis_keys: &[&keys.lock, &keys.fence],
+            args: &args,
+        };
+        // A settling attempt's grant is given back at once: replication of
+        // it does not matter, and waiting for it would hold up the give-back.
+        let (reply, replicated) = if request.settling {
+            (self.run(call).await?, Replicated::Enough)
+        } else {
+            self.run_replicated(call).await?
+        };
         let reply = scripts::acquire_reply(key, request.ttl, &reply)?;
         let AcquireReply::Granted(grant) = &reply else {
             return Ok(reply);

@@ -274,9 +274,15 @@ impl LuaScript {
             .map(drop)
     }
 
-    /// Runs the script as [`invoke`](Self::invoke), then `WAIT replicas
-    /// timeout` on the same connection (one pipeline): the script's reply
-    /// and how many replicas acknowledged its writes.
+    /// Runs the script as [`invoke`](Self::invoke), then waits up to
+    /// `timeout` for `replicas` to acknowledge its writes (`WAIT`, on the
+    /// same connection): the script's reply and how many acknowledged.
+    ///
+    /// The first `WAIT` is pipelined with the script; while replicas lag,
+    /// it is repeated in slices of at most [`WAIT_SLICE`]. A `WAIT` blocks
+    /// its connection, which every request of this client shares: slices
+    /// let other requests (a give-back of this very lock, say) through
+    /// between them, and a dropped future stops waiting within one slice.
     pub(crate) async fn invoke_and_wait(
         &self,
         conn: &mut impl ConnectionLike,
@@ -295,9 +301,12 @@ impl LuaScript {
                 .arg(keys.len())
                 .arg(keys)
                 .arg(args);
-            pipe.cmd("WAIT").arg(replicas).arg(wait_millis(timeout));
+            pipe.cmd("WAIT")
+                .arg(replicas)
+                .arg(wait_millis(timeout.min(WAIT_SLICE)));
             pipe
         };
+        let started = std::time::Instant::now();
         let mut replies: Vec<Value> = pipeline(false).query_async(conn).await?;
         if matches!(replies.first(), Some(Value::ServerError(e)) if e.kind() == Some(ServerErrorKind::NoScript))
         {
@@ -313,7 +322,18 @@ impl LuaScript {
             )));
         };
         let reply = reply.extract_error()?;
-        let acknowledged = redis::from_redis_value(acknowledged.extract_error()?)?;
+        let mut acknowledged: i64 = redis::from_redis_value(acknowledged.extract_error()?)?;
+        while acknowledged < i64::from(replicas) {
+            let left = timeout.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                break;
+            }
+            acknowledged = redis::cmd("WAIT")
+                .arg(replicas)
+                .arg(wait_millis(left.min(WAIT_SLICE)))
+                .query_async(conn)
+                .await?;
+        }
         Ok((reply, acknowledged))
     }
 
@@ -363,6 +383,9 @@ pub(crate) static INSPECT_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScri
 /// The force-release script (operators only; not preloaded).
 pub(crate) static FORCE_RELEASE_SCRIPT: LazyLock<LuaScript> =
     LazyLock::new(|| LuaScript::new(FORCE_RELEASE));
+
+/// The longest one `WAIT` blocks the shared connection.
+pub(crate) const WAIT_SLICE: Duration = Duration::from_millis(100);
 
 /// `WAIT`'s timeout: whole milliseconds, at least 1 (0 waits forever), at
 /// most a day (a bound the server adds to its clock without overflow).

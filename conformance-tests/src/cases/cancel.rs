@@ -81,6 +81,7 @@ async fn drop_one(
                 owner: OwnerToken::random(),
                 ttl: client.capabilities().effective_ttl(ttl)?,
                 renewing: matches!(what, Call::RawAcquireRenewing),
+                settling: false,
             };
             let _ = tokio::time::timeout(cut, raw.acquire(request)).await;
         }

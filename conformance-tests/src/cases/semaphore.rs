@@ -584,6 +584,7 @@ pub async fn renewing_permit_holder_death_frees_permit(ctx: TestContext) -> Case
                 ttl,
                 limit: 1,
                 renewing: true,
+                settling: false,
             };
             let fencing = match semaphore.acquire_permit(request).await? {
                 distlock_core::PermitReply::Granted(grant) => grant.fencing,

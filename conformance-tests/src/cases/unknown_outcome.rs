@@ -703,6 +703,7 @@ pub async fn same_owner_acquire_adopts(ctx: TestContext) -> CaseResult {
                 owner,
                 ttl,
                 renewing,
+                settling: false,
             };
             let raw = client.backend();
             let first_sent = Instant::now();
@@ -845,6 +846,7 @@ fn permit(key: &LockKey, owner: OwnerToken, ttl: Duration) -> PermitRequest<'_> 
         ttl,
         limit: 2,
         renewing: false,
+        settling: false,
     }
 }
 

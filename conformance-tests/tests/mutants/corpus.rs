@@ -835,6 +835,7 @@ impl LockBackend for Mutant {
                         owner: lock.owner,
                         ttl: server_ttl,
                         renewing: false,
+                        settling: false,
                     };
                     match self.inner.acquire(again).await? {
                         AcquireReply::Granted(grant) => {

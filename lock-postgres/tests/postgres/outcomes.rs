@@ -22,6 +22,7 @@ fn request(k: &LockKey, owner: OwnerToken, ttl: Duration) -> AcquireRequest<'_> 
         owner,
         ttl,
         renewing: false,
+        settling: false,
     }
 }
 

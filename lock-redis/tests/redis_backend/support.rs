@@ -438,6 +438,7 @@ pub async fn raw_acquire(
         owner,
         ttl,
         renewing: false,
+        settling: false,
     })
     .await
 }
