@@ -84,7 +84,14 @@ struct Shared {
     client: LockClient,
     lease: Mutex<Lease>,
     lost: LostSignal,
+    /// The lease's conservative start (see [`Lease::sent_at`]): what bounds
+    /// its expiry, the max hold and the renewal schedule are dated from.
     acquired_at: Instant,
+    /// When the guard learnt it holds the lock: a minimum hold is dated
+    /// from here. The lease's start can be much earlier (a lock on an etcd
+    /// session lease is dated from the session's last keep-alive), which
+    /// would cut a hold-at-least short.
+    granted_at: Instant,
     hold_at_least: Option<Duration>,
     stop_margin: Duration,
 }
@@ -126,7 +133,7 @@ impl Shared {
             instrument::held(self.client.name(), self.acquired_at.elapsed());
         }
         if let Some(min) = self.hold_at_least.filter(|_| !now) {
-            let keep_until = later(self.acquired_at, min);
+            let keep_until = later(self.granted_at, min);
             let remaining = keep_until.saturating_duration_since(Instant::now());
             if !remaining.is_zero() {
                 self.client.extend(&lease, remaining).await?;
@@ -190,6 +197,7 @@ impl LockGuard {
             lease: Mutex::new(lease),
             lost: LostSignal::default(),
             acquired_at,
+            granted_at: Instant::now(),
             hold_at_least: options.min_hold_time(),
             stop_margin,
         });

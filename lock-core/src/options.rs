@@ -98,7 +98,9 @@ impl LockOptions {
 
     /// On release, keep the lock until `min` has passed since acquisition
     /// (ShedLock's lockAtLeastFor), so instances whose clocks or tickers are
-    /// a little late skip the same run.
+    /// a little late skip the same run. Counted from when the grant reached
+    /// this client, never from an earlier lease start (a lock on an etcd
+    /// session is dated from the session's last keep-alive for its expiry).
     pub fn hold_at_least(mut self, min: Duration) -> Self {
         self.hold_at_least = Some(min);
         self

@@ -221,10 +221,12 @@ impl ScheduledJob {
             tracing::info!(job = %self.name, key = %fire_key, "fire already taken by another instance; skipping");
             return Ok(ScheduledOutcome::Skipped(SkipReason::FireAlreadyTaken));
         };
+        // The fire key is held at least `keep_fire_for` from here (see
+        // `LockOptions::hold_at_least`); its lease may be dated earlier.
         let started = Instant::now();
         let run_options = RunOptions::new(LockOptions::new(self.ttl)).on_lost(self.on_lost);
         let outcome = locker.run_exclusive(&running_key, &run_options, job).await;
-        let keep_until = later(fire_guard.lease().sent_at(), keep_fire_for);
+        let keep_until = later(started, keep_fire_for);
         match &outcome {
             // The fire ran (or is deliberately skipped while the previous
             // run goes on): keep its key until the hold-at-least time, so

@@ -3,7 +3,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use distlock_core::{ErrorKind, Fire, LockOptions, Locker, LostReason, Renewal, ScheduledJob};
+use distlock_core::{
+    AcquireAttempt, ErrorKind, Fire, LockOptions, Locker, LostReason, Renewal, ScheduledJob,
+};
 
 use super::support::{
     acquire, background_bound, eventually_acquire, expect_kind, expiry_bound, refused, within,
@@ -273,6 +275,60 @@ pub async fn hold_at_least_keeps_key(ctx: TestContext) -> CaseResult {
     )
     .await?;
     other.release(&next).await?;
+    Ok(())
+}
+
+/// Hold-at-least counts from when the grant arrived, not from an earlier
+/// lease start. A lock on a shared renewal session (etcd) is dated, for its
+/// expiry, from the session's last keep-alive, which may be most of a
+/// renewal period old: a minimum hold measured from there ends early, and
+/// a late scheduler instance runs the same fire again. Each round takes a
+/// lock most of a renewal period after the client's first renewing lock
+/// (when a session's last keep-alive is old), releases it at once, and
+/// asks for it two thirds into the minimum hold; a round whose answer came
+/// after the minimum (a stalled machine) proves nothing and is not counted.
+pub async fn hold_at_least_counts_from_the_grant(ctx: TestContext) -> CaseResult {
+    let locker = ctx.locker().await?;
+    let other = ctx.client().await?;
+    // Long enough that a hold cut short by most of a renewal period (a
+    // third of the TTL) ends before the check even after rounding up to
+    // whole seconds (etcd).
+    let ttl = ctx.capabilities().effective_ttl(Duration::from_secs(9))?;
+    let min = ttl / 2;
+    let session = locker
+        .try_lock(&ctx.key("session"), &LockOptions::new(ttl))
+        .await?
+        .ok_or("free key refused")?;
+    let mut conclusive = 0;
+    for round in 0..2 {
+        tokio::time::sleep(ttl / 3 * 9 / 10).await;
+        let key = ctx.key("hold-from-grant");
+        let options = LockOptions::new(ttl).hold_at_least(min);
+        let guard = locker
+            .try_lock(&key, &options)
+            .await?
+            .ok_or("free key refused")?;
+        let granted = Instant::now();
+        guard.release().await?;
+        tokio::time::sleep_until((granted + min * 2 / 3).into()).await;
+        let reply = other.try_acquire(&key, ttl).await?;
+        let answered = Instant::now();
+        if let AcquireAttempt::Acquired(lease) = reply {
+            other.release(&lease).await?;
+            check!(
+                answered >= granted + min,
+                "round {round}: the key was free {:?} after the grant, inside its minimum hold of {min:?} (released at once with hold-at-least)",
+                answered - granted
+            );
+            continue;
+        }
+        conclusive += usize::from(answered < granted + min);
+    }
+    session.release().await?;
+    check!(
+        conclusive > 0,
+        "no round was answered within the minimum hold of {min:?}: the case proved nothing"
+    );
     Ok(())
 }
 

@@ -225,6 +225,7 @@ pub fn all() -> Vec<Case> {
         max_hold_stops_renewal,
         drop_releases,
         hold_at_least_keeps_key,
+        hold_at_least_counts_from_the_grant,
         hold_at_least_elapsed_releases,
         try_lock_and_accessors,
         release_is_not_loss,

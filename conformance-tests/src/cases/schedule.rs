@@ -56,12 +56,15 @@ async fn simulate(
     // The fire key must outlive the run until its release keeps it for the
     // window: a TTL of a few hundred ms can run out while a loaded machine
     // (the fault:: torture runs alongside) stalls the renewals, and a late
-    // instance then rightly runs the fire again. One TTL of 2 s costs
-    // nothing here: keys are released or kept per the schedule anyway.
+    // instance then rightly runs the fire again. The TTL is not what this
+    // case is about (keys are released or kept per the schedule anyway), so
+    // it is long enough that a grant delayed by a loaded etcd cluster's
+    // fsync (1.5 s seen on a 2-core machine) is still usable: a 2 s TTL
+    // made such a grant too late to use (its stop margin is TTL/3).
     let ttl = ctx
         .capabilities()
-        .effective_ttl(Duration::from_secs(2))
-        .unwrap_or(Duration::from_secs(2));
+        .effective_ttl(Duration::from_secs(6))
+        .unwrap_or(Duration::from_secs(6));
     let job = ScheduledJob::new(name.clone(), PERIOD)?.ttl(ttl);
     // Fire 0 is the next slot boundary of the true clock, at least 1.5
     // periods from now so early (skewed) instances are not yet late.
