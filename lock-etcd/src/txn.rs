@@ -3,10 +3,13 @@
 //! Each is one `Txn` request, so the comparison and the write happen
 //! atomically on the server:
 //!
-//! - acquire: `if create_revision(key) == 0 then put(key, value, lease) else get(key)`
+//! - acquire: `if create_revision(key) == 0 then put(key, value, lease)
+//!   else (if value(key) == ours then put(key, value, lease); get(key) else get(key))`
 //!   (a renewing one also only while its fence is down, see [`crate::fence`]);
 //!   the put's revision (the transaction's header revision) is the key's
-//!   `create_revision` and becomes the fencing token.
+//!   `create_revision` and becomes the fencing token. The nested branch
+//!   adopts a lock an earlier attempt of the same acquisition took: its TTL
+//!   starts again on this attempt's lease, its fencing token is unchanged.
 //! - extend: `if value(key) == ours and create_revision(key) == fencing then
 //!   put(key, value, new_lease)`; a missing key fails the comparison, so an
 //!   expired lock is never recreated.
@@ -33,14 +36,23 @@ pub(crate) fn acquire(
     fence: Option<&Fence>,
     raise: &[Fence],
 ) -> Txn {
+    let put = || TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease_id)));
     let mut when = vec![Compare::create_revision(key, CompareOp::Equal, 0)];
     when.extend(fence.map(Fence::down));
-    let mut then = vec![TxnOp::put(
-        key,
-        value,
-        Some(PutOptions::new().with_lease(lease_id)),
-    )];
-    let mut otherwise = vec![TxnOp::get(key, None)];
+    let mut then = vec![put()];
+    // Adoption: a key that holds this acquisition's value was taken by an
+    // earlier attempt whose reply was lost. Putting it again on this
+    // attempt's lease resets its TTL from now (a put keeps the key's
+    // create revision, so the fencing token stays), and the earlier
+    // attempt's lease, revoked once its outcome was unknown, no longer
+    // bounds it.
+    let mut adopt_when = vec![Compare::value(key, CompareOp::Equal, value)];
+    adopt_when.extend(fence.map(Fence::down));
+    let adopt = Txn::new()
+        .when(adopt_when)
+        .and_then([put(), TxnOp::get(key, None)])
+        .or_else([TxnOp::get(key, None)]);
+    let mut otherwise = vec![TxnOp::txn(adopt)];
     then.extend(raise.iter().map(Fence::raise));
     otherwise.extend(raise.iter().map(Fence::raise));
     Txn::new().when(when).and_then(then).or_else(otherwise)
@@ -126,13 +138,27 @@ pub(crate) fn acquire_outcome(
     let gone = AcquireOutcome::Refused(AcquireReply::Held {
         expires_in: Some(Duration::ZERO),
     });
-    for op in reply.op_responses() {
+    let Some(nested) = reply.op_responses().into_iter().find_map(|op| match op {
+        TxnOpResponse::Txn(nested) => Some(nested),
+        _ => None,
+    }) else {
+        return Err(LockError::unavailable(format!(
+            "etcd answered the acquire of lock {:?} without the adoption step's reply",
+            key.as_str()
+        )));
+    };
+    for op in nested.op_responses() {
         if let TxnOpResponse::Get(get) = op {
             let Some(kv) = get.kvs().first() else {
                 return Ok(gone);
             };
             if check_found(key, kv.value(), kv.lease())? == owner {
-                tracing::debug!(key = %key, "etcd acquire sent again found the lock already ours");
+                if !nested.succeeded() {
+                    // Ours by its value, yet the adoption's comparison
+                    // failed: only its fence (a later undo) can do that.
+                    return Ok(gone);
+                }
+                tracing::debug!(key = %key, "etcd acquire adopted the lock an earlier attempt took");
                 return u64::try_from(kv.create_revision())
                     .ok()
                     .filter(|r| *r > 0)
