@@ -381,15 +381,18 @@ fn descendants(root: u32) -> Vec<u32> {
 
 /// Picks a free loopback port (bind to port 0, read it, close).
 ///
-/// Ports come from 20000–31999, below Linux's ephemeral range (32768 and
+/// Ports come from 20000–29999, below Linux's ephemeral range (32768 and
 /// up), so an outgoing connection cannot take the port between the choice
 /// and the server's bind; and no port is handed out twice by one process,
-/// so servers started at once by parallel tests never collide.
+/// so servers started at once by parallel tests never collide. A Redis
+/// Cluster node also binds its port + 10000 (the cluster bus, 30000 and
+/// up here), so a node's bus never takes, or answers on, the port of
+/// another test's server.
 pub fn free_port() -> io::Result<u16> {
     static HANDED_OUT: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
     let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
     for _ in 0..1000 {
-        let port = rand::random_range(20000..32000);
+        let port = rand::random_range(20000..30000);
         if !handed_out.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
             handed_out.insert(port);
             return Ok(port);
