@@ -16,9 +16,9 @@ use crate::{
 #[non_exhaustive]
 pub enum LostReason {
     /// The server refused a renewal: the key is gone, has another owner, or
-    /// holds data distlock did not write (a renewal answered with any error
-    /// but a transient one, [`ErrorKind::Unavailable`] or
-    /// [`ErrorKind::Timeout`], is a refusal).
+    /// holds data distlock did not write ([`ErrorKind::NotHeld`] or
+    /// [`ErrorKind::Corrupted`]; any other failed renewal is retried until
+    /// the stop moment).
     Refused,
     /// The lease reached its stop moment (the stop margin before it may
     /// run out, see [`LockOptions::stop_margin`]) without a successful
@@ -384,10 +384,12 @@ async fn keep_alive(
                 next_renewal = period.map(|p| later(got_at, p));
             }
             Ok(None) => next_renewal = None,
-            // Only a transient failure may be retried: a refusal, or data
-            // at the key that distlock did not write (the lock was
-            // overwritten), means the lock is gone now.
-            Err(e) if !e.is_transient() => {
+            // A refusal, or data at the key that distlock did not write
+            // (the lock was overwritten), means the lock is gone now. Any
+            // other failure is retried until the stop moment: a renewal
+            // that cannot be confirmed is lost by the clock, never on a
+            // guess (a misread transport failure is not a refusal).
+            Err(e) if matches!(e.kind(), ErrorKind::NotHeld | ErrorKind::Corrupted) => {
                 if e.kind() != ErrorKind::NotHeld {
                     tracing::warn!(key = %lease.key(), fencing = %lease.fencing_token(), error = %e, kind = ?e.kind(), "lock renewal failed for good");
                 }

@@ -18,6 +18,10 @@ use crate::{
     OnLost, RunOptions, RunOutcome,
 };
 
+/// How long a run that failed to start waits, at most, for its client's
+/// background give-backs before it frees the fire.
+const SETTLE_WAIT: Duration = Duration::from_secs(5);
+
 /// Which fire of the schedule a call is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fire {
@@ -239,6 +243,15 @@ impl ScheduledJob {
             // The run never started (taking @running failed) or was stopped
             // (lost lock): free the fire so another instance can run it.
             Err(_) | Ok(RunOutcome::Lost { .. }) => {
+                if outcome.is_err() {
+                    // Taking @running failed, perhaps with an unknown
+                    // outcome: the client settles that attempt in the
+                    // background (taking and giving back what it finds).
+                    // Freeing the fire only after that keeps the next
+                    // instance from finding @running held by the settling
+                    // attempt and skipping the fire as still running.
+                    let _ = tokio::time::timeout(SETTLE_WAIT, locker.client().idle()).await;
+                }
                 tracing::info!(job = %self.name, key = %fire_key, "the run did not complete; releasing the fire for another instance");
                 if let Err(e) = fire_guard.release_now().await {
                     tracing::debug!(job = %self.name, key = %fire_key, error = %e, "releasing the fire key failed; it expires after its TTL");

@@ -361,13 +361,17 @@ impl EtcdLock {
 
     /// Grants an etcd lease of `ttl` (whole seconds); returns its id and
     /// the TTL the server granted.
-    pub(crate) async fn grant(&self, ttl: Duration) -> Result<(i64, Duration), LockError> {
+    pub(crate) async fn grant(
+        &self,
+        ttl: Duration,
+        deadline: Instant,
+    ) -> Result<(i64, Duration), LockError> {
         let seconds = i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX).max(1);
         let leases = &self.inner.leases;
         let reply = self
             .inner
             .requests
-            .send("etcd lease grant", Repeat::Safe, || {
+            .send_until(deadline, "etcd lease grant", Repeat::Safe, || {
                 let mut leases = leases.clone();
                 async move { leases.grant(seconds, None).await }
             })
@@ -412,10 +416,23 @@ impl EtcdLock {
         repeat: Repeat,
         txn: etcd_client::Txn,
     ) -> Result<etcd_client::TxnResponse, LockError> {
+        self.run_txn_until(self.inner.requests.deadline(), what, repeat, txn)
+            .await
+    }
+
+    /// [`run_txn`](Self::run_txn) as one step of an operation that must end
+    /// by `deadline`.
+    pub(crate) async fn run_txn_until(
+        &self,
+        deadline: Instant,
+        what: &'static str,
+        repeat: Repeat,
+        txn: etcd_client::Txn,
+    ) -> Result<etcd_client::TxnResponse, LockError> {
         let kv = &self.inner.kv;
         self.inner
             .requests
-            .send(what, repeat, || {
+            .send_until(deadline, what, repeat, || {
                 let mut kv = kv.clone();
                 let txn = txn.clone();
                 async move { kv.txn(txn).await }
@@ -432,9 +449,12 @@ impl EtcdLock {
         let key = request.key;
         let etcd_key = self.inner.layout.lock_key(key);
         let value = encode_value(request.owner);
-        let (lease_id, granted) = self.grant(request.ttl).await?;
+        // The grant and the transaction share one operation timeout.
+        let deadline = self.inner.requests.deadline();
+        let (lease_id, granted) = self.grant(request.ttl, deadline).await?;
         let reply = match self
-            .run_txn(
+            .run_txn_until(
+                deadline,
                 "etcd acquire",
                 Repeat::Safe,
                 txn::acquire(&etcd_key, &value, lease_id, None, &[]),
@@ -471,13 +491,16 @@ impl EtcdLock {
     ) -> Result<ExtendReply, LockError> {
         let etcd_key = self.inner.layout.lock_key(lock.key);
         let value = encode_value(lock.owner);
-        let (new_lease, granted) = self.grant(ttl).await?;
+        // The grant and the transaction share one operation timeout.
+        let deadline = self.inner.requests.deadline();
+        let (new_lease, granted) = self.grant(ttl, deadline).await?;
         // Unknown outcome on error: if the move happened, the key now lives
         // on `new_lease`, so it is not revoked (that would delete a lock we
         // still hold); it expires by its TTL, and a retried extend moves the
         // key on again.
         let reply = self
-            .run_txn(
+            .run_txn_until(
+                deadline,
                 "etcd extend",
                 Repeat::Safe,
                 txn::extend(&etcd_key, &value, lock.fencing, new_lease),

@@ -295,6 +295,31 @@ impl Requests {
         .await
     }
 
+    /// When an operation that starts now must end: its operation timeout
+    /// from now. An operation of several requests (a lease grant and a
+    /// transaction) sends each with [`send_until`](Self::send_until) that
+    /// one deadline, so the whole ends within one operation timeout.
+    pub(crate) fn deadline(&self) -> Instant {
+        Instant::now() + self.options.operation_timeout
+    }
+
+    /// [`send`](Self::send) with what is left until `deadline` (a request
+    /// sent past it fails at once with a timeout).
+    pub(crate) async fn send_until<T, F, Fut>(
+        &self,
+        deadline: Instant,
+        what: &str,
+        repeat: Repeat,
+        send: F,
+    ) -> Result<T, LockError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let left = deadline.saturating_duration_since(Instant::now());
+        self.send_within(left, what, repeat, send, |_| false).await
+    }
+
     fn again(&self, error: &etcd_client::Error, repeat: Repeat) -> bool {
         let failure = failure(error);
         if matches!(failure, Failure::NeverSent | Failure::Unknown) {

@@ -136,30 +136,51 @@ impl Health {
                 .cloned()
                 .collect()
         };
+        let mut taken_out = HashSet::new();
         for endpoint in out.difference(&removed) {
             match self.channel.remove_endpoint(endpoint).await {
                 Ok(()) => {
-                    tracing::warn!(endpoint = %endpoint, "etcd member does not answer; not sending it requests until it does")
+                    tracing::warn!(endpoint = %endpoint, "etcd member does not answer; not sending it requests until it does");
+                    taken_out.insert(endpoint.clone());
                 }
                 Err(e) => {
                     tracing::debug!(endpoint = %endpoint, error = %e, "could not take an etcd endpoint out")
                 }
             }
         }
+        let mut put_back = HashSet::new();
         for endpoint in removed.difference(&out) {
             match self.channel.add_endpoint(endpoint).await {
                 Ok(()) => {
-                    tracing::info!(endpoint = %endpoint, "etcd member answers again; sending it requests")
+                    tracing::info!(endpoint = %endpoint, "etcd member answers again; sending it requests");
+                    put_back.insert(endpoint.clone());
                 }
                 Err(e) => {
-                    tracing::debug!(endpoint = %endpoint, error = %e, "could not put an etcd endpoint back")
+                    tracing::debug!(endpoint = %endpoint, error = %e, "could not put an etcd endpoint back; trying again at the next check")
                 }
             }
         }
-        let any_out = !out.is_empty();
-        self.state().removed = out;
+        let removed = still_removed(&removed, &taken_out, &put_back);
+        let any_out = !removed.is_empty();
+        self.state().removed = removed;
         any_out
     }
+}
+
+/// What is out of the channel after a check: what was out, plus what it
+/// took out, minus what it put back. An endpoint whose removal or re-adding
+/// failed keeps its old place, so the next check (every [`RECHECK`] while
+/// anything is out) tries again, instead of being counted as moved.
+fn still_removed(
+    removed: &HashSet<String>,
+    taken_out: &HashSet<String>,
+    put_back: &HashSet<String>,
+) -> HashSet<String> {
+    removed
+        .union(taken_out)
+        .filter(|endpoint| !put_back.contains(*endpoint))
+        .cloned()
+        .collect()
 }
 
 /// Checks until every endpoint is in again (or the client is gone).
@@ -174,5 +195,29 @@ async fn check(health: Weak<Health>) {
         }
         drop(this);
         tokio::time::sleep(RECHECK).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(items: &[&str]) -> HashSet<String> {
+        items.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// An endpoint whose re-adding failed stays out (and so is checked and
+    /// added again), and one whose removal failed is not counted as out.
+    #[test]
+    fn failed_moves_keep_their_place() {
+        let removed = set(&["a", "b"]);
+        // "a" and "b" answer again; only "a" was put back. "c" stopped
+        // answering, and taking it out failed.
+        let after = still_removed(&removed, &set(&[]), &set(&["a"]));
+        assert_eq!(after, set(&["b"]), "b is still out of the channel");
+        let after = still_removed(&set(&[]), &set(&[]), &set(&[]));
+        assert!(after.is_empty(), "c was never taken out");
+        let after = still_removed(&set(&[]), &set(&["c"]), &set(&[]));
+        assert_eq!(after, set(&["c"]));
     }
 }

@@ -8,14 +8,13 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_client::{Compare, CompareOp, KvClient, LeaseClient, LeaseKeepAliveStream, LeaseKeeper};
-use etcd_client::{Txn, TxnOp};
+use etcd_client::{KvClient, LeaseClient, LeaseKeepAliveStream, LeaseKeeper};
 use tokio::sync::watch;
 
 use crate::backend;
 use crate::errors::{self, Repeat, Requests};
-use crate::fence::Fence;
 use crate::session::{Session, Undo};
+use crate::txn;
 
 /// Shortest pause before reopening a failed keep-alive stream.
 const REOPEN_PAUSE: Duration = Duration::from_millis(100);
@@ -223,29 +222,14 @@ impl Task {
                     fence,
                     raise,
                 } = undo;
-                let mut when = vec![
-                    Compare::value(tracked.key.clone(), CompareOp::Equal, value.clone()),
-                    Compare::lease(tracked.key.clone(), CompareOp::Equal, session.lease_id()),
-                    // An undo applied after a later one (or a later
-                    // acquire of the same owner) put its fence up does
-                    // nothing.
-                    fence.down(),
-                ];
-                if let Some(fencing) = tracked.fencing {
-                    when.push(Compare::create_revision(
-                        tracked.key.clone(),
-                        CompareOp::Equal,
-                        i64::try_from(fencing.get()).unwrap_or(i64::MAX),
-                    ));
-                }
-                // Either way the owner's unknown requests are fenced off,
-                // so none of them can take the lock after this.
-                let mut then = vec![TxnOp::delete(tracked.key.clone(), None)];
-                then.extend(raise.iter().map(Fence::raise));
-                let txn = Txn::new()
-                    .when(when)
-                    .and_then(then)
-                    .or_else(raise.iter().map(Fence::raise).collect::<Vec<_>>());
+                let txn = txn::undo_session_lock(
+                    &tracked.key,
+                    &value,
+                    session.lease_id(),
+                    tracked.fencing,
+                    &fence,
+                    &raise,
+                );
                 let result = requests
                     .send("etcd expire session lock", Repeat::Safe, || {
                         let mut kv = kv.clone();

@@ -42,7 +42,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use distlock_core::{ErrorKind, LockError, LockKey, ReleaseWatch};
-use etcd_client::{GetOptions, KeyValue, PutOptions, SortOrder, SortTarget, Txn, TxnOp};
+use etcd_client::{GetOptions, KeyValue, SortOrder, SortTarget, Txn, TxnOp};
 use etcd_client::{TxnOpResponse, TxnResponse};
 use tokio::sync::oneshot;
 
@@ -51,6 +51,7 @@ use crate::errors::Repeat;
 use crate::fence::Fence;
 use crate::listener::Topic;
 use crate::session::Session;
+use crate::txn;
 
 /// Pauses between retries of a failed look-up or entry delete.
 const RETRY_MIN: Duration = Duration::from_millis(100);
@@ -135,7 +136,9 @@ async fn join(
     let inner = &lock.inner;
     // Unique in the cluster: the entry lives on this session lease, whose
     // id etcd never hands out twice, and the number is unique per client.
-    let session = match lock.session(MIN_TTL).await {
+    // Session and entry share one operation timeout.
+    let deadline = inner.requests.deadline();
+    let session = match lock.session(MIN_TTL, deadline).await {
         Ok(session) => session,
         Err(e) => {
             let _ = joined.send(Err(e));
@@ -145,7 +148,7 @@ async fn join(
     let waiter_id = format!("{:x}-{waiter:x}", session.lease_id());
     let entry = inner.layout.queue_entry(&key, &waiter_id);
     let fence = Fence::new(&inner.layout.lock_key(&key), session.lease_id());
-    let placed = match put_entry(&lock, &key, &entry, &session, &fence).await {
+    let placed = match put_entry(&lock, &key, &entry, &session, &fence, deadline).await {
         Ok(placed) => placed,
         Err(e) => {
             // The put may have happened, or may still happen: take it out
@@ -263,20 +266,12 @@ async fn put_entry(
     entry: &[u8],
     session: &Session,
     fence: &Fence,
+    deadline: std::time::Instant,
 ) -> Result<(i64, Position), LockError> {
     let [queue, held] = reads(lock, key, 0, 2);
-    // Fenced: applied after its undo, it writes nothing.
-    let txn = Txn::new().when([fence.down()]).and_then([
-        TxnOp::put(
-            entry,
-            ENTRY_VALUE,
-            Some(PutOptions::new().with_lease(session.lease_id())),
-        ),
-        queue,
-        held,
-    ]);
+    let txn = txn::enqueue(entry, ENTRY_VALUE, session.lease_id(), fence, [queue, held]);
     let reply = lock
-        .run_txn("etcd queue waiter", Repeat::IfUnapplied, txn)
+        .run_txn_until(deadline, "etcd queue waiter", Repeat::IfUnapplied, txn)
         .await?;
     if !reply.succeeded() {
         return Err(LockError::unavailable(
@@ -356,9 +351,7 @@ fn delete_later(client: Weak<Inner>, entry: Vec<u8>, fences: Vec<Fence>) {
 /// Deletes a queue entry and puts up `fences` (of its puts whose outcome
 /// is unknown) in one transaction, retrying while the client lives.
 async fn delete_entry(client: Weak<Inner>, entry: Vec<u8>, fences: Vec<Fence>) {
-    let mut ops = vec![TxnOp::delete(entry.clone(), None)];
-    ops.extend(fences.iter().map(Fence::raise));
-    let txn = Txn::new().and_then(ops);
+    let txn = txn::dequeue(&entry, &fences);
     let mut pause = RETRY_MIN;
     loop {
         let Some(inner) = client.upgrade() else {
@@ -496,10 +489,11 @@ impl Waiter {
         if !position.queued {
             // Our entry is gone (our session lease was lost): queue again,
             // at the end of the line.
-            let session = lock.session(MIN_TTL).await?;
+            let deadline = lock.inner.requests.deadline();
+            let session = lock.session(MIN_TTL, deadline).await?;
             let fence = Fence::new(&lock.inner.layout.lock_key(&self.key), session.lease_id());
             let (place, again) =
-                match put_entry(lock, &self.key, &self.entry, &session, &fence).await {
+                match put_entry(lock, &self.key, &self.entry, &session, &fence, deadline).await {
                     Ok(placed) => placed,
                     Err(e) => {
                         // Its outcome is unknown: fenced off when we leave.

@@ -52,9 +52,13 @@ pub(crate) fn session_lease_of(handle: u64) -> Option<i64> {
 }
 
 impl EtcdLock {
-    /// The live session lease for `ttl`, granted (one round trip) if there
-    /// is none yet.
-    pub(crate) async fn session(&self, ttl: Duration) -> Result<Arc<Session>, LockError> {
+    /// The live session lease for `ttl`, granted (one round trip, ending by
+    /// `deadline`: the operation's) if there is none yet.
+    pub(crate) async fn session(
+        &self,
+        ttl: Duration,
+        deadline: Instant,
+    ) -> Result<Arc<Session>, LockError> {
         let sessions = &self.inner.sessions;
         let secs = ttl.as_secs();
         if let Some(session) = sessions.live(secs) {
@@ -67,7 +71,7 @@ impl EtcdLock {
         // The server starts the lease's clock after this: the session's
         // first confirmed instant.
         let sent_at = Instant::now();
-        let (lease_id, granted) = self.grant(ttl).await?;
+        let (lease_id, granted) = self.grant(ttl, deadline).await?;
         Ok(sessions.start(secs, lease_id, granted, sent_at))
     }
 
@@ -78,7 +82,10 @@ impl EtcdLock {
         request: AcquireRequest<'_>,
     ) -> Result<AcquireReply, LockError> {
         let key = request.key;
-        let session = self.session(request.ttl).await?;
+        // A first acquire grants the session lease: both share one
+        // operation timeout.
+        let deadline = self.inner.requests.deadline();
+        let session = self.session(request.ttl, deadline).await?;
         let etcd_key = self.inner.layout.lock_key(key);
         let value = encode_value(request.owner);
         let fence = Fence::new(&etcd_key, session.lease_id());
@@ -92,7 +99,8 @@ impl EtcdLock {
         let tracked_from = Instant::now();
         let raise = session.begin(&etcd_key, &value, &fence, tracked_from);
         let reply = match self
-            .run_txn(
+            .run_txn_until(
+                deadline,
                 "etcd acquire",
                 Repeat::Safe,
                 txn::acquire(&etcd_key, &value, session.lease_id(), Some(&fence), &raise),

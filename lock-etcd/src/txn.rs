@@ -58,6 +58,67 @@ pub(crate) fn acquire(
     Txn::new().when(when).and_then(then).or_else(otherwise)
 }
 
+/// The session's undo of a lock attached to `session_lease` whose holder
+/// stopped renewing it (or whose acquire's outcome is unknown): deletes it
+/// if it is still `value`'s (and, if known, still the acquisition of
+/// `fencing`), and in either branch puts up `raise`, the fences of the
+/// owner's requests whose outcome is unknown, so none of them takes the
+/// lock after this. The undo is itself fenced by `fence`: applied after a
+/// later undo or acquire of the same owner put it up, it does nothing.
+pub(crate) fn undo_session_lock(
+    key: &[u8],
+    value: &[u8],
+    session_lease: i64,
+    fencing: Option<FencingToken>,
+    fence: &Fence,
+    raise: &[Fence],
+) -> Txn {
+    let mut when = vec![
+        Compare::value(key, CompareOp::Equal, value),
+        Compare::lease(key, CompareOp::Equal, session_lease),
+        fence.down(),
+    ];
+    if let Some(fencing) = fencing {
+        when.push(Compare::create_revision(
+            key,
+            CompareOp::Equal,
+            i64::try_from(fencing.get()).unwrap_or(i64::MAX),
+        ));
+    }
+    let mut then = vec![TxnOp::delete(key, None)];
+    then.extend(raise.iter().map(Fence::raise));
+    Txn::new()
+        .when(when)
+        .and_then(then)
+        .or_else(raise.iter().map(Fence::raise).collect::<Vec<_>>())
+}
+
+/// A waiter's queue entry `entry` on `lease`, with `reads` in the same
+/// transaction; fenced by `fence`: applied after the entry's undo (see
+/// [`dequeue`]), it writes nothing.
+pub(crate) fn enqueue(
+    entry: &[u8],
+    value: &[u8],
+    lease: i64,
+    fence: &Fence,
+    reads: [TxnOp; 2],
+) -> Txn {
+    let [queue, held] = reads;
+    Txn::new().when([fence.down()]).and_then([
+        TxnOp::put(entry, value, Some(PutOptions::new().with_lease(lease))),
+        queue,
+        held,
+    ])
+}
+
+/// Deletes a queue entry and puts up `fences` (of its puts whose outcome
+/// is unknown), in one transaction.
+pub(crate) fn dequeue(entry: &[u8], fences: &[Fence]) -> Txn {
+    let mut ops = vec![TxnOp::delete(entry, None)];
+    ops.extend(fences.iter().map(Fence::raise));
+    Txn::new().and_then(ops)
+}
+
 /// The comparisons that prove the lock is still this acquisition's.
 fn ours(key: &[u8], value: &[u8], fencing: FencingToken) -> Vec<Compare> {
     vec![
@@ -201,4 +262,95 @@ pub(crate) fn check_found(
         )));
     }
     Ok(owner)
+}
+
+#[cfg(test)]
+mod tests {
+    //! The fences against a real etcd: a request whose outcome was unknown,
+    //! applied by the server only after its undo (a request that sat in a
+    //! socket buffer, or came over a connection the client had given up),
+    //! writes nothing. Each test replays the request after the undo, as
+    //! such a late application does; the control shows the same request
+    //! without its fence would have taken effect.
+
+    use std::sync::Arc;
+
+    use distlock_conformance::server::{Etcd, ServerProcess};
+    use etcd_client::Client;
+
+    use super::*;
+
+    async fn etcd() -> (ServerProcess, Client, i64) {
+        let server = ServerProcess::start(Arc::new(Etcd)).expect("an etcd server must start");
+        let mut client = Client::connect([server.addr().to_string()], None)
+            .await
+            .expect("connect");
+        let lease = client.lease_grant(60, None).await.expect("lease").id();
+        (server, client, lease)
+    }
+
+    async fn exists(client: &mut Client, key: &[u8]) -> bool {
+        !client.get(key, None).await.expect("get").kvs().is_empty()
+    }
+
+    /// A renewing acquire on a session lease whose undo ran first.
+    #[tokio::test]
+    async fn a_renewing_acquire_applied_after_its_undo_takes_nothing() {
+        let (_server, mut client, session) = etcd().await;
+        let (key, value) = (b"ns/lock/late".to_vec(), b"owner".to_vec());
+        let fence = Fence::new(&key, session);
+        let late = acquire(&key, &value, session, Some(&fence), &[]);
+        let undo_fence = Fence::new(&key, session);
+        let undo = undo_session_lock(
+            &key,
+            &value,
+            session,
+            None,
+            &undo_fence,
+            std::slice::from_ref(&fence),
+        );
+        client.txn(undo).await.expect("undo");
+        let reply = client.txn(late).await.expect("late acquire");
+        assert!(!reply.succeeded(), "the late acquire took the lock");
+        assert!(!exists(&mut client, &key).await, "a lock was left");
+        let unfenced = acquire(&key, &value, session, None, &[]);
+        assert!(
+            client.txn(unfenced).await.expect("control").succeeded(),
+            "control: the same acquire without its fence takes the free lock"
+        );
+    }
+
+    /// A waiter's queue entry whose dequeue ran first.
+    #[tokio::test]
+    async fn a_queue_entry_put_after_its_dequeue_writes_nothing() {
+        let (_server, mut client, session) = etcd().await;
+        let lock = b"ns/lock/queued".to_vec();
+        let entry = b"ns/lock/queued/waiters/1-1".to_vec();
+        let fence = Fence::new(&lock, session);
+        let reads = || {
+            [
+                TxnOp::get(lock.clone(), None),
+                TxnOp::get(lock.clone(), None),
+            ]
+        };
+        let late = enqueue(&entry, b"dl1-waiter", session, &fence, reads());
+        client
+            .txn(dequeue(&entry, std::slice::from_ref(&fence)))
+            .await
+            .expect("dequeue");
+        let reply = client.txn(late).await.expect("late put");
+        assert!(!reply.succeeded(), "the late put wrote the entry");
+        assert!(!exists(&mut client, &entry).await, "a ghost entry was left");
+        let unfenced = enqueue(
+            &entry,
+            b"dl1-waiter",
+            session,
+            &Fence::new(&lock, session),
+            reads(),
+        );
+        assert!(
+            client.txn(unfenced).await.expect("control").succeeded(),
+            "control: a put with a fence that is down writes the entry"
+        );
+    }
 }
