@@ -8,14 +8,16 @@
 //! |--------------------------|---------------|---------|
 //! | `memory://[name]`        | (always)      | [`MemoryLock`], in-process |
 //! | `redis://`               | `redis`       | `distlock_redis::RedisLock` |
-//! | `rediss://` (TLS)        | `redis-tls`   | `distlock_redis::RedisLock` |
+//! | `rediss://` (TLS)        | `redis` + `tls` | `distlock_redis::RedisLock` |
 //! | `redis+sentinel://`, `redis+cluster://` | `redis` | `distlock_redis::RedisLock` (Sentinel, Cluster) |
-//! | `rediss+sentinel://`, `rediss+cluster://` | `redis-tls` | the same over TLS |
+//! | `rediss+sentinel://`, `rediss+cluster://` | `redis` + `tls` | the same over TLS |
 //! | `etcd://`                | `etcd`        | `distlock_etcd::EtcdLock` |
 //! | `etcds://` (TLS)         | `etcd` + `tls` | `distlock_etcd::EtcdLock` |
 //! | `postgres://`, `postgresql://` | `postgres` | `distlock_postgres::PostgresLock` |
 //!
-//! `full` enables `redis`, `etcd` and `postgres`; `tower` adds
+//! `tls` turns on TLS for every enabled backend (rustls with the ring
+//! provider); `redis-tls` is an alias of `redis` + `tls`. `full` enables
+//! `redis`, `etcd` and `postgres` (not `tls`); `tower` adds
 //! `layer::LockLayer`. Building with `etcd` needs `protoc` and the protobuf
 //! well-known types (see the README).
 //!
@@ -108,7 +110,8 @@ macro_rules! connector {
 fn backends() -> [Backend; 3] {
     [
         Backend {
-            // TLS needs `redis-tls` (which turns `redis` on too).
+            // TLS needs `redis` + `tls`; with `redis` off, the error names
+            // `redis-tls`, the one feature that turns on both.
             schemes: &[
                 ("redis", "redis"),
                 ("rediss", "redis-tls"),

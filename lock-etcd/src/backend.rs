@@ -99,21 +99,15 @@ const WATCH_SWEEP: Duration = Duration::from_secs(1);
 /// [`Unavailable`](distlock_core::ErrorKind::Unavailable) error: the lock it
 /// created goes with the session lease, so no lease is dated from it.
 ///
-/// Cancel safety: each future may be dropped at any await point (under a
-/// timeout, say). A dropped `watch`, and so a dropped waiting acquire,
-/// leaves no queue entry behind. A dropped renewing acquire leaves at most
-/// a lock that the session deletes a TTL after the request was sent. A
-/// dropped plain acquire or `extend` leaves at most a lock, or an unused
-/// lease, that etcd expires after the requested TTL (a dropped `extend`
-/// may have moved the lock to a lease of that TTL, so after dropping one
-/// with a shorter TTL assume the shorter one). A dropped `release` leaves
-/// the lock to expire as if it had not been released.
+/// Cancel safety: each future may be dropped at any await point; what a
+/// dropped one leaves is in the crate docs, [Cancellation](crate#cancellation).
 ///
 /// TTLs are whole seconds (at least 1 s, or the server's minimum lease TTL
 /// if larger); the client rounds shorter or fractional TTLs up.
 ///
 /// Against a cluster, requests that hit a dead, cut-off or leaderless
-/// member are sent again as the crate docs describe (Clusters).
+/// member are sent again as the crate docs describe
+/// ([Unknown outcomes](crate#unknown-outcomes), [Topologies](crate#topologies)).
 ///
 /// A client belongs to the tokio runtime it was created in: the gRPC
 /// channel runs its connection tasks there, so create it inside the runtime

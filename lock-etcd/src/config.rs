@@ -14,22 +14,28 @@ pub const DEFAULT_PORT: u16 = 2379;
 ///
 /// Built from a URL with [`EtcdConfig::from_url`]:
 ///
-/// `etcd://[user:password@]host[:port][,host[:port]...][?namespace=N&connect_timeout_ms=N&operation_timeout_ms=N]`
-///
-/// `etcds://` is the same over TLS, for every endpoint (cargo feature
-/// `tls`), with the parameters every backend takes:
-/// `tls_ca_file=PATH` (PEM CA certificates to trust in addition to the
-/// platform's roots) and `tls_cert_file=PATH&tls_key_file=PATH` (a PEM
-/// client certificate and its key, for etcd's `--client-cert-auth`). The
-/// server certificate must name the host as written in the URL (DNS name
-/// or IP address).
+/// - `etcd://[user:password@]host[:port][,host[:port]...][?parameters]`;
+/// - `etcds://…`: the same over TLS, for every endpoint (cargo feature
+///   `tls`). The server certificate must name the host as written in the
+///   URL (DNS name or IP address).
 ///
 /// User and password may be percent-encoded (`%40` for `@`, `%3A` for `:`).
 /// Several endpoints of one cluster are separated by commas; the client
 /// balances between them and fails over when one is unreachable. The port
-/// defaults to 2379. Any other parameter, or a path, is a
-/// [`Config`](distlock_core::ErrorKind::Config) error, and so are TLS files
-/// on an `etcd://` URL. `Debug` and `Display` never show the password.
+/// defaults to 2379.
+///
+/// Query parameters (anything else, or a path, is a
+/// [`Config`](distlock_core::ErrorKind::Config) error naming it):
+///
+/// | parameter | meaning | default |
+/// |---|---|---|
+/// | `namespace` | prefix of every key | `distlock` |
+/// | `connect_timeout_ms` | connecting to the server | 5000 |
+/// | `operation_timeout_ms` | one request's reply | 5000 |
+/// | `tls_ca_file` | PEM CA certificates to trust in addition to the platform's roots (`etcds://` only) | |
+/// | `tls_cert_file`, `tls_key_file` | PEM client certificate and its key, for etcd's `--client-cert-auth` (`etcds://` only) | |
+///
+/// `Debug` and `Display` never show the password.
 ///
 /// ```
 /// use std::time::Duration;

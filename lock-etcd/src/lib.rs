@@ -1,83 +1,5 @@
 //! The etcd v3 backend of distlock.
 //!
-//! A lock is an etcd key in the client's namespace (`NS/lock/<escaped key>`)
-//! attached to an etcd lease with the lock's TTL, written by a transaction
-//! that succeeds only if the key does not exist. etcd deletes the key when
-//! the lease runs out, by its own clock, so a crashed holder cannot wedge a
-//! lock. The fencing token is the key's `create_revision`, from etcd's
-//! global, durable revision counter. Waiters are woken by an etcd watch on
-//! the holder's key, not by polling.
-//!
-//! A lock whose guard renews it goes on a lease shared by the client's
-//! renewed locks (one per TTL, kept alive by one keep-alive stream), so
-//! taking it costs one round trip and renewing it one small confirming
-//! request; locks without renewal get a lease of their own, two round trips,
-//! so their TTL is exact. See [`EtcdLock`] for the costs of each operation.
-//!
-//! TTLs are whole seconds: shorter or fractional TTLs are rounded up (1.2 s
-//! becomes 2 s), and a server with default settings grants at least 2 s
-//! (1.5 × its election timeout). [`EtcdLock`]'s
-//! [`capabilities`](distlock_core::LockBackend::capabilities) declare a 1 s
-//! minimum and 1 s granularity, so [`LockClient`](distlock_core::LockClient)
-//! rounds up before asking.
-//!
-//! [`EtcdLock`] is the raw [`LockBackend`](distlock_core::LockBackend) (plus
-//! [`LockAdmin`](distlock_core::LockAdmin)); job code uses it through
-//! [`LockClient`](distlock_core::LockClient) or [`Locker`](distlock_core::Locker),
-//! which own owner tokens, lease deadlines, waiting and renewal.
-//!
-//! URL: `etcd://[user:password@]host[:port][,host[:port]...][?namespace=N&connect_timeout_ms=N&operation_timeout_ms=N]`,
-//! or `etcds://` for TLS to every endpoint (cargo feature `tls`) with
-//! `tls_ca_file=PATH` (trusted in addition to the platform's roots) and,
-//! for etcd's `--client-cert-auth`, `tls_cert_file=PATH&tls_key_file=PATH`
-//! (see [`EtcdConfig`]).
-//!
-//! # TLS errors
-//!
-//! A certificate problem is a [`Config`](distlock_core::ErrorKind::Config)
-//! error at connect that names it: the server's certificate not signed by
-//! a trusted CA, not naming the host in the URL, or out of its validity
-//! period; a client certificate missing or refused (etcd refuses it after
-//! the TLS handshake, which the gRPC client reports only as a closed
-//! connection, so a second, diagnostic handshake reads the server's
-//! alert); a file that is missing, unreadable or not PEM of the right
-//! kind. A TLS URL against a plaintext port, and a plaintext URL against
-//! a TLS port, are [`Unavailable`](distlock_core::ErrorKind::Unavailable)
-//! errors that say so. None waits longer than the connect timeout.
-//!
-//! # Clusters
-//!
-//! List every member in the URL. The client spreads requests over them,
-//! sends a member's requests elsewhere when it is down or cut off, and
-//! asks etcd to refuse requests at once on a member without a leader
-//! (require-leader), so a request is sent again, within the operation
-//! timeout:
-//!
-//! - when it never reached a server (with several endpoints), or a member
-//!   refused it for want of a leader: nothing happened;
-//! - when its outcome is unknown (the connection broke under it, the
-//!   leader changed, no answer within a third of the timeout: a request a
-//!   follower forwarded to a leader that then died is never answered) and
-//!   a second send is harmless: reads, renewals, releases (a second may
-//!   report "not held" for a lock the first released), and acquires (a
-//!   second that finds the lock holding its own owner token knows the
-//!   first won).
-//!
-//! A request that fails in a way that may be a member's fault makes the
-//! client check every member on a connection of its own; one that does
-//! not answer a read within a third of the operation timeout is taken out
-//! of the channel until it does (never the last one). A session's
-//! keep-alive stream is reopened when a keep-alive goes unanswered for
-//! half its period. So through a leader's death (an election), or a
-//! member cut off from the client, guards keep their locks if their
-//! renewals get through before the stop moment, or report
-//! [`lost()`](distlock_core::LockGuard::lost) before anyone else can get the
-//! lock; waiting acquires ride it out (distlock-core retries them until their
-//! deadline) and get the lock once a leader exists; fencing tokens (etcd
-//! revisions) keep growing, across a whole-cluster restart too. Choose a
-//! TTL of a few election timeouts at least (etcd's default election
-//! timeout is 1 s; a 3-member cluster elects a leader within about two).
-//!
 //! ```no_run
 //! use std::time::Duration;
 //! use distlock_core::{Locker, LockKey, LockOptions};
@@ -95,16 +17,14 @@
 //! # Ok(()) }
 //! ```
 //!
-//! With authentication enabled in etcd, the URL's user needs a role with
-//! readwrite permission on the prefix `NS/lock/` (see
-//! [`EtcdLock::key_prefix`]); a wrong password is reported as
-//! [`ErrorKind::Config`](distlock_core::ErrorKind::Config).
+//! [`EtcdLock`] is the raw [`LockBackend`](distlock_core::LockBackend) (plus
+//! [`LockAdmin`](distlock_core::LockAdmin)); job code uses it through
+//! [`LockClient`](distlock_core::LockClient) or [`Locker`](distlock_core::Locker),
+//! which own owner tokens, lease deadlines, waiting and renewal.
 //!
-//! # Building
-//!
-//! The etcd client's build script compiles etcd's `.proto` files, so
-//! building this crate needs `protoc` and the protobuf well-known types
-//! (`google/protobuf/descriptor.proto` and friends):
+//! Building this crate needs `protoc` and the protobuf well-known types
+//! (`google/protobuf/descriptor.proto` and friends), as the etcd client's
+//! build script compiles etcd's `.proto` files:
 //!
 //! - Debian/Ubuntu: `apt-get install protobuf-compiler libprotobuf-dev`
 //!   (the second is only a recommendation of the first);
@@ -112,6 +32,124 @@
 //! - elsewhere: unpack a `protoc-*.zip` release from
 //!   <https://github.com/protocolbuffers/protobuf/releases> and set
 //!   `PROTOC=<dir>/bin/protoc` and `PROTOC_INCLUDE=<dir>/include`.
+//!
+//! # URL and parameters
+//!
+//! `etcd://[user:password@]host[:port][,host[:port]...][?parameters]`, or
+//! `etcds://` for TLS to every endpoint (see [TLS](#tls)). The URL forms
+//! and the table of query parameters are on [`EtcdConfig`].
+//!
+//! With authentication enabled in etcd, the URL's user needs a role with
+//! readwrite permission on the prefix `NS/lock/` (see
+//! [`EtcdLock::key_prefix`]); a wrong password is reported as
+//! [`ErrorKind::Config`](distlock_core::ErrorKind::Config).
+//!
+//! # How it works
+//!
+//! A lock is an etcd key in the client's namespace (`NS/lock/<escaped key>`)
+//! attached to an etcd lease with the lock's TTL, written by a transaction
+//! that succeeds only if the key does not exist. etcd deletes the key when
+//! the lease runs out, by its own clock, so a crashed holder cannot wedge a
+//! lock. The fencing token is the key's `create_revision`, from etcd's
+//! global, durable revision counter. Waiters are woken by an etcd watch on
+//! the holder's key, not by polling, in FIFO order (see [`EtcdLock`]).
+//!
+//! A lock whose guard renews it goes on a lease shared by the client's
+//! renewed locks (one per TTL, kept alive by one keep-alive stream), so
+//! taking it costs one round trip and renewing it one small confirming
+//! request; locks without renewal get a lease of their own, two round trips,
+//! so their TTL is exact. See [`EtcdLock`] for the costs of each operation.
+//!
+//! TTLs are whole seconds: shorter or fractional TTLs are rounded up (1.2 s
+//! becomes 2 s), and a server with default settings grants at least 2 s
+//! (1.5 × its election timeout). [`EtcdLock`]'s
+//! [`capabilities`](distlock_core::LockBackend::capabilities) declare a 1 s
+//! minimum and 1 s granularity, so [`LockClient`](distlock_core::LockClient)
+//! rounds up before asking.
+//!
+//! # Unknown outcomes
+//!
+//! A request is sent again, within the operation timeout:
+//!
+//! - when it never reached a server (with several endpoints), or a member
+//!   refused it for want of a leader: nothing happened;
+//! - when its outcome is unknown (the connection broke under it, the
+//!   leader changed, no answer within a third of the timeout: a request a
+//!   follower forwarded to a leader that then died is never answered) and
+//!   a second send is harmless: reads, renewals, releases (a second may
+//!   report "not held" for a lock the first released), and acquires (a
+//!   second that finds the lock holding its own owner token knows the
+//!   first won, and adopts the lock in the same transaction).
+//!
+//! A renewing acquire whose session is lost while the request is in flight
+//! is refused (see [`EtcdLock`]): the lock it created goes with the
+//! session lease, so no lease is dated from it.
+//!
+//! # Clocks
+//!
+//! Client clocks never matter: a client dates its lease from the moment
+//! *before* it sent the request (for a lock on a session lease, from the
+//! send time of the session's last confirmed keep-alive, if earlier), and
+//! etcd expires the lease by its own clock. etcd's leader counts lease
+//! time with the Go runtime's monotonic clock, so a step of a member's wall
+//! clock moves no expiry; a newly elected leader starts every lease's TTL
+//! again (plus an election timeout), so an election can only make a lock
+//! outlive its TTL, never expire it early. Fencing tokens are revisions,
+//! not times.
+//!
+//! # Cancellation
+//!
+//! Each future of [`EtcdLock`] may be dropped at any await point (under a
+//! timeout, say). A dropped `watch`, and so a dropped waiting acquire,
+//! leaves no queue entry behind. A dropped renewing acquire leaves at most
+//! a lock that the session deletes a TTL after the request was sent. A
+//! dropped plain acquire or `extend` leaves at most a lock, or an unused
+//! lease, that etcd expires after the requested TTL (a dropped `extend`
+//! may have moved the lock to a lease of that TTL, so after dropping one
+//! with a shorter TTL assume the shorter one). A dropped `release` leaves
+//! the lock to expire as if it had not been released.
+//!
+//! # TLS
+//!
+//! `etcds://` speaks TLS to every endpoint (cargo feature `tls`: rustls
+//! with the ring provider), trusting the platform's roots plus
+//! `tls_ca_file=PATH`, with a client certificate from
+//! `tls_cert_file=PATH&tls_key_file=PATH` for etcd's `--client-cert-auth`
+//! (see [`EtcdConfig`]).
+//!
+//! A certificate problem is a [`Config`](distlock_core::ErrorKind::Config)
+//! error at connect that names it: the server's certificate not signed by
+//! a trusted CA, not naming the host in the URL, or out of its validity
+//! period; a client certificate missing or refused (etcd refuses it after
+//! the TLS handshake, which the gRPC client reports only as a closed
+//! connection, so a second, diagnostic handshake reads the server's
+//! alert); a file that is missing, unreadable or not PEM of the right
+//! kind. A TLS URL against a plaintext port, and a plaintext URL against
+//! a TLS port, are [`Unavailable`](distlock_core::ErrorKind::Unavailable)
+//! errors that say so. None waits longer than the connect timeout.
+//!
+//! # Topologies
+//!
+//! One member or a cluster: list every member in the URL. The client
+//! spreads requests over them, sends a member's requests elsewhere when it
+//! is down or cut off, and asks etcd to refuse requests at once on a
+//! member without a leader (require-leader), so a request is sent again
+//! (see [Unknown outcomes](#unknown-outcomes)).
+//!
+//! A request that fails in a way that may be a member's fault makes the
+//! client check every member on a connection of its own; one that does
+//! not answer a read within a third of the operation timeout is taken out
+//! of the channel until it does (never the last one). A session's
+//! keep-alive stream is reopened when a keep-alive goes unanswered for
+//! half its period. So through a leader's death (an election), or a
+//! member cut off from the client, guards keep their locks if their
+//! renewals get through before the stop moment, or report
+//! [`lost()`](distlock_core::LockGuard::lost) before anyone else can get the
+//! lock; waiting acquires ride it out (distlock-core retries them until their
+//! deadline) and get the lock once a leader exists; fencing tokens (etcd
+//! revisions) keep growing, across a whole-cluster restart too. Choose a
+//! TTL of a few election timeouts at least (etcd's default election
+//! timeout is 1 s; a 3-member cluster elects a leader within about two).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

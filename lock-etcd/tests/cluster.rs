@@ -1,4 +1,4 @@
-//! Faults of a 3-member etcd cluster (issue 16), each test on a cluster of
+//! Faults of a 3-member etcd cluster, each test on a cluster of
 //! its own: the leader SIGKILLed while guards hold and waiters wait, one
 //! member cut off from the client, the whole cluster down longer than the
 //! TTL. Throughout: no two holders overlap, fencing tokens grow, a guard

@@ -1,4 +1,4 @@
-//! Requests caught in flight (issue 12): a session that dies while a
+//! Requests caught in flight: a session that dies while a
 //! renewing acquire is in flight never yields a live lease, a dropped
 //! renewing acquire's lock still expires, and dropped waits leave no queue
 //! entries. Replies are held back with the shared fault proxy's one-way
@@ -91,7 +91,7 @@ async fn warm_session(client: &LockClient, ttl: Duration) {
     client.release(&warm).await.expect("release");
 }
 
-/// Issue 12, bug 1: a renewing acquire whose session dies while its
+/// A renewing acquire whose session dies while its
 /// transaction is in flight must not return a live lease dated from the
 /// send time: the dead session's lease is revoked (deleting the key), so
 /// another client can take the lock at once. The acquire is refused
@@ -127,7 +127,7 @@ async fn renewing_acquire_on_a_session_that_dies_in_flight_gets_no_live_lease() 
     }
 }
 
-/// Issue 12, audit of dropped raw futures: a renewing acquire dropped after
+/// Dropped raw futures: a renewing acquire dropped after
 /// its transaction reached the server (the reply held back, then a timeout)
 /// created a lock on the client's session lease that nobody renews; the
 /// session must still expire it after its TTL, though the client (and so
@@ -158,7 +158,7 @@ fn random_below(max: Duration) -> Duration {
     Duration::from_micros(random() % u64::try_from(max.as_micros()).unwrap_or(1).max(1))
 }
 
-/// Issue 12, bug 2: waiting calls dropped at any await point (a timeout
+/// Waiting calls dropped at any await point (a timeout
 /// around the client's waiting `acquire` and the raw backend's `watch`)
 /// leave no queue entries, so a later waiter is woken by the release, not
 /// by its deadline.

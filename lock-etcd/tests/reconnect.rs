@@ -1,6 +1,6 @@
 //! Reconnection: fencing order survives a server restart, and the watch
 //! stream comes back by itself without losing a release that happened
-//! while it was down (issue 12).
+//! while it was down.
 
 mod common;
 
@@ -71,7 +71,7 @@ async fn restart_keeps_fencing_order_and_watches_reconnect() {
     waiter.release(&after).await.unwrap();
 }
 
-/// Issue 12, suspected item (watch reconnect bookkeeping): a release while
+/// Watch reconnect bookkeeping: a release while
 /// the waiter's watch stream is down is not missed; once the stream is back
 /// the waiter is woken and acquires, long before its deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -94,7 +94,7 @@ async fn release_during_a_watch_outage_wakes_the_waiter() {
     waiter.release(&got).await.expect("release");
 }
 
-/// Issue 12, suspected item: after a reconnect, a waiter that leaves before
+/// After a reconnect, a waiter that leaves before
 /// its watch is live again must not keep the other waiters of the client
 /// from being woken (a release may have been missed while the stream was
 /// down). Raw watches, so the test sees exactly the wake-up.

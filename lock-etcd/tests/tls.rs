@@ -1,4 +1,4 @@
-//! `etcds://` against real TLS etcd servers (issue 15): what works, and
+//! `etcds://` against real TLS etcd servers: what works, and
 //! each way it can be set up wrong giving a typed error that names the
 //! problem (certificate or connection) within the connect timeout. The
 //! whole conformance suite over mutual TLS is `tls::` in

@@ -63,42 +63,35 @@ pub enum PoolMode {
 /// Settings of a [`PostgresLock`](crate::PostgresLock) client.
 ///
 /// Built from a URL — `postgres://user:password@host:port/database` (or
-/// `postgresql://`) with these query parameters:
+/// `postgresql://`) with these query parameters (any other is a
+/// [`Config`](distlock_core::ErrorKind::Config) error naming it):
 ///
-/// - `namespace=NAME` (default `distlock`), `connect_timeout_ms=N`,
-///   `operation_timeout_ms=N`: the shared [`ClientOptions`] in
-///   [`client`](Self::client);
-/// - `schema=NAME` (default `public`) and `table=NAME` (default
-///   `distlock_locks`): where the lock table lives;
-/// - `pool_mode=session|transaction|statement` (default `session`): what
-///   pools the URL's connections ([`PoolMode`]); `transaction` and
-///   `statement` mean the same here;
-/// - `listen_url=URL` (percent-encoded): where waiters `LISTEN` for
-///   releases when the main URL goes through a transaction pooler (see
-///   [`listen_via`](Self::listen_via)); it takes the driver's parameters
-///   below, and the main URL's TLS settings unless it has its own;
-/// - `poll_interval_ms=N` (default 100): how often waiters try again when
-///   nothing can wake them (`pool_mode=transaction` without `listen_url`);
-/// - TLS (needs the `tls` cargo feature): libpq's `sslmode` (`disable`,
-///   `allow`, `prefer`, `require`, `verify-ca`, `verify-full`),
-///   `sslrootcert`, `sslcert`, `sslkey` (and sqlx's aliases `ssl-mode`,
-///   `ssl-root-cert`, `ssl-ca`, `ssl-cert`, `ssl-key`), or distlock's
-///   shared `tls_ca_file`, `tls_cert_file`, `tls_key_file`, which mean
-///   `sslrootcert`, `sslcert`, `sslkey` (giving both names of one file is
-///   an error). A CA file is trusted in addition to the platform's roots.
-///   Without `sslmode`, naming a CA file, a client certificate or
-///   `sslrootcert=system` means `verify-full`; `require` with a CA file
-///   means `verify-ca` (as in libpq); without any, sqlx's default applies
-///   (`PGSSLMODE`, else `prefer`: TLS if the server offers it, unverified).
-///   `allow` connects without TLS (sqlx does not implement libpq's retry).
-///   Files are checked when the client connects: a missing, unreadable or
-///   non-PEM file is a `Config` error naming its parameter;
-/// - the driver's `application_name`, `options`,
-///   `statement-cache-capacity`, `host`, `hostaddr`, `port`, `dbname`,
-///   `user`, `password`, passed on to sqlx.
+/// | parameter | meaning | default |
+/// |---|---|---|
+/// | `namespace` | the namespace of every lock (the shared [`ClientOptions`] in [`client`](Self::client), as the two timeouts) | `distlock` |
+/// | `connect_timeout_ms` | connecting to the server, and waiting for a pooled connection | 5000 |
+/// | `operation_timeout_ms` | one statement's reply | 5000 |
+/// | `schema`, `table` | where the lock table lives | `public`, `distlock_locks` |
+/// | `pool_mode` | `session`, `transaction` or `statement` (the last two mean the same here): what pools the URL's connections ([`PoolMode`]) | `session` |
+/// | `listen_url` | percent-encoded URL where waiters `LISTEN` for releases when the main URL goes through a transaction pooler (see [`listen_via`](Self::listen_via)); it takes the driver's parameters below, and the main URL's TLS settings unless it has its own | the main URL |
+/// | `poll_interval_ms` | how often waiters try again when nothing can wake them (`pool_mode=transaction` without `listen_url`) | 100 |
+/// | `sslmode`, `sslrootcert`, `sslcert`, `sslkey` (sqlx's aliases `ssl-mode`, `ssl-root-cert`, `ssl-ca`, `ssl-cert`, `ssl-key`) | libpq's TLS settings (cargo feature `tls`; see below) | `PGSSLMODE`, else `prefer` |
+/// | `tls_ca_file`, `tls_cert_file`, `tls_key_file` | distlock's shared names for `sslrootcert`, `sslcert`, `sslkey` | |
+/// | `application_name`, `options`, `statement-cache-capacity`, `host`, `hostaddr`, `port`, `dbname`, `user`, `password` | the driver's own, passed on to sqlx | sqlx's |
 ///
-/// Any other parameter is a [`Config`](distlock_core::ErrorKind::Config) error
-/// naming it. `Debug` never shows the password.
+/// TLS (needs the `tls` cargo feature): `sslmode` is `disable`, `allow`,
+/// `prefer`, `require`, `verify-ca` or `verify-full`. Giving both names of
+/// one file (`tls_ca_file` and `sslrootcert`, ...) is an error. A CA file
+/// is trusted in addition to the platform's roots. Without `sslmode`,
+/// naming a CA file, a client certificate or `sslrootcert=system` means
+/// `verify-full`; `require` with a CA file means `verify-ca` (as in libpq);
+/// without any, sqlx's default applies (`PGSSLMODE`, else `prefer`: TLS if
+/// the server offers it, unverified). `allow` connects without TLS (sqlx
+/// does not implement libpq's retry). Files are checked when the client
+/// connects: a missing, unreadable or non-PEM file is a `Config` error
+/// naming its parameter.
+///
+/// `Debug` never shows the password.
 ///
 /// ```
 /// use std::time::Duration;

@@ -1,18 +1,5 @@
 //! PostgreSQL backend of distlock: locks as rows of a lease table.
 //!
-//! [`PostgresLock`] implements [`distlock_core::LockBackend`] (and
-//! [`distlock_core::LockAdmin`]) on a table the client creates on first use (`public.distlock_locks` by default). Each
-//! lock is one row per `(namespace, key)` holding the owner token, a fencing
-//! counter and an expiry computed by the **database clock**. Acquire,
-//! extend and release are one SQL statement each, atomic on the server; keys
-//! are bind parameters (dollar-quoted literals behind a transaction
-//! pooler), never SQL text. Waiters are woken by `LISTEN`/`NOTIFY` on one
-//! shared connection per client (distlock-core's
-//! [`Listener`](distlock_core::Listener)), and by a timer set to the holder's
-//! remaining lease in case the holder crashed. TTLs, owner tokens, lease
-//! deadlines and the waiting loop are distlock-core's
-//! [`LockClient`](distlock_core::LockClient), which job code uses.
-//!
 //! ```no_run
 //! use std::time::Duration;
 //! use distlock_core::{LockKey, LockOptions, Locker};
@@ -30,34 +17,77 @@
 //! # Ok(()) }
 //! ```
 //!
-//! URLs are `postgres://` or `postgresql://` ([`SCHEMES`]) and take the query
-//! parameters `namespace`, `schema`, `table`, `pool_mode`, `listen_url`,
-//! `poll_interval_ms`, `connect_timeout_ms`, `operation_timeout_ms`, the TLS
-//! ones (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`, `tls_ca_file`,
-//! `tls_cert_file`, `tls_key_file`) and the driver's own
-//! (`application_name`, `options`, ...); any other is a configuration error
-//! naming it (see [`PostgresConfig`]).
+//! [`PostgresLock`] is the raw [`LockBackend`](distlock_core::LockBackend)
+//! (plus [`LockAdmin`](distlock_core::LockAdmin)); job code uses it through
+//! [`LockClient`](distlock_core::LockClient) or
+//! [`Locker`](distlock_core::Locker), which own owner tokens, lease
+//! deadlines, waiting and renewal.
 //!
-//! # TLS
+//! # URL and parameters
 //!
-//! With the `tls` cargo feature (rustls with the ring provider), libpq's
-//! `sslmode`, `sslrootcert`, `sslcert` and `sslkey` work as in a libpq
-//! connection string, and `tls_ca_file`, `tls_cert_file`, `tls_key_file`
-//! (the names every distlock backend takes) mean `sslrootcert`, `sslcert`
-//! and `sslkey`; naming one file both ways is refused. A CA file is trusted
-//! in addition to the platform's roots. Naming a CA or client certificate
-//! without `sslmode` means `verify-full`. The listener connection uses the
-//! same settings (`listen_url` too, unless it has TLS settings of its own).
-//! An untrusted server certificate, one for another host name, a client
-//! certificate the server refuses or lacks, a missing or unreadable file,
-//! TLS asked of a server without it and plaintext refused by a TLS-only
-//! server are each a [`Config`](distlock_core::ErrorKind::Config) error within
-//! the connect timeout, saying whether the certificate or the connection is
-//! the problem. Known limit: `verify-ca` still checks the host name (sqlx
-//! 0.8.6 with rustls 0.23.24+, launchbadge/sqlx#3793), so it behaves as
-//! `verify-full`. With the feature on, the default `sslmode=prefer` asks
-//! every server for TLS first (one extra round trip per new connection to
-//! a server without it; `sslmode=disable` skips it).
+//! `postgres://user:password@host:port/database?parameters` (or
+//! `postgresql://`, [`SCHEMES`]). The table of query parameters —
+//! distlock's (`namespace`, `schema`, `table`, `pool_mode`, `listen_url`,
+//! `poll_interval_ms`, the timeouts), the TLS ones and the driver's own —
+//! is on [`PostgresConfig`]; any other parameter is a configuration error
+//! naming it.
+//!
+//! # How it works
+//!
+//! The client creates its table on first use (`public.distlock_locks` by
+//! default). Each lock is one row per `(namespace, key)` holding the owner
+//! token, a fencing counter and an expiry computed by the **database
+//! clock**. Acquire, extend and release are one SQL statement each, atomic
+//! on the server; keys are bind parameters (dollar-quoted literals behind a
+//! transaction pooler), never SQL text. Waiters are woken by
+//! `LISTEN`/`NOTIFY` on one shared connection per client (distlock-core's
+//! [`Listener`](distlock_core::Listener)), and by a timer set to the
+//! holder's remaining lease in case the holder crashed.
+//!
+//! # Unknown outcomes
+//!
+//! A statement that timed out, or whose connection broke, may still be
+//! applied by the server later. This backend keeps distlock's rule for
+//! such requests:
+//!
+//! - **Adoption**: an acquire that finds the lock held, live, by its own
+//!   owner token (an earlier attempt of the same acquisition whose reply was
+//!   lost) gets it, in the same statement: the lock's existing fencing token,
+//!   its expiry reset to the request's TTL by the database clock.
+//! - **Exact give-back**: each statement runs on a task of its own that reads
+//!   its reply even after the caller stopped waiting (its timeout, or a
+//!   dropped future), bounded by one more operation timeout. A lock an
+//!   acquire was granted after its caller left is then given back by the
+//!   row version that acquire wrote, so a lock adopted or renewed since by a
+//!   later attempt is never undone.
+//! - **Given-up rows refuse late sends**: release and give-back keep the
+//!   owner token in the row and set its expiry to a moment in 1970 that
+//!   encodes the acquisition's *send number* (numbers grow with every
+//!   acquire this process starts). Such a row is free for everyone, but an
+//!   acquire of that owner token with a send number up to it is refused, so
+//!   an earlier send that the server applies late — after the release, or
+//!   after the give-back — never takes the lock for nobody. A later
+//!   acquisition with the same owner token has a greater number and is not
+//!   refused. Older versions of this crate read such a row as expired.
+//!
+//! What is left: if the give-back itself cannot run (the server unreachable
+//! until the operation timeout passes), or another client takes and frees
+//! the row before a late send lands, that send's lock expires after its TTL.
+//!
+//! ## Lost connections
+//!
+//! A pooled connection the server closed — while idle in the pool
+//! (`idle_session_timeout`, a restart, a pooler's timeouts) or while its
+//! statement ran (`pg_terminate_backend`) — is closed and the statement sent
+//! again on another connection: every lock statement reads correctly when
+//! repeated (an acquire adopts the lock its own owner token holds, a release
+//! finds the row given up with its fencing token). The caller sees an error
+//! only if the server stays unreachable. Every call ends within its
+//! operation timeout counted from its *first* send: a resend gets what is
+//! left of it, never a timeout of its own. A lost listener connection wakes
+//! its waiters, who subscribe again on a new one. Keep
+//! `idle_session_timeout` above 10 s (the listener pings a quiet connection
+//! every 10 s), or the listener is reopened each time it fires.
 //!
 //! # Clocks
 //!
@@ -90,7 +120,44 @@
 //! or failover, which the stored expiries must; so this backend uses the
 //! wall clock and states the assumption here.
 //!
-//! # Behind a connection pooler
+//! # Cancellation
+//!
+//! Every future of [`PostgresLock`] may be dropped at any await point (a
+//! caller's timeout). A statement in flight goes on on its own task (see
+//! above): the connection goes back to the pool once its reply is read, or
+//! is closed if none comes within one more operation timeout; a lock an
+//! acquire was granted is given back (if that fails, it expires after its
+//! TTL). A dropped extend or release may or may not have taken effect.
+//!
+//! # TLS
+//!
+//! With the `tls` cargo feature (rustls with the ring provider), libpq's
+//! `sslmode`, `sslrootcert`, `sslcert` and `sslkey` work as in a libpq
+//! connection string, and `tls_ca_file`, `tls_cert_file`, `tls_key_file`
+//! (the names every distlock backend takes) mean `sslrootcert`, `sslcert`
+//! and `sslkey`; naming one file both ways is refused. A CA file is trusted
+//! in addition to the platform's roots. Naming a CA or client certificate
+//! without `sslmode` means `verify-full`. The listener connection uses the
+//! same settings (`listen_url` too, unless it has TLS settings of its own).
+//! An untrusted server certificate, one for another host name, a client
+//! certificate the server refuses or lacks, a missing or unreadable file,
+//! TLS asked of a server without it and plaintext refused by a TLS-only
+//! server are each a [`Config`](distlock_core::ErrorKind::Config) error within
+//! the connect timeout, saying whether the certificate or the connection is
+//! the problem. Known limit: `verify-ca` still checks the host name (sqlx
+//! 0.8.6 with rustls 0.23.24+, launchbadge/sqlx#3793), so it behaves as
+//! `verify-full`. With the feature on, the default `sslmode=prefer` asks
+//! every server for TLS first (one extra round trip per new connection to
+//! a server without it; `sslmode=disable` skips it).
+//!
+//! # Topologies
+//!
+//! The client talks to the one server its URL names (after a failover, to
+//! whichever server that address then reaches; see [Clocks](#clocks) for
+//! what a failover does to expiry), directly or through a connection
+//! pooler.
+//!
+//! ## Behind a connection pooler
 //!
 //! No lock statement keeps session state (no advisory locks, no `SET`), but
 //! the driver's prepared statements and `LISTEN` do:
@@ -133,60 +200,6 @@
 //!   (its server session listens because someone sent `LISTEN` through the
 //!   pooler) never fails an operation: it is skipped, and a statement it
 //!   interrupted before running is sent again.
-//!
-//! # Lost connections
-//!
-//! A pooled connection the server closed — while idle in the pool
-//! (`idle_session_timeout`, a restart, a pooler's timeouts) or while its
-//! statement ran (`pg_terminate_backend`) — is closed and the statement sent
-//! again on another connection: every lock statement reads correctly when
-//! repeated (an acquire adopts the lock its own owner token holds, a release
-//! finds the row given up with its fencing token). The caller sees an error
-//! only if the server stays unreachable. Every call ends within its
-//! operation timeout counted from its *first* send: a resend gets what is
-//! left of it, never a timeout of its own. A lost listener connection wakes
-//! its waiters, who subscribe again on a new one. Keep
-//! `idle_session_timeout` above 10 s (the listener pings a quiet connection
-//! every 10 s), or the listener is reopened each time it fires.
-//!
-//! # Unknown outcomes
-//!
-//! A statement that timed out, or whose connection broke, may still be
-//! applied by the server later. This backend keeps distlock's rule for
-//! such requests:
-//!
-//! - **Adoption**: an acquire that finds the lock held, live, by its own
-//!   owner token (an earlier attempt of the same acquisition whose reply was
-//!   lost) gets it, in the same statement: the lock's existing fencing token,
-//!   its expiry reset to the request's TTL by the database clock.
-//! - **Exact give-back**: each statement runs on a task of its own that reads
-//!   its reply even after the caller stopped waiting (its timeout, or a
-//!   dropped future), bounded by one more operation timeout. A lock an
-//!   acquire was granted after its caller left is then given back by the
-//!   row version that acquire wrote, so a lock adopted or renewed since by a
-//!   later attempt is never undone.
-//! - **Given-up rows refuse late sends**: release and give-back keep the
-//!   owner token in the row and set its expiry to a moment in 1970 that
-//!   encodes the acquisition's *send number* (numbers grow with every
-//!   acquire this process starts). Such a row is free for everyone, but an
-//!   acquire of that owner token with a send number up to it is refused, so
-//!   an earlier send that the server applies late — after the release, or
-//!   after the give-back — never takes the lock for nobody. A later
-//!   acquisition with the same owner token has a greater number and is not
-//!   refused. Older versions of this crate read such a row as expired.
-//!
-//! What is left: if the give-back itself cannot run (the server unreachable
-//! until the operation timeout passes), or another client takes and frees
-//! the row before a late send lands, that send's lock expires after its TTL.
-//!
-//! # Cancellation
-//!
-//! Every future of [`PostgresLock`] may be dropped at any await point (a
-//! caller's timeout). A statement in flight goes on on its own task (see
-//! above): the connection goes back to the pool once its reply is read, or
-//! is closed if none comes within one more operation timeout; a lock an
-//! acquire was granted is given back (if that fails, it expires after its
-//! TTL). A dropped extend or release may or may not have taken effect.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

@@ -12,7 +12,8 @@ use redis::{
 };
 
 /// How long a fencing counter outlives its last use, at least (see the crate
-/// docs for why it may expire at all). Default one hour.
+/// docs, [Fencing tokens](crate#fencing-tokens-without-a-key-per-lock-name-forever),
+/// for why it may expire at all). Default one hour.
 pub const DEFAULT_FENCE_RETENTION: Duration = Duration::from_secs(3600);
 
 /// The longest [`fence_retention`](RedisConfig::fence_retention) accepted:
@@ -93,19 +94,20 @@ pub struct RedisConfig {
     /// The minimum time a fencing counter is kept after its last
     /// acquisition (it is always kept at least twice the lock's TTL).
     /// Tokens stay strictly increasing as long as the server's clock never
-    /// steps back by more than this; see the crate docs.
+    /// steps back by more than this; see the crate docs,
+    /// [Fencing tokens](crate#fencing-tokens-without-a-key-per-lock-name-forever).
     pub fence_retention: Duration,
     /// How many replicas must acknowledge each acquisition and extension
     /// (`WAIT`, bounded by half the operation timeout) before it counts; an
     /// acquisition they do not acknowledge is released and reported as
     /// [`Unavailable`](distlock_core::ErrorKind::Unavailable). 0 (the default)
-    /// waits for none. See the crate docs, "Replication".
+    /// waits for none. See the crate docs, [Topologies](crate#topologies).
     pub min_replicas: u32,
     /// Connect to a server whose `maxmemory-policy` is not `noeviction`
     /// (logging a warning) instead of refusing it with
     /// [`Config`](distlock_core::ErrorKind::Config): such a server may evict
     /// a held lock when its memory is full, letting a second holder in. See
-    /// the crate docs, "Eviction". Default `false`.
+    /// the crate docs, [Eviction](crate#eviction). Default `false`.
     pub allow_eviction: bool,
     /// Where the server is; `None` for
     /// [`RedisLock::from_connection_manager`](crate::RedisLock::from_connection_manager).

@@ -17,58 +17,32 @@
 //! # Ok(()) }
 //! ```
 //!
-//! # Connecting
+//! [`RedisLock`] is the raw [`LockBackend`](distlock_core::LockBackend)
+//! (plus [`LockAdmin`](distlock_core::LockAdmin)); job code uses it through
+//! [`LockClient`](distlock_core::LockClient) or
+//! [`Locker`](distlock_core::Locker), which own owner tokens, lease
+//! deadlines, waiting and renewal.
+//!
+//! # URL and parameters
+//!
+//! The URL forms (one server, Sentinel, Cluster, TLS, Unix sockets) and
+//! the table of query parameters are on [`RedisConfig`]; any parameter not
+//! in the table, or a value out of its range, is a
+//! [`ErrorKind::Config`](distlock_core::ErrorKind) error naming it.
 //!
 //! - [`RedisLock::connect`]`("redis://[user:password@]host[:port][/db]")`;
 //!   with an ACL user, `redis://user:password@host`; with the legacy
 //!   `requirepass`, `redis://:password@host`. Wrong credentials give
 //!   [`ErrorKind::Config`](distlock_core::ErrorKind) saying authentication failed.
-//! - `rediss://…` connects over TLS (rustls, the platform's root
-//!   certificates) when the cargo feature **`tls`** is enabled; without it a
-//!   `rediss://` URL is refused with a message naming the feature. (TLS is
-//!   not exercised by this crate's tests, which use a plain loopback server.)
+//! - `rediss://…` connects over TLS (see [TLS](#tls)).
 //! - `unix:///path/to/redis.sock` (or `redis+unix://`) connects over a Unix
 //!   socket; [`RedisLock::connect`] accepts it, the `distlock` facade routes
 //!   only the [`SCHEMES`] to this crate.
 //! - [`RedisLock::with_config`] takes a [`RedisConfig`] (parsed from a URL
 //!   or built in code); [`RedisLock::from_connection_manager`] reuses an
 //!   application's [`ConnectionManager`](redis::aio::ConnectionManager).
-//! - Query parameters `namespace`, `connect_timeout_ms`,
-//!   `operation_timeout_ms`, `fence_retention_ms`, `min_replicas`,
-//!   `allow_eviction` and the driver's `protocol` (see [`RedisConfig`]);
-//!   any other parameter, or a value out of its range, is a
-//!   [`ErrorKind::Config`](distlock_core::ErrorKind) error naming it.
 //!
-//! Every operation ends within the operation timeout counted from its
-//! first send, whatever it does meanwhile (connecting, `EVAL` after
-//! `NOSCRIPT`, the cluster driver's resends, `WAIT` and giving back an
-//! unreplicated grant); a wait's subscription within the connect and
-//! operation timeouts together. A command connection on which a request
-//! failed or timed out is replaced by a new one (a connection that stays
-//! open but never answers would otherwise fail every request: the
-//! driver reconnects only once a connection closes), so the client
-//! recovers by itself when the server or the path to it comes back.
-//!
-//! # Eviction
-//!
-//! A server whose `maxmemory-policy` is anything but `noeviction` deletes
-//! keys when its memory is full: `allkeys-*` any key, `volatile-*` keys
-//! with an expiry, which every lock has. A held lock evicted lets a second
-//! client take it while the first still runs its job. [`RedisLock::connect`]
-//! reads the policy (`CONFIG GET maxmemory-policy`, on every primary of a
-//! cluster) and refuses such a server with
-//! [`ErrorKind::Config`](distlock_core::ErrorKind) naming the setting and
-//! the fix (`maxmemory-policy noeviction`): a lock that silently stops
-//! excluding is worse than a client that does not start. Where the risk is
-//! accepted (a shared cache that must evict, with memory to spare),
-//! `allow_eviction=true` ([`RedisConfig::allow_eviction`]) connects with a
-//! warning. A server that will not say (`CONFIG` refused by the ACL user,
-//! or renamed or disabled, as on many managed services) is used with a
-//! warning. The policy is read at connect only (a Sentinel failover, or a
-//! `CONFIG SET` later, is not seen), and not at all by
-//! [`RedisLock::from_connection_manager`].
-//!
-//! # ACL users
+//! ## ACL users
 //!
 //! In namespace `NS` distlock needs, for its ACL user:
 //!
@@ -79,8 +53,8 @@
 //!   inside its scripts `TYPE`, `GET`, `SET`, `DEL`, `PTTL`, `PEXPIRE`,
 //!   `TIME`, `PUBLISH`. `SCRIPT LOAD` is optional: without it a script the
 //!   server does not have is sent with `EVAL` (which caches it). `CONFIG`
-//!   (`CONFIG GET maxmemory-policy`, see "Eviction") is optional too:
-//!   without it the policy is not checked, and a warning says so.
+//!   (`CONFIG GET maxmemory-policy`, see [Eviction](#eviction)) is optional
+//!   too: without it the policy is not checked, and a warning says so.
 //!
 //! For example `ACL SETUSER jobs on >pw ~jobs:* &jobs:* +evalsha +eval
 //! +subscribe +unsubscribe +ping +type +get +set +del +pttl +pexpire +time
@@ -99,6 +73,25 @@
 //! scripts are not rolled back, so failing after the `DEL` would report a
 //! release that happened as an error); the refused notification is logged as
 //! a warning and waiters elsewhere wake at the holder's expiry.
+//!
+//! ## Eviction
+//!
+//! A server whose `maxmemory-policy` is anything but `noeviction` deletes
+//! keys when its memory is full: `allkeys-*` any key, `volatile-*` keys
+//! with an expiry, which every lock has. A held lock evicted lets a second
+//! client take it while the first still runs its job. [`RedisLock::connect`]
+//! reads the policy (`CONFIG GET maxmemory-policy`, on every primary of a
+//! cluster) and refuses such a server with
+//! [`ErrorKind::Config`](distlock_core::ErrorKind) naming the setting and
+//! the fix (`maxmemory-policy noeviction`): a lock that silently stops
+//! excluding is worse than a client that does not start. Where the risk is
+//! accepted (a shared cache that must evict, with memory to spare),
+//! `allow_eviction=true` ([`RedisConfig::allow_eviction`]) connects with a
+//! warning. A server that will not say (`CONFIG` refused by the ACL user,
+//! or renamed or disabled, as on many managed services) is used with a
+//! warning. The policy is read at connect only (a Sentinel failover, or a
+//! `CONFIG SET` later, is not seen), and not at all by
+//! [`RedisLock::from_connection_manager`].
 //!
 //! # How it works
 //!
@@ -144,7 +137,7 @@
 //!   [`ErrorKind::Corrupted`](distlock_core::ErrorKind) naming the Redis
 //!   key; nothing is overwritten, deleted or given another expiry.
 //!
-//! # Fencing tokens without a key per lock name forever
+//! ## Fencing tokens without a key per lock name forever
 //!
 //! The token is `max(counter + 1, server TIME in microseconds)`, and the
 //! counter key expires [`fence_retention`](RedisConfig::fence_retention)
@@ -155,34 +148,39 @@
 //! token issued before (tokens track the clock to within the number of
 //! acquisitions per microsecond).
 //!
-//! **Assumption** (see also "Clocks" below): the Redis server's clock never
-//! steps back by more than the retention (NTP slews, it does not jump hours back). A bigger backward
-//! step followed by a counter expiry could issue a token lower than an
-//! earlier one. Like every Redis lock, tokens also restart if the server
-//! loses its data (no persistence, failover to a lagging replica):
-//! `Capabilities::durable` is `false`.
+//! **Assumption** (see also [Clocks](#clocks)): the Redis server's clock
+//! never steps back by more than the retention (NTP slews, it does not
+//! jump hours back). A bigger backward step followed by a counter expiry
+//! could issue a token lower than an earlier one. Like every Redis lock,
+//! tokens also restart if the server loses its data (no persistence,
+//! failover to a lagging replica): `Capabilities::durable` is `false`.
 //!
-//! # Cancellation
+//! # Unknown outcomes
 //!
-//! Each operation of [`RedisLock`] is one script call. Dropping its future
-//! (say under `tokio::time::timeout`) after the request went out lets the
-//! server finish it: an `acquire` may have
-//! taken a lock, which the next attempt with the same owner token adopts,
-//! and which otherwise expires after its TTL ([`LockClient::acquire`](distlock_core::LockClient::acquire)
-//! and [`Locker`](distlock_core::Locker) release such a grant); an `extend` may
-//! have extended the lock, for its new TTL; a `release` may have released
-//! it, and then woke the waiters (`DEL` and `PUBLISH` are one script). A
-//! dropped `watch` unregisters its waiter; if its `SUBSCRIBE` was in flight,
-//! the channel is unsubscribed by the idle sweep within about 10 s. Other
-//! waiters are not affected.
+//! A request that timed out or lost its connection may still be applied by
+//! the server later. Its retries reuse its owner token, and every script
+//! reads correctly when repeated: an acquire that finds the lock holding
+//! its own owner token adopts it (see **Acquire** above), a release sent
+//! again reports `Released` from the `gone` marker (see **Release**).
 //!
-//! # Clocks: expiry follows the server's wall clock
+//! Every operation ends within the operation timeout counted from its
+//! first send, whatever it does meanwhile (connecting, `EVAL` after
+//! `NOSCRIPT`, the cluster driver's resends, `WAIT` and giving back an
+//! unreplicated grant); a wait's subscription within the connect and
+//! operation timeouts together. A command connection on which a request
+//! failed or timed out is replaced by a new one (a connection that stays
+//! open but never answers would otherwise fail every request: the
+//! driver reconnects only once a connection closes), so the client
+//! recovers by itself when the server or the path to it comes back.
 //!
-//! A lease's local deadline is measured on the client's monotonic clock
-//! from the moment the request was sent. The server measures the TTL
-//! on its **wall clock**: `SET … PX` and `PEXPIRE` store an absolute Unix
-//! time in milliseconds (`mstime()`, `gettimeofday`), and a key is expired
-//! once `mstime()` passes it (Redis 7.0.9:
+//! # Clocks
+//!
+//! Expiry follows the server's wall clock. A lease's local deadline is
+//! measured on the client's monotonic clock from the moment the request
+//! was sent. The server measures the TTL on its **wall clock**: `SET … PX`
+//! and `PEXPIRE` store an absolute Unix time in milliseconds (`mstime()`,
+//! `gettimeofday`), and a key is expired once `mstime()` passes it (Redis
+//! 7.0.9:
 //! [`pexpireCommand`](https://github.com/redis/redis/blob/7.0.9/src/expire.c#L689),
 //! [`SET` PX](https://github.com/redis/redis/blob/7.0.9/src/t_string.c#L176),
 //! [`keyIsExpired`](https://github.com/redis/redis/blob/7.0.9/src/db.c#L1616),
@@ -205,6 +203,60 @@
 //! moves expiry to the new primary's clock (replicas receive absolute expiry
 //! times), so the same bound applies to the clock difference between the
 //! primary and its replicas.
+//!
+//! # Cancellation
+//!
+//! Each operation of [`RedisLock`] is one script call. Dropping its future
+//! (say under `tokio::time::timeout`) after the request went out lets the
+//! server finish it: an `acquire` may have
+//! taken a lock, which the next attempt with the same owner token adopts,
+//! and which otherwise expires after its TTL ([`LockClient::acquire`](distlock_core::LockClient::acquire)
+//! and [`Locker`](distlock_core::Locker) release such a grant); an `extend` may
+//! have extended the lock, for its new TTL; a `release` may have released
+//! it, and then woke the waiters (`DEL` and `PUBLISH` are one script). A
+//! dropped `watch` unregisters its waiter; if its `SUBSCRIBE` was in flight,
+//! the channel is unsubscribed by the idle sweep within about 10 s. Other
+//! waiters are not affected.
+//!
+//! # TLS
+//!
+//! `rediss://` (and `rediss+sentinel://`, `rediss+cluster://`, to the
+//! sentinels too) connects over TLS (rustls with the ring provider,
+//! trusting the platform's root certificates plus `tls_ca_file`, with an
+//! optional client certificate from `tls_cert_file` and `tls_key_file`)
+//! when the cargo feature **`tls`** is enabled; without it a `rediss://`
+//! URL is refused with a message naming the feature. Every refusal is a
+//! typed error within the connect timeout that says whether the
+//! certificate or the connection is the problem (a TLS URL against a
+//! plaintext port, or the reverse, gets a hint saying so). The tests run
+//! `rediss://` against TLS-only servers with certificates from a
+//! throwaway CA (`tests/redis_backend/tls.rs`), and the whole conformance
+//! suite over TLS (`[tls] …` in `tests/conformance.rs`).
+//!
+//! # Topologies
+//!
+//! - **One server**: `redis://`, `rediss://` or a Unix socket.
+//! - **Sentinel** (`redis+sentinel://…/SERVICE`): the client finds the
+//!   primary through the sentinels and finds it again after a failover;
+//!   it never writes to a replica. Through a failover, guards keep their
+//!   lock or report it [`lost()`](distlock_core::LockGuard::lost), and
+//!   waiters get it.
+//! - **Redis Cluster** (`redis+cluster://`): each lock's keys share one
+//!   slot (the hash tag, see [How it works](#how-it-works)); its scripts
+//!   and `WAIT` run on that slot's node, and its waiters subscribe to the
+//!   slot's shard channel there (`SSUBSCRIBE`, `SPUBLISH`). When a primary
+//!   dies its replica is promoted and the clients follow.
+//!
+//! Replication is asynchronous: a failover to a replica that had not
+//! received a grant loses it. `min_replicas=N`
+//! ([`RedisConfig::min_replicas`]) makes every acquisition and extension
+//! wait (`WAIT N`, bounded by half the operation timeout) until `N`
+//! replicas acknowledged it. An acquisition they do not acknowledge is
+//! released again and reported as
+//! [`Unavailable`](distlock_core::ErrorKind::Unavailable); an extension
+//! they do not acknowledge is an error too, and the lease keeps its
+//! previous expiry. Without it (the default, 0), a failover can let two
+//! holders overlap; fencing tokens protect the resource in that window.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

@@ -1,5 +1,5 @@
 //! `admin::` — the operator calls `inspect` and `force_release`, for
-//! backends that declare `Capabilities::admin`.
+//! backends whose `LockBackend::admin` returns a `LockAdmin`.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -476,7 +476,7 @@ pub async fn short_max_hold_ends_lock_early(ctx: TestContext) -> CaseResult {
     Ok(())
 }
 
-/// Bug 8: huge durations are typed errors or saturate, never a panic (a
+/// Huge durations are typed errors or saturate, never a panic (a
 /// panic after the grant leaked the lease; one in the renewal task meant
 /// `lost` never fired).
 pub async fn huge_durations_rejected_or_saturated(ctx: TestContext) -> CaseResult {

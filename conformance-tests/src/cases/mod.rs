@@ -29,7 +29,8 @@ mod wait;
 pub enum Needs {
     /// Only the core contract.
     Nothing,
-    /// The operator calls `inspect` and `force_release` (`Capabilities::admin`).
+    /// The operator calls `inspect` and `force_release` (`LockBackend::admin`
+    /// returns `Some`).
     Admin,
     /// Counting semaphores (`LockBackend::semaphore`).
     Semaphore,

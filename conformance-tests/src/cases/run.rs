@@ -366,7 +366,7 @@ pub async fn sequential_runs_grow_tokens(ctx: TestContext) -> CaseResult {
     Ok(())
 }
 
-/// Bug 6: the server granted the lock, but the reply came after the lease
+/// The server granted the lock, but the reply came after the lease
 /// ran out and another client took the key. The job must never run on it;
 /// the call fails with a typed Timeout, and the other client keeps the key.
 pub async fn expired_grant_never_runs_job(ctx: TestContext) -> CaseResult {
@@ -430,7 +430,7 @@ pub async fn expired_grant_never_runs_job(ctx: TestContext) -> CaseResult {
     Ok(())
 }
 
-/// Bug 6: a grant whose reply arrives with less than the stop margin left
+/// A grant whose reply arrives with less than the stop margin left
 /// (default: a third of the TTL) is not handed to the job either.
 pub async fn late_grant_inside_margin_never_runs_job(ctx: TestContext) -> CaseResult {
     let slow = Arc::new(ObservedLock::new(ctx.client().await?));
@@ -459,7 +459,7 @@ pub async fn late_grant_inside_margin_never_runs_job(ctx: TestContext) -> CaseRe
     Ok(())
 }
 
-/// Bug 6: once the lost signal fired, no further step of the job runs
+/// Once the lost signal fired, no further step of the job runs
 /// (lost is polled before the job), even a step that was woken by the same
 /// signal.
 pub async fn no_job_step_after_lost(ctx: TestContext) -> CaseResult {

@@ -259,7 +259,7 @@ pub async fn long_run_skips_next_fire(ctx: TestContext) -> CaseResult {
     Ok(())
 }
 
-/// Bug 7: an error taking the `@running` key on the instance that took the
+/// An error taking the `@running` key on the instance that took the
 /// fire must not make every instance skip the fire: the fire key is
 /// released, the next instance runs it, the one after skips.
 pub async fn failed_run_start_frees_the_fire(ctx: TestContext) -> CaseResult {
@@ -287,7 +287,7 @@ pub async fn failed_run_start_frees_the_fire(ctx: TestContext) -> CaseResult {
     Ok(())
 }
 
-/// Bug 7: a run stopped because its lock was lost did not run the fire to
+/// A run stopped because its lock was lost did not run the fire to
 /// the end: the fire key is released so another instance can run it.
 pub async fn lost_run_frees_the_fire(ctx: TestContext) -> CaseResult {
     let ttl = ctx.short_ttl();

@@ -6,7 +6,7 @@
 //! backend author could break.
 //!
 //! Some defects of the first corpus cannot be written any more since
-//! distlock-core owns every lease rule (issue 14): an issuer check a backend
+//! distlock-core owns every lease rule: an issuer check a backend
 //! skips, a waiting loop that ignores its deadline, a lease dated from the
 //! reply (a backend can only report the TTL the server applied; the
 //! closest it can get is to inflate it, `deadline_from_reply` below).
@@ -34,7 +34,8 @@ use distlock_core::{
 pub enum Defect {
     /// No defect: the control, which must pass every case.
     None,
-    // The subtle classes of issue 21.
+    // The subtle ones: check-then-write races, expiry judged on a fast
+    // clock, leases that outlive their TTL, an outage reported as held.
     ReleaseCheckThenDelete,
     ExtendCheckThenSet,
     GrantsBeforeExpiry,
@@ -43,7 +44,8 @@ pub enum Defect {
     /// trip), so the client's deadline outlives the server's.
     DeadlineFromReply,
     UnavailableAsHeld,
-    // Cancellation and wake-up classes of issue 12.
+    // Cancellation and wake-up: a window without expiry, a waiter's
+    // channel broken by a dropped watch, a subscription after the try.
     SetThenExpire,
     WatchDropBreaksChannel,
     SubscribeAfterTry,

@@ -9,7 +9,7 @@ use distlock_redis::redis::{self, AsyncCommands};
 
 use crate::support::*;
 
-/// Issue 12, bug 9: an ACL user without `SCRIPT` (so no `SCRIPT LOAD`) used
+/// An ACL user without `SCRIPT` (so no `SCRIPT LOAD`) used
 /// to connect and then fail every acquire with Config; the scripts are now
 /// sent with EVAL when the server does not have them. The user has exactly
 /// the permissions the crate docs list.
@@ -54,7 +54,7 @@ async fn an_acl_user_without_script_permission_runs_the_scripts_with_eval() {
     assert!(waiter.force_release(got.key()).await.unwrap());
 }
 
-/// Issue 12, bug 9: an ACL user that cannot do what distlock needs is
+/// An ACL user that cannot do what distlock needs is
 /// refused at connect, with a message naming the missing permission, instead
 /// of failing (or silently not notifying waiters) later.
 #[tokio::test]
@@ -115,7 +115,7 @@ async fn acl_users_missing_permissions_are_refused_at_connect() {
     lock.release(&lease).await.unwrap();
 }
 
-/// Issue 12, bug 9: the release script deletes the key before it publishes;
+/// The release script deletes the key before it publishes;
 /// a refused PUBLISH (channel permission revoked) used to turn a release
 /// that happened into an error. Releases and force-releases now report
 /// success (the lost notification is logged; waiters fall back to timers).

@@ -1,4 +1,4 @@
-//! Redis Cluster (issue 17): locks in every primary's slots (scripts and
+//! Redis Cluster: locks in every primary's slots (scripts and
 //! `WAIT` on the slot's node, waiters subscribed to the slot's shard
 //! channel there), and a primary SIGKILLed while a guard holds a lock in
 //! its slots and a waiter waits for it: its replica is promoted and the

@@ -1,5 +1,5 @@
 //! The pub/sub connection of waiters: lost, stalled, dropped mid-subscribe
-//! (the issue-12 regressions, now through `distlock_core::Listener`).
+//! (regression tests, through `distlock_core::Listener`).
 
 use std::time::Duration;
 
@@ -31,7 +31,7 @@ async fn waiters_resubscribe_after_the_pubsub_connection_is_killed() {
     waiter.release(&got).await.unwrap();
 }
 
-/// Issue 12, bug 3: a SUBSCRIBE that times out (the server stalled) used to
+/// A SUBSCRIBE that times out (the server stalled) used to
 /// drop the shared pub/sub connection without resubscribing: every other
 /// waiter of the client lost its subscription and slept until the holder's
 /// TTL although the lock was released.
@@ -66,7 +66,7 @@ async fn a_timed_out_subscribe_leaves_other_waiters_subscribed() {
     waiter.release(&got).await.unwrap();
 }
 
-/// Issue 12, cancellation audit: a `watch` dropped (here by a timeout) while
+/// Cancellation: a `watch` dropped (here by a timeout) while
 /// its SUBSCRIBE was in flight used to leave the channel subscribed on the
 /// server with no local waiter, never unsubscribed by the idle sweep.
 #[tokio::test]

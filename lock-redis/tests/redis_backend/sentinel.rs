@@ -1,4 +1,4 @@
-//! Sentinel (issue 17): the client finds the primary through the
+//! Sentinel: the client finds the primary through the
 //! sentinels, follows a failover (guards keep their lock or report it
 //! lost, waiters get it), never writes to a replica, and `min_replicas`
 //! makes every acquisition wait for the replica. Each test runs its own

@@ -1,4 +1,4 @@
-//! TLS (issue 15): `rediss://` against TLS-only servers with certificates
+//! TLS: `rediss://` against TLS-only servers with certificates
 //! from a throwaway CA. Every refusal is a typed error that says whether
 //! the certificate or the connection is the problem, within the connect
 //! timeout.
