@@ -1,7 +1,7 @@
 //! [`PostgresLock`]: the lease-table backend.
 
 use std::fmt;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,6 +19,7 @@ use crate::config::{PoolMode, PostgresConfig};
 use crate::errors;
 use crate::keys::{channel_name, is_owner_token, qualified_table};
 use crate::listener::Releases;
+use crate::probe;
 use crate::sql::{self, Arg, Call, GiveBack, Protocol, Reply, Statements};
 
 /// A lock backend on a PostgreSQL lock table.
@@ -32,7 +33,8 @@ use crate::sql::{self, Arg, Call, GiveBack, Protocol, Reply, Statements};
 /// of a key keeps growing.
 ///
 /// No lock statement uses session state — no advisory locks, no `SET`.
-/// Behind a transaction pooler (`pool_mode=transaction`) statements use the
+/// Behind a transaction pooler (`pool_mode=transaction`, or found at
+/// connect when the URL has no `pool_mode`) statements use the
 /// simple query protocol, and waiters are woken by `LISTEN`/`NOTIFY` on one
 /// extra connection per client that reaches the server directly or through
 /// a session-mode pool (`listen_url`), or else poll. See the crate docs on
@@ -61,7 +63,13 @@ pub struct PostgresLock {
     pool: PgPool,
     config: PostgresConfig,
     sql: Arc<Statements>,
-    protocol: Protocol,
+    /// The simple protocol is in use: `pool_mode=transaction`, a
+    /// transaction pooler found at connect, or the switch after a
+    /// statement met another client's prepared statements.
+    simple: AtomicBool,
+    /// Waiters `LISTEN` past the main URL (`listen_url`), so they can be
+    /// woken behind a transaction pooler too.
+    listen_apart: bool,
     /// The LISTEN/NOTIFY channel of this namespace and table.
     channel: String,
     table_ready: OnceCell<()>,
@@ -84,7 +92,9 @@ impl PostgresLock {
     /// Connects to the server in `url`
     /// (`postgres://user:password@host:port/database`, plus the query
     /// parameters of [`PostgresConfig::from_url`]) and creates the lock table
-    /// if it does not exist.
+    /// if it does not exist. Without `pool_mode` in the URL, it first
+    /// probes whether the URL reaches a transaction pooler (see
+    /// [`PoolMode::Auto`]; [`pool_mode`](Self::pool_mode) tells).
     ///
     /// Errors: [`ErrorKind::Config`](distlock_core::ErrorKind) for a bad URL,
     /// failed authentication, missing privileges, or a TLS problem that
@@ -125,7 +135,11 @@ impl PostgresLock {
                 .map_err(|e| errors::map(e, "connecting to PostgreSQL", None, timeout))
         })
         .await?;
-        let lock = Self::from_pool(pool, config)?;
+        let mode = match config.pool_mode {
+            PoolMode::Auto => probe::detect(&pool, timeout).await?,
+            mode => mode,
+        };
+        let lock = Self::build(pool, config, mode);
         lock.ensure_table().await?;
         Ok(lock)
     }
@@ -136,11 +150,21 @@ impl PostgresLock {
     /// connection with the pool's connect options (or those of
     /// [`PostgresConfig::listen_via`]). The pool's acquire timeout should
     /// not exceed the connect timeout.
+    ///
+    /// It does not probe for a transaction pooler: [`PoolMode::Auto`] (the
+    /// default) means [`PoolMode::Session`] here; say
+    /// [`PoolMode::Transaction`] for a pool behind one.
     pub fn from_pool(pool: PgPool, config: PostgresConfig) -> Result<Self, LockError> {
         config.validate()?;
+        let mode = config.pool_mode;
+        Ok(Self::build(pool, config, mode))
+    }
+
+    /// A backend on `pool` working in `mode` (`Auto` meaning `Session`).
+    fn build(pool: PgPool, config: PostgresConfig, mode: PoolMode) -> Self {
         let channel = channel_name(&config.schema, &config.table, &config.client.namespace);
-        let (protocol, listen) = match config.pool_mode {
-            PoolMode::Session => (
+        let (protocol, listen) = match mode {
+            PoolMode::Session | PoolMode::Auto => (
                 Protocol::Extended,
                 Some(
                     config
@@ -157,15 +181,42 @@ impl PostgresLock {
             let releases = Releases::new(listen, channel.clone(), config.client.connect_timeout);
             Listener::new(releases, &config.client)
         });
-        Ok(Self {
+        Self {
             sql: Arc::new(Statements::new(&config.schema, &config.table)),
-            protocol,
+            simple: AtomicBool::new(protocol == Protocol::Simple),
+            listen_apart: config.listen.is_some(),
             listener,
             channel,
             pool,
             config,
             table_ready: OnceCell::new(),
-        })
+        }
+    }
+
+    /// How the main URL's connections are pooled, as this client works
+    /// with them: [`PoolMode::Transaction`] for `pool_mode=transaction`, a
+    /// transaction pooler the probe at connect found ([`PoolMode::Auto`]),
+    /// or one whose shared prepared statements a statement met since;
+    /// [`PoolMode::Session`] otherwise. Never `Auto`.
+    pub fn pool_mode(&self) -> PoolMode {
+        match self.protocol() {
+            Protocol::Simple => PoolMode::Transaction,
+            Protocol::Extended => PoolMode::Session,
+        }
+    }
+
+    fn protocol(&self) -> Protocol {
+        if self.simple.load(Ordering::Relaxed) {
+            Protocol::Simple
+        } else {
+            Protocol::Extended
+        }
+    }
+
+    /// Whether waiters can be woken: a listener, not through a transaction
+    /// pooler (or apart from it, on `listen_url`).
+    fn can_listen(&self) -> bool {
+        self.listener.is_some() && (self.listen_apart || self.protocol() == Protocol::Extended)
     }
 
     /// The settings this backend runs with.
@@ -199,7 +250,7 @@ impl PostgresLock {
 
     /// A statement on `sql` with `args`, for this client's protocol.
     fn call(&self, sql: &Arc<sql::Sql>, args: Vec<Arg>) -> Call {
-        Call::new(self.protocol, sql, args)
+        Call::new(self.protocol(), sql, args)
     }
 
     /// The error of a statement whose operation timeout ran out.
@@ -238,9 +289,9 @@ impl PostgresLock {
         what: &str,
         key: Option<&LockKey>,
         call: Call,
-        give_back: Option<GiveBack>,
+        mut give_back: Option<GiveBack>,
     ) -> Result<Reply, LockError> {
-        let call = Arc::new(call);
+        let mut call = Arc::new(call);
         let timeout = self.config.client.operation_timeout;
         // Set at the first send: resends share it.
         let mut deadline: Option<Instant> = None;
@@ -272,6 +323,27 @@ impl PostgresLock {
                 Some(Ok(mut reply)) => {
                     reply.resent |= resent;
                     return Ok(reply);
+                }
+                // Another client's prepared statements (or none where
+                // sqlx prepared one): a transaction pooler. The statement
+                // did not run (refused at Parse or Bind): send it again,
+                // as every later one, with the simple protocol.
+                Some(Err(e))
+                    if call.is_prepared()
+                        && errors::is_shared_prepared_statement(&e)
+                        && Instant::now() < deadline =>
+                {
+                    if !self.simple.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            error = %e,
+                            "a statement met another client's prepared statements: the PostgreSQL URL reaches a transaction pooler; \
+                             using the simple query protocol from now on (add pool_mode=transaction to the URL, and listen_url=<a URL past the pooler> so that waiters are woken by NOTIFY)"
+                        );
+                    }
+                    call = Arc::new(call.simple());
+                    if let Some(give_back) = &mut give_back {
+                        give_back.protocol = Protocol::Simple;
+                    }
                 }
                 Some(Err(e))
                     if errors::is_connection_lost(&e)
@@ -506,7 +578,7 @@ impl LockBackend for PostgresLock {
         Capabilities {
             min_ttl: Duration::from_millis(1),
             ttl_granularity: Duration::from_millis(1),
-            native_wait: self.listener.is_some(),
+            native_wait: self.can_listen(),
             retry_interval: self.config.poll_interval,
             durable: true,
             ..Capabilities::default()
@@ -523,7 +595,7 @@ impl LockBackend for PostgresLock {
         // before its reply: then what it was granted is given back.
         let give_back = GiveBack {
             sql: self.sql.clone(),
-            protocol: self.protocol,
+            protocol: self.protocol(),
             namespace: self.namespace().to_owned(),
             key: key.as_str().to_owned(),
             owner: owner.clone(),
@@ -638,8 +710,10 @@ impl LockBackend for PostgresLock {
 
     async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
         match &self.listener {
-            Some(listener) => listener.watch(key.clone()).await.map(Some),
-            None => Ok(None),
+            // Nothing to hear through a transaction pooler found since
+            // connect: waiters poll.
+            Some(listener) if self.can_listen() => listener.watch(key.clone()).await.map(Some),
+            _ => Ok(None),
         }
     }
 

@@ -44,12 +44,33 @@ const DRIVER_PARAMETERS: &[&str] = &[
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum PoolMode {
-    /// `pool_mode=session` (the default): a direct connection, or a pooler
-    /// that gives a client one server session for as long as it is
-    /// connected. Statements are named prepared statements (parsed and
-    /// planned once per connection); waiters `LISTEN` on the same server
-    /// unless `listen_url` says otherwise.
+    /// No `pool_mode` in the URL (or `pool_mode=auto`): the client finds
+    /// out at connect which of the two others it is, with a probe of two
+    /// client connections (a few statements, one extra connection while
+    /// it runs): a transaction pooler is one that runs a client
+    /// connection's transactions on another server session, or another
+    /// client connection's on its own. Found, the client works as with
+    /// [`Transaction`](Self::Transaction) (waiters on `listen_url` if
+    /// given, else polling) and logs a warning that names
+    /// `pool_mode=transaction` and `listen_url`; otherwise as with
+    /// [`Session`](Self::Session). [`PostgresLock::pool_mode`](crate::PostgresLock::pool_mode)
+    /// says which. A busy transaction pooler can pass for a session pool
+    /// during the probe; then the first statement that meets another
+    /// client's prepared statements (`42P05`, `26000`) switches the client
+    /// to the simple protocol for good and is sent again (it did not run).
+    /// [`PostgresLock::from_pool`](crate::PostgresLock::from_pool) does not
+    /// probe: there it means `Session` (with the same switch).
     #[default]
+    Auto,
+    /// `pool_mode=session`: a direct connection, or a pooler that gives a
+    /// client one server session for as long as it is connected; taken
+    /// as said, without the probe (for a pooler that keeps prepared
+    /// statements working in transaction mode, such as PgBouncer 1.21+
+    /// with `max_prepared_statements`). Statements are named prepared
+    /// statements (parsed and planned once per connection); waiters
+    /// `LISTEN` on the same server unless `listen_url` says otherwise. A
+    /// statement that fails with `42P05` or `26000` (a transaction pooler
+    /// after all) switches the client to the simple protocol.
     Session,
     /// `pool_mode=transaction` (or `statement`): a pooler that may run each
     /// transaction on another server session (PgBouncer `pool_mode =
@@ -72,9 +93,9 @@ pub enum PoolMode {
 /// | `connect_timeout_ms` | connecting to the server, and waiting for a pooled connection | 5000 |
 /// | `operation_timeout_ms` | one statement's reply | 5000 |
 /// | `schema`, `table` | where the lock table lives | `public`, `distlock_locks` |
-/// | `pool_mode` | `session`, `transaction` or `statement` (the last two mean the same here): what pools the URL's connections ([`PoolMode`]) | `session` |
+/// | `pool_mode` | `auto`, `session`, `transaction` or `statement` (the last two mean the same here): what pools the URL's connections ([`PoolMode`]); without it a probe at connect tells a transaction pooler from a direct connection or session pool, and the client then works as with `transaction` | `auto` |
 /// | `listen_url` | percent-encoded URL where waiters `LISTEN` for releases when the main URL goes through a transaction pooler (see [`listen_via`](Self::listen_via)); it takes the driver's parameters below, and the main URL's TLS settings unless it has its own | the main URL |
-/// | `poll_interval_ms` | how often waiters try again when nothing can wake them (`pool_mode=transaction` without `listen_url`) | 100 |
+/// | `poll_interval_ms` | how often waiters try again when nothing can wake them (a transaction pooler without `listen_url`) | 100 |
 /// | `sslmode`, `sslrootcert`, `sslcert`, `sslkey` (sqlx's aliases `ssl-mode`, `ssl-root-cert`, `ssl-ca`, `ssl-cert`, `ssl-key`) | libpq's TLS settings (cargo feature `tls`; see below) | `PGSSLMODE`, else `prefer` |
 /// | `tls_ca_file`, `tls_cert_file`, `tls_key_file` | distlock's shared names for `sslrootcert`, `sslcert`, `sslkey` | |
 /// | `application_name`, `options`, `statement-cache-capacity`, `host`, `hostaddr`, `port`, `dbname`, `user`, `password` | the driver's own, passed on to sqlx | sqlx's |
@@ -145,7 +166,7 @@ impl Default for PostgresConfig {
             schema: DEFAULT_SCHEMA.to_owned(),
             table: DEFAULT_TABLE.to_owned(),
             max_connections: 8,
-            pool_mode: PoolMode::Session,
+            pool_mode: PoolMode::Auto,
             poll_interval: DEFAULT_POLL_INTERVAL,
         }
     }
@@ -194,11 +215,12 @@ impl PostgresConfig {
         }
         if let Some(mode) = url.take("pool_mode") {
             config.pool_mode = match mode.as_str() {
+                "auto" => PoolMode::Auto,
                 "session" => PoolMode::Session,
                 "transaction" | "statement" => PoolMode::Transaction,
                 _ => {
                     return Err(LockError::config(format!(
-                        "pool_mode={mode:?} is not a pool mode; use session (a direct connection or a session pool) or transaction (a transaction or statement pool)"
+                        "pool_mode={mode:?} is not a pool mode; use session (a direct connection or a session pool), transaction (a transaction or statement pool) or auto (the default: find out at connect)"
                     )))
                 }
             };
@@ -277,7 +299,8 @@ impl PostgresConfig {
     }
 
     /// How often waiters try again when nothing can wake them: with
-    /// [`PoolMode::Transaction`] and no [`listen_via`](Self::listen_via)
+    /// [`PoolMode::Transaction`] (or a transaction pooler found by
+    /// [`PoolMode::Auto`]) and no [`listen_via`](Self::listen_via)
     /// (default 100 ms, the `poll_interval_ms` URL parameter). A release
     /// is then noticed half this late on average, and each waiter runs
     /// one acquire statement per interval.
@@ -460,7 +483,12 @@ mod tests {
         assert_eq!(config.get_pool_mode(), PoolMode::Transaction);
         assert_eq!(config.poll_interval, Duration::from_millis(20));
         let config = PostgresConfig::from_url("postgres://u@h/db").unwrap();
-        assert_eq!(config.get_pool_mode(), PoolMode::Session);
+        assert_eq!(config.get_pool_mode(), PoolMode::Auto);
+        for (mode, expected) in [("auto", PoolMode::Auto), ("session", PoolMode::Session)] {
+            let config =
+                PostgresConfig::from_url(&format!("postgres://u@h/db?pool_mode={mode}")).unwrap();
+            assert_eq!(config.get_pool_mode(), expected);
+        }
         for (url, name) in [
             ("postgres://u@h/db?pool_mode=bouncy", "bouncy"),
             ("postgres://u@h/db?poll_interval_ms=0", "poll_interval_ms"),

@@ -29,6 +29,9 @@ mod code {
     pub const INDEX_CORRUPTED: &str = "XX002";
     pub const LOCK_NOT_AVAILABLE: &str = "55P03";
     pub const DATABASE_DROPPED: &str = "57P04";
+    pub const DUPLICATE_PREPARED_STATEMENT: &str = "42P05";
+    pub const INVALID_SQL_STATEMENT_NAME: &str = "26000";
+    pub const PROTOCOL_VIOLATION: &str = "08P01";
     /// Class 08: connection exceptions (PgBouncer reports a server
     /// connection lost under a transaction as 08P01).
     pub const CONNECTION_EXCEPTION_CLASS: &str = "08";
@@ -100,6 +103,29 @@ pub(crate) fn is_conflict(error: &sqlx::Error) -> bool {
 /// run through PgBouncer fail if sqlx ever words it differently.
 pub(crate) fn is_stray_notification(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Protocol(message) if message.contains("NotificationResponse"))
+}
+
+/// Whether `error` is what a transaction pooler does to the driver's
+/// prepared statements (a client connection's statements land on a server
+/// session that another client connection prepared its own in, or that
+/// never saw them): `42P05 prepared statement "sqlx_s_1" already exists`
+/// (at `Parse`), `26000 prepared statement ... does not exist` (at `Bind`
+/// or `Describe`), or `08P01 bind message supplies N parameters, but
+/// prepared statement ... requires M`. The statement was refused before it
+/// ran. Only meaningful for a statement sent prepared: this backend never
+/// prepares statements in SQL.
+pub(crate) fn is_shared_prepared_statement(error: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = error else {
+        return false;
+    };
+    match db.code().as_deref() {
+        Some(code::DUPLICATE_PREPARED_STATEMENT | code::INVALID_SQL_STATEMENT_NAME) => true,
+        Some(code::PROTOCOL_VIOLATION) => {
+            let message = db.message();
+            message.contains("bind message") && message.contains("prepared statement")
+        }
+        _ => false,
+    }
 }
 
 /// Whether the connection is gone after `error` (met while a statement

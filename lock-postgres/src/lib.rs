@@ -162,11 +162,31 @@
 //! No lock statement keeps session state (no advisory locks, no `SET`), but
 //! the driver's prepared statements and `LISTEN` do:
 //!
-//! - **Direct, or session pooling** (PgBouncer `pool_mode = session`): the
-//!   default `pool_mode=session`. Named prepared statements; waiters
-//!   `LISTEN` on the same server.
+//! - **A plain URL** (no `pool_mode`, [`PoolMode::Auto`]): at connect the
+//!   client probes whether the URL reaches a transaction pooler — with two
+//!   client connections, whether one sees the other's server session, or
+//!   its own transactions move to another one (see [`PoolMode::Auto`]).
+//!   Found, it works as with `pool_mode=transaction` below (waiters poll
+//!   unless `listen_url` is given) and logs a warning naming
+//!   `pool_mode=transaction` and `listen_url`;
+//!   [`PostgresLock::pool_mode`] tells. Before this, a plain URL behind
+//!   PgBouncer 1.18 in transaction mode half worked: some clients ran,
+//!   others failed with `42P05 prepared statement "sqlx_s_1" already
+//!   exists` (an operator saw 6, then 13, of 48 `distlock run` complete) —
+//!   and a statement's `Bind` could even run another client's prepared
+//!   statement of the same name. A busy pooler
+//!   can pass for a session pool during the probe; then the first
+//!   statement that meets another client's prepared statements (`42P05`,
+//!   `26000`, a `Bind` for another statement: all refused before the
+//!   statement runs) switches the client to the simple protocol for good
+//!   and is sent again. A direct connection or a session pool never passes
+//!   for a transaction pooler.
+//! - **Direct, or session pooling** (PgBouncer `pool_mode = session`):
+//!   found by the probe, or said with `pool_mode=session` (no probe).
+//!   Named prepared statements; waiters `LISTEN` on the same server.
 //! - **Transaction (or statement) pooling** (PgBouncer `pool_mode =
-//!   transaction`, PgBouncer 1.18 included): add `pool_mode=transaction`.
+//!   transaction`, PgBouncer 1.18 included): found by the probe, or said
+//!   with `pool_mode=transaction` (no probe).
 //!   - Statements then use the simple query protocol with the values as
 //!     dollar-quoted literals (see the `sql` module: nothing in them is
 //!     special, whatever `standard_conforming_strings` and `backslash_quote`
@@ -193,9 +213,9 @@
 //!     median and 93 ms at p90, against 1.4 ms and 2.0 ms with
 //!     `listen_url` (same benchmark).
 //!   - PgBouncer 1.21+ with `max_prepared_statements` tracks protocol-level
-//!     prepared statements itself; there the default `pool_mode=session`
-//!     with `listen_url` keeps prepared statements (not tested here: the
-//!     test machine has 1.18).
+//!     prepared statements itself; there `pool_mode=session` (which skips
+//!     the probe) with `listen_url` keeps prepared statements (not tested
+//!     here: the test machine has 1.18).
 //! - A notification that reaches one of the client's pooled connections
 //!   (its server session listens because someone sent `LISTEN` through the
 //!   pooler) never fails an operation: it is skipped, and a statement it
@@ -208,6 +228,7 @@ mod config;
 mod errors;
 mod keys;
 mod listener;
+mod probe;
 mod sql;
 
 pub use backend::PostgresLock;

@@ -7,7 +7,8 @@
 //!
 //! - **extended** (the default): sqlx's named prepared statements, the
 //!   values as bind parameters. Parsed and planned once per connection.
-//! - **simple** (`pool_mode=transaction`): one `Query` message per
+//! - **simple** (`pool_mode=transaction`, or a transaction pooler found
+//!   at connect or by a statement): one `Query` message per
 //!   statement, the values spliced in as literals by [`Sql::render`]. A
 //!   transaction pooler may run each protocol message of a client on
 //!   another server session, which breaks named statements (PgBouncer 1.18:
@@ -183,6 +184,16 @@ impl Call {
             args,
             simple,
         }
+    }
+
+    /// Whether it is sent as a prepared statement (extended protocol).
+    pub(crate) fn is_prepared(&self) -> bool {
+        self.simple.is_none()
+    }
+
+    /// The same statement for the simple protocol.
+    pub(crate) fn simple(&self) -> Self {
+        Self::new(Protocol::Simple, &self.sql, self.args.clone())
     }
 
     /// A fresh statement to execute (one per attempt).

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use distlock_conformance::checker::ExclusionChecker;
 use distlock_conformance::ObservedLock;
 use distlock_core::{LockBackend, LockClient, LockState};
-use distlock_postgres::{PostgresConfig, PostgresLock};
+use distlock_postgres::{PoolMode, PostgresConfig, PostgresLock};
 
 use super::support::*;
 
@@ -16,10 +16,15 @@ async fn release_through_a_transaction_pooler_reports_success() {
     let pooler = transaction_pooler().await;
     let ns = random_name("pooler");
     // One pooled connection: the statements and the listener's LISTEN all
-    // run in PgBouncer's single server session.
-    let config = PostgresConfig::from_url(&format!("{}?namespace={ns}", pooler.url()))
-        .unwrap()
-        .max_connections(1);
+    // run in PgBouncer's single server session. `pool_mode=session` says
+    // so, which skips the probe that would find the transaction pooler
+    // (and keep waiters from listening through it).
+    let config = PostgresConfig::from_url(&format!(
+        "{}?namespace={ns}&pool_mode=session",
+        pooler.url()
+    ))
+    .unwrap()
+    .max_connections(1);
     let lock = Pg::with_config(config).await;
     let direct = client(&ns).await;
     let k = key("pooled");
@@ -213,4 +218,255 @@ async fn waiters_behind_a_transaction_pooler_without_listen_url_poll() {
         .unwrap()
         .expect("a polling waiter gets the released lock long before the holder's 60 s");
     assert!(got.fencing_token() > lease.fencing_token());
+}
+
+/// What `clients` clients, connecting at once with `url` (one table of
+/// their own, so creating it runs through the pooler too) and each taking,
+/// extending and releasing keys of its own a few times, ended with: the
+/// clients if every one of them completed; otherwise every error must be
+/// a connect-time `Config` error naming the pooler parameters, and there
+/// must be no client that completed — a URL that half works fails the test.
+async fn all_or_none(url: &str, clients: usize) -> Option<Vec<Pg>> {
+    let mut tasks = Vec::new();
+    for i in 0..clients {
+        let url = url.to_owned();
+        tasks.push(tokio::spawn(async move {
+            let lock = match PostgresLock::connect(&url).await {
+                Ok(lock) => Pg::new(lock),
+                Err(e) => return Err(format!("client {i}: connect: {e}")),
+            };
+            for round in 0..5 {
+                let k = key(&format!("own-{i}-{round}"));
+                let step = |what: &str, e: distlock_core::LockError| {
+                    format!("client {i} round {round}: {what}: {e}")
+                };
+                let lease = lock
+                    .try_acquire(&k, Duration::from_secs(30))
+                    .await
+                    .map_err(|e| step("acquire", e))?
+                    .lease()
+                    .ok_or_else(|| format!("client {i} round {round}: its own key was held"))?;
+                let lease = lock
+                    .extend(&lease, Duration::from_secs(30))
+                    .await
+                    .map_err(|e| step("extend", e))?;
+                match lock.inspect(&k).await.map_err(|e| step("inspect", e))? {
+                    LockState::Held { fencing_token, .. }
+                        if fencing_token == lease.fencing_token() => {}
+                    state => return Err(format!("client {i} round {round}: held, yet {state:?}")),
+                }
+                lock.release(&lease).await.map_err(|e| step("release", e))?;
+            }
+            Ok(lock)
+        }));
+    }
+    let mut done = Vec::new();
+    let mut failed = Vec::new();
+    for task in tasks {
+        match task.await.expect("client task") {
+            Ok(lock) => done.push(lock),
+            Err(e) => failed.push(e),
+        }
+    }
+    if failed.is_empty() {
+        return Some(done);
+    }
+    assert!(
+        done.is_empty(),
+        "the URL half works: {} of {clients} clients completed, {} failed; first failure: {}",
+        done.len(),
+        failed.len(),
+        failed[0]
+    );
+    for e in &failed {
+        assert!(
+            e.contains("connect:")
+                && e.contains("pool_mode=transaction")
+                && e.contains("listen_url"),
+            "every client fails at connect, naming pool_mode=transaction and listen_url: {e}"
+        );
+    }
+    None
+}
+
+#[tokio::test]
+async fn a_plain_url_through_a_transaction_pooler_never_half_works() {
+    // Fewer server connections than the clients open, as with a busy
+    // PgBouncer: transactions of one client connection move between
+    // server sessions, which breaks the driver's prepared statements.
+    let pooler = transaction_pooler_of(3).await;
+    let url = format!(
+        "{}?namespace={}&table={}",
+        pooler.url(),
+        random_name("plain"),
+        random_name("plain_locks")
+    );
+    let clients = all_or_none(&url, 12)
+        .await
+        .expect("the clients find the pooler at connect and work");
+    for lock in &clients {
+        assert_eq!(lock.backend.pool_mode(), PoolMode::Transaction);
+        // Nothing can wake a waiter through the pooler: it polls.
+        assert!(!lock.backend.capabilities().native_wait);
+        assert!(lock.backend.watch(&key("x")).await.unwrap().is_none());
+    }
+    // Waiting works (by polling) and a release hands the key over.
+    let (holder, waiter) = (&clients[0], &clients[1]);
+    let k = key("handed-over");
+    let lease = take(holder, &k, Duration::from_secs(60), "free").await;
+    let waiting = {
+        let (waiter, k) = (waiter.clone(), k.clone());
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            waiter.acquire(&k, Duration::from_secs(30), deadline).await
+        })
+    };
+    holder.release(&lease).await.unwrap();
+    let got = waiting
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("the waiter gets the released key long before the holder's 60 s");
+    assert!(got.fencing_token() > lease.fencing_token());
+}
+
+#[tokio::test]
+async fn a_plain_url_through_a_transaction_pooler_of_one_session_never_half_works() {
+    // Every client shares PgBouncer's one server session: one session, yet
+    // many clients' prepared statements in it.
+    let pooler = transaction_pooler().await;
+    let url = format!(
+        "{}?namespace={}&table={}",
+        pooler.url(),
+        random_name("plain1"),
+        random_name("plain1_locks")
+    );
+    let clients = all_or_none(&url, 8)
+        .await
+        .expect("the clients find the pooler at connect and work");
+    for lock in &clients {
+        assert_eq!(lock.backend.pool_mode(), PoolMode::Transaction);
+    }
+}
+
+#[tokio::test]
+async fn a_plain_url_with_listen_url_through_a_transaction_pooler_wakes_waiters() {
+    let pooler = transaction_pooler_of(2).await;
+    let url = format!(
+        "{}?namespace={}&listen_url={}",
+        pooler.url(),
+        random_name("plain_listen"),
+        percent_encode(&server().url())
+    );
+    let clients = all_or_none(&url, 4).await.expect("the clients work");
+    for lock in &clients {
+        assert_eq!(lock.backend.pool_mode(), PoolMode::Transaction);
+        assert!(lock.backend.capabilities().native_wait);
+    }
+    assert_release_heard(
+        &clients[0],
+        &clients[1],
+        &key("heard"),
+        "the waiter was not woken",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_direct_connection_is_not_taken_for_a_transaction_pooler() {
+    let url = format!("{}?namespace={}", server().url(), random_name("direct"));
+    let clients = all_or_none(&url, 4).await.expect("direct clients work");
+    for lock in &clients {
+        assert_eq!(lock.backend.pool_mode(), PoolMode::Session);
+        assert!(lock.backend.capabilities().native_wait);
+    }
+    // Prepared statements: sqlx's cache holds the lock statements.
+    let prepared: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'sqlx_s_%'",
+    )
+    .fetch_one(clients[0].pool())
+    .await
+    .unwrap();
+    assert!(
+        prepared > 0,
+        "no prepared statements on a direct connection"
+    );
+    assert_release_heard(
+        &clients[0],
+        &clients[1],
+        &key("heard"),
+        "the waiter was not woken",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_session_pooler_is_not_taken_for_a_transaction_pooler() {
+    // Enough server sessions for every client connection of the test (the
+    // clients', their listeners' and the probes'), as a session pool
+    // needs: one per client connection for as long as it is connected.
+    let pooler = session_pooler_of(40).await;
+    let url = format!("{}?namespace={}", pooler.url(), random_name("session"));
+    let clients = all_or_none(&url, 6)
+        .await
+        .expect("clients through a session pool work");
+    for lock in &clients {
+        assert_eq!(lock.backend.pool_mode(), PoolMode::Session);
+        assert!(lock.backend.capabilities().native_wait);
+    }
+    assert_release_heard(
+        &clients[0],
+        &clients[1],
+        &key("heard"),
+        "the waiter was not woken",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn the_probe_finds_a_transaction_pooler_at_connect() {
+    // A client alone on a new pooler: no prepared statement of anyone's is
+    // in its server sessions, so no statement of the client can have made
+    // the switch; the probe found the pooler.
+    for sessions in [1, 3, 20] {
+        let pooler = transaction_pooler_of(sessions).await;
+        let url = format!("{}?namespace={}", pooler.url(), random_name("probe"));
+        let lock = Pg::connect(&url).await;
+        assert_eq!(
+            lock.backend.pool_mode(),
+            PoolMode::Transaction,
+            "{sessions} server sessions"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_statement_meeting_shared_prepared_statements_switches_to_the_simple_protocol() {
+    // pool_mode=session says there is no transaction pooler (no probe);
+    // one server session behind PgBouncer in transaction mode: the second
+    // client's first prepared statement, sqlx_s_1, meets the first
+    // client's (42P05). It was refused, so it is sent again, with literals,
+    // as every later statement of that client.
+    let pooler = transaction_pooler().await;
+    let url = format!(
+        "{}?namespace={}&table={}&pool_mode=session",
+        pooler.url(),
+        random_name("switch"),
+        random_name("switch_locks")
+    );
+    let connect = |url: String| async move {
+        Pg::with_config(PostgresConfig::from_url(&url).unwrap().max_connections(1)).await
+    };
+    let first = connect(url.clone()).await;
+    assert_eq!(first.backend.pool_mode(), PoolMode::Session);
+    let second = connect(url).await;
+    assert_eq!(second.backend.pool_mode(), PoolMode::Transaction);
+    for (name, lock) in [("first", &first), ("second", &second)] {
+        let k = key(name);
+        let lease = take(lock, &k, Duration::from_secs(30), "free").await;
+        let lease = lock.extend(&lease, Duration::from_secs(30)).await.unwrap();
+        lock.release(&lease).await.unwrap();
+    }
+    // Nothing to hear through the pooler any more: the second one polls.
+    assert!(second.backend.watch(&key("x")).await.unwrap().is_none());
 }

@@ -162,6 +162,16 @@ pub async fn transaction_pooler_of(server_connections: u32) -> ServerProcess {
         .unwrap_or_else(|e| panic!("cannot start PgBouncer: {e}"))
 }
 
+/// A PgBouncer 1.18 in session mode in front of the shared server, with
+/// `server_connections` server connections.
+pub async fn session_pooler_of(server_connections: u32) -> ServerProcess {
+    let kind = PgBouncer::new(server_addr(), PoolMode::Session).pool_size(server_connections);
+    tokio::task::spawn_blocking(move || ServerProcess::start(Arc::new(kind)))
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("cannot start PgBouncer: {e}"))
+}
+
 /// `holder` takes `k` for 60 s, `waiter` subscribes, `holder` releases: the
 /// waiter must hear of it long before the 60 s run out (`why_not` says
 /// what it means if it does not).
