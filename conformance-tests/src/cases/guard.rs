@@ -8,7 +8,8 @@ use distlock_core::{
 };
 
 use super::support::{
-    acquire, background_bound, eventually_acquire, expect_kind, expiry_bound, refused, within,
+    acquire, background_bound, eventually_acquire, expect_kind, expiry_bound, lock_free_key,
+    refused, within,
 };
 use crate::context::{CaseResult, TestContext};
 use crate::fault::Link;
@@ -21,10 +22,7 @@ pub async fn renewal_keeps_lock_past_ttl(ctx: TestContext) -> CaseResult {
     let other = ctx.client().await?;
     let key = ctx.key("guard");
     let ttl = ctx.short_ttl();
-    let guard = locker
-        .try_lock(&key, &LockOptions::new(ttl))
-        .await?
-        .ok_or("free key refused")?;
+    let guard = lock_free_key(&locker, &key, &LockOptions::new(ttl)).await?;
     let until = tokio::time::Instant::now() + ttl * 3;
     let mut checks = 0u32;
     while tokio::time::Instant::now() < until {
@@ -51,10 +49,7 @@ pub async fn renewal_every_period(ctx: TestContext) -> CaseResult {
     let key = ctx.key("guard");
     let ttl = ctx.short_ttl();
     let options = LockOptions::new(ttl).renewal(Renewal::Every(ttl / 10));
-    let guard = locker
-        .try_lock(&key, &options)
-        .await?
-        .ok_or("free key refused")?;
+    let guard = lock_free_key(&locker, &key, &options).await?;
     let acquired_at = guard.lease().sent_at();
     let fourth = within(
         expiry_bound(ttl),
@@ -88,10 +83,7 @@ pub async fn renewal_off_expires(ctx: TestContext) -> CaseResult {
     let key = ctx.key("guard");
     let ttl = ctx.short_ttl();
     let options = LockOptions::new(ttl).renewal(Renewal::Off);
-    let guard = locker
-        .try_lock(&key, &options)
-        .await?
-        .ok_or("free key refused")?;
+    let guard = lock_free_key(&locker, &key, &options).await?;
     let reason = within(
         expiry_bound(ttl),
         guard.lost(),
@@ -126,10 +118,7 @@ pub async fn lost_fires_when_taken(ctx: TestContext) -> CaseResult {
     let other = ctx.client().await?;
     let key = ctx.key("guard");
     let ttl = ctx.short_ttl();
-    let guard = locker
-        .try_lock(&key, &LockOptions::new(ttl))
-        .await?
-        .ok_or("free key refused")?;
+    let guard = lock_free_key(&locker, &key, &LockOptions::new(ttl)).await?;
     let signal = guard.lost_signal();
     check!(!signal.is_lost(), "lost before anything happened");
     // Delete it through the raw lease on the same client, then take it.
@@ -170,10 +159,7 @@ pub async fn lost_fires_when_deleted(ctx: TestContext) -> CaseResult {
     let locker = distlock_core::Locker::new(client.clone());
     let key = ctx.key("guard");
     let ttl = ctx.short_ttl();
-    let guard = locker
-        .try_lock(&key, &LockOptions::new(ttl))
-        .await?
-        .ok_or("free key refused")?;
+    let guard = lock_free_key(&locker, &key, &LockOptions::new(ttl)).await?;
     client.release(&guard.lease()).await?;
     let reason = within(
         expiry_bound(ttl),
@@ -199,10 +185,7 @@ pub async fn max_hold_stops_renewal(ctx: TestContext) -> CaseResult {
     let ttl = ctx.short_ttl();
     let max_hold = ttl + ttl / 2;
     let options = LockOptions::new(ttl).max_hold(max_hold);
-    let guard = locker
-        .try_lock(&key, &options)
-        .await?
-        .ok_or("free key refused")?;
+    let guard = lock_free_key(&locker, &key, &options).await?;
     refused(&other, &key, "within max hold").await?;
     let reason = within(
         max_hold + expiry_bound(ttl),
@@ -253,10 +236,7 @@ pub async fn hold_at_least_keeps_key(ctx: TestContext) -> CaseResult {
     let key = ctx.key("guard");
     let min = (ctx.short_ttl() * 2).max(Duration::from_secs(1));
     let options = LockOptions::new(ctx.long_ttl()).hold_at_least(min);
-    let guard = locker
-        .try_lock(&key, &options)
-        .await?
-        .ok_or("free key refused")?;
+    let guard = lock_free_key(&locker, &key, &options).await?;
     guard.release().await?;
     refused(
         &other,
@@ -339,10 +319,7 @@ pub async fn hold_at_least_elapsed_releases(ctx: TestContext) -> CaseResult {
     let key = ctx.key("guard");
     let min = Duration::from_millis(100);
     let options = LockOptions::new(ctx.long_ttl()).hold_at_least(min);
-    let guard = locker
-        .try_lock(&key, &options)
-        .await?
-        .ok_or("free key refused")?;
+    let guard = lock_free_key(&locker, &key, &options).await?;
     tokio::time::sleep(min * 2).await;
     guard.release().await?;
     let next = acquire(
@@ -393,10 +370,7 @@ pub async fn release_is_not_loss(ctx: TestContext) -> CaseResult {
     let locker = ctx.locker().await?;
     let key = ctx.key("guard");
     let ttl = ctx.short_ttl();
-    let guard = locker
-        .try_lock(&key, &LockOptions::new(ttl))
-        .await?
-        .ok_or("free key refused")?;
+    let guard = lock_free_key(&locker, &key, &LockOptions::new(ttl)).await?;
     let signal = guard.lost_signal();
     guard.release().await?;
     tokio::time::sleep(ttl + ttl / 2).await;
@@ -452,10 +426,7 @@ pub async fn short_max_hold_ends_lock_early(ctx: TestContext) -> CaseResult {
     let key = ctx.key("guard");
     let max_hold = ctx.short_ttl();
     let options = LockOptions::new(ctx.long_ttl()).max_hold(max_hold);
-    let guard = locker
-        .try_lock(&key, &options)
-        .await?
-        .ok_or("free key refused")?;
+    let guard = lock_free_key(&locker, &key, &options).await?;
     let reason = within(
         expiry_bound(max_hold),
         guard.lost(),
@@ -546,10 +517,7 @@ pub async fn lost_fires_a_stop_margin_before_expiry(ctx: TestContext) -> CaseRes
     let options = LockOptions::new(ttl)
         .renewal(Renewal::Off)
         .stop_margin(ttl - Duration::from_secs(1));
-    let guard = locker
-        .try_lock(&key, &options)
-        .await?
-        .ok_or("free key refused")?;
+    let guard = lock_free_key(&locker, &key, &options).await?;
     check!(
         guard.stop_moment() < guard.lease().valid_until(),
         "the stop moment is before the lease's conservative expiry"

@@ -4,7 +4,8 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use distlock_core::{
-    AcquireAttempt, ErrorKind, FencingToken, Lease, LockClient, LockError, LockKey, LockState,
+    AcquireAttempt, ErrorKind, FencingToken, Lease, LockClient, LockError, LockGuard, LockKey,
+    LockOptions, LockState, Locker,
 };
 
 use crate::context::{CaseError, TestContext};
@@ -56,6 +57,36 @@ pub async fn acquire(
         Err(e) => Err(CaseError(format!(
             "{what}: try_acquire of {key:?} failed: {e}"
         ))),
+    }
+}
+
+/// `Locker::try_lock` of a key nobody holds, for cases about what a guard
+/// does once it holds a lock (not about how fast a grant arrives). A grant
+/// that came back too late to use for its short TTL (a loaded machine:
+/// the client gives it back and says `Timeout`) is tried again, a few
+/// times, after the client has given back what it took; any other error,
+/// or a refusal, ends the case.
+pub async fn lock_free_key(
+    locker: &Locker,
+    key: &LockKey,
+    options: &LockOptions,
+) -> Result<LockGuard, CaseError> {
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match locker.try_lock(key, options).await {
+            Ok(Some(guard)) => return Ok(guard),
+            Ok(None) => return Err(format!("free key {:?} refused", key.as_str()).into()),
+            Err(e) if e.kind() == ErrorKind::Timeout && tries < 5 => {
+                within(
+                    Duration::from_secs(30),
+                    locker.client().idle(),
+                    "the give-back of a late grant",
+                )
+                .await?;
+            }
+            Err(e) => return Err(e.into()),
+        }
     }
 }
 
