@@ -289,10 +289,7 @@ impl Requests {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, etcd_client::Error>>,
     {
-        self.send_within(self.options.operation_timeout, what, repeat, send, |_| {
-            false
-        })
-        .await
+        self.send_until(self.deadline(), what, repeat, send).await
     }
 
     /// When an operation that starts now must end: its operation timeout

@@ -226,6 +226,22 @@ async fn waiters_behind_a_transaction_pooler_without_listen_url_poll() {
 /// clients if every one of them completed; otherwise every error must be
 /// a connect-time `Config` error naming the pooler parameters, and there
 /// must be no client that completed — a URL that half works fails the test.
+/// Every client ended up in `mode` with wake-ups from the server, and a
+/// release by the first wakes a waiter of the second.
+async fn assert_mode_and_woken(clients: &[Pg], mode: PoolMode) {
+    for lock in clients {
+        assert_eq!(lock.backend.pool_mode(), mode);
+        assert!(lock.backend.capabilities().native_wait);
+    }
+    assert_release_heard(
+        &clients[0],
+        &clients[1],
+        &key("heard"),
+        "the waiter was not woken",
+    )
+    .await;
+}
+
 async fn all_or_none(url: &str, clients: usize) -> Option<Vec<Pg>> {
     let mut tasks = Vec::new();
     for i in 0..clients {
@@ -359,27 +375,13 @@ async fn a_plain_url_with_listen_url_through_a_transaction_pooler_wakes_waiters(
         percent_encode(&server().url())
     );
     let clients = all_or_none(&url, 4).await.expect("the clients work");
-    for lock in &clients {
-        assert_eq!(lock.backend.pool_mode(), PoolMode::Transaction);
-        assert!(lock.backend.capabilities().native_wait);
-    }
-    assert_release_heard(
-        &clients[0],
-        &clients[1],
-        &key("heard"),
-        "the waiter was not woken",
-    )
-    .await;
+    assert_mode_and_woken(&clients, PoolMode::Transaction).await;
 }
 
 #[tokio::test]
 async fn a_direct_connection_is_not_taken_for_a_transaction_pooler() {
     let url = format!("{}?namespace={}", server().url(), random_name("direct"));
     let clients = all_or_none(&url, 4).await.expect("direct clients work");
-    for lock in &clients {
-        assert_eq!(lock.backend.pool_mode(), PoolMode::Session);
-        assert!(lock.backend.capabilities().native_wait);
-    }
     // Prepared statements: sqlx's cache holds the lock statements.
     let prepared: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'sqlx_s_%'",
@@ -391,13 +393,7 @@ async fn a_direct_connection_is_not_taken_for_a_transaction_pooler() {
         prepared > 0,
         "no prepared statements on a direct connection"
     );
-    assert_release_heard(
-        &clients[0],
-        &clients[1],
-        &key("heard"),
-        "the waiter was not woken",
-    )
-    .await;
+    assert_mode_and_woken(&clients, PoolMode::Session).await;
 }
 
 #[tokio::test]
@@ -410,17 +406,7 @@ async fn a_session_pooler_is_not_taken_for_a_transaction_pooler() {
     let clients = all_or_none(&url, 6)
         .await
         .expect("clients through a session pool work");
-    for lock in &clients {
-        assert_eq!(lock.backend.pool_mode(), PoolMode::Session);
-        assert!(lock.backend.capabilities().native_wait);
-    }
-    assert_release_heard(
-        &clients[0],
-        &clients[1],
-        &key("heard"),
-        "the waiter was not woken",
-    )
-    .await;
+    assert_mode_and_woken(&clients, PoolMode::Session).await;
 }
 
 #[tokio::test]
