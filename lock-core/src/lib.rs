@@ -78,7 +78,7 @@ pub use options::{LockOptions, Renewal};
 pub use run::{run_exclusive, JobContext, OnLost, RunOptions, RunOutcome};
 pub use schedule::{Fire, ScheduledJob, ScheduledOutcome, SkipReason};
 pub use semaphore::{PermitReply, PermitRequest, SemaphoreBackend};
-pub use tls::{TlsFiles, TlsPem};
+pub use tls::{TlsAdvice, TlsFailure, TlsFiles, TlsPem};
 pub use url::{LockUrl, UrlHost};
 
 /// Re-exported so backends implement [`LockBackend`] with the same

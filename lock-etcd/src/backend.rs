@@ -339,14 +339,7 @@ impl EtcdLock {
                 None
             };
             if let Ok(Some(refusal)) = tokio::time::timeout(left, diagnose).await {
-                let explained = if config.client.tls.cert_file.is_none() {
-                    format!(
-                        "the etcd server requires a client certificate (without one it ended the connection: {refusal}); give one signed by a CA in etcd's --trusted-ca-file with tls_cert_file=PATH&tls_key_file=PATH"
-                    )
-                } else {
-                    crate::tls::explain(&refusal)
-                };
-                return Some(LockError::config(format!("{what}: {explained}")));
+                return Some(crate::tls::error(what, &refusal));
             }
         }
         let _ = (what, left);
