@@ -338,7 +338,11 @@ impl LockClient {
                     tracing::debug!("lock released");
                     Ok(())
                 }
-                ReleaseReply::NotHeld => {
+                ReleaseReply::NotHeldAfterResend if !lease.is_expired() => {
+                    tracing::debug!("lock gone when the release was resent: released by its first send");
+                    Ok(())
+                }
+                ReleaseReply::NotHeld | ReleaseReply::NotHeldAfterResend => {
                     tracing::debug!("lock not held on release");
                     Err(LockError::not_held(format!(
                         "lock {:?} is no longer held by this lease (released already, expired or taken over)",
