@@ -98,14 +98,7 @@ pub async fn unchanged_by_extend(ctx: TestContext) -> CaseResult {
 pub async fn unchanged_by_guard_renewal(ctx: TestContext) -> CaseResult {
     let locker = ctx.locker().await?;
     let key = ctx.key("fencing");
-    // The TTL is not what this case is about: long enough that a loaded
-    // machine still renews in time (a 200 ms TTL's grants came back too
-    // late to use, and renewals could miss), short enough for a few
-    // renewals in the case's time.
-    let ttl = ctx
-        .capabilities()
-        .effective_ttl(Duration::from_secs(2))
-        .unwrap_or(Duration::from_secs(2));
+    let ttl = ctx.steady_ttl();
     let options = LockOptions::new(ttl).renewal(Renewal::Every(ttl / 4));
     let guard = lock_free_key(&locker, &key, &options).await?;
     let token = guard.fencing_token();

@@ -293,14 +293,8 @@ pub async fn one_run_per_fire_with_skewed_clocks(ctx: TestContext) -> CaseResult
 /// A run that outlasts its period makes the next fire skip as "previous
 /// still running", never run concurrently.
 pub async fn long_run_skips_next_fire(ctx: TestContext) -> CaseResult {
-    // A TTL that a loaded machine renews in time over the 1.5 s run (with
-    // 200 ms the long run was lost as Expired under stress-ng); expiry is
-    // not what this case is about.
-    let ttl = ctx
-        .capabilities()
-        .effective_ttl(Duration::from_secs(3))
-        .unwrap_or(Duration::from_secs(3));
-    let job = ScheduledJob::new(ctx.key("long").as_str(), Duration::from_millis(500))?.ttl(ttl);
+    let job = ScheduledJob::new(ctx.key("long").as_str(), Duration::from_millis(500))?
+        .ttl(ctx.steady_ttl());
     let a = Locker::new(ctx.client().await?);
     let b = Locker::new(ctx.client().await?);
     let first = SystemTime::now();
@@ -369,7 +363,7 @@ pub async fn failed_run_start_frees_the_fire(ctx: TestContext) -> CaseResult {
 /// A run stopped because its lock was lost did not run the fire to
 /// the end: the fire key is released so another instance can run it.
 pub async fn lost_run_frees_the_fire(ctx: TestContext) -> CaseResult {
-    let ttl = ctx.short_ttl();
+    let ttl = ctx.steady_ttl();
     let job = ScheduledJob::new(ctx.key("lost-run").as_str(), Duration::from_secs(60))?.ttl(ttl);
     let observed = Arc::new(ObservedLock::new(ctx.client().await?));
     let thief = ctx.client().await?;
