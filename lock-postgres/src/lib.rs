@@ -229,10 +229,14 @@ mod errors;
 mod keys;
 mod listener;
 mod probe;
+mod semaphore;
 mod sql;
 
 pub use backend::PostgresLock;
-pub use config::{PoolMode, PostgresConfig, DEFAULT_POLL_INTERVAL, DEFAULT_SCHEMA, DEFAULT_TABLE};
+pub use config::{
+    PoolMode, PostgresConfig, DEFAULT_POLL_INTERVAL, DEFAULT_SCHEMA, DEFAULT_SEMAPHORE_TABLE,
+    DEFAULT_TABLE,
+};
 pub use keys::{channel_name, MAX_IDENTIFIER_BYTES};
 /// The driver, for building pools and connect options by hand.
 pub use sqlx;
