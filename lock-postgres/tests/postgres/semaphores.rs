@@ -9,7 +9,6 @@ use distlock_core::{
     ErrorKind, ExtendReply, Grant, HeldLock, LockKey, OwnerToken, PermitReply, PermitRequest,
     ReleaseReply, SemaphoreBackend,
 };
-use distlock_postgres::PostgresConfig;
 
 use super::support::*;
 
@@ -57,7 +56,8 @@ fn semaphore_table(lock: &Pg) -> String {
 /// The semaphore row of `k`: its limit, fencing counter, and each permit's
 /// owner, fencing token and milliseconds left by the database clock.
 async fn semaphore_row(lock: &Pg, k: &LockKey) -> Option<(i64, i64, Vec<(String, i64, i64)>)> {
-    let row: Option<(i64, i64, Vec<String>, Vec<i64>, Vec<i64>)> = sqlx::query_as(&format!(
+    type Row = (i64, i64, Vec<String>, Vec<i64>, Vec<i64>);
+    let row: Option<Row> = sqlx::query_as(&format!(
         "SELECT permit_limit, fencing, owners, fencings,
                 ARRAY(SELECT floor(extract(epoch FROM (e - clock_timestamp())) * 1000)::bigint
                       FROM unnest(expires) WITH ORDINALITY AS x (e, n) ORDER BY n)
@@ -86,12 +86,7 @@ async fn a_permit_attempt_whose_reply_was_lost_is_adopted_by_the_next_with_its_o
     let ns = random_name("adopt_permit");
     // One connection, whose permit statement is prepared before replies
     // are held (preparing it takes a round trip of its own).
-    let config = PostgresConfig::from_url(&format!(
-        "{proxied}?namespace={ns}&operation_timeout_ms=1000"
-    ))
-    .unwrap()
-    .max_connections(1);
-    let late = Pg::with_config(config).await;
+    let late = one_connection(&proxied, &ns).await;
     let direct = client(&ns).await;
     let warm_key = key("warm-up");
     let warm_owner = OwnerToken::random();

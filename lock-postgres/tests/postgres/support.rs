@@ -134,6 +134,17 @@ pub async fn proxied() -> (Proxy, String) {
     (proxy, url)
 }
 
+/// A client of one pooled connection at `url` in namespace `ns`, whose
+/// statements time out after 1 s: a test that holds its replies knows
+/// which statement is in flight.
+pub async fn one_connection(url: &str, ns: &str) -> Pg {
+    let config =
+        PostgresConfig::from_url(&format!("{url}?namespace={ns}&operation_timeout_ms=1000"))
+            .unwrap()
+            .max_connections(1);
+    Pg::with_config(config).await
+}
+
 /// Stalls every connection open through `proxy` now, in both directions,
 /// for longer than any test: a partition that lost those flows. Connections
 /// opened later work.
