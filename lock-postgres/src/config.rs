@@ -464,6 +464,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_semaphore_table_is_named_apart_from_the_lock_table() {
+        let config = PostgresConfig::from_url("postgres://u@h/db").unwrap();
+        assert_eq!(config.semaphore_table_name(), DEFAULT_SEMAPHORE_TABLE);
+        let config = PostgresConfig::from_url("postgres://u@h/db?semaphore_table=sem").unwrap();
+        assert_eq!(config.semaphore_table_name(), "sem");
+        let same = PostgresConfig::from_url("postgres://u@h/db?table=x&semaphore_table=x");
+        assert_eq!(same.unwrap_err().kind(), ErrorKind::Config);
+        assert!(PostgresConfig::from_url("postgres://u@h/db?semaphore_table=").is_err());
+    }
+
+    #[test]
     fn parses_our_parameters() {
         let config = PostgresConfig::from_url(
             "postgres://u:p@127.0.0.1:5/db?sslmode=disable&schema=s%22x&table=t&namespace=n",
