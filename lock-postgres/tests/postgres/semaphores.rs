@@ -296,3 +296,23 @@ async fn a_semaphore_row_edited_into_an_impossible_state_is_reported_not_overwri
         );
     }
 }
+
+#[tokio::test]
+async fn serializable_default_isolation_never_fails_concurrent_permit_attempts() {
+    // As for locks (see rows.rs): concurrent writes of one semaphore row
+    // conflict under a serializable default (SQLSTATE 40001), and such a
+    // statement was rolled back, so it is sent again.
+    let lock = serializable_client().await;
+
+    let errors = contended_rounds(&lock, 3, |lock, k| async move {
+        lock.try_acquire_permit(&k, 3, Duration::from_secs(30))
+            .await
+    })
+    .await;
+    assert!(
+        errors.is_empty(),
+        "{} of 160 permit attempts failed, e.g. {:?}",
+        errors.len(),
+        errors.first()
+    );
+}
