@@ -316,3 +316,56 @@ async fn serializable_default_isolation_never_fails_concurrent_permit_attempts()
         errors.first()
     );
 }
+
+#[tokio::test]
+async fn permits_work_through_a_transaction_pooler_found_at_connect_and_waiters_poll() {
+    // Fewer server connections than the clients open: transactions move
+    // between server sessions, so only the simple protocol works, and the
+    // semaphore table (one of its own) is created through the pooler.
+    let pooler = transaction_pooler_of(2).await;
+    let url = format!(
+        "{}?namespace={}&semaphore_table={}&poll_interval_ms=50",
+        pooler.url(),
+        random_name("pooled_sem"),
+        random_name("pooled_semaphores")
+    );
+    let holder = Pg::connect(&url).await;
+    let waiter = Pg::connect(&url).await;
+    for lock in [&holder, &waiter] {
+        assert_eq!(
+            lock.backend.pool_mode(),
+            distlock_postgres::PoolMode::Transaction
+        );
+        // Nothing can wake a permit waiter through the pooler: it polls.
+        assert!(semaphores(lock)
+            .watch_permits(&key("x"))
+            .await
+            .unwrap()
+            .is_none());
+    }
+    let k = key("handed-over");
+    let ttl = Duration::from_secs(60);
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let attempt = holder.try_acquire_permit(&k, 2, ttl).await.unwrap();
+        held.push(attempt.lease().expect("a free permit"));
+    }
+    let extended = holder.extend(&held[0], ttl).await.unwrap();
+    assert_eq!(extended.fencing_token(), held[0].fencing_token());
+    let waiting = {
+        let (waiter, k) = (waiter.clone(), k.clone());
+        tokio::spawn(async move {
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            waiter.acquire_permit(&k, 2, ttl, deadline).await
+        })
+    };
+    holder.release(&held[0]).await.unwrap();
+    let got = waiting
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("the waiter gets the returned permit long before the holder's 60 s");
+    assert!(got.fencing_token() > held[1].fencing_token());
+    waiter.release(&got).await.unwrap();
+    holder.release(&held[1]).await.unwrap();
+}
