@@ -332,7 +332,8 @@ impl PostgresConfig {
     }
 
     /// Sets the most connections the client's pool opens (default 8), not
-    /// counting the one listener connection for waiters.
+    /// counting the listener connections for waiters (one for lock waiters,
+    /// one for permit waiters, each opened with its first waiter).
     pub fn max_connections(mut self, max: u32) -> Self {
         self.max_connections = max.max(1);
         self
