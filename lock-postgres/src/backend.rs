@@ -212,7 +212,7 @@ impl PostgresLock {
         }
     }
 
-    pub(crate) fn protocol(&self) -> Protocol {
+    fn protocol(&self) -> Protocol {
         if self.simple.load(Ordering::Relaxed) {
             Protocol::Simple
         } else {
@@ -246,12 +246,7 @@ impl PostgresLock {
         &self.config.client.namespace
     }
 
-    pub(crate) fn map_err(
-        &self,
-        error: sqlx::Error,
-        what: &str,
-        key: Option<&LockKey>,
-    ) -> LockError {
+    fn map_err(&self, error: sqlx::Error, what: &str, key: Option<&LockKey>) -> LockError {
         errors::map(
             error,
             what,
@@ -396,8 +391,7 @@ impl PostgresLock {
     }
 
     /// Whether the catalog query `call` answers `exists = true`.
-    async fn exists(&self, call: Call) -> Result<bool, LockError> {
-        let what = "creating a distlock table";
+    async fn exists(&self, what: &str, call: Call) -> Result<bool, LockError> {
         match self.fetch(what, None, call, None).await?.row {
             Some(row) => row
                 .try_get("exists")
@@ -409,14 +403,11 @@ impl PostgresLock {
     }
 
     /// Creates schema and table once per client (cheap afterwards).
-    pub(crate) async fn ensure_table(&self) -> Result<(), LockError> {
+    async fn ensure_table(&self) -> Result<(), LockError> {
         self.table_ready
             .get_or_try_init(|| async {
-                let table = self.table();
-                let create = self.create_table(&table, &self.sql.create_table);
-                self.config
-                    .client
-                    .timed("creating the lock table", create)
+                let (what, table) = ("creating the lock table", self.table());
+                self.create_table(what, &table, &self.sql.create_table)
                     .await
             })
             .await
@@ -424,22 +415,31 @@ impl PostgresLock {
     }
 
     /// Creates the table `qualified` with `create` (and the schema) unless
-    /// it exists.
+    /// it exists, within the operation timeout; errors say `what`.
     pub(crate) async fn create_table(
         &self,
+        what: &str,
         qualified: &str,
         create: &Arc<sql::Sql>,
     ) -> Result<(), LockError> {
-        if self
-            .exists(self.call(&self.sql.table_exists, vec![Arg::text(qualified)]))
-            .await?
-        {
+        let created = self.create_table_untimed(what, qualified, create);
+        self.config.client.timed(what, created).await
+    }
+
+    async fn create_table_untimed(
+        &self,
+        what: &str,
+        qualified: &str,
+        create: &Arc<sql::Sql>,
+    ) -> Result<(), LockError> {
+        let exists = self.call(&self.sql.table_exists, vec![Arg::text(qualified)]);
+        if self.exists(what, exists).await? {
             return Ok(());
         }
         let mut attempt = 0;
         loop {
             attempt += 1;
-            match self.create_table_once(create).await {
+            match self.create_table_once(what, create).await {
                 Ok(()) => {
                     tracing::debug!(table = %qualified, "table ready");
                     return Ok(());
@@ -454,15 +454,12 @@ impl PostgresLock {
         }
     }
 
-    async fn create_table_once(&self, create: &Arc<sql::Sql>) -> Result<(), LockError> {
-        let what = "creating a distlock table";
-        if !self
-            .exists(self.call(
-                &self.sql.schema_exists,
-                vec![Arg::text(&self.config.schema)],
-            ))
-            .await?
-        {
+    async fn create_table_once(&self, what: &str, create: &Arc<sql::Sql>) -> Result<(), LockError> {
+        let schema = self.call(
+            &self.sql.schema_exists,
+            vec![Arg::text(&self.config.schema)],
+        );
+        if !self.exists(what, schema).await? {
             // Sent once: no statement to cache.
             let call = Call::new(Protocol::Simple, &self.sql.create_schema, Vec::new());
             self.fetch(what, None, call, None).await?;

@@ -81,10 +81,8 @@ impl PostgresLock {
         semaphores
             .table_ready
             .get_or_try_init(|| {
-                self.config().client.timed(
-                    "creating the semaphore table",
-                    self.create_table(&semaphores.table, &semaphores.sql.create_table),
-                )
+                let what = "creating the semaphore table";
+                self.create_table(what, &semaphores.table, &semaphores.sql.create_table)
             })
             .await
             .map(|_| ())
@@ -95,7 +93,7 @@ impl PostgresLock {
         LockError::corrupted(format!(
             "the row for semaphore {:?} in namespace {:?} of {} is not in the form distlock writes; it is left untouched",
             key.as_str(),
-            self.config().client.namespace,
+            self.namespace(),
             self.semaphores.table
         ))
     }
@@ -114,7 +112,7 @@ impl PostgresLock {
         let key = permit.key;
         self.ensure_semaphores().await?;
         let args = vec![
-            Arg::text(&self.config().client.namespace),
+            Arg::text(self.namespace()),
             Arg::text(key.as_str()),
             Arg::Text(permit.owner.to_hex()),
             Arg::Int(fencing),
@@ -138,7 +136,7 @@ impl SemaphoreBackend for PostgresLock {
         let call = self.call(
             &self.semaphores.sql.acquire,
             vec![
-                Arg::text(&self.config().client.namespace),
+                Arg::text(self.namespace()),
                 Arg::text(key.as_str()),
                 Arg::Text(request.owner.to_hex()),
                 Arg::Int(ttl_millis(request.ttl)),
