@@ -67,6 +67,7 @@ pub use client::{AcquireAttempt, LockClient};
 pub use client_options::{with_timeout, ClientOptions, DEFAULT_NAMESPACE, MAX_TIMEOUT};
 pub use error::{ErrorKind, LockError};
 pub use guard::{LockGuard, LostReason, LostSignal};
+pub use instrument::describe_metrics;
 pub use job_key::JobKey;
 pub use key::{LockKey, MAX_KEY_BYTES};
 pub use lease::{FencingToken, Lease, OwnerToken};
