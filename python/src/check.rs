@@ -38,7 +38,9 @@ pub fn permits(value: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u32>> {
         return Ok(None);
     };
     // bool is an int subclass in Python, and never meant as a count here.
-    if value.is_instance_of::<pyo3::types::PyBool>() || !value.is_instance_of::<pyo3::types::PyInt>() {
+    if value.is_instance_of::<pyo3::types::PyBool>()
+        || !value.is_instance_of::<pyo3::types::PyInt>()
+    {
         return Err(invalid_input(format!(
             "permits must be an int (how many holders at once), not {}",
             type_name(value)

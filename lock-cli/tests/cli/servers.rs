@@ -463,9 +463,15 @@ fn ten_processes_share_three_permits(url: &str) {
                 (0..5)
                     .map(|run| {
                         let output = finish(
-                            run_sh(&url, &key, &["--permits", "3", "--wait", "60s"], &dir, script)
-                                .spawn()
-                                .expect("spawn"),
+                            run_sh(
+                                &url,
+                                &key,
+                                &["--permits", "3", "--wait", "60s"],
+                                &dir,
+                                script,
+                            )
+                            .spawn()
+                            .expect("spawn"),
                         );
                         (worker, run, code(&output), stderr(&output))
                     })
