@@ -268,6 +268,7 @@ mod eviction;
 mod keys;
 mod listener;
 mod scripts;
+mod semaphore;
 mod sentinel;
 mod tls;
 
