@@ -285,6 +285,17 @@ impl TestContext {
             .unwrap_or(Duration::from_secs(1))
     }
 
+    /// A TTL for a case that needs its guard's renewals to succeed but is
+    /// not about expiry: long enough that a loaded 2-core machine renews in
+    /// time (at 200 ms, grants came back too late to use and renewals
+    /// missed their stop moment under stress-ng), short enough for a few
+    /// renewals in a case's time. 2 s, or the backend's minimum above it.
+    pub fn steady_ttl(&self) -> Duration {
+        self.capabilities
+            .effective_ttl(Duration::from_secs(2))
+            .unwrap_or(Duration::from_secs(2))
+    }
+
     /// A TTL no case outlives.
     pub fn long_ttl(&self) -> Duration {
         Duration::from_secs(60)

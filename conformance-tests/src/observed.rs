@@ -228,7 +228,9 @@ impl ObservedLock {
             _ => self.inner.release(granted.held()).await?,
         };
         match reply {
-            ReleaseReply::Released => Ok(()),
+            // A resend that found it gone: most likely released by the
+            // first send, and the holder is not told either way.
+            ReleaseReply::Released | ReleaseReply::NotHeldAfterResend => Ok(()),
             ReleaseReply::NotHeld => Err(LockError::not_held(format!(
                 "lock {:?} was no longer held when released behind its holder's back",
                 granted.key.as_str()

@@ -226,7 +226,7 @@ impl Failure {
             ErrorKind::Config | ErrorKind::Unsupported | ErrorKind::Corrupted => code::CONFIG,
             _ => code::SOFTWARE,
         };
-        Self::new(code, format!("{context}: {}", final_text(error)))
+        Self::new(code, format!("{context}: {error}"))
     }
 
     /// The same failure, saying that `run` did not start CMD (for failures
@@ -235,19 +235,6 @@ impl Failure {
         self.message.push_str(&format!("; not running `{what}`"));
         self
     }
-}
-
-/// `error`'s text for a message after which distlock exits. The backends
-/// word some transient errors for a caller that goes on retrying ("it will
-/// be retried"); distlock reports such an error only once it has stopped
-/// retrying (a --wait that ran out, or none), so that clause would not be
-/// true here.
-fn final_text(error: &LockError) -> String {
-    let mut text = error.to_string();
-    for clause in [", it will be retried", "; it will be retried"] {
-        text = text.replace(clause, "");
-    }
-    text
 }
 
 /// Parses the arguments, with the help texts that are built at run time
@@ -688,7 +675,7 @@ async fn run(args: RunArgs) -> Result<u8, Failure> {
             key = key.as_str(),
             fencing = %fencing,
             "releasing lock {key:?} after `{what}` finished failed ({}); it expires after its TTL",
-            final_text(&e)
+            e
         );
     }
     Ok(exit_code_of(status))

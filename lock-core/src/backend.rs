@@ -126,6 +126,16 @@ pub enum ReleaseReply {
     Released,
     /// Not held by this owner: nothing changed.
     NotHeld,
+    /// Not held by this owner when a resend of this release arrived, after
+    /// an earlier send whose outcome is unknown (no reply in time, a lost
+    /// connection): that send may have been the one that released it. For
+    /// a backend that cannot recognise its own earlier release on the
+    /// server (Redis keeps a released-by marker and answers `Released`).
+    /// The client reports the release as done while the lease is still
+    /// valid by its conservative clock (nothing but a release, this one or
+    /// an operator's force-release, frees a lock before then), and as
+    /// [`NotHeld`](Self::NotHeld) after.
+    NotHeldAfterResend,
 }
 
 /// A lock server, reduced to what it must do atomically.

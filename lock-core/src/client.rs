@@ -283,10 +283,13 @@ impl LockClient {
             let ttl = self.inner.capabilities.effective_ttl(ttl)?;
             let sent_at = Instant::now();
             let reply = match lease.permit_limit() {
-                None => self.raw().extend(lease.held(), ttl).await?,
+                None => {
+                    self.timed("extend", self.raw().extend(lease.held(), ttl))
+                        .await?
+                }
                 Some(_) => {
-                    self.semaphore_or_error()?
-                        .extend_permit(lease.held(), ttl)
+                    let semaphore = self.semaphore_or_error()?;
+                    self.timed("extend_permit", semaphore.extend_permit(lease.held(), ttl))
                         .await?
                 }
             };
@@ -330,15 +333,23 @@ impl LockClient {
         let result = async {
             self.check_issuer(lease)?;
             let reply = match lease.permit_limit() {
-                None => self.raw().release(lease.held()).await?,
-                Some(_) => self.semaphore_or_error()?.release_permit(lease.held()).await?,
+                None => self.timed("release", self.raw().release(lease.held())).await?,
+                Some(_) => {
+                    let semaphore = self.semaphore_or_error()?;
+                    self.timed("release_permit", semaphore.release_permit(lease.held()))
+                        .await?
+                }
             };
             match reply {
                 ReleaseReply::Released => {
                     tracing::debug!("lock released");
                     Ok(())
                 }
-                ReleaseReply::NotHeld => {
+                ReleaseReply::NotHeldAfterResend if !lease.is_expired() => {
+                    tracing::debug!("lock gone when the release was resent: released by its first send");
+                    Ok(())
+                }
+                ReleaseReply::NotHeld | ReleaseReply::NotHeldAfterResend => {
                     tracing::debug!("lock not held on release");
                     Err(LockError::not_held(format!(
                         "lock {:?} is no longer held by this lease (released already, expired or taken over)",
@@ -400,6 +411,19 @@ impl LockClient {
         }
     }
 
+    /// One call into the backend, timed for the operation-latency
+    /// histogram (every raw acquire, extend and release goes through here).
+    async fn timed<T>(
+        &self,
+        op: &'static str,
+        call: impl Future<Output = Result<T, LockError>>,
+    ) -> Result<T, LockError> {
+        let started = Instant::now();
+        let result = call.await;
+        instrument::operation(self.name(), op, started.elapsed());
+        result
+    }
+
     fn count_error<T>(&self, op: &'static str, result: &Result<T, LockError>) {
         if let Err(e) = result {
             instrument::error(self.name(), op, e);
@@ -442,7 +466,7 @@ impl LockClient {
                         renewing: attempt.renewing,
                         settling: attempt.settling,
                     };
-                    self.raw().acquire(request).await?
+                    self.timed("acquire", self.raw().acquire(request)).await?
                 }
                 Some(limit) => {
                     let request = PermitRequest {
@@ -453,7 +477,11 @@ impl LockClient {
                         renewing: attempt.renewing,
                         settling: attempt.settling,
                     };
-                    match self.semaphore_or_error()?.acquire_permit(request).await? {
+                    let semaphore = self.semaphore_or_error()?;
+                    match self
+                        .timed("acquire_permit", semaphore.acquire_permit(request))
+                        .await?
+                    {
                         PermitReply::Granted(grant) => AcquireReply::Granted(grant),
                         PermitReply::Full { expires_in } => AcquireReply::Held { expires_in },
                         PermitReply::LimitMismatch { stored } => {

@@ -94,6 +94,9 @@ struct Shared {
     granted_at: Instant,
     hold_at_least: Option<Duration>,
     stop_margin: Duration,
+    /// This guard in the held-locks gauge: ended on release or loss, and at
+    /// the latest when the last owner of `Shared` drops it.
+    holding: instrument::Holding,
 }
 
 impl Shared {
@@ -112,7 +115,7 @@ impl Shared {
                     LostReason::Expired => "expired",
                 },
             );
-            instrument::held(self.client.name(), self.acquired_at.elapsed());
+            self.holding.end();
             self.lost.fire(reason);
         }
     }
@@ -128,10 +131,14 @@ impl Shared {
     /// Releases, or, with hold-at-least (unless `now`), shortens the lease
     /// so it ends when the minimum hold time is over.
     async fn release(&self, now: bool) -> Result<(), LockError> {
+        let result = self.give_back(now).await;
+        // Whatever the answer: the guard is done with the lock.
+        self.holding.end();
+        result
+    }
+
+    async fn give_back(&self, now: bool) -> Result<(), LockError> {
         let lease = self.lease();
-        if !self.lost.is_lost() {
-            instrument::held(self.client.name(), self.acquired_at.elapsed());
-        }
         if let Some(min) = self.hold_at_least.filter(|_| !now) {
             let keep_until = later(self.granted_at, min);
             let remaining = keep_until.saturating_duration_since(Instant::now());
@@ -193,6 +200,7 @@ impl LockGuard {
             .and_then(|max| acquired_at.checked_add(max));
         let stop_margin = options.stop_margin_for(lease.ttl());
         let shared = Arc::new(Shared {
+            holding: instrument::Holding::start(client.name(), acquired_at),
             client,
             lease: Mutex::new(lease),
             lost: LostSignal::default(),
@@ -371,11 +379,17 @@ async fn keep_alive(
         let result = tokio::select! {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep_until(stop_at.into()) => {
+                if !ttl.is_zero() {
+                    instrument::renewal(shared.client.name(), false);
+                }
                 shared.mark_lost(LostReason::Expired);
                 return;
             }
             result = extend => result,
         };
+        if !matches!(result, Ok(None)) {
+            instrument::renewal(shared.client.name(), result.is_ok());
+        }
         match result {
             Ok(Some(renewed)) => {
                 tracing::trace!(key = %renewed.key(), fencing = %renewed.fencing_token(), "lock renewed");

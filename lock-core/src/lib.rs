@@ -67,6 +67,7 @@ pub use client::{AcquireAttempt, LockClient};
 pub use client_options::{with_timeout, ClientOptions, DEFAULT_NAMESPACE, MAX_TIMEOUT};
 pub use error::{ErrorKind, LockError};
 pub use guard::{LockGuard, LostReason, LostSignal};
+pub use instrument::describe_metrics;
 pub use job_key::JobKey;
 pub use key::{LockKey, MAX_KEY_BYTES};
 pub use lease::{FencingToken, Lease, OwnerToken};
@@ -78,7 +79,7 @@ pub use options::{LockOptions, Renewal};
 pub use run::{run_exclusive, JobContext, OnLost, RunOptions, RunOutcome};
 pub use schedule::{Fire, ScheduledJob, ScheduledOutcome, SkipReason};
 pub use semaphore::{PermitReply, PermitRequest, SemaphoreBackend};
-pub use tls::{TlsFiles, TlsPem};
+pub use tls::{TlsAdvice, TlsFailure, TlsFiles, TlsPem};
 pub use url::{LockUrl, UrlHost};
 
 /// Re-exported so backends implement [`LockBackend`] with the same

@@ -1,5 +1,6 @@
-//! The TLS files every backend accepts, read once with errors that name the
-//! file and the parameter.
+//! TLS, once for every backend: the files every backend accepts (read with
+//! errors that name the file and the parameter), and what a failed TLS
+//! connection means ([`TlsFailure`]) in words that say what to change.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -129,6 +130,169 @@ async fn read_pem(parameter: &str, path: &Path, label: &str) -> Result<Vec<u8>, 
     Ok(bytes)
 }
 
+/// Why a TLS connection failed, as far as a client can tell. Each backend
+/// finds it in its driver's error ([`of_rustls`](Self::of_rustls) where the
+/// driver keeps rustls' verdict, [`of_text`](Self::of_text) where only its
+/// text survives); the wording and the advice are written here, once.
+///
+/// ```
+/// use distlock_core::{ErrorKind, TlsAdvice, TlsFailure};
+/// let advice = TlsAdvice {
+///     server: "redis",
+///     trust: "tls_ca_file=PATH",
+///     client_certificate: "tls_cert_file=PATH and tls_key_file=PATH",
+///     plaintext: "use redis:// instead of rediss://",
+/// };
+/// let failure = TlsFailure::of_text("invalid peer certificate: UnknownIssuer").unwrap();
+/// assert_eq!(failure, TlsFailure::Untrusted);
+/// let err = failure.error("connecting", "UnknownIssuer", &advice);
+/// assert_eq!(err.kind(), ErrorKind::Config);
+/// assert!(err.to_string().contains("tls_ca_file=PATH"));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TlsFailure {
+    /// The server's certificate is not signed by a CA the client trusts.
+    Untrusted,
+    /// The server's certificate does not name the host connected to.
+    HostName,
+    /// The server's certificate has expired or is not valid yet.
+    NotValidNow,
+    /// The server refused the client's certificate, or its absence.
+    ClientRefused,
+    /// The server answered with something other than TLS.
+    NotTls,
+    /// The handshake failed otherwise.
+    Handshake,
+}
+
+/// What a backend's users change for each [`TlsFailure`]: the server's name
+/// and the URL parameters or scheme that fix it.
+#[derive(Debug, Clone, Copy)]
+pub struct TlsAdvice {
+    /// The server, as users call it (`redis`, `etcd`, `PostgreSQL`).
+    pub server: &'static str,
+    /// How to trust the CA that signed the server's certificate.
+    pub trust: &'static str,
+    /// How to give a client certificate and its key.
+    pub client_certificate: &'static str,
+    /// What to do if the server does not serve TLS on that port.
+    pub plaintext: &'static str,
+}
+
+impl TlsFailure {
+    /// The failure rustls' verdict on a handshake means.
+    #[cfg(feature = "tls")]
+    pub fn of_rustls(error: &rustls::Error) -> Self {
+        use rustls::{AlertDescription as Alert, CertificateError as Cert, Error as Tls};
+        match error {
+            Tls::InvalidCertificate(
+                Cert::NotValidForName | Cert::NotValidForNameContext { .. },
+            ) => Self::HostName,
+            Tls::InvalidCertificate(
+                Cert::Expired
+                | Cert::ExpiredContext { .. }
+                | Cert::NotValidYet
+                | Cert::NotValidYetContext { .. },
+            ) => Self::NotValidNow,
+            Tls::InvalidCertificate(_) => Self::Untrusted,
+            Tls::AlertReceived(
+                Alert::CertificateRequired
+                | Alert::BadCertificate
+                | Alert::UnknownCA
+                | Alert::CertificateUnknown
+                | Alert::UnsupportedCertificate
+                | Alert::CertificateExpired
+                | Alert::CertificateRevoked
+                | Alert::AccessDenied,
+            ) => Self::ClientRefused,
+            Tls::InvalidMessage(_) => Self::NotTls,
+            _ => Self::Handshake,
+        }
+    }
+
+    /// The failure a driver's error text shows, for drivers that turn
+    /// rustls' verdict into text (its variant names survive, e.g. "invalid
+    /// peer certificate: UnknownIssuer"); `None` if the text shows no TLS
+    /// failure.
+    pub fn of_text(text: &str) -> Option<Self> {
+        let has = |needles: &[&str]| needles.iter().any(|n| text.contains(n));
+        if has(&["NotValidForName", "not valid for name"]) {
+            Some(Self::HostName)
+        } else if has(&[
+            "CertificateRequired",
+            "certificate required",
+            "BadCertificate",
+            "bad certificate",
+            "UnknownCA",
+            "unknown ca",
+            "CertificateUnknown",
+            "CertificateExpired",
+            "CertificateRevoked",
+            "UnsupportedCertificate",
+            "AccessDenied",
+        ]) {
+            Some(Self::ClientRefused)
+        } else if has(&[
+            "Expired",
+            "NotValidYet",
+            "certificate expired",
+            "not valid yet",
+        ]) {
+            Some(Self::NotValidNow)
+        } else if has(&["invalid peer certificate", "UnknownIssuer", "BadSignature"]) {
+            Some(Self::Untrusted)
+        } else if has(&[
+            "InvalidContentType",
+            "corrupt message",
+            "InvalidMessage",
+            "received corrupt",
+        ]) {
+            Some(Self::NotTls)
+        } else {
+            None
+        }
+    }
+
+    /// The [`ErrorKind::Config`](crate::ErrorKind) error for `what` (the
+    /// request, e.g. "connecting to 127.0.0.1:6380") failing this way:
+    /// what the failure is, `detail` (the driver's words), and what to
+    /// change. Trying again cannot help, hence a configuration error.
+    pub fn error(self, what: &str, detail: impl fmt::Display, advice: &TlsAdvice) -> LockError {
+        let TlsAdvice {
+            server,
+            trust,
+            client_certificate,
+            plaintext,
+        } = advice;
+        LockError::config(match self {
+            Self::Untrusted => format!(
+                "{what}: TLS certificate problem: the {server} server's certificate is not trusted: \
+                 it is not signed by a CA this client trusts ({detail}); give the CA that signed it with {trust}"
+            ),
+            Self::HostName => format!(
+                "{what}: TLS certificate problem: the {server} server's certificate is not valid for the host name in the URL ({detail}); \
+                 connect with a host name or address its certificate lists"
+            ),
+            Self::NotValidNow => format!(
+                "{what}: TLS certificate problem: the {server} server's certificate is not valid now ({detail}); \
+                 renew it, or check the clocks"
+            ),
+            Self::ClientRefused => format!(
+                "{what}: TLS certificate problem: the {server} server refused this client's certificate, or its absence ({detail}); \
+                 it requires a client certificate signed by a CA it trusts: give one with {client_certificate}"
+            ),
+            Self::NotTls => format!(
+                "{what}: TLS connection problem: the {server} server did not answer in TLS ({detail}); \
+                 if it does not serve TLS on this port, {plaintext}"
+            ),
+            Self::Handshake => format!(
+                "{what}: TLS connection problem: the TLS handshake with the {server} server failed ({detail})"
+            ),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,5 +336,70 @@ mod tests {
         let pem = ok.read().await.unwrap();
         assert!(pem.ca.is_some() && pem.identity.is_none());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn driver_texts_are_classified() {
+        for (text, failure) in [
+            (
+                "invalid peer certificate: UnknownIssuer",
+                TlsFailure::Untrusted,
+            ),
+            (
+                "invalid peer certificate: NotValidForName",
+                TlsFailure::HostName,
+            ),
+            ("invalid peer certificate: Expired", TlsFailure::NotValidNow),
+            (
+                "received fatal alert: CertificateRequired",
+                TlsFailure::ClientRefused,
+            ),
+            (
+                "received corrupt message of type InvalidContentType",
+                TlsFailure::NotTls,
+            ),
+        ] {
+            assert_eq!(TlsFailure::of_text(text), Some(failure), "{text}");
+        }
+        assert_eq!(TlsFailure::of_text("connection refused"), None);
+    }
+
+    #[cfg(feature = "tls")]
+    #[test]
+    fn rustls_verdicts_are_classified() {
+        use rustls::{AlertDescription, CertificateError, Error};
+        let cases = [
+            (
+                Error::InvalidCertificate(CertificateError::UnknownIssuer),
+                TlsFailure::Untrusted,
+            ),
+            (
+                Error::InvalidCertificate(CertificateError::NotValidForName),
+                TlsFailure::HostName,
+            ),
+            (
+                Error::InvalidCertificate(CertificateError::Expired),
+                TlsFailure::NotValidNow,
+            ),
+            (
+                Error::AlertReceived(AlertDescription::UnknownCA),
+                TlsFailure::ClientRefused,
+            ),
+            (
+                Error::InvalidMessage(rustls::InvalidMessage::InvalidContentType),
+                TlsFailure::NotTls,
+            ),
+            (Error::HandshakeNotComplete, TlsFailure::Handshake),
+        ];
+        for (error, failure) in cases {
+            assert_eq!(TlsFailure::of_rustls(&error), failure, "{error:?}");
+            // The text a driver makes of the verdict says the same.
+            if failure != TlsFailure::Handshake {
+                assert_eq!(
+                    TlsFailure::of_text(&format!("{error} {error:?}")),
+                    Some(failure)
+                );
+            }
+        }
     }
 }

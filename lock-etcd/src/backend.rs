@@ -339,14 +339,7 @@ impl EtcdLock {
                 None
             };
             if let Ok(Some(refusal)) = tokio::time::timeout(left, diagnose).await {
-                let explained = if config.client.tls.cert_file.is_none() {
-                    format!(
-                        "the etcd server requires a client certificate (without one it ended the connection: {refusal}); give one signed by a CA in etcd's --trusted-ca-file with tls_cert_file=PATH&tls_key_file=PATH"
-                    )
-                } else {
-                    crate::tls::explain(&refusal)
-                };
-                return Some(LockError::config(format!("{what}: {explained}")));
+                return Some(crate::tls::error(what, &refusal));
             }
         }
         let _ = (what, left);
@@ -423,10 +416,39 @@ impl EtcdLock {
         repeat: Repeat,
         txn: etcd_client::Txn,
     ) -> Result<etcd_client::TxnResponse, LockError> {
+        let mut sends = 0;
+        self.send_txn(deadline, what, repeat, txn, &mut sends).await
+    }
+
+    /// [`run_txn`](Self::run_txn), saying whether the answer came to a
+    /// resend (an earlier send may have been applied unanswered).
+    pub(crate) async fn run_txn_resent(
+        &self,
+        what: &'static str,
+        repeat: Repeat,
+        txn: etcd_client::Txn,
+    ) -> Result<(etcd_client::TxnResponse, bool), LockError> {
+        let mut sends = 0;
+        let deadline = self.inner.requests.deadline();
+        let reply = self
+            .send_txn(deadline, what, repeat, txn, &mut sends)
+            .await?;
+        Ok((reply, sends > 1))
+    }
+
+    async fn send_txn(
+        &self,
+        deadline: Instant,
+        what: &'static str,
+        repeat: Repeat,
+        txn: etcd_client::Txn,
+        sends: &mut u32,
+    ) -> Result<etcd_client::TxnResponse, LockError> {
         let kv = &self.inner.kv;
         self.inner
             .requests
             .send_until(deadline, what, repeat, || {
+                *sends += 1;
                 let mut kv = kv.clone();
                 let txn = txn.clone();
                 async move { kv.txn(txn).await }
@@ -594,12 +616,13 @@ impl LockBackend for EtcdLock {
     async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
         let etcd_key = self.inner.layout.lock_key(lock.key);
         let value = encode_value(lock.owner);
-        let reply = self
-            .run_txn(
+        let (reply, resent) = self
+            .run_txn_resent(
                 "etcd release",
-                // Sent again after a lost reply: one that had deleted the
-                // lock makes the second report "not held" (a false alarm),
-                // which beats leaving the lock to its TTL while everyone
+                // Sent again after a lost reply: a second send that finds
+                // the lock gone may follow a first that released it, which
+                // the reply says (the client decides by the lease's clock),
+                // instead of leaving the lock to its TTL while everyone
                 // waits.
                 Repeat::Safe,
                 txn::release(&etcd_key, &value, lock.fencing),
@@ -607,7 +630,11 @@ impl LockBackend for EtcdLock {
             .await?;
         self.untrack(&lock);
         if !reply.succeeded() {
-            return Ok(ReleaseReply::NotHeld);
+            return Ok(if resent {
+                ReleaseReply::NotHeldAfterResend
+            } else {
+                ReleaseReply::NotHeld
+            });
         }
         if let Some(own) = own_lease_of(lock.handle) {
             self.revoke_later(own);

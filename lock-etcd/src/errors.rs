@@ -138,10 +138,12 @@ fn is_tls_failure(error: &(dyn StdError + 'static)) -> bool {
     error.to_string().contains("tls handshake")
 }
 
-/// What a connection-level failure says about the setup, if anything: a
-/// certificate verdict (a [`Config`](distlock_core::ErrorKind::Config) error:
-/// trying again cannot help), or a hint for a plaintext/TLS mismatch.
-fn diagnosis(error: &etcd_client::Error) -> Option<(bool, String)> {
+/// What a connection-level failure of `what` says about the setup, if
+/// anything: a certificate verdict (a
+/// [`Config`](distlock_core::ErrorKind::Config) error: trying again cannot
+/// help), or a hint for a plaintext/TLS mismatch (`Unavailable`: the
+/// server may only be restarting).
+fn diagnosis(what: &str, error: &etcd_client::Error) -> Option<LockError> {
     let etcd_client::Error::GRpcStatus(status) = error else {
         return None;
     };
@@ -151,16 +153,15 @@ fn diagnosis(error: &etcd_client::Error) -> Option<(bool, String)> {
         .iter()
         .find_map(|e| e.downcast_ref::<rustls::Error>())
     {
-        return Some((true, crate::tls::explain(tls)));
+        return Some(crate::tls::error(what, tls));
     }
     if causes
         .iter()
         .any(|e| e.to_string().contains("tls handshake eof"))
     {
-        return Some((
-            false,
-            "the server closed the connection during the TLS handshake; it does not seem to serve TLS on this port (use etcd:// for a plaintext port)".to_owned(),
-        ));
+        return Some(LockError::unavailable(format!(
+            "{what}: the server closed the connection during the TLS handshake; it does not seem to serve TLS on this port (use etcd:// for a plaintext port)"
+        )));
     }
     None
 }
@@ -198,14 +199,8 @@ pub(crate) fn map(what: &str, error: etcd_client::Error) -> LockError {
         );
         return LockError::config(message).with_source(error);
     }
-    if let Some((certain, explained)) = diagnosis(&error) {
-        let message = format!("{what}: {explained}");
-        return if certain {
-            LockError::config(message)
-        } else {
-            LockError::unavailable(message)
-        }
-        .with_source(error);
+    if let Some(diagnosed) = diagnosis(what, &error) {
+        return diagnosed.with_source(error);
     }
     match &error {
         etcd_client::Error::GRpcStatus(status) if status.code() as i32 == PERMISSION_DENIED => {

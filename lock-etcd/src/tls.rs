@@ -6,9 +6,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use distlock_core::{LockError, TlsFiles, TlsPem};
+use distlock_core::{LockError, TlsAdvice, TlsFailure, TlsFiles, TlsPem};
 use etcd_client::{Certificate, Identity, TlsOptions};
-use rustls::{AlertDescription, CertificateError};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tokio::io::AsyncReadExt;
@@ -84,45 +83,18 @@ fn certificates(parameter: &str, path: &Path, pem: &[u8]) -> Result<(), LockErro
     Ok(())
 }
 
-/// What rustls' verdict on a handshake means for the user, and what to do.
-pub(crate) fn explain(error: &rustls::Error) -> String {
-    match error {
-        rustls::Error::InvalidCertificate(CertificateError::UnknownIssuer) => {
-            "the etcd server's certificate is not signed by a CA this client trusts (UnknownIssuer); give the CA that signed it with tls_ca_file=PATH".to_owned()
-        }
-        rustls::Error::InvalidCertificate(
-            CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
-        ) => format!(
-            "the etcd server's certificate does not name the host in the URL ({error}); connect by a host name or address the certificate lists"
-        ),
-        rustls::Error::InvalidCertificate(
-            CertificateError::Expired
-            | CertificateError::ExpiredContext { .. }
-            | CertificateError::NotValidYet
-            | CertificateError::NotValidYetContext { .. },
-        ) => format!(
-            "the etcd server's certificate is not valid now ({error}); renew it, or check the clocks"
-        ),
-        rustls::Error::InvalidCertificate(_) => {
-            format!("the etcd server's certificate was refused: {error}")
-        }
-        rustls::Error::AlertReceived(
-            alert @ (AlertDescription::CertificateRequired
-            | AlertDescription::BadCertificate
-            | AlertDescription::UnknownCA
-            | AlertDescription::CertificateUnknown
-            | AlertDescription::UnsupportedCertificate
-            | AlertDescription::CertificateExpired
-            | AlertDescription::CertificateRevoked
-            | AlertDescription::AccessDenied),
-        ) => format!(
-            "the etcd server refused the client certificate (TLS alert {alert:?}): it requires one signed by a CA it trusts (etcd --client-cert-auth --trusted-ca-file); give it with tls_cert_file=PATH&tls_key_file=PATH"
-        ),
-        rustls::Error::AlertReceived(alert) => {
-            format!("the etcd server ended the TLS handshake (TLS alert {alert:?})")
-        }
-        _ => format!("TLS with the etcd server failed: {error}"),
-    }
+/// What an etcd user changes for each TLS failure.
+const ADVICE: TlsAdvice = TlsAdvice {
+    server: "etcd",
+    trust: "tls_ca_file=PATH",
+    client_certificate:
+        "tls_cert_file=PATH&tls_key_file=PATH (signed by a CA in etcd's --trusted-ca-file)",
+    plaintext: "use etcd:// for a plaintext port",
+};
+
+/// The error for `what` (the request) failing on rustls' verdict `error`.
+pub(crate) fn error(what: &str, error: &rustls::Error) -> LockError {
+    TlsFailure::of_rustls(error).error(what, error, &ADVICE)
 }
 
 /// Finds out why a TLS connection to `endpoint` (`https://host:port`) was

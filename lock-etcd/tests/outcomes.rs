@@ -90,3 +90,34 @@ async fn a_late_renewing_acquire_never_outlives_its_undo() {
     }
     drop(a);
 }
+
+/// A release whose reply is held past its first send's share of the
+/// operation timeout is sent again; the second send finds the lock gone
+/// (the first released it) and the release is still reported done, not
+/// "not held" — the lease was valid, so nothing but a release freed it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_answered_after_its_resend_is_reported_done() {
+    let server = any_server();
+    let proxy = proxy_for(&server).await;
+    // Each send gets a third of the 6 s: a reply held 2.5 s misses the
+    // first send's share and still arrives within the operation for the
+    // second.
+    let a = connect(&through(&proxy, "operation_timeout_ms=6000")).await;
+    let b = connect(&server.url()).await;
+    let k = key("resent-release");
+    let held = acquire(&a, &k, Duration::from_secs(60)).await;
+    proxy.delay(Direction::ToClient, Duration::from_millis(2500));
+    let release = {
+        let a = a.clone();
+        tokio::spawn(async move { a.release(&held).await })
+    };
+    // Only the first send's reply is held: bytes keep their order, so the
+    // second's reply follows it at once.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    proxy.delay(Direction::ToClient, Duration::ZERO);
+    release
+        .await
+        .expect("release task")
+        .expect("a release whose first send was applied unanswered");
+    assert_freed(&b, &k, "the released lock").await;
+}

@@ -149,7 +149,7 @@ async fn mutual_tls() {
         refused(
             &other,
             ErrorKind::Config,
-            &["refused the client certificate"],
+            &["refused this client's certificate"],
         )
         .await;
 
@@ -181,7 +181,7 @@ async fn host_name_mismatch() {
         refused(
             &url,
             ErrorKind::Config,
-            &["does not name the host", "127.0.0.1", "wrong.example"],
+            &["not valid for the host name", "127.0.0.1", "wrong.example"],
         )
         .await;
     })

@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
     Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, ReleaseReply, ReleaseWatch,
+    SemaphoreBackend,
 };
 use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::Row;
@@ -20,6 +21,7 @@ use crate::errors;
 use crate::keys::{channel_name, is_owner_token, qualified_table};
 use crate::listener::Releases;
 use crate::probe;
+use crate::semaphore::Semaphores;
 use crate::sql::{self, Arg, Call, GiveBack, Protocol, Reply, Statements};
 
 /// A lock backend on a PostgreSQL lock table.
@@ -76,6 +78,8 @@ pub struct PostgresLock {
     /// `None` when nothing can `LISTEN` (a transaction pooler without
     /// `listen_url`): waiters then poll.
     listener: Option<Listener<Releases>>,
+    /// Counting semaphores, in a table of their own.
+    pub(crate) semaphores: Semaphores,
 }
 
 impl fmt::Debug for PostgresLock {
@@ -141,6 +145,7 @@ impl PostgresLock {
         };
         let lock = Self::build(pool, config, mode);
         lock.ensure_table().await?;
+        lock.prepare_semaphores().await;
         Ok(lock)
     }
 
@@ -177,11 +182,13 @@ impl PostgresLock {
             // session: only listen_url can wake waiters.
             PoolMode::Transaction => (Protocol::Simple, config.listen.clone()),
         };
+        let semaphores = Semaphores::new(&config, listen.clone());
         let listener = listen.map(|listen| {
             let releases = Releases::new(listen, channel.clone(), config.client.connect_timeout);
             Listener::new(releases, &config.client)
         });
         Self {
+            semaphores,
             sql: Arc::new(Statements::new(&config.schema, &config.table)),
             simple: AtomicBool::new(protocol == Protocol::Simple),
             listen_apart: config.listen.is_some(),
@@ -215,7 +222,7 @@ impl PostgresLock {
 
     /// Whether waiters can be woken: a listener, not through a transaction
     /// pooler (or apart from it, on `listen_url`).
-    fn can_listen(&self) -> bool {
+    pub(crate) fn can_listen(&self) -> bool {
         self.listener.is_some() && (self.listen_apart || self.protocol() == Protocol::Extended)
     }
 
@@ -235,7 +242,7 @@ impl PostgresLock {
         qualified_table(&self.config.schema, &self.config.table)
     }
 
-    fn namespace(&self) -> &str {
+    pub(crate) fn namespace(&self) -> &str {
         &self.config.client.namespace
     }
 
@@ -249,7 +256,7 @@ impl PostgresLock {
     }
 
     /// A statement on `sql` with `args`, for this client's protocol.
-    fn call(&self, sql: &Arc<sql::Sql>, args: Vec<Arg>) -> Call {
+    pub(crate) fn call(&self, sql: &Arc<sql::Sql>, args: Vec<Arg>) -> Call {
         Call::new(self.protocol(), sql, args)
     }
 
@@ -284,7 +291,7 @@ impl PostgresLock {
     /// gives the connection back (or closes it), and gives back a lock an
     /// acquire was granted with `give_back`; it reads no longer than one
     /// more operation timeout.
-    async fn fetch(
+    pub(crate) async fn fetch(
         &self,
         what: &str,
         key: Option<&LockKey>,
@@ -364,7 +371,7 @@ impl PostgresLock {
 
     /// As [`fetch`](Self::fetch), for statements on `key` that always
     /// return a row and need no undo.
-    async fn fetch_one(
+    pub(crate) async fn fetch_one(
         &self,
         what: &str,
         key: &LockKey,
@@ -384,8 +391,7 @@ impl PostgresLock {
     }
 
     /// Whether the catalog query `call` answers `exists = true`.
-    async fn exists(&self, call: Call) -> Result<bool, LockError> {
-        let what = "creating the lock table";
+    async fn exists(&self, what: &str, call: Call) -> Result<bool, LockError> {
         match self.fetch(what, None, call, None).await?.row {
             Some(row) => row
                 .try_get("exists")
@@ -399,61 +405,77 @@ impl PostgresLock {
     /// Creates schema and table once per client (cheap afterwards).
     async fn ensure_table(&self) -> Result<(), LockError> {
         self.table_ready
-            .get_or_try_init(|| {
-                self.config
-                    .client
-                    .timed("creating the lock table", self.create_table())
+            .get_or_try_init(|| async {
+                let (what, table) = ("creating the lock table", self.table());
+                self.create_table(what, &table, &self.sql.create_table)
+                    .await
             })
             .await
             .map(|_| ())
     }
 
-    async fn create_table(&self) -> Result<(), LockError> {
-        let qualified = self.table();
-        if self
-            .exists(self.call(&self.sql.table_exists, vec![Arg::text(&qualified)]))
-            .await?
-        {
+    /// Creates the table `qualified` with `create` (and the schema) unless
+    /// it exists, within the operation timeout; errors say `what`.
+    pub(crate) async fn create_table(
+        &self,
+        what: &str,
+        qualified: &str,
+        create: &Arc<sql::Sql>,
+    ) -> Result<(), LockError> {
+        let created = self.create_table_untimed(what, qualified, create);
+        self.config.client.timed(what, created).await
+    }
+
+    async fn create_table_untimed(
+        &self,
+        what: &str,
+        qualified: &str,
+        create: &Arc<sql::Sql>,
+    ) -> Result<(), LockError> {
+        let exists = self.call(&self.sql.table_exists, vec![Arg::text(qualified)]);
+        if self.exists(what, exists).await? {
             return Ok(());
         }
         let mut attempt = 0;
         loop {
             attempt += 1;
-            match self.create_table_once().await {
+            match self.create_table_once(what, create).await {
                 Ok(()) => {
-                    tracing::debug!(table = %qualified, "lock table ready");
+                    tracing::debug!(table = %qualified, "table ready");
                     return Ok(());
                 }
                 // Another client created it at the same moment: try again,
                 // IF NOT EXISTS then sees it.
                 Err(e) if errors::is_concurrent_create(&e) && attempt < 5 => {
-                    tracing::debug!(table = %qualified, "lock table created concurrently; checking again");
+                    tracing::debug!(table = %qualified, "table created concurrently; checking again");
                 }
                 Err(e) => return Err(e),
             }
         }
     }
 
-    async fn create_table_once(&self) -> Result<(), LockError> {
-        let what = "creating the lock table";
-        if !self
-            .exists(self.call(
-                &self.sql.schema_exists,
-                vec![Arg::text(&self.config.schema)],
-            ))
-            .await?
-        {
+    async fn create_table_once(&self, what: &str, create: &Arc<sql::Sql>) -> Result<(), LockError> {
+        let schema = self.call(
+            &self.sql.schema_exists,
+            vec![Arg::text(&self.config.schema)],
+        );
+        if !self.exists(what, schema).await? {
             // Sent once: no statement to cache.
             let call = Call::new(Protocol::Simple, &self.sql.create_schema, Vec::new());
             self.fetch(what, None, call, None).await?;
         }
-        let call = Call::new(Protocol::Simple, &self.sql.create_table, Vec::new());
+        let call = Call::new(Protocol::Simple, create, Vec::new());
         self.fetch(what, None, call, None).await?;
         Ok(())
     }
 
     /// Reads column `name` of a row, reporting an unexpected type as corruption.
-    fn column<'r, T>(&self, row: &'r PgRow, name: &str, key: &LockKey) -> Result<T, LockError>
+    pub(crate) fn column<'r, T>(
+        &self,
+        row: &'r PgRow,
+        name: &str,
+        key: &LockKey,
+    ) -> Result<T, LockError>
     where
         T: sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
     {
@@ -517,7 +539,11 @@ impl PostgresLock {
     }
 
     /// The fencing token the acquire statement granted.
-    fn granted(&self, key: &LockKey, fencing: Option<i64>) -> Result<FencingToken, LockError> {
+    pub(crate) fn granted(
+        &self,
+        key: &LockKey,
+        fencing: Option<i64>,
+    ) -> Result<FencingToken, LockError> {
         fencing
             .and_then(|f| u64::try_from(f).ok())
             .filter(|f| *f >= 1)
@@ -556,7 +582,7 @@ fn next_send() -> i64 {
 }
 
 /// `lock`'s fencing token as a bigint (every token this backend grants is one).
-fn fencing_param(lock: &HeldLock<'_>) -> Result<i64, LockError> {
+pub(crate) fn fencing_param(lock: &HeldLock<'_>) -> Result<i64, LockError> {
     i64::try_from(lock.fencing.get()).map_err(|_| {
         LockError::invalid_input("the lease's fencing token is out of PostgreSQL's bigint range")
     })
@@ -564,7 +590,7 @@ fn fencing_param(lock: &HeldLock<'_>) -> Result<i64, LockError> {
 
 /// A TTL as whole milliseconds for SQL (the capabilities round TTLs to
 /// 1 ms and bound them far below `i64::MAX` ms).
-fn ttl_millis(ttl: Duration) -> i64 {
+pub(crate) fn ttl_millis(ttl: Duration) -> i64 {
     i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)
 }
 
@@ -718,6 +744,10 @@ impl LockBackend for PostgresLock {
     }
 
     fn admin(&self) -> Option<&dyn LockAdmin> {
+        Some(self)
+    }
+
+    fn semaphore(&self) -> Option<&dyn SemaphoreBackend> {
         Some(self)
     }
 }

@@ -19,6 +19,9 @@ pub(crate) use self::tls::TlsSettings;
 pub const DEFAULT_SCHEMA: &str = "public";
 /// The name of the lock table unless configured.
 pub const DEFAULT_TABLE: &str = "distlock_locks";
+/// The name of the semaphore table (in the lock table's schema) unless
+/// configured.
+pub const DEFAULT_SEMAPHORE_TABLE: &str = "distlock_semaphores";
 
 /// How often a waiter tries again when it cannot be woken by `NOTIFY`
 /// (behind a transaction pooler without `listen_url`), unless configured.
@@ -93,6 +96,7 @@ pub enum PoolMode {
 /// | `connect_timeout_ms` | connecting to the server, and waiting for a pooled connection | 5000 |
 /// | `operation_timeout_ms` | one statement's reply | 5000 |
 /// | `schema`, `table` | where the lock table lives | `public`, `distlock_locks` |
+/// | `semaphore_table` | the table of semaphores and their permits, in the same schema | `distlock_semaphores` |
 /// | `pool_mode` | `auto`, `session`, `transaction` or `statement` (the last two mean the same here): what pools the URL's connections ([`PoolMode`]); without it a probe at connect tells a transaction pooler from a direct connection or session pool, and the client then works as with `transaction` | `auto` |
 /// | `listen_url` | percent-encoded URL where waiters `LISTEN` for releases when the main URL goes through a transaction pooler (see [`listen_via`](Self::listen_via)); it takes the driver's parameters below, and the main URL's TLS settings unless it has its own | the main URL |
 /// | `poll_interval_ms` | how often waiters try again when nothing can wake them (a transaction pooler without `listen_url`) | 100 |
@@ -148,6 +152,7 @@ pub struct PostgresConfig {
     pub(crate) listen_tls: TlsSettings,
     pub(crate) schema: String,
     pub(crate) table: String,
+    pub(crate) semaphore_table: String,
     pub(crate) max_connections: u32,
     pub(crate) pool_mode: PoolMode,
     pub(crate) poll_interval: Duration,
@@ -165,6 +170,7 @@ impl Default for PostgresConfig {
             listen_tls: TlsSettings::default(),
             schema: DEFAULT_SCHEMA.to_owned(),
             table: DEFAULT_TABLE.to_owned(),
+            semaphore_table: DEFAULT_SEMAPHORE_TABLE.to_owned(),
             max_connections: 8,
             pool_mode: PoolMode::Auto,
             poll_interval: DEFAULT_POLL_INTERVAL,
@@ -190,6 +196,7 @@ impl fmt::Debug for PostgresConfig {
             .field("listen", &self.listen.as_ref().map(server))
             .field("schema", &self.schema)
             .field("table", &self.table)
+            .field("semaphore_table", &self.semaphore_table)
             .field("max_connections", &self.max_connections)
             .field("pool_mode", &self.pool_mode)
             .field("poll_interval", &self.poll_interval)
@@ -212,6 +219,9 @@ impl PostgresConfig {
         }
         if let Some(table) = url.take("table") {
             config.table = table;
+        }
+        if let Some(table) = url.take("semaphore_table") {
+            config.semaphore_table = table;
         }
         if let Some(mode) = url.take("pool_mode") {
             config.pool_mode = match mode.as_str() {
@@ -291,6 +301,13 @@ impl PostgresConfig {
         self
     }
 
+    /// Sets the name of the semaphore table, in the lock table's schema
+    /// (default `distlock_semaphores`).
+    pub fn semaphore_table(mut self, table: impl Into<String>) -> Self {
+        self.semaphore_table = table.into();
+        self
+    }
+
     /// Says how the main server's connections are pooled (the `pool_mode`
     /// URL parameter; see [`PoolMode`]).
     pub fn pool_mode(mut self, mode: PoolMode) -> Self {
@@ -315,7 +332,8 @@ impl PostgresConfig {
     }
 
     /// Sets the most connections the client's pool opens (default 8), not
-    /// counting the one listener connection for waiters.
+    /// counting the listener connections for waiters (one for lock waiters,
+    /// one for permit waiters, each opened with its first waiter).
     pub fn max_connections(mut self, max: u32) -> Self {
         self.max_connections = max.max(1);
         self
@@ -342,6 +360,11 @@ impl PostgresConfig {
         &self.table
     }
 
+    /// The name of the semaphore table.
+    pub fn semaphore_table_name(&self) -> &str {
+        &self.semaphore_table
+    }
+
     /// Checks namespace, timeouts, poll interval, schema and table names.
     pub fn validate(&self) -> Result<(), LockError> {
         self.client.validate()?;
@@ -351,7 +374,15 @@ impl PostgresConfig {
             ));
         }
         validate_identifier("schema", &self.schema)?;
-        validate_identifier("table", &self.table)
+        validate_identifier("table", &self.table)?;
+        validate_identifier("semaphore table", &self.semaphore_table)?;
+        if self.semaphore_table == self.table {
+            return Err(LockError::config(format!(
+                "the semaphore table and the lock table are both named {:?}; they hold different rows and need tables of their own",
+                self.table
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -432,6 +463,17 @@ mod tests {
     use sqlx::postgres::PgSslMode;
 
     use super::*;
+
+    #[test]
+    fn the_semaphore_table_is_named_apart_from_the_lock_table() {
+        let config = PostgresConfig::from_url("postgres://u@h/db").unwrap();
+        assert_eq!(config.semaphore_table_name(), DEFAULT_SEMAPHORE_TABLE);
+        let config = PostgresConfig::from_url("postgres://u@h/db?semaphore_table=sem").unwrap();
+        assert_eq!(config.semaphore_table_name(), "sem");
+        let same = PostgresConfig::from_url("postgres://u@h/db?table=x&semaphore_table=x");
+        assert_eq!(same.unwrap_err().kind(), ErrorKind::Config);
+        assert!(PostgresConfig::from_url("postgres://u@h/db?semaphore_table=").is_err());
+    }
 
     #[test]
     fn parses_our_parameters() {

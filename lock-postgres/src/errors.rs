@@ -151,39 +151,23 @@ pub(crate) fn is_connection_lost(error: &sqlx::Error) -> bool {
 /// The advice for a certificate the server did not trust.
 const CLIENT_CERT_ADVICE: &str = "give a client certificate signed by a CA the server trusts (its ssl_ca_file) with sslcert/sslkey or tls_cert_file/tls_key_file";
 
+/// What a PostgreSQL user changes for each TLS failure.
+#[cfg(feature = "tls")]
+const TLS_ADVICE: distlock_core::TlsAdvice = distlock_core::TlsAdvice {
+    server: "PostgreSQL",
+    trust: "sslrootcert=PATH or tls_ca_file=PATH",
+    client_certificate:
+        "sslcert/sslkey or tls_cert_file/tls_key_file (signed by a CA in the server's ssl_ca_file)",
+    plaintext: "connect with sslmode=disable or sslmode=prefer",
+};
+
 /// A TLS problem found in an I/O error (rustls reports handshake failures
 /// as `InvalidData` errors wrapping its own).
 #[cfg(feature = "tls")]
 fn tls_problem(error: &std::io::Error, what: &str) -> Option<LockError> {
-    use rustls::{AlertDescription as Alert, CertificateError as Cert, Error as Tls};
-    let tls = error.get_ref()?.downcast_ref::<Tls>()?;
-    Some(match tls {
-        Tls::InvalidCertificate(Cert::NotValidForName | Cert::NotValidForNameContext { .. }) => {
-            LockError::config(format!(
-                "{what} failed: TLS certificate problem: the PostgreSQL server's certificate is not valid for the host name in the URL ({tls}); \
-                 connect with a name its certificate lists"
-            ))
-        }
-        Tls::InvalidCertificate(_) => LockError::config(format!(
-            "{what} failed: TLS certificate problem: the PostgreSQL server's certificate is not trusted ({tls}); \
-             give the CA that signed it with sslrootcert=PATH or tls_ca_file=PATH"
-        )),
-        Tls::AlertReceived(
-            Alert::BadCertificate
-            | Alert::UnknownCA
-            | Alert::CertificateRequired
-            | Alert::CertificateUnknown
-            | Alert::CertificateExpired
-            | Alert::CertificateRevoked
-            | Alert::UnsupportedCertificate
-            | Alert::AccessDenied,
-        ) => LockError::config(format!(
-            "{what} failed: TLS certificate problem: the PostgreSQL server refused this client's certificate ({tls}); {CLIENT_CERT_ADVICE}"
-        )),
-        _ => LockError::config(format!(
-            "{what} failed: TLS connection problem: the TLS handshake with the PostgreSQL server failed ({tls})"
-        )),
-    })
+    let tls = error.get_ref()?.downcast_ref::<rustls::Error>()?;
+    let failure = distlock_core::TlsFailure::of_rustls(tls);
+    Some(failure.error(&format!("{what} failed"), tls, &TLS_ADVICE))
 }
 
 #[cfg(not(feature = "tls"))]

@@ -44,6 +44,73 @@
 //! [`Listener`](distlock_core::Listener)), and by a timer set to the
 //! holder's remaining lease in case the holder crashed.
 //!
+//! ## Semaphores
+//!
+//! [`PostgresLock`] is also a
+//! [`SemaphoreBackend`](distlock_core::SemaphoreBackend): at most N live
+//! permits of a key ([`LockOptions::permits`](distlock_core::LockOptions::permits),
+//! [`LockClient::try_acquire_permit`](distlock_core::LockClient::try_acquire_permit)).
+//! A semaphore is one row per `(namespace, key)` of a table of its own
+//! (`distlock_semaphores` in the lock table's schema unless the
+//! `semaphore_table` parameter says otherwise), so a semaphore and a lock
+//! of one name share no row and no fencing counter. The row holds:
+//!
+//! | column | type | what |
+//! |---|---|---|
+//! | `namespace`, `key` | `text` | as for locks (the primary key) |
+//! | `permit_limit` | `bigint` | the limit of the permits held; a request with another limit while one is live is refused (`InvalidInput` naming both); once none is live, the next request's limit is stored |
+//! | `fencing` | `bigint` | the last fencing token granted to any permit of the semaphore; the row stays, so tokens keep growing |
+//! | `owners`, `fencings`, `expires` | `text[]`, `bigint[]`, `timestamptz[]` | the permits, one index each, in the order granted: owner token (32 lowercase hex digits), fencing token, expiry by the database clock; a released permit stays, expired at `1970-01-01` (given up), until the next write, which drops it with every expired permit |
+//! | `updated_at` | `timestamptz` | the database time of the last write |
+//!
+//! Each permit call is one statement that writes that one row
+//! (`INSERT ... ON CONFLICT DO UPDATE`, or `UPDATE`): its row lock, and
+//! PostgreSQL's re-check of a row that changed while the statement waited
+//! for it, make the call atomic under `READ COMMITTED` without locking
+//! anything else (permits in rows of their own could not be counted in one
+//! statement, whose snapshot predates the row lock). A permit attempt by an
+//! owner token that holds a live permit adopts it (its fencing token, the
+//! expiry reset). A row in any other form (a foreign owner, arrays of
+//! different lengths, a token above the counter, a limit below 1) is
+//! reported as `Corrupted` and never written. A returned permit sends
+//! `NOTIFY` on the semaphore table's channel
+//! ([`channel_name`] of schema, semaphore table and namespace) with the key
+//! as payload; a client's permit waiters listen on one more connection,
+//! opened with the first of them (behind a transaction pooler without
+//! `listen_url` they poll, as lock waiters do).
+//!
+//! ## Tables for DBAs
+//!
+//! The client creates its schema and tables if they are missing (the
+//! semaphore table at connect as well; if that fails, locks still work and
+//! semaphore calls report the error). Where applications may not `CREATE`,
+//! create them once (these are the default names; `app` is the
+//! application's role):
+//!
+//! ```sql
+//! CREATE TABLE IF NOT EXISTS public.distlock_locks (
+//!     namespace text NOT NULL,
+//!     key text NOT NULL,
+//!     owner text,
+//!     fencing bigint NOT NULL,
+//!     expires_at timestamptz NOT NULL,
+//!     PRIMARY KEY (namespace, key)
+//! );
+//! CREATE TABLE IF NOT EXISTS public.distlock_semaphores (
+//!     namespace text NOT NULL,
+//!     key text NOT NULL,
+//!     permit_limit bigint NOT NULL,
+//!     fencing bigint NOT NULL,
+//!     owners text[] NOT NULL,
+//!     fencings bigint[] NOT NULL,
+//!     expires timestamptz[] NOT NULL,
+//!     updated_at timestamptz NOT NULL,
+//!     PRIMARY KEY (namespace, key)
+//! );
+//! GRANT USAGE ON SCHEMA public TO app;
+//! GRANT SELECT, INSERT, UPDATE ON public.distlock_locks, public.distlock_semaphores TO app;
+//! ```
+//!
 //! # Unknown outcomes
 //!
 //! A statement that timed out, or whose connection broke, may still be
@@ -69,6 +136,13 @@
 //!   after the give-back — never takes the lock for nobody. A later
 //!   acquisition with the same owner token has a greater number and is not
 //!   refused. Older versions of this crate read such a row as expired.
+//! - **Permits**: an attempt by the owner token that holds a live permit
+//!   adopts it, so the client settles a permit attempt whose reply was lost
+//!   with one more attempt of the same token and gives back what it gets. A
+//!   release sent again on another connection after its first send was
+//!   applied finds the permit given up with its fencing token and is
+//!   `Released`. A permit attempt applied after its caller left (and after
+//!   the settling attempt) runs out by its TTL: permits have no send numbers.
 //!
 //! What is left: if the give-back itself cannot run (the server unreachable
 //! until the operation timeout passes), or another client takes and frees
@@ -229,10 +303,14 @@ mod errors;
 mod keys;
 mod listener;
 mod probe;
+mod semaphore;
 mod sql;
 
 pub use backend::PostgresLock;
-pub use config::{PoolMode, PostgresConfig, DEFAULT_POLL_INTERVAL, DEFAULT_SCHEMA, DEFAULT_TABLE};
+pub use config::{
+    PoolMode, PostgresConfig, DEFAULT_POLL_INTERVAL, DEFAULT_SCHEMA, DEFAULT_SEMAPHORE_TABLE,
+    DEFAULT_TABLE,
+};
 pub use keys::{channel_name, MAX_IDENTIFIER_BYTES};
 /// The driver, for building pools and connect options by hand.
 pub use sqlx;

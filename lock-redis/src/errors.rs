@@ -15,9 +15,10 @@ pub(crate) const ARGS_CODE: &str = "DISTLOCK_ARGS";
 
 /// Maps a driver error from `what` (a short description of the request).
 pub(crate) fn map(err: RedisError, what: &str) -> LockError {
-    if let Some(failure) = crate::tls::failure(&err) {
-        return failure.error(what, err);
-    }
+    let err = match crate::tls::failure(err, what) {
+        Ok(tls) => return tls,
+        Err(err) => err,
+    };
     let code = err.code().unwrap_or("");
     let kind = err.kind();
     if kind == RedisKind::AuthenticationFailed || matches!(code, "WRONGPASS" | "NOAUTH") {
@@ -45,7 +46,7 @@ pub(crate) fn map(err: RedisError, what: &str) -> LockError {
     }
     if matches!(code, "CLUSTERDOWN" | "MASTERDOWN" | "TRYAGAIN" | "LOADING") {
         return LockError::unavailable(format!(
-            "{what}: the redis server cannot serve the request now ({err}); it will be retried"
+            "{what}: the redis server cannot serve the request now ({err})"
         ))
         .with_source(err);
     }
@@ -59,7 +60,7 @@ pub(crate) fn map(err: RedisError, what: &str) -> LockError {
     }
     if err.is_io_error() || err.is_connection_refusal() || err.is_connection_dropped() {
         return LockError::unavailable(format!(
-            "{what}: cannot reach the redis server ({err}); it may be down, it will be retried"
+            "{what}: cannot reach the redis server ({err}); it may be down"
         ))
         .with_source(err);
     }

@@ -158,7 +158,7 @@ impl SentinelPrimary {
             )));
         }
         Err(LockError::unavailable(format!(
-            "no redis primary for {service:?} found through the sentinels ({}); a failover may be under way, it will be retried",
+            "no redis primary for {service:?} found through the sentinels ({}); a failover may be under way",
             problems.join("; ")
         )))
     }
@@ -224,7 +224,7 @@ impl SentinelPrimary {
         match role {
             Role::Primary { .. } => Ok((conn, info)),
             _ => Err(LockError::unavailable(format!(
-                "{what}: the sentinels name {name} as the primary, but it is not one (ROLE); a failover is under way, it will be retried"
+                "{what}: the sentinels name {name} as the primary, but it is not one (ROLE); a failover is under way"
             ))),
         }
     }

@@ -2,7 +2,7 @@
 //! redis driver's certificates, and the driver's TLS failures as errors
 //! that say whether the certificate or the connection is the problem.
 
-use distlock_core::{ErrorKind, LockError, TlsFiles};
+use distlock_core::{ErrorKind, LockError, TlsAdvice, TlsFailure, TlsFiles};
 use redis::{ConnectionAddr, ConnectionInfo, RedisError};
 
 use crate::config::Server;
@@ -176,71 +176,20 @@ pub(crate) fn with_certificates(
     Ok(info)
 }
 
-/// What a TLS failure in `err` means, if it is one: a certificate the
-/// client refused, one the server refused, or a peer that does not speak
-/// TLS. `None` for other errors.
-pub(crate) fn failure(err: &RedisError) -> Option<TlsFailure> {
+/// What a redis user changes for each TLS failure.
+const ADVICE: TlsAdvice = TlsAdvice {
+    server: "redis",
+    trust: "tls_ca_file=PATH (trusted in addition to the platform's roots)",
+    client_certificate: "tls_cert_file=PATH and tls_key_file=PATH",
+    plaintext: "use redis:// instead of rediss://",
+};
+
+/// The error for `what` (the request) if `err` is a TLS failure.
+pub(crate) fn failure(err: RedisError, what: &str) -> Result<LockError, RedisError> {
     // The driver turns rustls errors into I/O errors; their text is all
     // that survives (e.g. "invalid peer certificate: UnknownIssuer").
-    let text = format!("{err:?} {err}");
-    let has = |needle: &str| text.contains(needle);
-    if has("NotValidForName") || has("not valid for name") {
-        Some(TlsFailure::HostName)
-    } else if has("invalid peer certificate") || has("UnknownIssuer") || has("BadSignature") {
-        Some(TlsFailure::Untrusted)
-    } else if has("CertificateRequired")
-        || has("certificate required")
-        || has("BadCertificate")
-        || has("bad certificate")
-        || has("UnknownCA")
-        || has("unknown ca")
-    {
-        Some(TlsFailure::ClientRefused)
-    } else if has("InvalidContentType")
-        || has("corrupt message")
-        || has("InvalidMessage")
-        || has("received corrupt")
-    {
-        Some(TlsFailure::NotTls)
-    } else {
-        None
-    }
-}
-
-/// A TLS failure, see [`failure`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum TlsFailure {
-    /// The server's certificate is not signed by a trusted CA.
-    Untrusted,
-    /// The server's certificate does not name the host connected to.
-    HostName,
-    /// The server refused the client's certificate, or its absence.
-    ClientRefused,
-    /// The server answered with something other than TLS.
-    NotTls,
-}
-
-impl TlsFailure {
-    /// The error for `what` (the request) failing this way.
-    pub(crate) fn error(self, what: &str, err: RedisError) -> LockError {
-        let message = match self {
-            TlsFailure::Untrusted => format!(
-                "{what}: TLS certificate problem: the server's certificate is not trusted ({err}); \
-                 give the CA that signed it as tls_ca_file=PATH (trusted in addition to the platform's roots)"
-            ),
-            TlsFailure::HostName => format!(
-                "{what}: TLS certificate problem: the server's certificate is not valid for the host name in the URL ({err}); \
-                 connect with a name the certificate lists"
-            ),
-            TlsFailure::ClientRefused => format!(
-                "{what}: TLS certificate problem: the server refused the client certificate ({err}); \
-                 it requires one signed by a CA it trusts: give tls_cert_file=PATH and tls_key_file=PATH"
-            ),
-            TlsFailure::NotTls => format!(
-                "{what}: TLS connection problem: the server did not answer in TLS ({err}); \
-                 if it does not use TLS on this port, use redis:// instead of rediss://"
-            ),
-        };
-        LockError::config(message).with_source(err)
+    match TlsFailure::of_text(&format!("{err:?} {err}")) {
+        Some(failure) => Ok(failure.error(what, &err, &ADVICE).with_source(err)),
+        None => Err(err),
     }
 }

@@ -100,6 +100,7 @@ class Locker:
         *,
         max_hold: Optional[_Seconds] = None,
         hold_at_least: Optional[_Seconds] = None,
+        permits: Optional[int] = None,
     ) -> LockGuard:
         """Takes the lock `key` for `ttl` seconds (by the server's clock),
         renewed in the background every ttl/3 until released, and returns its
@@ -107,7 +108,10 @@ class Locker:
         it, after waiting up to `wait` seconds if given (woken by the server
         when it is released). `max_hold` stops renewal that long after
         acquisition; `hold_at_least` keeps the lock until then even if
-        released sooner. The GIL is released while waiting."""
+        released sooner. With `permits=N` it takes one of N permits of the
+        semaphore `key` instead (at most N holders at once; a semaphore's
+        names are its own, apart from the locks'). The GIL is released while
+        waiting."""
 
     def lock_async(
         self,
@@ -117,6 +121,7 @@ class Locker:
         *,
         max_hold: Optional[_Seconds] = None,
         hold_at_least: Optional[_Seconds] = None,
+        permits: Optional[int] = None,
     ) -> AsyncAcquire:
         """`lock` for asyncio: ``guard = await locker.lock_async(...)`` or
         ``async with locker.lock_async(...) as guard:``. Cancelling the

@@ -36,6 +36,9 @@ pub struct Acquire {
     pub max_hold: Option<Duration>,
     /// On release, keep the lock until this long after acquisition.
     pub hold_at_least: Option<Duration>,
+    /// Take one of this many permits of the key's semaphore instead of
+    /// the lock.
+    pub permits: Option<u32>,
 }
 
 impl Acquire {
@@ -46,6 +49,9 @@ impl Acquire {
         }
         if let Some(min) = self.hold_at_least {
             options = options.hold_at_least(min);
+        }
+        if let Some(permits) = self.permits {
+            options = options.permits(permits);
         }
         options
     }

@@ -31,6 +31,33 @@ pub fn string(value: &Bound<'_, PyAny>, what: &str, example: &str) -> PyResult<S
     }
 }
 
+/// A semaphore's number of permits: an `int` from 1 to 2^32 - 1 (`None`:
+/// the lock itself).
+pub fn permits(value: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u32>> {
+    let Some(value) = value.filter(|v| !v.is_none()) else {
+        return Ok(None);
+    };
+    // bool is an int subclass in Python, and never meant as a count here.
+    if value.is_instance_of::<pyo3::types::PyBool>() || !value.is_instance_of::<pyo3::types::PyInt>() {
+        return Err(invalid_input(format!(
+            "permits must be an int (how many holders at once), not {}",
+            type_name(value)
+        )));
+    }
+    match value.extract::<i64>() {
+        Ok(n) if n >= 1 => u32::try_from(n).map(Some).map_err(|_| {
+            invalid_input(format!("permits of {n} is above the limit of {}", u32::MAX))
+        }),
+        Ok(n) => Err(invalid_input(format!(
+            "permits of {n} can never let anything run; give at least 1, or leave it None for the lock itself"
+        ))),
+        Err(_) => Err(invalid_input(format!(
+            "permits is above the limit of {}",
+            u32::MAX
+        ))),
+    }
+}
+
 /// A lock key: a non-empty `str` of at most 512 UTF-8 bytes without NUL.
 pub fn key(value: &Bound<'_, PyAny>, what: &str) -> PyResult<String> {
     let key = string(value, what, "the lock's name, such as 'nightly-report'")?;
@@ -129,6 +156,7 @@ pub fn schedule(job_name: &str, period: Duration, ttl: Option<Duration>) -> PyRe
                 wait: Duration::ZERO,
                 max_hold: None,
                 hold_at_least: None,
+                permits: None,
             },
             None,
         )?;

@@ -158,6 +158,7 @@ fn acquire_options(
     wait: Option<&Bound<'_, PyAny>>,
     max_hold: Option<&Bound<'_, PyAny>>,
     hold_at_least: Option<&Bound<'_, PyAny>>,
+    permits: Option<&Bound<'_, PyAny>>,
     client: Option<&Client>,
 ) -> PyResult<Acquire> {
     let how = Acquire {
@@ -165,6 +166,7 @@ fn acquire_options(
         wait: convert::optional_duration(wait, "wait")?.unwrap_or(Duration::ZERO),
         max_hold: convert::optional_duration(max_hold, "max_hold")?,
         hold_at_least: convert::optional_duration(hold_at_least, "hold_at_least")?,
+        permits: check::permits(permits)?,
     };
     check::acquire(&how, client.map(Client::max_ttl))?;
     Ok(how)
@@ -180,7 +182,7 @@ fn _check_lock_options(
     max_hold: Option<&Bound<'_, PyAny>>,
     hold_at_least: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
-    acquire_options(ttl, wait, max_hold, hold_at_least, None).map(|_| ())
+    acquire_options(ttl, wait, max_hold, hold_at_least, None, None).map(|_| ())
 }
 
 /// Checks a schedule as `Locker.run_once_per_fire` would (`job_name` may
@@ -212,13 +214,17 @@ fn schedule(
 }
 
 async fn acquire(client: Client, key: String, how: Acquire) -> PyResult<LockGuard> {
+    let held = match how.permits {
+        None => format!("{key:?} is held by another owner"),
+        Some(n) => format!("all {n} permits of {key:?} are held by other owners"),
+    };
     match client.acquire(&key, how).await.map_err(to_py)? {
         Some(guard) => Ok(LockGuard::new(guard)),
         None if how.wait.is_zero() => Err(LockHeld::new_err(format!(
-            "lock held: {key:?} is held by another owner; skip this run, or pass wait= to wait for it"
+            "lock held: {held}; skip this run, or pass wait= to wait for it"
         ))),
         None => Err(LockHeld::new_err(format!(
-            "lock held: {key:?} was still held by another owner after waiting {:?}",
+            "lock held: {held}, still after waiting {:?}",
             how.wait
         ))),
     }
@@ -229,7 +235,11 @@ impl Locker {
     /// Takes the lock `key` for `ttl` seconds, renewed in the background
     /// until released. Raises `LockHeld` if another owner holds it (after
     /// waiting up to `wait` seconds, if given). Use it as a context manager.
-    #[pyo3(signature = (key, ttl, wait=None, *, max_hold=None, hold_at_least=None))]
+    /// With `permits=N`, takes one of N permits of the semaphore `key`
+    /// instead (at most N holders at once; its own name space).
+    // One parameter per Python argument: the signature is the API.
+    #[expect(clippy::too_many_arguments)]
+    #[pyo3(signature = (key, ttl, wait=None, *, max_hold=None, hold_at_least=None, permits=None))]
     fn lock(
         &self,
         py: Python<'_>,
@@ -238,16 +248,19 @@ impl Locker {
         wait: Option<&Bound<'_, PyAny>>,
         max_hold: Option<&Bound<'_, PyAny>>,
         hold_at_least: Option<&Bound<'_, PyAny>>,
+        permits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<LockGuard> {
         let key = check::key(key, "key")?;
         let client = self.client(py)?;
-        let how = acquire_options(ttl, wait, max_hold, hold_at_least, Some(&client))?;
+        let how = acquire_options(ttl, wait, max_hold, hold_at_least, permits, Some(&client))?;
         runtime::block_on(py, acquire(client, key, how))?
     }
 
     /// `lock` for asyncio: `guard = await locker.lock_async(...)` or
     /// `async with locker.lock_async(...) as guard:`.
-    #[pyo3(signature = (key, ttl, wait=None, *, max_hold=None, hold_at_least=None))]
+    // One parameter per Python argument: the signature is the API.
+    #[expect(clippy::too_many_arguments)]
+    #[pyo3(signature = (key, ttl, wait=None, *, max_hold=None, hold_at_least=None, permits=None))]
     fn lock_async<'py>(
         &self,
         py: Python<'py>,
@@ -256,10 +269,11 @@ impl Locker {
         wait: Option<&Bound<'py, PyAny>>,
         max_hold: Option<&Bound<'py, PyAny>>,
         hold_at_least: Option<&Bound<'py, PyAny>>,
+        permits: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let key = check::key(key, "key")?;
         let client = self.client(py)?;
-        let how = acquire_options(ttl, wait, max_hold, hold_at_least, Some(&client))?;
+        let how = acquire_options(ttl, wait, max_hold, hold_at_least, permits, Some(&client))?;
         let request = LockRequest { client, key, how };
         let start = Bound::new(py, request)?.getattr("_start")?;
         aio(py)?.getattr("AsyncAcquire")?.call1((start,))

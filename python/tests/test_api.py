@@ -151,6 +151,22 @@ def test_async_waiters_hand_off(backend):
     asyncio.run(scenario())
 
 
+def test_permits_let_n_holders_in_apart_from_the_lock(backend):
+    a, b, c = (distlock.connect(backend.url) for _ in range(3))
+    with a.lock("pool", ttl=10, permits=2) as first, b.lock("pool", ttl=10, permits=2) as second:
+        assert second.fencing_token > first.fencing_token
+        with pytest.raises(distlock.LockHeld, match="all 2 permits"):
+            c.lock("pool", ttl=10, permits=2)
+        # Another number of permits while these are held is refused.
+        with pytest.raises(distlock.InvalidInput):
+            c.lock("pool", ttl=10, permits=3)
+        # The lock of the same name is its own.
+        with c.lock("pool", ttl=10):
+            pass
+    with c.lock("pool", ttl=10, permits=2) as third:
+        assert third.fencing_token > second.fencing_token
+
+
 def test_run_once_per_fire(backend):
     a = distlock.connect(backend.url)
     b = distlock.connect(backend.url)
@@ -290,6 +306,10 @@ def test_job_key_matches_the_rust_pins():
         (lambda l: l.lock("k", 0.001), distlock.InvalidInput, "ttl of 0.001 s is too short"),
         (lambda l: l.lock("k", 10, max_hold=0.001), distlock.InvalidInput, "max_hold of 0.001 s is too short"),
         (lambda l: l.lock("k", 10, max_hold=0), distlock.InvalidInput, "max_hold is 0"),
+        (lambda l: l.lock("k", 10, permits=0), distlock.InvalidInput, "permits of 0 can never"),
+        (lambda l: l.lock("k", 10, permits="3"), distlock.InvalidInput, "permits must be an int"),
+        (lambda l: l.lock("k", 10, permits=True), distlock.InvalidInput, "permits must be an int"),
+        (lambda l: l.lock("k", 10, permits=2**32), distlock.InvalidInput, "above the limit"),
         (lambda l: l.inspect(None), distlock.InvalidInput, "key must be a str"),
         (lambda l: l.force_release(""), distlock.InvalidInput, "key is empty"),
         (lambda l: l.run_once_per_fire(1, 60, None, print), distlock.InvalidInput, "job_name must be a str"),

@@ -7,7 +7,8 @@ use std::time::Duration;
 use distlock_core::{LockOptions, LockState, Locker};
 
 use crate::cases::support::{
-    acquire, background_bound, eventually_acquire, expiry_bound, until_attempts, within,
+    acquire, background_bound, eventually_acquire, expiry_bound, lock_free_key, until_attempts,
+    within,
 };
 use crate::context::{CaseResult, TestContext};
 use crate::{check, check_eq, ObservedLock};
@@ -65,10 +66,7 @@ pub async fn force_release_frees_key(ctx: TestContext) -> CaseResult {
     let key = ctx.key("admin");
     let ttl = ctx.short_ttl();
     let options = LockOptions::new(ttl);
-    let guard = holder
-        .try_lock(&key, &options)
-        .await?
-        .ok_or("the first try_lock on a fresh key must succeed")?;
+    let guard = lock_free_key(&holder, &key, &options).await?;
     check!(
         operator.force_release(&key).await?,
         "force_release of a held key reports it was held"

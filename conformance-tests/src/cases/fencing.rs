@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use distlock_core::{LockOptions, Locker, Renewal};
 
-use super::support::{acquire, eventually_acquire, expiry_bound, until_attempts, within};
+use super::support::{
+    acquire, eventually_acquire, expiry_bound, lock_free_key, until_attempts, within,
+};
 use crate::context::{CaseResult, TestContext};
 use crate::{check, check_eq, ObservedLock};
 
@@ -96,12 +98,9 @@ pub async fn unchanged_by_extend(ctx: TestContext) -> CaseResult {
 pub async fn unchanged_by_guard_renewal(ctx: TestContext) -> CaseResult {
     let locker = ctx.locker().await?;
     let key = ctx.key("fencing");
-    let ttl = ctx.short_ttl();
+    let ttl = ctx.steady_ttl();
     let options = LockOptions::new(ttl).renewal(Renewal::Every(ttl / 4));
-    let guard = locker
-        .try_lock(&key, &options)
-        .await?
-        .ok_or("free key refused")?;
+    let guard = lock_free_key(&locker, &key, &options).await?;
     let token = guard.fencing_token();
     check_eq!(
         guard.lease().fencing_token(),

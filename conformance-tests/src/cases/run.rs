@@ -223,7 +223,7 @@ pub async fn lost_continue_lets_job_finish(ctx: TestContext) -> CaseResult {
     let locker = Locker::new(recording.clone());
     let thief = ctx.client().await?;
     let key = ctx.key("run");
-    let ttl = ctx.short_ttl();
+    let ttl = ctx.steady_ttl();
     let (started_tx, started_rx) = oneshot::channel();
     let stealer = tokio::spawn(steal_when_started(
         recording.clone(),

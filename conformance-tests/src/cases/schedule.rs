@@ -38,12 +38,29 @@ enum Labels {
     Intended,
 }
 
-/// A run that happened: which slot it was for and when it ran.
+/// A run that happened: which slot it was for, when it ran, and when its
+/// `run` call returned (its keys released or kept).
 #[derive(Debug, Clone, Copy)]
 struct Ran {
     slot: u64,
     start: Instant,
     end: Instant,
+    returned: Instant,
+}
+
+/// A fire an instance skipped as "previous still running", and when it
+/// asked.
+#[derive(Debug, Clone, Copy)]
+struct StillRunning {
+    slot: u64,
+    asked: Instant,
+}
+
+/// What the instances did.
+#[derive(Debug, Default)]
+struct Simulation {
+    runs: Vec<Ran>,
+    still_running: Vec<StillRunning>,
 }
 
 /// Runs `FIRES` fires on three instances and returns every run.
@@ -51,7 +68,7 @@ async fn simulate(
     ctx: &TestContext,
     instances: &[Instance],
     labels: Labels,
-) -> Result<Vec<Ran>, crate::CaseError> {
+) -> Result<Simulation, crate::CaseError> {
     let name = ctx.key("scheduled").as_str().to_owned();
     // The fire key must outlive the run until its release keeps it for the
     // window: a TTL of a few hundred ms can run out while a loaded machine
@@ -78,12 +95,12 @@ async fn simulate(
     let first_slot = since_epoch.as_nanos() / period_ns + 2;
     let fire0_sys = UNIX_EPOCH + Duration::from_nanos((first_slot * period_ns) as u64);
     let fire0 = Instant::now() + fire0_sys.duration_since(now_sys).unwrap_or_default();
-    let runs = Arc::new(Mutex::new(Vec::new()));
+    let simulation = Arc::new(Mutex::new(Simulation::default()));
     let mut tasks = Vec::new();
     for instance in instances.iter().copied() {
         let locker = Locker::new(ctx.client().await?);
         let job = job.clone();
-        let runs = runs.clone();
+        let simulation = simulation.clone();
         let plain_key = distlock_core::LockKey::new(name.clone())?;
         tasks.push(tokio::spawn(async move {
             let mut failures = Vec::new();
@@ -98,12 +115,15 @@ async fn simulate(
                 let body = |_| async move {
                     let start = Instant::now();
                     tokio::time::sleep(JOB).await;
+                    let end = Instant::now();
                     Ran {
                         slot,
                         start,
-                        end: Instant::now(),
+                        end,
+                        returned: end,
                     }
                 };
+                let asked = Instant::now();
                 let result = match labels {
                     Labels::PlainLock => locker
                         .run_exclusive(
@@ -125,6 +145,14 @@ async fn simulate(
                         job.run(&locker, label, body).await.map(|o| match o {
                             ScheduledOutcome::Ran { output, .. } => Some(output),
                             ScheduledOutcome::Skipped(SkipReason::FireAlreadyTaken) => None,
+                            ScheduledOutcome::Skipped(SkipReason::PreviousStillRunning) => {
+                                simulation
+                                    .lock()
+                                    .unwrap_or_else(|e| e.into_inner())
+                                    .still_running
+                                    .push(StillRunning { slot, asked });
+                                None
+                            }
                             other => {
                                 failures.push(format!("fire {fire}: unexpected outcome {other:?}"));
                                 None
@@ -133,7 +161,17 @@ async fn simulate(
                     }
                 };
                 match result {
-                    Ok(Some(ran)) => runs.lock().unwrap_or_else(|e| e.into_inner()).push(ran),
+                    Ok(Some(ran)) => {
+                        let ran = Ran {
+                            returned: Instant::now(),
+                            ..ran
+                        };
+                        simulation
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .runs
+                            .push(ran);
+                    }
                     Ok(None) => {}
                     Err(e) => failures.push(format!("fire {fire}: {e}")),
                 }
@@ -150,8 +188,8 @@ async fn simulate(
             "instances reported failures: {failures:?}"
         );
     }
-    let runs = runs.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    Ok(runs)
+    let simulation = std::mem::take(&mut *simulation.lock().unwrap_or_else(|e| e.into_inner()));
+    Ok(simulation)
 }
 
 fn shift(at: Instant, ms: i64) -> Instant {
@@ -163,13 +201,42 @@ fn shift(at: Instant, ms: i64) -> Instant {
     }
 }
 
-fn check_one_run_per_fire(runs: &[Ran]) -> CaseResult {
-    let mut runs = runs.to_vec();
+/// Each fire ran exactly once, runs never overlapped, and a fire skipped
+/// as "previous still running" was asked for before an earlier fire's run
+/// had returned (on a loaded machine its release can take longer than the
+/// period); such a fire has no run.
+fn check_one_run_per_fire(simulation: &Simulation) -> CaseResult {
+    let mut runs = simulation.runs.clone();
     runs.sort_by_key(|r| r.start);
-    check_eq!(runs.len() as u64, FIRES, "runs for {FIRES} fires: {runs:?}");
+    for skip in &simulation.still_running {
+        check!(
+            runs.iter()
+                .any(|r| r.slot < skip.slot && skip.asked < r.returned),
+            "fire slot {} was skipped as previous still running, yet every earlier run had returned: {skip:?}, {runs:?}",
+            skip.slot
+        );
+    }
+    let mut skipped: Vec<u64> = simulation.still_running.iter().map(|s| s.slot).collect();
+    skipped.sort_unstable();
+    skipped.dedup();
     let mut slots: Vec<u64> = runs.iter().map(|r| r.slot).collect();
     slots.dedup();
-    check_eq!(slots.len() as u64, FIRES, "each fire ran exactly once");
+    check_eq!(
+        slots.len(),
+        runs.len(),
+        "each fire ran at most once: {runs:?}"
+    );
+    check!(
+        slots
+            .iter()
+            .all(|slot| skipped.binary_search(slot).is_err()),
+        "a fire both ran and was skipped as previous still running: {runs:?}, {skipped:?}"
+    );
+    check_eq!(
+        (runs.len() + skipped.len()) as u64,
+        FIRES,
+        "fires that ran or were skipped with the previous run still going: {runs:?}, {skipped:?}"
+    );
     for pair in runs.windows(2) {
         check!(
             pair[1].start >= pair[0].end,
@@ -192,7 +259,9 @@ fn shifted_tickers() -> Vec<Instance> {
 /// The problem: with a plain lock and a short job, shifted tickers take the
 /// lock in turn and the job runs once per instance per fire.
 pub async fn plain_lock_runs_once_per_instance(ctx: TestContext) -> CaseResult {
-    let runs = simulate(&ctx, &shifted_tickers(), Labels::PlainLock).await?;
+    let runs = simulate(&ctx, &shifted_tickers(), Labels::PlainLock)
+        .await?
+        .runs;
     check!(
         runs.len() as u64 > FIRES,
         "a plain lock lets shifted tickers run a fire more than once ({} runs for {FIRES} fires)",
@@ -203,8 +272,8 @@ pub async fn plain_lock_runs_once_per_instance(ctx: TestContext) -> CaseResult {
 
 /// The fix: fire slots from the instances' clocks, keys kept after the run.
 pub async fn one_run_per_fire_with_shifted_tickers(ctx: TestContext) -> CaseResult {
-    let runs = simulate(&ctx, &shifted_tickers(), Labels::SlotOfNow).await?;
-    check_one_run_per_fire(&runs)
+    let simulation = simulate(&ctx, &shifted_tickers(), Labels::SlotOfNow).await?;
+    check_one_run_per_fire(&simulation)
 }
 
 /// Clocks up to one window (= the period) apart, labels from the schedule.
@@ -217,15 +286,15 @@ pub async fn one_run_per_fire_with_skewed_clocks(ctx: TestContext) -> CaseResult
             skew_ms,
         })
         .collect();
-    let runs = simulate(&ctx, &instances, Labels::Intended).await?;
-    check_one_run_per_fire(&runs)
+    let simulation = simulate(&ctx, &instances, Labels::Intended).await?;
+    check_one_run_per_fire(&simulation)
 }
 
 /// A run that outlasts its period makes the next fire skip as "previous
 /// still running", never run concurrently.
 pub async fn long_run_skips_next_fire(ctx: TestContext) -> CaseResult {
     let job = ScheduledJob::new(ctx.key("long").as_str(), Duration::from_millis(500))?
-        .ttl(ctx.short_ttl());
+        .ttl(ctx.steady_ttl());
     let a = Locker::new(ctx.client().await?);
     let b = Locker::new(ctx.client().await?);
     let first = SystemTime::now();
@@ -294,7 +363,7 @@ pub async fn failed_run_start_frees_the_fire(ctx: TestContext) -> CaseResult {
 /// A run stopped because its lock was lost did not run the fire to
 /// the end: the fire key is released so another instance can run it.
 pub async fn lost_run_frees_the_fire(ctx: TestContext) -> CaseResult {
-    let ttl = ctx.short_ttl();
+    let ttl = ctx.steady_ttl();
     let job = ScheduledJob::new(ctx.key("lost-run").as_str(), Duration::from_secs(60))?.ttl(ttl);
     let observed = Arc::new(ObservedLock::new(ctx.client().await?));
     let thief = ctx.client().await?;

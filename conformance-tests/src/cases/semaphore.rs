@@ -129,12 +129,15 @@ pub async fn never_more_than_n(ctx: TestContext) -> CaseResult {
 pub async fn crashed_holder_returns_permit(ctx: TestContext) -> CaseResult {
     let key = ctx.key("sem-crash");
     let ttl = ctx.short_ttl();
+    // Every client is open, and the long permit taken, before the short
+    // one: only the crash falls between its grant and the check that it is
+    // still held (a TLS connect on a loaded machine outlasted its TTL).
     let crashed = ctx.client().await?;
-    let lost = permit(&crashed, &key, 2, ttl, "the holder that crashes").await?;
     let other = ctx.client().await?;
-    let kept = permit(&other, &key, 2, ctx.long_ttl(), "the other holder").await?;
-    drop(crashed);
     let waiter = ctx.client().await?;
+    let kept = permit(&other, &key, 2, ctx.long_ttl(), "the other holder").await?;
+    let lost = permit(&crashed, &key, 2, ttl, "the holder that crashes").await?;
+    drop(crashed);
     full(&waiter, &key, 2, "right after the crash").await?;
     let deadline = Instant::now() + expiry_bound(ttl);
     let got = loop {

@@ -890,6 +890,6 @@ async fn release_raw(
     grant: &Grant,
 ) -> Result<(), CaseError> {
     match client.backend().release(held(key, owner, grant)).await? {
-        ReleaseReply::Released | ReleaseReply::NotHeld => Ok(()),
+        ReleaseReply::Released | ReleaseReply::NotHeld | ReleaseReply::NotHeldAfterResend => Ok(()),
     }
 }

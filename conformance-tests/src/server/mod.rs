@@ -156,7 +156,7 @@ impl ServerProcess {
         *self.child.lock().unwrap_or_else(|e| e.into_inner()) = Some(child);
         let ready = self
             .wait_for_port_while_running(START_TIMEOUT)
-            .and_then(|()| self.kind.wait_ready(&self.dir, self.port));
+            .and_then(|()| self.wait_ready_while_running());
         if let Err(e) = ready {
             let log = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
             self.kill();
@@ -175,18 +175,7 @@ impl ServerProcess {
         let deadline = Instant::now() + timeout;
         let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
         loop {
-            if let Some(child) = self
-                .child
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .as_mut()
-            {
-                if let Ok(Some(status)) = child.try_wait() {
-                    return Err(io::Error::other(format!(
-                        "{EXITED_DURING_STARTUP} ({status})"
-                    )));
-                }
-            }
+            self.still_running()?;
             match TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
                 Ok(_) => return Ok(()),
                 Err(e) if Instant::now() >= deadline => {
@@ -200,6 +189,39 @@ impl ServerProcess {
                 }
                 Err(_) => std::thread::sleep(Duration::from_millis(20)),
             }
+        }
+    }
+
+    /// The kind's readiness check, failing at once if the process exits
+    /// meanwhile: a server may open its port and exit after (PostgreSQL
+    /// listens before it finds its killed instance's children still holding
+    /// the shared memory), and the check would wait out its own timeout.
+    fn wait_ready_while_running(&self) -> io::Result<()> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (kind, dir, port) = (Arc::clone(&self.kind), self.dir.clone(), self.port);
+        // Detached: after an exit it ends at its own timeout, unread.
+        std::thread::spawn(move || {
+            let _ = tx.send(kind.wait_ready(&dir, port));
+        });
+        loop {
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(ready) => return ready,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => self.still_running()?,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(io::Error::other("the readiness check panicked"))
+                }
+            }
+        }
+    }
+
+    /// An error if the process has exited.
+    fn still_running(&self) -> io::Result<()> {
+        let mut child = self.child.lock().unwrap_or_else(|e| e.into_inner());
+        match child.as_mut().map(Child::try_wait) {
+            Some(Ok(Some(status))) => Err(io::Error::other(format!(
+                "{EXITED_DURING_STARTUP} ({status})"
+            ))),
+            _ => Ok(()),
         }
     }
 
@@ -418,5 +440,60 @@ pub fn wait_for_port(port: u16, timeout: Duration) -> io::Result<()> {
             }
             Err(_) => std::thread::sleep(Duration::from_millis(20)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server that opens its port, then exits without ever being ready
+    /// (as PostgreSQL does when its killed instance's children still hold
+    /// its shared memory).
+    struct ListensThenExits;
+
+    impl ServerKind for ListensThenExits {
+        fn name(&self) -> &'static str {
+            "listens-then-exits"
+        }
+
+        fn url_env_var(&self) -> &'static str {
+            "DISTLOCK_UNUSED_URL"
+        }
+
+        fn command(&self, _: &Path, port: u16) -> Command {
+            let mut command = Command::new("python3");
+            command.args([
+                "-c",
+                &format!(
+                    "import socket, time\n\
+                     s = socket.socket()\n\
+                     s.bind(('127.0.0.1', {port}))\n\
+                     s.listen()\n\
+                     time.sleep(1)\n"
+                ),
+            ]);
+            command
+        }
+
+        fn url(&self, addr: SocketAddr) -> String {
+            format!("none://{addr}")
+        }
+
+        fn wait_ready(&self, _: &Path, _: u16) -> io::Result<()> {
+            std::thread::sleep(Duration::from_secs(20));
+            Err(io::Error::other("never ready"))
+        }
+    }
+
+    /// The start notices the exit instead of waiting out the readiness
+    /// check (which a restart's deadline would not outlast).
+    #[test]
+    fn a_server_that_exits_after_opening_its_port_is_noticed() {
+        let err = ServerProcess::start(Arc::new(ListensThenExits)).unwrap_err();
+        assert!(
+            err.to_string().contains(EXITED_DURING_STARTUP),
+            "expected the exit to be noticed, got: {err}"
+        );
     }
 }

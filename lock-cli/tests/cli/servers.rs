@@ -22,7 +22,7 @@ fn against(kind: impl ServerKind) {
     lost_lock_kills_the_command(&url);
     paused_holder_is_taken_over_and_its_command_stopped(&url);
     suspended_holder_keeps_renewing(&url);
-    permits_need_a_backend_with_semaphores(&url);
+    ten_processes_share_three_permits(&url);
     drop(server);
 }
 
@@ -448,28 +448,45 @@ fn suspended_holder_keeps_renewing(url: &str) {
     );
 }
 
-/// `--permits` needs a backend with semaphores: a configuration error
-/// (78) saying so, not the lock-lost code (70); the command never runs.
-fn permits_need_a_backend_with_semaphores(url: &str) {
+/// `--permits 3` on one key from 10 processes, 5 runs each: all 50 run
+/// (each waits its turn), never more than 3 at once, and 3 at once is
+/// reached. Each run marks itself present, counts who is present, and
+/// stays 0.3 s.
+fn ten_processes_share_three_permits(url: &str) {
     let dir = TempDir::new("distlock-cli-test");
     let key = unique("permits");
-    let output = finish(
-        run_sh(
-            url,
-            &key,
-            &["--permits", "3"],
-            dir.path(),
-            r#"touch "$DIR/ran""#,
-        )
-        .spawn()
-        .expect("spawn"),
-    );
-    let err = stderr(&output);
-    assert_eq!(code(&output), 78, "{err}");
-    assert!(err.contains("--permits"), "{err}");
-    assert!(err.contains("semaphores"), "{err}");
-    assert_eq!(err.lines().count(), 1, "one line: {err}");
-    assert!(!dir.file("ran").exists(), "the command never runs");
+    let script = r#"touch "$DIR/in.$$"; ls "$DIR" | grep -c '^in\.' >> "$DIR/counts"; sleep 0.3; rm "$DIR/in.$$""#;
+    let workers: Vec<_> = (0..10)
+        .map(|worker| {
+            let (url, key, dir) = (url.to_owned(), key.clone(), dir.path().to_owned());
+            std::thread::spawn(move || {
+                (0..5)
+                    .map(|run| {
+                        let output = finish(
+                            run_sh(&url, &key, &["--permits", "3", "--wait", "60s"], &dir, script)
+                                .spawn()
+                                .expect("spawn"),
+                        );
+                        (worker, run, code(&output), stderr(&output))
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for worker in workers {
+        for (worker, run, code, err) in worker.join().expect("worker thread") {
+            assert_eq!(code, 0, "worker {worker} run {run}: {err}");
+        }
+    }
+    let counts: Vec<u32> = std::fs::read_to_string(dir.file("counts"))
+        .expect("counts")
+        .lines()
+        .map(|line| line.trim().parse().expect("a count"))
+        .collect();
+    assert_eq!(counts.len(), 50, "every run ran: {counts:?}");
+    let most = counts.iter().copied().max().unwrap_or(0);
+    assert!(most <= 3, "{most} runs at once under 3 permits: {counts:?}");
+    assert_eq!(most, 3, "3 permits were never all in use: {counts:?}");
 }
 
 /// A value distlock did not write at the lock key: a configuration error

@@ -8,6 +8,7 @@ mod listener;
 mod outcomes;
 mod pooler;
 mod rows;
+mod semaphores;
 mod settings;
 mod support;
 mod terminate;

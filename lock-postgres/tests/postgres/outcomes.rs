@@ -11,7 +11,6 @@ use distlock_core::{
     AcquireReply, AcquireRequest, ErrorKind, Grant, HeldLock, LockBackend, LockKey, LockState,
     OwnerToken, ReleaseReply,
 };
-use distlock_postgres::PostgresConfig;
 use sqlx::{Connection, PgConnection};
 
 use super::support::*;
@@ -39,12 +38,7 @@ async fn an_attempt_whose_reply_was_lost_is_adopted_by_the_next_with_its_owner_t
     let ns = random_name("adopt");
     // One connection, whose acquire statement is prepared before replies
     // are held (preparing it takes a round trip of its own).
-    let config = PostgresConfig::from_url(&format!(
-        "{proxied}?namespace={ns}&operation_timeout_ms=1000"
-    ))
-    .unwrap()
-    .max_connections(1);
-    let late = Pg::with_config(config).await;
+    let late = one_connection(&proxied, &ns).await;
     let direct = client(&ns).await;
     let warm = take(&late, &key("warm-up"), Duration::from_secs(5), "free").await;
     late.release(&warm).await.unwrap();

@@ -4,7 +4,6 @@
 use std::time::Duration;
 
 use distlock_core::{AcquireAttempt, ErrorKind, LockState};
-use distlock_postgres::PostgresConfig;
 
 use super::support::*;
 
@@ -227,51 +226,17 @@ async fn serializable_default_isolation_never_fails_concurrent_acquires() {
     // A database whose transactions are serializable unless they say
     // otherwise: concurrent acquires of one key conflict there (SQLSTATE
     // 40001), and such a statement was rolled back, so it can be sent again.
-    let admin_client = client("serializable").await;
-    let database = random_name("distlock_serializable");
-    admin(&admin_client, &format!("CREATE DATABASE {database}")).await;
-    admin(
-        &admin_client,
-        &format!("ALTER DATABASE {database} SET default_transaction_isolation = 'serializable'"),
-    )
-    .await;
-    let url = server().url();
-    let base = url.rsplit_once('/').map(|(base, _)| base).unwrap();
-    let config = PostgresConfig::from_url(&format!("{base}/{database}?namespace=iso"))
-        .unwrap()
-        .max_connections(16);
-    let lock = Pg::with_config(config).await;
+    let lock = serializable_client().await;
     let isolation: String = sqlx::query_scalar("SHOW transaction_isolation")
         .fetch_one(lock.pool())
         .await
         .unwrap();
     assert_eq!(isolation, "serializable");
 
-    let mut errors = Vec::new();
-    for round in 0..10 {
-        // A new key (first inserts race) every other round; the same key,
-        // just released (updates race), in between.
-        let k = key(&format!("contended-{}", round / 2));
-        let attempts: Vec<_> = (0..16)
-            .map(|_| {
-                let lock = lock.clone();
-                let k = k.clone();
-                tokio::spawn(async move { lock.try_acquire(&k, Duration::from_secs(30)).await })
-            })
-            .collect();
-        let mut granted = Vec::new();
-        for attempt in attempts {
-            match attempt.await.unwrap() {
-                Ok(AcquireAttempt::Acquired(lease)) => granted.push(lease),
-                Ok(AcquireAttempt::Held { .. }) => {}
-                Err(e) => errors.push(e.to_string()),
-            }
-        }
-        assert!(granted.len() <= 1, "two holders at once: {granted:?}");
-        for lease in granted {
-            lock.release(&lease).await.unwrap();
-        }
-    }
+    let errors = contended_rounds(&lock, 1, |lock, k| async move {
+        lock.try_acquire(&k, Duration::from_secs(30)).await
+    })
+    .await;
     assert!(
         errors.is_empty(),
         "{} of 160 acquires failed, e.g. {:?}",

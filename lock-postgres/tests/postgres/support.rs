@@ -1,6 +1,7 @@
 //! What the PostgreSQL tests share: the server, clients in fresh
 //! namespaces, superuser SQL, a transaction pooler.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::ops::Deref;
 use std::sync::{Arc, OnceLock};
@@ -8,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use distlock_conformance::fault::{Direction, Proxy};
 use distlock_conformance::server::{PgBouncer, PoolMode, Postgres, ServerHandle, ServerProcess};
-use distlock_core::{Lease, LockBackend, LockClient, LockError, LockKey};
+use distlock_core::{AcquireAttempt, Lease, LockBackend, LockClient, LockError, LockKey};
 use distlock_postgres::{PgPool, PostgresConfig, PostgresLock};
 
 pub fn server() -> &'static ServerHandle {
@@ -132,6 +133,71 @@ pub async fn proxied() -> (Proxy, String) {
         .url()
         .replace(&server_addr().to_string(), &proxy.addr().to_string());
     (proxy, url)
+}
+
+/// A client of 16 connections to a new database whose transactions are
+/// serializable unless they say otherwise.
+pub async fn serializable_client() -> Pg {
+    let admin_client = client("serializable").await;
+    let database = random_name("distlock_serializable");
+    admin(&admin_client, &format!("CREATE DATABASE {database}")).await;
+    admin(
+        &admin_client,
+        &format!("ALTER DATABASE {database} SET default_transaction_isolation = 'serializable'"),
+    )
+    .await;
+    let url = server().url();
+    let base = url.rsplit_once('/').map(|(base, _)| base).unwrap();
+    let config = PostgresConfig::from_url(&format!("{base}/{database}?namespace=iso"))
+        .unwrap()
+        .max_connections(16);
+    Pg::with_config(config).await
+}
+
+/// Ten rounds of 16 attempts at once, each `attempt(lock, key)`, on a new
+/// key every other round (first inserts race) and on the key just released
+/// in between (updates race): at most `most` are granted in a round, and
+/// released after it. Returns the attempts' errors.
+pub async fn contended_rounds<F, Fut>(lock: &Pg, most: usize, attempt: F) -> Vec<String>
+where
+    F: Fn(Pg, LockKey) -> Fut,
+    Fut: Future<Output = Result<AcquireAttempt, LockError>> + Send + 'static,
+{
+    let mut errors = Vec::new();
+    for round in 0..10 {
+        let k = key(&format!("contended-{}", round / 2));
+        let attempts: Vec<_> = (0..16)
+            .map(|_| tokio::spawn(attempt(lock.clone(), k.clone())))
+            .collect();
+        let mut granted = Vec::new();
+        for attempt in attempts {
+            match attempt.await.unwrap() {
+                Ok(AcquireAttempt::Acquired(lease)) => granted.push(lease),
+                Ok(AcquireAttempt::Held { .. }) => {}
+                Err(e) => errors.push(e.to_string()),
+            }
+        }
+        assert!(
+            granted.len() <= most,
+            "{} granted at once, at most {most} may be",
+            granted.len()
+        );
+        for lease in granted {
+            lock.release(&lease).await.unwrap();
+        }
+    }
+    errors
+}
+
+/// A client of one pooled connection at `url` in namespace `ns`, whose
+/// statements time out after 1 s: a test that holds its replies knows
+/// which statement is in flight.
+pub async fn one_connection(url: &str, ns: &str) -> Pg {
+    let config =
+        PostgresConfig::from_url(&format!("{url}?namespace={ns}&operation_timeout_ms=1000"))
+            .unwrap()
+            .max_connections(1);
+    Pg::with_config(config).await
 }
 
 /// Stalls every connection open through `proxy` now, in both directions,

@@ -1,0 +1,226 @@
+//! Counting semaphores: at most N live permits of a key, each a lease of
+//! its own, in the semaphore table (see [`PermitStatements`] for the row
+//! and the statements).
+//!
+//! A semaphore is its own row of its own table, so a semaphore and a lock
+//! of one name share neither rows nor fencing counters; its permits are
+//! woken on a `LISTEN`/`NOTIFY` channel of their own (the channel of the
+//! semaphore table, payload the key), heard by a listener connection of
+//! their own that opens with the first permit waiter. Behind a transaction
+//! pooler without `listen_url` permit waiters poll, as lock waiters do.
+//!
+//! Unknown outcomes follow the lock's rules: an attempt by the owner token
+//! that holds a live permit adopts it (the client settles an attempt whose
+//! reply was lost with one more attempt of the same token, and gives back
+//! what it is granted); a release sent again after its first send was
+//! applied finds the permit given up with its fencing token and is
+//! `Released`, as the lock's release is. A permit attempt applied after
+//! its caller left expires by its TTL.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use distlock_core::{
+    ExtendReply, Grant, HeldLock, Listener, LockError, LockKey, PermitReply, PermitRequest,
+    ReleaseReply, ReleaseWatch, SemaphoreBackend,
+};
+use sqlx::postgres::{PgConnectOptions, PgRow};
+use tokio::sync::OnceCell;
+
+use crate::backend::{fencing_param, ttl_millis, PostgresLock};
+use crate::config::PostgresConfig;
+use crate::keys::{channel_name, qualified_table};
+use crate::listener::Releases;
+use crate::sql::{Arg, PermitStatements, Reply, Sql};
+
+/// What a client keeps for its semaphores.
+pub(crate) struct Semaphores {
+    sql: Arc<PermitStatements>,
+    /// The quoted, schema-qualified semaphore table.
+    table: String,
+    /// The `NOTIFY` channel of permits given back in this namespace.
+    channel: String,
+    /// `None` when nothing can `LISTEN` (as for the lock's listener).
+    listener: Option<Listener<Releases>>,
+    table_ready: OnceCell<()>,
+}
+
+impl Semaphores {
+    /// The semaphores of `config`, their waiters listening with `listen`.
+    pub(crate) fn new(config: &PostgresConfig, listen: Option<PgConnectOptions>) -> Self {
+        let (schema, table) = (config.schema_name(), config.semaphore_table_name());
+        let channel = channel_name(schema, table, &config.client.namespace);
+        let listener = listen.map(|listen| {
+            let returns = Releases::new(listen, channel.clone(), config.client.connect_timeout);
+            Listener::new(returns, &config.client)
+        });
+        Self {
+            sql: Arc::new(PermitStatements::new(schema, table)),
+            table: qualified_table(schema, table),
+            channel,
+            listener,
+            table_ready: OnceCell::new(),
+        }
+    }
+}
+
+impl PostgresLock {
+    /// Creates the semaphore table at connect. A failure (a role that may
+    /// not create tables, where a DBA created only the lock table) leaves
+    /// locks working: semaphore calls try again and report it.
+    pub(crate) async fn prepare_semaphores(&self) {
+        if let Err(e) = self.ensure_semaphores().await {
+            tracing::warn!(table = %self.semaphores.table, error = %e, "the semaphore table could not be created; semaphore calls fail until it exists");
+        }
+    }
+
+    /// Creates the semaphore table once per client (cheap afterwards).
+    async fn ensure_semaphores(&self) -> Result<(), LockError> {
+        let semaphores = &self.semaphores;
+        semaphores
+            .table_ready
+            .get_or_try_init(|| {
+                let what = "creating the semaphore table";
+                self.create_table(what, &semaphores.table, &semaphores.sql.create_table)
+            })
+            .await
+            .map(|_| ())
+    }
+
+    /// The error for a semaphore row distlock did not write.
+    fn foreign_row(&self, key: &LockKey) -> LockError {
+        LockError::corrupted(format!(
+            "the row for semaphore {:?} in namespace {:?} of {} is not in the form distlock writes; it is left untouched",
+            key.as_str(),
+            self.namespace(),
+            self.semaphores.table
+        ))
+    }
+
+    /// Runs extend or release (`sql`, whose last parameter is `last`) on
+    /// `permit`: whether it held the permit, and the reply. A row distlock
+    /// did not write is reported, not touched.
+    async fn on_permit(
+        &self,
+        what: &str,
+        permit: &HeldLock<'_>,
+        sql: &Arc<Sql>,
+        last: Arg,
+    ) -> Result<(bool, Reply<PgRow>), LockError> {
+        let fencing = fencing_param(permit)?;
+        let key = permit.key;
+        self.ensure_semaphores().await?;
+        let args = vec![
+            Arg::text(self.namespace()),
+            Arg::text(key.as_str()),
+            Arg::Text(permit.owner.to_hex()),
+            Arg::Int(fencing),
+            last,
+        ];
+        let reply = self.fetch_one(what, key, self.call(sql, args)).await?;
+        let done = self.column::<i64>(&reply.row, "done", key)? > 0;
+        if !done && !self.column::<bool>(&reply.row, "well_formed", key)? {
+            return Err(self.foreign_row(key));
+        }
+        Ok((done, reply))
+    }
+}
+
+#[async_trait]
+impl SemaphoreBackend for PostgresLock {
+    async fn acquire_permit(&self, request: PermitRequest<'_>) -> Result<PermitReply, LockError> {
+        let key = request.key;
+        self.ensure_semaphores().await?;
+        let limit = i64::from(request.limit);
+        let call = self.call(
+            &self.semaphores.sql.acquire,
+            vec![
+                Arg::text(self.namespace()),
+                Arg::text(key.as_str()),
+                Arg::Text(request.owner.to_hex()),
+                Arg::Int(ttl_millis(request.ttl)),
+                Arg::Int(limit),
+            ],
+        );
+        let Some(row) = self
+            .fetch("acquiring a permit", Some(key), call, None)
+            .await?
+            .row
+        else {
+            // The semaphore's first row, inserted concurrently, is not in
+            // this statement's snapshot yet: try again soon.
+            return Ok(PermitReply::Full {
+                expires_in: Some(Duration::ZERO),
+            });
+        };
+        let fencing: Option<i64> = self.column(&row, "fencing", key)?;
+        if self.column::<bool>(&row, "granted", key)? {
+            // New, or adopted from an earlier attempt of this owner token.
+            return Ok(PermitReply::Granted(Grant::new(
+                self.granted(key, fencing)?,
+                request.ttl,
+            )));
+        }
+        if !self.column::<bool>(&row, "well_formed", key)? {
+            return Err(self.foreign_row(key));
+        }
+        let stored: i64 = self.column(&row, "permit_limit", key)?;
+        let live: i64 = self.column(&row, "live", key)?;
+        if live > 0 && stored != limit {
+            let stored = u32::try_from(stored).map_err(|_| self.foreign_row(key))?;
+            return Ok(PermitReply::LimitMismatch { stored });
+        }
+        let expires_in = if live < limit {
+            // Permits came back after this statement's snapshot.
+            Some(Duration::ZERO)
+        } else {
+            let ms: Option<i64> = self.column(&row, "expires_in_ms", key)?;
+            ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)))
+        };
+        Ok(PermitReply::Full { expires_in })
+    }
+
+    async fn extend_permit(
+        &self,
+        permit: HeldLock<'_>,
+        ttl: Duration,
+    ) -> Result<ExtendReply, LockError> {
+        let sql = &self.semaphores.sql.extend;
+        let last = Arg::Int(ttl_millis(ttl));
+        Ok(
+            match self
+                .on_permit("extending a permit", &permit, sql, last)
+                .await?
+            {
+                (true, _) => ExtendReply::Extended(Grant::new(permit.fencing, ttl)),
+                (false, _) => ExtendReply::NotHeld,
+            },
+        )
+    }
+
+    async fn release_permit(&self, permit: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
+        let sql = &self.semaphores.sql.release;
+        let last = Arg::text(&self.semaphores.channel);
+        let (done, reply) = self
+            .on_permit("releasing a permit", &permit, sql, last)
+            .await?;
+        // Sent again after a lost reply: an earlier send that released the
+        // permit left it given up with this fencing token.
+        let given_up = || self.column::<bool>(&reply.row, "given_up", permit.key);
+        Ok(if done || (reply.resent && given_up()?) {
+            ReleaseReply::Released
+        } else {
+            ReleaseReply::NotHeld
+        })
+    }
+
+    async fn watch_permits(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        match &self.semaphores.listener {
+            // As for locks: nothing to hear through a transaction pooler
+            // found since connect, so waiters poll.
+            Some(listener) if self.can_listen() => listener.watch(key.clone()).await.map(Some),
+            _ => Ok(None),
+        }
+    }
+}
