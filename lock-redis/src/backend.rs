@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use distlock_core::{
     async_trait, with_timeout, AcquireReply, AcquireRequest, Capabilities, ClientOptions,
     ErrorKind, ExtendReply, HeldLock, Listener, LockAdmin, LockBackend, LockError, LockKey,
-    LockState, OwnerToken, ReleaseReply, ReleaseWatch,
+    LockState, OwnerToken, ReleaseReply, ReleaseWatch, SemaphoreBackend,
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncConnectionConfig, Client, Value};
@@ -297,13 +297,43 @@ impl RedisLock {
         RedisKeys::new(&self.config.client.namespace, key)
     }
 
+    /// The names of `key`'s semaphore.
+    pub(crate) fn semaphore_keys(&self, key: &LockKey) -> RedisKeys {
+        RedisKeys::semaphore(&self.config.client.namespace, key)
+    }
+
+    /// The command a release script publishes with.
+    pub(crate) fn publish_command(&self) -> &'static str {
+        self.channels.publish
+    }
+
     /// How long the fencing counter is kept after an acquisition for `ttl`.
-    fn retention_ms(&self, ttl: Duration) -> String {
+    pub(crate) fn retention_ms(&self, ttl: Duration) -> String {
         arg_millis(self.config.fence_retention.max(ttl.saturating_mul(2)))
     }
 
+    /// What is left of the operation timeout of a call first sent at `sent`.
+    pub(crate) fn time_left(&self, sent: Instant) -> Duration {
+        self.config
+            .client
+            .operation_timeout
+            .saturating_sub(sent.elapsed())
+    }
+
+    /// Subscribes to `channel`'s notifications (a wait's watch).
+    pub(crate) async fn watch_channel(&self, channel: String) -> Result<ReleaseWatch, LockError> {
+        // Connecting (the first waiter) and subscribing, however long other
+        // waiters' subscriptions hold the connection: one bound in all.
+        with_timeout(
+            connect_budget(&self.config.client),
+            "redis subscribe for release notifications",
+            self.listener.watch(channel),
+        )
+        .await
+    }
+
     /// Runs one script invocation under the operation timeout.
-    async fn run(&self, call: Call<'_>) -> Result<Value, LockError> {
+    pub(crate) async fn run(&self, call: Call<'_>) -> Result<Value, LockError> {
         let timeout = self.config.client.operation_timeout;
         Ok(self.execute(call, None, timeout).await?.0)
     }
@@ -311,7 +341,10 @@ impl RedisLock {
     /// Runs a writing script, then, with [`min_replicas`](RedisConfig::min_replicas)
     /// set, waits for that many replicas to acknowledge it (`WAIT`, on the
     /// same connection): the reply and whether they did.
-    async fn run_replicated(&self, call: Call<'_>) -> Result<(Value, Replicated), LockError> {
+    pub(crate) async fn run_replicated(
+        &self,
+        call: Call<'_>,
+    ) -> Result<(Value, Replicated), LockError> {
         let wanted = self.config.min_replicas;
         if wanted == 0 {
             return Ok((self.run(call).await?, Replicated::Enough));
@@ -332,10 +365,47 @@ impl RedisLock {
         Ok((reply, replicated))
     }
 
+    /// Runs an acquire script, waiting for replicas unless `settling`: a
+    /// settling attempt's grant is given back at once, so its replication
+    /// does not matter, and waiting for it would hold up the give-back.
+    pub(crate) async fn run_acquire(
+        &self,
+        call: Call<'_>,
+        settling: bool,
+    ) -> Result<(Value, Replicated), LockError> {
+        if settling {
+            Ok((self.run(call).await?, Replicated::Enough))
+        } else {
+            self.run_replicated(call).await
+        }
+    }
+
+    /// Runs an extend script of `held` for `ttl` (it answers 1 or 0), with
+    /// replicas as [`run_replicated`](Self::run_replicated).
+    pub(crate) async fn run_extend(
+        &self,
+        call: Call<'_>,
+        held: HeldLock<'_>,
+        ttl: Duration,
+    ) -> Result<ExtendReply, LockError> {
+        let (reply, replicated) = self.run_replicated(call).await?;
+        let reply = scripts::extend_reply(held.key, held.fencing, ttl, &reply)?;
+        if let ExtendReply::Extended(_) = reply {
+            // The primary extended it, but a promoted replica might still
+            // expire it at the old time: the lease keeps its old deadline.
+            if let Some(shortfall) =
+                replicated.shortfall(call.what, held.key, "the lease keeps its previous expiry")
+            {
+                return Err(shortfall);
+            }
+        }
+        Ok(reply)
+    }
+
     /// Runs `call` within `timeout` (connecting, resending included),
     /// followed by `WAIT replicas timeout` if `wait` is given (then also
     /// returns its count).
-    async fn execute(
+    pub(crate) async fn execute(
         &self,
         call: Call<'_>,
         wait: Option<(u32, Duration)>,
@@ -412,7 +482,7 @@ impl RedisLock {
     /// remaining TTL, the script decides): twice the operation timeout, so
     /// that a resend of the release (the cluster driver resends after a
     /// dropped connection, within the timeout) finds it.
-    fn released_marker_ms(&self) -> String {
+    pub(crate) fn released_marker_ms(&self) -> String {
         arg_millis(self.config.client.operation_timeout.saturating_mul(2))
     }
 }
@@ -420,18 +490,18 @@ impl RedisLock {
 /// One script invocation: what it is for (for errors), the lock, its Redis
 /// names, and the script's keys and arguments.
 #[derive(Clone, Copy)]
-struct Call<'a> {
-    what: &'a str,
-    key: &'a LockKey,
-    keys: &'a RedisKeys,
-    script: &'a LuaScript,
-    redis_keys: &'a [&'a str],
-    args: &'a [String],
+pub(crate) struct Call<'a> {
+    pub(crate) what: &'a str,
+    pub(crate) key: &'a LockKey,
+    pub(crate) keys: &'a RedisKeys,
+    pub(crate) script: &'a LuaScript,
+    pub(crate) redis_keys: &'a [&'a str],
+    pub(crate) args: &'a [String],
 }
 
 /// How many replicas acknowledged a write.
 #[derive(Debug, Clone, Copy)]
-enum Replicated {
+pub(crate) enum Replicated {
     /// As many as [`RedisConfig::min_replicas`] (or none was asked for).
     Enough,
     /// Fewer within the wait.
@@ -443,7 +513,7 @@ enum Replicated {
 }
 
 impl Replicated {
-    fn shortfall(self, what: &str, key: &LockKey, outcome: &str) -> Option<LockError> {
+    pub(crate) fn shortfall(self, what: &str, key: &LockKey, outcome: &str) -> Option<LockError> {
         match self {
             Replicated::Enough => None,
             Replicated::Only {
@@ -454,6 +524,23 @@ impl Replicated {
                 "{what} on lock {key:?}: only {acknowledged} of the {wanted} replicas required by min_replicas acknowledged it within {wait:?}, so a failover could lose it; {outcome}"
             ))),
         }
+    }
+}
+
+/// The error for a grant fewer replicas acknowledged than asked
+/// (`shortfall`), after giving it back with the result `given_back`.
+pub(crate) fn not_replicated<T>(
+    shortfall: LockError,
+    given_back: Result<T, LockError>,
+) -> LockError {
+    match given_back {
+        Ok(_) => shortfall,
+        Err(e) => LockError::unavailable(format!(
+            "{}; releasing it failed too ({e}), so it stays taken until its TTL runs out",
+            shortfall
+                .message()
+                .trim_end_matches("; it was released again")
+        )),
     }
 }
 
@@ -563,17 +650,26 @@ async fn check_permissions(
 ) -> Result<(), LockError> {
     let namespace = &options.namespace;
     let probe = RedisKeys::probe(namespace);
+    let permits = RedisKeys::semaphore_probe(namespace);
     let denied = options
         .timed(what, async {
             match PROBE_SCRIPT
                 .invoke(
                     conn,
-                    &[&probe.lock, &probe.fence, &probe.gone],
+                    &[
+                        &probe.lock,
+                        &probe.fence,
+                        &probe.gone,
+                        &permits.lock,
+                        &permits.fence,
+                        &permits.gone,
+                    ],
                     &[
                         probe.channel.clone(),
                         channels.publish.to_owned(),
                         channels.subscribe.to_owned(),
                         channels.unsubscribe.to_owned(),
+                        permits.channel.clone(),
                     ],
                 )
                 .await
@@ -602,7 +698,7 @@ async fn check_permissions(
 
 /// A duration as a script argument: whole milliseconds, from 1 to the
 /// scripts' bound (15 digits).
-fn arg_millis(d: Duration) -> String {
+pub(crate) fn arg_millis(d: Duration) -> String {
     u64::try_from(d.as_millis())
         .unwrap_or(u64::MAX)
         .clamp(1, scripts::MAX_ARG_MILLIS)
@@ -644,13 +740,7 @@ impl LockBackend for RedisLock {
             redis_keys: &[&keys.lock, &keys.fence],
             args: &args,
         };
-        // A settling attempt's grant is given back at once: replication of
-        // it does not matter, and waiting for it would hold up the give-back.
-        let (reply, replicated) = if request.settling {
-            (self.run(call).await?, Replicated::Enough)
-        } else {
-            self.run_replicated(call).await?
-        };
+        let (reply, replicated) = self.run_acquire(call, request.settling).await?;
         let reply = scripts::acquire_reply(key, request.ttl, &reply)?;
         let AcquireReply::Granted(grant) = &reply else {
             return Ok(reply);
@@ -663,20 +753,9 @@ impl LockBackend for RedisLock {
         // Not replicated enough to survive a failover: give it back rather
         // than hand out a lock a promoted replica would not know. (Its
         // outcome is known: the primary granted it.)
-        let left = self
-            .config
-            .client
-            .operation_timeout
-            .saturating_sub(sent.elapsed());
-        match self.release_value(key, &keys, value, left).await {
-            Ok(_) => Err(shortfall),
-            Err(e) => Err(LockError::unavailable(format!(
-                "{}; releasing it failed too ({e}), so it stays taken until its TTL runs out",
-                shortfall
-                    .message()
-                    .trim_end_matches("; it was released again")
-            ))),
-        }
+        let left = self.time_left(sent);
+        let given_back = self.release_value(key, &keys, value, left).await;
+        Err(not_replicated(shortfall, given_back))
     }
 
     async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError> {
@@ -686,29 +765,15 @@ impl LockBackend for RedisLock {
             arg_millis(ttl),
             self.retention_ms(ttl),
         ];
-        let (reply, replicated) = self
-            .run_replicated(Call {
-                what: "redis extend",
-                key: lock.key,
-                keys: &keys,
-                script: &EXTEND_SCRIPT,
-                redis_keys: &[&keys.lock, &keys.fence],
-                args: &args,
-            })
-            .await?;
-        let reply = scripts::extend_reply(lock.key, lock.fencing, ttl, &reply)?;
-        if let ExtendReply::Extended(_) = reply {
-            // The primary extended it, but a promoted replica might still
-            // expire it at the old time: the lease keeps its old deadline.
-            if let Some(shortfall) = replicated.shortfall(
-                "redis extend",
-                lock.key,
-                "the lease keeps its previous expiry",
-            ) {
-                return Err(shortfall);
-            }
-        }
-        Ok(reply)
+        let call = Call {
+            what: "redis extend",
+            key: lock.key,
+            keys: &keys,
+            script: &EXTEND_SCRIPT,
+            redis_keys: &[&keys.lock, &keys.fence],
+            args: &args,
+        };
+        self.run_extend(call, lock, ttl).await
     }
 
     async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
@@ -719,19 +784,14 @@ impl LockBackend for RedisLock {
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        let channel = self.keys(key).channel;
-        // Connecting (the first waiter) and subscribing, however long other
-        // waiters' subscriptions hold the connection: one bound in all.
-        let watch = with_timeout(
-            connect_budget(&self.config.client),
-            "redis subscribe for release notifications",
-            self.listener.watch(channel),
-        )
-        .await?;
-        Ok(Some(watch))
+        Ok(Some(self.watch_channel(self.keys(key).channel).await?))
     }
 
     fn admin(&self) -> Option<&dyn LockAdmin> {
+        Some(self)
+    }
+
+    fn semaphore(&self) -> Option<&dyn SemaphoreBackend> {
         Some(self)
     }
 }

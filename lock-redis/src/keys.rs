@@ -9,6 +9,17 @@
 //!   recognised);
 //! - `NS:{E}:released` — the pub/sub channel a release publishes on;
 //!
+//! and the semaphore of the same key `K` uses names of its own, in the same
+//! slot ([`RedisKeys::semaphore`], the same four roles):
+//!
+//! - `NS:{E}:sem:permits` — the permits, a sorted set of
+//!   `dl1:<owner hex>:<fencing token>:<limit>` scored by expiry (server
+//!   milliseconds), with a PX expiry no earlier than its last member's;
+//! - `NS:{E}:sem:fence` — the semaphore's fencing counter, as the lock's;
+//! - `NS:{E}:sem:gone` — released-by markers, a sorted set of
+//!   `<owner hex>:<fencing token>/<release id>` scored by expiry;
+//! - `NS:{E}:sem:returned` — the channel a permit's release publishes on;
+//!
 //! where `E` is `K` with `%`, `{` and `}` percent-escaped (`%25`, `%7B`, `%7D`).
 //! The escape is injective (it is a standard percent-encoding of a subset of
 //! characters, and `%` itself is escaped), so distinct keys never share Redis
@@ -19,10 +30,10 @@
 
 use distlock_core::LockKey;
 
-/// The Redis names one lock touches.
+/// The Redis names one lock, or one semaphore, touches.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RedisKeys {
-    /// The lock key.
+    /// The lock key (a semaphore's: its permit set).
     pub(crate) lock: String,
     /// The fencing counter key.
     pub(crate) fence: String,
@@ -35,24 +46,40 @@ pub(crate) struct RedisKeys {
 impl RedisKeys {
     /// The names for `key` in `namespace`.
     pub(crate) fn new(namespace: &str, key: &LockKey) -> Self {
-        Self::tagged(namespace, &escape(key.as_str()))
+        Self::tagged(namespace, &escape(key.as_str()), LOCK)
+    }
+
+    /// The names of the semaphore `key` in `namespace`: in the lock's slot,
+    /// never one of the lock's names (their suffixes differ).
+    pub(crate) fn semaphore(namespace: &str, key: &LockKey) -> Self {
+        Self::tagged(namespace, &escape(key.as_str()), SEMAPHORE)
     }
 
     /// Names in `namespace` that no lock key maps to (`%` is always escaped,
     /// so `{%probe}` is never a lock's hash tag), for checking permissions.
     pub(crate) fn probe(namespace: &str) -> Self {
-        Self::tagged(namespace, "%probe")
+        Self::tagged(namespace, "%probe", LOCK)
     }
 
-    fn tagged(namespace: &str, tag: &str) -> Self {
+    /// [`probe`](Self::probe) for a semaphore's names.
+    pub(crate) fn semaphore_probe(namespace: &str) -> Self {
+        Self::tagged(namespace, "%probe", SEMAPHORE)
+    }
+
+    fn tagged(namespace: &str, tag: &str, [lock, fence, gone, channel]: [&str; 4]) -> Self {
         Self {
-            lock: format!("{namespace}:{{{tag}}}:lock"),
-            fence: format!("{namespace}:{{{tag}}}:fence"),
-            gone: format!("{namespace}:{{{tag}}}:gone"),
-            channel: format!("{namespace}:{{{tag}}}:released"),
+            lock: format!("{namespace}:{{{tag}}}:{lock}"),
+            fence: format!("{namespace}:{{{tag}}}:{fence}"),
+            gone: format!("{namespace}:{{{tag}}}:{gone}"),
+            channel: format!("{namespace}:{{{tag}}}:{channel}"),
         }
     }
 }
+
+/// A lock's suffixes: lock, fence, released-by marker, channel.
+const LOCK: [&str; 4] = ["lock", "fence", "gone", "released"];
+/// A semaphore's, in the same roles.
+const SEMAPHORE: [&str; 4] = ["sem:permits", "sem:fence", "sem:gone", "sem:returned"];
 
 /// Percent-escapes `%`, `{` and `}`.
 pub(crate) fn escape(key: &str) -> String {
@@ -107,39 +134,49 @@ mod tests {
         "}{",
     ];
 
+    /// The lock's and the semaphore's names of `key`.
+    fn both(key: &str) -> [RedisKeys; 2] {
+        let key = LockKey::new(key).unwrap();
+        [RedisKeys::new("ns", &key), RedisKeys::semaphore("ns", &key)]
+    }
+
     #[test]
     fn lookalikes_never_collide() {
         let mut seen = HashSet::new();
         for key in LOOKALIKES {
-            let keys = RedisKeys::new("ns", &LockKey::new(*key).unwrap());
-            assert!(seen.insert(keys.lock.clone()), "collision for {key:?}");
-            assert!(seen.insert(keys.fence.clone()));
-            assert!(seen.insert(keys.gone.clone()));
-            assert!(seen.insert(keys.channel.clone()));
+            for keys in both(key) {
+                assert!(seen.insert(keys.lock.clone()), "collision for {key:?}");
+                assert!(seen.insert(keys.fence.clone()));
+                assert!(seen.insert(keys.gone.clone()));
+                assert!(seen.insert(keys.channel.clone()));
+            }
         }
     }
 
     #[test]
-    fn one_slot_per_lock_and_inside_namespace() {
+    fn one_slot_per_lock_and_semaphore_and_inside_namespace() {
         for key in LOOKALIKES {
-            let keys = RedisKeys::new("ns", &LockKey::new(*key).unwrap());
-            let tag = hash_part(&keys.lock);
-            assert_eq!(tag, escape(key));
-            assert_eq!(hash_part(&keys.fence), tag);
-            assert_eq!(hash_part(&keys.gone), tag);
-            assert_eq!(hash_part(&keys.channel), tag);
-            assert!(keys.lock.starts_with("ns:{"));
+            let tag = escape(key);
+            for keys in both(key) {
+                assert_eq!(hash_part(&keys.lock), tag);
+                assert_eq!(hash_part(&keys.fence), tag);
+                assert_eq!(hash_part(&keys.gone), tag);
+                assert_eq!(hash_part(&keys.channel), tag);
+                assert!(keys.lock.starts_with("ns:{"));
+            }
         }
     }
 
     #[test]
-    fn the_probe_is_no_lock() {
-        let probe = RedisKeys::probe("ns");
-        assert!(probe.lock.starts_with("ns:{"));
-        for key in LOOKALIKES.iter().chain(&["%probe", "{%probe}"]) {
-            let keys = RedisKeys::new("ns", &LockKey::new(*key).unwrap());
-            assert_ne!(keys.lock, probe.lock);
-            assert_ne!(keys.channel, probe.channel);
+    fn the_probe_is_no_lock_or_semaphore() {
+        for probe in [RedisKeys::probe("ns"), RedisKeys::semaphore_probe("ns")] {
+            assert!(probe.lock.starts_with("ns:{"));
+            for key in LOOKALIKES.iter().chain(&["%probe", "{%probe}"]) {
+                for keys in both(key) {
+                    assert_ne!(keys.lock, probe.lock);
+                    assert_ne!(keys.channel, probe.channel);
+                }
+            }
         }
     }
 

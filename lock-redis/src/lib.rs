@@ -18,7 +18,8 @@
 //! ```
 //!
 //! [`RedisLock`] is the raw [`LockBackend`](distlock_core::LockBackend)
-//! (plus [`LockAdmin`](distlock_core::LockAdmin)); job code uses it through
+//! (plus [`LockAdmin`](distlock_core::LockAdmin) and
+//! [`SemaphoreBackend`](distlock_core::SemaphoreBackend)); job code uses it through
 //! [`LockClient`](distlock_core::LockClient) or
 //! [`Locker`](distlock_core::Locker), which own owner tokens, lease
 //! deadlines, waiting and renewal.
@@ -51,14 +52,15 @@
 //!   `acl-pubsub-default resetchannels`);
 //! - the commands `EVALSHA`, `EVAL`, `SUBSCRIBE`, `UNSUBSCRIBE`, `PING`, and
 //!   inside its scripts `TYPE`, `GET`, `SET`, `DEL`, `PTTL`, `PEXPIRE`,
-//!   `TIME`, `PUBLISH`. `SCRIPT LOAD` is optional: without it a script the
+//!   `TIME`, `PUBLISH`, and for semaphores `ZRANGE`, `ZADD`, `ZREM`,
+//!   `ZREMRANGEBYSCORE`. `SCRIPT LOAD` is optional: without it a script the
 //!   server does not have is sent with `EVAL` (which caches it). `CONFIG`
 //!   (`CONFIG GET maxmemory-policy`, see [Eviction](#eviction)) is optional
 //!   too: without it the policy is not checked, and a warning says so.
 //!
 //! For example `ACL SETUSER jobs on >pw ~jobs:* &jobs:* +evalsha +eval
 //! +subscribe +unsubscribe +ping +type +get +set +del +pttl +pexpire +time
-//! +publish`. [`RedisLock::connect`] checks this on Redis 7 and later (with
+//! +publish +zrange +zadd +zrem +zremrangebyscore`. [`RedisLock::connect`] checks this on Redis 7 and later (with
 //! `redis.acl_check_cmd`, running nothing) and fails with
 //! [`ErrorKind::Config`](distlock_core::ErrorKind) naming what is missing, rather
 //! than connecting a client whose every acquire fails, or whose releases
@@ -99,7 +101,10 @@
 //! `NS:{K'}:lock`, `NS:{K'}:fence`, `NS:{K'}:gone` and the channel
 //! `NS:{K'}:released`, where `K'` is `K` with `%`, `{`, `}` percent-escaped
 //! — injective, and the hash tag `{K'}` puts them all in one Redis Cluster
-//! slot whatever `K` contains.
+//! slot whatever `K` contains. The semaphore `K` has names of its own in
+//! the same slot: `NS:{K'}:sem:permits`, `NS:{K'}:sem:fence`,
+//! `NS:{K'}:sem:gone` and the channel `NS:{K'}:sem:returned` (see
+//! [Semaphores](#semaphores)).
 //!
 //! - Every operation is one `EVALSHA` of a Lua script (the scripts are
 //!   loaded at connect; one the server lacks — after a restart, a failover,
@@ -137,6 +142,42 @@
 //!   [`ErrorKind::Corrupted`](distlock_core::ErrorKind) naming the Redis
 //!   key; nothing is overwritten, deleted or given another expiry.
 //!
+//! ## Semaphores
+//!
+//! A semaphore (at most N holders of a key,
+//! [`LockOptions::permits`](distlock_core::LockOptions::permits)) shares
+//! nothing with the lock of the same name: its permits are a sorted set,
+//! `NS:{K'}:sem:permits`, whose members are `dl1:<owner hex>:<fencing
+//! token>:<limit>` and whose scores are the permits' expiry times (the
+//! server's `TIME`, in milliseconds); the key itself has a PX expiry no
+//! earlier than its last permit's, so a semaphore nobody uses leaves
+//! nothing behind. A permit is live while its score is later than the
+//! server's clock; each script sweeps the expired ones
+//! (`ZREMRANGEBYSCORE`) before it writes. Each operation is one script:
+//!
+//! - **Acquire**: counts the live permits; live permits under another
+//!   limit answer [`LimitMismatch`](distlock_core::PermitReply) (the limit
+//!   is stored in every permit, so with none live the request's applies);
+//!   this owner's live permit is adopted (new score, its own fencing
+//!   token); with `limit` live permits the answer is
+//!   [`Full`](distlock_core::PermitReply) with the time until the first
+//!   runs out; else a new permit is added, its fencing token from the
+//!   semaphore's own counter `NS:{K'}:sem:fence`, kept as the lock's (see
+//!   below).
+//! - **Extend**: this owner and fencing token's live permit gets a new
+//!   score; an expired or released one is never recreated.
+//! - **Release**: removes it, `PUBLISH`es on `NS:{K'}:sem:returned` (every
+//!   waiter of the semaphore wakes and tries, as for the lock), and leaves
+//!   a marker `<owner hex>:<fencing token>/<release id>` in the sorted set
+//!   `NS:{K'}:sem:gone` (scored by its expiry, twice the operation timeout
+//!   and at most the permit's remaining TTL) so that a resent release
+//!   reports `Released`, as the lock's does.
+//!
+//! Every script checks the type, members, scores and expiry of the keys it
+//! reads before its first write, as the lock's do (`Corrupted` naming the
+//! Redis key). `min_replicas`, timeouts, unknown outcomes and Sentinel and
+//! Cluster work as for the lock.
+//!
 //! ## Fencing tokens without a key per lock name forever
 //!
 //! The token is `max(counter + 1, server TIME in microseconds)`, and the
@@ -161,7 +202,8 @@
 //! the server later. Its retries reuse its owner token, and every script
 //! reads correctly when repeated: an acquire that finds the lock holding
 //! its own owner token adopts it (see **Acquire** above), a release sent
-//! again reports `Released` from the `gone` marker (see **Release**).
+//! again reports `Released` from the `gone` marker (see **Release**); the
+//! same for permits (see [Semaphores](#semaphores)).
 //!
 //! Every operation ends within the operation timeout counted from its
 //! first send, whatever it does meanwhile (connecting, `EVAL` after
@@ -268,6 +310,7 @@ mod eviction;
 mod keys;
 mod listener;
 mod scripts;
+mod semaphore;
 mod sentinel;
 mod tls;
 

@@ -1,20 +1,26 @@
-//! The Lua scripts: acquire, extend and release, one round trip each, the
-//! operator calls inspect and force-release, and the connect-time ACL probe;
-//! how each is invoked and what its reply means.
+//! The Lua scripts: acquire, extend and release, one round trip each, for
+//! locks and for semaphore permits, the operator calls inspect and
+//! force-release, and the connect-time ACL probe; how each is invoked and
+//! what its reply means.
 //!
 //! The value at a lock key is `dl1:<32 hex owner>:<fencing token>`, with a
 //! PX expiry; the released-by marker holds such a value and a release id,
-//! `dl1:<owner>:<token>/<hex id>`, with a PX expiry. Anything else
+//! `dl1:<owner>:<token>/<hex id>`, with a PX expiry. A semaphore's permit
+//! set is a sorted set of `dl1:<owner>:<token>:<limit>` scored by the
+//! permit's expiry (server time in milliseconds), its released-by markers
+//! a sorted set of `<owner>:<token>/<hex id>` scored the same way; both with
+//! a PX expiry no earlier than their last member's. Anything else
 //! at a key a script reads (another type, another format, no expiry) is
 //! answered with a `DISTLOCK_CORRUPT lock|fence|gone <detail>` error reply
-//! and nothing is written; an argument out of range with `DISTLOCK_ARGS
-//! <detail>`, before anything is written.
+//! (`lock` is a semaphore's permit set) and nothing is written; an argument
+//! out of range with `DISTLOCK_ARGS <detail>`, before anything is written.
 
 use std::sync::LazyLock;
 use std::time::Duration;
 
 use distlock_core::{
-    AcquireReply, ExtendReply, FencingToken, Grant, LockError, LockKey, LockState, ReleaseReply,
+    AcquireReply, ExtendReply, FencingToken, Grant, LockError, LockKey, LockState, PermitReply,
+    ReleaseReply,
 };
 use redis::aio::ConnectionLike;
 use redis::{ErrorKind, RedisResult, Script, ServerErrorKind, Value};
@@ -187,6 +193,195 @@ redis.call('SET', KEYS[2], mark, 'PX', string.format('%.0f', keep))
 return released(ARGV[3], ARGV[2])
 "#;
 
+/// Helpers of the permit scripts, after [`PRELUDE`].
+///
+/// A permit lives while its score (its expiry, server milliseconds) is
+/// later than the server's clock; expired members are swept by the next
+/// script that writes the set. Every member and score is checked before
+/// the first write, as every lock value is.
+const PERMIT_PRELUDE: &str = r#"
+-- A permit limit: 1 to 2^32 - 1, as the client sends it.
+local function limit_ok(s)
+  return type(s) == 'string' and string.match(s, '^[1-9]%d*$') ~= nil and #s <= 10
+    and tonumber(s) <= 4294967295
+end
+-- A permit, `dl1:<owner>:<token>:<limit>`: its parts, or nil.
+local function permit(m)
+  local owner, token, limit = string.match(m, '^dl1:(%x+):(%d+):(%d+)$')
+  if owner == nil or #owner ~= 32 or #token > 20 or not limit_ok(limit) then return nil end
+  return {owner = owner, token = token, limit = tonumber(limit)}
+end
+-- A permit's released-by marker, `<owner>:<token>/<release id>`.
+local function permit_mark(m)
+  local owner, token, id = string.match(m, '^(%x+):(%d+)/(%x+)$')
+  if owner == nil or #owner ~= 32 or #token > 20 or #id > 32 then return nil end
+  return {}
+end
+-- A sorted set of `which` whose members pass `parse` and whose scores are
+-- expiry times (whole milliseconds below 2^53), with an expiry:
+-- {entries = {...}}, each the parsed member plus `member` and `at` (its
+-- score), none if there is no key; an error reply for anything else.
+local function entries_at(which, key, noun, parse)
+  local t = kind(key)
+  if t == 'none' then return {entries = {}} end
+  if t ~= 'zset' then return corrupt(which, 'holds a ' .. t .. ', not ' .. noun) end
+  local flat = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
+  local entries = {}
+  for i = 1, #flat, 2 do
+    local e = parse(flat[i])
+    local at = tonumber(flat[i + 1])
+    if e == nil or at == nil or at ~= math.floor(at) or at < 0 or at >= 9007199254740992 then
+      return corrupt(which, 'holds a member in a format distlock does not write')
+    end
+    e.member = flat[i]
+    e.at = at
+    table.insert(entries, e)
+  end
+  if redis.call('PTTL', key) < 0 then
+    return corrupt(which, 'has no expiry, which distlock never leaves')
+  end
+  return {entries = entries}
+end
+local function permits_at(key)
+  return entries_at('lock', key, 'a distlock permit set', permit)
+end
+local function marks_at(key)
+  return entries_at('gone', key, 'a set of distlock released-by markers', permit_mark)
+end
+-- The server's clock, in milliseconds and in microseconds.
+local function clock()
+  local t = redis.call('TIME')
+  local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return math.floor(us / 1000), us
+end
+-- Integers as arguments: never in exponent form.
+local function int(n)
+  return string.format('%.0f', n)
+end
+-- The live permit of `owner` (with fencing token `token`, unless nil).
+local function live_permit(entries, owner, token, now)
+  for _, p in ipairs(entries) do
+    if p.at > now and p.owner == owner and (token == nil or p.token == token) then return p end
+  end
+  return nil
+end
+-- Removes the members that expired by `now`.
+local function sweep(key, now)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', int(now))
+end
+-- Keeps `key` at least `ms` more (never less), so it outlives its members.
+local function keep_for(key, ms)
+  if redis.call('PTTL', key) < tonumber(ms) then redis.call('PEXPIRE', key, ms) end
+end
+"#;
+
+/// KEYS: permit set, fence. ARGV: owner hex, ttl ms, fence retention ms,
+/// limit. Returns `{1, token}` when granted, `{0, ms}` when full (until the
+/// first live permit runs out), `{2, stored limit}` when live permits are
+/// held under another limit.
+///
+/// The limit is stored in every permit; with no live permit the request's
+/// applies. The live permit of this same owner is adopted, as the lock is
+/// ([`ACQUIRE`]): its TTL reset to `ttl` from now, its own fencing token.
+/// Fencing tokens come from the semaphore's own counter, as the lock's.
+const ACQUIRE_PERMIT: &str = r#"
+if not millis_ok(ARGV[2], ARGV[3]) then
+  return bad_args('ttl ' .. tostring(ARGV[2]) .. ' ms, fence retention ' .. tostring(ARGV[3]) .. ' ms')
+end
+if not limit_ok(ARGV[4]) then return bad_args('permit limit ' .. tostring(ARGV[4])) end
+local set = permits_at(KEYS[1])
+if set.err then return set end
+local fence = fence_at(KEYS[2])
+if fence.err then return fence end
+local now, us = clock()
+local live, stored, first = 0, nil, nil
+for _, p in ipairs(set.entries) do
+  if p.at > now then
+    if stored ~= nil and stored ~= p.limit then
+      return corrupt('lock', 'holds live permits under two limits, which distlock never writes')
+    end
+    stored = p.limit
+    live = live + 1
+    if first == nil or p.at < first then first = p.at end
+  end
+end
+local limit = tonumber(ARGV[4])
+if stored ~= nil and stored ~= limit then return {2, stored} end
+local own = live_permit(set.entries, ARGV[1], nil, now)
+if own == nil and live >= limit then return {0, first - now} end
+local expires = int(now + tonumber(ARGV[2]))
+sweep(KEYS[1], now)
+if own ~= nil then
+  redis.call('ZADD', KEYS[1], expires, own.member)
+  keep_for(KEYS[1], ARGV[2])
+  retain(KEYS[2], fence, ARGV[3])
+  return {1, own.token}
+end
+local token = us
+if fence.counter + 1 > token then token = fence.counter + 1 end
+local text = int(token)
+redis.call('ZADD', KEYS[1], expires, 'dl1:' .. ARGV[1] .. ':' .. text .. ':' .. ARGV[4])
+keep_for(KEYS[1], ARGV[2])
+redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
+return {1, text}
+"#;
+
+/// KEYS: permit set, fence. ARGV: owner hex, fencing token, ttl ms, fence
+/// retention ms. Returns 1 when extended, 0 when this owner and token hold
+/// no live permit. Never recreates a permit.
+const EXTEND_PERMIT: &str = r#"
+if not millis_ok(ARGV[3], ARGV[4]) then
+  return bad_args('ttl ' .. tostring(ARGV[3]) .. ' ms, fence retention ' .. tostring(ARGV[4]) .. ' ms')
+end
+local set = permits_at(KEYS[1])
+if set.err then return set end
+local fence = fence_at(KEYS[2])
+if fence.err then return fence end
+local now = clock()
+local mine = live_permit(set.entries, ARGV[1], ARGV[2], now)
+if mine == nil then return 0 end
+sweep(KEYS[1], now)
+redis.call('ZADD', KEYS[1], 'XX', int(now + tonumber(ARGV[3])), mine.member)
+keep_for(KEYS[1], ARGV[3])
+retain(KEYS[2], fence, ARGV[4])
+return 1
+"#;
+
+/// KEYS: permit set, released-by markers. ARGV: owner hex, fencing token,
+/// channel, publish command, marker life ms, release id. Returns as
+/// [`RELEASE`], whose resend rule it follows: a marker per released permit
+/// (several permits may be released within one marker life), swept once
+/// expired.
+const RELEASE_PERMIT: &str = r#"
+if not millis_ok(ARGV[5]) then
+  return bad_args('released-marker life ' .. tostring(ARGV[5]) .. ' ms')
+end
+if type(ARGV[6]) ~= 'string' or string.match(ARGV[6], '^%x+$') == nil or #ARGV[6] > 32 then
+  return bad_args('release id ' .. tostring(ARGV[6]))
+end
+local set = permits_at(KEYS[1])
+if set.err then return set end
+local marks = marks_at(KEYS[2])
+if marks.err then return marks end
+local now = clock()
+local mark = ARGV[1] .. ':' .. ARGV[2] .. '/' .. ARGV[6]
+local mine = live_permit(set.entries, ARGV[1], ARGV[2], now)
+if mine == nil then
+  for _, m in ipairs(marks.entries) do
+    if m.member == mark and m.at > now then return 1 end
+  end
+  return 0
+end
+sweep(KEYS[1], now)
+redis.call('ZREM', KEYS[1], mine.member)
+local keep = math.min(mine.at - now, tonumber(ARGV[5]))
+if keep < 1 then keep = 1 end
+sweep(KEYS[2], now)
+redis.call('ZADD', KEYS[2], int(now + keep), mark)
+keep_for(KEYS[2], int(keep))
+return released(ARGV[4], ARGV[3])
+"#;
+
 /// KEYS: lock. Returns `{0}` when free, `{1, pttl, token}` when held.
 const INSPECT: &str = r#"
 local lt = kind(KEYS[1])
@@ -212,8 +407,10 @@ redis.call('DEL', KEYS[1])
 return released(ARGV[2], ARGV[1])
 "#;
 
-/// KEYS: a lock key, a fence key and a released-by marker key, ARGV: a channel in the namespace and
-/// the publish, subscribe and unsubscribe commands (sharded in a cluster).
+/// KEYS: a lock's lock, fence and released-by marker keys, then a
+/// semaphore's permit set, fence and released-by markers. ARGV: a lock's
+/// channel, the publish, subscribe and unsubscribe commands (sharded in a
+/// cluster), a semaphore's channel; all in the namespace.
 /// Runs nothing: returns what the ACL user may not do there, as a flat list
 /// of `command, 'keys'|'channels'|''` pairs. Empty on servers before 7.0
 /// (no `redis.acl_check_cmd`); they report missing permissions at first use.
@@ -226,18 +423,27 @@ if redis.acl_check_cmd then
       table.insert(denied, scope)
     end
   end
-  for _, k in ipairs(KEYS) do
+  for i, k in ipairs(KEYS) do
     check('keys', 'TYPE', k)
-    check('keys', 'GET', k)
-    check('keys', 'SET', k, 'v', 'PX', '1')
     check('keys', 'PTTL', k)
     check('keys', 'PEXPIRE', k, '1')
+    if i == 4 or i == 6 then
+      check('keys', 'ZRANGE', k, '0', '-1', 'WITHSCORES')
+      check('keys', 'ZADD', k, '1', 'm')
+      check('keys', 'ZREM', k, 'm')
+      check('keys', 'ZREMRANGEBYSCORE', k, '-inf', '1')
+    else
+      check('keys', 'GET', k)
+      check('keys', 'SET', k, 'v', 'PX', '1')
+    end
   end
   check('keys', 'DEL', KEYS[1])
   check('', 'TIME')
-  check('channels', ARGV[2], ARGV[1], 'released')
-  check('channels', ARGV[3], ARGV[1])
-  check('channels', ARGV[4], ARGV[1])
+  for _, channel in ipairs({ARGV[1], ARGV[5]}) do
+    check('channels', ARGV[2], channel, 'released')
+    check('channels', ARGV[3], channel)
+    check('channels', ARGV[4], channel)
+  end
   check('', 'PING')
 end
 return denied
@@ -254,6 +460,11 @@ pub(crate) struct LuaScript {
 }
 
 impl LuaScript {
+    /// A permit script: `body` after the permit helpers.
+    fn permits(body: &str) -> Self {
+        Self::new(&format!("{PERMIT_PRELUDE}{body}"))
+    }
+
     fn new(body: &str) -> Self {
         // Redis < 5 needs effects replication for TIME before writes; newer
         // servers replicate effects anyway.
@@ -375,6 +586,15 @@ pub(crate) static ACQUIRE_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScri
 pub(crate) static EXTEND_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(EXTEND));
 /// The release script.
 pub(crate) static RELEASE_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(RELEASE));
+/// The permit acquire script.
+pub(crate) static ACQUIRE_PERMIT_SCRIPT: LazyLock<LuaScript> =
+    LazyLock::new(|| LuaScript::permits(ACQUIRE_PERMIT));
+/// The permit extend script.
+pub(crate) static EXTEND_PERMIT_SCRIPT: LazyLock<LuaScript> =
+    LazyLock::new(|| LuaScript::permits(EXTEND_PERMIT));
+/// The permit release script.
+pub(crate) static RELEASE_PERMIT_SCRIPT: LazyLock<LuaScript> =
+    LazyLock::new(|| LuaScript::permits(RELEASE_PERMIT));
 /// The ACL probe, run at connect.
 pub(crate) static PROBE_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(PROBE));
 
@@ -406,12 +626,15 @@ pub(crate) fn lock_value(owner_hex: &str, fencing: u64) -> String {
 }
 
 /// The scripts every client runs, for preloading.
-pub(crate) fn all() -> [&'static LuaScript; 4] {
+pub(crate) fn all() -> [&'static LuaScript; 7] {
     [
         &PROBE_SCRIPT,
         &ACQUIRE_SCRIPT,
         &EXTEND_SCRIPT,
         &RELEASE_SCRIPT,
+        &ACQUIRE_PERMIT_SCRIPT,
+        &EXTEND_PERMIT_SCRIPT,
+        &RELEASE_PERMIT_SCRIPT,
     ]
 }
 
@@ -440,7 +663,36 @@ pub(crate) fn acquire_reply(
     }
 }
 
-/// Reads the extend script's reply for a lock of `fencing` extended by `ttl`.
+/// Reads the permit acquire script's reply for a request of `ttl`.
+pub(crate) fn acquire_permit_reply(
+    key: &LockKey,
+    ttl: Duration,
+    reply: &Value,
+) -> Result<PermitReply, LockError> {
+    let bad = || unexpected("permit acquire", key, reply);
+    let Value::Array(items) = reply else {
+        return Err(bad());
+    };
+    match items.as_slice() {
+        [flag, token] if as_int(flag) == Some(1) => {
+            let token = as_token(token).ok_or_else(bad)?;
+            Ok(PermitReply::Granted(Grant::new(token, ttl)))
+        }
+        [flag, ms] if as_int(flag) == Some(0) => Ok(PermitReply::Full {
+            expires_in: millis_left(as_int(ms).ok_or_else(bad)?),
+        }),
+        [flag, stored] if as_int(flag) == Some(2) => {
+            let stored = as_int(stored)
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(bad)?;
+            Ok(PermitReply::LimitMismatch { stored })
+        }
+        _ => Err(bad()),
+    }
+}
+
+/// Reads the extend script's reply for a lock of `fencing` extended by `ttl`
+/// (the permit extend script answers the same way).
 pub(crate) fn extend_reply(
     key: &LockKey,
     fencing: FencingToken,
@@ -454,7 +706,8 @@ pub(crate) fn extend_reply(
     }
 }
 
-/// Reads the release script's reply.
+/// Reads the release script's reply (the permit release script answers the
+/// same way).
 pub(crate) fn release_reply(key: &LockKey, reply: &Value) -> Result<ReleaseReply, LockError> {
     match deleted(key, reply) {
         Some(true) => Ok(ReleaseReply::Released),

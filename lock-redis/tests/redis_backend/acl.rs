@@ -41,6 +41,17 @@ async fn an_acl_user_without_script_permission_runs_the_scripts_with_eval() {
     );
     let lease = holder.extend(&lease, Duration::from_secs(5)).await.unwrap();
     holder.release(&lease).await.unwrap();
+    let permit = acquired(
+        holder
+            .try_acquire_permit(&key, 2, Duration::from_secs(5))
+            .await
+            .unwrap(),
+    );
+    let permit = holder
+        .extend(&permit, Duration::from_secs(5))
+        .await
+        .unwrap();
+    holder.release(&permit).await.unwrap();
 
     // The script cache emptied (a restart, a failover): EVAL again.
     flush().await;
@@ -82,6 +93,22 @@ async fn acl_users_missing_permissions_are_refused_at_connect() {
             "nopublish",
             &["~distlock:*", "&distlock:*", "+@all", "-publish"],
             "PUBLISH",
+        ),
+        (
+            "nozadd",
+            &["~distlock:*", "&distlock:*", "+@all", "-zadd"],
+            "ZADD",
+        ),
+        (
+            "lockkeysonly",
+            &[
+                "~distlock:*:lock",
+                "~distlock:*:fence",
+                "~distlock:*:gone",
+                "&distlock:*",
+                "+@all",
+            ],
+            "~distlock:*",
         ),
     ];
     for (user, rules, named) in cases {

@@ -266,6 +266,59 @@ async fn resent_scripts_dead_node_connections_and_eviction() {
     let phase = monitor.mark().await;
     assert!(evalshas(&phase) >= 2, "the driver resent it: {phase:?}");
 
+    // The same for a permit of the semaphore of that name.
+    let permits = format!("distlock:{{{}}}:sem:permits", key.as_str());
+    let members = |conn: &MultiplexedConnection| {
+        let (mut conn, permits) = (conn.clone(), permits.clone());
+        async move {
+            conn.zrange::<_, Vec<String>>(&permits, 0, -1)
+                .await
+                .unwrap()
+        }
+    };
+    proxy.hold(Direction::ToClient);
+    let task = {
+        let (lock, key) = (lock.clone(), key.clone());
+        tokio::spawn(async move {
+            lock.try_acquire_permit(&key, 2, Duration::from_secs(30))
+                .await
+        })
+    };
+    let member = eventually("the permit is written", || async {
+        members(&on_node).await.into_iter().next()
+    })
+    .await;
+    proxy.drop_all();
+    proxy.pass(Direction::ToClient);
+    let permit = match task.await.unwrap().unwrap() {
+        distlock_core::AcquireAttempt::Acquired(lease) => lease,
+        held => panic!("the resent permit request was refused its own permit: {held:?}"),
+    };
+    assert_eq!(
+        Some(permit.fencing_token().get().to_string().as_str()),
+        member.split(':').nth(2),
+        "the resend adopted the permit the first send took: {member}"
+    );
+    assert_eq!(members(&on_node).await, [member], "never a second permit");
+    let phase = monitor.mark().await;
+    assert!(evalshas(&phase) >= 2, "the driver resent it: {phase:?}");
+    proxy.hold(Direction::ToClient);
+    let task = {
+        let (lock, permit) = (lock.clone(), permit.clone());
+        tokio::spawn(async move { lock.release(&permit).await })
+    };
+    eventually("the permit release is applied", || async {
+        members(&on_node).await.is_empty().then_some(())
+    })
+    .await;
+    proxy.drop_all();
+    proxy.pass(Direction::ToClient);
+    task.await
+        .unwrap()
+        .expect("the permit release happened; its resend must not report NotHeld");
+    let phase = monitor.mark().await;
+    assert!(evalshas(&phase) >= 2, "the driver resent it: {phase:?}");
+
     // Every connection to the node so far goes dead without closing.
     let lock = connect(&format!(
         "{}?connect_timeout_ms=2000&operation_timeout_ms=500",

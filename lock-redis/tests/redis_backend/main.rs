@@ -10,6 +10,7 @@ mod eviction;
 mod foreign;
 mod outcomes;
 mod pubsub;
+mod semaphore;
 mod sentinel;
 mod support;
 #[cfg(feature = "tls")]

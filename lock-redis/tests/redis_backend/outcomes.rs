@@ -21,13 +21,7 @@ use crate::support::*;
 #[tokio::test]
 async fn a_timed_out_acquire_applied_late_is_adopted_by_the_same_owner() {
     let server = start(server::Redis::default());
-    let proxy = Proxy::start(server.addr()).await.unwrap();
-    let lock = RedisLock::connect(&format!(
-        "redis://{}/?operation_timeout_ms=300&connect_timeout_ms=2000",
-        proxy.addr()
-    ))
-    .await
-    .unwrap();
+    let (proxy, lock) = behind_proxy(&server).await;
     let conn = raw(&server.url()).await;
     let key = unique("adopt");
     let owner = OwnerToken::random();

@@ -241,6 +241,32 @@ async fn min_replicas_waits_for_the_replicas() {
         "the unacknowledged lock was given back"
     );
 
+    // Permits the same: acknowledged by one replica, given back when two
+    // were asked for.
+    let permit = acquired(
+        one.try_acquire_permit(&key, 1, Duration::from_secs(30))
+            .await
+            .unwrap(),
+    );
+    let permit = one.extend(&permit, Duration::from_secs(30)).await.unwrap();
+    one.release(&permit).await.unwrap();
+    let err = two
+        .try_acquire_permit(&key, 1, Duration::from_secs(30))
+        .await
+        .expect_err("only one replica acknowledges the permit");
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(
+        err.message().contains("min_replicas") && err.message().contains("released"),
+        "{err}"
+    );
+    let only = acquired(
+        plain
+            .try_acquire_permit(&key, 1, Duration::from_secs(30))
+            .await
+            .expect("the unacknowledged permit was given back"),
+    );
+    plain.release(&only).await.unwrap();
+
     let lease = acquired(
         one.try_acquire(&key, Duration::from_secs(30))
             .await

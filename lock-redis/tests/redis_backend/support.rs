@@ -322,6 +322,10 @@ pub const DOC_PERMISSIONS: &[&str] = &[
     "+pexpire",
     "+time",
     "+publish",
+    "+zrange",
+    "+zadd",
+    "+zrem",
+    "+zremrangebyscore",
 ];
 
 /// Creates (or resets) the ACL user `name` with password `pw` and `rules`.
@@ -422,6 +426,23 @@ impl HeldAndAwaited {
         );
         next
     }
+}
+
+/// A proxy in front of `server`, and a client through it whose requests
+/// time out after 300 ms (so a held reply is an unknown outcome soon).
+pub async fn behind_proxy(
+    server: &ServerProcess,
+) -> (distlock_conformance::fault::Proxy, RedisLock) {
+    let proxy = distlock_conformance::fault::Proxy::start(server.addr())
+        .await
+        .unwrap();
+    let lock = RedisLock::connect(&format!(
+        "redis://{}/?operation_timeout_ms=300&connect_timeout_ms=2000",
+        proxy.addr()
+    ))
+    .await
+    .unwrap();
+    (proxy, lock)
 }
 
 /// One raw acquisition attempt on `lock` for `owner` (no client around it:
