@@ -304,6 +304,7 @@
 
 mod backend;
 mod config;
+mod connect;
 mod connection;
 mod errors;
 mod eviction;
