@@ -234,6 +234,8 @@ mod sql;
 pub use backend::PostgresLock;
 pub use config::{PoolMode, PostgresConfig, DEFAULT_POLL_INTERVAL, DEFAULT_SCHEMA, DEFAULT_TABLE};
 pub use keys::{channel_name, MAX_IDENTIFIER_BYTES};
+#[doc(hidden)]
+pub use sql::StatementTexts;
 /// The driver, for building pools and connect options by hand.
 pub use sqlx;
 pub use sqlx::postgres::{PgConnectOptions, PgPool};

@@ -10,7 +10,7 @@ use super::support::*;
 
 #[tokio::test]
 async fn awkward_keys_are_bind_parameters() {
-    let ns = random_name("keys");
+    let ns = unique_name("keys");
     let a = client(&ns).await;
     let b = client(&ns).await;
     let names = vec![
@@ -70,8 +70,8 @@ async fn awkward_values_as_literals_reach_the_same_rows_as_bind_parameters() {
     // pool_mode=transaction sends values as literals (simple protocol); a
     // default client binds them. Both must name the same rows, so the
     // literals round-trip exactly, and none can break out of its quotes.
-    let ns = random_name("literal");
-    let table = format!("{}$1\"'x", random_name("lit"));
+    let ns = unique_name("literal");
+    let table = format!("{}$1\"'x", unique_name("lit"));
     let base = format!(
         "{}?namespace={}&table={}",
         server().url(),
@@ -117,7 +117,7 @@ async fn awkward_values_as_literals_reach_the_same_rows_as_bind_parameters() {
 
 #[tokio::test]
 async fn expiry_uses_the_database_clock_and_is_never_revived() {
-    let ns = random_name("expiry");
+    let ns = unique_name("expiry");
     let a = client(&ns).await;
     let b = client(&ns).await;
     let k = key("short");
@@ -147,7 +147,7 @@ async fn expiry_uses_the_database_clock_and_is_never_revived() {
 
 #[tokio::test]
 async fn row_edited_into_an_impossible_state_is_reported_not_overwritten() {
-    let ns = random_name("corrupt");
+    let ns = unique_name("corrupt");
     let a = client(&ns).await;
     let b = client(&ns).await;
     let table = a.table();
@@ -228,7 +228,7 @@ async fn serializable_default_isolation_never_fails_concurrent_acquires() {
     // otherwise: concurrent acquires of one key conflict there (SQLSTATE
     // 40001), and such a statement was rolled back, so it can be sent again.
     let admin_client = client("serializable").await;
-    let database = random_name("distlock_serializable");
+    let database = unique_name("distlock_serializable");
     admin(&admin_client, &format!("CREATE DATABASE {database}")).await;
     admin(
         &admin_client,
