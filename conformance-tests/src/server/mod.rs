@@ -104,12 +104,12 @@ impl ServerProcess {
     /// Starts a server of `kind` on a free loopback port. Fails with a clear
     /// message if the binary is missing (never a silent pass).
     pub fn start(kind: Arc<dyn ServerKind>) -> io::Result<Self> {
-        let dir = std::env::temp_dir().join(format!(
-            "distlock-{}-{}-{:x}",
+        // The pid says which test process left a directory behind.
+        let dir = std::env::temp_dir().join(crate::naming::unique_name(&format!(
+            "distlock-{}-{}",
             kind.name(),
-            std::process::id(),
-            rand::random::<u64>()
-        ));
+            std::process::id()
+        )));
         std::fs::create_dir_all(&dir)?;
         let mut server = Self {
             kind,
