@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 
 use distlock_conformance::fault::Link;
+use distlock_conformance::server::etcd_grpc_started;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
 use crate::plan::BenchResult;
@@ -149,9 +150,10 @@ impl Probe {
             }
             Backend::Etcd => {
                 let port = self.port;
-                let detail = tokio::task::spawn_blocking(move || servers::etcd_grpc_started(port))
+                let detail = tokio::task::spawn_blocking(move || etcd_grpc_started(port))
                     .await
-                    .map_err(|e| e.to_string())??;
+                    .map_err(|e| e.to_string())?
+                    .map_err(|e| e.to_string())?;
                 Ok(ServerCount {
                     total: Some(detail.values().sum()),
                     all_calls: None,

@@ -1,14 +1,18 @@
 //! The raw baselines: the same driver, the same kind of connection the
 //! backend uses (Redis: one multiplexed ConnectionManager; etcd: one gRPC
 //! channel; PostgreSQL: a pool of 8 with no health-check ping), issuing the
-//! minimal commands of an acquire + release itself.
+//! minimal commands of an acquire + release itself (PostgreSQL: the
+//! library's own two statements, `distlock_postgres::StatementTexts`, so the
+//! baseline cannot drift from what the backend sends).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use distlock::etcd::etcd_client::{
     Client as EtcdClient, Compare, CompareOp, ConnectOptions, KvClient, LeaseClient, PutOptions,
     Txn, TxnOp,
 };
+use distlock::postgres::{StatementTexts, DEFAULT_SCHEMA, DEFAULT_TABLE};
 use distlock::redis::redis::{self, aio::ConnectionManager, Script};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
@@ -17,40 +21,6 @@ use crate::servers::Backend;
 /// Compare-and-delete: the minimal safe Redis release.
 const REDIS_RELEASE: &str =
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end";
-
-/// lock-postgres/src/sql.rs's acquire and release, same shape, same table.
-const PG_ACQUIRE: &str = "WITH taken AS (
-    INSERT INTO \"public\".\"distlock_locks\" AS t (namespace, key, owner, fencing, expires_at)
-    VALUES ($1, $2, $3, 1, clock_timestamp() + $4::bigint * interval '1 millisecond')
-    ON CONFLICT (namespace, key) DO UPDATE
-        SET owner = excluded.owner,
-            fencing = t.fencing + 1,
-            expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond'
-        WHERE (t.owner IS NULL OR t.expires_at <= clock_timestamp())
-          AND (t.owner IS NULL OR t.owner ~ '^[0-9a-f]{32}$')
-          AND t.fencing >= 0
-    RETURNING t.fencing
-)
-SELECT true AS acquired, taken.fencing AS fencing, NULL::text AS owner,
-       NULL::bigint AS expires_in_ms
-FROM taken
-UNION ALL
-SELECT false, h.fencing, h.owner,
-       greatest(0, ceil(extract(epoch FROM (h.expires_at - clock_timestamp())) * 1000))::bigint
-FROM \"public\".\"distlock_locks\" AS h
-WHERE h.namespace = $1 AND h.key = $2 AND NOT EXISTS (SELECT 1 FROM taken)";
-
-const PG_RELEASE: &str = "WITH done AS (
-    UPDATE \"public\".\"distlock_locks\"
-    SET owner = NULL
-    WHERE namespace = $1 AND key = $2 AND owner = $3 AND fencing = $4
-      AND expires_at > clock_timestamp()
-    RETURNING key
-)
-SELECT (SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done,
-       h.owner AS owner, h.fencing AS fencing
-FROM (VALUES (1)) AS one (x)
-LEFT JOIN \"public\".\"distlock_locks\" AS h ON h.namespace = $1 AND h.key = $2";
 
 /// A raw client for one backend.
 #[derive(Clone)]
@@ -65,6 +35,8 @@ pub enum Raw {
     },
     Postgres {
         pool: PgPool,
+        /// The library's own acquire and release, on its default table.
+        statements: Arc<StatementTexts>,
     },
 }
 
@@ -112,7 +84,10 @@ impl Raw {
                     .connect(url)
                     .await
                     .map_err(|e| e.to_string())?;
-                Ok(Raw::Postgres { pool })
+                Ok(Raw::Postgres {
+                    pool,
+                    statements: Arc::new(StatementTexts::new(DEFAULT_SCHEMA, DEFAULT_TABLE)),
+                })
             }
         }
     }
@@ -135,7 +110,7 @@ impl Raw {
                     .map(drop)
                     .map_err(|e| e.to_string())
             }
-            Raw::Postgres { pool } => sqlx::query("SELECT 1")
+            Raw::Postgres { pool, .. } => sqlx::query("SELECT 1")
                 .fetch_one(pool)
                 .await
                 .map(drop)
@@ -205,13 +180,17 @@ impl Raw {
                 }
                 Ok(())
             }
-            Raw::Postgres { pool } => {
+            Raw::Postgres { pool, statements } => {
                 use sqlx::Row;
-                let row = sqlx::query(PG_ACQUIRE)
+                // Each acquisition has an owner of its own, so any send
+                // number will do; release names the acquire's.
+                let send = 1_i64;
+                let row = sqlx::query(&statements.acquire)
                     .bind("rawbench")
                     .bind(key)
                     .bind(&owner)
                     .bind(ttl.as_millis() as i64)
+                    .bind(send)
                     .fetch_optional(pool)
                     .await
                     .map_err(|e| e.to_string())?
@@ -221,12 +200,13 @@ impl Raw {
                 if !acquired {
                     return Err(format!("raw acquire refused on fresh key {key}"));
                 }
-                let row = sqlx::query(PG_RELEASE)
+                let row = sqlx::query(&statements.release)
                     .bind("rawbench")
                     .bind(key)
                     .bind(&owner)
                     .bind(fencing)
                     .bind("distlock_rawbench")
+                    .bind(send)
                     .fetch_one(pool)
                     .await
                     .map_err(|e| e.to_string())?;

@@ -336,29 +336,6 @@ fn dechunk(body: &str) -> String {
     out
 }
 
-/// etcd's gRPC requests started so far (all methods), by method, from its
-/// Prometheus endpoint on the client port.
-pub fn etcd_grpc_started(port: u16) -> Result<BTreeMap<String, u64>, String> {
-    let body = http_get(port, "/metrics")?;
-    let mut by_method = BTreeMap::new();
-    for line in body.lines() {
-        let Some(rest) = line.strip_prefix("grpc_server_started_total{") else {
-            continue;
-        };
-        let Some((labels, value)) = rest.split_once("} ") else {
-            continue;
-        };
-        let method = labels
-            .split(',')
-            .find_map(|l| l.strip_prefix("grpc_method=\""))
-            .map(|m| m.trim_end_matches('"').to_owned())
-            .unwrap_or_default();
-        let value: f64 = value.trim().parse().unwrap_or(0.0);
-        *by_method.entry(method).or_insert(0) += value as u64;
-    }
-    Ok(by_method)
-}
-
 /// Parses `INFO commandstats` into command -> calls.
 pub fn parse_commandstats(info: &str) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();

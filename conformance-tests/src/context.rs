@@ -12,6 +12,7 @@ use distlock_core::{Capabilities, LockClient, LockError, LockKey, Locker};
 
 use crate::fault::{with_timeouts, FaultPath, Link, Proxy};
 use crate::server::{ServerHandle, ServerKind, ServerProcess};
+use crate::url::with_namespace;
 
 /// The future a client factory returns.
 pub type ClientFuture = Pin<Box<dyn Future<Output = Result<LockClient, LockError>> + Send>>;
@@ -258,7 +259,7 @@ impl TestContext {
 
     /// A fresh random key, so cases never share state.
     pub fn key(&self, label: &str) -> LockKey {
-        LockKey::new(format!("{label}-{:016x}", rand::random::<u64>())).expect("valid test key")
+        crate::naming::unique_key(label)
     }
 
     /// Whether the backend has the operator calls (`inspect`,
@@ -454,7 +455,7 @@ impl TestContext {
     }
 
     /// The suite's URL with its `namespace=` parameter set to `namespace`
-    /// (see [`with_namespace`]); for an in-process backend, whose URL is
+    /// (see [`with_namespace`](crate::with_namespace)); for an in-process backend, whose URL is
     /// empty, `?namespace=NAME`.
     pub fn namespaced_url(&self, namespace: &str) -> String {
         with_namespace(&self.url, namespace)
@@ -466,42 +467,4 @@ impl TestContext {
     pub async fn client_in_namespace(&self, namespace: &str) -> Result<LockClient, CaseError> {
         self.client_at(&self.namespaced_url(namespace)).await
     }
-}
-
-/// `url` with its `namespace=` query parameter set to `namespace`: an
-/// existing one is replaced, else it is appended (after `?` or `&`).
-///
-/// ```
-/// use distlock_conformance::with_namespace;
-/// assert_eq!(with_namespace("redis://h:1", "a"), "redis://h:1?namespace=a");
-/// assert_eq!(
-///     with_namespace("redis://h:1?namespace=x&operation_timeout_ms=9", "a"),
-///     "redis://h:1?namespace=a&operation_timeout_ms=9"
-/// );
-/// assert_eq!(with_namespace("", "a"), "?namespace=a");
-/// ```
-pub fn with_namespace(url: &str, namespace: &str) -> String {
-    let (base, query) = url.split_once('?').unwrap_or((url, ""));
-    let mut params: Vec<String> = query
-        .split('&')
-        .filter(|p| !p.is_empty() && p.split('=').next() != Some("namespace"))
-        .map(str::to_owned)
-        .collect();
-    params.insert(0, format!("namespace={namespace}"));
-    format!("{base}?{}", params.join("&"))
-}
-
-/// The `namespace=` parameter of a URL the suite gave a client factory, if
-/// it has one: what the factory of an in-process backend declared with
-/// [`Suite::namespaces`](crate::Suite::namespaces) keys its servers by.
-///
-/// ```
-/// use distlock_conformance::namespace_of;
-/// assert_eq!(namespace_of("?namespace=a"), Some("a"));
-/// assert_eq!(namespace_of("redis://h?x=1&namespace=b"), Some("b"));
-/// assert_eq!(namespace_of(""), None);
-/// ```
-pub fn namespace_of(url: &str) -> Option<&str> {
-    let (_, query) = url.split_once('?')?;
-    query.split('&').find_map(|p| p.strip_prefix("namespace="))
 }

@@ -20,8 +20,10 @@
 //! }
 //! ```
 //!
-//! Every case becomes its own test named `group::case`, so new cases reach
-//! every backend automatically:
+//! Every case becomes its own test named `group::case` (and
+//! `variant::group::case` for each [`Variant`] the target declares with
+//! [`Suite::variant`]: over TLS, through a pooler, against a cluster), so new
+//! cases reach every backend automatically:
 //!
 //! - `basic::` — acquire, refuse, release, extend, expire, owner checks;
 //! - `input::` — bad input gets a typed error, never a panic;
@@ -79,15 +81,17 @@ pub mod cases;
 pub mod checker;
 mod context;
 pub mod fault;
+pub mod naming;
 mod observed;
 pub mod server;
 mod suite;
+pub mod url;
 
 pub use context::{
     connect_fn, CaseError, CaseResult, ClientFuture, ConnectFn, ContextBuilder, TestContext,
     FAULT_CONNECT_TIMEOUT, FAULT_OPERATION_TIMEOUT,
 };
 pub use observed::{Call, Granted, ObservedLock};
-pub use suite::{CaseOutcome, CaseReport, CaseRun, Suite};
+pub use suite::{CaseOutcome, CaseReport, CaseRun, Suite, Variant};
 
-pub use context::{namespace_of, with_namespace};
+pub use url::{namespace_of, with_namespace};

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use distlock_conformance::cases::support::acquire;
 use distlock_conformance::cases::{Case, Needs};
-use distlock_conformance::{check, CaseOutcome, CaseResult, CaseRun, Suite, TestContext};
+use distlock_conformance::{check, CaseOutcome, CaseResult, CaseRun, Suite, TestContext, Variant};
 use distlock_core::MemoryLock;
 
 async fn holds_a_key(ctx: TestContext) -> CaseResult {
@@ -85,4 +85,47 @@ fn a_server_of_ones_own_is_given_by_url() {
         !urls.is_empty() && urls.iter().all(|u| u == "memory://mine"),
         "{urls:?}"
     );
+}
+
+#[test]
+fn variants_run_every_case_under_their_name_and_a_failed_start_fails_them() {
+    let urls = Arc::new(Mutex::new(Vec::new()));
+    let stopped = Arc::new(Mutex::new(false));
+    /// Marks the group stopped when the harness drops it.
+    struct Group(Arc<Mutex<bool>>);
+    impl Drop for Group {
+        fn drop(&mut self) {
+            *self.0.lock().unwrap() = true;
+        }
+    }
+    let group = Group(stopped.clone());
+    let reports = memory_suite(urls.clone())
+        .variant(Variant::group("up", move || {
+            Ok::<_, String>(("memory://up".to_owned(), group))
+        }))
+        .variant(Variant::group("down", || {
+            Err::<(String, ()), _>("no such server binary")
+        }))
+        .run_cases(&CaseRun {
+            only: vec!["basic::acquire_then_release".into()],
+            ..CaseRun::default()
+        });
+    let names: Vec<&str> = reports.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "basic::acquire_then_release",
+            "up::basic::acquire_then_release",
+            "down::basic::acquire_then_release"
+        ]
+    );
+    assert_eq!(reports[0].outcome, CaseOutcome::Passed);
+    assert_eq!(reports[1].outcome, CaseOutcome::Passed);
+    assert!(
+        matches!(&reports[2].outcome, CaseOutcome::Failed(m) if m.contains("no such server binary")),
+        "{:?}",
+        reports[2]
+    );
+    assert!(urls.lock().unwrap().iter().any(|u| u == "memory://up"));
+    assert!(*stopped.lock().unwrap(), "the group outlived the run");
 }

@@ -9,8 +9,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    acquire, any_server, connect, endpoint, key, observed, own_server, random, raw_client,
+    acquire, any_server, connect, endpoint, observed, own_server, raw_client, unique_key,
 };
+use distlock_conformance::naming::unique_name;
 use distlock_core::{AcquireAttempt, ErrorKind, LockClient, LockKey};
 use distlock_etcd::etcd_client::{self, Permission};
 use distlock_etcd::EtcdLock;
@@ -20,7 +21,7 @@ async fn acquire_extend_release_and_fencing() {
     let server = any_server();
     let a = connect(&server.url()).await;
     let b = connect(&server.url()).await;
-    let k = key("basic");
+    let k = unique_key("basic");
 
     let first = acquire(&a, &k, Duration::from_millis(300)).await;
     // Rounded up to whole seconds.
@@ -85,7 +86,7 @@ async fn acquire_extend_release_and_fencing() {
 async fn keys_stay_in_namespace_and_foreign_values_are_reported() {
     let server = any_server();
     let url = server.url();
-    let ns = format!("ns{:x}", random() as u32);
+    let ns = unique_name("ns");
     let lock = connect(&format!("{url}?namespace={ns}")).await;
     let mut raw = raw_client(&url).await;
 
@@ -195,7 +196,7 @@ async fn authentication_through_the_url() {
     assert_eq!(a.key_prefix(), prefix);
     let a = LockClient::new(a);
     let (b_attempts, b) = observed(&good).await;
-    let k = key("auth");
+    let k = unique_key("auth");
     let lease = acquire(&a, &k, Duration::from_secs(10)).await;
     let lease = a
         .extend(&lease, Duration::from_secs(10))

@@ -19,7 +19,7 @@ use distlock_core::{
 };
 use tokio::sync::oneshot;
 
-use common::{connect, key};
+use common::{connect, unique_key};
 
 /// Guards' TTL. Renewed every third of it and stopped a third before it
 /// ends, a guard rides through an election (about a second with the
@@ -183,8 +183,8 @@ async fn leader_killed_while_guards_hold_and_waiters_wait() {
     let cluster = start_cluster().await;
     let url = cluster.url();
     let checker = ExclusionChecker::new();
-    let waited: Vec<LockKey> = (0..2).map(|_| key("leader-kill-waited")).collect();
-    let released: Vec<LockKey> = (0..3).map(|_| key("leader-kill-released")).collect();
+    let waited: Vec<LockKey> = (0..2).map(|_| unique_key("leader-kill-waited")).collect();
+    let released: Vec<LockKey> = (0..3).map(|_| unique_key("leader-kill-released")).collect();
     let mut holders = Vec::new();
     for k in waited.iter().chain(&released) {
         holders.push((k.clone(), Holder::take(&url, k, TTL, &checker).await));
@@ -250,7 +250,7 @@ async fn member_cut_off_from_the_client() {
         cluster.member(2).addr()
     );
     let checker = ExclusionChecker::new();
-    let k = key("cut-off");
+    let k = unique_key("cut-off");
     // Its keep-alives and renewals may go to the cut-off member at first
     // and must be sent again elsewhere before the lock's stop moment: a
     // TTL of 15 s leaves ten seconds for that.
@@ -262,7 +262,7 @@ async fn member_cut_off_from_the_client() {
     proxy.black_hole();
     for _ in 0..3 {
         let client = connect(&url).await;
-        let fresh = key("cut-off-fresh");
+        let fresh = unique_key("cut-off-fresh");
         match client.try_acquire(&fresh, TTL).await.expect("try_acquire") {
             AcquireAttempt::Acquired(lease) => client.release(&lease).await.expect("release"),
             AcquireAttempt::Held { .. } => panic!("{fresh} is new, yet held"),
@@ -288,7 +288,7 @@ async fn whole_cluster_down_longer_than_the_ttl() {
     let cluster = start_cluster().await;
     let url = cluster.url();
     let checker = ExclusionChecker::new();
-    let k = key("cluster-down");
+    let k = unique_key("cluster-down");
     let ttl = Duration::from_secs(2);
     let holder = Holder::take(&url, &k, ttl, &checker).await;
     let firsts = [(k.clone(), holder.token)];

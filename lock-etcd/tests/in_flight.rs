@@ -11,10 +11,11 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use common::{
-    acquire, acquire_renewing, any_server, assert_freed, assert_queue_empties, connect, key,
-    observed, proxy_for, random, raw_client, through, Waiting,
+    acquire, acquire_renewing, any_server, assert_freed, assert_queue_empties, connect, observed,
+    proxy_for, raw_client, through, unique_key, Waiting,
 };
 use distlock_conformance::fault::{Direction, Proxy};
+use distlock_conformance::naming::unique_name;
 use distlock_core::{AcquireAttempt, LockBackend, LockClient, LockKey};
 use distlock_etcd::EtcdLock;
 
@@ -87,7 +88,7 @@ async fn proxied_clients(
 /// Makes sure `client` has a live session for `ttl`, its keep-alives
 /// answered.
 async fn warm_session(client: &LockClient, ttl: Duration) {
-    let warm = acquire_renewing(client, &key("session-warm"), ttl).await;
+    let warm = acquire_renewing(client, &unique_key("session-warm"), ttl).await;
     client.release(&warm).await.expect("release");
 }
 
@@ -103,7 +104,7 @@ async fn renewing_acquire_on_a_session_that_dies_in_flight_gets_no_live_lease() 
     let ttl = Duration::from_secs(2);
     for round in 0..2 {
         warm_session(&a, ttl).await;
-        let k = key("session-dies");
+        let k = unique_key("session-dies");
         let outcome = kill_session_during(&proxy, ttl, a.try_acquire_renewing(&k, ttl)).await;
         match outcome {
             Ok(AcquireAttempt::Acquired(lease)) => {
@@ -139,7 +140,7 @@ async fn renewing_acquire_dropped_in_flight_still_expires() {
     let ttl = Duration::from_secs(2);
     warm_session(&a, ttl).await;
 
-    let k = key("dropped-renewing");
+    let k = unique_key("dropped-renewing");
     proxy.hold(Direction::ToClient);
     let dropped = tokio::time::timeout(ttl / 4, a.try_acquire_renewing(&k, ttl)).await;
     proxy.pass(Direction::ToClient);
@@ -155,7 +156,9 @@ async fn renewing_acquire_dropped_in_flight_still_expires() {
 
 /// A pseudo-random duration below `max`.
 fn random_below(max: Duration) -> Duration {
-    Duration::from_micros(random() % u64::try_from(max.as_micros()).unwrap_or(1).max(1))
+    Duration::from_micros(rand::random_range(
+        0..u64::try_from(max.as_micros()).unwrap_or(1).max(1),
+    ))
 }
 
 /// Waiting calls dropped at any await point (a timeout
@@ -165,11 +168,11 @@ fn random_below(max: Duration) -> Duration {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_waits_leave_no_queue_entries_and_do_not_stall_later_waiters() {
     let server = any_server();
-    let ns = format!("drop{:x}", random() as u32);
+    let ns = unique_name("drop");
     let url = format!("{}?namespace={ns}", server.url());
     let mut raw = raw_client(&server.url()).await;
     let holder = connect(&url).await;
-    let k = key("dropped-waits");
+    let k = unique_key("dropped-waits");
     let queue = format!("{ns}/lock/{}/waiters/", k.as_str());
     let held = acquire(&holder, &k, Duration::from_secs(30)).await;
 

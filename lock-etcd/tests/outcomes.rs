@@ -9,9 +9,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    acquire, any_server, assert_freed, connect, key, proxy_for, random, raw_client, through,
+    acquire, any_server, assert_freed, connect, proxy_for, raw_client, through, unique_key,
 };
 use distlock_conformance::fault::Direction;
+use distlock_conformance::naming::unique_name;
 use distlock_core::ErrorKind;
 
 /// A key under a lock's waiter queue that distlock did not write makes a
@@ -21,12 +22,12 @@ use distlock_core::ErrorKind;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_foreign_key_in_a_waiter_queue_is_reported_not_obeyed() {
     let server = any_server();
-    let ns = format!("foreign{:x}", random() as u32);
+    let ns = unique_name("foreign");
     let url = format!("{}?namespace={ns}", server.url());
     let mut raw = raw_client(&server.url()).await;
     let holder = connect(&url).await;
     let waiter = connect(&url).await;
-    let k = key("foreign-queue");
+    let k = unique_key("foreign-queue");
     let foreign = format!("{ns}/lock/{}/waiters/not-ours", k.as_str());
     raw.put(foreign.clone(), "hello", None)
         .await
@@ -68,7 +69,7 @@ async fn a_late_renewing_acquire_never_outlives_its_undo() {
     let b = connect(&server.url()).await;
     let ttl = Duration::from_secs(3);
     for round in 0..10 {
-        let k = key("late-renewing");
+        let k = unique_key("late-renewing");
         proxy.delay(Direction::ToServer, Duration::from_millis(1200));
         let attempt = a.try_acquire_renewing(&k, ttl).await;
         proxy.delay(Direction::ToServer, Duration::ZERO);

@@ -7,7 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    acquire, any_server, connect, key, observed, own_server, proxy_for, through, Waiting,
+    acquire, any_server, connect, observed, own_server, proxy_for, through, unique_key, Waiting,
     SHORT_TIMEOUTS,
 };
 use distlock_core::LockBackend;
@@ -23,7 +23,7 @@ async fn restart_keeps_fencing_order_and_watches_reconnect() {
     );
     let holder = connect(&url).await;
     let waiter = connect(&url).await;
-    let k = key("restart");
+    let k = unique_key("restart");
     let before = acquire(&holder, &k, Duration::from_secs(30)).await;
 
     let task = {
@@ -80,7 +80,7 @@ async fn release_during_a_watch_outage_wakes_the_waiter() {
     let proxy = proxy_for(&server).await;
     let (attempts, waiter) = observed(&through(&proxy, SHORT_TIMEOUTS)).await;
     let holder = connect(&server.url()).await;
-    let k = key("outage");
+    let k = unique_key("outage");
     let held = acquire(&holder, &k, Duration::from_secs(30)).await;
     let waiting = Waiting::start(&attempts, &waiter, &k).await;
     // Cut the waiter's connections (its watch stream breaks) and keep new
@@ -106,7 +106,7 @@ async fn a_waiter_leaving_during_a_reconnect_does_not_stop_the_wake_up() {
         .await
         .expect("connect through the proxy");
     let holder = connect(&server.url()).await;
-    let (stays_key, leaves_key) = (key("stays"), key("leaves"));
+    let (stays_key, leaves_key) = (unique_key("stays"), unique_key("leaves"));
     let held_stays = acquire(&holder, &stays_key, Duration::from_secs(30)).await;
     let held_leaves = acquire(&holder, &leaves_key, Duration::from_secs(30)).await;
     let mut stays = lock
@@ -148,7 +148,7 @@ async fn release_after_a_watch_outage_wakes_the_waiter() {
     let (first_attempts, first) = observed(&url).await;
     let (second_attempts, second) = observed(&url).await;
     let holder = connect(&server.url()).await;
-    let k = key("after-outage");
+    let k = unique_key("after-outage");
     let held = acquire(&holder, &k, Duration::from_secs(30)).await;
     let waiting_first = Waiting::start(&first_attempts, &first, &k).await;
     let waiting_second = Waiting::start(&second_attempts, &second, &k).await;

@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use common::{
-    acquire, acquire_renewing, any_server, connect, grpc_started, key, own_server, raw_client,
-    requests_between,
+    acquire, acquire_renewing, any_server, connect, grpc_started, own_server, raw_client,
+    requests_between, unique_key,
 };
 use distlock_core::{AcquireAttempt, ErrorKind};
 
@@ -26,7 +26,7 @@ async fn renewing_acquire_is_one_round_trip_and_still_expires() {
 
     // The first renewing acquire with a TTL starts the session: grant + txn.
     let before = grpc_started(server.addr()).await;
-    let first = acquire_renewing(&a, &key("rt"), long).await;
+    let first = acquire_renewing(&a, &unique_key("rt"), long).await;
     let after = grpc_started(server.addr()).await;
     assert_eq!(
         requests_between(&before, &after),
@@ -36,7 +36,7 @@ async fn renewing_acquire_is_one_round_trip_and_still_expires() {
 
     // Every further one is a single transaction on the session lease.
     let before = grpc_started(server.addr()).await;
-    let second = acquire_renewing(&a, &key("rt"), long).await;
+    let second = acquire_renewing(&a, &unique_key("rt"), long).await;
     let after = grpc_started(server.addr()).await;
     assert_eq!(
         requests_between(&before, &after),
@@ -61,7 +61,7 @@ async fn renewing_acquire_is_one_round_trip_and_still_expires() {
 
     // A plain acquire keeps its own lease (exact TTL): grant + txn.
     let before = grpc_started(server.addr()).await;
-    let plain = acquire(&a, &key("rt"), long).await;
+    let plain = acquire(&a, &unique_key("rt"), long).await;
     let after = grpc_started(server.addr()).await;
     assert_eq!(
         requests_between(&before, &after),
@@ -82,7 +82,7 @@ async fn renewing_acquire_is_one_round_trip_and_still_expires() {
     // A renewing lock its holder stops renewing expires while the client
     // (and its session) lives on.
     let short = Duration::from_secs(1);
-    let k = key("unrenewed");
+    let k = unique_key("unrenewed");
     let stale = acquire_renewing(&a, &k, short).await;
     let give_up = Instant::now() + Duration::from_secs(30);
     let taken = loop {
@@ -99,7 +99,7 @@ async fn renewing_acquire_is_one_round_trip_and_still_expires() {
     );
     // The session is still there for new locks: one round trip.
     let before = grpc_started(server.addr()).await;
-    let again = acquire_renewing(&a, &key("rt"), short).await;
+    let again = acquire_renewing(&a, &unique_key("rt"), short).await;
     let after = grpc_started(server.addr()).await;
     assert_eq!(
         requests_between(&before, &after),
@@ -115,7 +115,7 @@ async fn dropping_the_client_stops_its_session_keep_alive() {
     let server = any_server();
     let raw = raw_client(&server.url()).await;
     let a = connect(&server.url()).await;
-    let lease = acquire_renewing(&a, &key("session-drop"), Duration::from_secs(1)).await;
+    let lease = acquire_renewing(&a, &unique_key("session-drop"), Duration::from_secs(1)).await;
     // The handle is the session lease id with the top bit set.
     let session_lease = i64::try_from(lease.handle() & !(1 << 63)).expect("lease id");
     // etcd reports the remaining whole seconds (0 in the last second), and

@@ -16,7 +16,7 @@ use distlock_conformance::server::{Etcd, EtcdTls, ServerProcess, TestPki};
 use distlock_core::{AcquireAttempt, ErrorKind, LockClient, LockError};
 use distlock_etcd::EtcdLock;
 
-use common::key;
+use common::unique_key;
 
 /// Short, so a mistake that waited it out would show as slow, not as
 /// a hang; every case below must answer on its own well before.
@@ -72,16 +72,13 @@ fn server(kind: impl distlock_conformance::server::ServerKind) -> ServerProcess 
     ServerProcess::start(Arc::new(kind)).expect("etcd must start")
 }
 
-/// Runs `test` with a fresh PKI in a temporary directory.
+/// Runs `test` with a fresh PKI.
 async fn with_pki<F, Fut>(test: F)
 where
     F: FnOnce(TestPki) -> Fut,
     Fut: Future<Output = ()>,
 {
-    let dir = std::env::temp_dir().join(format!("distlock-etcd-tls-{:016x}", common::random()));
-    let pki = TestPki::generate(&dir).expect("test PKI");
-    test(pki).await;
-    let _ = std::fs::remove_dir_all(&dir);
+    test(TestPki::temporary().expect("test PKI")).await;
 }
 
 /// Mutual TLS: the client certificate is required and, signed by the
@@ -101,7 +98,7 @@ async fn mutual_tls() {
         // Accepted: lock, release.
         let good = format!("etcds://{addr}?{}&{CONNECT}", files(&pki.ca, Some(client)));
         let lock = connect(&good).await.expect("mutual TLS connects");
-        let k = key("tls");
+        let k = unique_key("tls");
         match lock
             .try_acquire(&k, Duration::from_secs(5))
             .await

@@ -9,9 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{
-    acquire, any_server, assert_queue_empties, connect, grpc_started, key, keys_under, observed,
-    own_server, random, raw_client, requests_between,
+    acquire, any_server, assert_queue_empties, connect, grpc_started, keys_under, observed,
+    own_server, raw_client, requests_between, unique_key,
 };
+use distlock_conformance::naming::unique_name;
 use distlock_conformance::server::ServerProcess;
 use distlock_core::LockKey;
 
@@ -24,7 +25,7 @@ async fn waiter_is_woken_by_the_server_not_polling() {
     let url = format!("{}?operation_timeout_ms=500", server.url());
     let holder = connect(&url).await;
     let (attempts, waiter) = observed(&url).await;
-    let k = key("wake");
+    let k = unique_key("wake");
     let held = acquire(&holder, &k, Duration::from_secs(30)).await;
 
     let task = {
@@ -56,7 +57,7 @@ async fn waiter_is_woken_by_lease_expiry() {
     let server = any_server();
     let holder = connect(&server.url()).await;
     let (attempts, waiter) = observed(&server.url()).await;
-    let k = key("expiry");
+    let k = unique_key("expiry");
     let held = acquire(&holder, &k, Duration::from_secs(2)).await;
     drop(holder);
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -76,7 +77,7 @@ async fn waiter_is_woken_by_lease_expiry() {
 /// revokes included), divided by the number of handoffs.
 async fn requests_per_handoff(server: &ServerProcess, waiters: usize) -> BTreeMap<String, f64> {
     let holder = connect(&server.url()).await;
-    let k = key("handoff");
+    let k = unique_key("handoff");
     let held = acquire(&holder, &k, Duration::from_secs(30)).await;
     let mut clients = Vec::new();
     for _ in 0..waiters {
@@ -164,7 +165,7 @@ async fn handoff_cost_is_constant_in_the_number_of_waiters() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiters_acquire_in_fifo_order_and_leave_no_queue_entries() {
     let server = any_server();
-    let ns = format!("fifo{:x}", random() as u32);
+    let ns = unique_name("fifo");
     let url = format!("{}?namespace={ns}", server.url());
     let mut raw = raw_client(&server.url()).await;
     let holder = connect(&url).await;
@@ -230,7 +231,7 @@ async fn waiters_acquire_in_fifo_order_and_leave_no_queue_entries() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiters_on_look_alike_keys_are_independent() {
     let server = any_server();
-    let ns = format!("alike{:x}", random() as u32);
+    let ns = unique_name("alike");
     let url = format!("{}?namespace={ns}", server.url());
     let mut raw = raw_client(&server.url()).await;
     let holder = connect(&url).await;

@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use distlock_conformance::server::{PgBouncer, PoolMode, Postgres, ServerProcess};
+use distlock_conformance::url::percent_encode;
 use distlock_core::{LockClient, LockKey};
 use distlock_postgres::PostgresLock;
 
@@ -181,17 +182,4 @@ fn main() {
         .await;
         handoffs(&pooled, "without listen_url (polling every 100 ms)").await;
     });
-}
-
-/// Percent-encodes every byte but ASCII letters and digits, for a URL.
-fn percent_encode(text: &str) -> String {
-    text.bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
 }

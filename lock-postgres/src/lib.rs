@@ -312,6 +312,8 @@ pub use config::{
     DEFAULT_TABLE,
 };
 pub use keys::{channel_name, MAX_IDENTIFIER_BYTES};
+#[doc(hidden)]
+pub use sql::StatementTexts;
 /// The driver, for building pools and connect options by hand.
 pub use sqlx;
 pub use sqlx::postgres::{PgConnectOptions, PgPool};

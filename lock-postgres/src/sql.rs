@@ -629,6 +629,33 @@ impl PermitStatements {
     }
 }
 
+/// The text of the lock statements for the table `schema.table`, exactly as
+/// the backend sends them over the extended protocol (`$1`, `$2`, ...
+/// parameters): for the workspace benchmark, which runs them over a plain
+/// sqlx pool beside the library, so its baseline is the library's own
+/// SQL. Not a stable API.
+#[doc(hidden)]
+#[derive(Debug, Clone)]
+pub struct StatementTexts {
+    /// `$1` namespace, `$2` key, `$3` owner (32 lowercase hex digits), `$4`
+    /// TTL in ms, `$5` send number -> `acquired bool, fencing bigint, ...`.
+    pub acquire: String,
+    /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` channel,
+    /// `$6` the acquire's send number -> `done bigint, ...`.
+    pub release: String,
+}
+
+impl StatementTexts {
+    /// The statements for the lock table `schema.table` (unquoted names).
+    pub fn new(schema: &str, table: &str) -> Self {
+        let statements = Statements::new(schema, table);
+        Self {
+            acquire: statements.acquire.text.clone(),
+            release: statements.release.text.clone(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -273,7 +273,7 @@
 //! plaintext port, or the reverse, gets a hint saying so). The tests run
 //! `rediss://` against TLS-only servers with certificates from a
 //! throwaway CA (`tests/redis_backend/tls.rs`), and the whole conformance
-//! suite over TLS (`[tls] …` in `tests/conformance.rs`).
+//! suite over TLS (`tls::…` in `tests/conformance.rs`).
 //!
 //! # Topologies
 //!

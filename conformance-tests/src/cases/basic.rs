@@ -627,7 +627,7 @@ pub async fn unicode_lookalike_keys_independent(ctx: TestContext) -> CaseResult 
 /// second client is refused it (the namespace is honoured consistently),
 /// and a release in one namespace frees the key there only.
 pub async fn namespaces_independent(ctx: TestContext) -> CaseResult {
-    let base = format!("dl{:016x}", rand::random::<u64>());
+    let base = format!("dl{}", crate::naming::random_hex());
     let namespaces = [
         None,
         Some(base.clone()),

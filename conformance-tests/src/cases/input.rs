@@ -61,7 +61,7 @@ pub async fn max_length_multibyte_key_works(ctx: TestContext) -> CaseResult {
     let b = ctx.client().await?;
     // A random 16-hex prefix, then 3-byte and 4-byte characters, padded with
     // 2-byte ones to exactly 512 bytes.
-    let prefix = format!("{:016x}", rand::random::<u64>());
+    let prefix = crate::naming::random_hex();
     let mut text = prefix.clone();
     text.push_str(&"€".repeat(100)); // 300 bytes
     text.push_str(&"🔒".repeat(24)); // 96 bytes

@@ -39,7 +39,7 @@ pub fn key_with(stem: &str, suffix: &str) -> Result<LockKey, CaseError> {
 
 /// A random stem for a family of keys built with [`key_with`].
 pub fn stem(label: &str) -> String {
-    format!("{label}-{:016x}-", rand::random::<u64>())
+    format!("{label}-{}-", crate::naming::random_hex())
 }
 
 /// `try_acquire` that must succeed.

@@ -2,6 +2,7 @@
 //! package `etcd-server`) on loopback ports, with its data in the harness's
 //! temporary directory so a restart keeps every key and revision.
 
+use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
@@ -64,6 +65,35 @@ pub(super) fn http_get(port: u16, path: &str) -> io::Result<String> {
             reply.lines().next().unwrap_or("no reply")
         )))
     }
+}
+
+/// etcd's gRPC requests started so far on the member whose client port is
+/// `port`, by method (`Range`, `Txn`, `LeaseGrant`, ...): its
+/// `grpc_server_started_total` counters, read from the Prometheus endpoint
+/// `/metrics` on the client port. Tests count a call's requests as the
+/// difference of two readings.
+pub fn etcd_grpc_started(port: u16) -> io::Result<BTreeMap<String, u64>> {
+    let body = http_get(port, "/metrics")?;
+    let mut by_method = BTreeMap::new();
+    for line in body.lines() {
+        let Some(rest) = line.strip_prefix("grpc_server_started_total{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.split_once("} ") else {
+            continue;
+        };
+        let method = labels
+            .split(',')
+            .find_map(|l| l.strip_prefix("grpc_method=\""))
+            .map(|m| m.trim_end_matches('"').to_owned())
+            .ok_or_else(|| io::Error::other(format!("no grpc_method label in {line:?}")))?;
+        let value: f64 = value
+            .trim()
+            .parse()
+            .map_err(|e| io::Error::other(format!("bad counter in {line:?}: {e}")))?;
+        *by_method.entry(method).or_insert(0) += value as u64;
+    }
+    Ok(by_method)
 }
 
 impl ServerKind for Etcd {

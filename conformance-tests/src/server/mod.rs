@@ -18,13 +18,14 @@ mod pki;
 mod pooled_postgres;
 mod postgres;
 mod postgres_tls;
+mod reaper;
 mod redis;
 mod redis_cluster;
 mod redis_node;
 mod redis_sentinel;
 mod redis_tls;
 
-pub use self::etcd::Etcd;
+pub use self::etcd::{etcd_grpc_started, Etcd};
 pub use self::etcd_cluster::EtcdCluster;
 pub use self::etcd_tls::EtcdTls;
 pub use self::pgbouncer::{PgBouncer, PoolMode};
@@ -32,6 +33,7 @@ pub use self::pki::{CertFiles, TestPki};
 pub use self::pooled_postgres::PooledPostgres;
 pub use self::postgres::Postgres;
 pub use self::postgres_tls::{PostgresTls, CERT_USER};
+pub use self::reaper::{reap_when_process_exits, PidFile};
 pub use self::redis::Redis;
 pub use self::redis_cluster::{ClusterPrimary, RedisCluster};
 pub use self::redis_sentinel::{RedisSentinel, SENTINEL_SERVICE};
@@ -102,12 +104,12 @@ impl ServerProcess {
     /// Starts a server of `kind` on a free loopback port. Fails with a clear
     /// message if the binary is missing (never a silent pass).
     pub fn start(kind: Arc<dyn ServerKind>) -> io::Result<Self> {
-        let dir = std::env::temp_dir().join(format!(
-            "distlock-{}-{}-{:x}",
+        // The pid says which test process left a directory behind.
+        let dir = std::env::temp_dir().join(crate::naming::unique_name(&format!(
+            "distlock-{}-{}",
             kind.name(),
-            std::process::id(),
-            rand::random::<u64>()
-        ));
+            std::process::id()
+        )));
         std::fs::create_dir_all(&dir)?;
         let mut server = Self {
             kind,

@@ -13,12 +13,11 @@
 use std::io;
 use std::net::SocketAddr;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use super::postgres::{SUPERUSER, SUPERUSER_PASSWORD};
-use super::ServerKind;
+use super::{reap_when_process_exits, PidFile, ServerKind};
 
 /// PgBouncer's `pool_mode`: when a server connection goes back to the pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,35 +121,6 @@ impl PgBouncer {
             size = self.pool_size,
         )
     }
-
-    /// Stops this pooler once the test process is gone, whether or not
-    /// [`ServerProcess`](super::ServerProcess)'s `Drop` ran (a server kept in
-    /// a `static` is never dropped). It signals only the process whose PID
-    /// is in this directory's pid file, and only if that is a pgbouncer.
-    fn spawn_reaper(dir: &Path) -> io::Result<()> {
-        let dir = dir.to_string_lossy();
-        if dir.contains('\'') {
-            return Ok(()); // cannot quote it; Drop still cleans up
-        }
-        let script = format!(
-            "while kill -0 {parent} 2>/dev/null; do sleep 1; done
-             pid=$(cat '{dir}/pgbouncer.pid' 2>/dev/null)
-             if [ -n \"$pid\" ] && [ \"$(cat /proc/$pid/comm 2>/dev/null)\" = pgbouncer ]; then
-                 kill -KILL \"$pid\" 2>/dev/null
-             fi
-             rm -rf '{dir}'",
-            parent = std::process::id()
-        );
-        Command::new("sh")
-            .arg("-c")
-            .arg(script)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0)
-            .spawn()
-            .map(drop)
-    }
 }
 
 impl ServerKind for PgBouncer {
@@ -169,7 +139,15 @@ impl ServerKind for PgBouncer {
             dir.join("userlist.txt"),
             format!("\"{SUPERUSER}\" \"{SUPERUSER_PASSWORD}\"\n"),
         )?;
-        Self::spawn_reaper(dir)
+        // PgBouncer does not exit when its parent dies.
+        reap_when_process_exits(
+            dir,
+            Some(PidFile {
+                path: "pgbouncer.pid",
+                program: "pgbouncer",
+                graceful: None,
+            }),
+        )
     }
 
     fn command(&self, dir: &Path, port: u16) -> Command {

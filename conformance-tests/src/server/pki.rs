@@ -57,6 +57,16 @@ pub struct TestPki {
 }
 
 impl TestPki {
+    /// Generates a fresh PKI into a new temporary directory of its own,
+    /// removed once the test process has exited (the servers that read the
+    /// files may outlive every value holding the paths).
+    pub fn temporary() -> io::Result<TestPki> {
+        let dir = std::env::temp_dir().join(crate::naming::unique_name("distlock-pki"));
+        let pki = Self::generate(&dir)?;
+        super::reap_when_process_exits(&dir, None)?;
+        Ok(pki)
+    }
+
     /// Generates a fresh PKI into `dir` (created if missing; private keys
     /// mode 0600, as PostgreSQL insists).
     pub fn generate(dir: &Path) -> io::Result<TestPki> {

@@ -98,14 +98,7 @@ impl ServerKind for PooledPostgres {
         );
         match (self.mode, self.database()) {
             (PoolMode::Transaction, Ok(database)) => {
-                let direct: String = database
-                    .url()
-                    .bytes()
-                    .map(|b| match b {
-                        b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' => char::from(b).to_string(),
-                        _ => format!("%{b:02X}"),
-                    })
-                    .collect();
+                let direct = crate::url::percent_encode(&database.url());
                 format!("{url}?pool_mode=transaction&listen_url={direct}")
             }
             _ => url,

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::ServerKind;
+use super::{reap_when_process_exits, PidFile, ServerKind};
 
 /// The superuser the harness creates.
 pub const SUPERUSER: &str = "postgres";
@@ -104,43 +104,6 @@ impl Postgres {
     }
 }
 
-impl Postgres {
-    /// Starts a small watchdog that stops this server and removes `dir` once
-    /// the test process is gone, whether or not [`ServerProcess`]'s `Drop`
-    /// ran (a server kept in a `static` is never dropped; a test process
-    /// may be killed). PostgreSQL, unlike the other servers, does not exit
-    /// when its parent dies. It signals only the postmaster whose PID is in
-    /// this directory's `postmaster.pid`.
-    ///
-    /// [`ServerProcess`]: super::ServerProcess
-    fn spawn_reaper(dir: &Path) -> io::Result<()> {
-        let dir = dir.to_string_lossy();
-        if dir.contains('\'') {
-            return Ok(()); // cannot quote it; Drop still cleans up
-        }
-        let script = format!(
-            "while kill -0 {parent} 2>/dev/null; do sleep 1; done
-             pid=$(head -n 1 '{dir}/data/postmaster.pid' 2>/dev/null)
-             if [ -n \"$pid\" ] && [ \"$(cat /proc/$pid/comm 2>/dev/null)\" = postgres ]; then
-                 kill -QUIT \"$pid\" 2>/dev/null
-                 sleep 2
-                 if [ \"$(cat /proc/$pid/comm 2>/dev/null)\" = postgres ]; then kill -KILL \"$pid\" 2>/dev/null; fi
-             fi
-             rm -rf '{dir}'",
-            parent = std::process::id()
-        );
-        Command::new("sh")
-            .arg("-c")
-            .arg(script)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0)
-            .spawn()
-            .map(drop)
-    }
-}
-
 impl ServerKind for Postgres {
     fn name(&self) -> &'static str {
         "postgres"
@@ -193,7 +156,15 @@ impl ServerKind for Postgres {
                 String::from_utf8_lossy(&output.stderr)
             )));
         }
-        Self::spawn_reaper(dir)?;
+        // PostgreSQL does not exit when its parent dies.
+        reap_when_process_exits(
+            dir,
+            Some(PidFile {
+                path: "data/postmaster.pid",
+                program: "postgres",
+                graceful: Some("QUIT"),
+            }),
+        )?;
         // Replaces initdb's pg_hba.conf (the first matching line wins).
         std::fs::write(
             dir.join("data").join("pg_hba.conf"),

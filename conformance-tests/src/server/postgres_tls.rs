@@ -5,12 +5,12 @@
 
 use std::io::{self, Write};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 
 use super::postgres::{SUPERUSER, SUPERUSER_PASSWORD};
 use super::{CertFiles, Postgres, ServerKind, TestPki};
+use crate::url::percent_encode;
 
 /// The role that logs in with the PKI's client certificate (its common
 /// name), under `clientcert=verify-full`.
@@ -30,9 +30,8 @@ pub const CERT_USER: &str = "distlock";
 /// `127.0.0.1`) unless [`with_server_cert`](Self::with_server_cert) says
 /// otherwise, and trusts client certificates signed by the PKI's CA
 /// (`ssl_ca_file`). The superuser `distlock` ([`CERT_USER`]) exists for
-/// the mutual case. The PKI is generated when the kind is made, into a
-/// temporary directory removed when the last clone is dropped or the test
-/// process exits.
+/// the mutual case. The PKI is generated when the kind is made
+/// ([`TestPki::temporary`]).
 ///
 /// Its [`url`](ServerKind::url) uses libpq's parameters:
 /// `postgres://postgres:postgres@ADDR/postgres?sslmode=verify-full&sslrootcert=CA`;
@@ -51,37 +50,18 @@ pub const CERT_USER: &str = "distlock";
 /// ```
 #[derive(Debug, Clone)]
 pub struct PostgresTls {
-    pki: Arc<GeneratedPki>,
+    pki: TestPki,
     server_cert: CertFiles,
     mutual: bool,
-}
-
-/// A [`TestPki`] in a temporary directory of its own.
-#[derive(Debug)]
-struct GeneratedPki {
-    pki: TestPki,
-    dir: PathBuf,
-}
-
-impl Drop for GeneratedPki {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
 }
 
 impl PostgresTls {
     /// A TLS-only server kind with a freshly generated PKI.
     pub fn new() -> io::Result<Self> {
-        let dir = std::env::temp_dir().join(format!(
-            "distlock-pg-pki-{}-{:x}",
-            std::process::id(),
-            rand::random::<u64>()
-        ));
-        let pki = TestPki::generate(&dir)?;
-        remove_when_process_exits(&dir)?;
+        let pki = TestPki::temporary()?;
         Ok(Self {
             server_cert: pki.server.clone(),
-            pki: Arc::new(GeneratedPki { pki, dir }),
+            pki,
             mutual: false,
         })
     }
@@ -103,14 +83,14 @@ impl PostgresTls {
     /// The certificates: the CA clients trust, the client certificate, an
     /// untrusted CA and a client certificate it signed.
     pub fn pki(&self) -> &TestPki {
-        &self.pki.pki
+        &self.pki
     }
 
     /// The superuser's URL trusting `ca` (`sslmode=verify-full`).
     pub fn url_with_ca(&self, addr: SocketAddr, ca: &Path) -> String {
         format!(
             "postgres://{SUPERUSER}:{SUPERUSER_PASSWORD}@{addr}/postgres?sslmode=verify-full&sslrootcert={}",
-            encode(ca)
+            percent_encode(&ca.to_string_lossy())
         )
     }
 
@@ -119,9 +99,9 @@ impl PostgresTls {
     pub fn mutual_url(&self, addr: SocketAddr, client: &CertFiles) -> String {
         format!(
             "postgres://{CERT_USER}@{addr}/postgres?tls_ca_file={}&tls_cert_file={}&tls_key_file={}",
-            encode(&self.pki().ca),
-            encode(&client.cert),
-            encode(&client.key)
+            percent_encode(&self.pki().ca.to_string_lossy()),
+            percent_encode(&client.cert.to_string_lossy()),
+            percent_encode(&client.key.to_string_lossy())
         )
     }
 
@@ -219,40 +199,4 @@ impl ServerKind for PostgresTls {
         // pg_isready's default sslmode (prefer) uses TLS.
         Postgres.wait_ready(dir, port)
     }
-}
-
-/// Percent-encodes a path for a URL query value.
-fn encode(path: &Path) -> String {
-    path.to_string_lossy()
-        .bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() || matches!(b, b'/' | b'-' | b'.' | b'_') {
-                char::from(b).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
-}
-
-/// Removes `dir` once this test process is gone, even if no destructor ran
-/// (a kind kept in a `static`).
-fn remove_when_process_exits(dir: &Path) -> io::Result<()> {
-    let dir = dir.to_string_lossy();
-    if dir.contains('\'') {
-        return Ok(()); // cannot quote it; Drop still cleans up
-    }
-    use std::os::unix::process::CommandExt;
-    Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "while kill -0 {} 2>/dev/null; do sleep 1; done; rm -rf '{dir}'",
-            std::process::id()
-        ))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .process_group(0)
-        .spawn()
-        .map(drop)
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use distlock_conformance::server::EtcdCluster;
 
-use crate::support::{code, run_sh, run_to_end, stderr, unique, TempDir};
+use crate::support::{code, run_sh, run_to_end, stderr, unique_name, TempDir};
 
 /// Processes, each running the job this many times in a row.
 const PROCESSES: usize = 6;
@@ -28,7 +28,7 @@ fn waits_ride_through_a_leader_kill() {
     let cluster = Arc::new(EtcdCluster::start(3).expect("a 3-member etcd cluster"));
     let url = cluster.url();
     let dir = Arc::new(TempDir::new("distlock-etcd-cluster"));
-    let key = unique("failover");
+    let key = unique_name("failover");
     let runners: Vec<_> = (0..PROCESSES)
         .map(|_| {
             let (url, key, dir) = (url.clone(), key.clone(), dir.clone());

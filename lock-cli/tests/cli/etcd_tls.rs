@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use distlock_conformance::server::{EtcdTls, ServerProcess, TestPki};
 
-use crate::support::{code, run_sh, run_to_end, stderr, unique, TempDir};
+use crate::support::{code, run_sh, run_to_end, stderr, unique_name, TempDir};
 
 #[test]
 fn run_against_mutual_tls_etcd() {
@@ -20,7 +20,7 @@ fn run_against_mutual_tls_etcd() {
         "{url}"
     );
     let dir = Arc::new(TempDir::new("distlock-cli-etcd-tls"));
-    let key = unique("tls");
+    let key = unique_name("tls");
 
     // A holder, and a run that waits for it over the TLS watch.
     let holder = {

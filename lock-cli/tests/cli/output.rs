@@ -222,11 +222,11 @@ fn json_log_lines_parse() {
 #[cfg(feature = "redis")]
 #[test]
 fn a_wait_starts_with_a_line_naming_the_holder() {
-    use crate::support::{read_token, start, unique, wait_for_file};
+    use crate::support::{read_token, start, unique_name, wait_for_file};
     let server = start(distlock_conformance::server::Redis::default());
     let url = server.url();
     let dir = TempDir::new("distlock-cli-output");
-    let key = unique("waiting");
+    let key = unique_name("waiting");
     let holder = run_sh(
         &url,
         &key,

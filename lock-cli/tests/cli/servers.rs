@@ -9,7 +9,7 @@ use distlock_conformance::server::ServerKind;
 
 use crate::support::{
     code, distlock, finish, process_gone, read_token, run_sh, signal, start, stderr, stdout,
-    unique, wait_for_file, TempDir, HANG,
+    unique_name, wait_for_file, TempDir, HANG,
 };
 
 fn against(kind: impl ServerKind) {
@@ -46,7 +46,7 @@ fn postgres() {
 
 fn two_concurrent_runs_exactly_one_runs(url: &str) {
     let dir = TempDir::new("distlock-cli-test");
-    let key = unique("concurrent");
+    let key = unique_name("concurrent");
     let script = r#"touch "$DIR/ran.$$"; while [ ! -e "$DIR/go" ]; do sleep 0.05; done"#;
     let mut a = Some(
         run_sh(url, &key, &[], dir.path(), script)
@@ -123,7 +123,7 @@ fn two_concurrent_runs_exactly_one_runs(url: &str) {
 
 fn fencing_tokens_increase_across_processes(url: &str) {
     let dir = TempDir::new("distlock-cli-test");
-    let key = unique("fencing");
+    let key = unique_name("fencing");
     let script = r#"echo "$DISTLOCK_FENCING_TOKEN" > "$DIR/token"; exit 5"#;
     let first = finish(
         run_sh(url, &key, &[], dir.path(), script)
@@ -176,7 +176,7 @@ fn status_json(url: &str, key: &str, inspect: bool) -> serde_json::Map<String, s
 
 fn status_reports_held_and_free(url: &str) {
     let dir = TempDir::new("distlock-cli-test");
-    let key = unique("status");
+    let key = unique_name("status");
     let output = distlock()
         .args(["status", "--url", url, &key])
         .output()
@@ -261,7 +261,7 @@ fn status_reports_held_and_free(url: &str) {
 
 fn sigkill_of_holder_frees_key_after_ttl(url: &str) {
     let dir = TempDir::new("distlock-cli-test");
-    let key = unique("sigkill");
+    let key = unique_name("sigkill");
     let mut holder = run_sh(
         url,
         &key,
@@ -317,7 +317,7 @@ fn sigkill_of_holder_frees_key_after_ttl(url: &str) {
 
 fn lost_lock_kills_the_command(url: &str) {
     let dir = TempDir::new("distlock-cli-test");
-    let key = unique("lost");
+    let key = unique_name("lost");
     let output = finish(
         run_sh(
             url,
@@ -378,7 +378,7 @@ fn assert_no_overlap(dir: &TempDir) {
 /// beside it.
 fn paused_holder_is_taken_over_and_its_command_stopped(url: &str) {
     let dir = TempDir::new("distlock-cli-test");
-    let key = unique("takeover");
+    let key = unique_name("takeover");
     let holder = run_sh(url, &key, &["--ttl", "3s"], dir.path(), HOLDER)
         .spawn()
         .expect("spawn");
@@ -407,7 +407,7 @@ fn paused_holder_is_taken_over_and_its_command_stopped(url: &str) {
 fn suspended_holder_keeps_renewing(url: &str) {
     use std::os::unix::process::CommandExt;
     let dir = TempDir::new("distlock-cli-test");
-    let key = unique("suspend");
+    let key = unique_name("suspend");
     // A group of its own, with its parent (this test) outside it: the
     // group is not orphaned, so the kernel does not discard SIGTSTP.
     let holder = run_sh(url, &key, &["--ttl", "3s"], dir.path(), HOLDER)
@@ -454,7 +454,7 @@ fn suspended_holder_keeps_renewing(url: &str) {
 /// stays 0.3 s.
 fn ten_processes_share_three_permits(url: &str) {
     let dir = TempDir::new("distlock-cli-test");
-    let key = unique("permits");
+    let key = unique_name("permits");
     let script = r#"touch "$DIR/in.$$"; ls "$DIR" | grep -c '^in\.' >> "$DIR/counts"; sleep 0.3; rm "$DIR/in.$$""#;
     let workers: Vec<_> = (0..10)
         .map(|worker| {
@@ -503,7 +503,7 @@ fn ten_processes_share_three_permits(url: &str) {
 fn foreign_data_at_the_key_is_a_configuration_error() {
     let server = crate::support::start_process(distlock_conformance::server::Redis::default());
     let addr = server.addr().to_string();
-    let key = unique("foreign");
+    let key = unique_name("foreign");
     let redis_key = format!("distlock:{{{key}}}:lock");
     crate::support::redis_command(&addr, &["SET", &redis_key, "someone else's value"]);
     let dir = TempDir::new("distlock-cli-test");

@@ -6,8 +6,8 @@ use std::time::Instant;
 use distlock_conformance::server::Redis;
 
 use crate::support::{
-    code, distlock, finish, redis_command, run_sh, signal, start_process, stderr, stdout, unique,
-    TempDir, HANG,
+    code, distlock, finish, redis_command, run_sh, signal, start_process, stderr, stdout,
+    unique_name, TempDir, HANG,
 };
 
 /// With `min_replicas=1` and no replica, every acquire runs its script and
@@ -21,7 +21,7 @@ fn sigterm_ends_an_attempt_stuck_waiting_for_a_replica() {
     let addr = server.addr().to_string();
     let stuck = format!("redis://{addr}/?min_replicas=1&operation_timeout_ms=3600000");
     let dir = TempDir::new("distlock-cli-stuck");
-    let key = unique("stuck");
+    let key = unique_name("stuck");
     let child = run_sh(
         &stuck,
         &key,

@@ -10,9 +10,8 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use distlock_conformance::server::{ServerHandle, ServerKind, ServerProcess};
 
@@ -30,25 +29,14 @@ pub fn distlock() -> Command {
 }
 
 /// A name no other test (or test run) uses.
-pub fn unique(prefix: &str) -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    format!(
-        "{prefix}-{}-{nanos}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
-}
+pub use distlock_conformance::naming::unique_name;
 
 /// A fresh temporary directory, removed on drop.
 pub struct TempDir(PathBuf);
 
 impl TempDir {
     pub fn new(prefix: &str) -> Self {
-        let dir = std::env::temp_dir().join(unique(prefix));
+        let dir = std::env::temp_dir().join(unique_name(prefix));
         std::fs::create_dir_all(&dir).expect("create temp dir");
         Self(dir)
     }

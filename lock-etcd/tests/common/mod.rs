@@ -16,17 +16,8 @@ use distlock_core::{AcquireAttempt, Lease, LockClient, LockError, LockKey};
 use distlock_etcd::etcd_client::{self, Client};
 use distlock_etcd::EtcdLock;
 
-pub fn random() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    std::collections::hash_map::RandomState::new()
-        .build_hasher()
-        .finish()
-}
-
 /// A fresh key with `label` in it.
-pub fn key(label: &str) -> LockKey {
-    LockKey::new(format!("{label}-{:016x}", random())).expect("valid key")
-}
+pub use distlock_conformance::naming::unique_key;
 
 /// A server for tests that do not control the process.
 pub fn any_server() -> ServerHandle {
@@ -207,43 +198,16 @@ pub async fn delete_prefix(raw: &mut Client, prefix: &str) {
     .expect("raw delete");
 }
 
-/// etcd's per-method gRPC request counters (`grpc_server_started_total`),
-/// read from its Prometheus endpoint on the client port with a plain
-/// HTTP/1.0 GET.
+/// etcd's per-method gRPC request counters (`grpc_server_started_total`,
+/// [`server::etcd_grpc_started`]).
 pub async fn grpc_started(addr: SocketAddr) -> BTreeMap<String, u64> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr)
+    let counts = tokio::task::spawn_blocking(move || server::etcd_grpc_started(addr.port()))
         .await
-        .expect("connect to etcd's metrics endpoint");
-    stream
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-        .await
-        .expect("send the metrics request");
-    let mut body = String::new();
-    stream
-        .read_to_string(&mut body)
-        .await
-        .expect("read the metrics");
-    let mut counts = BTreeMap::new();
-    for line in body.lines() {
-        let Some(rest) = line.strip_prefix("grpc_server_started_total{") else {
-            continue;
-        };
-        let method = rest
-            .split("grpc_method=\"")
-            .nth(1)
-            .and_then(|m| m.split('"').next())
-            .expect("grpc_method label");
-        let value: f64 = line
-            .rsplit(' ')
-            .next()
-            .and_then(|v| v.parse().ok())
-            .expect("counter value");
-        *counts.entry(method.to_owned()).or_insert(0) += value as u64;
-    }
+        .expect("the metrics reader ran")
+        .expect("etcd's metrics endpoint answers");
     assert!(
         counts.contains_key("Range") || counts.contains_key("Txn"),
-        "etcd's /metrics has no grpc_server_started_total counters: {body:.500}"
+        "etcd's /metrics has no grpc_server_started_total counters: {counts:?}"
     );
     counts
 }

@@ -10,7 +10,7 @@ use super::support::*;
 #[tokio::test]
 async fn password_authentication_through_the_url() {
     let admin_client = client("auth").await;
-    let role = random_name("distlock_role");
+    let role = unique_name("distlock_role");
     let password = format!("pw'{}\\x", rand::random::<u32>());
     let escaped = password.replace('\'', "''");
     admin(
@@ -23,7 +23,7 @@ async fn password_authentication_through_the_url() {
         &format!("GRANT CREATE, USAGE ON SCHEMA public TO {role}"),
     )
     .await;
-    let table = random_name("auth_locks");
+    let table = unique_name("auth_locks");
     let encoded = percent_encode(&password);
     let url = format!("{}?table={table}", url_with_user(&role, &encoded));
     let lock = Pg::new(
@@ -53,7 +53,7 @@ async fn password_authentication_through_the_url() {
 
 #[tokio::test]
 async fn many_clients_create_the_table_at_once() {
-    let table = random_name("race");
+    let table = unique_name("race");
     let base = server().url();
     let connects = (0..8).map(|i| {
         let url = format!("{base}?table={table}&namespace=n{i}");
@@ -72,7 +72,7 @@ async fn many_clients_create_the_table_at_once() {
 
 #[tokio::test]
 async fn schema_and_table_are_configurable_and_quoted() {
-    let schema = random_name("Sch\"ema");
+    let schema = unique_name("Sch\"ema");
     let url = server().url();
     let mut config = PostgresConfig::from_url(&url)
         .unwrap()

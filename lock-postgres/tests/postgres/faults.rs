@@ -108,7 +108,7 @@ async fn survives_a_server_kill_and_restart() {
 #[tokio::test]
 async fn black_holed_connections_time_out_and_the_client_recovers() {
     let (proxy, proxied) = proxied().await;
-    let ns = random_name("blackhole");
+    let ns = unique_name("blackhole");
     let lock = Pg::connect(&format!(
         "{proxied}?namespace={ns}&connect_timeout_ms=500&operation_timeout_ms=500"
     ))
@@ -179,7 +179,7 @@ async fn black_holed_connections_time_out_and_the_client_recovers() {
 #[tokio::test]
 async fn a_cancelled_statement_never_keeps_its_pool_slot() {
     let (proxy, proxied) = proxied().await;
-    let ns = random_name("cancel_slot");
+    let ns = unique_name("cancel_slot");
     let config = PostgresConfig::from_url(&format!(
         "{proxied}?namespace={ns}&connect_timeout_ms=5000&operation_timeout_ms=1000"
     ))
@@ -214,9 +214,9 @@ async fn a_cancelled_statement_never_keeps_its_pool_slot() {
 
 #[tokio::test]
 async fn a_cancelled_acquire_that_the_server_granted_is_undone() {
-    let ns = random_name("cancel_grant");
+    let ns = unique_name("cancel_grant");
     // Its own table, so the blocked statement is easy to find.
-    let table = random_name("cancel_locks");
+    let table = unique_name("cancel_locks");
     let url = format!("{}?namespace={ns}&table={table}", server().url());
     let lock = Pg::connect(&url).await;
     let other = Pg::connect(&url).await;

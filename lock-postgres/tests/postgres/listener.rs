@@ -13,7 +13,7 @@ use super::support::*;
 
 #[tokio::test]
 async fn blocked_waiter_is_woken_by_notify_not_polling() {
-    let ns = random_name("wait");
+    let ns = unique_name("wait");
     let holder = client(&ns).await;
     let observed = Arc::new(ObservedLock::new(client(&ns).await.client));
     let waiter = LockClient::new(observed.clone());
@@ -44,7 +44,7 @@ async fn blocked_waiter_is_woken_by_notify_not_polling() {
 
 #[test]
 fn a_listener_whose_runtime_shut_down_is_restarted() {
-    let ns = random_name("runtime");
+    let ns = unique_name("runtime");
     let k = key("job");
     // The waiter's client is made, and first waits, on a runtime that then
     // shuts down, taking the listener task with it. Its pool connects
@@ -127,7 +127,7 @@ fn a_listener_whose_runtime_shut_down_is_restarted() {
 #[tokio::test]
 async fn a_listener_whose_server_is_silent_fails_in_bounded_time_and_reconnects_later() {
     let (proxy, proxied) = proxied().await;
-    let ns = random_name("listen_silent");
+    let ns = unique_name("listen_silent");
     let waiter = Pg::connect(&format!(
         "{proxied}?namespace={ns}&connect_timeout_ms=500&operation_timeout_ms=500"
     ))

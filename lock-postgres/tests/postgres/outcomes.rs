@@ -35,7 +35,7 @@ fn granted(reply: AcquireReply, why: &str) -> Grant {
 #[tokio::test]
 async fn an_attempt_whose_reply_was_lost_is_adopted_by_the_next_with_its_owner_token() {
     let (proxy, proxied) = proxied().await;
-    let ns = random_name("adopt");
+    let ns = unique_name("adopt");
     // One connection, whose acquire statement is prepared before replies
     // are held (preparing it takes a round trip of its own).
     let late = one_connection(&proxied, &ns).await;
@@ -121,7 +121,7 @@ async fn a_first_send_applied_after_the_give_back_leaves_nothing_held() {
     // then does the first send go on: it must not take the lock again for
     // nobody.
     let (proxy, proxied) = proxied().await;
-    let ns = random_name("late_first");
+    let ns = unique_name("late_first");
     let (lock, direct, app) = on_own_table(&proxied, &ns).await;
     let (first_send, second_send) = (rand::random::<i32>(), rand::random::<i32>());
     let mut gate = stall_inserts(&direct, &[first_send, second_send]).await;
@@ -180,7 +180,7 @@ async fn a_first_send_applied_after_the_give_back_leaves_nothing_held() {
 /// out by then; an acquire's late grant is given back.
 async fn assert_ends_by_the_first_sends_deadline(op: Op) {
     const TIMEOUT: Duration = Duration::from_secs(4);
-    let ns = random_name("resent_late");
+    let ns = unique_name("resent_late");
     let admin = client(&ns).await;
     let (lock, app) = named_client(
         &ns,
@@ -250,8 +250,8 @@ async fn a_release_sent_again_after_a_lost_connection_ends_by_its_first_sends_de
 /// acquire, counting every client) wait on the advisory lock `gates[n - 1]`,
 /// which the returned connection holds until the test unlocks it.
 async fn stall_inserts(lock: &Pg, gates: &[i32]) -> PgConnection {
-    let sequence = random_name("sends");
-    let function = random_name("stall");
+    let sequence = unique_name("sends");
+    let function = unique_name("stall");
     let cases: String = gates
         .iter()
         .enumerate()
@@ -299,8 +299,8 @@ async fn open(gate_holder: &mut PgConnection, gate: i32) {
 /// its inserts), with its `application_name`, and a direct client on the
 /// same rows.
 async fn on_own_table(proxied: &str, ns: &str) -> (Pg, Pg, String) {
-    let table = random_name("stalled");
-    let app = random_name("app");
+    let table = unique_name("stalled");
+    let app = unique_name("app");
     let lock = Pg::connect(&format!(
         "{proxied}?namespace={ns}&table={table}&application_name={app}&operation_timeout_ms=20000"
     ))
@@ -330,7 +330,7 @@ async fn a_first_send_applied_after_its_lease_was_renewed_and_released_takes_not
     // Only then does the first send go on: it must not take the lock again
     // for nobody.
     let (proxy, proxied) = proxied().await;
-    let ns = random_name("late_after_release");
+    let ns = unique_name("late_after_release");
     let (lock, direct, app) = on_own_table(&proxied, &ns).await;
     let first_send = rand::random::<i32>();
     let mut gate = stall_inserts(&direct, &[first_send]).await;

@@ -14,7 +14,7 @@ use super::support::*;
 #[tokio::test]
 async fn release_through_a_transaction_pooler_reports_success() {
     let pooler = transaction_pooler().await;
-    let ns = random_name("pooler");
+    let ns = unique_name("pooler");
     // One pooled connection: the statements and the listener's LISTEN all
     // run in PgBouncer's single server session. `pool_mode=session` says
     // so, which skips the probe that would find the transaction pooler
@@ -48,7 +48,7 @@ async fn notifications_on_a_pooled_connection_never_fail_an_operation() {
     // The one pooled connection of a client LISTENs (as a server session
     // behind a transaction pooler may), and notifications reach it while
     // it is idle: they sit before the reply to its next statement.
-    let ns = random_name("stray");
+    let ns = unique_name("stray");
     let config = PostgresConfig::from_url(&format!("{}?namespace={ns}", server().url())).unwrap();
     // Like the client's own pool: no check (which would skip the
     // notifications) before a connection is handed out.
@@ -110,7 +110,7 @@ async fn notifications_on_a_pooled_connection_never_fail_an_operation() {
 #[tokio::test]
 async fn waiters_behind_a_transaction_pooler_listen_on_listen_url() {
     let pooler = transaction_pooler().await;
-    let ns = random_name("pooler_listen");
+    let ns = unique_name("pooler_listen");
     let direct = percent_encode(&server().url());
     let config = PostgresConfig::from_url(&format!(
         "{}?namespace={ns}&listen_url={direct}",
@@ -129,9 +129,9 @@ async fn several_clients_with_several_connections_through_a_transaction_pooler()
     // client's transactions between server sessions, which breaks named
     // (and unnamed extended-protocol) prepared statements.
     let pooler = transaction_pooler_of(3).await;
-    let ns = random_name("pooled_many");
+    let ns = unique_name("pooled_many");
     // A table of its own, so creating it runs through the pooler too.
-    let table = random_name("pooled_locks");
+    let table = unique_name("pooled_locks");
     let url = format!(
         "{}?namespace={ns}&table={table}&pool_mode=transaction&listen_url={}",
         pooler.url(),
@@ -187,7 +187,7 @@ async fn several_clients_with_several_connections_through_a_transaction_pooler()
 #[tokio::test]
 async fn waiters_behind_a_transaction_pooler_without_listen_url_poll() {
     let pooler = transaction_pooler_of(2).await;
-    let ns = random_name("pooled_poll");
+    let ns = unique_name("pooled_poll");
     let url = format!(
         "{}?namespace={ns}&pool_mode=transaction&poll_interval_ms=50",
         pooler.url()
@@ -314,8 +314,8 @@ async fn a_plain_url_through_a_transaction_pooler_never_half_works() {
     let url = format!(
         "{}?namespace={}&table={}",
         pooler.url(),
-        random_name("plain"),
-        random_name("plain_locks")
+        unique_name("plain"),
+        unique_name("plain_locks")
     );
     let clients = all_or_none(&url, 12)
         .await
@@ -354,8 +354,8 @@ async fn a_plain_url_through_a_transaction_pooler_of_one_session_never_half_work
     let url = format!(
         "{}?namespace={}&table={}",
         pooler.url(),
-        random_name("plain1"),
-        random_name("plain1_locks")
+        unique_name("plain1"),
+        unique_name("plain1_locks")
     );
     let clients = all_or_none(&url, 8)
         .await
@@ -371,7 +371,7 @@ async fn a_plain_url_with_listen_url_through_a_transaction_pooler_wakes_waiters(
     let url = format!(
         "{}?namespace={}&listen_url={}",
         pooler.url(),
-        random_name("plain_listen"),
+        unique_name("plain_listen"),
         percent_encode(&server().url())
     );
     let clients = all_or_none(&url, 4).await.expect("the clients work");
@@ -380,7 +380,7 @@ async fn a_plain_url_with_listen_url_through_a_transaction_pooler_wakes_waiters(
 
 #[tokio::test]
 async fn a_direct_connection_is_not_taken_for_a_transaction_pooler() {
-    let url = format!("{}?namespace={}", server().url(), random_name("direct"));
+    let url = format!("{}?namespace={}", server().url(), unique_name("direct"));
     let clients = all_or_none(&url, 4).await.expect("direct clients work");
     // Prepared statements: sqlx's cache holds the lock statements.
     let prepared: i64 = sqlx::query_scalar(
@@ -402,7 +402,7 @@ async fn a_session_pooler_is_not_taken_for_a_transaction_pooler() {
     // clients', their listeners' and the probes'), as a session pool
     // needs: one per client connection for as long as it is connected.
     let pooler = session_pooler_of(40).await;
-    let url = format!("{}?namespace={}", pooler.url(), random_name("session"));
+    let url = format!("{}?namespace={}", pooler.url(), unique_name("session"));
     let clients = all_or_none(&url, 6)
         .await
         .expect("clients through a session pool work");
@@ -416,7 +416,7 @@ async fn the_probe_finds_a_transaction_pooler_at_connect() {
     // the switch; the probe found the pooler.
     for sessions in [1, 3, 20] {
         let pooler = transaction_pooler_of(sessions).await;
-        let url = format!("{}?namespace={}", pooler.url(), random_name("probe"));
+        let url = format!("{}?namespace={}", pooler.url(), unique_name("probe"));
         let lock = Pg::connect(&url).await;
         assert_eq!(
             lock.backend.pool_mode(),
@@ -437,8 +437,8 @@ async fn a_statement_meeting_shared_prepared_statements_switches_to_the_simple_p
     let url = format!(
         "{}?namespace={}&table={}&pool_mode=session",
         pooler.url(),
-        random_name("switch"),
-        random_name("switch_locks")
+        unique_name("switch"),
+        unique_name("switch_locks")
     );
     let connect = |url: String| async move {
         Pg::with_config(PostgresConfig::from_url(&url).unwrap().max_connections(1)).await

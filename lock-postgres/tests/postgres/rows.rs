@@ -9,7 +9,7 @@ use super::support::*;
 
 #[tokio::test]
 async fn awkward_keys_are_bind_parameters() {
-    let ns = random_name("keys");
+    let ns = unique_name("keys");
     let a = client(&ns).await;
     let b = client(&ns).await;
     let names = vec![
@@ -69,8 +69,8 @@ async fn awkward_values_as_literals_reach_the_same_rows_as_bind_parameters() {
     // pool_mode=transaction sends values as literals (simple protocol); a
     // default client binds them. Both must name the same rows, so the
     // literals round-trip exactly, and none can break out of its quotes.
-    let ns = random_name("literal");
-    let table = format!("{}$1\"'x", random_name("lit"));
+    let ns = unique_name("literal");
+    let table = format!("{}$1\"'x", unique_name("lit"));
     let base = format!(
         "{}?namespace={}&table={}",
         server().url(),
@@ -116,7 +116,7 @@ async fn awkward_values_as_literals_reach_the_same_rows_as_bind_parameters() {
 
 #[tokio::test]
 async fn expiry_uses_the_database_clock_and_is_never_revived() {
-    let ns = random_name("expiry");
+    let ns = unique_name("expiry");
     let a = client(&ns).await;
     let b = client(&ns).await;
     let k = key("short");
@@ -146,7 +146,7 @@ async fn expiry_uses_the_database_clock_and_is_never_revived() {
 
 #[tokio::test]
 async fn row_edited_into_an_impossible_state_is_reported_not_overwritten() {
-    let ns = random_name("corrupt");
+    let ns = unique_name("corrupt");
     let a = client(&ns).await;
     let b = client(&ns).await;
     let table = a.table();

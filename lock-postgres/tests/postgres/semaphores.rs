@@ -83,7 +83,7 @@ async fn semaphore_row(lock: &Pg, k: &LockKey) -> Option<(i64, i64, Vec<(String,
 #[tokio::test]
 async fn a_permit_attempt_whose_reply_was_lost_is_adopted_by_the_next_with_its_owner_token() {
     let (proxy, proxied) = proxied().await;
-    let ns = random_name("adopt_permit");
+    let ns = unique_name("adopt_permit");
     // One connection, whose permit statement is prepared before replies
     // are held (preparing it takes a round trip of its own).
     let late = one_connection(&proxied, &ns).await;
@@ -181,7 +181,7 @@ async fn a_permit_attempt_whose_reply_was_lost_is_adopted_by_the_next_with_its_o
 
 #[tokio::test]
 async fn a_semaphore_is_one_row_of_its_own_table_and_expired_permits_are_reclaimed() {
-    let ns = random_name("sem_rows");
+    let ns = unique_name("sem_rows");
     let lock = client(&ns).await;
     let k = key("shared-name");
     // A lock of the same name: another table, another counter.
@@ -247,7 +247,7 @@ async fn a_semaphore_is_one_row_of_its_own_table_and_expired_permits_are_reclaim
 
 #[tokio::test]
 async fn a_semaphore_row_edited_into_an_impossible_state_is_reported_not_overwritten() {
-    let ns = random_name("sem_corrupt");
+    let ns = unique_name("sem_corrupt");
     let a = client(&ns).await;
     let table = semaphore_table(&a);
     let ttl = Duration::from_secs(30);
@@ -326,8 +326,8 @@ async fn permits_work_through_a_transaction_pooler_found_at_connect_and_waiters_
     let url = format!(
         "{}?namespace={}&semaphore_table={}&poll_interval_ms=50",
         pooler.url(),
-        random_name("pooled_sem"),
-        random_name("pooled_semaphores")
+        unique_name("pooled_sem"),
+        unique_name("pooled_semaphores")
     );
     let holder = Pg::connect(&url).await;
     let waiter = Pg::connect(&url).await;

@@ -113,7 +113,7 @@ async fn literals_reach_the_rows_of_bind_parameters_whatever_the_string_settings
     for setting in settings {
         let query = format!(
             "namespace={}&options={}",
-            random_name("strings"),
+            unique_name("strings"),
             percent_encode(&format!("-c {setting}"))
         );
         let (literal, bound) = literal_and_bound(&server().url(), &query).await;
@@ -124,7 +124,7 @@ async fn literals_reach_the_rows_of_bind_parameters_whatever_the_string_settings
 #[tokio::test]
 async fn literals_reach_the_rows_of_bind_parameters_on_a_sql_ascii_database() {
     let admin_client = client("sql_ascii").await;
-    let database = random_name("distlock_ascii");
+    let database = unique_name("distlock_ascii");
     admin(
         &admin_client,
         &format!(
@@ -171,7 +171,7 @@ async fn assert_permanent_at_once(lock: &Pg, code: &str, why: &str) {
 
 #[tokio::test]
 async fn a_read_only_server_ends_a_waiting_acquire_at_once() {
-    let ns = random_name("read_only");
+    let ns = unique_name("read_only");
     // The table exists: the client only runs lock statements.
     client(&ns).await;
     let lock = Pg::connect(&format!(
@@ -186,10 +186,10 @@ async fn a_read_only_server_ends_a_waiting_acquire_at_once() {
 /// A client on its own table with a `BEFORE INSERT` trigger running `body`
 /// (PL/pgSQL) under the function settings `set`.
 async fn with_trigger(body: &str, set: &str) -> Pg {
-    let ns = random_name("trigger");
-    let table = random_name("trigger");
+    let ns = unique_name("trigger");
+    let table = unique_name("trigger");
     let lock = Pg::connect(&format!("{}?namespace={ns}&table={table}", server().url())).await;
-    let function = random_name("broken");
+    let function = unique_name("broken");
     admin(
         &lock,
         &format!(

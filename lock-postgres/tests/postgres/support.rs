@@ -20,9 +20,8 @@ pub fn server() -> &'static ServerHandle {
     })
 }
 
-pub fn random_name(prefix: &str) -> String {
-    format!("{prefix}_{:016x}", rand::random::<u64>())
-}
+/// A fresh name (`{prefix}_{16 hex digits}`, a valid SQL identifier).
+pub use distlock_conformance::naming::unique_name;
 
 /// A backend and the lease-level client over it.
 #[derive(Debug, Clone)]
@@ -104,18 +103,8 @@ pub fn server_rest() -> String {
         .expect("URL with credentials")
 }
 
-/// `text` with every byte but ASCII letters and digits %-escaped, for a URL.
-pub fn percent_encode(text: &str) -> String {
-    text.bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
-}
+/// `text` percent-encoded for a URL.
+pub use distlock_conformance::url::percent_encode;
 
 /// The address of the shared test server.
 pub fn server_addr() -> SocketAddr {
@@ -139,7 +128,7 @@ pub async fn proxied() -> (Proxy, String) {
 /// serializable unless they say otherwise.
 pub async fn serializable_client() -> Pg {
     let admin_client = client("serializable").await;
-    let database = random_name("distlock_serializable");
+    let database = unique_name("distlock_serializable");
     admin(&admin_client, &format!("CREATE DATABASE {database}")).await;
     admin(
         &admin_client,
@@ -254,7 +243,7 @@ pub async fn assert_release_heard(holder: &Pg, waiter: &Pg, k: &LockKey, why_not
 /// A client whose connections carry a unique `application_name`, so the
 /// test can find its server backends.
 pub async fn named_client(ns: &str, extra: &str) -> (Pg, String) {
-    let app = random_name("app");
+    let app = unique_name("app");
     let lock = Pg::connect(&format!(
         "{}?namespace={ns}&application_name={app}{extra}",
         server().url()

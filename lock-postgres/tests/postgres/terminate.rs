@@ -31,7 +31,7 @@ async fn interrupted(
 
 #[tokio::test]
 async fn terminated_in_the_middle_of_a_call_the_call_is_sent_again() {
-    let ns = random_name("terminate");
+    let ns = unique_name("terminate");
     let admin = client(&ns).await;
     let (lock, app) = named_client(&ns, "").await;
     let k = key("interrupted");
@@ -67,7 +67,7 @@ async fn terminated_in_the_middle_of_a_call_the_call_is_sent_again() {
 
 #[tokio::test]
 async fn a_terminated_listener_reconnects_and_wakes_its_waiters() {
-    let ns = random_name("terminate_listen");
+    let ns = unique_name("terminate_listen");
     let holder = client(&ns).await;
     let (lock, app) = named_client(&ns, "").await;
     let observed = Arc::new(ObservedLock::new(lock.client.clone()));
@@ -102,7 +102,7 @@ async fn a_terminated_listener_reconnects_and_wakes_its_waiters() {
 
 #[tokio::test]
 async fn idle_session_timeout_closing_pooled_connections_costs_no_error() {
-    let ns = random_name("idle_timeout");
+    let ns = unique_name("idle_timeout");
     let admin = client(&ns).await;
     // The server closes this client's connections after 300 ms idle:
     // the listener's (a waiter below keeps one) and every pooled one.

@@ -57,8 +57,8 @@ async fn encrypted(lock: &Pg, app: &str) -> (bool, i64) {
 #[tokio::test]
 async fn verify_full_with_libpq_parameters_and_waiters_over_tls() {
     let (kind, server) = started().await;
-    let ns = random_name("tls");
-    let app = random_name("tls_app");
+    let ns = unique_name("tls");
+    let app = unique_name("tls_app");
     let url = format!(
         "{}&namespace={ns}&application_name={app}",
         kind.url(server.addr())
@@ -154,7 +154,7 @@ async fn a_client_certificate_is_required_and_accepted() {
         percent_encode(&pki.client.key.to_string_lossy()),
     );
     for url in [&shared, &libpq] {
-        let ns = random_name("mtls");
+        let ns = unique_name("mtls");
         let lock = Pg::connect(&format!("{url}&namespace={ns}")).await;
         let other = Pg::connect(&format!("{url}&namespace={ns}")).await;
         assert_release_heard(&lock, &other, &key("k"), "no NOTIFY over mutual TLS").await;
@@ -208,7 +208,7 @@ async fn plaintext_and_tls_mismatches_are_connection_errors() {
 async fn missing_unreadable_and_non_pem_files_are_named() {
     let (kind, server) = started().await;
     let base = format!("postgres://postgres:postgres@{}/postgres", server.addr());
-    let dir = std::env::temp_dir().join(random_name("distlock-tls-files"));
+    let dir = std::env::temp_dir().join(unique_name("distlock-tls-files"));
     std::fs::create_dir_all(&dir).unwrap();
     let not_pem = dir.join("not.pem");
     std::fs::write(&not_pem, "hello").unwrap();

@@ -32,7 +32,7 @@ async fn an_acl_user_without_script_permission_runs_the_scripts_with_eval() {
     let holder = connect(&url).await.unwrap();
     let waiter = connect(&url).await.unwrap();
 
-    let key = unique("noscript");
+    let key = unique_key("noscript");
     let lease = acquired(
         holder
             .try_acquire(&key, Duration::from_secs(5))
@@ -135,7 +135,7 @@ async fn acl_users_missing_permissions_are_refused_at_connect() {
     .await
     .unwrap();
     let lease = acquired(
-        lock.try_acquire(&unique("other"), Duration::from_secs(5))
+        lock.try_acquire(&unique_key("other"), Duration::from_secs(5))
             .await
             .unwrap(),
     );
@@ -159,8 +159,8 @@ async fn a_release_whose_notification_is_refused_still_succeeds() {
     let lock = connect(&format!("redis://revoked:pw@{}", server.addr()))
         .await
         .unwrap();
-    let released = unique("revoked");
-    let forced = unique("revoked-forced");
+    let released = unique_key("revoked");
+    let forced = unique_key("revoked-forced");
     let lease = acquired(
         lock.try_acquire(&released, Duration::from_secs(30))
             .await

@@ -20,7 +20,7 @@ const TIMEOUTS: &str = "connect_timeout_ms=1000&operation_timeout_ms=1000";
 /// A fresh key whose lock lives in one of `slots`.
 async fn key_in(conn: &mut MultiplexedConnection, slots: &[(u16, u16)], label: &str) -> LockKey {
     for _ in 0..10_000 {
-        let key = unique(label);
+        let key = unique_key(label);
         let slot: u16 = redis::cmd("CLUSTER")
             .arg("KEYSLOT")
             .arg(lock_key_of(&key))

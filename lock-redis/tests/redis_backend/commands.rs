@@ -17,7 +17,7 @@ async fn acquire_extend_release_are_one_command_each() {
     let lock = connect(&url).await.unwrap();
     // Warm up the lazily connected command connection.
     let warm = acquired(
-        lock.try_acquire(&unique("warm"), Duration::from_secs(5))
+        lock.try_acquire(&unique_key("warm"), Duration::from_secs(5))
             .await
             .unwrap(),
     );
@@ -25,7 +25,7 @@ async fn acquire_extend_release_are_one_command_each() {
     let mut monitor = Monitor::start(&url).await;
     let acquire_sha = distlock_redis::acquire_script_sha();
 
-    let key = unique("count");
+    let key = unique_key("count");
     let lease = acquired(
         lock.try_acquire(&key, Duration::from_secs(5))
             .await
@@ -72,7 +72,7 @@ async fn a_blocked_waiter_attempts_at_most_twice() {
     let url = server.url();
     let holder = connect(&url).await.unwrap();
     let waiter = connect(&url).await.unwrap();
-    let key = unique("wait");
+    let key = unique_key("wait");
 
     let lease = acquired(
         holder
@@ -122,7 +122,7 @@ async fn password_in_the_url_and_wrong_password() {
     assert!(url.starts_with("redis://:s3cret-pw@127.0.0.1:"));
     let lock = connect(&url).await.unwrap();
     let lease = acquired(
-        lock.try_acquire(&unique("auth"), Duration::from_secs(5))
+        lock.try_acquire(&unique_key("auth"), Duration::from_secs(5))
             .await
             .unwrap(),
     );
@@ -130,7 +130,7 @@ async fn password_in_the_url_and_wrong_password() {
     // Waiting uses the same credentials on its pub/sub connection.
     assert!(lock
         .backend()
-        .watch(&unique("auth-watch"))
+        .watch(&unique_key("auth-watch"))
         .await
         .unwrap()
         .is_some());
@@ -235,7 +235,7 @@ async fn fencing_counter_expires_yet_tokens_keep_growing() {
         .fence_retention(Duration::from_millis(30));
     let lock = LockClient::new(RedisLock::with_config(config).await.unwrap());
     let mut conn = raw(&url).await;
-    let key = unique("retention");
+    let key = unique_key("retention");
 
     let mut last = 0;
     for round in 0..4 {
@@ -297,7 +297,7 @@ async fn survives_a_server_restart() {
     ))
     .await
     .unwrap();
-    let key = unique("restart");
+    let key = unique_key("restart");
     let lease = acquired(
         lock.try_acquire(&key, Duration::from_secs(5))
             .await
@@ -344,7 +344,7 @@ async fn from_an_application_connection_manager() {
     let lock =
         LockClient::new(RedisLock::from_connection_manager(manager, client, config).unwrap());
     let other = connect(&format!("{url}/?namespace=app")).await.unwrap();
-    let key = unique("shared");
+    let key = unique_key("shared");
     let lease = acquired(
         lock.try_acquire(&key, Duration::from_secs(5))
             .await

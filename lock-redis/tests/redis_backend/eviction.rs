@@ -71,7 +71,7 @@ async fn an_evicting_maxmemory_policy_is_refused_unless_allowed() {
             "{policy}: no warning: {warned:?}"
         );
         let lease = acquired(
-            lock.try_acquire(&unique("evictable"), std::time::Duration::from_secs(5))
+            lock.try_acquire(&unique_key("evictable"), std::time::Duration::from_secs(5))
                 .await
                 .unwrap(),
         );

@@ -102,7 +102,7 @@ async fn case(
     variant: &str,
     op: Op,
 ) -> Option<String> {
-    let key = unique("foreign");
+    let key = unique_key("foreign");
     let name = redis_key(&key, target);
     let lock_name = redis_key(&key, Target::Lock);
     // Extend and release need a lock of ours first, taken for 10 s.

@@ -23,7 +23,7 @@ async fn a_timed_out_acquire_applied_late_is_adopted_by_the_same_owner() {
     let server = start(server::Redis::default());
     let (proxy, lock) = behind_proxy(&server).await;
     let conn = raw(&server.url()).await;
-    let key = unique("adopt");
+    let key = unique_key("adopt");
     let owner = OwnerToken::random();
 
     proxy.hold(Direction::ToClient);
@@ -78,7 +78,7 @@ async fn an_acquire_timed_out_in_a_write_pause_leaves_no_orphan() {
         .await
         .unwrap();
     let mut conn = raw(&server.url()).await;
-    let key = unique("paused");
+    let key = unique_key("paused");
     let owner = OwnerToken::random();
     pause_writes(&mut conn, 800).await;
     let err = raw_acquire(&lock, &key, owner, Duration::from_secs(10))
@@ -114,7 +114,7 @@ async fn a_waiting_acquire_timed_out_in_a_write_pause_gets_the_lock() {
         .await
         .unwrap();
     let mut conn = raw(&server.url()).await;
-    let key = unique("waiting-paused");
+    let key = unique_key("waiting-paused");
     pause_writes(&mut conn, 800).await;
     let got = client
         .acquire(
@@ -149,7 +149,7 @@ async fn a_waiting_acquire_whose_attempt_was_applied_late_gets_that_lock() {
     .await
     .unwrap();
     let conn = raw(&server.url()).await;
-    let key = unique("waiting-held");
+    let key = unique_key("waiting-held");
     // The command connection's replies are held for good; its requests
     // still take effect. Connections opened later (the replacement, the
     // pub/sub connection) pass.
@@ -256,7 +256,7 @@ async fn every_operation_gives_up_within_its_operation_timeout() {
         server.url()
     );
     let lock = connect(&url).await.unwrap();
-    let key = unique("bounded");
+    let key = unique_key("bounded");
     let lease = acquired(
         lock.try_acquire(&key, Duration::from_secs(30))
             .await
@@ -269,7 +269,7 @@ async fn every_operation_gives_up_within_its_operation_timeout() {
     let resumed = tokio::spawn(async move {
         let _: String = redis::cmd("PING").query_async(&mut probe).await.unwrap();
     });
-    let (other, free) = (unique("bounded-watch"), unique("bounded-2"));
+    let (other, free) = (unique_key("bounded-watch"), unique_key("bounded-2"));
     let backend = lock.backend();
     let (acquire, extend, release, watch) = tokio::join!(
         lock.try_acquire(&free, Duration::from_secs(5)),
@@ -310,7 +310,7 @@ async fn an_unreplicated_grant_is_given_back_within_the_same_timeout() {
     .unwrap();
     proxy.delay(Direction::ToClient, Duration::from_millis(1400));
     let err = lock
-        .try_acquire(&unique("give-back"), Duration::from_secs(30))
+        .try_acquire(&unique_key("give-back"), Duration::from_secs(30))
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
@@ -336,7 +336,7 @@ async fn durations_are_bounded_when_parsed_and_checked_before_any_write() {
             assert!(e.message().contains("fence_retention_ms"), "{e}");
         }
         Ok(lock) => {
-            let key = unique("huge-retention");
+            let key = unique_key("huge-retention");
             let result = LockClient::new(lock)
                 .try_acquire(&key, Duration::from_secs(5))
                 .await;
@@ -354,7 +354,7 @@ async fn durations_are_bounded_when_parsed_and_checked_before_any_write() {
     // The script itself: an argument out of range is refused before the
     // first write.
     let _lock = connect(&url).await.unwrap(); // loads the scripts
-    let key = unique("script-args");
+    let key = unique_key("script-args");
     for (ttl, retention) in [
         ("1000", "99999999999999999999"),
         ("0", "1000"),
@@ -394,7 +394,7 @@ async fn the_largest_durations_never_panic() {
         Ok(lock) => {
             let lock = LockClient::new(lock);
             let lease = acquired(
-                lock.try_acquire(&unique("max"), Duration::from_secs(5))
+                lock.try_acquire(&unique_key("max"), Duration::from_secs(5))
                     .await
                     .unwrap(),
             );
@@ -417,7 +417,7 @@ async fn corruption_inside_the_wait_pipeline_is_corrupted() {
     .await
     .unwrap();
     let mut conn = raw(&url).await;
-    let key = unique("wait-pipeline");
+    let key = unique_key("wait-pipeline");
     let _: () = conn
         .set(format!("wp:{{{}}}:lock", key.as_str()), "foreign")
         .await

@@ -64,7 +64,7 @@ async fn a_timed_out_permit_request_applied_late_is_adopted_then_given_back() {
     let server = start(server::Redis::default());
     let (proxy, lock) = behind_proxy(&server).await;
     let mut conn = raw(&server.url()).await;
-    let key = unique("permit-adopt");
+    let key = unique_key("permit-adopt");
     let set = sem_key("distlock", &key, "permits");
     let owner = OwnerToken::random();
 
@@ -222,7 +222,7 @@ async fn foreign_data_at_a_semaphores_keys_is_reported_and_left_alone() {
     for (suffix, variants, ops) in cases {
         for variant in *variants {
             for op in *ops {
-                let key = unique("foreign-permit");
+                let key = unique_key("foreign-permit");
                 let name = sem_key(NS, &key, suffix);
                 let owner = OwnerToken::random();
                 let grant = if *op == "acquire" {

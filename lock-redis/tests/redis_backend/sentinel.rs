@@ -56,10 +56,10 @@ async fn the_primary_killed_during_holds_and_waits() {
     let old = group.primary().unwrap();
     let mut on_old = raw(&group.node_url(old)).await;
 
-    let key = unique("sentinel-failover");
+    let key = unique_key("sentinel-failover");
     let before = acquired(
         holder
-            .try_acquire(&unique("sentinel-before"), Duration::from_secs(30))
+            .try_acquire(&unique_key("sentinel-before"), Duration::from_secs(30))
             .await
             .unwrap(),
     );
@@ -85,7 +85,7 @@ async fn the_primary_killed_during_holds_and_waits() {
     // A lock whose acquisition the new primary never saw (its keys are
     // gone, as after a failover to a lagging replica): its next token is
     // still greater, from the server's clock.
-    let lagging = unique("sentinel-lagging");
+    let lagging = unique_key("sentinel-lagging");
     let first = acquired(
         holder
             .try_acquire(&lagging, Duration::from_secs(30))
@@ -114,7 +114,7 @@ async fn the_primary_killed_during_holds_and_waits() {
     for client in [&holder, &waiter, &fresh] {
         let lease = acquired(
             client
-                .try_acquire(&unique("sentinel-after"), Duration::from_secs(5))
+                .try_acquire(&unique_key("sentinel-after"), Duration::from_secs(5))
                 .await
                 .unwrap(),
         );
@@ -139,7 +139,7 @@ async fn a_demoted_primary_is_left_for_the_new_one() {
     let client = connect(&url(&group, "")).await.unwrap();
     let warm = acquired(
         client
-            .try_acquire(&unique("demoted-warm"), Duration::from_secs(30))
+            .try_acquire(&unique_key("demoted-warm"), Duration::from_secs(30))
             .await
             .unwrap(),
     );
@@ -187,7 +187,7 @@ async fn a_demoted_primary_is_left_for_the_new_one() {
         }
     }
 
-    let key = unique("demoted");
+    let key = unique_key("demoted");
     let err = client
         .try_acquire(&key, Duration::from_secs(30))
         .await
@@ -217,7 +217,7 @@ async fn min_replicas_waits_for_the_replicas() {
     let one = connect(&url(&group, "&min_replicas=1")).await.unwrap();
     let two = connect(&url(&group, "&min_replicas=2")).await.unwrap();
 
-    let key = unique("min-replicas");
+    let key = unique_key("min-replicas");
     let lease = acquired(
         one.try_acquire(&key, Duration::from_secs(30))
             .await

@@ -19,21 +19,8 @@ pub fn start(kind: server::Redis) -> ServerProcess {
     ServerProcess::start(Arc::new(kind)).expect("cannot start redis-server (is it installed?)")
 }
 
-pub fn unique(prefix: &str) -> LockKey {
-    LockKey::new(format!("{prefix}-{:016x}", rand_u64())).unwrap()
-}
-
-pub fn rand_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos(),
-    );
-    h.finish()
-}
+/// A fresh key with `prefix` in it.
+pub use distlock_conformance::naming::unique_key;
 
 /// A plain connection for the test's own commands. No response timeout: a
 /// command sent while the test stalls the server waits for the stall's end.
@@ -152,7 +139,7 @@ impl Waiting {
         conn: &mut MultiplexedConnection,
         prefix: &str,
     ) -> Self {
-        let key = unique(prefix);
+        let key = unique_key(prefix);
         let channel = channel_of(&key);
         let lease = acquired(
             holder
@@ -519,7 +506,7 @@ pub async fn first_answer_within(
 ) -> Result<Vec<LockError>, Vec<LockError>> {
     let mut failures = Vec::new();
     for _ in 0..attempts {
-        let key = unique("recover");
+        let key = unique_key("recover");
         match lock.try_acquire(&key, Duration::from_secs(5)).await {
             Ok(attempt) => {
                 lock.release(&acquired(attempt)).await.unwrap();

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use distlock_conformance::naming::unique_name;
 use distlock_conformance::server::{
     self, RedisSentinel, RedisTls, RedisTlsAuth, ServerProcess, TestPki,
 };
@@ -22,11 +23,7 @@ struct Pki {
 
 impl Pki {
     fn new() -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "distlock-redis-tls-test-{}-{:x}",
-            std::process::id(),
-            rand_u64()
-        ));
+        let dir = std::env::temp_dir().join(unique_name("distlock-redis-tls-test"));
         Self {
             pki: TestPki::generate(&dir).expect("test certificates"),
             dir,

@@ -1,0 +1,357 @@
+//! `fault::` cases that pile faults up under contention: waiting futures
+//! dropped at random points, and the exclusion torture mixing every fault
+//! the harness can inject.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use distlock_core::{LockClient, LockError, LockKey, LockOptions, Locker};
+
+use super::{fault_ttl, join, measure, ErrorTally, EXPIRY_SLACK};
+use crate::cases::support::{background_bound, eventually_acquire, within};
+use crate::check;
+use crate::checker::ExclusionChecker;
+use crate::context::{CaseError, CaseResult, TestContext};
+use crate::fault::FaultPath;
+
+/// The environment variable setting the torture run's length in seconds.
+pub const TORTURE_SECS_ENV: &str = "DISTLOCK_TORTURE_SECS";
+
+/// The torture run's length when [`TORTURE_SECS_ENV`] is not set.
+pub const DEFAULT_TORTURE_SECS: u64 = 30;
+
+/// Waiting futures are dropped at random points under contention, hundreds
+/// of times: afterwards nothing is held and a fresh client acquires at once
+/// (far sooner than the waiters' 60 s TTL could explain).
+pub async fn dropped_waiters_leave_nothing_held(ctx: TestContext) -> CaseResult {
+    const ROUNDS: usize = 40;
+    const WAITERS: usize = 8;
+    let key = ctx.key("fault-cancel");
+    let holder = ctx.locker().await?;
+    let lockers: Vec<Locker> = crate::cases::support::clients(&ctx, WAITERS)
+        .await?
+        .into_iter()
+        .map(Locker::new)
+        .collect();
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let granted = Arc::new(AtomicUsize::new(0));
+    let holder_options = LockOptions::new(ctx.long_ttl()).wait(background_bound());
+    for round in 0..ROUNDS {
+        let guard = holder
+            .acquire(&key, &holder_options)
+            .await?
+            .ok_or_else(|| {
+                format!("round {round}: the key stayed held (a dropped waiter leaked it?)")
+            })?;
+        let mut tasks = Vec::new();
+        for locker in &lockers {
+            let (locker, key) = (locker.clone(), key.clone());
+            let (dropped, granted) = (dropped.clone(), granted.clone());
+            let options = LockOptions::new(ctx.long_ttl()).wait(Duration::from_secs(60));
+            let drop_after = Duration::from_millis(rand::random_range(0..60));
+            tasks.push(tokio::spawn(async move {
+                let result = tokio::select! {
+                    result = locker.acquire(&key, &options) => result,
+                    _ = tokio::time::sleep(drop_after) => {
+                        dropped.fetch_add(1, Ordering::SeqCst);
+                        return Ok(());
+                    }
+                };
+                if let Some(guard) = result? {
+                    granted.fetch_add(1, Ordering::SeqCst);
+                    if rand::random_bool(0.5) {
+                        guard.release().await?;
+                    } // else dropped: released in the background
+                }
+                Ok::<_, LockError>(())
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(rand::random_range(0..60))).await;
+        if rand::random_bool(0.5) {
+            guard.release().await?;
+        } else {
+            drop(guard);
+        }
+        for task in tasks {
+            within(Duration::from_secs(90), task, "waiter task")
+                .await?
+                .map_err(|e| format!("waiter task panicked: {e}"))??;
+        }
+    }
+    let fresh = ctx.client().await?;
+    let started = Instant::now();
+    let lease = eventually_acquire(
+        &fresh,
+        &key,
+        ctx.long_ttl(),
+        background_bound(),
+        "a fresh client after all the dropped waiters",
+    )
+    .await?;
+    let took = started.elapsed();
+    fresh.release(&lease).await?;
+    let dropped = dropped.load(Ordering::SeqCst);
+    check!(
+        dropped > 0,
+        "no waiting future was dropped; the case tested nothing"
+    );
+    measure(
+        &ctx,
+        "dropped_waiters_leave_nothing_held",
+        format_args!(
+            "{} waiting futures: {dropped} dropped, {} granted; fresh client acquired after {took:?}",
+            ROUNDS * WAITERS,
+            granted.load(Ordering::SeqCst)
+        ),
+    );
+    Ok(())
+}
+
+/// Counts of what the torture did.
+#[derive(Debug, Default)]
+struct TortureStats {
+    sections: AtomicU64,
+    lost: AtomicU64,
+    gave_up: AtomicU64,
+    cancelled: AtomicU64,
+    resets: AtomicU64,
+    black_holes: AtomicU64,
+    restarts: AtomicU64,
+}
+
+/// Exclusion torture: 16 clients contend for 4 keys for
+/// `DISTLOCK_TORTURE_SECS` seconds (default 30), each critical section
+/// ended as soon as its guard's `lost()` fires, while faults are injected
+/// throughout: waiting futures dropped at random, guards released or
+/// dropped, and, where faults can be injected, each client behind its own
+/// proxy (or simulated link) with random connection resets and black holes
+/// (some longer than the TTL, so guards lose their locks) and, on durable
+/// backends the harness runs, server restarts. The checker then proves no overlap, no lost increment
+/// of the guarded counter, and fencing tokens growing in the order the
+/// sections ran.
+///
+/// No restarts on a backend that is not durable (Redis without
+/// persistence): a restart there loses every lock and resets the fencing
+/// counter, which legitimately lets two holders overlap (a guard only
+/// learns at its next renewal) with tokens going backwards — the documented
+/// limit that fencing at the resource, with a durable token source, exists
+/// for. `fault::server_restart_with_holders_and_waiters` covers restarts
+/// there with an outage longer than the TTL.
+pub async fn exclusion_torture(ctx: TestContext) -> CaseResult {
+    const CLIENTS: usize = 16;
+    const KEYS: usize = 4;
+    let secs = match std::env::var(TORTURE_SECS_ENV) {
+        Ok(v) => v
+            .trim()
+            .parse::<u64>()
+            .map_err(|e| format!("{TORTURE_SECS_ENV}={v:?} is not a number of seconds: {e}"))?,
+        Err(_) => DEFAULT_TORTURE_SECS,
+    };
+    let run_for = Duration::from_secs(secs);
+    let ttl = fault_ttl(&ctx, Duration::from_secs(2))?;
+    let server = if ctx.controls_servers() {
+        Some(ctx.start_server().await?)
+    } else {
+        None
+    };
+    let restarts_allowed = server.is_some() && ctx.capabilities().durable;
+    let mut proxies: Vec<Arc<FaultPath>> = Vec::new();
+    let mut lockers = Vec::new();
+    for _ in 0..CLIENTS {
+        let client: LockClient = match &server {
+            Some(server) => {
+                let (proxy, client) = ctx.client_via_proxy(server.addr()).await?;
+                proxies.push(Arc::new(FaultPath::Proxy(proxy)));
+                client
+            }
+            None if ctx.can_inject_faults() => {
+                let path = ctx.fault_path().await?;
+                let client = ctx.client_through(&path).await?;
+                proxies.push(Arc::new(path));
+                client
+            }
+            None => ctx.client().await?,
+        };
+        lockers.push(Locker::new(client));
+    }
+    let keys: Arc<Vec<LockKey>> = Arc::new((0..KEYS).map(|_| ctx.key("fault-torture")).collect());
+    let checker = ExclusionChecker::new();
+    let errors = Arc::new(ErrorTally::default());
+    let stats = Arc::new(TortureStats::default());
+    let end = Instant::now() + run_for;
+    let mut workers = Vec::new();
+    // Which clients hold a lock right now: partitions aim at them half the
+    // time, so guards really lose locks mid-section.
+    let holding: Arc<Vec<AtomicBool>> =
+        Arc::new((0..CLIENTS).map(|_| AtomicBool::new(false)).collect());
+    for (index, locker) in lockers.into_iter().enumerate() {
+        let (keys, checker, errors, stats, holding) = (
+            keys.clone(),
+            checker.clone(),
+            errors.clone(),
+            stats.clone(),
+            holding.clone(),
+        );
+        workers.push(tokio::spawn(async move {
+            while Instant::now() < end {
+                let key = &keys[rand::random_range(0..keys.len())];
+                let options =
+                    LockOptions::new(ttl).wait(Duration::from_millis(rand::random_range(0..1500)));
+                let attempt = locker.acquire(key, &options);
+                let result = if rand::random_bool(0.15) {
+                    let drop_after = Duration::from_millis(rand::random_range(0..200));
+                    tokio::select! {
+                        result = attempt => result,
+                        _ = tokio::time::sleep(drop_after) => {
+                            stats.cancelled.fetch_add(1, Ordering::SeqCst);
+                            continue;
+                        }
+                    }
+                } else {
+                    attempt.await
+                };
+                let guard = match result {
+                    Ok(Some(guard)) => guard,
+                    Ok(None) => {
+                        stats.gave_up.fetch_add(1, Ordering::SeqCst);
+                        continue;
+                    }
+                    Err(e) => {
+                        errors.record("acquire", e)?;
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let mut section = checker.enter(key, guard.fencing_token());
+                holding[index].store(true, Ordering::SeqCst);
+                let lost = guard.lost();
+                // Mostly short; sometimes past the TTL (renewal must work).
+                let hold = if rand::random_bool(0.3) {
+                    Duration::from_millis(rand::random_range(400..(ttl.as_millis() as u64 * 2)))
+                } else {
+                    Duration::from_millis(rand::random_range(0..400))
+                };
+                tokio::select! {
+                    biased;
+                    _ = lost => { stats.lost.fetch_add(1, Ordering::SeqCst); }
+                    _ = async {
+                        section.increment().await;
+                        tokio::time::sleep(hold).await;
+                    } => {}
+                }
+                section.exit();
+                holding[index].store(false, Ordering::SeqCst);
+                stats.sections.fetch_add(1, Ordering::SeqCst);
+                if rand::random_bool(0.7) {
+                    if let Err(e) = guard.release().await {
+                        errors.record("release", e)?;
+                    }
+                } else {
+                    drop(guard);
+                }
+            }
+            Ok(())
+        }));
+    }
+    let injector = {
+        let (proxies, stats, ctx, server) =
+            (proxies.clone(), stats.clone(), ctx.clone(), server.clone());
+        tokio::spawn(async move {
+            if proxies.is_empty() {
+                return Ok(());
+            }
+            let mut partitions = Vec::new();
+            while Instant::now() + Duration::from_secs(2) < end {
+                tokio::time::sleep(Duration::from_millis(rand::random_range(50..400))).await;
+                let holders: Vec<usize> = (0..proxies.len())
+                    .filter(|&i| holding[i].load(Ordering::SeqCst))
+                    .collect();
+                let aim_at_holder = !holders.is_empty() && rand::random_bool(0.5);
+                let target = if aim_at_holder {
+                    holders[rand::random_range(0..holders.len())]
+                } else {
+                    rand::random_range(0..proxies.len())
+                };
+                let proxy = proxies[target].clone();
+                let roll = rand::random_range(0..100);
+                if roll < 45 {
+                    proxy.drop_all();
+                    stats.resets.fetch_add(1, Ordering::SeqCst);
+                } else if roll < 90 || !restarts_allowed {
+                    // A partition aimed at a holder outlasts its lease (its guard
+                    // must lose the lock); others are random, sometimes
+                    // shorter than a renewal period.
+                    let ttl_ms = ttl.as_millis() as u64;
+                    let length = Duration::from_millis(if aim_at_holder {
+                        rand::random_range(ttl_ms..ttl_ms * 5 / 2)
+                    } else {
+                        rand::random_range(100..ttl_ms * 2)
+                    });
+                    stats.black_holes.fetch_add(1, Ordering::SeqCst);
+                    proxy.black_hole();
+                    partitions.push(tokio::spawn(async move {
+                        tokio::time::sleep(length).await;
+                        if rand::random_bool(0.5) {
+                            proxy.drop_all();
+                        }
+                        proxy.heal();
+                    }));
+                } else if let Some(server) = &server {
+                    ctx.restart_server(server).await?;
+                    stats.restarts.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+            for partition in partitions {
+                let _ = partition.await;
+            }
+            Ok::<_, CaseError>(())
+        })
+    };
+    let bound = run_for + Duration::from_secs(60);
+    join(injector, bound, "the fault injector").await?;
+    for proxy in &proxies {
+        proxy.heal();
+    }
+    for worker in workers {
+        join(worker, bound, "a torture worker").await?;
+    }
+    let report = checker.verify()?;
+    check!(report.sections > 0, "no critical section ran at all");
+    // Nothing stays held for good after the faults.
+    let fresh = match &server {
+        Some(server) => ctx.client_at(&ctx.fault_url(server.addr())?).await?,
+        None => ctx.client().await?,
+    };
+    for key in keys.iter() {
+        let lease = eventually_acquire(
+            &fresh,
+            key,
+            ttl,
+            ttl + EXPIRY_SLACK,
+            "a fresh client after the torture",
+        )
+        .await?;
+        fresh.release(&lease).await?;
+    }
+    let per_key: Vec<usize> = keys
+        .iter()
+        .map(|k| report.sections_per_key.get(k).copied().unwrap_or(0))
+        .collect();
+    measure(
+        &ctx,
+        "exclusion_torture",
+        format_args!(
+            "{secs} s, TTL {ttl:?}: {} sections {per_key:?} per key, {} ended by lost(), {} waits gave up, {} waits dropped; faults: {} resets, {} black holes, {} restarts; errors {}",
+            report.sections,
+            stats.lost.load(Ordering::SeqCst),
+            stats.gave_up.load(Ordering::SeqCst),
+            stats.cancelled.load(Ordering::SeqCst),
+            stats.resets.load(Ordering::SeqCst),
+            stats.black_holes.load(Ordering::SeqCst),
+            stats.restarts.load(Ordering::SeqCst),
+            errors.summary()
+        ),
+    );
+    Ok(())
+}
