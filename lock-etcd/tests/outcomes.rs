@@ -105,7 +105,7 @@ async fn a_release_answered_after_its_resend_is_reported_done() {
     // second.
     let a = connect(&through(&proxy, "operation_timeout_ms=6000")).await;
     let b = connect(&server.url()).await;
-    let k = key("resent-release");
+    let k = unique_key("resent-release");
     let held = acquire(&a, &k, Duration::from_secs(60)).await;
     proxy.delay(Direction::ToClient, Duration::from_millis(2500));
     let release = {

@@ -1,4 +1,6 @@
-//! [`PostgresLock`]: the lease-table backend.
+//! [`PostgresLock`]: the lease-table backend: the client, how it sends a
+//! statement (timeouts, the pooler-safe protocol), and the trait impls;
+//! table creation lives in `table`, reading rows in `rows`.
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -12,13 +14,12 @@ use distlock_core::{
     SemaphoreBackend,
 };
 use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
-use sqlx::Row;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
 use crate::config::{PoolMode, PostgresConfig};
 use crate::errors;
-use crate::keys::{channel_name, is_owner_token, qualified_table};
+use crate::keys::{channel_name, qualified_table};
 use crate::listener::Releases;
 use crate::probe;
 use crate::semaphore::Semaphores;
@@ -62,22 +63,22 @@ use crate::sql::{self, Arg, Call, GiveBack, Protocol, Reply, Statements};
 /// # Ok(()) }
 /// ```
 pub struct PostgresLock {
-    pool: PgPool,
-    config: PostgresConfig,
-    sql: Arc<Statements>,
+    pub(crate) pool: PgPool,
+    pub(crate) config: PostgresConfig,
+    pub(crate) sql: Arc<Statements>,
     /// The simple protocol is in use: `pool_mode=transaction`, a
     /// transaction pooler found at connect, or the switch after a
     /// statement met another client's prepared statements.
-    simple: AtomicBool,
+    pub(crate) simple: AtomicBool,
     /// Waiters `LISTEN` past the main URL (`listen_url`), so they can be
     /// woken behind a transaction pooler too.
-    listen_apart: bool,
+    pub(crate) listen_apart: bool,
     /// The LISTEN/NOTIFY channel of this namespace and table.
-    channel: String,
-    table_ready: OnceCell<()>,
+    pub(crate) channel: String,
+    pub(crate) table_ready: OnceCell<()>,
     /// `None` when nothing can `LISTEN` (a transaction pooler without
     /// `listen_url`): waiters then poll.
-    listener: Option<Listener<Releases>>,
+    pub(crate) listener: Option<Listener<Releases>>,
     /// Counting semaphores, in a table of their own.
     pub(crate) semaphores: Semaphores,
 }
@@ -246,7 +247,12 @@ impl PostgresLock {
         &self.config.client.namespace
     }
 
-    fn map_err(&self, error: sqlx::Error, what: &str, key: Option<&LockKey>) -> LockError {
+    pub(crate) fn map_err(
+        &self,
+        error: sqlx::Error,
+        what: &str,
+        key: Option<&LockKey>,
+    ) -> LockError {
         errors::map(
             error,
             what,
@@ -388,187 +394,6 @@ impl PostgresLock {
             row,
             resent: reply.resent,
         })
-    }
-
-    /// Whether the catalog query `call` answers `exists = true`.
-    async fn exists(&self, what: &str, call: Call) -> Result<bool, LockError> {
-        match self.fetch(what, None, call, None).await?.row {
-            Some(row) => row
-                .try_get("exists")
-                .map_err(|e| self.map_err(e, what, None)),
-            None => Err(LockError::corrupted(format!(
-                "{what}: the catalog query returned no row"
-            ))),
-        }
-    }
-
-    /// Creates schema and table once per client (cheap afterwards).
-    async fn ensure_table(&self) -> Result<(), LockError> {
-        self.table_ready
-            .get_or_try_init(|| async {
-                let (what, table) = ("creating the lock table", self.table());
-                self.create_table(what, &table, &self.sql.create_table)
-                    .await
-            })
-            .await
-            .map(|_| ())
-    }
-
-    /// Creates the table `qualified` with `create` (and the schema) unless
-    /// it exists, within the operation timeout; errors say `what`.
-    pub(crate) async fn create_table(
-        &self,
-        what: &str,
-        qualified: &str,
-        create: &Arc<sql::Sql>,
-    ) -> Result<(), LockError> {
-        let created = self.create_table_untimed(what, qualified, create);
-        self.config.client.timed(what, created).await
-    }
-
-    async fn create_table_untimed(
-        &self,
-        what: &str,
-        qualified: &str,
-        create: &Arc<sql::Sql>,
-    ) -> Result<(), LockError> {
-        let exists = self.call(&self.sql.table_exists, vec![Arg::text(qualified)]);
-        if self.exists(what, exists).await? {
-            return Ok(());
-        }
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            match self.create_table_once(what, create).await {
-                Ok(()) => {
-                    tracing::debug!(table = %qualified, "table ready");
-                    return Ok(());
-                }
-                // Another client created it at the same moment: try again,
-                // IF NOT EXISTS then sees it.
-                Err(e) if errors::is_concurrent_create(&e) && attempt < 5 => {
-                    tracing::debug!(table = %qualified, "table created concurrently; checking again");
-                }
-                Err(e) => return Err(e),
-            }
-        }
-    }
-
-    async fn create_table_once(&self, what: &str, create: &Arc<sql::Sql>) -> Result<(), LockError> {
-        let schema = self.call(
-            &self.sql.schema_exists,
-            vec![Arg::text(&self.config.schema)],
-        );
-        if !self.exists(what, schema).await? {
-            // Sent once: no statement to cache.
-            let call = Call::new(Protocol::Simple, &self.sql.create_schema, Vec::new());
-            self.fetch(what, None, call, None).await?;
-        }
-        let call = Call::new(Protocol::Simple, create, Vec::new());
-        self.fetch(what, None, call, None).await?;
-        Ok(())
-    }
-
-    /// Reads column `name` of a row, reporting an unexpected type as corruption.
-    pub(crate) fn column<'r, T>(
-        &self,
-        row: &'r PgRow,
-        name: &str,
-        key: &LockKey,
-    ) -> Result<T, LockError>
-    where
-        T: sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
-    {
-        row.try_get(name)
-            .map_err(|e| self.map_err(e, "reading the lock row", Some(key)))
-    }
-
-    /// Checks the row found at `key` for states distlock never writes.
-    fn check_row(
-        &self,
-        key: &LockKey,
-        owner: Option<&str>,
-        fencing: Option<i64>,
-        expected_fencing: Option<u64>,
-    ) -> Result<(), LockError> {
-        let table = self.table();
-        let namespace = self.namespace();
-        if let Some(owner) = owner {
-            if !is_owner_token(owner) {
-                return Err(LockError::corrupted(format!(
-                    "the row for lock {:?} in namespace {namespace:?} of {table} has an owner distlock did not write; it is left untouched",
-                    key.as_str(),
-                )));
-            }
-        }
-        match fencing {
-            Some(f) if f < 0 => Err(LockError::corrupted(format!(
-                "the row for lock {:?} in namespace {namespace:?} of {table} has a negative fencing counter ({f}); it is left untouched",
-                key.as_str(),
-            ))),
-            Some(f) if expected_fencing.is_some_and(|e| (f as u64) < e) => Err(LockError::corrupted(format!(
-                "the fencing counter of lock {:?} in namespace {namespace:?} of {table} went backwards (row {f}, lease {}); the row was edited outside distlock",
-                key.as_str(),
-                expected_fencing.unwrap_or_default()
-            ))),
-            _ => Ok(()),
-        }
-    }
-
-    /// Reads the reply of extend or release (`done` rows changed, and the
-    /// row as it was before the statement): whether `lock` held it, after
-    /// checking the row for states distlock never writes.
-    fn held_by(&self, lock: &HeldLock<'_>, row: &PgRow) -> Result<bool, LockError> {
-        let key = lock.key;
-        let done: i64 = self.column(row, "done", key)?;
-        let owner: Option<String> = self.column(row, "owner", key)?;
-        let fencing: Option<i64> = self.column(row, "fencing", key)?;
-        let expected = lock.fencing.get();
-        self.check_row(key, owner.as_deref(), fencing, Some(expected))?;
-        if owner.as_deref() == Some(lock.owner.to_hex().as_str())
-            && fencing.is_some_and(|f| f as u64 != expected)
-        {
-            return Err(LockError::corrupted(format!(
-                "the row for lock {:?} in namespace {:?} of {} has this lease's owner with another fencing token; the row was edited outside distlock",
-                key.as_str(),
-                self.namespace(),
-                self.table()
-            )));
-        }
-        Ok(done > 0)
-    }
-
-    /// The fencing token the acquire statement granted.
-    pub(crate) fn granted(
-        &self,
-        key: &LockKey,
-        fencing: Option<i64>,
-    ) -> Result<FencingToken, LockError> {
-        fencing
-            .and_then(|f| u64::try_from(f).ok())
-            .filter(|f| *f >= 1)
-            .map(FencingToken::new)
-            .ok_or_else(|| {
-                LockError::corrupted(format!(
-                    "acquiring lock {:?} returned an impossible fencing token {fencing:?}",
-                    key.as_str()
-                ))
-            })
-    }
-
-    /// Whether the row, as the release statement found it, was given up by
-    /// `lock` (released by it) or freed with its fencing token
-    /// (force-released since), and not taken by anyone after it.
-    fn freed_with(&self, lock: &HeldLock<'_>, row: &PgRow) -> Result<bool, LockError> {
-        let owner: Option<String> = self.column(row, "owner", lock.key)?;
-        let fencing: Option<i64> = self.column(row, "fencing", lock.key)?;
-        let given_up: bool = self.column(row, "given_up", lock.key)?;
-        let fencing = fencing.and_then(|f| u64::try_from(f).ok());
-        let released = match owner {
-            None => true,
-            Some(owner) => given_up && owner == lock.owner.to_hex(),
-        };
-        Ok(released && fencing == Some(lock.fencing.get()))
     }
 }
 

@@ -303,8 +303,10 @@ mod errors;
 mod keys;
 mod listener;
 mod probe;
+mod rows;
 mod semaphore;
 mod sql;
+mod table;
 
 pub use backend::PostgresLock;
 pub use config::{

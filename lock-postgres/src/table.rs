@@ -1,0 +1,96 @@
+//! Creating the tables a client needs, once per client, within the
+//! operation timeout, safe when many clients start at once.
+
+use std::sync::Arc;
+
+use distlock_core::LockError;
+use sqlx::Row;
+
+use crate::backend::PostgresLock;
+use crate::errors;
+use crate::sql::{self, Arg, Call, Protocol};
+
+impl PostgresLock {
+    /// Whether the catalog query `call` answers `exists = true`.
+    pub(crate) async fn exists(&self, what: &str, call: Call) -> Result<bool, LockError> {
+        match self.fetch(what, None, call, None).await?.row {
+            Some(row) => row
+                .try_get("exists")
+                .map_err(|e| self.map_err(e, what, None)),
+            None => Err(LockError::corrupted(format!(
+                "{what}: the catalog query returned no row"
+            ))),
+        }
+    }
+
+    /// Creates schema and table once per client (cheap afterwards).
+    pub(crate) async fn ensure_table(&self) -> Result<(), LockError> {
+        self.table_ready
+            .get_or_try_init(|| async {
+                let (what, table) = ("creating the lock table", self.table());
+                self.create_table(what, &table, &self.sql.create_table)
+                    .await
+            })
+            .await
+            .map(|_| ())
+    }
+
+    /// Creates the table `qualified` with `create` (and the schema) unless
+    /// it exists, within the operation timeout; errors say `what`.
+    pub(crate) async fn create_table(
+        &self,
+        what: &str,
+        qualified: &str,
+        create: &Arc<sql::Sql>,
+    ) -> Result<(), LockError> {
+        let created = self.create_table_untimed(what, qualified, create);
+        self.config.client.timed(what, created).await
+    }
+
+    pub(crate) async fn create_table_untimed(
+        &self,
+        what: &str,
+        qualified: &str,
+        create: &Arc<sql::Sql>,
+    ) -> Result<(), LockError> {
+        let exists = self.call(&self.sql.table_exists, vec![Arg::text(qualified)]);
+        if self.exists(what, exists).await? {
+            return Ok(());
+        }
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match self.create_table_once(what, create).await {
+                Ok(()) => {
+                    tracing::debug!(table = %qualified, "table ready");
+                    return Ok(());
+                }
+                // Another client created it at the same moment: try again,
+                // IF NOT EXISTS then sees it.
+                Err(e) if errors::is_concurrent_create(&e) && attempt < 5 => {
+                    tracing::debug!(table = %qualified, "table created concurrently; checking again");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    pub(crate) async fn create_table_once(
+        &self,
+        what: &str,
+        create: &Arc<sql::Sql>,
+    ) -> Result<(), LockError> {
+        let schema = self.call(
+            &self.sql.schema_exists,
+            vec![Arg::text(&self.config.schema)],
+        );
+        if !self.exists(what, schema).await? {
+            // Sent once: no statement to cache.
+            let call = Call::new(Protocol::Simple, &self.sql.create_schema, Vec::new());
+            self.fetch(what, None, call, None).await?;
+        }
+        let call = Call::new(Protocol::Simple, create, Vec::new());
+        self.fetch(what, None, call, None).await?;
+        Ok(())
+    }
+}
