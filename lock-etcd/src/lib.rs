@@ -163,6 +163,7 @@ mod keepalive;
 mod keys;
 mod listener;
 mod queue;
+mod semaphore;
 mod session;
 #[cfg(feature = "tls")]
 mod tls;
