@@ -261,9 +261,9 @@ impl EtcdLock {
         &self.inner.config
     }
 
-    /// The prefix of every etcd key this client touches (`NS/lock/`, locks
-    /// and their waiter queues): a restricted etcd user needs a role with
-    /// readwrite permission on it.
+    /// The prefix of every etcd key this client touches (`NS/lock/`: locks,
+    /// semaphores' permits, and their waiter queues): a restricted etcd
+    /// user needs a role with readwrite permission on it.
     pub fn key_prefix(&self) -> &str {
         self.inner.layout.prefix()
     }

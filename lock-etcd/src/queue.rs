@@ -1,6 +1,13 @@
 //! FIFO wake-up of waiters (etcd's Go `concurrency.Mutex` recipe): each
 //! waiting call queues, and only the first in line watches the lock.
 //!
+//! A semaphore's waiters ([`Line::Permits`]) queue the same way under the
+//! semaphore's own prefix, with one difference: its first `limit` waiters
+//! (the limit stored with its permits) all count as first and watch
+//! deletions below its permits prefix, so up to `limit` of them take
+//! permits at once; "free" is fewer than `limit` permits. A release wakes
+//! those waiters only, never the whole line.
+//!
 //! [`enqueue`] (the backend's `watch`) puts a queue entry
 //! `NS/lock/<escaped key>/waiters/<waiter id>` on the client's short session
 //! lease, so a crashed client's entries vanish with its lease. Its

@@ -269,3 +269,135 @@ impl SemaphoreBackend for EtcdLock {
             .map(Some)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The permit transaction against a real etcd, and the decision on a
+    //! place in the line.
+
+    use std::sync::Arc;
+
+    use distlock_conformance::server::{Etcd, ServerProcess};
+    use etcd_client::Client;
+
+    use super::*;
+
+    fn permit(limit: u32) -> Permit {
+        Permit {
+            owner: OwnerToken::random(),
+            limit,
+            created: 1,
+            lease: 1,
+        }
+    }
+
+    #[test]
+    fn the_first_limit_permits_hold() {
+        let line = [permit(2), permit(2), permit(2)];
+        assert_eq!(decide(&line, 0, 2), None);
+        assert_eq!(decide(&line, 1, 2), None);
+        assert_eq!(
+            decide(&line, 2, 2),
+            Some(PermitReply::Full { expires_in: None })
+        );
+        // Not yet in the line: its place is after every permit.
+        assert_eq!(
+            decide(&line[..2], 2, 2),
+            Some(PermitReply::Full { expires_in: None })
+        );
+        assert_eq!(decide(&line[..1], 1, 2), None);
+        assert_eq!(decide(&[], 0, 1), None);
+    }
+
+    #[test]
+    fn another_limit_before_it_refuses() {
+        let line = [permit(3), permit(5)];
+        assert_eq!(
+            decide(&line, 1, 5),
+            Some(PermitReply::LimitMismatch { stored: 3 })
+        );
+        assert_eq!(
+            decide(&line, 2, 3),
+            Some(PermitReply::LimitMismatch { stored: 5 })
+        );
+        // A permit after it under another limit is not its business.
+        assert_eq!(decide(&line, 0, 3), None);
+    }
+
+    async fn etcd() -> (ServerProcess, Client) {
+        let server = ServerProcess::start(Arc::new(Etcd)).expect("an etcd server must start");
+        let client = Client::connect([server.addr().to_string()], None)
+            .await
+            .expect("connect");
+        (server, client)
+    }
+
+    /// A permit attempt whose outcome was unknown is undone by revoking its
+    /// lease: the attempt, applied by the server only after the revoke (a
+    /// request that sat in a socket buffer), writes nothing. The control
+    /// shows the same attempt on a live lease takes the permit.
+    #[tokio::test]
+    async fn a_permit_attempt_applied_after_its_undo_takes_nothing() {
+        let (_server, mut client) = etcd().await;
+        let permits = b"ns/lock/%sem/late/permits/".to_vec();
+        let owner = OwnerToken::random();
+        let key = [permits.clone(), owner.to_hex().into_bytes()].concat();
+        let value = encode_permit(owner, 1);
+        let lease = client.lease_grant(60, None).await.expect("lease").id();
+        let late = txn::join_permits(&key, &value, lease, &permits);
+        client.lease_revoke(lease).await.expect("the undo");
+        let applied = client.txn(late).await;
+        assert!(
+            applied.is_err(),
+            "a permit put on a revoked lease was applied: {applied:?}"
+        );
+        let left = client.get(key.clone(), None).await.expect("get");
+        assert!(left.kvs().is_empty(), "a permit was left");
+        let live = client.lease_grant(60, None).await.expect("lease").id();
+        let control = client
+            .txn(txn::join_permits(&key, &value, live, &permits))
+            .await
+            .expect("control");
+        let (put, found) = txn::joined_permits(&control);
+        assert!(
+            put && found.len() == 1,
+            "control: the attempt takes the permit"
+        );
+    }
+
+    /// Joining again with the owner's value (a retry whose first attempt
+    /// was applied unseen) keeps the permit's place and fencing token and
+    /// moves it to the new lease; another value at the key is only read.
+    #[tokio::test]
+    async fn joining_again_adopts_the_permit() {
+        let (_server, mut client) = etcd().await;
+        let permits = b"ns/lock/%sem/adopt/permits/".to_vec();
+        let owner = OwnerToken::random();
+        let key = [permits.clone(), owner.to_hex().into_bytes()].concat();
+        let value = encode_permit(owner, 2);
+        let first = client.lease_grant(60, None).await.expect("lease").id();
+        let second = client.lease_grant(60, None).await.expect("lease").id();
+        let reply = client
+            .txn(txn::join_permits(&key, &value, first, &permits))
+            .await
+            .expect("first attempt");
+        let created = reply.header().expect("header").revision();
+        let reply = client
+            .txn(txn::join_permits(&key, &value, second, &permits))
+            .await
+            .expect("second attempt");
+        let (put, found) = txn::joined_permits(&reply);
+        assert!(put, "the owner's second attempt did not adopt its permit");
+        assert_eq!(found.len(), 1, "a second permit was taken");
+        assert_eq!(found[0].create_revision(), created, "the place moved");
+        assert_eq!(found[0].lease(), second, "the TTL did not start again");
+        let other = encode_permit(owner, 3);
+        let reply = client
+            .txn(txn::join_permits(&key, &other, first, &permits))
+            .await
+            .expect("foreign value");
+        let (put, found) = txn::joined_permits(&reply);
+        assert!(!put, "a value that is not the attempt's was overwritten");
+        assert_eq!(found[0].value(), value.as_slice());
+    }
+}
