@@ -133,7 +133,10 @@
 //! lease, that etcd expires after the requested TTL (a dropped `extend`
 //! may have moved the lock to a lease of that TTL, so after dropping one
 //! with a shorter TTL assume the shorter one). A dropped `release` leaves
-//! the lock to expire as if it had not been released.
+//! the lock to expire as if it had not been released. The same holds for
+//! permits: a dropped permit attempt or extend leaves at most a permit, or
+//! an unused lease, that etcd expires after the requested TTL, and a
+//! dropped permit waiter leaves no queue entry.
 //!
 //! # TLS
 //!

@@ -332,6 +332,13 @@ mod tests {
         (server, client)
     }
 
+    /// The permits prefix of semaphore `name`, and `owner`'s permit key.
+    fn permit_of(name: &str, owner: OwnerToken) -> (Vec<u8>, Vec<u8>) {
+        let layout = crate::keys::KeyLayout::new("ns");
+        let key = LockKey::new(name).expect("a valid key");
+        (layout.permits_prefix(&key), layout.permit_key(&key, owner))
+    }
+
     /// A permit attempt whose outcome was unknown is undone by revoking its
     /// lease: the attempt, applied by the server only after the revoke (a
     /// request that sat in a socket buffer), writes nothing. The control
@@ -339,9 +346,8 @@ mod tests {
     #[tokio::test]
     async fn a_permit_attempt_applied_after_its_undo_takes_nothing() {
         let (_server, mut client) = etcd().await;
-        let permits = b"ns/lock/%sem/late/permits/".to_vec();
         let owner = OwnerToken::random();
-        let key = [permits.clone(), owner.to_hex().into_bytes()].concat();
+        let (permits, key) = permit_of("late", owner);
         let value = encode_permit(owner, 1);
         let lease = client.lease_grant(60, None).await.expect("lease").id();
         let late = txn::join_permits(&key, &value, lease, &permits);
@@ -371,9 +377,8 @@ mod tests {
     #[tokio::test]
     async fn joining_again_adopts_the_permit() {
         let (_server, mut client) = etcd().await;
-        let permits = b"ns/lock/%sem/adopt/permits/".to_vec();
         let owner = OwnerToken::random();
-        let key = [permits.clone(), owner.to_hex().into_bytes()].concat();
+        let (permits, key) = permit_of("adopt", owner);
         let value = encode_permit(owner, 2);
         let first = client.lease_grant(60, None).await.expect("lease").id();
         let second = client.lease_grant(60, None).await.expect("lease").id();
