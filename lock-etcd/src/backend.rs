@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use distlock_core::{
-    AcquireReply, AcquireRequest, Capabilities, ExtendReply, Grant, HeldLock, Listener, LockAdmin,
-    LockBackend, LockError, LockKey, ReleaseNotifier, ReleaseReply, ReleaseWatch,
+    AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
+    Listener, LockAdmin, LockBackend, LockError, LockKey, ReleaseNotifier, ReleaseReply,
+    ReleaseWatch, SemaphoreBackend,
 };
 use etcd_client::{Client, ConnectOptions, KvClient, LeaseClient};
 
@@ -260,9 +261,9 @@ impl EtcdLock {
         &self.inner.config
     }
 
-    /// The prefix of every etcd key this client touches (`NS/lock/`, locks
-    /// and their waiter queues): a restricted etcd user needs a role with
-    /// readwrite permission on it.
+    /// The prefix of every etcd key this client touches (`NS/lock/`: locks,
+    /// semaphores' permits, and their waiter queues): a restricted etcd
+    /// user needs a role with readwrite permission on it.
     pub fn key_prefix(&self) -> &str {
         self.inner.layout.prefix()
     }
@@ -382,7 +383,7 @@ impl EtcdLock {
 
     /// Revokes a lease in the background, bounded by the operation timeout.
     /// Failing only means the lease lives until its TTL runs out.
-    fn revoke_later(&self, lease_id: i64) {
+    pub(crate) fn revoke_later(&self, lease_id: i64) {
         let leases = self.inner.leases.clone();
         let requests = self.inner.requests.clone();
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -507,33 +508,78 @@ impl EtcdLock {
     ) -> Result<ExtendReply, LockError> {
         let etcd_key = self.inner.layout.lock_key(lock.key);
         let value = encode_value(lock.owner);
-        // The grant and the transaction share one operation timeout.
-        let deadline = self.inner.requests.deadline();
-        let (new_lease, granted) = self.grant(ttl, deadline).await?;
-        // Unknown outcome on error: if the move happened, the key now lives
-        // on `new_lease`, so it is not revoked (that would delete a lock we
-        // still hold); it expires by its TTL, and a retried extend moves the
-        // key on again.
-        let reply = self
-            .run_txn_until(
-                deadline,
-                "etcd extend",
-                Repeat::Safe,
-                txn::extend(&etcd_key, &value, lock.fencing, new_lease),
-            )
+        let moved = self
+            .move_to_new_lease(lock.fencing, lock.handle, ttl, "etcd extend", |new_lease| {
+                txn::extend(&etcd_key, &value, lock.fencing, new_lease)
+            })
             .await?;
         // Off the session lease either way: its expiry tracking stops.
         self.untrack(&lock);
+        Ok(moved)
+    }
+
+    /// Grants a lease of exactly `ttl` and runs `moving(new lease)`, a
+    /// transaction that moves a key (lock or permit of `fencing`) to it
+    /// only if the key is still ours; then revokes whichever lease is left
+    /// without it: the old one (`old_handle`, if the key's own) once it
+    /// moved, else the new one. Grant and transaction share one operation
+    /// timeout.
+    pub(crate) async fn move_to_new_lease(
+        &self,
+        fencing: FencingToken,
+        old_handle: u64,
+        ttl: Duration,
+        what: &'static str,
+        moving: impl FnOnce(i64) -> etcd_client::Txn,
+    ) -> Result<ExtendReply, LockError> {
+        let deadline = self.inner.requests.deadline();
+        let (new_lease, granted) = self.grant(ttl, deadline).await?;
+        // Unknown outcome on error: if the move happened, the key now lives
+        // on `new_lease`, so it is not revoked (that would delete a key we
+        // still hold); it expires by its TTL, and a retried extend moves the
+        // key on again.
+        let reply = self
+            .run_txn_until(deadline, what, Repeat::Safe, moving(new_lease))
+            .await?;
         if !reply.succeeded() {
             self.revoke_later(new_lease);
             return Ok(ExtendReply::NotHeld);
         }
-        if let Some(old) = own_lease_of(lock.handle).filter(|old| *old != new_lease) {
+        if let Some(old) = own_lease_of(old_handle).filter(|old| *old != new_lease) {
             self.revoke_later(old);
         }
         Ok(ExtendReply::Extended(
-            Grant::new(lock.fencing, granted).with_handle(u64::try_from(new_lease).unwrap_or(0)),
+            Grant::new(fencing, granted).with_handle(u64::try_from(new_lease).unwrap_or(0)),
         ))
+    }
+}
+
+impl EtcdLock {
+    /// Runs `release`, a transaction that deletes a key (lock or permit)
+    /// only if it is still ours; once it did, revokes the key's own lease
+    /// (in `handle`, if not a session's) in the background.
+    pub(crate) async fn release_with(
+        &self,
+        what: &'static str,
+        handle: u64,
+        release: etcd_client::Txn,
+    ) -> Result<ReleaseReply, LockError> {
+        // Sent again after a lost reply: a second send that finds the key
+        // gone may follow a first that released it, which the reply says
+        // (the client decides by the lease's clock), instead of leaving it
+        // to its TTL while everyone waits.
+        let (reply, resent) = self.run_txn_resent(what, Repeat::Safe, release).await?;
+        if !reply.succeeded() {
+            return Ok(if resent {
+                ReleaseReply::NotHeldAfterResend
+            } else {
+                ReleaseReply::NotHeld
+            });
+        }
+        if let Some(own) = own_lease_of(handle) {
+            self.revoke_later(own);
+        }
+        Ok(ReleaseReply::Released)
     }
 }
 
@@ -616,37 +662,28 @@ impl LockBackend for EtcdLock {
     async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
         let etcd_key = self.inner.layout.lock_key(lock.key);
         let value = encode_value(lock.owner);
-        let (reply, resent) = self
-            .run_txn_resent(
+        let released = self
+            .release_with(
                 "etcd release",
-                // Sent again after a lost reply: a second send that finds
-                // the lock gone may follow a first that released it, which
-                // the reply says (the client decides by the lease's clock),
-                // instead of leaving the lock to its TTL while everyone
-                // waits.
-                Repeat::Safe,
+                lock.handle,
                 txn::release(&etcd_key, &value, lock.fencing),
             )
             .await?;
         self.untrack(&lock);
-        if !reply.succeeded() {
-            return Ok(if resent {
-                ReleaseReply::NotHeldAfterResend
-            } else {
-                ReleaseReply::NotHeld
-            });
-        }
-        if let Some(own) = own_lease_of(lock.handle) {
-            self.revoke_later(own);
-        }
-        Ok(ReleaseReply::Released)
+        Ok(released)
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        queue::enqueue(self, key).await.map(Some)
+        queue::enqueue(self, queue::Line::Lock(key.clone()))
+            .await
+            .map(Some)
     }
 
     fn admin(&self) -> Option<&dyn LockAdmin> {
+        Some(self)
+    }
+
+    fn semaphore(&self) -> Option<&dyn SemaphoreBackend> {
         Some(self)
     }
 }

@@ -22,11 +22,37 @@
 //!
 //! The value is `dl1:<32 hex digits of the owner token>`; anything else at a
 //! lock key was not written by distlock and is reported as corrupted.
+//!
+//! A counting semaphore on user key `k` lives under its own base
+//! `NS/lock/%sem/<escape(k)>` (see [`crate::semaphore`]):
+//!
+//! - `<base>/permits/<32 hex digits of the owner token>`: one permit, on
+//!   an etcd lease of its own, value `dl1:<owner hex>/<limit>` (the limit
+//!   it was granted under; all live permits carry the same one);
+//! - `<base>/waiters/<waiter id>`: its FIFO waiter queue, as a lock's;
+//! - `<base>/fences/...`: fences of its queue entries, as a lock's.
+//!
+//! `%se` is no escape, so no escaped key starts with `%sem`: no semaphore
+//! key is a lock key or lies in a lock's queue or fence range, and (the
+//! escaped key again containing no `/`) the ranges of two semaphores never
+//! overlap. The semaphore and the lock of one name share nothing. Every
+//! semaphore key starts with `NS/lock/` too, so the one readwrite
+//! permission on that prefix covers semaphores as well.
 
 use distlock_core::{LockKey, OwnerToken};
 
 /// Prefix of every value we write.
 const VALUE_PREFIX: &str = "dl1:";
+
+/// What follows the namespace prefix in every semaphore key: `%se` is no
+/// escape, so no escaped lock key starts with it.
+const SEMAPHORES: &str = "%sem/";
+
+/// Under a semaphore's base: its permits.
+const PERMITS: &[u8] = b"/permits/";
+
+/// Under a lock key or a semaphore's base: its waiter queue.
+const WAITERS: &[u8] = b"/waiters/";
 
 /// The etcd key layout of one namespace.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,9 +77,7 @@ impl KeyLayout {
 
     /// The prefix of the waiter queue of `key` (ends with `/`).
     pub(crate) fn queue_prefix(&self, key: &LockKey) -> Vec<u8> {
-        let mut out = self.lock_key(key);
-        out.extend_from_slice(b"/waiters/");
-        out
+        waiters_of(self.lock_key(key))
     }
 
     /// The queue entry of waiter `waiter_id` (`<session lease id>-<number>`,
@@ -66,8 +90,39 @@ impl KeyLayout {
 
     /// The etcd key of the lock on `key`.
     pub(crate) fn lock_key(&self, key: &LockKey) -> Vec<u8> {
-        let mut out = String::with_capacity(self.prefix.len() + key.as_str().len() + 8);
+        self.escaped("", key)
+    }
+
+    /// The base of the semaphore `key` (`NS/lock/%sem/<escaped key>`): its
+    /// permits, waiters and fences lie below it.
+    pub(crate) fn semaphore_base(&self, key: &LockKey) -> Vec<u8> {
+        self.escaped(SEMAPHORES, key)
+    }
+
+    /// The prefix of the permits of the semaphore `key` (ends with `/`).
+    pub(crate) fn permits_prefix(&self, key: &LockKey) -> Vec<u8> {
+        let mut out = self.semaphore_base(key);
+        out.extend_from_slice(PERMITS);
+        out
+    }
+
+    /// The permit of `owner` in the semaphore `key`.
+    pub(crate) fn permit_key(&self, key: &LockKey, owner: OwnerToken) -> Vec<u8> {
+        let mut out = self.permits_prefix(key);
+        out.extend_from_slice(owner.to_hex().as_bytes());
+        out
+    }
+
+    /// The prefix of the waiter queue of the semaphore `key`.
+    pub(crate) fn permit_queue_prefix(&self, key: &LockKey) -> Vec<u8> {
+        waiters_of(self.semaphore_base(key))
+    }
+
+    /// `NS/lock/<infix><escape(key)>`.
+    fn escaped(&self, infix: &str, key: &LockKey) -> Vec<u8> {
+        let mut out = String::with_capacity(self.prefix.len() + key.as_str().len() + 16);
         out.push_str(&self.prefix);
+        out.push_str(infix);
         for c in key.as_str().chars() {
             match c {
                 '%' => out.push_str("%25"),
@@ -79,6 +134,12 @@ impl KeyLayout {
     }
 }
 
+/// The waiter queue prefix below a lock key or semaphore base.
+fn waiters_of(mut base: Vec<u8>) -> Vec<u8> {
+    base.extend_from_slice(WAITERS);
+    base
+}
+
 /// The value stored at a lock key held by `owner`.
 pub(crate) fn encode_value(owner: OwnerToken) -> Vec<u8> {
     format!("{VALUE_PREFIX}{}", owner.to_hex()).into_bytes()
@@ -88,6 +149,24 @@ pub(crate) fn encode_value(owner: OwnerToken) -> Vec<u8> {
 pub(crate) fn decode_value(value: &[u8]) -> Option<OwnerToken> {
     let text = std::str::from_utf8(value).ok()?;
     OwnerToken::from_hex(text.strip_prefix(VALUE_PREFIX)?)
+}
+
+/// The value stored at the permit of `owner`, granted under `limit`.
+pub(crate) fn encode_permit(owner: OwnerToken, limit: u32) -> Vec<u8> {
+    format!("{VALUE_PREFIX}{}/{limit}", owner.to_hex()).into_bytes()
+}
+
+/// Parses a value found at a permit key: its owner and limit; `None` if
+/// distlock did not write it.
+pub(crate) fn decode_permit(value: &[u8]) -> Option<(OwnerToken, u32)> {
+    let text = std::str::from_utf8(value).ok()?;
+    let (owner, limit_text) = text.strip_prefix(VALUE_PREFIX)?.split_once('/')?;
+    let limit: u32 = limit_text.parse().ok().filter(|l| *l > 0)?;
+    // Only the form we write (no sign, no leading zeros).
+    if limit.to_string() != limit_text {
+        return None;
+    }
+    Some((OwnerToken::from_hex(owner)?, limit))
 }
 
 #[cfg(test)]
@@ -155,6 +234,71 @@ mod tests {
             layout.queue_entry(&LockKey::new("a/b").unwrap(), "0a"),
             b"distlock/lock/a%2Fb/waiters/0a"
         );
+    }
+
+    #[test]
+    fn semaphore_keys_never_meet_lock_keys() {
+        let layout = KeyLayout::new("distlock");
+        let keys = [
+            "a",
+            "a/b",
+            "a%2Fb",
+            "%sem",
+            "%sem/a",
+            "%25sem",
+            "sem",
+            "a/permits",
+            "/",
+            "%",
+            "ключ",
+        ];
+        let keys: Vec<LockKey> = keys.iter().map(|k| LockKey::new(*k).unwrap()).collect();
+        let owner = OwnerToken::random();
+        for k in &keys {
+            let base = layout.semaphore_base(k);
+            assert!(base.starts_with(layout.prefix().as_bytes()));
+            let mine = [
+                layout.permits_prefix(k),
+                layout.permit_key(k, owner),
+                layout.permit_queue_prefix(k),
+            ];
+            for m in &mine {
+                assert!(m.starts_with(&base));
+            }
+            for other in &keys {
+                // No lock key, lock queue or lock fence range meets a
+                // semaphore's keys, whatever the two names.
+                let lock = layout.lock_key(other);
+                let mut lock_below = lock.clone();
+                lock_below.push(b'/');
+                for m in &mine {
+                    assert_ne!(m, &lock);
+                    assert!(!m.starts_with(&lock_below));
+                    assert!(!lock.starts_with(m));
+                }
+                if other != k {
+                    let mut theirs = layout.semaphore_base(other);
+                    theirs.push(b'/');
+                    assert!(!layout.permit_key(k, owner).starts_with(&theirs));
+                    assert!(!layout.permit_queue_prefix(k).starts_with(&theirs));
+                }
+            }
+        }
+        assert_eq!(
+            layout.permits_prefix(&LockKey::new("a/b").unwrap()),
+            b"distlock/lock/%sem/a%2Fb/permits/"
+        );
+    }
+
+    #[test]
+    fn permit_values_round_trip() {
+        let owner = OwnerToken::random();
+        assert_eq!(decode_permit(&encode_permit(owner, 3)), Some((owner, 3)));
+        assert_eq!(decode_permit(&encode_value(owner)), None);
+        let hex = owner.to_hex();
+        for bad in ["0", "03", "+3", "-1", "x", ""] {
+            assert_eq!(decode_permit(format!("dl1:{hex}/{bad}").as_bytes()), None);
+        }
     }
 
     #[test]

@@ -41,7 +41,8 @@
 //!
 //! With authentication enabled in etcd, the URL's user needs a role with
 //! readwrite permission on the prefix `NS/lock/` (see
-//! [`EtcdLock::key_prefix`]); a wrong password is reported as
+//! [`EtcdLock::key_prefix`]; it covers locks, semaphores and their waiter
+//! queues); a wrong password is reported as
 //! [`ErrorKind::Config`](distlock_core::ErrorKind::Config).
 //!
 //! # How it works
@@ -59,6 +60,26 @@
 //! taking it costs one round trip and renewing it one small confirming
 //! request; locks without renewal get a lease of their own, two round trips,
 //! so their TTL is exact. See [`EtcdLock`] for the costs of each operation.
+//!
+//! # Semaphores
+//!
+//! [`EtcdLock`] is also a [`SemaphoreBackend`](distlock_core::SemaphoreBackend)
+//! (at most N holders of a key: [`LockOptions::permits`](distlock_core::LockOptions::permits)).
+//! A permit is the key `NS/lock/%sem/<escaped key>/permits/<owner token
+//! in hex>`, valued `dl1:<owner token in hex>/<limit>`, on an etcd lease of
+//! its own with the permit's TTL (renewing permits too, so a holder that
+//! dies before its first renewal frees its permit within that TTL). The
+//! holders are the first `limit` permits by create revision: an attempt
+//! grants a lease, puts its permit and reads every permit in one
+//! transaction, and gives it back at once (revoking the lease) if
+//! `limit` older ones exist; attempts at once do not conflict. The
+//! fencing token is the permit's create revision; the limit is stored in
+//! every permit's value, so it goes with the last permit. Costs: 3 round
+//! trips to take a permit (read, lease grant, transaction), 1 read when
+//! every permit is taken; extend as a plain lock's (2), release 1. Waiters
+//! queue FIFO under `NS/lock/%sem/<escaped key>/waiters/`; the first
+//! `limit` of them watch deletions of the permits, the others the entry
+//! before them. A semaphore and the lock of one name share nothing.
 //!
 //! TTLs are whole seconds: shorter or fractional TTLs are rounded up (1.2 s
 //! becomes 2 s), and a server with default settings grants at least 2 s
@@ -80,6 +101,11 @@
 //!   report "not held" for a lock the first released), and acquires (a
 //!   second that finds the lock holding its own owner token knows the
 //!   first won, and adopts the lock in the same transaction).
+//!
+//! A permit attempt sent again finds its owner's permit and adopts it (see
+//! [Semaphores](#semaphores)); one whose outcome stays unknown revokes its
+//! lease, which deletes the permit if the request was applied and makes it
+//! fail if it is applied later.
 //!
 //! A renewing acquire whose session is lost while the request is in flight
 //! is refused (see [`EtcdLock`]): the lock it created goes with the
@@ -107,7 +133,10 @@
 //! lease, that etcd expires after the requested TTL (a dropped `extend`
 //! may have moved the lock to a lease of that TTL, so after dropping one
 //! with a shorter TTL assume the shorter one). A dropped `release` leaves
-//! the lock to expire as if it had not been released.
+//! the lock to expire as if it had not been released. The same holds for
+//! permits: a dropped permit attempt or extend leaves at most a permit, or
+//! an unused lease, that etcd expires after the requested TTL, and a
+//! dropped permit waiter leaves no queue entry.
 //!
 //! # TLS
 //!
@@ -163,6 +192,7 @@ mod keepalive;
 mod keys;
 mod listener;
 mod queue;
+mod semaphore;
 mod session;
 #[cfg(feature = "tls")]
 mod tls;

@@ -7,7 +7,8 @@
 //! talk to etcd:
 //!
 //! - A topic is one etcd watch: a waiter's own channel name, the etcd key it
-//!   waits on (its predecessor's queue entry, or the lock key) and the
+//!   waits on (its predecessor's queue entry, the lock key, or the prefix
+//!   of a semaphore's permits) and the
 //!   revision to watch from, just after the revision its look-up read, so a
 //!   deletion in between is delivered too. The waiter queue
 //!   ([`crate::queue`]) gives every watch a channel of its own, so one
@@ -49,6 +50,8 @@ pub(crate) struct Topic {
     pub(crate) channel: String,
     /// The etcd key watched.
     pub(crate) key: Vec<u8>,
+    /// Watch every key below `key` instead (a semaphore's permits).
+    pub(crate) prefix: bool,
     /// The revision to watch from (0: from now).
     pub(crate) start_revision: i64,
 }
@@ -154,8 +157,11 @@ pub(crate) struct Stream {
     conn: Arc<Conn>,
 }
 
-fn watch_options(id: i64, start_revision: i64) -> WatchOptions {
-    let options = WatchOptions::new().with_watch_id(id);
+fn watch_options(id: i64, start_revision: i64, prefix: bool) -> WatchOptions {
+    let mut options = WatchOptions::new().with_watch_id(id);
+    if prefix {
+        options = options.with_prefix();
+    }
     if start_revision > 0 {
         options.with_start_revision(start_revision)
     } else {
@@ -178,7 +184,7 @@ impl NotificationSource for EtcdWatches {
         let stream = client
             .watch(
                 self.opening_key.clone(),
-                Some(watch_options(OPENING_WATCH, 0)),
+                Some(watch_options(OPENING_WATCH, 0, false)),
             )
             .await
             .map_err(errors::mapper("etcd watch"))?;
@@ -225,7 +231,7 @@ impl NotificationSource for EtcdWatches {
                 .await
                 .watch(
                     topic.key.clone(),
-                    Some(watch_options(id, topic.start_revision)),
+                    Some(watch_options(id, topic.start_revision, topic.prefix)),
                 )
                 .await
                 .map_err(errors::mapper("etcd watch"))?;

@@ -1,6 +1,13 @@
 //! FIFO wake-up of waiters (etcd's Go `concurrency.Mutex` recipe): each
 //! waiting call queues, and only the first in line watches the lock.
 //!
+//! A semaphore's waiters ([`Line::Permits`]) queue the same way under the
+//! semaphore's own prefix, with one difference: its first `limit` waiters
+//! (the limit stored with its permits) all count as first and watch
+//! deletions below its permits prefix, so up to `limit` of them take
+//! permits at once; "free" is fewer than `limit` permits. A release wakes
+//! those waiters only, never the whole line.
+//!
 //! [`enqueue`] (the backend's `watch`) puts a queue entry
 //! `NS/lock/<escaped key>/waiters/<waiter id>` on the client's short session
 //! lease, so a crashed client's entries vanish with its lease. Its
@@ -49,6 +56,7 @@ use tokio::sync::oneshot;
 use crate::backend::{EtcdLock, Inner, MIN_TTL};
 use crate::errors::Repeat;
 use crate::fence::Fence;
+use crate::keys::KeyLayout;
 use crate::listener::Topic;
 use crate::session::Session;
 use crate::txn;
@@ -66,8 +74,9 @@ struct Position {
     revision: i64,
     /// The queue entry just before ours, if any.
     predecessor: Option<Vec<u8>>,
-    /// Whether the lock key exists.
-    lock_held: bool,
+    /// Whether what the line waits for is taken (the lock key exists, or
+    /// every permit is).
+    held: bool,
     /// Whether our own entry exists.
     queued: bool,
 }
@@ -75,7 +84,7 @@ struct Position {
 /// One waiting call's place in the queue of one lock key.
 struct Waiter {
     client: Weak<Inner>,
-    key: LockKey,
+    line: Line,
     /// Our queue entry's etcd key.
     entry: Vec<u8>,
     /// Its create revision: our place in line.
@@ -95,6 +104,116 @@ struct Waiter {
     fences: Vec<Fence>,
 }
 
+/// What a waiter queue waits for.
+#[derive(Debug, Clone)]
+pub(crate) enum Line {
+    /// The lock on a key: the first in line watches the lock key.
+    Lock(LockKey),
+    /// A permit of a key's semaphore: the first in line watches deletions
+    /// of its permits (a release, or a permit's lease running out).
+    Permits(LockKey),
+}
+
+impl Line {
+    pub(crate) fn key(&self) -> &LockKey {
+        match self {
+            Line::Lock(key) | Line::Permits(key) => key,
+        }
+    }
+
+    fn what(&self) -> &'static str {
+        match self {
+            Line::Lock(_) => "lock",
+            Line::Permits(_) => "semaphore",
+        }
+    }
+
+    /// The etcd key the fences of queue entries go below.
+    fn base(&self, layout: &KeyLayout) -> Vec<u8> {
+        match self {
+            Line::Lock(key) => layout.lock_key(key),
+            Line::Permits(key) => layout.semaphore_base(key),
+        }
+    }
+
+    fn queue_prefix(&self, layout: &KeyLayout) -> Vec<u8> {
+        match self {
+            Line::Lock(key) => layout.queue_prefix(key),
+            Line::Permits(key) => layout.permit_queue_prefix(key),
+        }
+    }
+
+    fn entry(&self, layout: &KeyLayout, waiter_id: &str) -> Vec<u8> {
+        match self {
+            Line::Lock(key) => layout.queue_entry(key, waiter_id),
+            Line::Permits(_) => {
+                let mut entry = self.queue_prefix(layout);
+                entry.extend_from_slice(waiter_id.as_bytes());
+                entry
+            }
+        }
+    }
+
+    /// What the first in line watches: the lock key, or the prefix of the
+    /// semaphore's permits.
+    fn held_target(&self, layout: &KeyLayout) -> Vec<u8> {
+        match self {
+            Line::Lock(key) => layout.lock_key(key),
+            Line::Permits(key) => layout.permits_prefix(key),
+        }
+    }
+
+    fn is_held_target(&self, layout: &KeyLayout, target: &[u8]) -> bool {
+        self.held_target(layout) == target
+    }
+
+    /// The read that tells whether what the line waits for is taken.
+    fn read_held(&self, layout: &KeyLayout) -> TxnOp {
+        match self {
+            Line::Lock(key) => TxnOp::get(
+                layout.lock_key(key),
+                Some(GetOptions::new().with_keys_only()),
+            ),
+            Line::Permits(key) => TxnOp::get(
+                layout.permits_prefix(key),
+                Some(GetOptions::new().with_prefix()),
+            ),
+        }
+    }
+
+    /// The queue entry a waiter watches, given its `predecessor` and how
+    /// many wait `ahead` of it: a semaphore's first `limit` waiters all
+    /// watch its permits (`None`, as the first in a lock's line), so a
+    /// release wakes one of them while the others still hold theirs, and
+    /// up to `limit` waiters take permits at once; the ones after them
+    /// watch their predecessor. Before any permit exists (no limit
+    /// stored) every waiter may try.
+    fn to_watch(
+        &self,
+        predecessor: Option<Vec<u8>>,
+        ahead: Option<i64>,
+        permits: Option<&Vec<KeyValue>>,
+    ) -> Option<Vec<u8>> {
+        let Line::Permits(_) = self else {
+            return predecessor;
+        };
+        let window = crate::semaphore::stored_limit(permits.map_or(&[][..], Vec::as_slice));
+        match (ahead, window) {
+            (Some(ahead), Some(window)) if ahead >= i64::from(window) => predecessor,
+            _ => None,
+        }
+    }
+
+    /// Whether [`read_held`](Self::read_held) found it taken.
+    fn held(&self, found: Option<&Vec<KeyValue>>) -> bool {
+        let found = found.map_or(&[][..], Vec::as_slice);
+        match self {
+            Line::Lock(_) => !found.is_empty(),
+            Line::Permits(_) => crate::semaphore::all_taken(found),
+        }
+    }
+}
+
 /// Queues a waiter on `key` and returns the watch that wakes it; the queue
 /// entry is written and its etcd watch is live when this returns.
 ///
@@ -105,17 +224,17 @@ struct Waiter {
 /// the fence up in the same transaction, so the put, applied after it,
 /// writes nothing (a plain delete could be applied first and leave the
 /// entry on the session lease for as long as the client lives).
-pub(crate) async fn enqueue(lock: &EtcdLock, key: &LockKey) -> Result<ReleaseWatch, LockError> {
+pub(crate) async fn enqueue(lock: &EtcdLock, line: Line) -> Result<ReleaseWatch, LockError> {
     let inner = &lock.inner;
     let waiter = inner.next_waiter.fetch_add(1, Ordering::Relaxed);
-    let channel = format!("{}#{waiter}", key.as_str());
+    let channel = format!("{}#{waiter}", line.key().as_str());
     // Registered first: whatever the task notifies from now on is kept.
     let caller = inner
         .waiting
         .subscribe(&channel, || async { Ok(()) })
         .await?;
     let (joined, on_joined) = oneshot::channel();
-    tokio::spawn(join(lock.clone(), key.clone(), channel, waiter, joined));
+    tokio::spawn(join(lock.clone(), line, channel, waiter, joined));
     match on_joined.await {
         Ok(result) => result.map(|()| caller),
         Err(_) => Err(LockError::unavailable(
@@ -128,7 +247,7 @@ pub(crate) async fn enqueue(lock: &EtcdLock, key: &LockKey) -> Result<ReleaseWat
 /// on `joined`, then moves the waiter up the line until it leaves.
 async fn join(
     lock: EtcdLock,
-    key: LockKey,
+    line: Line,
     channel: String,
     waiter: u64,
     joined: oneshot::Sender<Result<(), LockError>>,
@@ -146,9 +265,9 @@ async fn join(
         }
     };
     let waiter_id = format!("{:x}-{waiter:x}", session.lease_id());
-    let entry = inner.layout.queue_entry(&key, &waiter_id);
-    let fence = Fence::new(&inner.layout.lock_key(&key), session.lease_id());
-    let placed = match put_entry(&lock, &key, &entry, &session, &fence, deadline).await {
+    let entry = line.entry(&inner.layout, &waiter_id);
+    let fence = Fence::new(&line.base(&inner.layout), session.lease_id());
+    let placed = match put_entry(&lock, &line, &entry, &session, &fence, deadline).await {
         Ok(placed) => placed,
         Err(e) => {
             // The put may have happened, or may still happen: take it out
@@ -159,9 +278,9 @@ async fn join(
         }
     };
     let (place, position) = placed;
-    let (target, start) = target_of(&lock, &key, &position);
+    let (target, start) = target_of(&lock, &line, &position);
     let first_watch = format!("{channel}#0");
-    let watch = match watch_target(inner, first_watch, &target, start).await {
+    let watch = match watch_target(&lock, &line, first_watch, &target, start).await {
         Ok(watch) => watch,
         Err(e) => {
             delete_later(Arc::downgrade(inner), entry, Vec::new());
@@ -169,10 +288,10 @@ async fn join(
             return;
         }
     };
-    tracing::trace!(key = %key, place, first = position.predecessor.is_none(), "etcd waiter queued");
+    tracing::trace!(key = %line.key(), place, first = position.predecessor.is_none(), "etcd waiter queued");
     let waiter = Waiter {
         client: Arc::downgrade(inner),
-        key,
+        line,
         entry,
         place,
         channel,
@@ -191,50 +310,75 @@ async fn join(
 }
 
 /// Watches deletions of `target` from revision `start` on channel
-/// `channel`; the etcd watch is confirmed when this returns.
+/// `channel` (every key below it if it is the permits prefix the first in
+/// a semaphore's line watches); the etcd watch is confirmed when this
+/// returns.
 async fn watch_target(
-    inner: &Inner,
+    lock: &EtcdLock,
+    line: &Line,
     channel: String,
     target: &[u8],
     start: i64,
 ) -> Result<ReleaseWatch, LockError> {
-    inner
+    let prefix =
+        matches!(line, Line::Permits(_)) && line.is_held_target(&lock.inner.layout, target);
+    lock.inner
         .listener
         .watch(Topic {
             channel,
             key: target.to_vec(),
+            prefix,
             start_revision: start,
         })
         .await
 }
 
 /// The etcd key to watch from `position`, and the revision to watch from.
-fn target_of(lock: &EtcdLock, key: &LockKey, position: &Position) -> (Vec<u8>, i64) {
+fn target_of(lock: &EtcdLock, line: &Line, position: &Position) -> (Vec<u8>, i64) {
     let target = position
         .predecessor
         .clone()
-        .unwrap_or_else(|| lock.inner.layout.lock_key(key));
+        .unwrap_or_else(|| line.held_target(&lock.inner.layout));
     (target, position.revision.saturating_add(1))
 }
 
 /// Reads of the predecessor of a waiter at create revision below `below`
-/// (0: any), and of the lock key.
-fn reads(lock: &EtcdLock, key: &LockKey, below: i64, limit: i64) -> [TxnOp; 2] {
+/// (0: any), of what the line waits for, and (a semaphore's line) of how
+/// many wait before it (with `below` 0: every waiter, itself included).
+fn reads(lock: &EtcdLock, line: &Line, below: i64, limit: i64) -> Vec<TxnOp> {
     let layout = &lock.inner.layout;
-    let mut queue = GetOptions::new()
+    let before = |options: GetOptions| {
+        if below > 0 {
+            options.with_max_create_revision(below - 1)
+        } else {
+            options
+        }
+    };
+    let queue = GetOptions::new()
         .with_prefix()
         .with_sort(SortTarget::Create, SortOrder::Descend)
         .with_limit(limit);
-    if below > 0 {
-        queue = queue.with_max_create_revision(below - 1);
+    let mut reads = vec![
+        TxnOp::get(line.queue_prefix(layout), Some(before(queue))),
+        line.read_held(layout),
+    ];
+    if matches!(line, Line::Permits(_)) {
+        let count = GetOptions::new().with_prefix().with_count_only();
+        reads.push(TxnOp::get(line.queue_prefix(layout), Some(before(count))));
     }
-    [
-        TxnOp::get(layout.queue_prefix(key), Some(queue)),
-        TxnOp::get(
-            layout.lock_key(key),
-            Some(GetOptions::new().with_keys_only()),
-        ),
-    ]
+    reads
+}
+
+/// The count the `index`th read of a reply found.
+fn count_at(reply: &TxnResponse, index: usize) -> Option<i64> {
+    reply
+        .op_responses()
+        .into_iter()
+        .filter_map(|op| match op {
+            TxnOpResponse::Get(get) => Some(get.count()),
+            _ => None,
+        })
+        .nth(index)
 }
 
 fn ranges(reply: &TxnResponse) -> Vec<Vec<KeyValue>> {
@@ -262,14 +406,19 @@ fn revision_of(reply: &TxnResponse) -> Result<i64, LockError> {
 /// (the entry's create revision) and what was read.
 async fn put_entry(
     lock: &EtcdLock,
-    key: &LockKey,
+    line: &Line,
     entry: &[u8],
     session: &Session,
     fence: &Fence,
     deadline: std::time::Instant,
 ) -> Result<(i64, Position), LockError> {
-    let [queue, held] = reads(lock, key, 0, 2);
-    let txn = txn::enqueue(entry, ENTRY_VALUE, session.lease_id(), fence, [queue, held]);
+    let txn = txn::enqueue(
+        entry,
+        ENTRY_VALUE,
+        session.lease_id(),
+        fence,
+        reads(lock, line, 0, 2),
+    );
     let reply = lock
         .run_txn_until(deadline, "etcd queue waiter", Repeat::IfUnapplied, txn)
         .await?;
@@ -282,7 +431,7 @@ async fn put_entry(
     // The put is the transaction's only write: its revision is ours.
     let place = revision;
     let ranges = ranges(&reply);
-    check_entries(lock, key, ranges.first())?;
+    check_entries(lock, line, ranges.first())?;
     // Newest first; skip our own entry (whether or not the read saw it).
     let predecessor = ranges
         .first()
@@ -291,13 +440,16 @@ async fn put_entry(
                 .find(|kv| kv.key() != entry && kv.create_revision() < place)
         })
         .map(|kv| kv.key().to_vec());
-    let lock_held = ranges.get(1).is_some_and(|kvs| !kvs.is_empty());
+    // The count saw our own entry too.
+    let ahead = count_at(&reply, 2).map(|count| count - 1);
+    let predecessor = line.to_watch(predecessor, ahead, ranges.get(1));
+    let held = line.held(ranges.get(1));
     Ok((
         place,
         Position {
             revision,
             predecessor,
-            lock_held,
+            held,
             queued: true,
         },
     ))
@@ -309,16 +461,17 @@ async fn put_entry(
 /// data that is not ours.
 fn check_entries(
     lock: &EtcdLock,
-    key: &LockKey,
+    line: &Line,
     kvs: Option<&Vec<KeyValue>>,
 ) -> Result<(), LockError> {
-    let prefix = lock.inner.layout.queue_prefix(key);
+    let prefix = line.queue_prefix(&lock.inner.layout);
     for kv in kvs.into_iter().flatten() {
         let id = kv.key().strip_prefix(prefix.as_slice()).unwrap_or_default();
         if kv.value() != ENTRY_VALUE || kv.lease() == 0 || !is_waiter_id(id) {
             return Err(LockError::corrupted(format!(
-                "the etcd waiter queue of lock {:?} holds a key distlock did not write ({:?}); it was left untouched — remove it or use another namespace",
-                key.as_str(),
+                "the etcd waiter queue of {} {:?} holds a key distlock did not write ({:?}); it was left untouched — remove it or use another namespace",
+                line.what(),
+                line.key().as_str(),
                 String::from_utf8_lossy(kv.key())
             )));
         }
@@ -391,7 +544,7 @@ impl Waiter {
     }
 
     fn is_first(&self, lock: &EtcdLock) -> bool {
-        self.target == lock.inner.layout.lock_key(&self.key)
+        self.line.is_held_target(&lock.inner.layout, &self.target)
     }
 
     fn wake_caller(&self, lock: &EtcdLock) {
@@ -419,7 +572,7 @@ impl Waiter {
                     if let Err(e) = woke {
                         // The watch stream was lost: a deletion may have
                         // been missed, and this watch is gone.
-                        tracing::debug!(key = %self.key, error = %e, "etcd watch lost; looking the waiter's place up again");
+                        tracing::debug!(key = %self.line.key(), error = %e, "etcd watch lost; looking the waiter's place up again");
                         self.stale = true;
                     }
                 }
@@ -434,7 +587,7 @@ impl Waiter {
             };
             if retry.is_none() && !self.stale && self.is_first(&lock) {
                 // The lock key was deleted: try now.
-                tracing::trace!(key = %self.key, place = self.place, "etcd lock released; waking the first waiter");
+                tracing::trace!(key = %self.line.key(), place = self.place, "etcd lock released; waking the first waiter");
                 self.wake_caller(&lock);
                 continue;
             }
@@ -446,18 +599,18 @@ impl Waiter {
                     // Not obeyed (it would stall the line) and not deleted:
                     // every waiting call of this client queues again, and
                     // one that finds it in its way reports it.
-                    tracing::error!(key = %self.key, error = %e, "foreign data in an etcd waiter queue");
+                    tracing::error!(key = %self.line.key(), error = %e, "foreign data in an etcd waiter queue");
                     lock.inner.waiting.reset();
                     break;
                 }
                 Err(e) => {
-                    tracing::debug!(key = %self.key, error = %e, "etcd queue look-up failed; retrying");
+                    tracing::debug!(key = %self.line.key(), error = %e, "etcd queue look-up failed; retrying");
                     let pause = retry.map_or(RETRY_MIN, |p| (p * 2).min(RETRY_MAX));
                     retry = Some(pause);
                 }
             }
         }
-        tracing::trace!(key = %self.key, place = self.place, "etcd waiter left the queue");
+        tracing::trace!(key = %self.line.key(), place = self.place, "etcd waiter left the queue");
         delete_entry(self.client.clone(), self.entry.clone(), self.fences).await;
     }
 
@@ -465,25 +618,30 @@ impl Waiter {
     /// or the lock key if we are first now (waking the caller if the lock
     /// is free). A lost watch is replaced even if its target is unchanged.
     async fn move_up(&mut self, lock: &EtcdLock) -> Result<(), LockError> {
-        let [queue, held] = reads(lock, &self.key, self.place, 1);
-        let txn = Txn::new().and_then([
-            queue,
-            held,
+        let mut ops = reads(lock, &self.line, self.place, 1);
+        // Our own entry, before the count (read last, if at all).
+        ops.insert(
+            2,
             TxnOp::get(self.entry.clone(), Some(GetOptions::new().with_keys_only())),
-        ]);
+        );
+        let txn = Txn::new().and_then(ops);
         let reply = lock
             .run_txn("etcd queue look-up", Repeat::Safe, txn)
             .await?;
         let revision = revision_of(&reply)?;
         let ranges = ranges(&reply);
-        check_entries(lock, &self.key, ranges.first())?;
+        check_entries(lock, &self.line, ranges.first())?;
         let mut position = Position {
             revision,
-            predecessor: ranges
-                .first()
-                .and_then(|kvs| kvs.first())
-                .map(|kv| kv.key().to_vec()),
-            lock_held: ranges.get(1).is_some_and(|kvs| !kvs.is_empty()),
+            predecessor: self.line.to_watch(
+                ranges
+                    .first()
+                    .and_then(|kvs| kvs.first())
+                    .map(|kv| kv.key().to_vec()),
+                count_at(&reply, 3),
+                ranges.get(1),
+            ),
+            held: self.line.held(ranges.get(1)),
             queued: ranges.get(2).is_some_and(|kvs| !kvs.is_empty()),
         };
         if !position.queued {
@@ -491,9 +649,9 @@ impl Waiter {
             // at the end of the line.
             let deadline = lock.inner.requests.deadline();
             let session = lock.session(MIN_TTL, deadline).await?;
-            let fence = Fence::new(&lock.inner.layout.lock_key(&self.key), session.lease_id());
+            let fence = Fence::new(&self.line.base(&lock.inner.layout), session.lease_id());
             let (place, again) =
-                match put_entry(lock, &self.key, &self.entry, &session, &fence, deadline).await {
+                match put_entry(lock, &self.line, &self.entry, &session, &fence, deadline).await {
                     Ok(placed) => placed,
                     Err(e) => {
                         // Its outcome is unknown: fenced off when we leave.
@@ -501,21 +659,21 @@ impl Waiter {
                         return Err(e);
                     }
                 };
-            tracing::debug!(key = %self.key, place, "etcd queue entry lost; queued again");
+            tracing::debug!(key = %self.line.key(), place, "etcd queue entry lost; queued again");
             self.place = place;
             position = again;
         }
-        let (target, start) = target_of(lock, &self.key, &position);
+        let (target, start) = target_of(lock, &self.line, &position);
         if self.stale || target != self.target {
             let channel = format!("{}#{}", self.channel, self.watches);
             self.watches += 1;
-            self.watch = watch_target(&lock.inner, channel, &target, start).await?;
+            self.watch = watch_target(lock, &self.line, channel, &target, start).await?;
             self.target = target;
             self.stale = false;
         }
         let first = position.predecessor.is_none();
-        tracing::trace!(key = %self.key, place = self.place, first, "etcd waiter moved up");
-        if first && !position.lock_held {
+        tracing::trace!(key = %self.line.key(), place = self.place, first, "etcd waiter moved up");
+        if first && !position.held {
             self.wake_caller(lock);
         }
         Ok(())

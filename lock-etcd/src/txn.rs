@@ -17,9 +17,21 @@
 //!   and create_revision(key) == fencing and lease(key) == session` with no
 //!   operations; the session's keep-alive does the renewing.
 //! - release: `if value(key) == ours and create_revision(key) == fencing then delete(key)`.
+//!
+//! Permits (see [`crate::semaphore`]), whose key names their owner:
+//!
+//! - join: `if create_revision(permit) == 0 then put(permit, value, lease);
+//!   get(permits) else (if value(permit) == ours then put(permit, value,
+//!   lease); get(permits) else get(permits))`: the permit's place is its
+//!   create revision, which is also its fencing token; a put again (the
+//!   nested branch, adoption) keeps it.
+//! - move (extend): `if create_revision(permit) == fencing then
+//!   put(permit, same value, new_lease)`.
+//! - release: `if create_revision(permit) == fencing then delete(permit)`.
 
 use etcd_client::{
-    Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse,
+    Compare, CompareOp, GetOptions, KeyValue, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
+    TxnOpResponse, TxnResponse,
 };
 use std::time::Duration;
 
@@ -103,14 +115,15 @@ pub(crate) fn enqueue(
     value: &[u8],
     lease: i64,
     fence: &Fence,
-    reads: [TxnOp; 2],
+    reads: impl IntoIterator<Item = TxnOp>,
 ) -> Txn {
-    let [queue, held] = reads;
-    Txn::new().when([fence.down()]).and_then([
-        TxnOp::put(entry, value, Some(PutOptions::new().with_lease(lease))),
-        queue,
-        held,
-    ])
+    let mut ops = vec![TxnOp::put(
+        entry,
+        value,
+        Some(PutOptions::new().with_lease(lease)),
+    )];
+    ops.extend(reads);
+    Txn::new().when([fence.down()]).and_then(ops)
 }
 
 /// Deletes a queue entry and puts up `fences` (of its puts whose outcome
@@ -176,6 +189,84 @@ pub(crate) fn release(key: &[u8], value: &[u8], fencing: FencingToken) -> Txn {
     Txn::new()
         .when(ours(key, value, fencing))
         .and_then([TxnOp::delete(key, None)])
+}
+
+/// A permit is still the one granted with `fencing` (its key names its
+/// owner, its create revision the grant).
+fn permit_held(permit: &[u8], fencing: i64) -> Compare {
+    Compare::create_revision(permit, CompareOp::Equal, fencing)
+}
+
+/// Reads every permit of a semaphore, oldest first.
+fn read_permits(permits: &[u8]) -> TxnOp {
+    TxnOp::get(
+        permits,
+        Some(
+            GetOptions::new()
+                .with_prefix()
+                .with_sort(SortTarget::Create, SortOrder::Ascend),
+        ),
+    )
+}
+
+/// The permit attempt: puts `permit` on `lease` and reads every permit,
+/// oldest first. A permit that holds this attempt's `value` already (an
+/// earlier attempt of the owner, applied unseen) is put again on `lease`,
+/// which keeps its create revision (its place and fencing token) and
+/// starts its TTL again; any other value is only read.
+pub(crate) fn join_permits(permit: &[u8], value: &[u8], lease: i64, permits: &[u8]) -> Txn {
+    let put = || TxnOp::put(permit, value, Some(PutOptions::new().with_lease(lease)));
+    let adopt = Txn::new()
+        .when([Compare::value(permit, CompareOp::Equal, value)])
+        .and_then([put(), read_permits(permits)])
+        .or_else([read_permits(permits)]);
+    Txn::new()
+        .when([Compare::create_revision(permit, CompareOp::Equal, 0)])
+        .and_then([put(), read_permits(permits)])
+        .or_else([TxnOp::txn(adopt)])
+}
+
+/// What [`join_permits`] read, and whether it put the permit.
+pub(crate) fn joined_permits(reply: &TxnResponse) -> (bool, Vec<KeyValue>) {
+    let read = |ops: Vec<TxnOpResponse>| {
+        ops.into_iter().find_map(|op| match op {
+            TxnOpResponse::Get(get) => Some(get.kvs().to_vec()),
+            _ => None,
+        })
+    };
+    if reply.succeeded() {
+        return (true, read(reply.op_responses()).unwrap_or_default());
+    }
+    reply
+        .op_responses()
+        .into_iter()
+        .find_map(|op| match op {
+            TxnOpResponse::Txn(nested) => Some((
+                nested.succeeded(),
+                read(nested.op_responses()).unwrap_or_default(),
+            )),
+            _ => None,
+        })
+        .unwrap_or_default()
+}
+
+/// Moves the permit created at `fencing` to `lease` (its value kept), so
+/// its TTL starts again.
+pub(crate) fn move_permit(permit: &[u8], fencing: i64, lease: i64) -> Txn {
+    Txn::new()
+        .when([permit_held(permit, fencing)])
+        .and_then([TxnOp::put(
+            permit,
+            Vec::new(),
+            Some(PutOptions::new().with_lease(lease).with_ignore_value()),
+        )])
+}
+
+/// Deletes the permit created at `fencing`.
+pub(crate) fn release_permit(permit: &[u8], fencing: i64) -> Txn {
+    Txn::new()
+        .when([permit_held(permit, fencing)])
+        .and_then([TxnOp::delete(permit, None)])
 }
 
 /// What the acquire transaction found.
