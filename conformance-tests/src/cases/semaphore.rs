@@ -235,23 +235,45 @@ pub async fn cancelled_waiters_leave_nothing_held(ctx: TestContext) -> CaseResul
     }
     // Anything a dropped waiter was granted is released in the background.
     let fresh = ctx.client().await?;
-    let deadline = Instant::now() + background_bound();
+    every_permit_within(
+        &fresh,
+        &key,
+        N,
+        ctx.long_ttl(),
+        background_bound(),
+        "after the dropped waiters: a dropped waiter left one held",
+    )
+    .await
+}
+
+/// Takes every permit of `key`'s semaphore of `limit` (for `ttl`), trying
+/// for up to `bound`, then gives them back; an error saying how many were
+/// free `when` otherwise.
+pub(crate) async fn every_permit_within(
+    client: &LockClient,
+    key: &LockKey,
+    limit: u32,
+    ttl: Duration,
+    bound: Duration,
+    when: &str,
+) -> CaseResult {
+    let deadline = Instant::now() + bound;
     let mut got = Vec::new();
-    while got.len() < N as usize {
-        match fresh.try_acquire_permit(&key, N, ctx.long_ttl()).await? {
+    while got.len() < limit as usize {
+        match client.try_acquire_permit(key, limit, ttl).await? {
             AcquireAttempt::Acquired(lease) => got.push(lease),
             AcquireAttempt::Held { .. } => {
                 check!(
                     Instant::now() < deadline,
-                    "only {} of {N} permits free after the dropped waiters: a dropped waiter left one held",
+                    "only {} of {limit} permits free within {bound:?} {when}",
                     got.len()
                 );
-                tokio::time::sleep(Duration::from_millis(20)).await;
+                tokio::time::sleep(super::support::POLL).await;
             }
         }
     }
     for lease in got {
-        fresh.release(&lease).await?;
+        client.release(&lease).await?;
     }
     Ok(())
 }
