@@ -10,7 +10,7 @@ use distlock_core::{LockClient, LockError, LockGuard, LockKey, LockOptions, Lock
 
 use super::{fault_ttl, join, measure, ErrorTally, EXPIRY_SLACK};
 use crate::cases::semaphore::every_permit_within;
-use crate::cases::support::{background_bound, eventually_acquire, within};
+use crate::cases::support::{background_bound, eventually_acquire, every_key_free_within, within};
 use crate::checker::{ExclusionChecker, SectionHandle};
 use crate::context::{CaseError, CaseResult, TestContext};
 use crate::fault::FaultPath;
@@ -469,17 +469,14 @@ pub async fn exclusion_torture(ctx: TestContext) -> CaseResult {
     check!(report.sections > 0, "no critical section ran at all");
     // Nothing stays held for good after the faults.
     let fresh = torture.fresh_client(&ctx).await?;
-    for key in keys.iter() {
-        let lease = eventually_acquire(
-            &fresh,
-            key,
-            ttl,
-            ttl + EXPIRY_SLACK,
-            "a fresh client after the torture",
-        )
-        .await?;
-        fresh.release(&lease).await?;
-    }
+    every_key_free_within(
+        &fresh,
+        &keys,
+        ttl,
+        ttl + EXPIRY_SLACK,
+        "a fresh client after the torture",
+    )
+    .await?;
     let per_key: Vec<usize> = keys
         .iter()
         .map(|k| report.sections_per_key.get(k).copied().unwrap_or(0))
