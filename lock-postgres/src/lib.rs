@@ -315,7 +315,7 @@ pub use config::{
 };
 pub use keys::{channel_name, MAX_IDENTIFIER_BYTES};
 #[doc(hidden)]
-pub use sql::StatementTexts;
+pub use sql::{PermitStatementTexts, StatementTexts};
 /// The driver, for building pools and connect options by hand.
 pub use sqlx;
 pub use sqlx::postgres::{PgConnectOptions, PgPool};
