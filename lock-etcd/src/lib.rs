@@ -185,13 +185,15 @@
 mod admin;
 mod backend;
 mod config;
+mod connect;
+mod connection;
 mod errors;
 mod fence;
 mod health;
-mod keepalive;
 mod keys;
 mod listener;
 mod queue;
+mod requests;
 mod semaphore;
 mod session;
 #[cfg(feature = "tls")]
