@@ -203,6 +203,17 @@ mod txn;
 /// The URL schemes this backend opens (`etcds://` needs the `tls` feature).
 pub const SCHEMES: &[&str] = &["etcd", "etcds"];
 
+/// This backend for the `distlock` facade: etcd, the [`SCHEMES`], and
+/// [`EtcdLock::connect`] wrapped in a [`LockClient`](distlock_core::LockClient).
+pub const DESCRIPTOR: distlock_core::BackendDescriptor =
+    distlock_core::BackendDescriptor::new("etcd", SCHEMES, |url| {
+        Box::pin(async move {
+            Ok(distlock_core::LockClient::new(
+                EtcdLock::connect(url).await?,
+            ))
+        })
+    });
+
 pub use backend::EtcdLock;
 pub use config::{EtcdConfig, DEFAULT_PORT};
 

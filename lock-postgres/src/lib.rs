@@ -322,3 +322,14 @@ pub use sqlx::postgres::{PgConnectOptions, PgPool};
 
 /// The URL schemes of this backend.
 pub const SCHEMES: &[&str] = &["postgres", "postgresql"];
+
+/// This backend for the `distlock` facade: PostgreSQL, the [`SCHEMES`], and
+/// [`PostgresLock::connect`] wrapped in a [`LockClient`](distlock_core::LockClient).
+pub const DESCRIPTOR: distlock_core::BackendDescriptor =
+    distlock_core::BackendDescriptor::new("PostgreSQL", SCHEMES, |url| {
+        Box::pin(async move {
+            Ok(distlock_core::LockClient::new(
+                PostgresLock::connect(url).await?,
+            ))
+        })
+    });
