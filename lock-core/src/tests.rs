@@ -212,7 +212,10 @@ async fn a_release_gone_on_resend_is_done_only_while_the_lease_is_valid() {
     let client = LockClient::new(backend.clone());
     let valid = client.try_acquire(&key(), TTL).await.unwrap();
     let valid = valid.lease().expect("free");
-    client.release(&valid).await.expect("released by its first send");
+    client
+        .release(&valid)
+        .await
+        .expect("released by its first send");
     assert_eq!(backend.server.held_count(), 0);
 
     let short = Duration::from_millis(20);
