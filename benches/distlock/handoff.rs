@@ -134,8 +134,8 @@ async fn handoff(
     let run = RUN.fetch_add(1, Ordering::Relaxed);
     let key = LockKey::new(format!("handoff-{run}-w{w}")).map_err(|e| e.to_string())?;
     let options = LockOptions::new(TTL)
-        .wait(Duration::from_secs(120))
-        .renewal(Renewal::Off);
+        .with_wait(Duration::from_secs(120))
+        .with_renewal(Renewal::Off);
     let state = Arc::new(Mutex::new(HandoffState::default()));
     let (gen_tx, gen_rx) = watch::channel(0usize);
     let gen_tx = Arc::new(gen_tx);

@@ -196,7 +196,7 @@ impl LockGuard {
         let renew_period = options.renew_period(lease.ttl());
         // A huge max hold means no limit.
         let renew_until = options
-            .max_hold_time()
+            .max_hold()
             .and_then(|max| acquired_at.checked_add(max));
         let stop_margin = options.stop_margin_for(lease.ttl());
         let shared = Arc::new(Shared {
@@ -206,7 +206,7 @@ impl LockGuard {
             lost: LostSignal::default(),
             acquired_at,
             granted_at: Instant::now(),
-            hold_at_least: options.min_hold_time(),
+            hold_at_least: options.hold_at_least(),
             stop_margin,
         });
         if Instant::now() >= shared.stop_moment(&shared.lease()) {

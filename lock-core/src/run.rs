@@ -25,8 +25,9 @@ pub enum OnLost {
 /// ```
 /// use std::time::Duration;
 /// use distlock_core::{LockOptions, OnLost, RunOptions};
-/// let options = RunOptions::new(LockOptions::new(Duration::from_secs(60))).on_lost(OnLost::Continue);
+/// let options = RunOptions::new(LockOptions::new(Duration::from_secs(60))).with_on_lost(OnLost::Continue);
 /// assert_eq!(options.lock_options().ttl(), Duration::from_secs(60));
+/// assert_eq!(options.on_lost(), OnLost::Continue);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunOptions {
@@ -43,10 +44,16 @@ impl RunOptions {
         }
     }
 
-    /// What to do when the lock is lost mid-run.
-    pub fn on_lost(mut self, on_lost: OnLost) -> Self {
+    /// Sets what to do when the lock is lost mid-run (default
+    /// [`OnLost::Stop`]).
+    pub fn with_on_lost(mut self, on_lost: OnLost) -> Self {
         self.on_lost = on_lost;
         self
+    }
+
+    /// What to do when the lock is lost mid-run.
+    pub fn on_lost(&self) -> OnLost {
+        self.on_lost
     }
 
     /// The lock options.

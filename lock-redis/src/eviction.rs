@@ -28,7 +28,7 @@ pub(crate) async fn check(
     what: &str,
 ) -> Result<(), LockError> {
     let answer = config
-        .client
+        .client()
         .timed(what, async { Ok(policies(conn).await) })
         .await;
     let policies = match answer {
@@ -54,7 +54,7 @@ pub(crate) async fn check(
         return Ok(());
     }
     let evicting = evicting.join(", ");
-    if config.allow_eviction {
+    if config.allow_eviction() {
         tracing::warn!(
             server = %config,
             maxmemory_policy = %evicting,

@@ -317,6 +317,7 @@ mod tls;
 
 pub use backend::RedisLock;
 pub use config::{RedisConfig, DEFAULT_FENCE_RETENTION, MAX_FENCE_RETENTION};
+#[doc(hidden)]
 pub use scripts::acquire_script_sha;
 
 /// The URL schemes the `distlock` facade opens with this crate (`rediss`

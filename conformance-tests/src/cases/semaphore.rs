@@ -83,8 +83,8 @@ pub async fn never_more_than_n(ctx: TestContext) -> CaseResult {
     let inside = Arc::new(AtomicUsize::new(0));
     let most = Arc::new(AtomicUsize::new(0));
     let options = LockOptions::new(Duration::from_secs(30))
-        .permits(N)
-        .wait(Duration::from_secs(120));
+        .with_permits(N)
+        .with_wait(Duration::from_secs(120));
     let mut tasks = Vec::new();
     for _ in 0..CLIENTS {
         let locker = ctx.locker().await?;
@@ -402,8 +402,8 @@ pub async fn one_permit_is_a_mutex(ctx: TestContext) -> CaseResult {
     a.release(&held).await?;
     let checker = crate::checker::ExclusionChecker::new();
     let options = LockOptions::new(Duration::from_secs(30))
-        .permits(1)
-        .wait(Duration::from_secs(60));
+        .with_permits(1)
+        .with_wait(Duration::from_secs(60));
     let mut tasks = Vec::new();
     for _ in 0..4 {
         let locker = ctx.locker().await?;
@@ -440,7 +440,7 @@ pub async fn guards_and_run_exclusive(ctx: TestContext) -> CaseResult {
     let key = ctx.key("sem-guard");
     let ttl = ctx.short_ttl();
     let locker = ctx.locker().await?;
-    let options = LockOptions::new(ttl).permits(2);
+    let options = LockOptions::new(ttl).with_permits(2);
     let first = locker
         .try_lock(&key, &options)
         .await?
