@@ -21,7 +21,7 @@ pub enum LostReason {
     /// the stop moment).
     Refused,
     /// The lease reached its stop moment (the stop margin before it may
-    /// run out, see [`LockOptions::stop_margin`]) without a successful
+    /// run out, see [`LockOptions::with_stop_margin`]) without a successful
     /// renewal: the server was unreachable or slow, or renewal was off or
     /// stopped by the max hold time.
     Expired,
@@ -167,7 +167,7 @@ impl Shared {
 /// of the TTL) until the optional max hold time. [`lost`](Self::lost)
 /// resolves as soon as the guard knows or must assume it no longer holds the
 /// lock — renewal refused — and at the latest at the stop moment: the stop
-/// margin ([`LockOptions::stop_margin`], default a third of the TTL) before
+/// margin ([`LockOptions::with_stop_margin`], default a third of the TTL) before
 /// the earliest moment the server may expire a lease that was not renewed.
 /// [`release`](Self::release) releases and reports; dropping the guard
 /// releases in the background on the current tokio runtime.

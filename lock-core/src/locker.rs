@@ -49,7 +49,7 @@ impl Locker {
         &self.client
     }
 
-    /// One attempt, never waits (ignores [`LockOptions::wait`]); a
+    /// One attempt, never waits (ignores [`LockOptions::with_wait`]); a
     /// transient error is reported at once.
     pub async fn try_lock(
         &self,

@@ -16,7 +16,7 @@ pub enum OnLost {
     #[default]
     Stop,
     /// Let the job finish; it must watch [`JobContext::lost`] itself and
-    /// stop within the stop margin ([`LockOptions::stop_margin`]).
+    /// stop within the stop margin ([`LockOptions::with_stop_margin`]).
     Continue,
 }
 
@@ -125,7 +125,7 @@ impl<T> RunOutcome<T> {
 /// The job never starts on a lease that is already expired or inside its
 /// stop margin when granted (the lease is released and the call fails with
 /// [`ErrorKind::Timeout`]); with [`OnLost::Stop`] it is dropped at the stop
-/// moment ([`LockOptions::stop_margin`]) at the latest, before any further
+/// moment ([`LockOptions::with_stop_margin`]) at the latest, before any further
 /// step runs.
 ///
 /// A failure to release after the job ran is logged, not returned, so the

@@ -253,7 +253,7 @@ impl ScheduledJob {
             return Ok(ScheduledOutcome::Skipped(SkipReason::FireAlreadyTaken));
         };
         // The fire key is held at least `keep_fire_for` from here (see
-        // `LockOptions::hold_at_least`); its lease may be dated earlier.
+        // `LockOptions::with_hold_at_least`); its lease may be dated earlier.
         let started = Instant::now();
         let run_options = RunOptions::new(LockOptions::new(self.ttl)).with_on_lost(self.on_lost);
         let outcome = locker.run_exclusive(&running_key, &run_options, job).await;

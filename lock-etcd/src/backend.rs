@@ -174,7 +174,7 @@ impl EtcdLock {
     /// [`ErrorKind::Config`](distlock_core::ErrorKind) error.
     pub async fn with_config(config: EtcdConfig) -> Result<Self, LockError> {
         config.validate()?;
-        let options = &config.client();
+        let options = config.client();
         // Require-leader: a member without a leader refuses requests at
         // once (and ends its watch streams) instead of stalling them, so
         // the client goes to a member that has one.
@@ -191,7 +191,7 @@ impl EtcdLock {
         #[cfg(feature = "tls")]
         if config.uses_tls() {
             connect = connect
-                .with_tls(crate::tls::options(&options.tls(), options.connect_timeout()).await?);
+                .with_tls(crate::tls::options(options.tls(), options.connect_timeout()).await?);
         }
         let endpoints = config.endpoints().to_vec();
         let what = format!("connecting to etcd at {}", endpoints.join(","));
@@ -207,7 +207,7 @@ impl EtcdLock {
                 client.clone(),
                 endpoints.clone(),
                 connect,
-                KeyLayout::new(&options.namespace())
+                KeyLayout::new(options.namespace())
                     .prefix()
                     .as_bytes()
                     .to_vec(),
@@ -221,7 +221,7 @@ impl EtcdLock {
     }
 
     /// Uses an existing client (its endpoints, credentials and TLS), with
-    /// `config.client` for namespace and timeouts. Its endpoints and
+    /// `config.client()` for namespace and timeouts. Its endpoints and
     /// credentials are not used to connect; if it lists several endpoints,
     /// a request that reaches no server is sent again (the client's channel
     /// picks another endpoint), so list the client's. Does not contact the
@@ -236,9 +236,9 @@ impl EtcdLock {
         health: Option<Arc<Health>>,
     ) -> Result<Self, LockError> {
         config.client().validate()?;
-        let layout = KeyLayout::new(&config.client().namespace());
+        let layout = KeyLayout::new(config.client().namespace());
         let watches = EtcdWatches::new(client.watch_client(), layout.prefix().as_bytes().to_vec());
-        let listener = Listener::new(watches, &config.client()).health_check_after(WATCH_SWEEP);
+        let listener = Listener::new(watches, config.client()).health_check_after(WATCH_SWEEP);
         let requests = Requests::new(config.client().clone(), config.endpoints().len(), health);
         let sessions = Sessions::new(client.kv_client(), client.lease_client(), requests.clone());
         Ok(Self {
@@ -332,7 +332,7 @@ impl EtcdLock {
             let diagnose = async {
                 for endpoint in config.endpoints() {
                     if let Some(refusal) =
-                        crate::tls::refusal(endpoint, &config.client().tls(), left).await
+                        crate::tls::refusal(endpoint, config.client().tls(), left).await
                     {
                         return Some(refusal);
                     }

@@ -154,7 +154,7 @@ impl PostgresLock {
     /// and table (its server options are not used: the pool has its own).
     /// The lock table is created on first use; waiters get one extra
     /// connection with the pool's connect options (or those of
-    /// [`PostgresConfig::listen_via`]). The pool's acquire timeout should
+    /// [`PostgresConfig::with_listen_options`]). The pool's acquire timeout should
     /// not exceed the connect timeout.
     ///
     /// It does not probe for a transaction pooler: [`PoolMode::Auto`] (the
@@ -168,7 +168,7 @@ impl PostgresLock {
 
     /// A backend on `pool` working in `mode` (`Auto` meaning `Session`).
     fn build(pool: PgPool, config: PostgresConfig, mode: PoolMode) -> Self {
-        let channel = channel_name(&config.schema, &config.table, &config.client.namespace());
+        let channel = channel_name(&config.schema, &config.table, config.client.namespace());
         let (protocol, listen) = match mode {
             PoolMode::Session | PoolMode::Auto => (
                 Protocol::Extended,
@@ -244,7 +244,7 @@ impl PostgresLock {
     }
 
     pub(crate) fn namespace(&self) -> &str {
-        &self.config.client.namespace()
+        self.config.client.namespace()
     }
 
     pub(crate) fn map_err(

@@ -48,7 +48,7 @@
 //!
 //! [`PostgresLock`] is also a
 //! [`SemaphoreBackend`](distlock_core::SemaphoreBackend): at most N live
-//! permits of a key ([`LockOptions::permits`](distlock_core::LockOptions::permits),
+//! permits of a key ([`LockOptions::with_permits`](distlock_core::LockOptions::with_permits),
 //! [`LockClient::try_acquire_permit`](distlock_core::LockClient::try_acquire_permit)).
 //! A semaphore is one row per `(namespace, key)` of a table of its own
 //! (`distlock_semaphores` in the lock table's schema unless the

@@ -50,7 +50,7 @@ impl Semaphores {
     /// The semaphores of `config`, their waiters listening with `listen`.
     pub(crate) fn new(config: &PostgresConfig, listen: Option<PgConnectOptions>) -> Self {
         let (schema, table) = (config.schema(), config.semaphore_table());
-        let channel = channel_name(schema, table, &config.client.namespace());
+        let channel = channel_name(schema, table, config.client.namespace());
         let listener = listen.map(|listen| {
             let returns = Releases::new(listen, channel.clone(), config.client.connect_timeout());
             Listener::new(returns, &config.client)

@@ -106,7 +106,7 @@ impl RedisLock {
         config.validate()?;
         let Some(server) = config.server_settings().cloned() else {
             return Err(LockError::config(
-                "RedisConfig names no server; build it with RedisConfig::from_url or RedisConfig::server, or use RedisLock::from_connection_manager",
+                "RedisConfig names no server; build it with RedisConfig::from_url or RedisConfig::with_server, or use RedisLock::from_connection_manager",
             ));
         };
         #[cfg(feature = "tls")]
@@ -115,10 +115,10 @@ impl RedisLock {
             // application installed, else install ring.
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
-        let options = &config.client();
+        let options = config.client();
         let what = format!("connecting to redis at {config}");
         let tls = tls::is_tls(&server);
-        let certificates = tls::certificates(&options.tls(), tls).await?;
+        let certificates = tls::certificates(options.tls(), tls).await?;
         let connected = Self::open(server, &config, certificates, &what)
             .await
             .map_err(|e| tls::connect_hint(e, tls))?;
@@ -142,13 +142,13 @@ impl RedisLock {
     /// closes, not after a timeout on one that stays open).
     ///
     /// ```no_run
+    /// use distlock_core::ClientOptions;
     /// use distlock_redis::{RedisConfig, RedisLock};
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// let client = redis::Client::open("redis://127.0.0.1:6379/")?;
     /// let manager = redis::aio::ConnectionManager::new(client.clone()).await?;
-    /// let mut config = RedisConfig::default();
-    /// config.client.namespace = "jobs".into();
+    /// let config = RedisConfig::default().with_client(ClientOptions::default().with_namespace("jobs"));
     /// let lock = RedisLock::from_connection_manager(manager, client, config)?;
     /// # let _ = lock; Ok(()) }
     /// ```
@@ -158,7 +158,7 @@ impl RedisLock {
         config: RedisConfig,
     ) -> Result<Self, LockError> {
         config.validate()?;
-        let commands = replaceable_manager(manager, &pubsub, &config.client());
+        let commands = replaceable_manager(manager, &pubsub, config.client());
         Ok(Self::new(
             Commands::Single(commands),
             PubSub::Node(pubsub),
@@ -170,7 +170,7 @@ impl RedisLock {
     fn new(commands: Commands, pubsub: PubSub, channels: Channels, config: RedisConfig) -> Self {
         Self {
             commands,
-            listener: Listener::new(pubsub, &config.client()),
+            listener: Listener::new(pubsub, config.client()),
             channels,
             config,
         }
@@ -193,12 +193,12 @@ impl RedisLock {
     }
 
     fn keys(&self, key: &LockKey) -> RedisKeys {
-        RedisKeys::new(&self.config.client().namespace(), key)
+        RedisKeys::new(self.config.client().namespace(), key)
     }
 
     /// The names of `key`'s semaphore.
     pub(crate) fn semaphore_keys(&self, key: &LockKey) -> RedisKeys {
-        RedisKeys::semaphore(&self.config.client().namespace(), key)
+        RedisKeys::semaphore(self.config.client().namespace(), key)
     }
 
     /// The command a release script publishes with.
@@ -224,7 +224,7 @@ impl RedisLock {
         // Connecting (the first waiter) and subscribing, however long other
         // waiters' subscriptions hold the connection: one bound in all.
         with_timeout(
-            connect_budget(&self.config.client()),
+            connect_budget(self.config.client()),
             "redis subscribe for release notifications",
             self.listener.watch(channel),
         )

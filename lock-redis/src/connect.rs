@@ -185,7 +185,7 @@ pub(crate) async fn prepare(
     channels: Channels,
     what: &str,
 ) -> Result<(), LockError> {
-    let options = &config.client();
+    let options = config.client();
     preload(conn, options).await?;
     check_permissions(conn, options, channels, what).await?;
     eviction::check(conn, config, what).await
@@ -228,7 +228,7 @@ pub(crate) async fn check_permissions(
     channels: Channels,
     what: &str,
 ) -> Result<(), LockError> {
-    let namespace = &options.namespace();
+    let namespace = options.namespace();
     let probe = RedisKeys::probe(namespace);
     let permits = RedisKeys::semaphore_probe(namespace);
     let denied = options

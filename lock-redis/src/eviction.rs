@@ -67,7 +67,7 @@ pub(crate) async fn check(
         "{what}: the server's maxmemory-policy is {evicting}: when its memory is full it deletes keys, \
          a held lock among them, and a second client then takes that lock while the first still \
          holds it. Set `maxmemory-policy noeviction` (in redis.conf, or CONFIG SET maxmemory-policy \
-         noeviction), or connect with allow_eviction=true (RedisConfig::allow_eviction) to accept \
+         noeviction), or connect with allow_eviction=true (RedisConfig::with_allow_eviction) to accept \
          the risk with a warning"
     )))
 }

@@ -75,7 +75,7 @@ pub async fn at_most_n_holders(ctx: TestContext) -> CaseResult {
 }
 
 /// 16 clients, N = 3, hundreds of sections through `Locker` with
-/// `LockOptions::permits`: never more than N inside at once, and N reached.
+/// `LockOptions::with_permits`: never more than N inside at once, and N reached.
 pub async fn never_more_than_n(ctx: TestContext) -> CaseResult {
     const CLIENTS: usize = 16;
     const SECTIONS: usize = 20;
@@ -435,7 +435,7 @@ pub async fn one_permit_is_a_mutex(ctx: TestContext) -> CaseResult {
 }
 
 /// A permit guard renews itself past its TTL, and run_exclusive runs under
-/// a permit (`LockOptions::permits`), skipping when all are taken.
+/// a permit (`LockOptions::with_permits`), skipping when all are taken.
 pub async fn guards_and_run_exclusive(ctx: TestContext) -> CaseResult {
     let key = ctx.key("sem-guard");
     let ttl = ctx.short_ttl();

@@ -60,7 +60,7 @@ async fn semaphore_row(lock: &Pg, k: &LockKey) -> Option<(i64, i64, Vec<(String,
          FROM {} WHERE namespace = $1 AND key = $2",
         semaphore_table(lock)
     ))
-    .bind(&lock.backend.config().client().namespace())
+    .bind(lock.backend.config().client().namespace())
     .bind(k.as_str())
     .fetch_optional(lock.pool())
     .await

@@ -312,7 +312,7 @@ pub async fn row(lock: &Pg, k: &LockKey) -> Option<(Option<String>, i64, i64)> {
          FROM {} WHERE namespace = $1 AND key = $2",
         lock.table()
     ))
-    .bind(&lock.backend.config().client().namespace())
+    .bind(lock.backend.config().client().namespace())
     .bind(k.as_str())
     .fetch_optional(lock.pool())
     .await
@@ -360,7 +360,7 @@ pub async fn lock_row(
         "SELECT 1 FROM {} WHERE namespace = $1 AND key = $2 FOR UPDATE",
         lock.table()
     ))
-    .bind(&lock.backend.config().client().namespace())
+    .bind(lock.backend.config().client().namespace())
     .bind(k.as_str())
     .execute(&mut *blocker)
     .await
