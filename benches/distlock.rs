@@ -8,8 +8,10 @@
 //! Starts Redis, etcd and PostgreSQL like the conformance harness (free
 //! loopback ports, temporary directories), pins them to CPU 1 and itself to
 //! CPU 0 (`taskset`), and measures for memory, Redis, etcd and PostgreSQL:
-//! uncontended try-acquire + release beside the raw commands and a plain
-//! round trip; handoff latency with W waiters; server work per handoff;
+//! uncontended try-acquire + release of a lock, and of a permit of a
+//! semaphore of 3, beside the raw commands and a plain round trip; handoff
+//! latency with W waiters, of a lock and of a semaphore of 1; server work
+//! per handoff;
 //! renewal cost of H held guards (each H in a child process, so resident
 //! memory is measured from a clean heap). Prints a table and writes
 //! `target/distlock-bench.json`.

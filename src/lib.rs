@@ -18,8 +18,10 @@
 //! `tls` turns on TLS for every enabled backend (rustls with the ring
 //! provider); `redis-tls` is an alias of `redis` + `tls`. `full` enables
 //! `redis`, `etcd` and `postgres` (not `tls`); `tower` adds
-//! `layer::LockLayer`. Building with `etcd` needs `protoc` and the protobuf
-//! well-known types (see the README).
+//! `layer::LockLayer`. A URL whose features are off gives an error naming
+//! each feature to enable. [`BACKENDS`] lists the backends of this build,
+//! each by its crate's [`BackendDescriptor`]. Building with `etcd` needs
+//! `protoc` and the protobuf well-known types (see the README).
 //!
 //! ```
 //! use std::time::Duration;
@@ -42,17 +44,12 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-use std::collections::HashMap;
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::{Mutex, OnceLock};
-
 pub use distlock_core::{
-    run_exclusive, AcquireAttempt, Capabilities, ClientOptions, ErrorKind, FencingToken, Fire,
-    JobContext, JobKey, Lease, LockAdmin, LockBackend, LockClient, LockError, LockGuard, LockKey,
-    LockOptions, LockState, Locker, LostReason, LostSignal, MemoryLock, OnLost, OwnerToken,
-    Renewal, RunOptions, RunOutcome, ScheduledJob, ScheduledOutcome, SkipReason, DEFAULT_NAMESPACE,
-    MAX_KEY_BYTES,
+    run_exclusive, AcquireAttempt, BackendDescriptor, Capabilities, ClientOptions, Connecting,
+    ErrorKind, FencingToken, Fire, JobContext, JobKey, Lease, LockAdmin, LockBackend, LockClient,
+    LockError, LockGuard, LockKey, LockOptions, LockState, Locker, LostReason, LostSignal,
+    MemoryLock, OnLost, OwnerToken, Renewal, RunOptions, RunOutcome, ScheduledJob,
+    ScheduledOutcome, SkipReason, DEFAULT_NAMESPACE, MAX_KEY_BYTES,
 };
 
 #[cfg(feature = "tower")]
@@ -69,72 +66,90 @@ pub use distlock_postgres as postgres;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use distlock_redis as redis;
 
-type Connecting = Pin<Box<dyn Future<Output = Result<LockClient, LockError>> + Send>>;
-
-/// A backend the facade can open: the URL schemes it declares, each with the
-/// cargo feature that enables it, and how to connect (`None` when the
-/// backend's feature is off).
-struct Backend {
-    schemes: &'static [(&'static str, &'static str)],
-    connect: Option<fn(String) -> Connecting>,
+/// A backend this build of distlock opens, with the cargo feature of
+/// distlock that brings it.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct Backend {
+    /// The feature (`"redis"`, `"etcd"`, `"postgres"`), or `None` for the
+    /// in-memory backend, which is always there.
+    pub feature: Option<&'static str>,
+    /// The backend crate's own descriptor: its schemes and how to connect.
+    pub descriptor: BackendDescriptor,
 }
 
-impl Backend {
-    fn feature_for(&self, scheme: &str) -> Option<&'static str> {
-        self.schemes
-            .iter()
-            .find(|(s, _)| *s == scheme)
-            .map(|(_, feature)| *feature)
+/// The backends this build opens: memory, then each one whose feature is
+/// on. [`connect`] picks among them by URL scheme.
+///
+/// ```
+/// let schemes: Vec<&str> = distlock::BACKENDS
+///     .iter()
+///     .flat_map(|backend| backend.descriptor.schemes())
+///     .copied()
+///     .collect();
+/// assert_eq!(schemes[0], "memory");
+/// ```
+pub const BACKENDS: &[Backend] = &[
+    Backend {
+        feature: None,
+        descriptor: MemoryLock::DESCRIPTOR,
+    },
+    #[cfg(feature = "redis")]
+    Backend {
+        feature: Some("redis"),
+        descriptor: distlock_redis::DESCRIPTOR,
+    },
+    #[cfg(feature = "etcd")]
+    Backend {
+        feature: Some("etcd"),
+        descriptor: distlock_etcd::DESCRIPTOR,
+    },
+    #[cfg(feature = "postgres")]
+    Backend {
+        feature: Some("postgres"),
+        descriptor: distlock_postgres::DESCRIPTOR,
+    },
+];
+
+/// Each backend feature of distlock and its backend's URL schemes, whether
+/// or not the feature is on, so that a URL for a backend this build leaves
+/// out names the feature to enable. For a backend that is in the build its
+/// descriptor decides; a unit test checks that each entry is its
+/// descriptor's list.
+const FEATURE_SCHEMES: &[(&str, &[&str])] = &[
+    (
+        "redis",
+        &[
+            "redis",
+            "rediss",
+            "redis+sentinel",
+            "rediss+sentinel",
+            "redis+cluster",
+            "rediss+cluster",
+        ],
+    ),
+    ("etcd", &["etcd", "etcds"]),
+    ("postgres", &["postgres", "postgresql"]),
+];
+
+/// The schemes of [`FEATURE_SCHEMES`] that also need the `tls` feature.
+const TLS_SCHEMES: &[&str] = &["rediss", "rediss+sentinel", "rediss+cluster", "etcds"];
+
+/// The cargo features a URL with `scheme` needs, when its backend is not in
+/// this build.
+fn features_for(scheme: &str) -> Option<Vec<&'static str>> {
+    let (feature, _) = FEATURE_SCHEMES
+        .iter()
+        .find(|(_, schemes)| schemes.contains(&scheme))?;
+    let mut features = vec![*feature];
+    if !cfg!(feature = "tls") && TLS_SCHEMES.contains(&scheme) {
+        features.push("tls");
     }
+    Some(features)
 }
 
-/// `Some(connect)` for a backend whose feature is on, else `None`.
-macro_rules! connector {
-    ($feature:literal, $lock:path) => {{
-        #[cfg(feature = $feature)]
-        let connect: Option<fn(String) -> Connecting> = Some(|url| {
-            Box::pin(async move {
-                use $lock as Backend;
-                Ok(LockClient::new(Backend::connect(&url).await?))
-            })
-        });
-        #[cfg(not(feature = $feature))]
-        let connect: Option<fn(String) -> Connecting> = None;
-        connect
-    }};
-}
-
-/// Every backend of the facade, whether or not its feature is on, so a URL
-/// for a disabled one names the feature to enable. The schemes are each
-/// backend crate's `SCHEMES` (checked by a test).
-fn backends() -> [Backend; 3] {
-    [
-        Backend {
-            // TLS needs `redis` + `tls`; with `redis` off, the error names
-            // `redis-tls`, the one feature that turns on both.
-            schemes: &[
-                ("redis", "redis"),
-                ("rediss", "redis-tls"),
-                ("redis+sentinel", "redis"),
-                ("rediss+sentinel", "redis-tls"),
-                ("redis+cluster", "redis"),
-                ("rediss+cluster", "redis-tls"),
-            ],
-            connect: connector!("redis", distlock_redis::RedisLock),
-        },
-        Backend {
-            // TLS also needs `tls`; distlock-etcd says so.
-            schemes: &[("etcd", "etcd"), ("etcds", "etcd")],
-            connect: connector!("etcd", distlock_etcd::EtcdLock),
-        },
-        Backend {
-            schemes: &[("postgres", "postgres"), ("postgresql", "postgres")],
-            connect: connector!("postgres", distlock_postgres::PostgresLock),
-        },
-    ]
-}
-
-/// Opens a lock client for `url`, choosing the backend by scheme.
+/// Opens a lock client for `url`, choosing the backend by scheme among
+/// [`BACKENDS`].
 ///
 /// `memory://NAME` clients of one process share one in-memory server per
 /// name (`memory://` is the name ""). A scheme whose cargo feature is not
@@ -149,13 +164,12 @@ fn backends() -> [Backend; 3] {
 /// ```
 pub async fn connect(url: &str) -> Result<LockClient, LockError> {
     let known = || {
-        let mut schemes = vec!["memory://".to_owned()];
-        for backend in backends() {
-            schemes.extend(backend.schemes.iter().map(|(s, _)| format!("{s}://")));
-        }
+        let builtin = MemoryLock::DESCRIPTOR.schemes().iter();
+        let features = FEATURE_SCHEMES.iter().flat_map(|(_, schemes)| *schemes);
+        let schemes: Vec<String> = builtin.chain(features).map(|s| format!("{s}://")).collect();
         schemes.join(", ")
     };
-    let Some((scheme, rest)) = url.split_once("://") else {
+    let Some((scheme, _)) = url.split_once("://") else {
         return Err(LockError::config(format!(
             "{:?} is not a lock URL; expected one of {}",
             distlock_core::LockUrl::parse(url)
@@ -164,52 +178,88 @@ pub async fn connect(url: &str) -> Result<LockClient, LockError> {
         )));
     };
     let scheme = scheme.to_ascii_lowercase();
-    if scheme == "memory" {
-        return Ok(memory_server(rest).client());
+    if let Some(backend) = BACKENDS.iter().find(|b| b.descriptor.opens(&scheme)) {
+        return backend.descriptor.connect(url).await;
     }
-    let Some((backend, feature)) = backends()
-        .into_iter()
-        .find_map(|b| b.feature_for(&scheme).map(|feature| (b, feature)))
-    else {
-        return Err(LockError::config(format!(
+    match features_for(&scheme) {
+        Some(features) => {
+            let named: Vec<String> = features
+                .iter()
+                .map(|f| format!("the `{f}` feature"))
+                .collect();
+            let quoted: Vec<String> = features.iter().map(|f| format!("\"{f}\"")).collect();
+            Err(LockError::config(format!(
+                "{scheme}:// URLs need {} of distlock; enable {} in Cargo.toml: distlock = {{ version = \"0.1\", features = [{}] }}",
+                named.join(" and "),
+                if features.len() == 1 { "it" } else { "them" },
+                quoted.join(", ")
+            )))
+        }
+        None => Err(LockError::config(format!(
             "unknown lock URL scheme {scheme:?}; expected one of {}",
             known()
-        )));
-    };
-    match backend.connect {
-        Some(connect) => connect(url.to_owned()).await,
-        None => Err(LockError::config(format!(
-            "{scheme}:// URLs need the `{feature}` feature of distlock; enable it in Cargo.toml: distlock = {{ version = \"0.1\", features = [\"{feature}\"] }}"
         ))),
     }
 }
 
-/// The process-wide in-memory server called `name`.
-fn memory_server(name: &str) -> MemoryLock {
-    static SERVERS: OnceLock<Mutex<HashMap<String, MemoryLock>>> = OnceLock::new();
-    let servers = SERVERS.get_or_init(Default::default);
-    let mut servers = servers.lock().unwrap_or_else(|e| e.into_inner());
-    servers.entry(name.to_owned()).or_default().clone()
-}
-
 #[cfg(test)]
 mod tests {
-    /// The facade's scheme list is each backend crate's own.
-    #[cfg(any(feature = "redis", feature = "etcd", feature = "postgres"))]
+    use super::{FEATURE_SCHEMES, TLS_SCHEMES};
+
+    /// For each backend in this build, the facade's scheme list for its
+    /// feature is the one its descriptor declares.
     #[test]
-    fn schemes_match_the_backend_crates() {
-        for backend in super::backends() {
-            let declared: &[&str] = match backend.schemes[0].0 {
-                #[cfg(feature = "redis")]
-                "redis" => distlock_redis::SCHEMES,
-                #[cfg(feature = "etcd")]
-                "etcd" => distlock_etcd::SCHEMES,
-                #[cfg(feature = "postgres")]
-                "postgres" => distlock_postgres::SCHEMES,
-                _ => continue,
+    fn feature_schemes_match_the_descriptors() {
+        for backend in super::BACKENDS {
+            let Some(feature) = backend.feature else {
+                continue;
             };
-            let schemes: Vec<&str> = backend.schemes.iter().map(|(s, _)| *s).collect();
-            assert_eq!(schemes, declared);
+            let listed = FEATURE_SCHEMES.iter().find(|(f, _)| *f == feature);
+            assert_eq!(
+                listed.map(|(_, schemes)| *schemes),
+                Some(backend.descriptor.schemes()),
+                "{feature}"
+            );
         }
+    }
+
+    /// Every TLS scheme belongs to some backend feature.
+    #[test]
+    fn tls_schemes_are_backend_schemes() {
+        for scheme in TLS_SCHEMES {
+            assert!(
+                FEATURE_SCHEMES
+                    .iter()
+                    .any(|(_, schemes)| schemes.contains(scheme)),
+                "{scheme}"
+            );
+        }
+    }
+
+    /// A scheme of a backend left out of this build names its feature.
+    #[cfg(not(feature = "redis"))]
+    #[tokio::test]
+    async fn left_out_backend_names_its_feature() {
+        let err = super::connect("redis+cluster://127.0.0.1:7000")
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), super::ErrorKind::Config, "{err}");
+        assert!(err.to_string().contains("the `redis` feature"), "{err}");
+    }
+
+    /// A TLS scheme of a left-out backend also names `tls` when it is off.
+    #[cfg(not(any(feature = "redis", feature = "tls")))]
+    #[tokio::test]
+    async fn left_out_tls_scheme_names_both_features() {
+        let err = super::connect("rediss://127.0.0.1:6379").await.unwrap_err();
+        let message = err.to_string();
+        assert!(
+            message.contains("the `redis` feature and the `tls` feature"),
+            "{message}"
+        );
+        assert!(
+            message.contains(r#"features = ["redis", "tls"]"#),
+            "{message}"
+        );
     }
 }

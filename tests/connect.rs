@@ -41,7 +41,10 @@ async fn assert_names_feature(url: &str, feature: &str) {
 #[tokio::test]
 async fn disabled_redis_names_its_feature() {
     assert_names_feature("redis://127.0.0.1:6379", "redis").await;
-    assert_names_feature("rediss://127.0.0.1:6379", "redis-tls").await;
+    assert_names_feature("rediss://127.0.0.1:6379", "redis").await;
+    if !cfg!(feature = "tls") {
+        assert_names_feature("rediss://127.0.0.1:6379", "tls").await;
+    }
 }
 
 #[cfg(not(feature = "etcd"))]

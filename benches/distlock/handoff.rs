@@ -1,6 +1,7 @@
-//! Handoff: W waiters and one holder cycle through one key; how long from
-//! a release returning to the next holder's acquire returning, and how much
-//! work each handoff costs the server and the clients.
+//! Handoff: W waiters and one holder cycle through one key (a lock, then
+//! the one permit of a semaphore of 1); how long from a release returning
+//! to the next holder's acquire returning, and how much work each handoff
+//! costs the server and the clients.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -37,67 +38,124 @@ pub async fn rows(
     let mut probe = Probe::new(backend, &server.url, server.port().unwrap_or(0)).await?;
     let mut rows = Vec::new();
     for &w in &plan.waiters {
-        let timed = handoff(plan, &clients[..=w], Some(&mut probe), None, w).await?;
-        let link = Link::new();
-        let linked: Vec<LockClient> = clients[..=w]
-            .iter()
-            .map(|c| link.wrap(c.clone(), LINK_TIMEOUT))
-            .collect();
-        let counted = handoff(plan, &linked, None, Some(&link), w).await?;
-
-        let mut row = Row::new(backend, "handoff", format!("W={w}"));
-        row.p50_us = timed.latency.pct(0.5);
-        row.p99_us = timed.latency.pct(0.99);
-        row.round_trips = ping_p50.zip(row.p50_us).map(|(p, l)| l / p);
-        row.note = Some(format!(
-            "{} handoffs, hold {:?}, p99 {}",
-            timed.latency.us.len(),
-            plan.hold,
-            ping_p50
-                .zip(row.p99_us)
-                .map(|(p, l)| format!("{:.1} round trips", l / p))
-                .unwrap_or_else(|| "-".to_owned())
-        ));
-        rows.push(row);
-
-        let n = counted.handoffs as f64;
-        let calls = counted.calls;
-        let mut row = Row::new(backend, "client_calls_per_handoff", format!("W={w}"));
-        row.round_trips = Some(calls.ops() as f64 / n);
-        row.note = Some(format!(
-            "try_acquire {:.2}, release {:.2}, extend {:.2}, watch {:.2} per handoff (counted at the client through a conformance Link, in an untimed pass)",
-            calls.try_acquire as f64 / n,
-            calls.release as f64 / n,
-            calls.extend as f64 / n,
-            calls.watch as f64 / n
-        ));
-        rows.push(row);
-
-        let mut row = Row::new(backend, "server_work_per_handoff", format!("W={w}"));
-        let n = timed.handoffs as f64;
-        match timed.server.total {
-            Some(total) => {
-                row.round_trips = Some(total as f64 / n);
-                row.note = Some(format!(
-                    "{}: {}",
-                    probe::source(backend, &timed.server, n),
-                    timed.server.top(n, 6)
-                ));
-            }
-            None => {
-                row.round_trips = Some(calls.ops() as f64 / counted.handoffs as f64);
-                row.note = Some(
-                    match backend {
-                        Backend::Memory => "backend calls counted at the client (in-process)",
-                        _ => "lock calls counted at the client (the server has no counters)",
-                    }
-                    .to_owned(),
-                );
-            }
+        for through in [Through::Lock, Through::Permit] {
+            rows.extend(w_rows(plan, server, clients, &mut probe, ping_p50, w, through).await?);
         }
-        rows.push(row);
         eprintln!("[{}] handoff W={w} done", backend.name());
     }
+    Ok(rows)
+}
+
+/// What the holders hand off.
+#[derive(Debug, Clone, Copy)]
+enum Through {
+    /// A lock.
+    Lock,
+    /// The one permit of a semaphore of limit 1.
+    Permit,
+}
+
+impl Through {
+    /// The scenario names of its latency, client-call and server-work rows.
+    fn scenarios(self) -> [&'static str; 3] {
+        match self {
+            Through::Lock => [
+                "handoff",
+                "client_calls_per_handoff",
+                "server_work_per_handoff",
+            ],
+            Through::Permit => [
+                "permit_handoff",
+                "permit_calls_per_handoff",
+                "permit_server_per_handoff",
+            ],
+        }
+    }
+
+    fn options(self) -> LockOptions {
+        let options = LockOptions::new(TTL)
+            .with_wait(Duration::from_secs(120))
+            .with_renewal(Renewal::Off);
+        match self {
+            Through::Lock => options,
+            Through::Permit => options.with_permits(1),
+        }
+    }
+}
+
+/// The three rows of one W for `through`: timed with bare clients, then
+/// counted through a [`Link`] untimed.
+async fn w_rows(
+    plan: &Plan,
+    server: &Server,
+    clients: &[LockClient],
+    counter: &mut Probe,
+    ping_p50: Option<f64>,
+    w: usize,
+    through: Through,
+) -> BenchResult<Vec<Row>> {
+    let backend = server.backend;
+    let [latency_name, calls_name, server_name] = through.scenarios();
+    let mut rows = Vec::new();
+    let timed = handoff(plan, &clients[..=w], Some(counter), None, w, through).await?;
+    let link = Link::new();
+    let linked: Vec<LockClient> = clients[..=w]
+        .iter()
+        .map(|c| link.wrap(c.clone(), LINK_TIMEOUT))
+        .collect();
+    let counted = handoff(plan, &linked, None, Some(&link), w, through).await?;
+
+    let mut row = Row::new(backend, latency_name, format!("W={w}"));
+    row.p50_us = timed.latency.pct(0.5);
+    row.p99_us = timed.latency.pct(0.99);
+    row.round_trips = ping_p50.zip(row.p50_us).map(|(p, l)| l / p);
+    row.note = Some(format!(
+        "{} handoffs, hold {:?}, p99 {}",
+        timed.latency.us.len(),
+        plan.hold,
+        ping_p50
+            .zip(row.p99_us)
+            .map(|(p, l)| format!("{:.1} round trips", l / p))
+            .unwrap_or_else(|| "-".to_owned())
+    ));
+    rows.push(row);
+
+    let n = counted.handoffs as f64;
+    let calls = counted.calls;
+    let mut row = Row::new(backend, calls_name, format!("W={w}"));
+    row.round_trips = Some(calls.ops() as f64 / n);
+    row.note = Some(format!(
+        "try_acquire {:.2}, release {:.2}, extend {:.2}, watch {:.2} per handoff (counted at the client through a conformance Link, in an untimed pass)",
+        calls.try_acquire as f64 / n,
+        calls.release as f64 / n,
+        calls.extend as f64 / n,
+        calls.watch as f64 / n
+    ));
+    rows.push(row);
+
+    let mut row = Row::new(backend, server_name, format!("W={w}"));
+    let n = timed.handoffs as f64;
+    match timed.server.total {
+        Some(total) => {
+            row.round_trips = Some(total as f64 / n);
+            row.note = Some(format!(
+                "{}: {}",
+                probe::source(backend, &timed.server, n),
+                timed.server.top(n, 6)
+            ));
+        }
+        None => {
+            row.round_trips = Some(calls.ops() as f64 / counted.handoffs as f64);
+            row.note = Some(
+                match backend {
+                    Backend::Memory => "backend calls counted at the client (in-process)",
+                    _ => "lock calls counted at the client (the server has no counters)",
+                }
+                .to_owned(),
+            );
+        }
+    }
+    rows.push(row);
     Ok(rows)
 }
 
@@ -118,7 +176,7 @@ struct HandoffState {
 }
 
 /// W waiters (each its own client, so its own connections) and one holder
-/// cycle through one key. After releasing, a worker waits until someone else
+/// cycle through one key (`through`: its lock, or its semaphore of 1). After releasing, a worker waits until someone else
 /// acquired before it queues again, so every handoff goes to a waiter that
 /// was already waiting. The counters (`probe`, `link`) are read at the
 /// first and the last measured acquisition, by the acquirer, while it holds
@@ -129,13 +187,12 @@ async fn handoff(
     probe: Option<&mut Probe>,
     link: Option<&Link>,
     w: usize,
+    through: Through,
 ) -> BenchResult<HandoffOutcome> {
     static RUN: AtomicU64 = AtomicU64::new(0);
     let run = RUN.fetch_add(1, Ordering::Relaxed);
     let key = LockKey::new(format!("handoff-{run}-w{w}")).map_err(|e| e.to_string())?;
-    let options = LockOptions::new(TTL)
-        .with_wait(Duration::from_secs(120))
-        .with_renewal(Renewal::Off);
+    let options = through.options();
     let state = Arc::new(Mutex::new(HandoffState::default()));
     let (gen_tx, gen_rx) = watch::channel(0usize);
     let gen_tx = Arc::new(gen_tx);

@@ -10,6 +10,10 @@ pub type BenchResult<T> = Result<T, String>;
 /// during a run.
 pub const TTL: Duration = Duration::from_secs(10);
 
+/// The limit of the semaphores the uncontended permit rows take a permit
+/// of (each fresh, so never full).
+pub const PERMIT_LIMIT: u32 = 3;
+
 /// Handoffs run before the measured ones (connections, subscriptions).
 pub const WARMUP_HANDOFFS: usize = 10;
 

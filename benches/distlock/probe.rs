@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 
+use distlock::postgres::DEFAULT_SEMAPHORE_TABLE;
 use distlock_conformance::fault::Link;
 use distlock_conformance::server::etcd_grpc_started;
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -78,9 +79,21 @@ pub fn source(backend: Backend, count: &ServerCount, per: f64) -> String {
     }
 }
 
-/// The commands distlock-redis's scripts run inside EVALSHA.
+/// The commands distlock-redis's scripts (the locks' and the permits')
+/// run inside EVALSHA.
 const REDIS_SCRIPT_INNER: &[&str] = &[
-    "type", "get", "set", "del", "pttl", "pexpire", "publish", "time",
+    "type",
+    "get",
+    "set",
+    "del",
+    "pttl",
+    "pexpire",
+    "publish",
+    "time",
+    "zadd",
+    "zrange",
+    "zrem",
+    "zremrangebyscore",
 ];
 
 /// Reads one server's own counters.
@@ -214,14 +227,24 @@ async fn pg_statements(url: &str) -> Option<PgPool> {
 /// (`pg_stat_statements` shows constants such as NULL as parameters).
 fn pg_label(query: &str) -> String {
     let q = query.split_whitespace().collect::<Vec<_>>().join(" ");
-    let name = if q.contains("INSERT INTO") {
+    // A release also sets `expires_at` (up to when it was given up), so
+    // `pg_notify` is looked for first.
+    let name = if q.contains(DEFAULT_SEMAPHORE_TABLE) {
+        if q.contains("INSERT INTO") {
+            "permit acquire"
+        } else if q.contains("pg_notify") {
+            "permit release"
+        } else {
+            "permit extend"
+        }
+    } else if q.contains("INSERT INTO") {
         "acquire"
-    } else if q.contains("SET expires_at") {
-        "extend"
     } else if q.contains("pg_notify") && q.contains("fencing = $4") {
         "release"
     } else if q.contains("pg_notify") {
         "abandon/force-release"
+    } else if q.contains("SET expires_at") {
+        "extend"
     } else {
         return q.chars().take(24).collect();
     };
@@ -241,10 +264,12 @@ impl Calls {
     /// What `link` carried so far.
     pub fn of(link: &Link) -> Calls {
         Calls {
-            try_acquire: link.requests("try_acquire") + link.requests("try_acquire_renewing"),
-            extend: link.requests("extend"),
-            release: link.requests("release"),
-            watch: link.requests("watch"),
+            try_acquire: link.requests("try_acquire")
+                + link.requests("try_acquire_renewing")
+                + link.requests("acquire_permit"),
+            extend: link.requests("extend") + link.requests("extend_permit"),
+            release: link.requests("release") + link.requests("release_permit"),
+            watch: link.requests("watch") + link.requests("watch_permits"),
         }
     }
 

@@ -4,15 +4,25 @@
 //! minimal commands of an acquire + release itself (PostgreSQL: the
 //! library's own two statements, `distlock_postgres::StatementTexts`, so the
 //! baseline cannot drift from what the backend sends).
+//!
+//! The same for a permit of a semaphore: Redis, one script that drops
+//! expired permits from a sorted set, counts, takes the next fencing token
+//! and adds the permit, and a `ZREM`; etcd, a read of the permits, a lease
+//! grant, a transaction putting the permit on it and reading the permits
+//! (its place is its grant), a delete transaction and a revoke in the
+//! background (as the library's); PostgreSQL, the library's own permit
+//! statements (`distlock_postgres::PermitStatementTexts`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use distlock::etcd::etcd_client::{
-    Client as EtcdClient, Compare, CompareOp, ConnectOptions, KvClient, LeaseClient, PutOptions,
-    Txn, TxnOp,
+    Client as EtcdClient, Compare, CompareOp, ConnectOptions, GetOptions, KvClient, LeaseClient,
+    PutOptions, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse,
 };
-use distlock::postgres::{StatementTexts, DEFAULT_SCHEMA, DEFAULT_TABLE};
+use distlock::postgres::{
+    PermitStatementTexts, StatementTexts, DEFAULT_SCHEMA, DEFAULT_SEMAPHORE_TABLE, DEFAULT_TABLE,
+};
 use distlock::redis::redis::{self, aio::ConnectionManager, Script};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
@@ -22,12 +32,30 @@ use crate::servers::Backend;
 const REDIS_RELEASE: &str =
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end";
 
+/// A permit: drop expired ones (scores are expiries in server ms), refuse
+/// at the limit, else the next fencing token and the permit
+/// `<owner>:<token>`. KEYS: permit set, fence. ARGV: owner, ttl ms, limit.
+const REDIS_ACQUIRE_PERMIT: &str = r#"
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
+local token = redis.call('INCR', KEYS[2])
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1] .. ':' .. token)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return token
+"#;
+
+/// The channel the raw PostgreSQL releases notify.
+const PG_CHANNEL: &str = "distlock_rawbench";
+
 /// A raw client for one backend.
 #[derive(Clone)]
 pub enum Raw {
     Redis {
         conn: ConnectionManager,
         release: Script,
+        acquire_permit: Script,
     },
     Etcd {
         kv: Box<KvClient>,
@@ -37,6 +65,9 @@ pub enum Raw {
         pool: PgPool,
         /// The library's own acquire and release, on its default table.
         statements: Arc<StatementTexts>,
+        /// The library's own permit acquire and release, on its default
+        /// semaphore table.
+        permits: Arc<PermitStatementTexts>,
     },
 }
 
@@ -56,12 +87,21 @@ impl Raw {
                 let mut conn = ConnectionManager::new_with_config(client, config)
                     .await
                     .map_err(|e| e.to_string())?;
-                let release = Script::new(REDIS_RELEASE);
-                release
-                    .load_async(&mut conn)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                Ok(Raw::Redis { conn, release })
+                let (release, acquire_permit) = (
+                    Script::new(REDIS_RELEASE),
+                    Script::new(REDIS_ACQUIRE_PERMIT),
+                );
+                for script in [&release, &acquire_permit] {
+                    script
+                        .load_async(&mut conn)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                }
+                Ok(Raw::Redis {
+                    conn,
+                    release,
+                    acquire_permit,
+                })
             }
             Backend::Etcd => {
                 let options = ConnectOptions::new()
@@ -87,6 +127,10 @@ impl Raw {
                 Ok(Raw::Postgres {
                     pool,
                     statements: Arc::new(StatementTexts::new(DEFAULT_SCHEMA, DEFAULT_TABLE)),
+                    permits: Arc::new(PermitStatementTexts::new(
+                        DEFAULT_SCHEMA,
+                        DEFAULT_SEMAPHORE_TABLE,
+                    )),
                 })
             }
         }
@@ -122,7 +166,7 @@ impl Raw {
     pub async fn acquire_release(&self, key: &str, n: u64, ttl: Duration) -> Result<(), String> {
         let owner = owner_hex(n);
         match self {
-            Raw::Redis { conn, release } => {
+            Raw::Redis { conn, release, .. } => {
                 let mut conn = conn.clone();
                 let key = format!("rawbench:{{{key}}}:lock");
                 let ok: Option<String> = redis::cmd("SET")
@@ -180,7 +224,9 @@ impl Raw {
                 }
                 Ok(())
             }
-            Raw::Postgres { pool, statements } => {
+            Raw::Postgres {
+                pool, statements, ..
+            } => {
                 use sqlx::Row;
                 // Each acquisition has an owner of its own, so any send
                 // number will do; release names the acquire's.
@@ -205,7 +251,7 @@ impl Raw {
                     .bind(key)
                     .bind(&owner)
                     .bind(fencing)
-                    .bind("distlock_rawbench")
+                    .bind(PG_CHANNEL)
                     .bind(send)
                     .fetch_one(pool)
                     .await
@@ -213,6 +259,154 @@ impl Raw {
                 let done: i64 = row.try_get("done").map_err(|e| e.to_string())?;
                 if done != 1 {
                     return Err(format!("raw release did not release {key}"));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Takes a permit of `key`'s semaphore of `limit` for `ttl` and gives
+    /// it back, with the minimal commands.
+    pub async fn permit_acquire_release(
+        &self,
+        key: &str,
+        n: u64,
+        limit: u32,
+        ttl: Duration,
+    ) -> Result<(), String> {
+        let owner = owner_hex(n);
+        match self {
+            Raw::Redis {
+                conn,
+                acquire_permit,
+                ..
+            } => {
+                let mut conn = conn.clone();
+                let (set, fence) = (
+                    format!("rawbench:{{{key}}}:sem"),
+                    format!("rawbench:{{{key}}}:sem-fence"),
+                );
+                let token: i64 = acquire_permit
+                    .key(&set)
+                    .key(&fence)
+                    .arg(&owner)
+                    .arg(ttl.as_millis() as u64)
+                    .arg(limit)
+                    .invoke_async(&mut conn)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if token == 0 {
+                    return Err(format!("raw permit refused on fresh semaphore {set}"));
+                }
+                let removed: i64 = redis::cmd("ZREM")
+                    .arg(&set)
+                    .arg(format!("{owner}:{token}"))
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if removed != 1 {
+                    return Err(format!("raw ZREM did not give back the permit of {set}"));
+                }
+                Ok(())
+            }
+            Raw::Etcd { kv, leases } => {
+                let (mut kv, mut leases) = (KvClient::clone(kv), LeaseClient::clone(leases));
+                let prefix = format!("rawbench/sem/{key}/permits/");
+                let permit = format!("{prefix}{owner}");
+                let oldest_first = || {
+                    GetOptions::new()
+                        .with_prefix()
+                        .with_sort(SortTarget::Create, SortOrder::Ascend)
+                };
+                let before = kv
+                    .get(prefix.as_str(), Some(oldest_first()))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if before.kvs().len() >= limit as usize {
+                    return Err(format!("raw permit read found {prefix} full"));
+                }
+                let lease = leases
+                    .grant(ttl.as_secs().max(1) as i64, None)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .id();
+                let join = Txn::new()
+                    .when([Compare::create_revision(
+                        permit.as_str(),
+                        CompareOp::Equal,
+                        0,
+                    )])
+                    .and_then([
+                        TxnOp::put(
+                            permit.as_str(),
+                            owner.as_str(),
+                            Some(PutOptions::new().with_lease(lease)),
+                        ),
+                        TxnOp::get(prefix.as_str(), Some(oldest_first())),
+                    ]);
+                let reply = kv.txn(join).await.map_err(|e| e.to_string())?;
+                let line = reply
+                    .op_responses()
+                    .into_iter()
+                    .find_map(|op| match op {
+                        TxnOpResponse::Get(get) => Some(get.kvs().to_vec()),
+                        _ => None,
+                    })
+                    .unwrap_or_default();
+                let place = line.iter().position(|kv| kv.key() == permit.as_bytes());
+                let fencing = match place {
+                    Some(place) if reply.succeeded() && place < limit as usize => {
+                        line[place].create_revision()
+                    }
+                    _ => return Err(format!("raw permit not granted in {prefix}")),
+                };
+                let release = Txn::new()
+                    .when([Compare::create_revision(
+                        permit.as_str(),
+                        CompareOp::Equal,
+                        fencing,
+                    )])
+                    .and_then([TxnOp::delete(permit.as_str(), None)]);
+                let reply = kv.txn(release).await.map_err(|e| e.to_string())?;
+                if !reply.succeeded() {
+                    return Err(format!("raw permit delete refused for {permit}"));
+                }
+                // The library revokes a released permit's lease in the
+                // background too.
+                tokio::spawn(async move {
+                    let _ = leases.revoke(lease).await;
+                });
+                Ok(())
+            }
+            Raw::Postgres { pool, permits, .. } => {
+                use sqlx::Row;
+                let row = sqlx::query(&permits.acquire)
+                    .bind("rawbench")
+                    .bind(key)
+                    .bind(&owner)
+                    .bind(ttl.as_millis() as i64)
+                    .bind(i64::from(limit))
+                    .fetch_optional(pool)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .ok_or_else(|| format!("raw permit acquire returned no row for {key}"))?;
+                let granted: bool = row.try_get("granted").map_err(|e| e.to_string())?;
+                if !granted {
+                    return Err(format!("raw permit refused on fresh semaphore {key}"));
+                }
+                let fencing: i64 = row.try_get("fencing").map_err(|e| e.to_string())?;
+                let row = sqlx::query(&permits.release)
+                    .bind("rawbench")
+                    .bind(key)
+                    .bind(&owner)
+                    .bind(fencing)
+                    .bind(PG_CHANNEL)
+                    .fetch_one(pool)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let done: i64 = row.try_get("done").map_err(|e| e.to_string())?;
+                if done != 1 {
+                    return Err(format!("raw permit release did not release {key}"));
                 }
                 Ok(())
             }

@@ -1,5 +1,7 @@
 //! Uncontended try-acquire + release of fresh keys, the library beside the
-//! raw commands and a plain round trip, at 1 and 64 tasks.
+//! raw commands and a plain round trip, at 1 and 64 tasks; the same for a
+//! permit of a fresh semaphore of [`PERMIT_LIMIT`], in the same interleaved
+//! batches.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -7,7 +9,7 @@ use std::time::Instant;
 
 use distlock::{LockClient, LockKey};
 
-use crate::plan::{BenchResult, Plan, TTL};
+use crate::plan::{BenchResult, Plan, PERMIT_LIMIT, TTL};
 use crate::raw::Raw;
 use crate::report::{Row, Samples};
 use crate::servers::{self, Backend, Server};
@@ -17,6 +19,8 @@ enum Kind {
     Lib,
     Raw,
     Ping,
+    LibPermit,
+    RawPermit,
 }
 
 /// The uncontended rows (library, raw, round trip per task count) and the
@@ -31,40 +35,20 @@ pub async fn rows(
     let mut rows = Vec::new();
     let mut ping_p50 = None;
     for tasks in [1usize, 64] {
-        let (lib_s, raw_s, ping_s) = uncontended(plan, server, lib, raw, tasks).await?;
-        let raw_ops = raw_s.as_ref().and_then(Samples::ops_per_s);
-        let lib_ops = lib_s.ops_per_s();
-        let ops_ratio = raw_ops.zip(lib_ops).map(|(r, l)| r / l);
-        let ratio = raw_s
-            .as_ref()
-            .and_then(|r| r.pct(0.5))
-            .zip(lib_s.pct(0.5))
-            .map(|(r, l)| l / r);
+        let mut samples = uncontended(plan, server, lib, raw, tasks).await?;
+        let mut take = |kind: Kind| samples.remove(&(kind as u8));
+        let (lib_s, raw_s, ping_s) = (take(Kind::Lib), take(Kind::Raw), take(Kind::Ping));
+        let (permit_s, raw_permit_s) = (take(Kind::LibPermit), take(Kind::RawPermit));
         if tasks == 1 {
             ping_p50 = ping_s.as_ref().and_then(|p| p.pct(0.5));
         }
-        let mut row = Row::new(backend, "uncontended_library", format!("tasks={tasks}"));
-        row.p50_us = lib_s.pct(0.5);
-        row.p99_us = lib_s.pct(0.99);
-        row.ops_per_s = lib_ops;
-        row.ratio_vs_raw = ratio;
-        row.round_trips = ping_p50.zip(lib_s.pct(0.5)).map(|(p, l)| l / p);
-        row.note = Some(match ops_ratio {
-            Some(r) => format!("ops/s ratio {r:.2}; {}", lib_s.cpu_note(true)),
-            None => lib_s.cpu_note(false),
-        });
-        rows.push(row);
-        if let Some(raw_s) = raw_s {
-            let mut row = Row::new(backend, "uncontended_raw", format!("tasks={tasks}"));
-            row.p50_us = raw_s.pct(0.5);
-            row.p99_us = raw_s.pct(0.99);
-            row.ops_per_s = raw_ops;
-            row.round_trips = ping_p50.zip(raw_s.pct(0.5)).map(|(p, l)| l / p);
-            row.note = Some(raw_s.cpu_note(true));
-            rows.push(row);
-        }
+        let param = format!("tasks={tasks}");
+        let lock = ["uncontended_library", "uncontended_raw"];
+        rows.extend(beside_raw(
+            backend, lock, &param, lib_s, raw_s, ping_p50, "",
+        ));
         if let Some(ping_s) = ping_s {
-            let mut row = Row::new(backend, "round_trip", format!("tasks={tasks}"));
+            let mut row = Row::new(backend, "round_trip", param.clone());
             row.p50_us = ping_s.pct(0.5);
             row.p99_us = ping_s.pct(0.99);
             row.ops_per_s = ping_s.ops_per_s();
@@ -80,23 +64,78 @@ pub async fn rows(
             );
             rows.push(row);
         }
+        let permit = ["uncontended_permit_library", "uncontended_permit_raw"];
+        let limit = format!("limit {PERMIT_LIMIT}; ");
+        rows.extend(beside_raw(
+            backend,
+            permit,
+            &param,
+            permit_s,
+            raw_permit_s,
+            ping_p50,
+            &limit,
+        ));
     }
     Ok((rows, ping_p50))
 }
 
-/// Uncontended try-acquire + release of fresh keys with `tasks` concurrent
-/// tasks, library / raw / ping batches interleaved.
+/// The library's row (its p50 as a ratio to the raw one's) and the raw
+/// commands' row, named `names`; `note` starts each note.
+fn beside_raw(
+    backend: Backend,
+    names: [&'static str; 2],
+    param: &str,
+    lib_s: Option<Samples>,
+    raw_s: Option<Samples>,
+    ping_p50: Option<f64>,
+    note: &str,
+) -> Vec<Row> {
+    let mut rows = Vec::new();
+    let lib_s = lib_s.unwrap_or_default();
+    let raw_ops = raw_s.as_ref().and_then(Samples::ops_per_s);
+    let lib_ops = lib_s.ops_per_s();
+    let ops_ratio = raw_ops.zip(lib_ops).map(|(r, l)| r / l);
+    let mut row = Row::new(backend, names[0], param);
+    row.p50_us = lib_s.pct(0.5);
+    row.p99_us = lib_s.pct(0.99);
+    row.ops_per_s = lib_ops;
+    row.ratio_vs_raw = raw_s
+        .as_ref()
+        .and_then(|r| r.pct(0.5))
+        .zip(lib_s.pct(0.5))
+        .map(|(r, l)| l / r);
+    row.round_trips = ping_p50.zip(lib_s.pct(0.5)).map(|(p, l)| l / p);
+    row.note = Some(match ops_ratio {
+        Some(r) => format!("{note}ops/s ratio {r:.2}; {}", lib_s.cpu_note(true)),
+        None => format!("{note}{}", lib_s.cpu_note(false)),
+    });
+    rows.push(row);
+    if let Some(raw_s) = raw_s {
+        let mut row = Row::new(backend, names[1], param);
+        row.p50_us = raw_s.pct(0.5);
+        row.p99_us = raw_s.pct(0.99);
+        row.ops_per_s = raw_ops;
+        row.round_trips = ping_p50.zip(raw_s.pct(0.5)).map(|(p, l)| l / p);
+        row.note = Some(format!("{note}{}", raw_s.cpu_note(true)));
+        rows.push(row);
+    }
+    rows
+}
+
+/// Uncontended try-acquire + release of fresh keys (and of permits of
+/// fresh semaphores) with `tasks` concurrent tasks, library / raw / ping
+/// batches interleaved; the samples of each kind.
 async fn uncontended(
     plan: &Plan,
     server: &Server,
     lib: &LockClient,
     raw: Option<&Raw>,
     tasks: usize,
-) -> BenchResult<(Samples, Option<Samples>, Option<Samples>)> {
+) -> BenchResult<BTreeMap<u8, Samples>> {
     let backend = server.backend;
-    let mut kinds = vec![Kind::Lib];
+    let mut kinds = vec![Kind::Lib, Kind::LibPermit];
     if raw.is_some() {
-        kinds.extend([Kind::Raw, Kind::Ping]);
+        kinds.extend([Kind::Raw, Kind::Ping, Kind::RawPermit]);
     }
     let mut out: BTreeMap<u8, Samples> = BTreeMap::new();
     static SEQ: AtomicU64 = AtomicU64::new(0);
@@ -120,11 +159,7 @@ async fn uncontended(
             out.entry(kind as u8).or_default().merge(s);
         }
     }
-    Ok((
-        out.remove(&(Kind::Lib as u8)).unwrap_or_default(),
-        out.remove(&(Kind::Raw as u8)),
-        out.remove(&(Kind::Ping as u8)),
-    ))
+    Ok(out)
 }
 
 async fn run_batch(
@@ -148,21 +183,30 @@ async fn run_batch(
                 let key = format!("u{n}");
                 let t = Instant::now();
                 match kind {
-                    Kind::Lib => {
+                    Kind::Lib | Kind::LibPermit => {
                         let key = LockKey::new(key).map_err(|e| e.to_string())?;
-                        let lease = lib
-                            .try_acquire(&key, TTL)
-                            .await
-                            .map_err(|e| format!("{} try_acquire: {e}", backend.name()))?
+                        let attempt = if kind == Kind::LibPermit {
+                            lib.try_acquire_permit(&key, PERMIT_LIMIT, TTL).await
+                        } else {
+                            lib.try_acquire(&key, TTL).await
+                        };
+                        let lease = attempt
+                            .map_err(|e| format!("{} {kind:?} try-acquire: {e}", backend.name()))?
                             .lease()
-                            .ok_or_else(|| format!("fresh key {key} was held"))?;
+                            .ok_or_else(|| format!("{kind:?}: fresh key {key} was taken"))?;
                         lib.release(&lease)
                             .await
-                            .map_err(|e| format!("{} release: {e}", backend.name()))?;
+                            .map_err(|e| format!("{} {kind:?} release: {e}", backend.name()))?;
                     }
                     Kind::Raw => {
                         if let Some(raw) = &raw {
                             raw.acquire_release(&key, n, TTL).await?;
+                        }
+                    }
+                    Kind::RawPermit => {
+                        if let Some(raw) = &raw {
+                            raw.permit_acquire_release(&key, n, PERMIT_LIMIT, TTL)
+                                .await?;
                         }
                     }
                     Kind::Ping => {

@@ -11,6 +11,10 @@
 //! - a deliberately non-atomic counter (read, yield, write — a lost update
 //!   whenever two sections interleave) lost no increment.
 //!
+//! For a semaphore of N permits, [`ExclusionChecker::verify_at_most`] proves
+//! instead that no more than N sections of a key were open at once, each
+//! under a fencing token of its own.
+//!
 //! ```
 //! use distlock_conformance::checker::ExclusionChecker;
 //! use distlock_core::{FencingToken, LockKey};
@@ -29,7 +33,7 @@
 //! # }
 //! ```
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -61,6 +65,15 @@ pub struct CheckReport {
     pub counters: HashMap<LockKey, u64>,
     /// Per key: how many sections ran on it.
     pub sections_per_key: HashMap<LockKey, usize>,
+}
+
+/// What [`ExclusionChecker::verify_at_most`] found when the limit held.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitReport {
+    /// How many sections were recorded, over all keys.
+    pub sections: usize,
+    /// Per key: the most sections open at once.
+    pub most_at_once: HashMap<LockKey, usize>,
 }
 
 /// Records critical sections from many tasks and clients and proves they
@@ -184,18 +197,68 @@ impl ExclusionChecker {
         self.check(false)
     }
 
-    fn check(&self, token_order: bool) -> Result<CheckReport, String> {
+    /// Every section recorded so far, per key, in the order they started.
+    fn by_key(&self) -> HashMap<LockKey, Vec<Section>> {
         let mut by_key: HashMap<LockKey, Vec<Section>> = HashMap::new();
         for section in self.sections() {
             by_key.entry(section.key.clone()).or_default().push(section);
         }
+        for sections in by_key.values_mut() {
+            sections.sort_by_key(|s| s.start);
+        }
+        by_key
+    }
+
+    /// Proves a semaphore's limit over everything recorded: per key, never
+    /// more than `limit` sections open at once, and no two sections under
+    /// one fencing token (every permit granted has its own). Returns a
+    /// message naming the first violation otherwise. The guarded counter is
+    /// not checked: up to `limit` holders legitimately interleave.
+    pub fn verify_at_most(&self, limit: usize) -> Result<LimitReport, String> {
+        let mut report = LimitReport {
+            sections: 0,
+            most_at_once: HashMap::new(),
+        };
+        for (key, sections) in self.by_key() {
+            let mut tokens = HashSet::new();
+            let mut open: Vec<&Section> = Vec::new();
+            let mut most = 0;
+            for section in &sections {
+                if !tokens.insert(section.token) {
+                    return Err(format!(
+                        "key {key:?}: two sections ran under fencing token {} (the second started at #{})",
+                        section.token, section.start
+                    ));
+                }
+                // Sequence numbers are unique, so `end < start` is "ended before".
+                open.retain(|s| s.end > section.start);
+                open.push(section);
+                if open.len() > limit {
+                    let held: Vec<String> = open
+                        .iter()
+                        .map(|s| format!("token {} (#{}..#{})", s.token, s.start, s.end))
+                        .collect();
+                    return Err(format!(
+                        "key {key:?}: {} sections open at once with a limit of {limit}: {}",
+                        open.len(),
+                        held.join(", ")
+                    ));
+                }
+                most = most.max(open.len());
+            }
+            report.sections += sections.len();
+            report.most_at_once.insert(key, most);
+        }
+        Ok(report)
+    }
+
+    fn check(&self, token_order: bool) -> Result<CheckReport, String> {
         let mut report = CheckReport {
             sections: 0,
             counters: HashMap::new(),
             sections_per_key: HashMap::new(),
         };
-        for (key, mut sections) in by_key {
-            sections.sort_by_key(|s| s.start);
+        for (key, sections) in self.by_key() {
             let mut latest: Option<&Section> = None;
             for section in &sections {
                 if let Some(prev) = latest {
@@ -276,6 +339,30 @@ mod tests {
             .critical_section(&key("a"), FencingToken::new(2))
             .await;
         assert!(checker.verify().unwrap_err().contains("did not grow"));
+    }
+
+    #[test]
+    fn limit_reached_passes_and_exceeded_is_caught() {
+        let checker = ExclusionChecker::new();
+        let a = checker.enter(&key("a"), FencingToken::new(1));
+        let b = checker.enter(&key("a"), FencingToken::new(2));
+        a.exit();
+        let c = checker.enter(&key("a"), FencingToken::new(3));
+        b.exit();
+        c.exit();
+        let report = checker.verify_at_most(2).unwrap();
+        assert_eq!(report.sections, 3);
+        assert_eq!(report.most_at_once[&key("a")], 2);
+        let err = checker.verify_at_most(1).unwrap_err();
+        assert!(err.contains("2 sections open at once"), "{err}");
+    }
+
+    #[test]
+    fn shared_permit_token_is_caught() {
+        let checker = ExclusionChecker::new();
+        checker.enter(&key("a"), FencingToken::new(7)).exit();
+        checker.enter(&key("a"), FencingToken::new(7)).exit();
+        assert!(checker.verify_at_most(3).unwrap_err().contains("token 7"));
     }
 
     #[tokio::test]

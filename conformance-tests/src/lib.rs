@@ -41,7 +41,8 @@
 //!   adopts it (`lease::same_owner_*`);
 //! - `cancel::` — the raw trait's futures dropped at random points;
 //! - `fault::` — real faults: SIGKILLed holders, resets, black holes, a dead
-//!   or stalled (SIGSTOPped) server, restarts, a torture run, and every
+//!   or stalled (SIGSTOPped) server, restarts, torture runs (locks and
+//!   permits), and every
 //!   operation applied while its reply is held past the client's timeout
 //!   (`fault::late_reply_*`: its outcome unknown to the client).
 //!
@@ -60,7 +61,7 @@
 //! nothing more from the backend's test target than the five lines above;
 //! where a hook cannot work (a server given by URL in the environment) the
 //! case is ignored with the reason. `DISTLOCK_TORTURE_SECS` sets the length
-//! of `fault::exclusion_torture` (default 30), and
+//! of `fault::exclusion_torture` and `fault::permit_torture` (default 30), and
 //! `DISTLOCK_CONFORMANCE_MEASURE=1` prints the fault cases' measured times.
 //!
 //! Third parties extend the suite with the same tools: cases of their own

@@ -11,6 +11,8 @@
 //! - [`ScheduledJob`] runs a job once per schedule fire across instances;
 //!   [`JobKey`] derives a lock key from a job name and its arguments.
 //! - [`MemoryLock`] is the in-process backend.
+//! - [`BackendDescriptor`] is how a backend crate tells the `distlock`
+//!   facade its URL schemes and how to connect.
 //! - [`LockUrl`] and [`Listener`] are the kits backends build on: one URL
 //!   parser, one notification listener.
 //! - [`LockError`] carries an [`ErrorKind`] to match on.
@@ -38,6 +40,7 @@ mod backend;
 mod capabilities;
 mod client;
 mod client_options;
+mod descriptor;
 mod error;
 mod guard;
 pub mod instrument;
@@ -65,6 +68,7 @@ pub use backend::{
 pub use capabilities::Capabilities;
 pub use client::{AcquireAttempt, LockClient};
 pub use client_options::{with_timeout, ClientOptions, DEFAULT_NAMESPACE, MAX_TIMEOUT};
+pub use descriptor::{BackendDescriptor, Connecting};
 pub use error::{ErrorKind, LockError};
 pub use guard::{LockGuard, LostReason, LostSignal};
 pub use instrument::describe_metrics;

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -11,9 +11,10 @@ use async_trait::async_trait;
 use crate::lease::later;
 
 use crate::{
-    AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
-    LockAdmin, LockBackend, LockClient, LockError, LockKey, LockState, OwnerToken, PermitReply,
-    PermitRequest, ReleaseNotifier, ReleaseReply, ReleaseWatch, SemaphoreBackend,
+    AcquireReply, AcquireRequest, BackendDescriptor, Capabilities, Connecting, ExtendReply,
+    FencingToken, Grant, HeldLock, LockAdmin, LockBackend, LockClient, LockError, LockKey,
+    LockState, OwnerToken, PermitReply, PermitRequest, ReleaseNotifier, ReleaseReply, ReleaseWatch,
+    SemaphoreBackend,
 };
 
 #[derive(Debug)]
@@ -68,6 +69,27 @@ fn live_permit<'a>(
         .find(|p| p.owner == permit.owner && p.fencing == permit.fencing && p.expires_at > now)
 }
 
+/// [`MemoryLock::DESCRIPTOR`]'s connect: a client of the process-wide
+/// server named by what follows `memory://`.
+fn connect_named(url: &str) -> Connecting<'_> {
+    Box::pin(async move {
+        match url.split_once("://") {
+            Some((scheme, name)) if scheme.eq_ignore_ascii_case("memory") => {
+                Ok(named_server(name).client())
+            }
+            _ => Err(LockError::config(format!("{url:?} is not a memory:// URL"))),
+        }
+    })
+}
+
+/// The process-wide in-memory server called `name`.
+fn named_server(name: &str) -> MemoryLock {
+    static SERVERS: OnceLock<Mutex<HashMap<String, MemoryLock>>> = OnceLock::new();
+    let servers = SERVERS.get_or_init(Default::default);
+    let mut servers = servers.lock().unwrap_or_else(|e| e.into_inner());
+    servers.entry(name.to_owned()).or_default().clone()
+}
+
 /// An in-memory lock server, shared by every clone.
 ///
 /// It is a product backend, not a test double: it passes the whole
@@ -100,6 +122,28 @@ pub struct MemoryLock {
 }
 
 impl MemoryLock {
+    /// The in-memory backend as the `distlock` facade opens it:
+    /// `memory://NAME` URLs, where clients of one process share one server
+    /// per name (`memory://` is the name "").
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use distlock_core::{LockKey, MemoryLock};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock_core::LockError> {
+    /// let a = MemoryLock::DESCRIPTOR.connect("memory://jobs").await?;
+    /// let b = MemoryLock::DESCRIPTOR.connect("memory://jobs").await?;
+    /// let key = LockKey::new("report")?;
+    /// let ttl = Duration::from_secs(10);
+    /// let lease = a.try_acquire(&key, ttl).await?.lease().expect("free");
+    /// assert!(b.try_acquire(&key, ttl).await?.lease().is_none(), "one server per name");
+    /// # a.release(&lease).await?;
+    /// # Ok(()) }
+    /// ```
+    pub const DESCRIPTOR: BackendDescriptor =
+        BackendDescriptor::new("memory", &["memory"], connect_named);
+
     /// A new, empty lock server.
     pub fn new() -> Self {
         Self::default()

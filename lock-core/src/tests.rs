@@ -19,13 +19,16 @@ use crate::{
 /// `stall_replies` every attempt that is not settling is applied and then
 /// never answered (a server holding the reply, as Redis's `WAIT` does for a
 /// missing replica); with `corrupt_extends` every extend answers
-/// `Corrupted` (foreign data at the key).
+/// `Corrupted` (foreign data at the key); with `resent_releases` every
+/// release is applied and then answered `NotHeldAfterResend` (its first
+/// send's reply was lost, and the resend found the lock gone).
 #[derive(Debug, Default)]
 struct Faulty {
     server: MemoryLock,
     lost_replies: AtomicUsize,
     stall_replies: bool,
     corrupt_extends: bool,
+    resent_releases: bool,
     attempts: AtomicUsize,
     settling_attempts: AtomicUsize,
     /// Signalled when a stalled attempt has been applied.
@@ -72,7 +75,11 @@ impl LockBackend for Faulty {
     }
 
     async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
-        self.server.release(lock).await
+        let reply = self.server.release(lock).await?;
+        if self.resent_releases {
+            return Ok(ReleaseReply::NotHeldAfterResend);
+        }
+        Ok(reply)
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
@@ -189,4 +196,34 @@ async fn renewal_finding_foreign_data_loses_the_lock_at_once() {
         Instant::now() < guard.stop_moment(),
         "lost before the stop moment"
     );
+}
+
+/// A release answered `NotHeldAfterResend` is reported done while the
+/// lease is still valid by the client's conservative clock (only a release,
+/// its own first send, can have freed the lock before then), and as
+/// `NotHeld` once the lease may have expired (then expiry or a takeover
+/// may have freed it: the caller must not believe it released the lock).
+#[tokio::test]
+async fn a_release_gone_on_resend_is_done_only_while_the_lease_is_valid() {
+    let backend = Arc::new(Faulty {
+        resent_releases: true,
+        ..Faulty::default()
+    });
+    let client = LockClient::new(backend.clone());
+    let valid = client.try_acquire(&key(), TTL).await.unwrap();
+    let valid = valid.lease().expect("free");
+    client
+        .release(&valid)
+        .await
+        .expect("released by its first send");
+    assert_eq!(backend.server.held_count(), 0);
+
+    let short = Duration::from_millis(20);
+    let expired = client.try_acquire(&key(), short).await.unwrap();
+    let expired = expired.lease().expect("free");
+    while !expired.is_expired() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let err = client.release(&expired).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotHeld, "{err}");
 }

@@ -7,17 +7,17 @@ use distlock_core::{FencingToken, LockAdmin, LockError, LockKey, LockState};
 use etcd_client::{Compare, CompareOp, KeyValue, Txn, TxnOp};
 
 use crate::backend::EtcdLock;
-use crate::errors::Repeat;
+use crate::requests::Repeat;
 use crate::txn;
 
 impl EtcdLock {
     /// Reads the lock key: `None` if absent, else the key-value after
     /// checking distlock wrote it.
     async fn read_lock(&self, key: &LockKey) -> Result<Option<KeyValue>, LockError> {
-        let etcd_key = self.inner.layout.lock_key(key);
-        let kv = &self.inner.kv;
+        let etcd_key = self.etcd().layout.lock_key(key);
+        let kv = &self.etcd().kv;
         let reply = self
-            .inner
+            .etcd()
             .requests
             .send("etcd get", Repeat::Safe, || {
                 let mut kv = kv.clone();
@@ -39,10 +39,10 @@ impl LockAdmin for EtcdLock {
         let Some(found) = self.read_lock(key).await? else {
             return Ok(LockState::Free);
         };
-        let leases = &self.inner.leases;
+        let leases = &self.etcd().leases;
         let lease_id = found.lease();
         let ttl = self
-            .inner
+            .etcd()
             .requests
             .send("etcd lease time-to-live", Repeat::Safe, || {
                 let mut leases = leases.clone();
@@ -62,7 +62,7 @@ impl LockAdmin for EtcdLock {
         };
         // Delete exactly the lock that was read (and checked to be ours), so
         // a value written in between is never removed unseen.
-        let etcd_key = self.inner.layout.lock_key(key);
+        let etcd_key = self.etcd().layout.lock_key(key);
         let delete = Txn::new()
             .when([Compare::mod_revision(
                 etcd_key.clone(),
@@ -71,6 +71,7 @@ impl LockAdmin for EtcdLock {
             )])
             .and_then([TxnOp::delete(etcd_key, None)]);
         let reply = self
+            .etcd()
             .run_txn("etcd force release", Repeat::IfUnapplied, delete)
             .await?;
         if !reply.succeeded() {

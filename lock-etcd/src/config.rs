@@ -7,6 +7,7 @@
 //! named `with_` and the setting (`with_credentials(..)`).
 
 use std::fmt;
+use std::time::Duration;
 
 use distlock_core::{ClientOptions, LockError, LockUrl};
 
@@ -14,6 +15,16 @@ use crate::SCHEMES;
 
 /// The port used when an endpoint in the URL has none.
 pub const DEFAULT_PORT: u16 = 2379;
+
+/// The smallest lease etcd grants with its default settings is 2 s
+/// (1.5 × the 1 s election timeout, rounded up); a server tuned for short
+/// election timeouts grants 1 s. We ask for what the caller wants, rounded up
+/// to whole seconds, and use the TTL the server reports.
+pub(crate) const MIN_TTL: Duration = Duration::from_secs(1);
+
+/// etcd's largest lease TTL (`MaxLeaseTTL`, 9 000 000 000 s); we cap lower,
+/// at distlock-core's default of a year.
+pub(crate) const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// How an [`EtcdLock`](crate::EtcdLock) reaches etcd.
 ///

@@ -185,13 +185,15 @@
 mod admin;
 mod backend;
 mod config;
+mod connect;
+mod connection;
 mod errors;
 mod fence;
 mod health;
-mod keepalive;
 mod keys;
 mod listener;
 mod queue;
+mod requests;
 mod semaphore;
 mod session;
 #[cfg(feature = "tls")]
@@ -200,6 +202,17 @@ mod txn;
 
 /// The URL schemes this backend opens (`etcds://` needs the `tls` feature).
 pub const SCHEMES: &[&str] = &["etcd", "etcds"];
+
+/// This backend for the `distlock` facade: etcd, the [`SCHEMES`], and
+/// [`EtcdLock::connect`] wrapped in a [`LockClient`](distlock_core::LockClient).
+pub const DESCRIPTOR: distlock_core::BackendDescriptor =
+    distlock_core::BackendDescriptor::new("etcd", SCHEMES, |url| {
+        Box::pin(async move {
+            Ok(distlock_core::LockClient::new(
+                EtcdLock::connect(url).await?,
+            ))
+        })
+    });
 
 pub use backend::EtcdLock;
 pub use config::{EtcdConfig, DEFAULT_PORT};

@@ -57,9 +57,9 @@ use distlock_core::{
 use etcd_client::{GetOptions, KeyValue, SortOrder, SortTarget};
 
 use crate::backend::EtcdLock;
-use crate::errors::Repeat;
 use crate::keys::{decode_permit, encode_permit};
-use crate::queue::{self, Line};
+use crate::queue::Line;
+use crate::requests::Repeat;
 use crate::txn;
 
 /// A live permit, as read.
@@ -75,7 +75,7 @@ struct Permit {
 /// Reads what a get of the permits prefix found, oldest first; anything
 /// distlock did not write is `Corrupted`, never obeyed.
 fn parse(lock: &EtcdLock, key: &LockKey, kvs: &[KeyValue]) -> Result<Vec<Permit>, LockError> {
-    let prefix = lock.inner.layout.permits_prefix(key);
+    let prefix = lock.etcd().layout.permits_prefix(key);
     kvs.iter()
         .map(|kv| {
             let name = kv.key().strip_prefix(prefix.as_slice()).unwrap_or_default();
@@ -98,24 +98,6 @@ fn parse(lock: &EtcdLock, key: &LockKey, kvs: &[KeyValue]) -> Result<Vec<Permit>
         .collect()
 }
 
-/// Whether every permit is taken, from a read of the permits prefix (for
-/// the waiter queue: a value distlock did not write counts as taken, and
-/// the waiter's attempt reports it).
-pub(crate) fn all_taken(kvs: &[KeyValue]) -> bool {
-    stored_limit(kvs).map_or(!kvs.is_empty(), |limit| {
-        kvs.len() >= usize::try_from(limit).unwrap_or(usize::MAX)
-    })
-}
-
-/// The limit stored with the permits a read of the permits prefix found,
-/// if any (values distlock did not write are passed over).
-pub(crate) fn stored_limit(kvs: &[KeyValue]) -> Option<u32> {
-    kvs.iter()
-        .filter_map(|kv| decode_permit(kv.value()))
-        .map(|(_, limit)| limit)
-        .min()
-}
-
 fn token(revision: i64) -> FencingToken {
     FencingToken::new(u64::try_from(revision).unwrap_or(0))
 }
@@ -131,10 +113,10 @@ impl EtcdLock {
         key: &LockKey,
         deadline: Instant,
     ) -> Result<Vec<Permit>, LockError> {
-        let prefix = self.inner.layout.permits_prefix(key);
-        let kv = &self.inner.kv;
+        let prefix = self.etcd().layout.permits_prefix(key);
+        let kv = &self.etcd().kv;
         let reply = self
-            .inner
+            .etcd()
             .requests
             .send_until(deadline, "etcd permits read", Repeat::Safe, || {
                 let mut kv = kv.clone();
@@ -169,14 +151,14 @@ fn decide(held: &[Permit], place: usize, limit: u32) -> Option<PermitReply> {
 #[async_trait]
 impl SemaphoreBackend for EtcdLock {
     async fn acquire_permit(&self, request: PermitRequest<'_>) -> Result<PermitReply, LockError> {
-        let layout = &self.inner.layout;
+        let layout = &self.etcd().layout;
         let key = request.key;
         let prefix = layout.permits_prefix(key);
         let permit = layout.permit_key(key, request.owner);
         let value = encode_permit(request.owner, request.limit);
         // The read, the grant and the transaction share one operation
         // timeout.
-        let deadline = self.inner.requests.deadline();
+        let deadline = self.etcd().requests.deadline();
         let before = self.read_permits(key, deadline).await?;
         let earlier = before.iter().find(|p| p.owner == request.owner);
         if earlier.is_none() {
@@ -184,8 +166,9 @@ impl SemaphoreBackend for EtcdLock {
                 return Ok(refusal);
             }
         }
-        let (lease_id, granted) = self.grant(request.ttl, deadline).await?;
+        let (lease_id, granted) = self.etcd().grant(request.ttl, deadline).await?;
         let reply = match self
+            .etcd()
             .run_txn_until(
                 deadline,
                 "etcd permit acquire",
@@ -199,7 +182,7 @@ impl SemaphoreBackend for EtcdLock {
                 // Unknown outcome: the permit, if it was put, lives on
                 // this lease; revoking it is an undo no late put outlives.
                 // A retry (same owner) joins or adopts anew.
-                self.revoke_later(lease_id);
+                self.etcd().revoke_later(lease_id);
                 return Err(e);
             }
         };
@@ -207,13 +190,13 @@ impl SemaphoreBackend for EtcdLock {
         let now = match parse(self, key, &kvs) {
             Ok(now) => now,
             Err(e) => {
-                self.revoke_later(lease_id);
+                self.etcd().revoke_later(lease_id);
                 return Err(e);
             }
         };
         let place = now.iter().position(|p| p.owner == request.owner);
         let (Some(place), true) = (place, put) else {
-            self.revoke_later(lease_id);
+            self.etcd().revoke_later(lease_id);
             return Err(LockError::corrupted(format!(
                 "the etcd permit of semaphore {:?} for this owner holds a value distlock did not write; it was left untouched — remove it or use another namespace",
                 key.as_str()
@@ -221,11 +204,11 @@ impl SemaphoreBackend for EtcdLock {
         };
         // An adopted permit's earlier lease has no key left.
         if let Some(earlier) = earlier.filter(|p| p.lease != lease_id) {
-            self.revoke_later(earlier.lease);
+            self.etcd().revoke_later(earlier.lease);
         }
         if let Some(refusal) = decide(&now, place, request.limit) {
             // Out of the line again: the revoke deletes the entry.
-            self.revoke_later(lease_id);
+            self.etcd().revoke_later(lease_id);
             return Ok(refusal);
         }
         let fencing = now[place].created;
@@ -239,7 +222,7 @@ impl SemaphoreBackend for EtcdLock {
         permit: HeldLock<'_>,
         ttl: Duration,
     ) -> Result<ExtendReply, LockError> {
-        let etcd_key = self.inner.layout.permit_key(permit.key, permit.owner);
+        let etcd_key = self.etcd().layout.permit_key(permit.key, permit.owner);
         let fencing = i64::try_from(permit.fencing.get()).unwrap_or(i64::MAX);
         self.move_to_new_lease(
             permit.fencing,
@@ -252,7 +235,7 @@ impl SemaphoreBackend for EtcdLock {
     }
 
     async fn release_permit(&self, permit: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
-        let etcd_key = self.inner.layout.permit_key(permit.key, permit.owner);
+        let etcd_key = self.etcd().layout.permit_key(permit.key, permit.owner);
         let fencing = i64::try_from(permit.fencing.get()).unwrap_or(i64::MAX);
         // The deletion wakes the first waiters (their watch).
         self.release_with(
@@ -264,7 +247,9 @@ impl SemaphoreBackend for EtcdLock {
     }
 
     async fn watch_permits(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        queue::enqueue(self, Line::Permits(key.clone()))
+        self.inner
+            .queues
+            .enqueue(Line::Permits(key.clone()))
             .await
             .map(Some)
     }

@@ -315,10 +315,21 @@ pub use config::{
 };
 pub use keys::{channel_name, MAX_IDENTIFIER_BYTES};
 #[doc(hidden)]
-pub use sql::StatementTexts;
+pub use sql::{PermitStatementTexts, StatementTexts};
 /// The driver, for building pools and connect options by hand.
 pub use sqlx;
 pub use sqlx::postgres::{PgConnectOptions, PgPool};
 
 /// The URL schemes of this backend.
 pub const SCHEMES: &[&str] = &["postgres", "postgresql"];
+
+/// This backend for the `distlock` facade: PostgreSQL, the [`SCHEMES`], and
+/// [`PostgresLock::connect`] wrapped in a [`LockClient`](distlock_core::LockClient).
+pub const DESCRIPTOR: distlock_core::BackendDescriptor =
+    distlock_core::BackendDescriptor::new("PostgreSQL", SCHEMES, |url| {
+        Box::pin(async move {
+            Ok(distlock_core::LockClient::new(
+                PostgresLock::connect(url).await?,
+            ))
+        })
+    });

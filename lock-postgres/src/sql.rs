@@ -656,6 +656,32 @@ impl StatementTexts {
     }
 }
 
+/// The text of the permit statements for the semaphore table
+/// `schema.table`, as [`StatementTexts`] gives the lock's: for the
+/// workspace benchmark's raw permit baseline. Not a stable API.
+#[doc(hidden)]
+#[derive(Debug, Clone)]
+pub struct PermitStatementTexts {
+    /// `$1` namespace, `$2` key, `$3` owner (32 lowercase hex digits), `$4`
+    /// TTL in ms, `$5` limit -> `granted bool, fencing bigint, ...`.
+    pub acquire: String,
+    /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` channel ->
+    /// `done bigint, ...`.
+    pub release: String,
+}
+
+impl PermitStatementTexts {
+    /// The statements for the semaphore table `schema.table` (unquoted
+    /// names).
+    pub fn new(schema: &str, table: &str) -> Self {
+        let statements = PermitStatements::new(schema, table);
+        Self {
+            acquire: statements.acquire.text.clone(),
+            release: statements.release.text.clone(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

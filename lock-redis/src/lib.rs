@@ -332,6 +332,17 @@ pub const SCHEMES: &[&str] = &[
     "rediss+cluster",
 ];
 
+/// This backend for the `distlock` facade: Redis, the [`SCHEMES`], and
+/// [`RedisLock::connect`] wrapped in a [`LockClient`](distlock_core::LockClient).
+pub const DESCRIPTOR: distlock_core::BackendDescriptor =
+    distlock_core::BackendDescriptor::new("Redis", SCHEMES, |url| {
+        Box::pin(async move {
+            Ok(distlock_core::LockClient::new(
+                RedisLock::connect(url).await?,
+            ))
+        })
+    });
+
 /// The redis driver this backend is built on, re-exported so applications
 /// build a [`ConnectionManager`](redis::aio::ConnectionManager) with the same
 /// version.

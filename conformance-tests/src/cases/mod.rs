@@ -307,6 +307,7 @@ pub fn all() -> Vec<Case> {
         dropped_waiters_leave_nothing_held,
         run_exclusive_lost_to_partition => Needs::Faults,
         exclusion_torture,
+        permit_torture => Needs::Semaphore,
         unreachable_is_an_error_not_held => Needs::Faults,
         stalled_server_waiters_recover => Needs::Faults,
         unreachable_extend_and_release_are_errors => Needs::Faults,

@@ -12,8 +12,8 @@ use distlock_core::{
 use tokio::sync::oneshot;
 
 use super::support::{
-    acquire, background_bound, eventually_acquire, expect_kind, expiry_bound, refused,
-    until_attempts, within,
+    acquire, background_bound, eventually_acquire, expect_kind, expect_stopped, expiry_bound,
+    refused, until_attempts, within,
 };
 use crate::context::{CaseResult, TestContext};
 use crate::{check, check_eq, Call, ObservedLock};
@@ -193,21 +193,11 @@ pub async fn lost_stops_job(ctx: TestContext) -> CaseResult {
     let stolen = stealer
         .await
         .map_err(|e| format!("stealer panicked: {e}"))??;
-    match outcome {
-        RunOutcome::Lost {
-            output,
-            fencing_token,
-            reason,
-        } => {
-            check!(output.is_none(), "a stopped job has no output");
-            check!(
-                fencing_token < stolen.fencing_token(),
-                "the thief's token is newer"
-            );
-            check_eq!(reason, LostReason::Refused, "lost reason");
-        }
-        other => return Err(format!("expected Lost, got {other:?}").into()),
-    }
+    let fencing_token = expect_stopped(outcome, LostReason::Refused)?;
+    check!(
+        fencing_token < stolen.fencing_token(),
+        "the thief's token is newer"
+    );
     check!(
         !finished.load(Ordering::SeqCst),
         "the job ran on after the loss"
@@ -484,13 +474,7 @@ pub async fn no_job_step_after_lost(ctx: TestContext) -> CaseResult {
         !stepped.load(Ordering::SeqCst),
         "a job step ran after the lost signal fired ({outcome:?})"
     );
-    match outcome {
-        RunOutcome::Lost { output, reason, .. } => {
-            check!(output.is_none(), "a stopped job has no output");
-            check_eq!(reason, LostReason::Expired, "lost reason");
-        }
-        other => return Err(format!("expected Lost, got {other:?}").into()),
-    }
+    expect_stopped(outcome, LostReason::Expired)?;
     Ok(())
 }
 

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use distlock_core::{AcquireAttempt, ErrorKind, Lease, LockClient, LockKey, LockOptions, Locker};
 
-use super::support::{background_bound, expect_kind, expiry_bound, until_attempts, within};
+use super::support::{
+    background_bound, expect_kind, expiry_bound, lock_free_key, until_attempts, within,
+};
 use crate::context::{CaseError, CaseResult, TestContext};
 use crate::{check, check_eq, ObservedLock};
 
@@ -233,23 +235,45 @@ pub async fn cancelled_waiters_leave_nothing_held(ctx: TestContext) -> CaseResul
     }
     // Anything a dropped waiter was granted is released in the background.
     let fresh = ctx.client().await?;
-    let deadline = Instant::now() + background_bound();
+    every_permit_within(
+        &fresh,
+        &key,
+        N,
+        ctx.long_ttl(),
+        background_bound(),
+        "after the dropped waiters: a dropped waiter left one held",
+    )
+    .await
+}
+
+/// Takes every permit of `key`'s semaphore of `limit` (for `ttl`), trying
+/// for up to `bound`, then gives them back; an error saying how many were
+/// free `when` otherwise.
+pub(crate) async fn every_permit_within(
+    client: &LockClient,
+    key: &LockKey,
+    limit: u32,
+    ttl: Duration,
+    bound: Duration,
+    when: &str,
+) -> CaseResult {
+    let deadline = Instant::now() + bound;
     let mut got = Vec::new();
-    while got.len() < N as usize {
-        match fresh.try_acquire_permit(&key, N, ctx.long_ttl()).await? {
+    while got.len() < limit as usize {
+        match client.try_acquire_permit(key, limit, ttl).await? {
             AcquireAttempt::Acquired(lease) => got.push(lease),
             AcquireAttempt::Held { .. } => {
                 check!(
                     Instant::now() < deadline,
-                    "only {} of {N} permits free after the dropped waiters: a dropped waiter left one held",
+                    "only {} of {limit} permits free within {bound:?} {when}",
                     got.len()
                 );
-                tokio::time::sleep(Duration::from_millis(20)).await;
+                tokio::time::sleep(super::support::POLL).await;
             }
         }
     }
     for lease in got {
-        fresh.release(&lease).await?;
+        client.release(&lease).await?;
     }
     Ok(())
 }
@@ -438,17 +462,13 @@ pub async fn one_permit_is_a_mutex(ctx: TestContext) -> CaseResult {
 /// a permit (`LockOptions::with_permits`), skipping when all are taken.
 pub async fn guards_and_run_exclusive(ctx: TestContext) -> CaseResult {
     let key = ctx.key("sem-guard");
-    let ttl = ctx.short_ttl();
+    // Renewal past the TTL, not expiry, is what is tested: a TTL a loaded
+    // machine renews in time (an etcd permit renewal is two requests).
+    let ttl = ctx.steady_ttl();
     let locker = ctx.locker().await?;
     let options = LockOptions::new(ttl).with_permits(2);
-    let first = locker
-        .try_lock(&key, &options)
-        .await?
-        .ok_or("first permit")?;
-    let second = locker
-        .try_lock(&key, &options)
-        .await?
-        .ok_or("second permit")?;
+    let first = lock_free_key(&locker, &key, &options).await?;
+    let second = lock_free_key(&locker, &key, &options).await?;
     tokio::time::sleep(ttl * 3).await;
     check!(
         !first.is_lost() && !second.is_lost(),

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use distlock_core::{
     AcquireAttempt, ErrorKind, FencingToken, Lease, LockClient, LockError, LockGuard, LockKey,
-    LockOptions, LockState, Locker,
+    LockOptions, LockState, Locker, LostReason, RunOutcome,
 };
 
 use crate::context::{CaseError, TestContext};
@@ -132,6 +132,44 @@ pub async fn eventually_acquire(
             )));
         }
         tokio::time::sleep(POLL).await;
+    }
+}
+
+/// A fresh client takes every key of `keys` (for `ttl`), each within
+/// `bound` (nothing a fault left behind stays held past its TTL), and gives
+/// each back.
+pub async fn every_key_free_within(
+    fresh: &LockClient,
+    keys: &[LockKey],
+    ttl: Duration,
+    bound: Duration,
+    what: &str,
+) -> Result<(), CaseError> {
+    for key in keys {
+        let lease = eventually_acquire(fresh, key, ttl, bound, what).await?;
+        fresh.release(&lease).await?;
+    }
+    Ok(())
+}
+
+/// The fencing token of a job that `run_exclusive` stopped because its
+/// lock was lost for `reason` (a stopped job has no output); an error for
+/// any other outcome.
+pub fn expect_stopped<T: std::fmt::Debug>(
+    outcome: RunOutcome<T>,
+    reason: LostReason,
+) -> Result<FencingToken, CaseError> {
+    match outcome {
+        RunOutcome::Lost {
+            output,
+            fencing_token,
+            reason: got,
+        } => {
+            crate::check!(output.is_none(), "a stopped job has no output: {output:?}");
+            crate::check_eq!(got, reason, "why the lock was lost");
+            Ok(fencing_token)
+        }
+        other => Err(format!("expected Lost ({reason}), got {other:?}").into()),
     }
 }
 

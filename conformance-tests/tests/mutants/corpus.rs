@@ -78,6 +78,7 @@ pub enum Defect {
     NamespacesShared,
     ExtendErrorAsNotHeld,
     ReleaseErrorAsReleased,
+    PermitExtendErrorAsExtended,
     HeldNoTimeLeft,
     // The unknown-outcome rule: an acquire by the owner token that holds
     // the key must adopt that lock (same fencing token, TTL reset).
@@ -324,6 +325,12 @@ pub const CORPUS: &[MutantSpec] = &[
             "fault::renewal_outage_keeps_guard",
             "fault::unreachable_extend_and_release_are_errors",
         ],
+    },
+    MutantSpec {
+        name: "permit_extend_error_as_extended",
+        defect: Defect::PermitExtendErrorAsExtended,
+        what: "a permit renewal that could not reach the server is answered Extended (a cut-off holder's guard keeps believing it holds while the server hands its permit on)",
+        killers: &["fault::late_reply_permit_extend"],
     },
     MutantSpec {
         name: "release_error_as_released",
@@ -971,9 +978,16 @@ impl SemaphoreBackend for Mutant {
         permit: HeldLock<'_>,
         ttl: Duration,
     ) -> Result<ExtendReply, LockError> {
-        self.inner_semaphore()?
+        match self
+            .inner_semaphore()?
             .extend_permit(self.server_permit(&permit), ttl)
             .await
+        {
+            Err(e) if e.is_transient() && self.is(Defect::PermitExtendErrorAsExtended) => Ok(
+                ExtendReply::Extended(Grant::new(permit.fencing, ttl).with_handle(permit.handle)),
+            ),
+            other => other,
+        }
     }
 
     async fn release_permit(&self, permit: HeldLock<'_>) -> Result<ReleaseReply, LockError> {

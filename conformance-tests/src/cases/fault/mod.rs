@@ -34,7 +34,7 @@ pub use self::process::{
     killed_holder_process_expires, server_down_at_acquire, server_restart_with_holders_and_waiters,
 };
 pub use self::stall::stalled_server_waiters_recover;
-pub use self::torture::{dropped_waiters_leave_nothing_held, exclusion_torture};
+pub use self::torture::{dropped_waiters_leave_nothing_held, exclusion_torture, permit_torture};
 pub use self::unreachable::{
     renewal_outage_keeps_guard, unreachable_extend_and_release_are_errors,
     unreachable_is_an_error_not_held,

@@ -7,13 +7,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use distlock_core::{
-    AcquireAttempt, LockKey, LockOptions, Locker, LostReason, RunOptions, RunOutcome,
-};
+use distlock_core::{AcquireAttempt, LockKey, LockOptions, Locker, LostReason, RunOptions};
 use tokio::sync::oneshot;
 
 use super::{fault_ttl, join, measure, ErrorTally, EXPIRY_SLACK};
-use crate::cases::support::{background_bound, eventually_acquire, within};
+use crate::cases::support::{
+    background_bound, eventually_acquire, every_key_free_within, expect_stopped, within,
+};
 use crate::checker::ExclusionChecker;
 use crate::context::{CaseError, CaseResult, TestContext};
 use crate::{check, check_eq};
@@ -188,17 +188,14 @@ pub async fn resets_during_operations(ctx: TestContext) -> CaseResult {
     // Nothing stays held past its TTL, whatever the resets left behind.
     let fresh = ctx.client().await?;
     let after = Instant::now();
-    for key in keys.iter() {
-        let lease = eventually_acquire(
-            &fresh,
-            key,
-            ttl,
-            ttl + EXPIRY_SLACK,
-            "a fresh client after the resets",
-        )
-        .await?;
-        fresh.release(&lease).await?;
-    }
+    every_key_free_within(
+        &fresh,
+        &keys,
+        ttl,
+        ttl + EXPIRY_SLACK,
+        "a fresh client after the resets",
+    )
+    .await?;
     measure(
         &ctx,
         "resets_during_operations",
@@ -250,18 +247,11 @@ pub async fn run_exclusive_lost_to_partition(ctx: TestContext) -> CaseResult {
     .await?
     .map_err(|e| format!("run_exclusive panicked: {e}"))??;
     let stopped_after = cut_at.elapsed();
-    match outcome {
-        RunOutcome::Lost {
-            output,
-            fencing_token,
-            reason,
-        } => {
-            check!(output.is_none(), "a stopped job has no output");
-            check_eq!(fencing_token, token, "the outcome's token");
-            check_eq!(reason, LostReason::Expired, "why the lock was lost");
-        }
-        other => return Err(format!("expected Lost, got {other:?}").into()),
-    }
+    check_eq!(
+        expect_stopped(outcome, LostReason::Expired)?,
+        token,
+        "the outcome's token"
+    );
     check!(
         !finished.load(Ordering::SeqCst),
         "the job ran on after the loss"

@@ -8,12 +8,13 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_client::{KvClient, LeaseClient, LeaseKeepAliveStream, LeaseKeeper};
+use etcd_client::{LeaseKeepAliveStream, LeaseKeeper};
 use tokio::sync::watch;
 
-use crate::backend;
-use crate::errors::{self, Repeat, Requests};
-use crate::session::{Session, Undo};
+use super::state::{Session, Undo};
+use crate::connection::{self, Etcd};
+use crate::errors;
+use crate::requests::Repeat;
 use crate::txn;
 
 /// Shortest pause before reopening a failed keep-alive stream.
@@ -26,9 +27,9 @@ const MIN_PATIENCE: Duration = Duration::from_millis(200);
 /// The keep-alive and expiry task of one session.
 pub(crate) struct Task {
     pub(crate) session: Arc<Session>,
-    pub(crate) kv: KvClient,
-    pub(crate) leases: LeaseClient,
-    pub(crate) requests: Requests,
+    /// The session's client (its lease client, and its kv client for the
+    /// undos).
+    pub(crate) etcd: Etcd,
     pub(crate) shutdown: watch::Receiver<()>,
 }
 
@@ -62,7 +63,8 @@ impl Task {
                     "etcd session lease lost; its locks are gone"
                 );
                 // Make the server agree at once if it still has the lease.
-                let _ = backend::revoke(self.leases.clone(), &self.requests, lease_id).await;
+                let _ = connection::revoke(self.etcd.leases.clone(), &self.etcd.requests, lease_id)
+                    .await;
             }
         }
     }
@@ -73,7 +75,7 @@ impl Task {
         // How long an answer (or opening the stream) may take.
         let patience = (period / 2)
             .max(MIN_PATIENCE)
-            .min(self.requests.options.operation_timeout());
+            .min(self.etcd.requests.options.operation_timeout());
         let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
         // Send times of the keep-alives not answered yet, oldest first
         // (etcd answers in order on one stream).
@@ -103,7 +105,7 @@ impl Task {
                     lease_id = self.session.lease_id(),
                     "etcd keep-alive unanswered for a period; reopening the stream"
                 );
-                self.requests.suspect();
+                self.etcd.requests.suspect();
                 stream = None;
                 in_flight.clear();
                 next_send = now;
@@ -181,7 +183,7 @@ impl Task {
     /// Opens the keep-alive stream (which sends one keep-alive and reads
     /// its answer).
     async fn open(&mut self, timeout: Duration) -> Opened {
-        let mut leases = self.leases.clone();
+        let mut leases = self.etcd.leases.clone();
         let lease_id = self.session.lease_id();
         // Short (half a period): a member that does not answer must leave
         // time for another try before the lease runs out.
@@ -200,7 +202,7 @@ impl Task {
                 }
                 Ok(Err(e)) => Opened::Failed(errors::map("etcd lease keep-alive", e)),
                 Err(e) => {
-                    self.requests.suspect();
+                    self.etcd.requests.suspect();
                     Opened::Failed(e)
                 }
             },
@@ -213,8 +215,8 @@ impl Task {
         let (expired, next) = self.session.take_expired(now);
         for undo in expired {
             let session = self.session.clone();
-            let kv = self.kv.clone();
-            let requests = self.requests.clone();
+            let kv = self.etcd.kv.clone();
+            let requests = self.etcd.requests.clone();
             tokio::spawn(async move {
                 let Undo {
                     value,

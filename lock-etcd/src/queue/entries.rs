@@ -1,0 +1,209 @@
+//! The requests on a waiter queue's entries: the transaction that puts an
+//! entry and reads its place, the look-up's reads, the check that an
+//! entry is distlock's, and the entry's delete.
+
+use std::sync::Weak;
+
+use distlock_core::LockError;
+use etcd_client::{GetOptions, KeyValue, SortOrder, SortTarget, TxnOp};
+use etcd_client::{TxnOpResponse, TxnResponse};
+
+use super::{Line, Position, Queues, RETRY_MAX, RETRY_MIN};
+use crate::connection::Etcd;
+use crate::fence::Fence;
+use crate::keys::KeyLayout;
+use crate::requests::Repeat;
+use crate::session::Session;
+use crate::txn;
+
+/// The value of a queue entry (only its key and revisions matter).
+pub(super) const ENTRY_VALUE: &[u8] = b"dl1-waiter";
+
+/// Reads of the predecessor of a waiter at create revision below `below`
+/// (0: any), of what the line waits for, and (a semaphore's line) of how
+/// many wait before it (with `below` 0: every waiter, itself included).
+pub(super) fn reads(layout: &KeyLayout, line: &Line, below: i64, limit: i64) -> Vec<TxnOp> {
+    let before = |options: GetOptions| {
+        if below > 0 {
+            options.with_max_create_revision(below - 1)
+        } else {
+            options
+        }
+    };
+    let queue = GetOptions::new()
+        .with_prefix()
+        .with_sort(SortTarget::Create, SortOrder::Descend)
+        .with_limit(limit);
+    let mut reads = vec![
+        TxnOp::get(line.queue_prefix(layout), Some(before(queue))),
+        line.read_held(layout),
+    ];
+    if matches!(line, Line::Permits(_)) {
+        let count = GetOptions::new().with_prefix().with_count_only();
+        reads.push(TxnOp::get(line.queue_prefix(layout), Some(before(count))));
+    }
+    reads
+}
+
+/// The count the `index`th read of a reply found.
+pub(super) fn count_at(reply: &TxnResponse, index: usize) -> Option<i64> {
+    reply
+        .op_responses()
+        .into_iter()
+        .filter_map(|op| match op {
+            TxnOpResponse::Get(get) => Some(get.count()),
+            _ => None,
+        })
+        .nth(index)
+}
+
+pub(super) fn ranges(reply: &TxnResponse) -> Vec<Vec<KeyValue>> {
+    reply
+        .op_responses()
+        .into_iter()
+        .filter_map(|op| match op {
+            TxnOpResponse::Get(get) => Some(get.kvs().to_vec()),
+            _ => None,
+        })
+        .collect()
+}
+
+pub(super) fn revision_of(reply: &TxnResponse) -> Result<i64, LockError> {
+    reply
+        .header()
+        .map(|h| h.revision())
+        .filter(|r| *r > 0)
+        .ok_or_else(|| LockError::unavailable("etcd answered a queue transaction without revision"))
+}
+
+/// Writes our queue entry on the client's session lease `session` (fenced
+/// by `fence`, on that lease) and reads our
+/// predecessor and the lock key, in one transaction. Returns our place
+/// (the entry's create revision) and what was read.
+pub(super) async fn put_entry(
+    etcd: &Etcd,
+    line: &Line,
+    entry: &[u8],
+    session: &Session,
+    fence: &Fence,
+    deadline: std::time::Instant,
+) -> Result<(i64, Position), LockError> {
+    let txn = txn::enqueue(
+        entry,
+        ENTRY_VALUE,
+        session.lease_id(),
+        fence,
+        reads(&etcd.layout, line, 0, 2),
+    );
+    let reply = etcd
+        .run_txn_until(deadline, "etcd queue waiter", Repeat::IfUnapplied, txn)
+        .await?;
+    if !reply.succeeded() {
+        return Err(LockError::unavailable(
+            "etcd refused a queue entry whose request was given up",
+        ));
+    }
+    let revision = revision_of(&reply)?;
+    // The put is the transaction's only write: its revision is ours.
+    let place = revision;
+    let ranges = ranges(&reply);
+    check_entries(&etcd.layout, line, ranges.first())?;
+    // Newest first; skip our own entry (whether or not the read saw it).
+    let predecessor = ranges
+        .first()
+        .and_then(|kvs| {
+            kvs.iter()
+                .find(|kv| kv.key() != entry && kv.create_revision() < place)
+        })
+        .map(|kv| kv.key().to_vec());
+    // The count saw our own entry too.
+    let ahead = count_at(&reply, 2).map(|count| count - 1);
+    let predecessor = line.to_watch(predecessor, ahead, ranges.get(1));
+    let held = line.held(ranges.get(1));
+    Ok((
+        place,
+        Position {
+            revision,
+            predecessor,
+            held,
+            queued: true,
+        },
+    ))
+}
+
+/// Refuses queue entries distlock did not write (a key not named
+/// `<session lease>-<number>` in hex, another value, or no lease): obeying
+/// one would stall every waiter behind it, and deleting it would destroy
+/// data that is not ours.
+pub(super) fn check_entries(
+    layout: &KeyLayout,
+    line: &Line,
+    kvs: Option<&Vec<KeyValue>>,
+) -> Result<(), LockError> {
+    let prefix = line.queue_prefix(layout);
+    for kv in kvs.into_iter().flatten() {
+        let id = kv.key().strip_prefix(prefix.as_slice()).unwrap_or_default();
+        if kv.value() != ENTRY_VALUE || kv.lease() == 0 || !is_waiter_id(id) {
+            return Err(LockError::corrupted(format!(
+                "the etcd waiter queue of {} {:?} holds a key distlock did not write ({:?}); it was left untouched — remove it or use another namespace",
+                line.what(),
+                line.key().as_str(),
+                String::from_utf8_lossy(kv.key())
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `id` is `<hex>-<hex>`, as the waiter ids distlock writes.
+fn is_waiter_id(id: &[u8]) -> bool {
+    let hex = |part: &[u8]| {
+        !part.is_empty()
+            && part
+                .iter()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b))
+    };
+    let mut parts = id.split(|b| *b == b'-');
+    matches!((parts.next(), parts.next(), parts.next()), (Some(a), Some(b), None) if hex(a) && hex(b))
+}
+
+/// Deletes a queue entry in the background, retrying (each attempt under
+/// the operation timeout) while the client lives; a dropped client's
+/// entries go with its session lease.
+pub(super) fn delete_later(client: Weak<Queues>, entry: Vec<u8>, fences: Vec<Fence>) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(delete_entry(client, entry, fences));
+}
+
+/// Deletes a queue entry and puts up `fences` (of its puts whose outcome
+/// is unknown) in one transaction, retrying while the client lives.
+pub(super) async fn delete_entry(client: Weak<Queues>, entry: Vec<u8>, fences: Vec<Fence>) {
+    let txn = txn::dequeue(&entry, &fences);
+    let mut pause = RETRY_MIN;
+    loop {
+        let Some(queues) = client.upgrade() else {
+            return;
+        };
+        let kv = &queues.etcd.kv;
+        let result = queues
+            .etcd
+            .requests
+            .send("etcd dequeue waiter", Repeat::Safe, || {
+                let mut kv = kv.clone();
+                let txn = txn.clone();
+                async move { kv.txn(txn).await }
+            })
+            .await;
+        drop(queues);
+        match result {
+            Ok(_) => return,
+            Err(e) => {
+                tracing::debug!(error = %e, "could not delete an etcd queue entry; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(RETRY_MAX);
+            }
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! The task of one waiting call: moves it up its line as the waiters
+//! before it leave, wakes the caller when it is first and what the line
+//! waits for is free, and deletes its entry when the call ends.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use distlock_core::{ErrorKind, LockError, ReleaseWatch};
+use etcd_client::{GetOptions, Txn, TxnOp};
+
+use super::entries::{
+    check_entries, count_at, delete_entry, put_entry, ranges, reads, revision_of,
+};
+use super::{target_of, watch_target, Line, Position, Queues, RETRY_MAX, RETRY_MIN};
+use crate::config::MIN_TTL;
+use crate::fence::Fence;
+use crate::requests::Repeat;
+
+/// One waiting call's place in the queue of one lock key.
+pub(super) struct Waiter {
+    /// The client's queues, held weakly: the task ends with the client.
+    pub(super) client: Weak<Queues>,
+    pub(super) line: Line,
+    /// Our queue entry's etcd key.
+    pub(super) entry: Vec<u8>,
+    /// Its create revision: our place in line.
+    pub(super) place: i64,
+    /// The channel of the caller's [`ReleaseWatch`].
+    pub(super) channel: String,
+    /// Numbers the channels of our own watches (one per watched target).
+    pub(super) watches: u64,
+    /// The etcd key watched now (predecessor entry or lock key) and the
+    /// subscription.
+    pub(super) target: Vec<u8>,
+    pub(super) watch: ReleaseWatch,
+    /// The watch was lost with its stream: replace it at the next look-up.
+    pub(super) stale: bool,
+    /// Fences of re-queueing puts whose outcome is unknown: put up with
+    /// the entry's final delete.
+    pub(super) fences: Vec<Fence>,
+}
+
+impl Waiter {
+    fn queues(&self) -> Option<Arc<Queues>> {
+        self.client.upgrade()
+    }
+
+    /// Whether the waiting call is still on (its watch not dropped).
+    fn waiting(&self) -> bool {
+        self.client
+            .upgrade()
+            .is_some_and(|queues| queues.waiting.has_waiters(&self.channel))
+    }
+
+    fn is_first(&self, queues: &Queues) -> bool {
+        self.line.is_held_target(&queues.etcd.layout, &self.target)
+    }
+
+    fn wake_caller(&self, queues: &Queues) {
+        queues.waiting.notify(&self.channel);
+    }
+
+    pub(super) async fn run(mut self) {
+        // Resolves when the waiting call ends (its ReleaseWatch dropped).
+        let departed = match self.client.upgrade() {
+            Some(queues) => queues.waiting.closed(&self.channel),
+            None => return,
+        };
+        tokio::pin!(departed);
+        // Set after a failed look-up: retry then.
+        let mut retry: Option<Duration> = None;
+        loop {
+            let retry_sleep = async {
+                match retry {
+                    Some(pause) => tokio::time::sleep(pause).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                woke = self.watch.released() => {
+                    if let Err(e) = woke {
+                        // The watch stream was lost: a deletion may have
+                        // been missed, and this watch is gone.
+                        tracing::debug!(key = %self.line.key(), error = %e, "etcd watch lost; looking the waiter's place up again");
+                        self.stale = true;
+                    }
+                }
+                _ = &mut departed => break,
+                _ = retry_sleep => {}
+            }
+            if !self.waiting() {
+                break;
+            }
+            let Some(queues) = self.queues() else {
+                return;
+            };
+            if retry.is_none() && !self.stale && self.is_first(&queues) {
+                // The lock key was deleted: try now.
+                tracing::trace!(key = %self.line.key(), place = self.place, "etcd lock released; waking the first waiter");
+                self.wake_caller(&queues);
+                continue;
+            }
+            // Our predecessor left, or the watch was lost: find our place
+            // again.
+            match self.move_up(&queues).await {
+                Ok(()) => retry = None,
+                Err(e) if e.kind() == ErrorKind::Corrupted => {
+                    // Not obeyed (it would stall the line) and not deleted:
+                    // every waiting call of this client queues again, and
+                    // one that finds it in its way reports it.
+                    tracing::error!(key = %self.line.key(), error = %e, "foreign data in an etcd waiter queue");
+                    queues.waiting.reset();
+                    break;
+                }
+                Err(e) => {
+                    tracing::debug!(key = %self.line.key(), error = %e, "etcd queue look-up failed; retrying");
+                    let pause = retry.map_or(RETRY_MIN, |p| (p * 2).min(RETRY_MAX));
+                    retry = Some(pause);
+                }
+            }
+        }
+        tracing::trace!(key = %self.line.key(), place = self.place, "etcd waiter left the queue");
+        delete_entry(self.client.clone(), self.entry.clone(), self.fences).await;
+    }
+
+    /// Reads our predecessor and the lock key; watches the new predecessor,
+    /// or the lock key if we are first now (waking the caller if the lock
+    /// is free). A lost watch is replaced even if its target is unchanged.
+    async fn move_up(&mut self, queues: &Queues) -> Result<(), LockError> {
+        let etcd = &queues.etcd;
+        let mut ops = reads(&etcd.layout, &self.line, self.place, 1);
+        // Our own entry, before the count (read last, if at all).
+        ops.insert(
+            2,
+            TxnOp::get(self.entry.clone(), Some(GetOptions::new().with_keys_only())),
+        );
+        let txn = Txn::new().and_then(ops);
+        let reply = etcd
+            .run_txn("etcd queue look-up", Repeat::Safe, txn)
+            .await?;
+        let revision = revision_of(&reply)?;
+        let ranges = ranges(&reply);
+        check_entries(&etcd.layout, &self.line, ranges.first())?;
+        let mut position = Position {
+            revision,
+            predecessor: self.line.to_watch(
+                ranges
+                    .first()
+                    .and_then(|kvs| kvs.first())
+                    .map(|kv| kv.key().to_vec()),
+                count_at(&reply, 3),
+                ranges.get(1),
+            ),
+            held: self.line.held(ranges.get(1)),
+            queued: ranges.get(2).is_some_and(|kvs| !kvs.is_empty()),
+        };
+        if !position.queued {
+            // Our entry is gone (our session lease was lost): queue again,
+            // at the end of the line.
+            let deadline = etcd.requests.deadline();
+            let session = queues.sessions.session(MIN_TTL, deadline).await?;
+            let fence = Fence::new(&self.line.base(&etcd.layout), session.lease_id());
+            let (place, again) =
+                match put_entry(etcd, &self.line, &self.entry, &session, &fence, deadline).await {
+                    Ok(placed) => placed,
+                    Err(e) => {
+                        // Its outcome is unknown: fenced off when we leave.
+                        self.fences.push(fence);
+                        return Err(e);
+                    }
+                };
+            tracing::debug!(key = %self.line.key(), place, "etcd queue entry lost; queued again");
+            self.place = place;
+            position = again;
+        }
+        let (target, start) = target_of(&etcd.layout, &self.line, &position);
+        if self.stale || target != self.target {
+            let channel = format!("{}#{}", self.channel, self.watches);
+            self.watches += 1;
+            self.watch = watch_target(queues, &self.line, channel, &target, start).await?;
+            self.target = target;
+            self.stale = false;
+        }
+        let first = position.predecessor.is_none();
+        tracing::trace!(key = %self.line.key(), place = self.place, first, "etcd waiter moved up");
+        if first && !position.held {
+            self.wake_caller(queues);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,282 @@
+//! The state of one session lease: whether it is alive, the send time of
+//! its last confirmed keep-alive, and the locks attached to it with their
+//! last renewal (the ones not renewed for the TTL are undone by
+//! [`super::keepalive`]), and the fences of requests whose outcome is
+//! unknown.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use distlock_core::FencingToken;
+
+use crate::fence::Fence;
+
+/// One session lease.
+pub(crate) struct Session {
+    lease_id: i64,
+    ttl: Duration,
+    state: Mutex<State>,
+}
+
+struct State {
+    alive: bool,
+    /// When the last keep-alive (or the grant) the server answered
+    /// positively was sent: the server keeps the lease at least `ttl`
+    /// from then.
+    confirmed_sent_at: Instant,
+    /// Attached locks by owner value (unique per acquisition).
+    locks: HashMap<Vec<u8>, Tracked>,
+    /// By owner value: the fences of requests (acquires, undos) whose
+    /// outcome is unknown; the next request for that owner puts them up.
+    pending: HashMap<Vec<u8>, Vec<Fence>>,
+}
+
+/// A lock the session undoes (its holder stopped renewing it, or its
+/// acquire's outcome is unknown): the undo is fenced by `fence` and puts
+/// up `raise`, the fences of the owner's earlier unknown requests.
+pub(crate) struct Undo {
+    pub(crate) value: Vec<u8>,
+    pub(crate) tracked: Tracked,
+    pub(crate) fence: Fence,
+    pub(crate) raise: Vec<Fence>,
+}
+
+#[derive(Clone)]
+pub(crate) struct Tracked {
+    pub(crate) key: Vec<u8>,
+    pub(crate) fencing: Option<FencingToken>,
+    pub(crate) renewed_at: Instant,
+}
+
+impl Session {
+    /// A live session on lease `lease_id`, granted `ttl` by a request sent
+    /// at `sent_at`, with no locks attached yet.
+    pub(crate) fn new(lease_id: i64, ttl: Duration, sent_at: Instant) -> Self {
+        Self {
+            lease_id,
+            ttl,
+            state: Mutex::new(State {
+                alive: true,
+                confirmed_sent_at: sent_at,
+                locks: HashMap::new(),
+                pending: HashMap::new(),
+            }),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn lease_id(&self) -> i64 {
+        self.lease_id
+    }
+
+    /// The TTL the server granted the session lease.
+    pub(crate) fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    pub(crate) fn is_alive(&self) -> bool {
+        self.state().alive
+    }
+
+    /// The send time of the last positively answered keep-alive, if the
+    /// session is alive.
+    pub(crate) fn confirmed_sent_at(&self) -> Option<Instant> {
+        let state = self.state();
+        state.alive.then_some(state.confirmed_sent_at)
+    }
+
+    /// Attaches a lock (renewed at `renewed_at`); `fencing` is `None` when
+    /// the acquire's outcome is unknown.
+    pub(crate) fn track(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        fencing: Option<FencingToken>,
+        renewed_at: Instant,
+    ) {
+        let mut state = self.state();
+        if state.alive {
+            state.locks.insert(
+                value.to_vec(),
+                Tracked {
+                    key: key.to_vec(),
+                    fencing,
+                    renewed_at,
+                },
+            );
+        }
+    }
+
+    /// Records a renewal at `at`; false if the lock is no longer attached
+    /// (expired and being deleted, or the session died).
+    pub(crate) fn renew(&self, value: &[u8], at: Instant) -> bool {
+        let mut state = self.state();
+        if !state.alive {
+            return false;
+        }
+        match state.locks.get_mut(value) {
+            Some(tracked) => {
+                tracked.renewed_at = tracked.renewed_at.max(at);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Starts an acquire request of owner `value` fenced by `fence`, sent
+    /// at `at`: tracks it as attached (outcome unknown) and returns the
+    /// fences it must put up.
+    pub(crate) fn begin(&self, key: &[u8], value: &[u8], fence: &Fence, at: Instant) -> Vec<Fence> {
+        let mut state = self.state();
+        if !state.alive {
+            return Vec::new();
+        }
+        state.locks.insert(
+            value.to_vec(),
+            Tracked {
+                key: key.to_vec(),
+                fencing: None,
+                renewed_at: at,
+            },
+        );
+        let pending = state.pending.entry(value.to_vec()).or_default();
+        let raise = pending.clone();
+        pending.push(fence.clone());
+        raise
+    }
+
+    /// A request fenced by `fence` that put up `raised` was answered: the
+    /// outcome of both is known.
+    pub(crate) fn settled(&self, value: &[u8], raised: &[Fence], fence: &Fence) {
+        let mut state = self.state();
+        if let Some(pending) = state.pending.get_mut(value) {
+            pending.retain(|f| f != fence && !raised.contains(f));
+            if pending.is_empty() {
+                state.pending.remove(value);
+            }
+        }
+    }
+
+    /// Detaches a lock (released, moved to its own lease, or gone). If a
+    /// request of its owner has an unknown outcome, it stays due for an
+    /// undo, which puts that request's fence up.
+    pub(crate) fn untrack(&self, value: &[u8]) {
+        let mut state = self.state();
+        let removed = state.locks.remove(value);
+        if let Some(tracked) = removed {
+            if state.pending.contains_key(value) {
+                let due = tracked
+                    .renewed_at
+                    .checked_sub(self.ttl)
+                    .unwrap_or(tracked.renewed_at);
+                state.locks.insert(
+                    value.to_vec(),
+                    Tracked {
+                        fencing: None,
+                        renewed_at: due,
+                        ..tracked
+                    },
+                );
+            }
+        }
+    }
+
+    /// How many locks are attached.
+    #[cfg(test)]
+    fn attached(&self) -> usize {
+        self.state().locks.len()
+    }
+
+    /// Removes and returns the locks not renewed for the TTL, each with the
+    /// fence of its undo (counted as pending until the undo is answered),
+    /// and the earliest deadline of the others.
+    pub(crate) fn take_expired(&self, now: Instant) -> (Vec<Undo>, Option<Instant>) {
+        let mut state = self.state();
+        let ttl = self.ttl;
+        let expired: Vec<Vec<u8>> = state
+            .locks
+            .iter()
+            .filter(|(_, t)| t.renewed_at + ttl <= now)
+            .map(|(v, _)| v.clone())
+            .collect();
+        let mut taken = Vec::with_capacity(expired.len());
+        for value in expired {
+            let Some(tracked) = state.locks.remove(&value) else {
+                continue;
+            };
+            let fence = Fence::new(&tracked.key, self.lease_id);
+            let pending = state.pending.entry(value.clone()).or_default();
+            let raise = pending.clone();
+            pending.push(fence.clone());
+            taken.push(Undo {
+                value,
+                tracked,
+                fence,
+                raise,
+            });
+        }
+        let next = state.locks.values().map(|t| t.renewed_at + ttl).min();
+        (taken, next)
+    }
+
+    /// Puts back a lock whose undo failed, to be undone again (unless a
+    /// new request of its owner tracks it already).
+    pub(crate) fn put_back(&self, value: Vec<u8>, tracked: Tracked) {
+        let mut state = self.state();
+        if state.alive {
+            state.locks.entry(value).or_insert(tracked);
+        }
+    }
+
+    pub(crate) fn confirm(&self, sent_at: Instant) {
+        let mut state = self.state();
+        state.confirmed_sent_at = state.confirmed_sent_at.max(sent_at);
+    }
+
+    /// Marks the session dead; its locks are gone (or going) on the server.
+    pub(crate) fn kill(&self) {
+        let mut state = self.state();
+        state.alive = false;
+        state.locks.clear();
+        state.pending.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tracking_expires_only_unrenewed_locks() {
+        let start = Instant::now();
+        let session = Session {
+            lease_id: 7,
+            ttl: Duration::from_secs(2),
+            state: Mutex::new(State {
+                alive: true,
+                confirmed_sent_at: start,
+                locks: HashMap::new(),
+                pending: HashMap::new(),
+            }),
+        };
+        session.track(b"k1", b"v1", Some(FencingToken::new(3)), start);
+        session.track(b"k2", b"v2", None, start);
+        assert!(session.renew(b"v2", start + Duration::from_secs(1)));
+        let (expired, next) = session.take_expired(start + Duration::from_secs(2));
+        assert_eq!(expired.len(), 1);
+        assert_eq!(expired[0].value, b"v1".to_vec());
+        assert_eq!(next, Some(start + Duration::from_secs(3)));
+        assert!(!session.renew(b"v1", start + Duration::from_secs(2)));
+        session.untrack(b"v2");
+        assert_eq!(session.attached(), 0);
+        session.track(b"k3", b"v3", None, start);
+        session.kill();
+        assert_eq!(session.attached(), 0);
+        assert_eq!(session.confirmed_sent_at(), None);
+        assert!(!session.renew(b"v3", start));
+    }
+}
