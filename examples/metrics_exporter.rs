@@ -146,7 +146,7 @@ async fn take_locks(locker: &Locker) -> Result<LockGuard, BoxError> {
     }
     let holder = locker.try_lock(&report, &options).await?;
     let holder = holder.ok_or("the report lock is held by someone else")?;
-    let waited = options.clone().wait(Duration::from_millis(200));
+    let waited = options.clone().with_wait(Duration::from_millis(200));
     if locker.acquire(&report, &waited).await?.is_none() {
         tracing::info!("report lock held, as expected: waited and gave up");
     }
@@ -155,7 +155,7 @@ async fn take_locks(locker: &Locker) -> Result<LockGuard, BoxError> {
     // A guard renewing every 50 ms, released after its first renewal.
     let renewing = options
         .clone()
-        .renewal(Renewal::Every(Duration::from_millis(50)));
+        .with_renewal(Renewal::Every(Duration::from_millis(50)));
     let guard = locker.try_lock(&key("renewed")?, &renewing).await?;
     let guard = guard.ok_or("the renewed lock is held by someone else")?;
     let first = guard.lease();
@@ -184,7 +184,7 @@ async fn take_locks(locker: &Locker) -> Result<LockGuard, BoxError> {
 
     // A permit of a semaphore of two, where the backend has semaphores.
     match locker
-        .try_lock(&key("pool")?, &options.clone().permits(2))
+        .try_lock(&key("pool")?, &options.clone().with_permits(2))
         .await
     {
         Ok(Some(permit)) => permit.release().await?,

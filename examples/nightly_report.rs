@@ -29,7 +29,7 @@ struct Run {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = url_from_args()?;
     println!("nightly_report: {WORKERS} workers, a tick every {TICK:?} for {TICKS} ticks, each run takes {REPORT_TAKES:?}, lock at {url}\n");
-    let job = ScheduledJob::new("nightly-report", TICK)?.ttl(Duration::from_secs(3));
+    let job = ScheduledJob::new("nightly-report", TICK)?.with_ttl(Duration::from_secs(3));
     let started = Instant::now();
     let runs = Arc::new(Mutex::new(Vec::<Run>::new()));
     let (ticker, _) = tokio::sync::broadcast::channel::<(u32, SystemTime)>(TICKS as usize);

@@ -7,7 +7,7 @@
 //! 1. the key function derives a [`LockKey`] from the request (e.g. the job
 //!    name plus a hash of its arguments with [`JobKey`](crate::JobKey));
 //! 2. **inside the response future** (never in `poll_ready`), the lock is
-//!    acquired, waiting up to [`LockOptions::wait`] (zero: skip at once); a
+//!    acquired, waiting up to [`LockOptions::with_wait`] (zero: skip at once); a
 //!    lease granted so late that it is already inside its stop margin is
 //!    released and the call fails with [`LockServiceError::Lock`]
 //!    (`ErrorKind::Timeout`) without calling the inner service;
@@ -18,7 +18,7 @@
 //!    inner future completes, and also when the response future is dropped
 //!    (tower's concurrency-limit pattern: the permit lives in the future);
 //! 5. if the lock is lost while the inner future runs (renewal refused, or
-//!    the lease reached its stop moment, [`LockOptions::stop_margin`] before
+//!    the lease reached its stop moment, [`LockOptions::with_stop_margin`] before
 //!    it may run out), the inner future is **dropped** — it stops at its
 //!    current `.await` and is never polled again — and the call fails with
 //!    [`LockServiceError::Lost`].
@@ -133,7 +133,7 @@ where
 /// Wraps services in a [`LockService`]: each request runs under the lock
 /// `key_fn(&request)`.
 ///
-/// The skip-or-wait policy is [`LockOptions::wait`]: zero (the default)
+/// The skip-or-wait policy is [`LockOptions::with_wait`]: zero (the default)
 /// skips at once when the lock is held; a positive wait waits that long, then
 /// skips. The default options are a 30 s TTL renewed every 10 s, no wait.
 pub struct LockLayer<K> {

@@ -138,7 +138,7 @@ async fn waits_when_asked_then_runs() {
         .expect("free");
     let calls = Arc::new(AtomicUsize::new(0));
     let service = LockLayer::new(Locker::new(server.client()), job_key)
-        .options(LockOptions::new(Duration::from_secs(30)).wait(Duration::from_secs(60)))
+        .options(LockOptions::new(Duration::from_secs(30)).with_wait(Duration::from_secs(60)))
         .layer(counting(calls.clone()));
     let call = tokio::spawn(service.oneshot(job()));
     for _ in 0..20 {
@@ -164,7 +164,7 @@ async fn wait_runs_out_then_skips() {
         .expect("free");
     let calls = Arc::new(AtomicUsize::new(0));
     let response = LockLayer::new(Locker::new(server.client()), job_key)
-        .options(LockOptions::new(Duration::from_secs(30)).wait(Duration::from_millis(100)))
+        .options(LockOptions::new(Duration::from_secs(30)).with_wait(Duration::from_millis(100)))
         .layer(counting(calls.clone()))
         .oneshot(job())
         .await
@@ -192,7 +192,7 @@ async fn releases_when_the_response_future_is_dropped() {
     let guard = Locker::new(server.client())
         .acquire(
             &key,
-            &LockOptions::new(Duration::from_secs(5)).wait(Duration::from_secs(60)),
+            &LockOptions::new(Duration::from_secs(5)).with_wait(Duration::from_secs(60)),
         )
         .await
         .unwrap();
@@ -282,7 +282,7 @@ async fn expired_grant_is_never_handed_to_the_inner_service() {
     let thief = Locker::new(server.client())
         .acquire(
             &key,
-            &LockOptions::new(Duration::from_secs(30)).wait(Duration::from_secs(60)),
+            &LockOptions::new(Duration::from_secs(30)).with_wait(Duration::from_secs(60)),
         )
         .await
         .unwrap()

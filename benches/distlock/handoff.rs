@@ -74,11 +74,11 @@ impl Through {
 
     fn options(self) -> LockOptions {
         let options = LockOptions::new(TTL)
-            .wait(Duration::from_secs(120))
-            .renewal(Renewal::Off);
+            .with_wait(Duration::from_secs(120))
+            .with_renewal(Renewal::Off);
         match self {
             Through::Lock => options,
-            Through::Permit => options.permits(1),
+            Through::Permit => options.with_permits(1),
         }
     }
 }

@@ -352,13 +352,13 @@ fn run_options(args: &RunArgs) -> Result<(LockOptions, Duration), Failure> {
         ));
     }
     let mut options = LockOptions::new(args.ttl)
-        .wait(args.wait)
-        .stop_margin(margin);
+        .with_wait(args.wait)
+        .with_stop_margin(margin);
     if let Some(min) = args.hold_at_least {
-        options = options.hold_at_least(min);
+        options = options.with_hold_at_least(min);
     }
     if let Some(max) = args.max_hold {
-        options = options.max_hold(max);
+        options = options.with_max_hold(max);
     }
     match args.permits {
         0 => {
@@ -368,7 +368,7 @@ fn run_options(args: &RunArgs) -> Result<(LockOptions, Duration), Failure> {
             ))
         }
         1 => {}
-        n => options = options.permits(n),
+        n => options = options.with_permits(n),
     }
     options.validate().map_err(|e| {
         Failure::new(
@@ -477,7 +477,7 @@ async fn run(args: RunArgs) -> Result<u8, Failure> {
             signal = signals.next() => return Ok(signal_code(signal)),
         }
         // --wait bounds the whole wait, the look included.
-        options = options.wait(args.wait.saturating_sub(started.elapsed()));
+        options = options.with_wait(args.wait.saturating_sub(started.elapsed()));
     }
     let locker = Locker::new(backend);
 

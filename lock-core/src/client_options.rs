@@ -1,5 +1,13 @@
 //! Settings every backend client shares: namespace and timeouts, from code or
 //! from the URL's query string.
+//!
+//! Naming rule of every config and options type in distlock (this one, the
+//! backends' `RedisConfig`, `EtcdConfig`, `PostgresConfig`, and
+//! `LockOptions`): fields are private; a getter is named after its setting,
+//! without `get_` (`namespace()`); a setter consumes and returns the value
+//! and is named `with_` and the setting (`with_namespace(..)`). The same
+//! setting has the same name in every backend and in the URL parameter
+//! (`retry_interval` and `retry_interval_ms`, `user` and `password`).
 
 use std::future::Future;
 use std::time::Duration;
@@ -24,24 +32,19 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
 /// use std::time::Duration;
 /// use distlock_core::ClientOptions;
 /// let options = ClientOptions::default()
-///     .namespace("jobs")
-///     .operation_timeout(Duration::from_millis(250));
+///     .with_namespace("jobs")
+///     .with_operation_timeout(Duration::from_millis(250));
 /// options.validate()?;
-/// assert_eq!(options.connect_timeout, Duration::from_secs(5));
+/// assert_eq!(options.namespace(), "jobs");
+/// assert_eq!(options.connect_timeout(), Duration::from_secs(5));
 /// # Ok::<(), distlock_core::LockError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientOptions {
-    /// Prefix of every key, table row or channel the client touches; nothing
-    /// outside it is read or written. Default `distlock`.
-    pub namespace: String,
-    /// How long to wait for a connection to the server. Default 5 s.
-    pub connect_timeout: Duration,
-    /// How long to wait for one request's reply. Default 5 s.
-    pub operation_timeout: Duration,
-    /// Extra trusted CA and client certificate for TLS connections (used
-    /// by TLS URLs only; see [`TlsFiles`](crate::TlsFiles)).
-    pub tls: crate::TlsFiles,
+    namespace: String,
+    connect_timeout: Duration,
+    operation_timeout: Duration,
+    tls: crate::TlsFiles,
 }
 
 impl Default for ClientOptions {
@@ -56,21 +59,49 @@ impl Default for ClientOptions {
 }
 
 impl ClientOptions {
-    /// Sets the namespace.
-    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+    /// Prefix of every key, table row or channel the client touches; nothing
+    /// outside it is read or written. Default `distlock`.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// How long to wait for a connection to the server. Default 5 s.
+    pub fn connect_timeout(&self) -> Duration {
+        self.connect_timeout
+    }
+
+    /// How long to wait for one request's reply. Default 5 s.
+    pub fn operation_timeout(&self) -> Duration {
+        self.operation_timeout
+    }
+
+    /// Extra trusted CA and client certificate for TLS connections (used
+    /// by TLS URLs only; see [`TlsFiles`](crate::TlsFiles)).
+    pub fn tls(&self) -> &crate::TlsFiles {
+        &self.tls
+    }
+
+    /// Sets the [namespace](Self::namespace).
+    pub fn with_namespace(mut self, namespace: impl Into<String>) -> Self {
         self.namespace = namespace.into();
         self
     }
 
-    /// Sets the connect timeout.
-    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+    /// Sets the [connect timeout](Self::connect_timeout).
+    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
     }
 
-    /// Sets the operation timeout.
-    pub fn operation_timeout(mut self, timeout: Duration) -> Self {
+    /// Sets the [operation timeout](Self::operation_timeout).
+    pub fn with_operation_timeout(mut self, timeout: Duration) -> Self {
         self.operation_timeout = timeout;
+        self
+    }
+
+    /// Sets the [TLS files](Self::tls).
+    pub fn with_tls(mut self, tls: crate::TlsFiles) -> Self {
+        self.tls = tls;
         self
     }
 
@@ -147,19 +178,20 @@ mod tests {
         let huge = Duration::from_secs(u64::MAX);
         for (options, name) in [
             (
-                ClientOptions::default().connect_timeout(huge),
+                ClientOptions::default().with_connect_timeout(huge),
                 "connect_timeout",
             ),
             (
-                ClientOptions::default().operation_timeout(huge),
+                ClientOptions::default().with_operation_timeout(huge),
                 "operation_timeout",
             ),
             (
-                ClientOptions::default().connect_timeout(MAX_TIMEOUT + Duration::from_millis(1)),
+                ClientOptions::default()
+                    .with_connect_timeout(MAX_TIMEOUT + Duration::from_millis(1)),
                 "connect_timeout",
             ),
             (
-                ClientOptions::default().operation_timeout(Duration::ZERO),
+                ClientOptions::default().with_operation_timeout(Duration::ZERO),
                 "operation_timeout",
             ),
         ] {
@@ -168,8 +200,8 @@ mod tests {
             assert!(err.to_string().contains(name), "{err}");
         }
         ClientOptions::default()
-            .connect_timeout(MAX_TIMEOUT)
-            .operation_timeout(MAX_TIMEOUT)
+            .with_connect_timeout(MAX_TIMEOUT)
+            .with_operation_timeout(MAX_TIMEOUT)
             .validate()
             .unwrap();
         for (url, name) in [
@@ -196,7 +228,7 @@ mod tests {
     /// overflow anywhere on the way).
     #[tokio::test]
     async fn largest_timeout_runs() {
-        let options = ClientOptions::default().operation_timeout(MAX_TIMEOUT);
+        let options = ClientOptions::default().with_operation_timeout(MAX_TIMEOUT);
         assert_eq!(options.timed("a call", async { Ok(7) }).await.unwrap(), 7);
         assert_eq!(
             with_timeout(Duration::MAX, "a call", async { Ok(8) })

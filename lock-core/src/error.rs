@@ -18,7 +18,7 @@ pub enum ErrorKind {
     /// A network operation did not finish within its configured timeout
     /// (whether it took effect on the server is unknown), or a lock was
     /// granted too late to use: already inside its stop margin, so it was
-    /// released unused (see [`LockOptions::stop_margin`](crate::LockOptions::stop_margin)).
+    /// released unused (see [`LockOptions::with_stop_margin`](crate::LockOptions::with_stop_margin)).
     Timeout,
     /// A value at a lock key was not written by distlock (or was edited into an
     /// impossible state). It is reported and never overwritten.

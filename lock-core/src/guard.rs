@@ -21,7 +21,7 @@ pub enum LostReason {
     /// the stop moment).
     Refused,
     /// The lease reached its stop moment (the stop margin before it may
-    /// run out, see [`LockOptions::stop_margin`]) without a successful
+    /// run out, see [`LockOptions::with_stop_margin`]) without a successful
     /// renewal: the server was unreachable or slow, or renewal was off or
     /// stopped by the max hold time.
     Expired,
@@ -167,7 +167,7 @@ impl Shared {
 /// of the TTL) until the optional max hold time. [`lost`](Self::lost)
 /// resolves as soon as the guard knows or must assume it no longer holds the
 /// lock — renewal refused — and at the latest at the stop moment: the stop
-/// margin ([`LockOptions::stop_margin`], default a third of the TTL) before
+/// margin ([`LockOptions::with_stop_margin`], default a third of the TTL) before
 /// the earliest moment the server may expire a lease that was not renewed.
 /// [`release`](Self::release) releases and reports; dropping the guard
 /// releases in the background on the current tokio runtime.
@@ -196,7 +196,7 @@ impl LockGuard {
         let renew_period = options.renew_period(lease.ttl());
         // A huge max hold means no limit.
         let renew_until = options
-            .max_hold_time()
+            .max_hold()
             .and_then(|max| acquired_at.checked_add(max));
         let stop_margin = options.stop_margin_for(lease.ttl());
         let shared = Arc::new(Shared {
@@ -206,7 +206,7 @@ impl LockGuard {
             lost: LostSignal::default(),
             acquired_at,
             granted_at: Instant::now(),
-            hold_at_least: options.min_hold_time(),
+            hold_at_least: options.hold_at_least(),
             stop_margin,
         });
         if Instant::now() >= shared.stop_moment(&shared.lease()) {

@@ -349,7 +349,8 @@ mod tests {
     /// Renews every 20 ms; the 30 s TTL keeps a starved test from losing
     /// the lock by the clock.
     fn renewing() -> LockOptions {
-        LockOptions::new(Duration::from_secs(30)).renewal(Renewal::Every(Duration::from_millis(20)))
+        LockOptions::new(Duration::from_secs(30))
+            .with_renewal(Renewal::Every(Duration::from_millis(20)))
     }
 
     /// A guard on the free key `name`, renewing every 20 ms.

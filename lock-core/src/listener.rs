@@ -241,7 +241,7 @@ impl<S: NotificationSource> Inner<S> {
         current.subscribed.insert(channel, topic.clone());
         let sink = current.sink.clone();
         let result = with_timeout(
-            self.options.operation_timeout,
+            self.options.operation_timeout(),
             "subscribing to release notifications",
             self.source.subscribe(&sink, std::slice::from_ref(&topic)),
         )
@@ -259,7 +259,7 @@ impl<S: NotificationSource> Inner<S> {
 
     async fn connect(self: &Arc<Self>) -> Result<Live<S>, LockError> {
         let (sink, stream) = with_timeout(
-            self.options.connect_timeout,
+            self.options.connect_timeout(),
             "connecting for release notifications",
             self.source.connect(),
         )
@@ -275,7 +275,7 @@ impl<S: NotificationSource> Inner<S> {
             sink.clone(),
             stream,
             self.health_check_after,
-            self.options.operation_timeout,
+            self.options.operation_timeout(),
         ));
         tracing::debug!(generation, "release-notification connection established");
         Ok(Live {
@@ -319,7 +319,7 @@ impl<S: NotificationSource> Inner<S> {
         }
         let sink = current.sink.clone();
         let result = with_timeout(
-            self.options.operation_timeout,
+            self.options.operation_timeout(),
             "unsubscribing idle release notifications",
             self.source.unsubscribe(&sink, &topics),
         )

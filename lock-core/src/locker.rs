@@ -24,7 +24,7 @@ use crate::{LockClient, LockError, LockGuard, LockKey, LockOptions};
 /// # async fn main() -> Result<(), distlock_core::LockError> {
 /// let locker = Locker::new(MemoryLock::new());
 /// let key = LockKey::new("invoices")?;
-/// let options = LockOptions::new(Duration::from_secs(10)).wait(Duration::from_secs(1));
+/// let options = LockOptions::new(Duration::from_secs(10)).with_wait(Duration::from_secs(1));
 /// if let Some(guard) = locker.acquire(&key, &options).await? {
 ///     println!("fencing token {}", guard.fencing_token());
 ///     guard.release().await?;
@@ -49,7 +49,7 @@ impl Locker {
         &self.client
     }
 
-    /// One attempt, never waits (ignores [`LockOptions::wait`]); a
+    /// One attempt, never waits (ignores [`LockOptions::with_wait`]); a
     /// transient error is reported at once.
     pub async fn try_lock(
         &self,
@@ -104,7 +104,7 @@ impl Locker {
     where
         C: Future<Output = ()>,
     {
-        let deadline = later(Instant::now(), options.wait_time());
+        let deadline = later(Instant::now(), options.wait());
         self.lock_until(key, options, deadline, cancel).await
     }
 
@@ -117,7 +117,7 @@ impl Locker {
     ) -> Result<Option<LockGuard>, LockError> {
         self.check(options)?;
         let attempt = options
-            .permit_limit()
+            .permits()
             .map_or(Attempt::PLAIN, Attempt::permit)
             .renewed(options.renew_period(options.request_ttl()).is_some());
         let lease = self
@@ -154,7 +154,7 @@ impl Locker {
     fn check(&self, options: &LockOptions) -> Result<(), LockError> {
         options.validate()?;
         let max_ttl = self.client.capabilities().max_ttl;
-        if let Some(min) = options.min_hold_time().filter(|min| *min > max_ttl) {
+        if let Some(min) = options.hold_at_least().filter(|min| *min > max_ttl) {
             return Err(LockError::invalid_input(format!(
                 "hold-at-least {min:?} is above this backend's maximum TTL of {max_ttl:?}; use a shorter minimum hold time"
             )));

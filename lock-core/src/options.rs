@@ -18,7 +18,7 @@ pub enum Renewal {
     #[default]
     ThirdOfTtl,
     /// At a fixed period. The first renewal must come before the stop
-    /// moment (TTL minus stop margin, see [`LockOptions::stop_margin`]);
+    /// moment (TTL minus stop margin, see [`LockOptions::with_stop_margin`]);
     /// a longer period is refused as invalid input.
     Every(Duration),
     /// Never: the lock expires after its TTL unless released sooner.
@@ -36,14 +36,15 @@ pub enum Renewal {
 /// use std::time::Duration;
 /// use distlock_core::LockOptions;
 /// let options = LockOptions::new(Duration::from_secs(30))
-///     .wait(Duration::from_secs(5))          // wait up to 5 s if held
-///     .max_hold(Duration::from_secs(600))    // stop renewing after 10 min
-///     .hold_at_least(Duration::from_secs(20)) // keep it 20 s even if the job is quicker
-///     .stop_margin(Duration::from_secs(5));  // stop the job 5 s before the lease can run out
+///     .with_wait(Duration::from_secs(5))          // wait up to 5 s if held
+///     .with_max_hold(Duration::from_secs(600))    // stop renewing after 10 min
+///     .with_hold_at_least(Duration::from_secs(20)) // keep it 20 s even if the job is quicker
+///     .with_stop_margin(Duration::from_secs(5));  // stop the job 5 s before the lease can run out
 /// assert_eq!(options.ttl(), Duration::from_secs(30));
+/// assert_eq!(options.wait(), Duration::from_secs(5));
 /// options.validate()?;
 /// // A stop margin must leave time to hold the lock at all.
-/// assert!(options.clone().stop_margin(Duration::from_secs(30)).validate().is_err());
+/// assert!(options.clone().with_stop_margin(Duration::from_secs(30)).validate().is_err());
 /// # Ok::<(), distlock_core::LockError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,13 +75,13 @@ impl LockOptions {
     }
 
     /// Wait up to `wait` for a held lock (zero: one attempt).
-    pub fn wait(mut self, wait: Duration) -> Self {
+    pub fn with_wait(mut self, wait: Duration) -> Self {
         self.wait = wait;
         self
     }
 
     /// How the guard renews its lease.
-    pub fn renewal(mut self, renewal: Renewal) -> Self {
+    pub fn with_renewal(mut self, renewal: Renewal) -> Self {
         self.renewal = renewal;
         self
     }
@@ -91,7 +92,7 @@ impl LockOptions {
     /// also when that is shorter than the TTL; the guard's lost signal fires
     /// the stop margin before that. Zero is refused; a huge value means no
     /// limit.
-    pub fn max_hold(mut self, max_hold: Duration) -> Self {
+    pub fn with_max_hold(mut self, max_hold: Duration) -> Self {
         self.max_hold = Some(max_hold);
         self
     }
@@ -101,7 +102,7 @@ impl LockOptions {
     /// a little late skip the same run. Counted from when the grant reached
     /// this client, never from an earlier lease start (a lock on an etcd
     /// session is dated from the session's last keep-alive for its expiry).
-    pub fn hold_at_least(mut self, min: Duration) -> Self {
+    pub fn with_hold_at_least(mut self, min: Duration) -> Self {
         self.hold_at_least = Some(min);
         self
     }
@@ -119,7 +120,7 @@ impl LockOptions {
     /// shorter than the TTL minus the clock-drift allowance and, with
     /// renewal on, leave room for the first renewal before the stop moment.
     /// Zero stops the job only at the conservative expiry itself.
-    pub fn stop_margin(mut self, margin: Duration) -> Self {
+    pub fn with_stop_margin(mut self, margin: Duration) -> Self {
         self.stop_margin = Some(margin);
         self
     }
@@ -128,13 +129,13 @@ impl LockOptions {
     /// lock: at most `limit` guards hold the key at once, each with its own
     /// lease and fencing token (see [`SemaphoreBackend`](crate::SemaphoreBackend)).
     /// `try_lock`, `acquire` and `run_exclusive` all honour it.
-    pub fn permits(mut self, limit: u32) -> Self {
+    pub fn with_permits(mut self, limit: u32) -> Self {
         self.permits = Some(limit);
         self
     }
 
     /// The semaphore limit, if the options take a permit.
-    pub fn permit_limit(&self) -> Option<u32> {
+    pub fn permits(&self) -> Option<u32> {
         self.permits
     }
 
@@ -144,27 +145,28 @@ impl LockOptions {
     }
 
     /// How long to wait for a held lock.
-    pub fn wait_time(&self) -> Duration {
+    pub fn wait(&self) -> Duration {
         self.wait
     }
 
     /// The renewal policy.
-    pub fn renewal_policy(&self) -> Renewal {
+    pub fn renewal(&self) -> Renewal {
         self.renewal
     }
 
-    /// The maximum hold time, if any.
-    pub fn max_hold_time(&self) -> Option<Duration> {
+    /// The maximum hold time (see [`with_max_hold`](Self::with_max_hold)), if any.
+    pub fn max_hold(&self) -> Option<Duration> {
         self.max_hold
     }
 
-    /// The minimum hold time, if any.
-    pub fn min_hold_time(&self) -> Option<Duration> {
+    /// The minimum hold time (see
+    /// [`with_hold_at_least`](Self::with_hold_at_least)), if any.
+    pub fn hold_at_least(&self) -> Option<Duration> {
         self.hold_at_least
     }
 
-    /// The stop margin set with [`stop_margin`](Self::stop_margin), if any.
-    pub fn stop_margin_time(&self) -> Option<Duration> {
+    /// The stop margin set with [`with_stop_margin`](Self::with_stop_margin), if any.
+    pub fn stop_margin(&self) -> Option<Duration> {
         self.stop_margin
     }
 

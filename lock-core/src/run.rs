@@ -16,7 +16,7 @@ pub enum OnLost {
     #[default]
     Stop,
     /// Let the job finish; it must watch [`JobContext::lost`] itself and
-    /// stop within the stop margin ([`LockOptions::stop_margin`]).
+    /// stop within the stop margin ([`LockOptions::with_stop_margin`]).
     Continue,
 }
 
@@ -25,8 +25,9 @@ pub enum OnLost {
 /// ```
 /// use std::time::Duration;
 /// use distlock_core::{LockOptions, OnLost, RunOptions};
-/// let options = RunOptions::new(LockOptions::new(Duration::from_secs(60))).on_lost(OnLost::Continue);
+/// let options = RunOptions::new(LockOptions::new(Duration::from_secs(60))).with_on_lost(OnLost::Continue);
 /// assert_eq!(options.lock_options().ttl(), Duration::from_secs(60));
+/// assert_eq!(options.on_lost(), OnLost::Continue);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunOptions {
@@ -43,10 +44,16 @@ impl RunOptions {
         }
     }
 
-    /// What to do when the lock is lost mid-run.
-    pub fn on_lost(mut self, on_lost: OnLost) -> Self {
+    /// Sets what to do when the lock is lost mid-run (default
+    /// [`OnLost::Stop`]).
+    pub fn with_on_lost(mut self, on_lost: OnLost) -> Self {
         self.on_lost = on_lost;
         self
+    }
+
+    /// What to do when the lock is lost mid-run.
+    pub fn on_lost(&self) -> OnLost {
+        self.on_lost
     }
 
     /// The lock options.
@@ -118,7 +125,7 @@ impl<T> RunOutcome<T> {
 /// The job never starts on a lease that is already expired or inside its
 /// stop margin when granted (the lease is released and the call fails with
 /// [`ErrorKind::Timeout`]); with [`OnLost::Stop`] it is dropped at the stop
-/// moment ([`LockOptions::stop_margin`]) at the latest, before any further
+/// moment ([`LockOptions::with_stop_margin`]) at the latest, before any further
 /// step runs.
 ///
 /// A failure to release after the job ran is logged, not returned, so the

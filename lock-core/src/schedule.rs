@@ -116,22 +116,49 @@ impl ScheduledJob {
         })
     }
 
-    /// The clock skew (and ticker lateness) tolerated between instances.
-    pub fn window(mut self, window: Duration) -> Self {
+    /// Sets the [skew window](Self::window).
+    pub fn with_window(mut self, window: Duration) -> Self {
         self.window = window;
         self
     }
 
-    /// The TTL of the running lock (renewed while the job runs).
-    pub fn ttl(mut self, ttl: Duration) -> Self {
+    /// Sets the [TTL](Self::ttl) of the running lock.
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
         self
     }
 
-    /// What to do if the lock is lost mid-run.
-    pub fn on_lost(mut self, on_lost: OnLost) -> Self {
+    /// Sets [what to do](Self::on_lost) if the lock is lost mid-run.
+    pub fn with_on_lost(mut self, on_lost: OnLost) -> Self {
         self.on_lost = on_lost;
         self
+    }
+
+    /// The job's name, the prefix of its fire keys.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// How often the job fires.
+    pub fn period(&self) -> Duration {
+        self.period
+    }
+
+    /// The clock skew (and ticker lateness) tolerated between instances
+    /// (default: one period).
+    pub fn window(&self) -> Duration {
+        self.window
+    }
+
+    /// The TTL of the running lock, renewed while the job runs (default
+    /// the period, between 1 s and 30 s).
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// What to do if the lock is lost mid-run (default [`OnLost::Stop`]).
+    pub fn on_lost(&self) -> OnLost {
+        self.on_lost
     }
 
     /// The fire slot number of `fire`: whole periods since the Unix epoch.
@@ -220,15 +247,15 @@ impl ScheduledJob {
         let fire_key = self.fire_key(fire)?;
         let running_key = self.running_key()?;
         let keep_fire_for = self.keep_fire_for()?;
-        let fire_options = LockOptions::new(self.ttl).hold_at_least(keep_fire_for);
+        let fire_options = LockOptions::new(self.ttl).with_hold_at_least(keep_fire_for);
         let Some(fire_guard) = locker.try_lock(&fire_key, &fire_options).await? else {
             tracing::info!(job = %self.name, key = %fire_key, "fire already taken by another instance; skipping");
             return Ok(ScheduledOutcome::Skipped(SkipReason::FireAlreadyTaken));
         };
         // The fire key is held at least `keep_fire_for` from here (see
-        // `LockOptions::hold_at_least`); its lease may be dated earlier.
+        // `LockOptions::with_hold_at_least`); its lease may be dated earlier.
         let started = Instant::now();
-        let run_options = RunOptions::new(LockOptions::new(self.ttl)).on_lost(self.on_lost);
+        let run_options = RunOptions::new(LockOptions::new(self.ttl)).with_on_lost(self.on_lost);
         let outcome = locker.run_exclusive(&running_key, &run_options, job).await;
         let keep_until = later(started, keep_fire_for);
         match &outcome {

@@ -2,7 +2,7 @@
 //!
 //! The raw side a backend implements ([`SemaphoreBackend`]); the client side
 //! is [`LockClient::try_acquire_permit`](crate::LockClient::try_acquire_permit)
-//! and [`LockOptions::permits`](crate::LockOptions::permits), which make every
+//! and [`LockOptions::with_permits`](crate::LockOptions::with_permits), which make every
 //! [`Locker`](crate::Locker) call — `try_lock`, `acquire`, `run_exclusive` —
 //! take a permit instead of the lock, with the same guard (renewal, max
 //! hold, `lost()`, release on drop) and the same lease rules.

@@ -151,7 +151,7 @@ async fn cancel_gives_back_what_an_attempt_in_flight_took() {
     });
     let client = LockClient::new(backend.clone());
     let locker = Locker::new(client.clone());
-    let options = LockOptions::new(TTL).wait(Duration::from_secs(3600));
+    let options = LockOptions::new(TTL).with_wait(Duration::from_secs(3600));
     let applied = backend.applied.notified();
     let acquired = tokio::time::timeout(
         Duration::from_secs(10),
@@ -183,7 +183,7 @@ async fn renewal_finding_foreign_data_loses_the_lock_at_once() {
     let guard = Locker::new(client)
         .try_lock(
             &key(),
-            &LockOptions::new(TTL).renewal(Renewal::Every(Duration::from_millis(20))),
+            &LockOptions::new(TTL).with_renewal(Renewal::Every(Duration::from_millis(20))),
         )
         .await
         .unwrap()

@@ -11,25 +11,26 @@ use crate::LockError;
 /// takes (`tls_ca_file=PATH`, `tls_cert_file=PATH`, `tls_key_file=PATH`),
 /// so one deployment recipe works for all of them.
 ///
-/// - `ca_file`: PEM certificates to trust *in addition to* the platform's
-///   roots (a private CA);
-/// - `cert_file` + `key_file`: a PEM client certificate and its private key
-///   (mutual TLS); one without the other is a configuration error.
+/// - [`ca_file`](Self::ca_file): PEM certificates to trust *in addition
+///   to* the platform's roots (a private CA);
+/// - [`cert_file`](Self::cert_file) + [`key_file`](Self::key_file): a PEM
+///   client certificate and its private key (mutual TLS); one without the
+///   other is a configuration error.
 ///
 /// ```
 /// use distlock_core::TlsFiles;
-/// let only_cert = TlsFiles { cert_file: Some("client.pem".into()), ..TlsFiles::default() };
+/// let only_cert = TlsFiles::default().with_cert_file("client.pem");
 /// assert!(only_cert.validate().is_err());
+/// let mutual = only_cert.with_key_file("client.key");
+/// assert_eq!(mutual.key_file(), Some(std::path::Path::new("client.key")));
+/// assert!(mutual.validate().is_ok());
 /// assert!(TlsFiles::default().is_empty());
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TlsFiles {
-    /// Extra trusted CA certificates (PEM).
-    pub ca_file: Option<PathBuf>,
-    /// The client certificate (PEM), for mutual TLS.
-    pub cert_file: Option<PathBuf>,
-    /// The client certificate's private key (PEM).
-    pub key_file: Option<PathBuf>,
+    ca_file: Option<PathBuf>,
+    cert_file: Option<PathBuf>,
+    key_file: Option<PathBuf>,
 }
 
 /// The contents of [`TlsFiles`], read and checked to be PEM.
@@ -52,6 +53,39 @@ impl fmt::Debug for TlsPem {
 }
 
 impl TlsFiles {
+    /// Extra trusted CA certificates (PEM), `tls_ca_file`.
+    pub fn ca_file(&self) -> Option<&Path> {
+        self.ca_file.as_deref()
+    }
+
+    /// The client certificate (PEM), for mutual TLS, `tls_cert_file`.
+    pub fn cert_file(&self) -> Option<&Path> {
+        self.cert_file.as_deref()
+    }
+
+    /// The client certificate's private key (PEM), `tls_key_file`.
+    pub fn key_file(&self) -> Option<&Path> {
+        self.key_file.as_deref()
+    }
+
+    /// Sets the [CA file](Self::ca_file).
+    pub fn with_ca_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.ca_file = Some(path.into());
+        self
+    }
+
+    /// Sets the [client certificate file](Self::cert_file).
+    pub fn with_cert_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.cert_file = Some(path.into());
+        self
+    }
+
+    /// Sets the [client key file](Self::key_file).
+    pub fn with_key_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.key_file = Some(path.into());
+        self
+    }
+
     /// No file given.
     pub fn is_empty(&self) -> bool {
         self.ca_file.is_none() && self.cert_file.is_none() && self.key_file.is_none()

@@ -51,8 +51,8 @@ impl UrlHost {
 /// assert_eq!(url.password(), Some("p@ss"));
 /// assert_eq!(url.hosts()[1].address(2379), "10.0.0.2:2379");
 /// let options = url.take_client_options()?;
-/// assert_eq!(options.namespace, "jobs");
-/// assert_eq!(options.operation_timeout, Duration::from_millis(250));
+/// assert_eq!(options.namespace(), "jobs");
+/// assert_eq!(options.operation_timeout(), Duration::from_millis(250));
 /// assert!(!url.to_string().contains("p@ss"));
 /// url.finish()?;
 ///
@@ -242,19 +242,34 @@ impl LockUrl {
     pub fn take_client_options(&mut self) -> Result<crate::ClientOptions, LockError> {
         let mut options = crate::ClientOptions::default();
         if let Some(namespace) = self.take("namespace") {
-            options.namespace = namespace;
+            options = options.with_namespace(namespace);
         }
         if let Some(timeout) = self.take_millis("connect_timeout_ms")? {
-            options.connect_timeout = timeout;
+            options = options.with_connect_timeout(timeout);
         }
         if let Some(timeout) = self.take_millis("operation_timeout_ms")? {
-            options.operation_timeout = timeout;
+            options = options.with_operation_timeout(timeout);
         }
-        options.tls.ca_file = self.take("tls_ca_file").map(Into::into);
-        options.tls.cert_file = self.take("tls_cert_file").map(Into::into);
-        options.tls.key_file = self.take("tls_key_file").map(Into::into);
+        options = options.with_tls(self.take_tls_files());
         options.validate()?;
         Ok(options)
+    }
+
+    /// Takes the TLS files every backend shares (`tls_ca_file`,
+    /// `tls_cert_file`, `tls_key_file`), unchecked (see
+    /// [`TlsFiles::validate`](crate::TlsFiles::validate)).
+    pub fn take_tls_files(&mut self) -> crate::TlsFiles {
+        let mut files = crate::TlsFiles::default();
+        if let Some(path) = self.take("tls_ca_file") {
+            files = files.with_ca_file(path);
+        }
+        if let Some(path) = self.take("tls_cert_file") {
+            files = files.with_cert_file(path);
+        }
+        if let Some(path) = self.take("tls_key_file") {
+            files = files.with_key_file(path);
+        }
+        files
     }
 
     /// Refuses the parameters nobody took, naming them and the accepted ones.

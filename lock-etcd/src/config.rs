@@ -1,5 +1,10 @@
 //! [`EtcdConfig`]: endpoints, credentials and the shared client options,
 //! from a URL or from code.
+//!
+//! Naming rule, as for every config type in distlock (see
+//! [`ClientOptions`]): fields are private, a getter is named after its
+//! setting (`user()`), a setter consumes and returns the config and is
+//! named `with_` and the setting (`with_credentials(..)`).
 
 use std::fmt;
 use std::time::Duration;
@@ -50,22 +55,24 @@ pub(crate) const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 ///
 /// ```
 /// use std::time::Duration;
+/// use distlock_core::ClientOptions;
 /// use distlock_etcd::EtcdConfig;
 ///
 /// let config = EtcdConfig::from_url("etcd://locker:s3cret@10.0.0.1:2379,10.0.0.2?namespace=jobs")?;
 /// assert_eq!(config.endpoints(), ["http://10.0.0.1:2379", "http://10.0.0.2:2379"]);
-/// assert_eq!(config.user_name(), Some("locker"));
-/// assert_eq!(config.client.namespace, "jobs");
+/// assert_eq!(config.user(), Some("locker"));
+/// assert_eq!(config.client().namespace(), "jobs");
 /// assert!(!config.to_string().contains("s3cret"));
 ///
-/// let mut config = EtcdConfig::new(["127.0.0.1:2379"]);
-/// config.client.operation_timeout = Duration::from_secs(2);
+/// let config = EtcdConfig::new(["127.0.0.1:2379"])
+///     .with_credentials("locker", "s3cret")
+///     .with_client(ClientOptions::default().with_operation_timeout(Duration::from_secs(2)));
+/// assert_eq!(config.client().operation_timeout(), Duration::from_secs(2));
 /// # Ok::<(), distlock_core::LockError>(())
 /// ```
 #[derive(Clone, PartialEq, Eq)]
 pub struct EtcdConfig {
-    /// Namespace and timeouts.
-    pub client: ClientOptions,
+    client: ClientOptions,
     endpoints: Vec<String>,
     credentials: Option<(String, String)>,
 }
@@ -75,7 +82,7 @@ impl fmt::Debug for EtcdConfig {
         f.debug_struct("EtcdConfig")
             .field("client", &self.client)
             .field("endpoints", &self.endpoints)
-            .field("user", &self.user_name())
+            .field("user", &self.user())
             .finish()
     }
 }
@@ -88,7 +95,7 @@ impl fmt::Display for EtcdConfig {
         } else {
             "etcd://"
         })?;
-        if let Some(user) = self.user_name() {
+        if let Some(user) = self.user() {
             write!(f, "{user}:***@")?;
         }
         let hosts: Vec<&str> = self
@@ -102,7 +109,8 @@ impl fmt::Display for EtcdConfig {
 
 impl EtcdConfig {
     /// A config for the given endpoints (`host:port`, `http://host:port`, or
-    /// `https://host:port` for TLS, with the files in `client.tls`), no
+    /// `https://host:port` for TLS, with the files in
+    /// [`ClientOptions::tls`]), no
     /// authentication, default namespace and timeouts.
     pub fn new<I, S>(endpoints: I) -> Self
     where
@@ -169,9 +177,25 @@ impl EtcdConfig {
         Ok(config)
     }
 
-    /// Authenticates as `name` with `password`.
-    pub fn user(mut self, name: impl Into<String>, password: impl Into<String>) -> Self {
-        self.credentials = Some((name.into(), password.into()));
+    /// Namespace, timeouts and TLS files.
+    pub fn client(&self) -> &ClientOptions {
+        &self.client
+    }
+
+    /// Sets the [namespace, timeouts and TLS files](Self::client).
+    pub fn with_client(mut self, client: ClientOptions) -> Self {
+        self.client = client;
+        self
+    }
+
+    /// Authenticates as `user` with `password` (read back with
+    /// [`user`](Self::user); the password is never shown).
+    pub fn with_credentials(
+        mut self,
+        user: impl Into<String>,
+        password: impl Into<String>,
+    ) -> Self {
+        self.credentials = Some((user.into(), password.into()));
         self
     }
 
@@ -186,7 +210,7 @@ impl EtcdConfig {
     }
 
     /// The user name, if the client authenticates.
-    pub fn user_name(&self) -> Option<&str> {
+    pub fn user(&self) -> Option<&str> {
         self.credentials.as_ref().map(|(name, _)| name.as_str())
     }
 
@@ -214,7 +238,7 @@ impl EtcdConfig {
                     "etcds:// (TLS) needs the `tls` cargo feature of distlock-etcd (the `tls` feature of distlock); enable it or use etcd://",
                 ));
             }
-        } else if !self.client.tls.is_empty() {
+        } else if !self.client.tls().is_empty() {
             return Err(LockError::config(
                 "tls_ca_file, tls_cert_file and tls_key_file are for TLS connections; use etcds://host:port (TLS for every endpoint)",
             ));
@@ -233,7 +257,7 @@ mod tests {
     fn parses_urls() {
         let c = EtcdConfig::from_url("etcd://127.0.0.1:2380").unwrap();
         assert_eq!(c.endpoints(), ["http://127.0.0.1:2380"]);
-        assert_eq!(c.user_name(), None);
+        assert_eq!(c.user(), None);
 
         let c =
             EtcdConfig::from_url("etcd://u%40x:p%3Aw:d@h1,h2:1,[::1]:5/?operation_timeout_ms=9")
@@ -246,7 +270,7 @@ mod tests {
             c.credentials(),
             Some(&("u@x".to_owned(), "p:w:d".to_owned()))
         );
-        assert_eq!(c.client.operation_timeout, Duration::from_millis(9));
+        assert_eq!(c.client().operation_timeout(), Duration::from_millis(9));
         assert!(!format!("{c:?}").contains("p:w"));
         assert!(!c.to_string().contains("p:w"));
         assert_eq!(c.to_string(), "etcd://u@x:***@h1:2379,h2:1,[::1]:5");
@@ -291,7 +315,7 @@ mod tests {
         assert_eq!(c.endpoints(), ["https://h1:2379", "https://h2:1"]);
         assert!(c.uses_tls());
         assert_eq!(
-            c.client.tls.ca_file.as_deref(),
+            c.client().tls().ca_file(),
             Some(std::path::Path::new("/ca.pem"))
         );
         assert_eq!(c.to_string(), "etcds://u:***@h1:2379,h2:1");

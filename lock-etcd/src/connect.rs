@@ -41,15 +41,15 @@ impl EtcdLock {
     /// [`ErrorKind::Config`](distlock_core::ErrorKind) error.
     pub async fn with_config(config: EtcdConfig) -> Result<Self, LockError> {
         config.validate()?;
-        let options = &config.client;
+        let options = config.client();
         // Require-leader: a member without a leader refuses requests at
         // once (and ends its watch streams) instead of stalling them, so
         // the client goes to a member that has one.
         let mut connect = ConnectOptions::new()
             .with_require_leader(true)
-            .with_connect_timeout(options.connect_timeout)
-            .with_timeout(options.operation_timeout)
-            .with_keep_alive(KEEP_ALIVE_INTERVAL, options.operation_timeout)
+            .with_connect_timeout(options.connect_timeout())
+            .with_timeout(options.operation_timeout())
+            .with_keep_alive(KEEP_ALIVE_INTERVAL, options.operation_timeout())
             .with_keep_alive_while_idle(false)
             .with_auto_token_refresh(true);
         if let Some((name, password)) = config.credentials() {
@@ -57,12 +57,12 @@ impl EtcdLock {
         }
         #[cfg(feature = "tls")]
         if config.uses_tls() {
-            connect =
-                connect.with_tls(crate::tls::options(&options.tls, options.connect_timeout).await?);
+            connect = connect
+                .with_tls(crate::tls::options(options.tls(), options.connect_timeout()).await?);
         }
         let endpoints = config.endpoints().to_vec();
         let what = format!("connecting to etcd at {}", endpoints.join(","));
-        let client = distlock_core::with_timeout(options.connect_timeout, &what, async {
+        let client = distlock_core::with_timeout(options.connect_timeout(), &what, async {
             Client::connect(&endpoints, Some(connect.clone()))
                 .await
                 .map_err(|e| errors::map(&what, e))
@@ -74,16 +74,16 @@ impl EtcdLock {
                 client.clone(),
                 endpoints.clone(),
                 connect,
-                KeyLayout::new(&options.namespace)
+                KeyLayout::new(options.namespace())
                     .prefix()
                     .as_bytes()
                     .to_vec(),
-                (options.operation_timeout / requests::ATTEMPTS).max(requests::MIN_ATTEMPT),
+                (options.operation_timeout() / requests::ATTEMPTS).max(requests::MIN_ATTEMPT),
             )
         });
         let lock = Self::build(client, config, health)?;
         lock.probe(&what).await?;
-        tracing::debug!(endpoints = ?lock.config().endpoints(), namespace = %lock.config().client.namespace, "connected to etcd");
+        tracing::debug!(endpoints = ?lock.config().endpoints(), namespace = %lock.config().client().namespace(), "connected to etcd");
         Ok(lock)
     }
 
@@ -102,11 +102,11 @@ impl EtcdLock {
         config: EtcdConfig,
         health: Option<Arc<Health>>,
     ) -> Result<Self, LockError> {
-        config.client.validate()?;
-        let layout = KeyLayout::new(&config.client.namespace);
+        config.client().validate()?;
+        let layout = KeyLayout::new(config.client().namespace());
         let watches = EtcdWatches::new(client.watch_client(), layout.prefix().as_bytes().to_vec());
-        let listener = Listener::new(watches, &config.client).health_check_after(WATCH_SWEEP);
-        let requests = Requests::new(config.client.clone(), config.endpoints().len(), health);
+        let listener = Listener::new(watches, config.client()).health_check_after(WATCH_SWEEP);
+        let requests = Requests::new(config.client().clone(), config.endpoints().len(), health);
         let etcd = Etcd {
             kv: client.kv_client(),
             leases: client.lease_client(),
@@ -129,7 +129,7 @@ impl EtcdLock {
     /// a refused certificate or a user without permission; sent again
     /// (within the connect timeout) while that may help.
     async fn probe(&self, what: &str) -> Result<(), LockError> {
-        let deadline = Instant::now() + self.inner.config.client.connect_timeout;
+        let deadline = Instant::now() + self.inner.config.client().connect_timeout();
         let tls = self.inner.config.uses_tls();
         let mut diagnosed = false;
         loop {
@@ -189,7 +189,7 @@ impl EtcdLock {
             let diagnose = async {
                 for endpoint in config.endpoints() {
                     if let Some(refusal) =
-                        crate::tls::refusal(endpoint, &config.client.tls, left).await
+                        crate::tls::refusal(endpoint, config.client().tls(), left).await
                     {
                         return Some(refusal);
                     }

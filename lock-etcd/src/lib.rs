@@ -64,7 +64,7 @@
 //! # Semaphores
 //!
 //! [`EtcdLock`] is also a [`SemaphoreBackend`](distlock_core::SemaphoreBackend)
-//! (at most N holders of a key: [`LockOptions::permits`](distlock_core::LockOptions::permits)).
+//! (at most N holders of a key: [`LockOptions::with_permits`](distlock_core::LockOptions::with_permits)).
 //! A permit is the key `NS/lock/%sem/<escaped key>/permits/<owner token
 //! in hex>`, valued `dl1:<owner token in hex>/<limit>`, on an etcd lease of
 //! its own with the permit's TTL (renewing permits too, so a holder that

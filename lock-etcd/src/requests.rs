@@ -102,7 +102,7 @@ impl Requests {
     /// transaction) sends each with [`send_until`](Self::send_until) that
     /// one deadline, so the whole ends within one operation timeout.
     pub(crate) fn deadline(&self) -> Instant {
-        Instant::now() + self.options.operation_timeout
+        Instant::now() + self.options.operation_timeout()
     }
 
     /// [`send`](Self::send) with what is left until `deadline` (a request

@@ -34,7 +34,7 @@ pub(crate) async fn options(
     if platform_roots {
         tls = tls.with_native_roots();
     }
-    match (&pem.ca, &files.ca_file) {
+    match (&pem.ca, &files.ca_file()) {
         (Some(ca), Some(path)) => {
             certificates("tls_ca_file", path, ca)?;
             tls = tls.ca_certificate(Certificate::from_pem(ca));
@@ -47,7 +47,7 @@ pub(crate) async fn options(
         _ => {}
     }
     if let (Some((cert, key)), Some(cert_path), Some(key_path)) =
-        (&pem.identity, &files.cert_file, &files.key_file)
+        (&pem.identity, &files.cert_file(), &files.key_file())
     {
         certificates("tls_cert_file", cert_path, cert)?;
         PrivateKeyDer::from_pem_slice(key).map_err(|e| {

@@ -131,7 +131,7 @@ fn waiter(
     tokio::spawn(async move {
         let locker = Locker::new(connect(&url).await);
         let guard = locker
-            .acquire(&key, &LockOptions::new(TTL).wait(WAIT))
+            .acquire(&key, &LockOptions::new(TTL).with_wait(WAIT))
             .await
             .unwrap_or_else(|e| panic!("a waiting acquire failed before its deadline: {e}"))
             .expect("the waiter got the lock before its deadline");

@@ -12,7 +12,7 @@
 //!    for scale;
 //! 2. handoff through PgBouncer in transaction mode: from the holder's
 //!    release to the waiter holding the lock, with `listen_url` (woken by
-//!    `NOTIFY`) and without (polling every `poll_interval_ms`, default 100).
+//!    `NOTIFY`) and without (polling every `retry_interval_ms`, default 100).
 //!
 //! Prints one line per measurement. Not a test: nothing is asserted.
 

@@ -86,8 +86,8 @@ pub struct PostgresLock {
 impl fmt::Debug for PostgresLock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PostgresLock")
-            .field("namespace", &self.config.client.namespace)
-            .field("table", &self.table())
+            .field("namespace", &self.config.client.namespace())
+            .field("table", &self.qualified_table())
             .field("channel", &self.channel)
             .finish_non_exhaustive()
     }
@@ -121,7 +121,7 @@ impl PostgresLock {
                 "the PostgresConfig names no server; build it with PostgresConfig::from_url or PostgresConfig::new, or use PostgresLock::from_pool",
             ));
         };
-        let timeout = config.client.connect_timeout;
+        let timeout = config.client.connect_timeout();
         config.tls.check_files().await?;
         config.listen_tls.check_files().await?;
         let pool = distlock_core::with_timeout(timeout, "connecting to PostgreSQL", async {
@@ -154,7 +154,7 @@ impl PostgresLock {
     /// and table (its server options are not used: the pool has its own).
     /// The lock table is created on first use; waiters get one extra
     /// connection with the pool's connect options (or those of
-    /// [`PostgresConfig::listen_via`]). The pool's acquire timeout should
+    /// [`PostgresConfig::with_listen_options`]). The pool's acquire timeout should
     /// not exceed the connect timeout.
     ///
     /// It does not probe for a transaction pooler: [`PoolMode::Auto`] (the
@@ -168,7 +168,7 @@ impl PostgresLock {
 
     /// A backend on `pool` working in `mode` (`Auto` meaning `Session`).
     fn build(pool: PgPool, config: PostgresConfig, mode: PoolMode) -> Self {
-        let channel = channel_name(&config.schema, &config.table, &config.client.namespace);
+        let channel = channel_name(&config.schema, &config.table, config.client.namespace());
         let (protocol, listen) = match mode {
             PoolMode::Session | PoolMode::Auto => (
                 Protocol::Extended,
@@ -185,7 +185,7 @@ impl PostgresLock {
         };
         let semaphores = Semaphores::new(&config, listen.clone());
         let listener = listen.map(|listen| {
-            let releases = Releases::new(listen, channel.clone(), config.client.connect_timeout);
+            let releases = Releases::new(listen, channel.clone(), config.client.connect_timeout());
             Listener::new(releases, &config.client)
         });
         Self {
@@ -238,13 +238,13 @@ impl PostgresLock {
     }
 
     /// The quoted, schema-qualified name of the lock table
-    /// (`"public"."distlock_locks"`).
-    pub fn table(&self) -> String {
+    /// (`"public"."distlock_locks"`), for SQL text.
+    pub fn qualified_table(&self) -> String {
         qualified_table(&self.config.schema, &self.config.table)
     }
 
     pub(crate) fn namespace(&self) -> &str {
-        &self.config.client.namespace
+        self.config.client.namespace()
     }
 
     pub(crate) fn map_err(
@@ -257,7 +257,7 @@ impl PostgresLock {
             error,
             what,
             key.map(LockKey::as_str),
-            self.config.client.connect_timeout,
+            self.config.client.connect_timeout(),
         )
     }
 
@@ -274,7 +274,7 @@ impl PostgresLock {
         LockError::timeout(format!(
             "{what}{on_key} got no reply within the operation timeout of {:?} (counted from its first send, resends included); \
              whether it took effect is unknown; the server may be down or overloaded",
-            self.config.client.operation_timeout
+            self.config.client.operation_timeout()
         ))
     }
 
@@ -305,7 +305,7 @@ impl PostgresLock {
         mut give_back: Option<GiveBack>,
     ) -> Result<Reply, LockError> {
         let mut call = Arc::new(call);
-        let timeout = self.config.client.operation_timeout;
+        let timeout = self.config.client.operation_timeout();
         // Set at the first send: resends share it.
         let mut deadline: Option<Instant> = None;
         let mut lost = 0;
@@ -430,7 +430,7 @@ impl LockBackend for PostgresLock {
             min_ttl: Duration::from_millis(1),
             ttl_granularity: Duration::from_millis(1),
             native_wait: self.can_listen(),
-            retry_interval: self.config.poll_interval,
+            retry_interval: self.config.retry_interval,
             durable: true,
             ..Capabilities::default()
         }
@@ -488,7 +488,7 @@ impl LockBackend for PostgresLock {
             return Err(LockError::corrupted(format!(
                 "the row for lock {:?} in {} has no fencing counter; it is left untouched",
                 key.as_str(),
-                self.table()
+                self.qualified_table()
             )));
         }
         let expires_in = match holder {

@@ -1,5 +1,10 @@
 //! [`PostgresConfig`]: where the server is, how it is reached (TLS, a
 //! pooler) and how the lock table is named.
+//!
+//! Naming rule, as for every config type in distlock (see
+//! [`ClientOptions`]): fields are private, a getter is named after its
+//! setting (`table()`), a setter consumes and returns the config and is
+//! named `with_` and the setting (`with_table("locks")`).
 
 mod tls;
 
@@ -25,7 +30,7 @@ pub const DEFAULT_SEMAPHORE_TABLE: &str = "distlock_semaphores";
 
 /// How often a waiter tries again when it cannot be woken by `NOTIFY`
 /// (behind a transaction pooler without `listen_url`), unless configured.
-pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(100);
+pub const DEFAULT_RETRY_INTERVAL: Duration = Duration::from_millis(100);
 
 /// The query parameters passed on to sqlx as they are (libpq's names and
 /// sqlx's aliases for them; the TLS ones are read by distlock first); any
@@ -80,7 +85,7 @@ pub enum PoolMode {
     /// transaction`, the default of many hosted platforms). Statements are
     /// sent with the simple query protocol, values as literals, so nothing
     /// outlives a transaction; waiters `LISTEN` on `listen_url` if given,
-    /// and otherwise poll (see [`PostgresConfig::poll_interval`]).
+    /// and otherwise poll (see [`PostgresConfig::retry_interval`]).
     Transaction,
 }
 
@@ -98,8 +103,8 @@ pub enum PoolMode {
 /// | `schema`, `table` | where the lock table lives | `public`, `distlock_locks` |
 /// | `semaphore_table` | the table of semaphores and their permits, in the same schema | `distlock_semaphores` |
 /// | `pool_mode` | `auto`, `session`, `transaction` or `statement` (the last two mean the same here): what pools the URL's connections ([`PoolMode`]); without it a probe at connect tells a transaction pooler from a direct connection or session pool, and the client then works as with `transaction` | `auto` |
-/// | `listen_url` | percent-encoded URL where waiters `LISTEN` for releases when the main URL goes through a transaction pooler (see [`listen_via`](Self::listen_via)); it takes the driver's parameters below, and the main URL's TLS settings unless it has its own | the main URL |
-/// | `poll_interval_ms` | how often waiters try again when nothing can wake them (a transaction pooler without `listen_url`) | 100 |
+/// | `listen_url` | percent-encoded URL where waiters `LISTEN` for releases when the main URL goes through a transaction pooler (see [`with_listen_options`](Self::with_listen_options)); it takes the driver's parameters below, and the main URL's TLS settings unless it has its own | the main URL |
+/// | `retry_interval_ms` | how often waiters try again when nothing can wake them (a transaction pooler without `listen_url`) | 100 |
 /// | `sslmode`, `sslrootcert`, `sslcert`, `sslkey` (sqlx's aliases `ssl-mode`, `ssl-root-cert`, `ssl-ca`, `ssl-cert`, `ssl-key`) | libpq's TLS settings (cargo feature `tls`; see below) | `PGSSLMODE`, else `prefer` |
 /// | `tls_ca_file`, `tls_cert_file`, `tls_key_file` | distlock's shared names for `sslrootcert`, `sslcert`, `sslkey` | |
 /// | `application_name`, `options`, `statement-cache-capacity`, `host`, `hostaddr`, `port`, `dbname`, `user`, `password` | the driver's own, passed on to sqlx | sqlx's |
@@ -121,19 +126,20 @@ pub enum PoolMode {
 /// ```
 /// use std::time::Duration;
 /// use distlock_postgres::{PoolMode, PostgresConfig};
-/// let mut config = PostgresConfig::from_url(
+/// let config = PostgresConfig::from_url(
 ///     "postgres://app:secret@127.0.0.1:5432/app?namespace=jobs&table=locks&connect_timeout_ms=500&sslmode=disable",
 /// )?;
-/// config.client.operation_timeout = Duration::from_secs(2);
-/// assert_eq!(config.client.namespace, "jobs");
-/// assert_eq!(config.table_name(), "locks");
-/// assert_eq!(config.schema_name(), "public");
+/// let client = config.client().clone().with_operation_timeout(Duration::from_secs(2));
+/// let config = config.with_client(client).with_schema("jobs");
+/// assert_eq!(config.client().namespace(), "jobs");
+/// assert_eq!(config.table(), "locks");
+/// assert_eq!(config.schema(), "jobs");
 /// assert!(!format!("{config:?}").contains("secret"));
 ///
 /// let pooled = PostgresConfig::from_url(
 ///     "postgres://app@127.0.0.1:6432/app?pool_mode=transaction&listen_url=postgres%3A%2F%2Fapp%40127.0.0.1%3A5432%2Fapp",
 /// )?;
-/// assert_eq!(pooled.get_pool_mode(), PoolMode::Transaction);
+/// assert_eq!(pooled.pool_mode(), PoolMode::Transaction);
 /// assert_eq!(pooled.listen_options().map(|l| l.get_port()), Some(5432));
 ///
 /// let typo = PostgresConfig::from_url("postgres://app@127.0.0.1/app?tabel=locks").unwrap_err();
@@ -142,9 +148,7 @@ pub enum PoolMode {
 /// ```
 #[derive(Clone)]
 pub struct PostgresConfig {
-    /// Namespace and timeouts. The connect timeout also bounds the wait for
-    /// a pooled connection.
-    pub client: ClientOptions,
+    pub(crate) client: ClientOptions,
     pub(crate) connect: Option<PgConnectOptions>,
     pub(crate) listen: Option<PgConnectOptions>,
     /// The TLS files of the main URL and of `listen_url`, checked at connect.
@@ -155,7 +159,7 @@ pub struct PostgresConfig {
     pub(crate) semaphore_table: String,
     pub(crate) max_connections: u32,
     pub(crate) pool_mode: PoolMode,
-    pub(crate) poll_interval: Duration,
+    pub(crate) retry_interval: Duration,
 }
 
 impl Default for PostgresConfig {
@@ -173,7 +177,7 @@ impl Default for PostgresConfig {
             semaphore_table: DEFAULT_SEMAPHORE_TABLE.to_owned(),
             max_connections: 8,
             pool_mode: PoolMode::Auto,
-            poll_interval: DEFAULT_POLL_INTERVAL,
+            retry_interval: DEFAULT_RETRY_INTERVAL,
         }
     }
 }
@@ -199,7 +203,7 @@ impl fmt::Debug for PostgresConfig {
             .field("semaphore_table", &self.semaphore_table)
             .field("max_connections", &self.max_connections)
             .field("pool_mode", &self.pool_mode)
-            .field("poll_interval", &self.poll_interval)
+            .field("retry_interval", &self.retry_interval)
             .finish()
     }
 }
@@ -235,19 +239,15 @@ impl PostgresConfig {
                 }
             };
         }
-        if let Some(interval) = url.take_millis("poll_interval_ms")? {
-            config.poll_interval = interval;
+        if let Some(interval) = url.take_millis("retry_interval_ms")? {
+            config.retry_interval = interval;
         }
-        config.tls = TlsSettings::take(&mut url, &config.client.tls)?;
+        config.tls = TlsSettings::take(&mut url, config.client.tls())?;
         if let Some(listen) = url.take("listen_url") {
             let in_listen = |e: LockError| LockError::config(format!("listen_url: {e}"));
             let mut listen = LockUrl::parse(&listen).map_err(in_listen)?;
             listen.expect_scheme("PostgreSQL", SCHEMES)?;
-            let shared = distlock_core::TlsFiles {
-                ca_file: listen.take("tls_ca_file").map(Into::into),
-                cert_file: listen.take("tls_cert_file").map(Into::into),
-                key_file: listen.take("tls_key_file").map(Into::into),
-            };
+            let shared = listen.take_tls_files();
             let own = TlsSettings::take(&mut listen, &shared).map_err(in_listen)?;
             // The listener reaches the same database: without TLS settings
             // of its own it uses the main URL's.
@@ -274,8 +274,21 @@ impl PostgresConfig {
         }
     }
 
+    /// Namespace, timeouts and TLS files. The connect timeout also bounds
+    /// the wait for a pooled connection.
+    pub fn client(&self) -> &ClientOptions {
+        &self.client
+    }
+
+    /// Sets the [namespace, timeouts and TLS files](Self::client).
+    pub fn with_client(mut self, client: ClientOptions) -> Self {
+        self.client = client;
+        self
+    }
+
     /// Makes waiters `LISTEN` for releases on a connection with `listen`
-    /// instead of the main server's options.
+    /// instead of the main server's options (the `listen_url` URL
+    /// parameter; read back with [`listen_options`](Self::listen_options)).
     ///
     /// Needed for waiters to be woken by `NOTIFY` when the main URL goes
     /// through a transaction pooler ([`PoolMode::Transaction`]): a `LISTEN`
@@ -283,60 +296,72 @@ impl PostgresConfig {
     /// releases would reach other clients' statements instead of the
     /// waiters. Point `listen` at the same database directly, or through a
     /// session-mode pool. Without it, waiters behind a transaction pooler
-    /// poll (see [`poll_interval`](Self::poll_interval)).
-    pub fn listen_via(mut self, listen: PgConnectOptions) -> Self {
+    /// poll (see [`retry_interval`](Self::retry_interval)).
+    pub fn with_listen_options(mut self, listen: PgConnectOptions) -> Self {
         self.listen = Some(listen);
         self
     }
 
-    /// Sets the schema of the lock table (default `public`).
-    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+    /// Sets the [schema of the lock table](Self::schema).
+    pub fn with_schema(mut self, schema: impl Into<String>) -> Self {
         self.schema = schema.into();
         self
     }
 
-    /// Sets the name of the lock table (default `distlock_locks`).
-    pub fn table(mut self, table: impl Into<String>) -> Self {
+    /// Sets the [name of the lock table](Self::table).
+    pub fn with_table(mut self, table: impl Into<String>) -> Self {
         self.table = table.into();
         self
     }
 
-    /// Sets the name of the semaphore table, in the lock table's schema
-    /// (default `distlock_semaphores`).
-    pub fn semaphore_table(mut self, table: impl Into<String>) -> Self {
+    /// Sets the [name of the semaphore table](Self::semaphore_table).
+    pub fn with_semaphore_table(mut self, table: impl Into<String>) -> Self {
         self.semaphore_table = table.into();
         self
     }
 
-    /// Says how the main server's connections are pooled (the `pool_mode`
-    /// URL parameter; see [`PoolMode`]).
-    pub fn pool_mode(mut self, mode: PoolMode) -> Self {
+    /// Says [how the main server's connections are pooled](Self::pool_mode).
+    pub fn with_pool_mode(mut self, mode: PoolMode) -> Self {
         self.pool_mode = mode;
         self
     }
 
-    /// How often waiters try again when nothing can wake them: with
-    /// [`PoolMode::Transaction`] (or a transaction pooler found by
-    /// [`PoolMode::Auto`]) and no [`listen_via`](Self::listen_via)
-    /// (default 100 ms, the `poll_interval_ms` URL parameter). A release
-    /// is then noticed half this late on average, and each waiter runs
-    /// one acquire statement per interval.
-    pub fn poll_interval(mut self, interval: Duration) -> Self {
-        self.poll_interval = interval;
+    /// Sets [how often waiters try again](Self::retry_interval) when
+    /// nothing can wake them.
+    pub fn with_retry_interval(mut self, interval: Duration) -> Self {
+        self.retry_interval = interval;
         self
     }
 
-    /// The pool mode (see [`PoolMode`]).
-    pub fn get_pool_mode(&self) -> PoolMode {
+    /// Sets the [most connections](Self::max_connections) the client's
+    /// pool opens (at least 1).
+    pub fn with_max_connections(mut self, max: u32) -> Self {
+        self.max_connections = max.max(1);
+        self
+    }
+
+    /// How the main server's connections are pooled, as configured (the
+    /// `pool_mode` URL parameter; see [`PoolMode`]; default
+    /// [`PoolMode::Auto`]).
+    pub fn pool_mode(&self) -> PoolMode {
         self.pool_mode
     }
 
-    /// Sets the most connections the client's pool opens (default 8), not
+    /// How often waiters try again when nothing can wake them: with
+    /// [`PoolMode::Transaction`] (or a transaction pooler found by
+    /// [`PoolMode::Auto`]) and no [`listen_options`](Self::listen_options)
+    /// (default [`DEFAULT_RETRY_INTERVAL`], 100 ms; the `retry_interval_ms`
+    /// URL parameter). A release is then noticed half this late on
+    /// average, and each waiter runs one acquire statement per interval.
+    pub fn retry_interval(&self) -> Duration {
+        self.retry_interval
+    }
+
+    /// The most connections the client's pool opens (default 8), not
     /// counting the listener connections for waiters (one for lock waiters,
     /// one for permit waiters, each opened with its first waiter).
-    pub fn max_connections(mut self, max: u32) -> Self {
-        self.max_connections = max.max(1);
-        self
+    pub fn max_connections(&self) -> u32 {
+        self.max_connections
     }
 
     /// The server's connect options, if the config names a server.
@@ -350,27 +375,29 @@ impl PostgresConfig {
         self.listen.as_ref()
     }
 
-    /// The schema of the lock table.
-    pub fn schema_name(&self) -> &str {
+    /// The schema of the lock table (default [`DEFAULT_SCHEMA`], `public`).
+    pub fn schema(&self) -> &str {
         &self.schema
     }
 
-    /// The name of the lock table.
-    pub fn table_name(&self) -> &str {
+    /// The name of the lock table, unquoted (default [`DEFAULT_TABLE`],
+    /// `distlock_locks`).
+    pub fn table(&self) -> &str {
         &self.table
     }
 
-    /// The name of the semaphore table.
-    pub fn semaphore_table_name(&self) -> &str {
+    /// The name of the semaphore table, in the lock table's schema
+    /// (default [`DEFAULT_SEMAPHORE_TABLE`], `distlock_semaphores`).
+    pub fn semaphore_table(&self) -> &str {
         &self.semaphore_table
     }
 
-    /// Checks namespace, timeouts, poll interval, schema and table names.
+    /// Checks namespace, timeouts, retry interval, schema and table names.
     pub fn validate(&self) -> Result<(), LockError> {
         self.client.validate()?;
-        if self.poll_interval.is_zero() {
+        if self.retry_interval.is_zero() {
             return Err(LockError::config(
-                "poll_interval_ms is zero; waiters need a pause between attempts",
+                "retry_interval_ms is zero; waiters need a pause between attempts",
             ));
         }
         validate_identifier("schema", &self.schema)?;
@@ -467,9 +494,9 @@ mod tests {
     #[test]
     fn the_semaphore_table_is_named_apart_from_the_lock_table() {
         let config = PostgresConfig::from_url("postgres://u@h/db").unwrap();
-        assert_eq!(config.semaphore_table_name(), DEFAULT_SEMAPHORE_TABLE);
+        assert_eq!(config.semaphore_table(), DEFAULT_SEMAPHORE_TABLE);
         let config = PostgresConfig::from_url("postgres://u@h/db?semaphore_table=sem").unwrap();
-        assert_eq!(config.semaphore_table_name(), "sem");
+        assert_eq!(config.semaphore_table(), "sem");
         let same = PostgresConfig::from_url("postgres://u@h/db?table=x&semaphore_table=x");
         assert_eq!(same.unwrap_err().kind(), ErrorKind::Config);
         assert!(PostgresConfig::from_url("postgres://u@h/db?semaphore_table=").is_err());
@@ -483,7 +510,7 @@ mod tests {
         .unwrap();
         assert_eq!(config.schema, "s\"x");
         assert_eq!(config.table, "t");
-        assert_eq!(config.client.namespace, "n");
+        assert_eq!(config.client().namespace(), "n");
         let debug = format!("{config:?}");
         assert!(!debug.contains(":p@"), "{debug}");
         assert!(PostgresConfig::from_url("redis://127.0.0.1").is_err());
@@ -518,22 +545,25 @@ mod tests {
     }
 
     #[test]
-    fn pool_mode_and_poll_interval() {
+    fn pool_mode_and_retry_interval() {
         let config =
-            PostgresConfig::from_url("postgres://u@h/db?pool_mode=statement&poll_interval_ms=20")
+            PostgresConfig::from_url("postgres://u@h/db?pool_mode=statement&retry_interval_ms=20")
                 .unwrap();
-        assert_eq!(config.get_pool_mode(), PoolMode::Transaction);
-        assert_eq!(config.poll_interval, Duration::from_millis(20));
+        assert_eq!(config.pool_mode(), PoolMode::Transaction);
+        assert_eq!(config.retry_interval(), Duration::from_millis(20));
         let config = PostgresConfig::from_url("postgres://u@h/db").unwrap();
-        assert_eq!(config.get_pool_mode(), PoolMode::Auto);
+        assert_eq!(config.pool_mode(), PoolMode::Auto);
         for (mode, expected) in [("auto", PoolMode::Auto), ("session", PoolMode::Session)] {
             let config =
                 PostgresConfig::from_url(&format!("postgres://u@h/db?pool_mode={mode}")).unwrap();
-            assert_eq!(config.get_pool_mode(), expected);
+            assert_eq!(config.pool_mode(), expected);
         }
         for (url, name) in [
             ("postgres://u@h/db?pool_mode=bouncy", "bouncy"),
-            ("postgres://u@h/db?poll_interval_ms=0", "poll_interval_ms"),
+            ("postgres://u@h/db?retry_interval_ms=0", "retry_interval_ms"),
+            ("postgres://u@h/db?poll_interval_ms=20", "poll_interval_ms"),
+            ("postgres://u@h/db?schema=a%00b", "schema"),
+            ("postgres://u@h/db?namespace=a/b", "namespace"),
         ] {
             let err = PostgresConfig::from_url(url).unwrap_err();
             assert_eq!(err.kind(), ErrorKind::Config, "{url}");

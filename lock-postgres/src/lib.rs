@@ -28,7 +28,7 @@
 //! `postgres://user:password@host:port/database?parameters` (or
 //! `postgresql://`, [`SCHEMES`]). The table of query parameters —
 //! distlock's (`namespace`, `schema`, `table`, `pool_mode`, `listen_url`,
-//! `poll_interval_ms`, the timeouts), the TLS ones and the driver's own —
+//! `retry_interval_ms`, the timeouts), the TLS ones and the driver's own —
 //! is on [`PostgresConfig`]; any other parameter is a configuration error
 //! naming it.
 //!
@@ -48,7 +48,7 @@
 //!
 //! [`PostgresLock`] is also a
 //! [`SemaphoreBackend`](distlock_core::SemaphoreBackend): at most N live
-//! permits of a key ([`LockOptions::permits`](distlock_core::LockOptions::permits),
+//! permits of a key ([`LockOptions::with_permits`](distlock_core::LockOptions::with_permits),
 //! [`LockClient::try_acquire_permit`](distlock_core::LockClient::try_acquire_permit)).
 //! A semaphore is one row per `(namespace, key)` of a table of its own
 //! (`distlock_semaphores` in the lock table's schema unless the
@@ -280,7 +280,7 @@
 //!     `NOTIFY` as on a direct connection. Without `listen_url` nothing
 //!     can wake them (a `LISTEN` through the pooler would stay on a shared
 //!     server session), so they poll: an acquire attempt every
-//!     `poll_interval_ms` (default 100) per waiting call, and
+//!     `retry_interval_ms` (default 100) per waiting call, and
 //!     [`Capabilities::native_wait`](distlock_core::Capabilities) is false.
 //!     Still correct (every attempt is the atomic acquire statement); a
 //!     release is noticed on the next poll: a handoff took 57 ms at the
@@ -310,7 +310,7 @@ mod table;
 
 pub use backend::PostgresLock;
 pub use config::{
-    PoolMode, PostgresConfig, DEFAULT_POLL_INTERVAL, DEFAULT_SCHEMA, DEFAULT_SEMAPHORE_TABLE,
+    PoolMode, PostgresConfig, DEFAULT_RETRY_INTERVAL, DEFAULT_SCHEMA, DEFAULT_SEMAPHORE_TABLE,
     DEFAULT_TABLE,
 };
 pub use keys::{channel_name, MAX_IDENTIFIER_BYTES};

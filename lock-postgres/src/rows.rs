@@ -31,7 +31,7 @@ impl PostgresLock {
         fencing: Option<i64>,
         expected_fencing: Option<u64>,
     ) -> Result<(), LockError> {
-        let table = self.table();
+        let table = self.qualified_table();
         let namespace = self.namespace();
         if let Some(owner) = owner {
             if !is_owner_token(owner) {
@@ -72,7 +72,7 @@ impl PostgresLock {
                 "the row for lock {:?} in namespace {:?} of {} has this lease's owner with another fencing token; the row was edited outside distlock",
                 key.as_str(),
                 self.namespace(),
-                self.table()
+                self.qualified_table()
             )));
         }
         Ok(done > 0)

@@ -49,10 +49,10 @@ pub(crate) struct Semaphores {
 impl Semaphores {
     /// The semaphores of `config`, their waiters listening with `listen`.
     pub(crate) fn new(config: &PostgresConfig, listen: Option<PgConnectOptions>) -> Self {
-        let (schema, table) = (config.schema_name(), config.semaphore_table_name());
-        let channel = channel_name(schema, table, &config.client.namespace);
+        let (schema, table) = (config.schema(), config.semaphore_table());
+        let channel = channel_name(schema, table, config.client.namespace());
         let listener = listen.map(|listen| {
-            let returns = Releases::new(listen, channel.clone(), config.client.connect_timeout);
+            let returns = Releases::new(listen, channel.clone(), config.client.connect_timeout());
             Listener::new(returns, &config.client)
         });
         Self {

@@ -27,7 +27,7 @@ impl PostgresLock {
     pub(crate) async fn ensure_table(&self) -> Result<(), LockError> {
         self.table_ready
             .get_or_try_init(|| async {
-                let (what, table) = ("creating the lock table", self.table());
+                let (what, table) = ("creating the lock table", self.qualified_table());
                 self.create_table(what, &table, &self.sql.create_table)
                     .await
             })

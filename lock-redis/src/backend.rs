@@ -83,7 +83,7 @@ impl fmt::Debug for RedisLock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisLock")
             .field("server", &self.config.to_string())
-            .field("namespace", &self.config.client.namespace)
+            .field("namespace", &self.config.client().namespace())
             .finish_non_exhaustive()
     }
 }
@@ -106,7 +106,7 @@ impl RedisLock {
         config.validate()?;
         let Some(server) = config.server_settings().cloned() else {
             return Err(LockError::config(
-                "RedisConfig names no server; build it with RedisConfig::from_url or RedisConfig::server, or use RedisLock::from_connection_manager",
+                "RedisConfig names no server; build it with RedisConfig::from_url or RedisConfig::with_server, or use RedisLock::from_connection_manager",
             ));
         };
         #[cfg(feature = "tls")]
@@ -115,15 +115,15 @@ impl RedisLock {
             // application installed, else install ring.
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
-        let options = &config.client;
+        let options = config.client();
         let what = format!("connecting to redis at {config}");
         let tls = tls::is_tls(&server);
-        let certificates = tls::certificates(&options.tls, tls).await?;
+        let certificates = tls::certificates(options.tls(), tls).await?;
         let connected = Self::open(server, &config, certificates, &what)
             .await
             .map_err(|e| tls::connect_hint(e, tls))?;
         let (commands, pubsub, channels) = connected;
-        tracing::debug!(server = %config, namespace = %options.namespace, "redis lock client ready");
+        tracing::debug!(server = %config, namespace = %options.namespace(), "redis lock client ready");
         Ok(Self::new(commands, pubsub, channels, config))
     }
 
@@ -142,13 +142,13 @@ impl RedisLock {
     /// closes, not after a timeout on one that stays open).
     ///
     /// ```no_run
+    /// use distlock_core::ClientOptions;
     /// use distlock_redis::{RedisConfig, RedisLock};
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// let client = redis::Client::open("redis://127.0.0.1:6379/")?;
     /// let manager = redis::aio::ConnectionManager::new(client.clone()).await?;
-    /// let mut config = RedisConfig::default();
-    /// config.client.namespace = "jobs".into();
+    /// let config = RedisConfig::default().with_client(ClientOptions::default().with_namespace("jobs"));
     /// let lock = RedisLock::from_connection_manager(manager, client, config)?;
     /// # let _ = lock; Ok(()) }
     /// ```
@@ -158,7 +158,7 @@ impl RedisLock {
         config: RedisConfig,
     ) -> Result<Self, LockError> {
         config.validate()?;
-        let commands = replaceable_manager(manager, &pubsub, &config.client);
+        let commands = replaceable_manager(manager, &pubsub, config.client());
         Ok(Self::new(
             Commands::Single(commands),
             PubSub::Node(pubsub),
@@ -170,7 +170,7 @@ impl RedisLock {
     fn new(commands: Commands, pubsub: PubSub, channels: Channels, config: RedisConfig) -> Self {
         Self {
             commands,
-            listener: Listener::new(pubsub, &config.client),
+            listener: Listener::new(pubsub, config.client()),
             channels,
             config,
         }
@@ -193,12 +193,12 @@ impl RedisLock {
     }
 
     fn keys(&self, key: &LockKey) -> RedisKeys {
-        RedisKeys::new(&self.config.client.namespace, key)
+        RedisKeys::new(self.config.client().namespace(), key)
     }
 
     /// The names of `key`'s semaphore.
     pub(crate) fn semaphore_keys(&self, key: &LockKey) -> RedisKeys {
-        RedisKeys::semaphore(&self.config.client.namespace, key)
+        RedisKeys::semaphore(self.config.client().namespace(), key)
     }
 
     /// The command a release script publishes with.
@@ -208,14 +208,14 @@ impl RedisLock {
 
     /// How long the fencing counter is kept after an acquisition for `ttl`.
     pub(crate) fn retention_ms(&self, ttl: Duration) -> String {
-        arg_millis(self.config.fence_retention.max(ttl.saturating_mul(2)))
+        arg_millis(self.config.fence_retention().max(ttl.saturating_mul(2)))
     }
 
     /// What is left of the operation timeout of a call first sent at `sent`.
     pub(crate) fn time_left(&self, sent: Instant) -> Duration {
         self.config
-            .client
-            .operation_timeout
+            .client()
+            .operation_timeout()
             .saturating_sub(sent.elapsed())
     }
 
@@ -224,7 +224,7 @@ impl RedisLock {
         // Connecting (the first waiter) and subscribing, however long other
         // waiters' subscriptions hold the connection: one bound in all.
         with_timeout(
-            connect_budget(&self.config.client),
+            connect_budget(self.config.client()),
             "redis subscribe for release notifications",
             self.listener.watch(channel),
         )
@@ -233,7 +233,7 @@ impl RedisLock {
 
     /// Runs one script invocation under the operation timeout.
     pub(crate) async fn run(&self, call: Call<'_>) -> Result<Value, LockError> {
-        let timeout = self.config.client.operation_timeout;
+        let timeout = self.config.client().operation_timeout();
         Ok(self.execute(call, None, timeout).await?.0)
     }
 
@@ -244,12 +244,12 @@ impl RedisLock {
         &self,
         call: Call<'_>,
     ) -> Result<(Value, Replicated), LockError> {
-        let wanted = self.config.min_replicas;
+        let wanted = self.config.min_replicas();
         if wanted == 0 {
             return Ok((self.run(call).await?, Replicated::Enough));
         }
         let wait = self.config.replica_wait();
-        let timeout = self.config.client.operation_timeout;
+        let timeout = self.config.client().operation_timeout();
         let (reply, acknowledged) = self.execute(call, Some((wanted, wait)), timeout).await?;
         let acknowledged = acknowledged.unwrap_or(0);
         let replicated = if acknowledged >= i64::from(wanted) {
@@ -382,7 +382,7 @@ impl RedisLock {
     /// that a resend of the release (the cluster driver resends after a
     /// dropped connection, within the timeout) finds it.
     pub(crate) fn released_marker_ms(&self) -> String {
-        arg_millis(self.config.client.operation_timeout.saturating_mul(2))
+        arg_millis(self.config.client().operation_timeout().saturating_mul(2))
     }
 }
 
@@ -526,7 +526,7 @@ impl LockBackend for RedisLock {
     async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
         let keys = self.keys(lock.key);
         let value = scripts::lock_value(&lock.owner.to_hex(), lock.fencing.get());
-        let timeout = self.config.client.operation_timeout;
+        let timeout = self.config.client().operation_timeout();
         self.release_value(lock.key, &keys, value, timeout).await
     }
 

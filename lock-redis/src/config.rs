@@ -1,6 +1,11 @@
 //! [`RedisConfig`]: where the server is (one server, a primary found
 //! through Sentinel, or a Redis Cluster), namespace and timeouts, the
 //! fencing-counter retention and the replica acknowledgement.
+//!
+//! Naming rule, as for every config type in distlock (see
+//! [`ClientOptions`]): fields are private, a getter is named after its
+//! setting (`min_replicas()`), a setter consumes and returns the config and
+//! is named `with_` and the setting (`with_min_replicas(1)`).
 
 use std::fmt;
 use std::path::PathBuf;
@@ -47,8 +52,8 @@ const UNIX_SCHEMES: &[&str] = &["unix", "redis+unix"];
 /// - `rediss://…`, `rediss+sentinel://…`, `rediss+cluster://…`: the same
 ///   over TLS (cargo feature `tls`), to the sentinels too;
 /// - `unix:///path/to/redis.sock` or `redis+unix:///path/to/redis.sock`,
-///   with the database, user and password as the `db`, `user` and `pass`
-///   parameters (or the password as `unix://:password@/path`).
+///   with the database, user and password as the `db`, `user` and
+///   `password` parameters (or the password as `unix://:password@/path`).
 ///
 /// Query parameters (anything else is a
 /// [`Config`](distlock_core::ErrorKind::Config) error naming it):
@@ -65,23 +70,25 @@ const UNIX_SCHEMES: &[&str] = &["unix", "redis+unix"];
 /// | `tls_ca_file` | PEM CA to trust in addition to the platform's roots (TLS URLs) | |
 /// | `tls_cert_file`, `tls_key_file` | PEM client certificate and key (TLS URLs) | |
 /// | `sentinel_user`, `sentinel_password` | the sentinels' own credentials (Sentinel URLs) | none |
-/// | `db`, `user`, `pass` | Unix sockets only, see above | |
+/// | `db`, `user`, `password` | Unix sockets only, see above | |
 ///
 /// `Debug` and `Display` never show a password.
 ///
 /// ```
 /// use std::time::Duration;
 /// use distlock_redis::RedisConfig;
-/// let mut config = RedisConfig::from_url("redis://:pw@127.0.0.1:6379/0?namespace=jobs&operation_timeout_ms=250")?;
-/// config.client.connect_timeout = Duration::from_secs(1);
-/// assert_eq!(config.client.namespace, "jobs");
-/// assert_eq!(config.client.operation_timeout, Duration::from_millis(250));
+/// let config = RedisConfig::from_url("redis://:pw@127.0.0.1:6379/0?namespace=jobs&operation_timeout_ms=250")?;
+/// let client = config.client().clone().with_connect_timeout(Duration::from_secs(1));
+/// let config = config.with_client(client);
+/// assert_eq!(config.client().namespace(), "jobs");
+/// assert_eq!(config.client().operation_timeout(), Duration::from_millis(250));
+/// assert_eq!(config.client().connect_timeout(), Duration::from_secs(1));
 /// assert_eq!(config.to_string(), "redis://127.0.0.1:6379/0");
 /// assert!(!format!("{config:?}").contains("pw"));
 ///
 /// let sentinel = RedisConfig::from_url("redis+sentinel://:pw@10.0.0.1,10.0.0.2:5000/jobs-primary/2?min_replicas=1")?;
 /// assert_eq!(sentinel.to_string(), "redis+sentinel://10.0.0.1:26379,10.0.0.2:5000/jobs-primary/2");
-/// assert_eq!(sentinel.min_replicas, 1);
+/// assert_eq!(sentinel.min_replicas(), 1);
 ///
 /// let typo = RedisConfig::from_url("redis://127.0.0.1/?namspace=jobs").unwrap_err();
 /// assert!(typo.to_string().contains("namspace"));
@@ -89,26 +96,10 @@ const UNIX_SCHEMES: &[&str] = &["unix", "redis+unix"];
 /// ```
 #[derive(Clone)]
 pub struct RedisConfig {
-    /// Namespace, timeouts and TLS files.
-    pub client: ClientOptions,
-    /// The minimum time a fencing counter is kept after its last
-    /// acquisition (it is always kept at least twice the lock's TTL).
-    /// Tokens stay strictly increasing as long as the server's clock never
-    /// steps back by more than this; see the crate docs,
-    /// [Fencing tokens](crate#fencing-tokens-without-a-key-per-lock-name-forever).
-    pub fence_retention: Duration,
-    /// How many replicas must acknowledge each acquisition and extension
-    /// (`WAIT`, bounded by half the operation timeout) before it counts; an
-    /// acquisition they do not acknowledge is released and reported as
-    /// [`Unavailable`](distlock_core::ErrorKind::Unavailable). 0 (the default)
-    /// waits for none. See the crate docs, [Topologies](crate#topologies).
-    pub min_replicas: u32,
-    /// Connect to a server whose `maxmemory-policy` is not `noeviction`
-    /// (logging a warning) instead of refusing it with
-    /// [`Config`](distlock_core::ErrorKind::Config): such a server may evict
-    /// a held lock when its memory is full, letting a second holder in. See
-    /// the crate docs, [Eviction](crate#eviction). Default `false`.
-    pub allow_eviction: bool,
+    client: ClientOptions,
+    fence_retention: Duration,
+    min_replicas: u32,
+    allow_eviction: bool,
     /// Where the server is; `None` for
     /// [`RedisLock::from_connection_manager`](crate::RedisLock::from_connection_manager).
     server: Option<Server>,
@@ -190,7 +181,7 @@ impl RedisConfig {
                 url.scheme().replacen("rediss", "redis", 1)
             )));
         }
-        if !tls && !client.tls.is_empty() {
+        if !tls && !client.tls().is_empty() {
             return Err(LockError::config(format!(
                 "tls_ca_file, tls_cert_file and tls_key_file apply to TLS connections, but {}:// is not TLS; use {}://",
                 url.scheme(),
@@ -203,40 +194,80 @@ impl RedisConfig {
             _ => Server::Single(connection_info(&mut url)?),
         };
         url.finish()?;
-        Ok(Self {
+        let config = Self {
             client,
             fence_retention,
             min_replicas,
             allow_eviction,
             server: Some(server),
-        })
+        };
+        config.validate()?;
+        Ok(config)
     }
 
-    /// Sets the fencing-counter retention (see
-    /// [`fence_retention`](Self::fence_retention)).
-    pub fn fence_retention(mut self, retention: Duration) -> Self {
+    /// Namespace, timeouts and TLS files.
+    pub fn client(&self) -> &ClientOptions {
+        &self.client
+    }
+
+    /// The minimum time a fencing counter is kept after its last
+    /// acquisition (it is always kept at least twice the lock's TTL).
+    /// Tokens stay strictly increasing as long as the server's clock never
+    /// steps back by more than this; see the crate docs,
+    /// [Fencing tokens](crate#fencing-tokens-without-a-key-per-lock-name-forever).
+    /// Default [`DEFAULT_FENCE_RETENTION`].
+    pub fn fence_retention(&self) -> Duration {
+        self.fence_retention
+    }
+
+    /// How many replicas must acknowledge each acquisition and extension
+    /// (`WAIT`, bounded by half the operation timeout) before it counts; an
+    /// acquisition they do not acknowledge is released and reported as
+    /// [`Unavailable`](distlock_core::ErrorKind::Unavailable). 0 (the default)
+    /// waits for none. See the crate docs, [Topologies](crate#topologies).
+    pub fn min_replicas(&self) -> u32 {
+        self.min_replicas
+    }
+
+    /// Whether to connect to a server whose `maxmemory-policy` is not
+    /// `noeviction` (logging a warning) instead of refusing it with
+    /// [`Config`](distlock_core::ErrorKind::Config): such a server may evict
+    /// a held lock when its memory is full, letting a second holder in. See
+    /// the crate docs, [Eviction](crate#eviction). Default `false`.
+    pub fn allow_eviction(&self) -> bool {
+        self.allow_eviction
+    }
+
+    /// Sets the [namespace, timeouts and TLS files](Self::client).
+    pub fn with_client(mut self, client: ClientOptions) -> Self {
+        self.client = client;
+        self
+    }
+
+    /// Sets the [fencing-counter retention](Self::fence_retention).
+    pub fn with_fence_retention(mut self, retention: Duration) -> Self {
         self.fence_retention = retention;
         self
     }
 
-    /// Sets how many replicas must acknowledge each acquisition and
-    /// extension (see [`min_replicas`](Self::min_replicas)).
-    pub fn min_replicas(mut self, replicas: u32) -> Self {
+    /// Sets [how many replicas](Self::min_replicas) must acknowledge each
+    /// acquisition and extension.
+    pub fn with_min_replicas(mut self, replicas: u32) -> Self {
         self.min_replicas = replicas;
         self
     }
 
-    /// Sets whether a server whose `maxmemory-policy` may evict keys is
-    /// used anyway, with a warning (see [`allow_eviction`](Self::allow_eviction)).
-    pub fn allow_eviction(mut self, allow: bool) -> Self {
+    /// Sets [whether a server that may evict keys](Self::allow_eviction) is
+    /// used anyway, with a warning.
+    pub fn with_allow_eviction(mut self, allow: bool) -> Self {
         self.allow_eviction = allow;
         self
     }
 
     /// Sets where the server is, for settings built in code: one server
     /// (the redis driver's own description: address, credentials,
-    /// database, TLS).
-    pub fn server(mut self, connection: ConnectionInfo) -> Self {
+    /// database, TLS); read back with [`connection_info`](Self::connection_info).
+    pub fn with_server(mut self, connection: ConnectionInfo) -> Self {
         self.server = Some(Server::Single(connection));
         self
     }
@@ -265,7 +296,7 @@ impl RedisConfig {
     /// block: half the operation timeout, so releasing an unacknowledged
     /// acquisition still fits in the rest.
     pub(crate) fn replica_wait(&self) -> Duration {
-        (self.client.operation_timeout / 2).max(Duration::from_millis(1))
+        (self.client.operation_timeout() / 2).max(Duration::from_millis(1))
     }
 }
 
@@ -461,7 +492,12 @@ fn connection_info(url: &mut LockUrl) -> Result<ConnectionInfo, LockError> {
         let path = PathBuf::from(format!("/{}", url.path()));
         let db = url.take("db");
         let username = either(url.take("user"), url.username(), "the user name", "user")?;
-        let password = either(url.take("pass"), url.password(), "the password", "pass")?;
+        let password = either(
+            url.take("password"),
+            url.password(),
+            "the password",
+            "password",
+        )?;
         (ConnectionAddr::Unix(path), db, username, password)
     } else {
         let [host] = url.hosts() else {
@@ -588,8 +624,8 @@ mod tests {
             "redis://u:p%40ss@127.0.0.1:1/2?namespace=x&fence_retention_ms=10&protocol=resp3",
         )
         .unwrap();
-        assert_eq!(c.client.namespace, "x");
-        assert_eq!(c.fence_retention, Duration::from_millis(10));
+        assert_eq!(c.client().namespace(), "x");
+        assert_eq!(c.fence_retention(), Duration::from_millis(10));
         let info = c.connection_info().unwrap();
         assert_eq!(info.addr(), &ConnectionAddr::Tcp("127.0.0.1".into(), 1));
         let settings = info.redis_settings();
@@ -610,9 +646,10 @@ mod tests {
     #[test]
     fn unix_sockets() {
         for scheme in ["unix", "redis+unix"] {
-            let c =
-                RedisConfig::from_url(&format!("{scheme}:///run/redis.sock?db=3&user=u&pass=pw"))
-                    .unwrap();
+            let c = RedisConfig::from_url(&format!(
+                "{scheme}:///run/redis.sock?db=3&user=u&password=pw"
+            ))
+            .unwrap();
             let info = c.connection_info().unwrap();
             assert_eq!(
                 info.addr(),
@@ -630,7 +667,8 @@ mod tests {
         for bad in [
             "unix://host/run/redis.sock",
             "unix://",
-            "unix://:a@/s?pass=b",
+            "unix://:a@/s?password=b",
+            "unix:///s?pass=b",
         ] {
             let err = RedisConfig::from_url(bad).unwrap_err();
             assert_eq!(err.kind(), ErrorKind::Config, "{bad}");
@@ -648,6 +686,8 @@ mod tests {
                 "fence_retention_ms",
             ),
             ("redis://h/?allow_eviction=maybe", "allow_eviction"),
+            ("redis://h/?namespace=a/b", "namespace"),
+            ("redis://h/?operation_timeout_ms=0", "operation_timeout"),
             ("redis://h/?colour=blue&db=1", "colour"),
             ("redis://h/x", "database"),
             ("redis://h/?protocol=resp4", "protocol"),

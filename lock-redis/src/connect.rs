@@ -32,7 +32,7 @@ impl RedisLock {
         certificates: tls::Certificates,
         what: &str,
     ) -> Result<(Commands, PubSub, Channels), LockError> {
-        let options = &config.client;
+        let options = config.client();
         Ok(match server {
             Server::Single(info) => {
                 let info = tls::with_certificates(info, &certificates)?;
@@ -45,8 +45,8 @@ impl RedisLock {
                 // error (the manager would retry them), and the scripts are
                 // loaded.
                 let connection_config = AsyncConnectionConfig::new()
-                    .set_connection_timeout(Some(options.connect_timeout))
-                    .set_response_timeout(Some(options.operation_timeout));
+                    .set_connection_timeout(Some(options.connect_timeout()))
+                    .set_response_timeout(Some(options.operation_timeout()));
                 let mut probe = retry_connect(options, what, || async {
                     client
                         .get_multiplexed_async_connection_with_config(&connection_config)
@@ -124,8 +124,8 @@ impl RedisLock {
 /// The driver's manager settings for one server under `options`.
 pub(crate) fn manager_config(options: &ClientOptions) -> ConnectionManagerConfig {
     ConnectionManagerConfig::new()
-        .set_connection_timeout(Some(options.connect_timeout))
-        .set_response_timeout(Some(options.operation_timeout))
+        .set_connection_timeout(Some(options.connect_timeout()))
+        .set_response_timeout(Some(options.operation_timeout()))
         .set_number_of_retries(5)
         .set_min_delay(Duration::from_millis(50))
         .set_max_delay(Duration::from_secs(1))
@@ -161,7 +161,7 @@ where
     Fut: Future<Output = Result<T, LockError>>,
 {
     // None: a timeout too long to date (it never runs out).
-    let give_up = Instant::now().checked_add(options.connect_timeout);
+    let give_up = Instant::now().checked_add(options.connect_timeout());
     loop {
         let result = with_timeout(connect_budget(options), what, attempt()).await;
         match result {
@@ -185,7 +185,7 @@ pub(crate) async fn prepare(
     channels: Channels,
     what: &str,
 ) -> Result<(), LockError> {
-    let options = &config.client;
+    let options = config.client();
     preload(conn, options).await?;
     check_permissions(conn, options, channels, what).await?;
     eviction::check(conn, config, what).await
@@ -228,7 +228,7 @@ pub(crate) async fn check_permissions(
     channels: Channels,
     what: &str,
 ) -> Result<(), LockError> {
-    let namespace = &options.namespace;
+    let namespace = options.namespace();
     let probe = RedisKeys::probe(namespace);
     let permits = RedisKeys::semaphore_probe(namespace);
     let denied = options

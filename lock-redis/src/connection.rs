@@ -32,8 +32,8 @@ pub(crate) fn cluster_client(
     push: Option<tokio::sync::mpsc::UnboundedSender<PushInfo>>,
 ) -> RedisResult<ClusterClient> {
     let mut builder = ClusterClientBuilder::new(cluster.nodes.clone())
-        .connection_timeout(options.connect_timeout)
-        .response_timeout(options.operation_timeout)
+        .connection_timeout(options.connect_timeout())
+        .response_timeout(options.operation_timeout())
         .min_retry_wait(50)
         .max_retry_wait(1000);
     if let Some(push) = push {
@@ -236,8 +236,8 @@ pub(crate) fn pending_cluster(
     options: &ClientOptions,
 ) -> ClusterConnection {
     let config = redis::cluster::ClusterConfig::new()
-        .set_connection_timeout(options.connect_timeout)
-        .set_response_timeout(options.operation_timeout);
+        .set_connection_timeout(options.connect_timeout())
+        .set_response_timeout(options.operation_timeout());
     client.get_pending_async_connection_with_config(config)
 }
 
@@ -245,6 +245,6 @@ pub(crate) fn pending_cluster(
 /// a timeout too long to add is as good as none).
 pub(crate) fn connect_budget(options: &ClientOptions) -> std::time::Duration {
     options
-        .connect_timeout
-        .saturating_add(options.operation_timeout)
+        .connect_timeout()
+        .saturating_add(options.operation_timeout())
 }

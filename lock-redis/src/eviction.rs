@@ -28,7 +28,7 @@ pub(crate) async fn check(
     what: &str,
 ) -> Result<(), LockError> {
     let answer = config
-        .client
+        .client()
         .timed(what, async { Ok(policies(conn).await) })
         .await;
     let policies = match answer {
@@ -54,7 +54,7 @@ pub(crate) async fn check(
         return Ok(());
     }
     let evicting = evicting.join(", ");
-    if config.allow_eviction {
+    if config.allow_eviction() {
         tracing::warn!(
             server = %config,
             maxmemory_policy = %evicting,
@@ -67,7 +67,7 @@ pub(crate) async fn check(
         "{what}: the server's maxmemory-policy is {evicting}: when its memory is full it deletes keys, \
          a held lock among them, and a second client then takes that lock while the first still \
          holds it. Set `maxmemory-policy noeviction` (in redis.conf, or CONFIG SET maxmemory-policy \
-         noeviction), or connect with allow_eviction=true (RedisConfig::allow_eviction) to accept \
+         noeviction), or connect with allow_eviction=true (RedisConfig::with_allow_eviction) to accept \
          the risk with a warning"
     )))
 }

@@ -145,7 +145,7 @@
 //! ## Semaphores
 //!
 //! A semaphore (at most N holders of a key,
-//! [`LockOptions::permits`](distlock_core::LockOptions::permits)) shares
+//! [`LockOptions::with_permits`](distlock_core::LockOptions::with_permits)) shares
 //! nothing with the lock of the same name: its permits are a sorted set,
 //! `NS:{K'}:sem:permits`, whose members are `dl1:<owner hex>:<fencing
 //! token>:<limit>` and whose scores are the permits' expiry times (the
@@ -317,6 +317,7 @@ mod tls;
 
 pub use backend::RedisLock;
 pub use config::{RedisConfig, DEFAULT_FENCE_RETENTION, MAX_FENCE_RETENTION};
+#[doc(hidden)]
 pub use scripts::acquire_script_sha;
 
 /// The URL schemes the `distlock` facade opens with this crate (`rediss`

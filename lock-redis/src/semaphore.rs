@@ -119,7 +119,7 @@ impl SemaphoreBackend for RedisLock {
 
     async fn release_permit(&self, permit: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
         let keys = self.semaphore_keys(permit.key);
-        let timeout = self.config().client.operation_timeout;
+        let timeout = self.config().client().operation_timeout();
         self.release_permit_within(
             permit.key,
             &keys,

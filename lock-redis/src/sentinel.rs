@@ -237,8 +237,8 @@ impl SentinelPrimary {
         what: &str,
     ) -> Result<MultiplexedConnection, LockError> {
         let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(self.options.connect_timeout))
-            .set_response_timeout(Some(self.options.operation_timeout));
+            .set_connection_timeout(Some(self.options.connect_timeout()))
+            .set_response_timeout(Some(self.options.operation_timeout()));
         with_timeout(connect_budget(&self.options), what, async {
             let client = Client::open(info).map_err(|e| errors::map(e, what))?;
             client

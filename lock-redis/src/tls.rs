@@ -82,7 +82,7 @@ pub(crate) async fn certificates(files: &TlsFiles, tls: bool) -> Result<Certific
         if let Err(e) = parsed {
             return Err(LockError::config(format!(
                 "tls_ca_file: {} is not a PEM certificate: {e}",
-                path(&files.ca_file)
+                path(files.ca_file())
             )));
         }
         roots.extend_from_slice(&ca);
@@ -95,13 +95,13 @@ pub(crate) async fn certificates(files: &TlsFiles, tls: bool) -> Result<Certific
             if let Err(e) = chain {
                 return Err(LockError::config(format!(
                     "tls_cert_file: {} is not a PEM certificate: {e}",
-                    path(&files.cert_file)
+                    path(files.cert_file())
                 )));
             }
             if let Err(e) = PrivateKeyDer::from_pem_slice(&key) {
                 return Err(LockError::config(format!(
                     "tls_key_file: {} holds no usable private key: {e}",
-                    path(&files.key_file)
+                    path(files.key_file())
                 )));
             }
             Some(redis::ClientTlsConfig {
@@ -124,10 +124,8 @@ pub(crate) async fn certificates(files: &TlsFiles, tls: bool) -> Result<Certific
 }
 
 #[cfg(feature = "tls")]
-fn path(file: &Option<std::path::PathBuf>) -> String {
-    file.as_ref()
-        .map(|p| p.display().to_string())
-        .unwrap_or_default()
+fn path(file: Option<&std::path::Path>) -> String {
+    file.map(|p| p.display().to_string()).unwrap_or_default()
 }
 
 /// The platform's roots as PEM, read once per process (reading and parsing

@@ -43,15 +43,15 @@ pub struct Acquire {
 
 impl Acquire {
     fn options(&self) -> LockOptions {
-        let mut options = LockOptions::new(self.ttl).wait(self.wait);
+        let mut options = LockOptions::new(self.ttl).with_wait(self.wait);
         if let Some(max) = self.max_hold {
-            options = options.max_hold(max);
+            options = options.with_max_hold(max);
         }
         if let Some(min) = self.hold_at_least {
-            options = options.hold_at_least(min);
+            options = options.with_hold_at_least(min);
         }
         if let Some(permits) = self.permits {
-            options = options.permits(permits);
+            options = options.with_permits(permits);
         }
         options
     }
@@ -154,9 +154,9 @@ impl Client {
         F: FnOnce(Held) -> Fut,
         Fut: Future<Output = T>,
     {
-        let mut job_spec = ScheduledJob::new(job_name, period)?.on_lost(OnLost::Continue);
+        let mut job_spec = ScheduledJob::new(job_name, period)?.with_on_lost(OnLost::Continue);
         if let Some(ttl) = ttl {
-            job_spec = job_spec.ttl(ttl);
+            job_spec = job_spec.with_ttl(ttl);
         }
         let fire = fire_time.map_or(Fire::Now, Fire::At);
         job_spec

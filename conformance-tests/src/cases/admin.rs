@@ -109,7 +109,7 @@ pub async fn force_release_wakes_waiter(ctx: TestContext) -> CaseResult {
     let waiter = Locker::new(observed.clone());
     let key = ctx.key("admin");
     let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
-    let options = LockOptions::new(ctx.long_ttl()).wait(ctx.long_ttl());
+    let options = LockOptions::new(ctx.long_ttl()).with_wait(ctx.long_ttl());
     let waiting = tokio::spawn({
         let key = key.clone();
         async move { waiter.acquire(&key, &options).await }

@@ -25,7 +25,8 @@ pub async fn counter_is_exact(ctx: TestContext) -> CaseResult {
             let locker = locker.clone();
             let key = key.clone();
             let checker = checker.clone();
-            let options = LockOptions::new(Duration::from_secs(30)).wait(Duration::from_secs(120));
+            let options =
+                LockOptions::new(Duration::from_secs(30)).with_wait(Duration::from_secs(120));
             tasks.push(tokio::spawn(async move {
                 for i in 0..ITERATIONS {
                     let guard = locker.acquire(&key, &options).await?.ok_or_else(|| {
@@ -112,7 +113,8 @@ pub async fn run_exclusive_never_overlaps(ctx: TestContext) -> CaseResult {
             Duration::ZERO
         };
         tasks.push(tokio::spawn(async move {
-            let options = RunOptions::new(LockOptions::new(Duration::from_secs(30)).wait(wait));
+            let options =
+                RunOptions::new(LockOptions::new(Duration::from_secs(30)).with_wait(wait));
             let (mut completed, mut skipped) = (0usize, 0usize);
             for _ in 0..30 {
                 let checker = checker.clone();

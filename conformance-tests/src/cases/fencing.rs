@@ -99,7 +99,7 @@ pub async fn unchanged_by_guard_renewal(ctx: TestContext) -> CaseResult {
     let locker = ctx.locker().await?;
     let key = ctx.key("fencing");
     let ttl = ctx.steady_ttl();
-    let options = LockOptions::new(ttl).renewal(Renewal::Every(ttl / 4));
+    let options = LockOptions::new(ttl).with_renewal(Renewal::Every(ttl / 4));
     let guard = lock_free_key(&locker, &key, &options).await?;
     let token = guard.fencing_token();
     check_eq!(
@@ -165,7 +165,7 @@ pub async fn increases_for_successive_waiters(ctx: TestContext) -> CaseResult {
         observed.push(client.clone());
         let locker = Locker::new(client);
         let key = key.clone();
-        let options = LockOptions::new(ctx.long_ttl()).wait(Duration::from_secs(60));
+        let options = LockOptions::new(ctx.long_ttl()).with_wait(Duration::from_secs(60));
         tasks.push(tokio::spawn(async move {
             let guard = locker.acquire(&key, &options).await?;
             let Some(guard) = guard else { return Ok(None) };

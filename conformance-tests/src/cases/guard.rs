@@ -94,7 +94,7 @@ pub async fn renewal_every_period(ctx: TestContext) -> CaseResult {
     // 2 s: the fourth renewal at ttl/10 comes 1.2 s before the TTL runs out,
     // which a loaded machine keeps (at 200 ms the margin was 120 ms).
     let ttl = ctx.steady_ttl();
-    let options = LockOptions::new(ttl).renewal(Renewal::Every(ttl / 10));
+    let options = LockOptions::new(ttl).with_renewal(Renewal::Every(ttl / 10));
     let guard = lock_free_key(&locker, &key, &options).await?;
     let acquired_at = guard.lease().sent_at();
     let fourth = within(
@@ -128,7 +128,7 @@ pub async fn renewal_off_expires(ctx: TestContext) -> CaseResult {
     let other = ctx.client().await?;
     let key = ctx.key("guard");
     let ttl = ctx.short_ttl();
-    let options = LockOptions::new(ttl).renewal(Renewal::Off);
+    let options = LockOptions::new(ttl).with_renewal(Renewal::Off);
     let guard = lock_free_key(&locker, &key, &options).await?;
     let reason = within(
         expiry_bound(ttl),
@@ -233,7 +233,7 @@ pub async fn max_hold_stops_renewal(ctx: TestContext) -> CaseResult {
     let key = ctx.key("guard");
     let ttl = ctx.short_ttl();
     let max_hold = ttl + ttl / 2;
-    let options = LockOptions::new(ttl).max_hold(max_hold);
+    let options = LockOptions::new(ttl).with_max_hold(max_hold);
     let guard = lock_free_key(&locker, &key, &options).await?;
     refused(&other, &key, "within max hold").await?;
     let reason = within(
@@ -268,7 +268,7 @@ pub async fn drop_releases(ctx: TestContext) -> CaseResult {
     let token = guard.fencing_token();
     drop(guard);
     let other = ctx.locker().await?;
-    let options = LockOptions::new(ctx.long_ttl()).wait(background_bound());
+    let options = LockOptions::new(ctx.long_ttl()).with_wait(background_bound());
     let next = other.acquire(&key, &options).await?.ok_or(
         "a dropped guard's lock was not released (it would only expire after the long TTL)",
     )?;
@@ -284,7 +284,7 @@ pub async fn hold_at_least_keeps_key(ctx: TestContext) -> CaseResult {
     let other = ctx.client().await?;
     let key = ctx.key("guard");
     let min = (ctx.short_ttl() * 2).max(Duration::from_secs(1));
-    let options = LockOptions::new(ctx.long_ttl()).hold_at_least(min);
+    let options = LockOptions::new(ctx.long_ttl()).with_hold_at_least(min);
     let guard = lock_free_key(&locker, &key, &options).await?;
     guard.release().await?;
     refused(
@@ -332,7 +332,7 @@ pub async fn hold_at_least_counts_from_the_grant(ctx: TestContext) -> CaseResult
     for round in 0..2 {
         tokio::time::sleep(ttl / 3 * 9 / 10).await;
         let key = ctx.key("hold-from-grant");
-        let options = LockOptions::new(ttl).hold_at_least(min);
+        let options = LockOptions::new(ttl).with_hold_at_least(min);
         let guard = locker
             .try_lock(&key, &options)
             .await?
@@ -367,7 +367,7 @@ pub async fn hold_at_least_elapsed_releases(ctx: TestContext) -> CaseResult {
     let other = ctx.client().await?;
     let key = ctx.key("guard");
     let min = Duration::from_millis(100);
-    let options = LockOptions::new(ctx.long_ttl()).hold_at_least(min);
+    let options = LockOptions::new(ctx.long_ttl()).with_hold_at_least(min);
     let guard = lock_free_key(&locker, &key, &options).await?;
     tokio::time::sleep(min * 2).await;
     guard.release().await?;
@@ -474,7 +474,7 @@ pub async fn short_max_hold_ends_lock_early(ctx: TestContext) -> CaseResult {
     let other = ctx.client().await?;
     let key = ctx.key("guard");
     let max_hold = ctx.short_ttl();
-    let options = LockOptions::new(ctx.long_ttl()).max_hold(max_hold);
+    let options = LockOptions::new(ctx.long_ttl()).with_max_hold(max_hold);
     let guard = lock_free_key(&locker, &key, &options).await?;
     let reason = within(
         expiry_bound(max_hold),
@@ -506,7 +506,7 @@ pub async fn huge_durations_rejected_or_saturated(ctx: TestContext) -> CaseResul
     let long = ctx.long_ttl();
     // A huge max hold means no limit.
     let guard = locker
-        .try_lock(&key, &LockOptions::new(long).max_hold(Duration::MAX))
+        .try_lock(&key, &LockOptions::new(long).with_max_hold(Duration::MAX))
         .await?
         .ok_or("free key refused")?;
     check!(
@@ -517,7 +517,10 @@ pub async fn huge_durations_rejected_or_saturated(ctx: TestContext) -> CaseResul
     // A huge minimum hold cannot be kept by any server: refused up front.
     expect_kind(
         locker
-            .try_lock(&key, &LockOptions::new(long).hold_at_least(Duration::MAX))
+            .try_lock(
+                &key,
+                &LockOptions::new(long).with_hold_at_least(Duration::MAX),
+            )
             .await,
         ErrorKind::InvalidInput,
         "hold_at_least(Duration::MAX)",
@@ -527,7 +530,7 @@ pub async fn huge_durations_rejected_or_saturated(ctx: TestContext) -> CaseResul
         locker
             .try_lock(
                 &key,
-                &LockOptions::new(long).renewal(Renewal::Every(Duration::MAX)),
+                &LockOptions::new(long).with_renewal(Renewal::Every(Duration::MAX)),
             )
             .await,
         ErrorKind::InvalidInput,
@@ -538,7 +541,7 @@ pub async fn huge_durations_rejected_or_saturated(ctx: TestContext) -> CaseResul
     other.release(&lease).await?;
     // Scheduled jobs: a huge window or period is a typed error.
     let name = ctx.key("guard-schedule").as_str().to_owned();
-    let job = ScheduledJob::new(name.clone(), Duration::from_secs(60))?.window(Duration::MAX);
+    let job = ScheduledJob::new(name.clone(), Duration::from_secs(60))?.with_window(Duration::MAX);
     expect_kind(
         job.run(&locker, Fire::Now, |_| async {}).await,
         ErrorKind::InvalidInput,
@@ -564,8 +567,8 @@ pub async fn lost_fires_a_stop_margin_before_expiry(ctx: TestContext) -> CaseRes
     // All but one second of the TTL is margin: lost fires about a second
     // in, the server holds the lock for another minute.
     let options = LockOptions::new(ttl)
-        .renewal(Renewal::Off)
-        .stop_margin(ttl - Duration::from_secs(1));
+        .with_renewal(Renewal::Off)
+        .with_stop_margin(ttl - Duration::from_secs(1));
     let guard = lock_free_key(&locker, &key, &options).await?;
     check!(
         guard.stop_moment() < guard.lease().valid_until(),
@@ -600,17 +603,17 @@ pub async fn unworkable_stop_margin_rejected(ctx: TestContext) -> CaseResult {
     let ttl = ctx.long_ttl();
     for (options, what) in [
         (
-            LockOptions::new(ttl).stop_margin(ttl),
+            LockOptions::new(ttl).with_stop_margin(ttl),
             "a margin as long as the TTL",
         ),
         (
             LockOptions::new(ttl)
-                .stop_margin(ttl / 2)
-                .renewal(Renewal::Every(ttl / 2)),
+                .with_stop_margin(ttl / 2)
+                .with_renewal(Renewal::Every(ttl / 2)),
             "renewal at the stop moment",
         ),
         (
-            LockOptions::new(ttl).max_hold(Duration::ZERO),
+            LockOptions::new(ttl).with_max_hold(Duration::ZERO),
             "a zero max hold",
         ),
     ] {
@@ -640,7 +643,7 @@ pub async fn cancel_returns_at_once_and_late_grant_is_released(ctx: TestContext)
     let (cancel_tx, cancel_rx) = tokio::sync::oneshot::channel::<()>();
     let acquiring = {
         let (key, locker) = (key.clone(), locker.clone());
-        let options = LockOptions::new(ctx.long_ttl()).wait(ctx.long_ttl());
+        let options = LockOptions::new(ctx.long_ttl()).with_wait(ctx.long_ttl());
         tokio::spawn(async move {
             locker
                 .acquire_unless(&key, &options, async {

@@ -266,7 +266,7 @@ pub async fn past_deadline_is_one_attempt(ctx: TestContext) -> CaseResult {
     a.release(&lease).await?;
     // Through the Locker: zero wait is one attempt too.
     let locker = Locker::new(b.clone());
-    let options = LockOptions::new(ctx.long_ttl()).wait(Duration::ZERO);
+    let options = LockOptions::new(ctx.long_ttl()).with_wait(Duration::ZERO);
     let guard = locker.acquire(&key, &options).await?;
     check!(guard.is_some(), "zero wait on a free key acquires");
     let other = Locker::new(a.clone()).acquire(&key, &options).await?;

@@ -249,8 +249,8 @@ pub async fn holder_deadline_within_server_expiry(ctx: TestContext) -> CaseResul
                 .acquire(
                     &key,
                     &LockOptions::new(ttl)
-                        .renewal(Renewal::Off)
-                        .wait(SLOW_GRANT_WAIT),
+                        .with_renewal(Renewal::Off)
+                        .with_wait(SLOW_GRANT_WAIT),
                 )
                 .await?
                 .ok_or("the key should be free")?;
@@ -297,7 +297,7 @@ pub async fn holder_deadline_within_server_expiry(ctx: TestContext) -> CaseResul
             let path = path.ok_or("no fault path")?;
             let key = ctx.key("lease-deadline");
             let guard = Locker::new(holder)
-                .acquire(&key, &LockOptions::new(ttl).wait(SLOW_GRANT_WAIT))
+                .acquire(&key, &LockOptions::new(ttl).with_wait(SLOW_GRANT_WAIT))
                 .await?
                 .ok_or("the key should be free")?;
             path.black_hole();

@@ -90,7 +90,8 @@ pub async fn waits_then_runs(ctx: TestContext) -> CaseResult {
     let locker = Locker::new(observed.clone());
     let key = ctx.key("run");
     let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
-    let options = RunOptions::new(LockOptions::new(ctx.long_ttl()).wait(Duration::from_secs(60)));
+    let options =
+        RunOptions::new(LockOptions::new(ctx.long_ttl()).with_wait(Duration::from_secs(60)));
     let task = {
         let key = key.clone();
         tokio::spawn(async move {
@@ -120,7 +121,7 @@ pub async fn hold_at_least_skips_next_tick(ctx: TestContext) -> CaseResult {
     let second = ctx.locker().await?;
     let key = ctx.key("run");
     let min = (ctx.short_ttl() * 2).max(Duration::from_secs(1));
-    let options = RunOptions::new(LockOptions::new(ctx.long_ttl()).hold_at_least(min));
+    let options = RunOptions::new(LockOptions::new(ctx.long_ttl()).with_hold_at_least(min));
     let outcome = first.run_exclusive(&key, &options, |_| async {}).await?;
     check!(
         outcome.is_completed(),
@@ -221,7 +222,7 @@ pub async fn lost_continue_lets_job_finish(ctx: TestContext) -> CaseResult {
         started_rx,
         ctx.long_ttl(),
     ));
-    let options = RunOptions::new(LockOptions::new(ttl)).on_lost(OnLost::Continue);
+    let options = RunOptions::new(LockOptions::new(ttl)).with_on_lost(OnLost::Continue);
     let outcome = within(
         expiry_bound(ttl) + Duration::from_secs(5),
         locker.run_exclusive(&key, &options, |job| async move {
@@ -456,7 +457,7 @@ pub async fn no_job_step_after_lost(ctx: TestContext) -> CaseResult {
     let locker = ctx.locker().await?;
     let key = ctx.key("run");
     let ttl = ctx.short_ttl();
-    let options = RunOptions::new(LockOptions::new(ttl).renewal(Renewal::Off));
+    let options = RunOptions::new(LockOptions::new(ttl).with_renewal(Renewal::Off));
     let stepped = Arc::new(AtomicBool::new(false));
     let flag = stepped.clone();
     let outcome = within(
@@ -489,8 +490,8 @@ pub async fn grant_inside_margin_is_released(ctx: TestContext) -> CaseResult {
     // for the whole minute unless it is released.
     let options = RunOptions::new(
         LockOptions::new(ttl)
-            .renewal(Renewal::Off)
-            .stop_margin(ttl - Duration::from_secs(1)),
+            .with_renewal(Renewal::Off)
+            .with_stop_margin(ttl - Duration::from_secs(1)),
     );
     slow.delay_replies(Call::Acquire, Duration::from_secs(1));
     let ran = Arc::new(AtomicBool::new(false));

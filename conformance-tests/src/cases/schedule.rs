@@ -86,7 +86,7 @@ async fn simulate(
         .capabilities()
         .effective_ttl(Duration::from_secs(12))
         .unwrap_or(Duration::from_secs(12));
-    let job = ScheduledJob::new(name.clone(), PERIOD)?.ttl(ttl);
+    let job = ScheduledJob::new(name.clone(), PERIOD)?.with_ttl(ttl);
     // Fire 0 is the next slot boundary of the true clock, at least 1.5
     // periods from now so early (skewed) instances are not yet late.
     let now_sys = SystemTime::now();
@@ -294,7 +294,7 @@ pub async fn one_run_per_fire_with_skewed_clocks(ctx: TestContext) -> CaseResult
 /// still running", never run concurrently.
 pub async fn long_run_skips_next_fire(ctx: TestContext) -> CaseResult {
     let job = ScheduledJob::new(ctx.key("long").as_str(), Duration::from_millis(500))?
-        .ttl(ctx.steady_ttl());
+        .with_ttl(ctx.steady_ttl());
     let a = Locker::new(ctx.client().await?);
     let b = Locker::new(ctx.client().await?);
     let first = SystemTime::now();
@@ -364,7 +364,8 @@ pub async fn failed_run_start_frees_the_fire(ctx: TestContext) -> CaseResult {
 /// the end: the fire key is released so another instance can run it.
 pub async fn lost_run_frees_the_fire(ctx: TestContext) -> CaseResult {
     let ttl = ctx.steady_ttl();
-    let job = ScheduledJob::new(ctx.key("lost-run").as_str(), Duration::from_secs(60))?.ttl(ttl);
+    let job =
+        ScheduledJob::new(ctx.key("lost-run").as_str(), Duration::from_secs(60))?.with_ttl(ttl);
     let observed = Arc::new(ObservedLock::new(ctx.client().await?));
     let thief = ctx.client().await?;
     let fire = Fire::At(SystemTime::now());

@@ -79,7 +79,7 @@ pub async fn at_most_n_holders(ctx: TestContext) -> CaseResult {
 }
 
 /// 16 clients, N = 3, hundreds of sections through `Locker` with
-/// `LockOptions::permits`: never more than N inside at once, and N reached.
+/// `LockOptions::with_permits`: never more than N inside at once, and N reached.
 pub async fn never_more_than_n(ctx: TestContext) -> CaseResult {
     const CLIENTS: usize = 16;
     const SECTIONS: usize = 20;
@@ -87,8 +87,8 @@ pub async fn never_more_than_n(ctx: TestContext) -> CaseResult {
     let inside = Arc::new(AtomicUsize::new(0));
     let most = Arc::new(AtomicUsize::new(0));
     let options = LockOptions::new(Duration::from_secs(30))
-        .permits(N)
-        .wait(Duration::from_secs(120));
+        .with_permits(N)
+        .with_wait(Duration::from_secs(120));
     let mut tasks = Vec::new();
     for _ in 0..CLIENTS {
         let locker = ctx.locker().await?;
@@ -428,8 +428,8 @@ pub async fn one_permit_is_a_mutex(ctx: TestContext) -> CaseResult {
     a.release(&held).await?;
     let checker = crate::checker::ExclusionChecker::new();
     let options = LockOptions::new(Duration::from_secs(30))
-        .permits(1)
-        .wait(Duration::from_secs(60));
+        .with_permits(1)
+        .with_wait(Duration::from_secs(60));
     let mut tasks = Vec::new();
     for _ in 0..4 {
         let locker = ctx.locker().await?;
@@ -461,7 +461,7 @@ pub async fn one_permit_is_a_mutex(ctx: TestContext) -> CaseResult {
 }
 
 /// A permit guard renews itself past its TTL, and run_exclusive runs under
-/// a permit (`LockOptions::permits`), skipping when all are taken.
+/// a permit (`LockOptions::with_permits`), skipping when all are taken.
 pub async fn guards_and_run_exclusive(ctx: TestContext) -> CaseResult {
     // Renewal past the TTL, not expiry, is what is tested: a TTL a loaded
     // machine renews in time (an etcd permit renewal is two requests), and
@@ -469,7 +469,7 @@ pub async fn guards_and_run_exclusive(ctx: TestContext) -> CaseResult {
     // tried again on a new key; a refused renewal fails at once.
     let ttl = ctx.steady_ttl();
     let locker = ctx.locker().await?;
-    let options = LockOptions::new(ttl).permits(2);
+    let options = LockOptions::new(ttl).with_permits(2);
     let mut rounds = 0;
     let (key, first, second) = loop {
         rounds += 1;

@@ -101,10 +101,10 @@ impl Target {
 
     /// Guard options for `ttl`, waiting `wait`.
     fn options(self, ttl: Duration, wait: Duration) -> LockOptions {
-        let options = LockOptions::new(ttl).wait(wait);
+        let options = LockOptions::new(ttl).with_wait(wait);
         match self {
             Target::Lock => options,
-            Target::Permit => options.permits(1),
+            Target::Permit => options.with_permits(1),
         }
     }
 

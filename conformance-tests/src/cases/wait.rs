@@ -21,7 +21,7 @@ pub async fn waiter_gets_lock_after_release(ctx: TestContext) -> CaseResult {
     let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
     let observed = Arc::new(ObservedLock::new(ctx.client().await?));
     let locker = Locker::new(observed.clone());
-    let options = LockOptions::new(ctx.long_ttl()).wait(Duration::from_secs(60));
+    let options = LockOptions::new(ctx.long_ttl()).with_wait(Duration::from_secs(60));
     let waiter = {
         let key = key.clone();
         tokio::spawn(async move { locker.acquire(&key, &options).await })
@@ -85,7 +85,7 @@ pub async fn waiter_gets_lock_after_crashed_holder(ctx: TestContext) -> CaseResu
         lease.fencing_token()
     };
     let locker = ctx.locker().await?;
-    let options = LockOptions::new(ctx.long_ttl()).wait(expiry_bound(ttl));
+    let options = LockOptions::new(ctx.long_ttl()).with_wait(expiry_bound(ttl));
     let guard = locker.acquire(&key, &options).await?;
     let guard = guard.ok_or("the waiter never got the lock of a crashed holder")?;
     check!(
@@ -102,7 +102,7 @@ pub async fn deadline_respected(ctx: TestContext) -> CaseResult {
     let key = ctx.key("wait");
     let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
     let locker = ctx.locker().await?;
-    let options = LockOptions::new(ctx.long_ttl()).wait(Duration::from_millis(300));
+    let options = LockOptions::new(ctx.long_ttl()).with_wait(Duration::from_millis(300));
     let got = within(
         Duration::from_secs(30),
         locker.acquire(&key, &options),
@@ -158,7 +158,7 @@ pub async fn cancelled_waiters_leave_nothing_held(ctx: TestContext) -> CaseResul
             let got = got.clone();
             // Waiters hold for the long TTL: a leaked grant would keep the
             // key far longer than the check below waits.
-            let options = LockOptions::new(ctx.long_ttl()).wait(Duration::from_secs(60));
+            let options = LockOptions::new(ctx.long_ttl()).with_wait(Duration::from_secs(60));
             let cancel_after = Duration::from_millis(rand::random_range(0..120));
             tasks.push(tokio::spawn(async move {
                 let attempt = locker.acquire(&key, &options);
@@ -219,7 +219,7 @@ pub async fn sixteen_waiters_each_once(ctx: TestContext) -> CaseResult {
         let locker = Locker::new(client);
         let key = key.clone();
         let checker = checker.clone();
-        let options = LockOptions::new(ctx.long_ttl()).wait(Duration::from_secs(120));
+        let options = LockOptions::new(ctx.long_ttl()).with_wait(Duration::from_secs(120));
         tasks.push(tokio::spawn(async move {
             let guard = locker.acquire(&key, &options).await?;
             let Some(guard) = guard else {
@@ -256,7 +256,7 @@ pub async fn waiter_on_free_key_not_blocked_by_other_key(ctx: TestContext) -> Ca
     let free = ctx.key("wait");
     let lease = acquire(&holder, &held, ctx.long_ttl(), "holder").await?;
     let locker = ctx.locker().await?;
-    let options = LockOptions::new(ctx.long_ttl()).wait(Duration::from_secs(60));
+    let options = LockOptions::new(ctx.long_ttl()).with_wait(Duration::from_secs(60));
     let guard = within(
         background_bound(),
         locker.acquire(&free, &options),
@@ -286,7 +286,7 @@ pub async fn cancel_at_grant_leaves_nothing_held(ctx: TestContext) -> CaseResult
             let key = key.clone();
             let stop = stop.clone();
             // The waiter's grant would hold for the long TTL if leaked.
-            let options = LockOptions::new(ctx.long_ttl()).wait(Duration::from_secs(60));
+            let options = LockOptions::new(ctx.long_ttl()).with_wait(Duration::from_secs(60));
             tokio::spawn(async move {
                 tokio::select! {
                     result = locker.acquire(&key, &options) => match result {
@@ -402,7 +402,7 @@ pub async fn waiters_woken_for_every_key_shape(ctx: TestContext) -> CaseResult {
     for key in keys.iter().rev() {
         let observed = Arc::new(ObservedLock::new(waiter.clone()));
         let locker = Locker::new(observed.clone());
-        let options = LockOptions::new(ctx.long_ttl()).wait(Duration::from_secs(120));
+        let options = LockOptions::new(ctx.long_ttl()).with_wait(Duration::from_secs(120));
         let task = {
             let key = key.clone();
             tokio::spawn(async move { locker.acquire(&key, &options).await })

@@ -161,7 +161,7 @@ fn holder_main(spec: &str, connect: &ConnectFn) -> Result<(), String> {
             .await
             .map_err(|e| format!("cannot connect to {url:?}: {e}"))?;
         let locker = Locker::new(client);
-        let options = LockOptions::new(ttl).wait(START_BOUND);
+        let options = LockOptions::new(ttl).with_wait(START_BOUND);
         let guard = locker
             .acquire(&key, &options)
             .await

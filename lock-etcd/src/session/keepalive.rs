@@ -75,7 +75,7 @@ impl Task {
         // How long an answer (or opening the stream) may take.
         let patience = (period / 2)
             .max(MIN_PATIENCE)
-            .min(self.etcd.requests.options.operation_timeout);
+            .min(self.etcd.requests.options.operation_timeout());
         let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
         // Send times of the keep-alives not answered yet, oldest first
         // (etcd answers in order on one stream).

@@ -2,7 +2,7 @@
 //! `sslkey` (and sqlx's aliases), and the `tls_ca_file`, `tls_cert_file`,
 //! `tls_key_file` every distlock backend takes.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use distlock_core::{LockError, LockUrl, TlsFiles};
 use sqlx::postgres::{PgConnectOptions, PgSslMode};
@@ -65,7 +65,7 @@ fn take_file(url: &mut LockUrl, names: &[&'static str]) -> Result<Option<File>, 
 /// Merges libpq's file parameter with the shared one, refusing both.
 fn merge(
     libpq: Option<File>,
-    shared: Option<&PathBuf>,
+    shared: Option<&Path>,
     shared_name: &str,
 ) -> Result<Option<File>, LockError> {
     match (libpq, shared) {
@@ -76,7 +76,7 @@ fn merge(
         (Some(file), None) => Ok(Some(file)),
         (None, Some(path)) => Ok(Some(File {
             parameter: shared_name.to_owned(),
-            path: path.clone(),
+            path: path.to_path_buf(),
         })),
         (None, None) => Ok(None),
     }
@@ -98,7 +98,7 @@ impl TlsSettings {
             .transpose()?;
         let root = merge(
             take_file(url, &["sslrootcert", "ssl-root-cert", "ssl-ca"])?,
-            shared.ca_file.as_ref(),
+            shared.ca_file(),
             "tls_ca_file",
         )?
         .map(|file| {
@@ -110,12 +110,12 @@ impl TlsSettings {
         });
         let cert = merge(
             take_file(url, &["sslcert", "ssl-cert"])?,
-            shared.cert_file.as_ref(),
+            shared.cert_file(),
             "tls_cert_file",
         )?;
         let key = merge(
             take_file(url, &["sslkey", "ssl-key"])?,
-            shared.key_file.as_ref(),
+            shared.key_file(),
             "tls_key_file",
         )?;
         let settings = Self {
@@ -244,7 +244,7 @@ mod tests {
 
     fn settings(query: &str) -> Result<TlsSettings, LockError> {
         let mut url = LockUrl::parse(&format!("postgres://h/db?{query}"))?;
-        let shared = url.take_client_options()?.tls;
+        let shared = url.take_client_options()?.tls().clone();
         let settings = TlsSettings::take(&mut url, &shared)?;
         url.finish()?;
         Ok(settings)

@@ -74,13 +74,15 @@ async fn many_clients_create_the_table_at_once() {
 async fn schema_and_table_are_configurable_and_quoted() {
     let schema = unique_name("Sch\"ema");
     let url = server().url();
-    let mut config = PostgresConfig::from_url(&url)
+    let config = PostgresConfig::from_url(&url)
         .unwrap()
-        .schema(schema.clone())
-        .table("my \"locks\"");
-    config.client.namespace = "cfg".to_owned();
+        .with_schema(schema.clone())
+        .with_table("my \"locks\"");
+    let config = config
+        .clone()
+        .with_client(config.client().clone().with_namespace("cfg"));
     let lock = Pg::with_config(config).await;
-    assert_eq!(lock.backend.config().schema_name(), schema);
+    assert_eq!(lock.backend.config().schema(), schema);
     let lease = take(&lock, &key("k"), Duration::from_secs(5), "free").await;
     let n: i64 = sqlx::query_scalar(&format!(
         "SELECT count(*) FROM {} WHERE owner IS NOT NULL",

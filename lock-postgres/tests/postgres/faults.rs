@@ -184,7 +184,7 @@ async fn a_cancelled_statement_never_keeps_its_pool_slot() {
         "{proxied}?namespace={ns}&connect_timeout_ms=5000&operation_timeout_ms=1000"
     ))
     .unwrap()
-    .max_connections(1);
+    .with_max_connections(1);
     let lock = Pg::with_config(config).await;
     // sqlx checks a connection given back to the pool with a round trip of
     // its own (not bounded in time); black-hole it only once that is done.

@@ -24,7 +24,7 @@ async fn release_through_a_transaction_pooler_reports_success() {
         pooler.url()
     ))
     .unwrap()
-    .max_connections(1);
+    .with_max_connections(1);
     let lock = Pg::with_config(config).await;
     let direct = client(&ns).await;
     let k = key("pooled");
@@ -117,7 +117,7 @@ async fn waiters_behind_a_transaction_pooler_listen_on_listen_url() {
         pooler.url()
     ))
     .unwrap()
-    .max_connections(1);
+    .with_max_connections(1);
     let lock = Pg::with_config(config).await;
     // Released through the pooler; heard on the direct listener connection.
     assert_release_heard(&lock, &lock, &key("pooled"), "the waiter was not woken").await;
@@ -139,7 +139,9 @@ async fn several_clients_with_several_connections_through_a_transaction_pooler()
     );
     let mut clients = Vec::new();
     for _ in 0..3 {
-        let config = PostgresConfig::from_url(&url).unwrap().max_connections(4);
+        let config = PostgresConfig::from_url(&url)
+            .unwrap()
+            .with_max_connections(4);
         clients.push(Pg::with_config(config).await);
     }
     let checker = ExclusionChecker::new();
@@ -189,7 +191,7 @@ async fn waiters_behind_a_transaction_pooler_without_listen_url_poll() {
     let pooler = transaction_pooler_of(2).await;
     let ns = unique_name("pooled_poll");
     let url = format!(
-        "{}?namespace={ns}&pool_mode=transaction&poll_interval_ms=50",
+        "{}?namespace={ns}&pool_mode=transaction&retry_interval_ms=50",
         pooler.url()
     );
     let holder = Pg::connect(&url).await;
@@ -441,7 +443,12 @@ async fn a_statement_meeting_shared_prepared_statements_switches_to_the_simple_p
         unique_name("switch_locks")
     );
     let connect = |url: String| async move {
-        Pg::with_config(PostgresConfig::from_url(&url).unwrap().max_connections(1)).await
+        Pg::with_config(
+            PostgresConfig::from_url(&url)
+                .unwrap()
+                .with_max_connections(1),
+        )
+        .await
     };
     let first = connect(url.clone()).await;
     assert_eq!(first.backend.pool_mode(), PoolMode::Session);

@@ -46,11 +46,7 @@ fn semaphores(lock: &Pg) -> &dyn SemaphoreBackend {
 /// The quoted semaphore table of `lock`.
 fn semaphore_table(lock: &Pg) -> String {
     let config = lock.backend.config();
-    format!(
-        "\"{}\".\"{}\"",
-        config.schema_name(),
-        config.semaphore_table_name()
-    )
+    format!("\"{}\".\"{}\"", config.schema(), config.semaphore_table())
 }
 
 /// The semaphore row of `k`: its limit, fencing counter, and each permit's
@@ -64,7 +60,7 @@ async fn semaphore_row(lock: &Pg, k: &LockKey) -> Option<(i64, i64, Vec<(String,
          FROM {} WHERE namespace = $1 AND key = $2",
         semaphore_table(lock)
     ))
-    .bind(&lock.backend.config().client.namespace)
+    .bind(lock.backend.config().client().namespace())
     .bind(k.as_str())
     .fetch_optional(lock.pool())
     .await
@@ -324,7 +320,7 @@ async fn permits_work_through_a_transaction_pooler_found_at_connect_and_waiters_
     // semaphore table (one of its own) is created through the pooler.
     let pooler = transaction_pooler_of(2).await;
     let url = format!(
-        "{}?namespace={}&semaphore_table={}&poll_interval_ms=50",
+        "{}?namespace={}&semaphore_table={}&retry_interval_ms=50",
         pooler.url(),
         unique_name("pooled_sem"),
         unique_name("pooled_semaphores")

@@ -52,7 +52,7 @@ impl Pg {
     }
 
     pub fn table(&self) -> String {
-        self.backend.table()
+        self.backend.qualified_table()
     }
 
     /// Subscribes to releases of `k` (returns once the server listens).
@@ -139,7 +139,7 @@ pub async fn serializable_client() -> Pg {
     let base = url.rsplit_once('/').map(|(base, _)| base).unwrap();
     let config = PostgresConfig::from_url(&format!("{base}/{database}?namespace=iso"))
         .unwrap()
-        .max_connections(16);
+        .with_max_connections(16);
     Pg::with_config(config).await
 }
 
@@ -185,7 +185,7 @@ pub async fn one_connection(url: &str, ns: &str) -> Pg {
     let config =
         PostgresConfig::from_url(&format!("{url}?namespace={ns}&operation_timeout_ms=1000"))
             .unwrap()
-            .max_connections(1);
+            .with_max_connections(1);
     Pg::with_config(config).await
 }
 
@@ -312,7 +312,7 @@ pub async fn row(lock: &Pg, k: &LockKey) -> Option<(Option<String>, i64, i64)> {
          FROM {} WHERE namespace = $1 AND key = $2",
         lock.table()
     ))
-    .bind(&lock.backend.config().client.namespace)
+    .bind(lock.backend.config().client().namespace())
     .bind(k.as_str())
     .fetch_optional(lock.pool())
     .await
@@ -360,7 +360,7 @@ pub async fn lock_row(
         "SELECT 1 FROM {} WHERE namespace = $1 AND key = $2 FOR UPDATE",
         lock.table()
     ))
-    .bind(&lock.backend.config().client.namespace)
+    .bind(lock.backend.config().client().namespace())
     .bind(k.as_str())
     .execute(&mut *blocker)
     .await

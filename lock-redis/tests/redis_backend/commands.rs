@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use distlock_conformance::server;
-use distlock_core::{AcquireAttempt, ErrorKind, LockClient, LockKey};
+use distlock_core::{AcquireAttempt, ClientOptions, ErrorKind, LockClient, LockKey};
 use distlock_redis::redis::{self, AsyncCommands};
 use distlock_redis::{RedisConfig, RedisLock};
 
@@ -232,7 +232,7 @@ async fn fencing_counter_expires_yet_tokens_keep_growing() {
     let url = server.url();
     let config = RedisConfig::from_url(&format!("{url}/?namespace=fr"))
         .unwrap()
-        .fence_retention(Duration::from_millis(30));
+        .with_fence_retention(Duration::from_millis(30));
     let lock = LockClient::new(RedisLock::with_config(config).await.unwrap());
     let mut conn = raw(&url).await;
     let key = unique_key("retention");
@@ -339,8 +339,8 @@ async fn from_an_application_connection_manager() {
     let manager = redis::aio::ConnectionManager::new(client.clone())
         .await
         .unwrap();
-    let mut config = RedisConfig::default();
-    config.client.namespace = "app".to_owned();
+    let config = RedisConfig::default();
+    let config = config.with_client(ClientOptions::default().with_namespace("app"));
     let lock =
         LockClient::new(RedisLock::from_connection_manager(manager, client, config).unwrap());
     let other = connect(&format!("{url}/?namespace=app")).await.unwrap();

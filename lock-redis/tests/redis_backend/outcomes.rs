@@ -215,8 +215,10 @@ async fn a_dead_command_connection_is_replaced() {
     )
     .await
     .unwrap();
-    let mut config = RedisConfig::from_url(&url).unwrap();
-    config.client.namespace = "app".into();
+    let config = RedisConfig::from_url(&url).unwrap();
+    let config = config
+        .clone()
+        .with_client(config.client().clone().with_namespace("app"));
     let lock = LockClient::new(RedisLock::from_connection_manager(manager, app, config).unwrap());
     recovers_on_a_new_connection(&lock, &proxy).await;
 }
@@ -346,7 +348,7 @@ async fn durations_are_bounded_when_parsed_and_checked_before_any_write() {
     }
     let in_code = RedisConfig::from_url(&url)
         .unwrap()
-        .fence_retention(Duration::MAX);
+        .with_fence_retention(Duration::MAX);
     let err = RedisLock::with_config(in_code).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Config, "{err}");
     assert!(err.message().contains("fence_retention"), "{err}");
@@ -387,9 +389,9 @@ async fn durations_are_bounded_when_parsed_and_checked_before_any_write() {
 #[tokio::test]
 async fn the_largest_durations_never_panic() {
     let server = start(server::Redis::default());
-    let mut config = RedisConfig::from_url(&server.url()).unwrap();
-    config.client.connect_timeout = Duration::MAX;
-    config.client.operation_timeout = Duration::MAX;
+    let config = RedisConfig::from_url(&server.url()).unwrap();
+    let client = config.client().clone().with_connect_timeout(Duration::MAX);
+    let config = config.with_client(client.with_operation_timeout(Duration::MAX));
     match RedisLock::with_config(config).await {
         Ok(lock) => {
             let lock = LockClient::new(lock);

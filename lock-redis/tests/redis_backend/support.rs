@@ -363,7 +363,7 @@ impl HeldAndAwaited {
         let key2 = key.clone();
         let waiter_task = tokio::spawn(async move {
             waiting
-                .acquire(&key2, &options.wait(Duration::from_secs(60)))
+                .acquire(&key2, &options.with_wait(Duration::from_secs(60)))
                 .await
         });
         Self {

@@ -120,7 +120,7 @@ pub async fn server_restart_with_holders_and_waiters(ctx: TestContext) -> CaseRe
         waiters.push(tokio::spawn(async move {
             let give_up = Instant::now() + Duration::from_secs(90);
             loop {
-                let options = LockOptions::new(ttl).wait(Duration::from_secs(60));
+                let options = LockOptions::new(ttl).with_wait(Duration::from_secs(60));
                 match locker.acquire(&key, &options).await {
                     Ok(Some(guard)) => {
                         let token = guard.fencing_token();
@@ -264,7 +264,7 @@ pub async fn server_down_at_acquire(ctx: TestContext) -> CaseResult {
         }
     }
     let locker = Locker::new(client.clone());
-    let options = LockOptions::new(ttl).wait(Duration::from_secs(2));
+    let options = LockOptions::new(ttl).with_wait(Duration::from_secs(2));
     let started = Instant::now();
     let waited = within(
         hang,

@@ -117,7 +117,7 @@ pub async fn stalled_server_waiters_recover(ctx: TestContext) -> CaseResult {
             loop {
                 let wait = give_up.saturating_duration_since(Instant::now());
                 match locker
-                    .acquire(&key, &LockOptions::new(short_ttl).wait(wait))
+                    .acquire(&key, &LockOptions::new(short_ttl).with_wait(wait))
                     .await
                 {
                     Ok(Some(guard)) => {

@@ -38,7 +38,7 @@ pub async fn dropped_waiters_leave_nothing_held(ctx: TestContext) -> CaseResult 
         .collect();
     let dropped = Arc::new(AtomicUsize::new(0));
     let granted = Arc::new(AtomicUsize::new(0));
-    let holder_options = LockOptions::new(ctx.long_ttl()).wait(background_bound());
+    let holder_options = LockOptions::new(ctx.long_ttl()).with_wait(background_bound());
     for round in 0..ROUNDS {
         let guard = holder
             .acquire(&key, &holder_options)
@@ -50,7 +50,7 @@ pub async fn dropped_waiters_leave_nothing_held(ctx: TestContext) -> CaseResult 
         for locker in &lockers {
             let (locker, key) = (locker.clone(), key.clone());
             let (dropped, granted) = (dropped.clone(), granted.clone());
-            let options = LockOptions::new(ctx.long_ttl()).wait(Duration::from_secs(60));
+            let options = LockOptions::new(ctx.long_ttl()).with_wait(Duration::from_secs(60));
             let drop_after = Duration::from_millis(rand::random_range(0..60));
             tasks.push(tokio::spawn(async move {
                 let result = tokio::select! {
@@ -361,7 +361,7 @@ impl Worker {
         key: &LockKey,
         options: LockOptions,
     ) -> Result<Option<LockGuard>, CaseError> {
-        let options = options.wait(Duration::from_millis(rand::random_range(0..1500)));
+        let options = options.with_wait(Duration::from_millis(rand::random_range(0..1500)));
         let attempt = locker.acquire(key, &options);
         let result = if rand::random_bool(0.15) {
             let drop_after = Duration::from_millis(rand::random_range(0..200));
@@ -512,7 +512,7 @@ pub async fn permit_torture(ctx: TestContext) -> CaseResult {
     let checker = ExclusionChecker::new();
     let pick = {
         let key = key.clone();
-        move || (key.clone(), LockOptions::new(ttl).permits(LIMIT))
+        move || (key.clone(), LockOptions::new(ttl).with_permits(LIMIT))
     };
     torture.run(&ctx, lockers, &checker, false, pick).await?;
     let report = checker.verify_at_most(LIMIT as usize)?;

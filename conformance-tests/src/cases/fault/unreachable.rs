@@ -358,7 +358,10 @@ pub async fn renewal_outage_keeps_guard(ctx: TestContext) -> CaseResult {
     let observer = ctx.client().await?;
     let key = ctx.key("fault-renewal-outage");
     let guard = Locker::new(LockClient::new(log.clone()))
-        .acquire(&key, &LockOptions::new(ttl).wait(Duration::from_secs(20)))
+        .acquire(
+            &key,
+            &LockOptions::new(ttl).with_wait(Duration::from_secs(20)),
+        )
         .await?
         .ok_or("the key should be free")?;
     let down_at = Instant::now();
