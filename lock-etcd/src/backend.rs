@@ -8,12 +8,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use distlock_core::check_storage_format;
 use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
     Listener, LockAdmin, LockBackend, LockError, LockKey, ReleaseNotifier, ReleaseReply,
-    ReleaseWatch, SemaphoreBackend,
+    ReleaseWatch, SemaphoreBackend, STORAGE_FORMAT,
 };
-use etcd_client::{Client, ConnectOptions, KvClient, LeaseClient};
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, KvClient, LeaseClient, Txn, TxnOp, TxnOpResponse,
+};
 
 use crate::config::EtcdConfig;
 use crate::errors::{self, Repeat, Requests};
@@ -216,6 +219,7 @@ impl EtcdLock {
         });
         let lock = Self::build(client, config, health)?;
         lock.probe(&what).await?;
+        lock.check_format(&what).await?;
         tracing::debug!(endpoints = ?lock.config().endpoints(), namespace = %lock.config().client.namespace, "connected to etcd");
         Ok(lock)
     }
@@ -225,7 +229,7 @@ impl EtcdLock {
     /// credentials are not used to connect; if it lists several endpoints,
     /// a request that reaches no server is sent again (the client's channel
     /// picks another endpoint), so list the client's. Does not contact the
-    /// server.
+    /// server, so the namespace's format marker is not checked.
     pub fn from_client(client: Client, config: EtcdConfig) -> Result<Self, LockError> {
         Self::build(client, config, None)
     }
@@ -262,7 +266,8 @@ impl EtcdLock {
     }
 
     /// The prefix of every etcd key this client touches (`NS/lock/`: locks,
-    /// semaphores' permits, and their waiter queues): a restricted etcd
+    /// semaphores' permits, their waiter queues, and the namespace's format
+    /// marker `NS/lock/%format`): a restricted etcd
     /// user needs a role with readwrite permission on it.
     pub fn key_prefix(&self) -> &str {
         self.inner.layout.prefix()
@@ -320,6 +325,54 @@ impl EtcdLock {
             let message = format!("{}; {hint}", error.message());
             return Err(LockError::unavailable(message).with_source(error));
         }
+    }
+
+    /// Stores the namespace's format marker if it has none (one
+    /// transaction: of two clients connecting at once, one stores it and
+    /// the other reads it), and refuses a marker naming another format
+    /// (see [`distlock_core::check_storage_format`]).
+    async fn check_format(&self, what: &str) -> Result<(), LockError> {
+        let marker = self.inner.layout.format();
+        let location = format!("at etcd key {marker:?}");
+        let kv = self.inner.kv.clone();
+        // Safe to send again: a second one finds the marker the first stored.
+        let reply = self
+            .inner
+            .requests
+            .send(what, Repeat::Safe, || {
+                let mut kv = kv.clone();
+                let txn = Txn::new()
+                    .when([Compare::create_revision(
+                        marker.as_str(),
+                        CompareOp::Equal,
+                        0,
+                    )])
+                    .and_then([TxnOp::put(
+                        marker.as_str(),
+                        STORAGE_FORMAT.to_string(),
+                        None,
+                    )])
+                    .or_else([TxnOp::get(marker.as_str(), None)]);
+                async move { kv.txn(txn).await }
+            })
+            .await?;
+        if reply.succeeded() {
+            return Ok(());
+        }
+        let stored = reply.op_responses().into_iter().find_map(|op| match op {
+            TxnOpResponse::Get(get) => get.kvs().first().map(|kv| kv.value().to_vec()),
+            _ => None,
+        });
+        let Some(stored) = stored else {
+            // Deleted between the comparison and the read of one
+            // transaction cannot happen; an empty reply is a broken server.
+            return Err(LockError::corrupted(format!(
+                "{what}: etcd answered the format check {location} with no value"
+            )));
+        };
+        let text = String::from_utf8_lossy(&stored);
+        check_storage_format(&text, &location)
+            .map_err(|e| LockError::new(e.kind(), format!("{what}: {}", e.message())))
     }
 
     /// Whether the server refuses this client's certificate after the
