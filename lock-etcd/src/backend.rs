@@ -139,7 +139,8 @@ impl EtcdLock {
     }
 
     /// The prefix of every etcd key this client touches (`NS/lock/`: locks,
-    /// semaphores' permits, and their waiter queues): a restricted etcd
+    /// semaphores' permits, their waiter queues, and the namespace's format
+    /// marker `NS/lock/%format`): a restricted etcd
     /// user needs a role with readwrite permission on it.
     pub fn key_prefix(&self) -> &str {
         self.etcd().layout.prefix()

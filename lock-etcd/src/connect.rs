@@ -6,8 +6,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use distlock_core::{Listener, LockError};
-use etcd_client::{Client, ConnectOptions};
+use distlock_core::{check_storage_format, Listener, LockError, STORAGE_FORMAT};
+use etcd_client::{Client, Compare, CompareOp, ConnectOptions, Txn, TxnOp, TxnOpResponse};
 
 use crate::backend::{EtcdLock, Inner};
 use crate::config::EtcdConfig;
@@ -83,6 +83,7 @@ impl EtcdLock {
         });
         let lock = Self::build(client, config, health)?;
         lock.probe(&what).await?;
+        lock.check_format(&what).await?;
         tracing::debug!(endpoints = ?lock.config().endpoints(), namespace = %lock.config().client().namespace(), "connected to etcd");
         Ok(lock)
     }
@@ -92,7 +93,7 @@ impl EtcdLock {
     /// credentials are not used to connect; if it lists several endpoints,
     /// a request that reaches no server is sent again (the client's channel
     /// picks another endpoint), so list the client's. Does not contact the
-    /// server.
+    /// server, so the namespace's format marker is not checked.
     pub fn from_client(client: Client, config: EtcdConfig) -> Result<Self, LockError> {
         Self::build(client, config, None)
     }
@@ -123,6 +124,54 @@ impl EtcdLock {
                 queues,
             }),
         })
+    }
+
+    /// Stores the namespace's format marker if it has none (one
+    /// transaction: of two clients connecting at once, one stores it and
+    /// the other reads it), and refuses a marker naming another format
+    /// (see [`distlock_core::check_storage_format`]).
+    async fn check_format(&self, what: &str) -> Result<(), LockError> {
+        let marker = self.etcd().layout.format();
+        let location = format!("at etcd key {marker:?}");
+        let kv = self.etcd().kv.clone();
+        // Safe to send again: a second one finds the marker the first stored.
+        let reply = self
+            .etcd()
+            .requests
+            .send(what, Repeat::Safe, || {
+                let mut kv = kv.clone();
+                let txn = Txn::new()
+                    .when([Compare::create_revision(
+                        marker.as_str(),
+                        CompareOp::Equal,
+                        0,
+                    )])
+                    .and_then([TxnOp::put(
+                        marker.as_str(),
+                        STORAGE_FORMAT.to_string(),
+                        None,
+                    )])
+                    .or_else([TxnOp::get(marker.as_str(), None)]);
+                async move { kv.txn(txn).await }
+            })
+            .await?;
+        if reply.succeeded() {
+            return Ok(());
+        }
+        let stored = reply.op_responses().into_iter().find_map(|op| match op {
+            TxnOpResponse::Get(get) => get.kvs().first().map(|kv| kv.value().to_vec()),
+            _ => None,
+        });
+        let Some(stored) = stored else {
+            // The comparison found the key, so the read of the same
+            // transaction finds it too; an empty reply is a broken server.
+            return Err(LockError::corrupted(format!(
+                "{what}: etcd answered the format check {location} with no value"
+            )));
+        };
+        let text = String::from_utf8_lossy(&stored);
+        check_storage_format(&text, &location)
+            .map_err(|e| LockError::new(e.kind(), format!("{what}: {}", e.message())))
     }
 
     /// One read inside the namespace, to fail fast on an unreachable cluster,

@@ -38,6 +38,12 @@
 //! overlap. The semaphore and the lock of one name share nothing. Every
 //! semaphore key starts with `NS/lock/` too, so the one readwrite
 //! permission on that prefix covers semaphores as well.
+//!
+//! The namespace's format marker is `NS/lock/%format` ([`KeyLayout::format`]):
+//! the [`distlock_core::STORAGE_FORMAT`] number as text, on no lease. `%fo`
+//! is no escape and the name has no `/`, so it is no lock key, no
+//! semaphore's, and lies in no queue or fence range; it is under `NS/lock/`,
+//! so the one permission covers it too.
 
 use distlock_core::{LockKey, OwnerToken};
 
@@ -73,6 +79,11 @@ impl KeyLayout {
     /// restricted etcd user needs readwrite permission on.
     pub(crate) fn prefix(&self) -> &str {
         &self.prefix
+    }
+
+    /// The namespace's format marker, `NS/lock/%format`.
+    pub(crate) fn format(&self) -> String {
+        format!("{}%format", self.prefix)
     }
 
     /// The prefix of the waiter queue of `key` (ends with `/`).
@@ -288,6 +299,25 @@ mod tests {
             layout.permits_prefix(&LockKey::new("a/b").unwrap()),
             b"distlock/lock/%sem/a%2Fb/permits/"
         );
+    }
+
+    #[test]
+    fn the_format_marker_is_no_lock_or_semaphore_key() {
+        let layout = KeyLayout::new("distlock");
+        let marker = layout.format();
+        assert_eq!(marker, "distlock/lock/%format");
+        let marker = marker.as_bytes();
+        let owner = OwnerToken::random();
+        for k in ["%format", "format", "%", "%f", "a", "%sem", "%25format"] {
+            let k = LockKey::new(k).unwrap();
+            for base in [layout.lock_key(&k), layout.semaphore_base(&k)] {
+                assert_ne!(base.as_slice(), marker);
+                let mut below = base.clone();
+                below.push(b'/');
+                assert!(!marker.starts_with(&below));
+            }
+            assert_ne!(layout.permit_key(&k, owner).as_slice(), marker);
+        }
     }
 
     #[test]

@@ -102,7 +102,12 @@ async fn keys_stay_in_namespace_and_foreign_values_are_reported() {
         )
         .await
         .unwrap();
-    assert_eq!(all.kvs().len(), look_alikes.len());
+    // The locks and the namespace's format marker.
+    assert_eq!(all.kvs().len(), look_alikes.len() + 1);
+    assert!(all
+        .kvs()
+        .iter()
+        .any(|kv| kv.key() == format!("{ns}/lock/%format").as_bytes()));
     for kv in all.kvs() {
         let k = kv.key_str().unwrap();
         assert!(k.starts_with(&format!("{ns}/lock/")), "{k}");

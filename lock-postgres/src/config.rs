@@ -27,6 +27,10 @@ pub const DEFAULT_TABLE: &str = "distlock_locks";
 /// The name of the semaphore table (in the lock table's schema) unless
 /// configured.
 pub const DEFAULT_SEMAPHORE_TABLE: &str = "distlock_semaphores";
+/// The table of format markers (in the lock table's schema): one row per
+/// lock table and namespace, holding the
+/// [`STORAGE_FORMAT`](distlock_core::STORAGE_FORMAT) its rows are in.
+pub const FORMAT_TABLE: &str = "distlock_format";
 
 /// How often a waiter tries again when it cannot be woken by `NOTIFY`
 /// (behind a transaction pooler without `listen_url`), unless configured.
@@ -403,6 +407,11 @@ impl PostgresConfig {
         validate_identifier("schema", &self.schema)?;
         validate_identifier("table", &self.table)?;
         validate_identifier("semaphore table", &self.semaphore_table)?;
+        if self.table == FORMAT_TABLE || self.semaphore_table == FORMAT_TABLE {
+            return Err(LockError::config(format!(
+                "the table name {FORMAT_TABLE:?} is distlock's table of format markers; name the lock and semaphore tables otherwise"
+            )));
+        }
         if self.semaphore_table == self.table {
             return Err(LockError::config(format!(
                 "the semaphore table and the lock table are both named {:?}; they hold different rows and need tables of their own",
@@ -500,6 +509,11 @@ mod tests {
         let same = PostgresConfig::from_url("postgres://u@h/db?table=x&semaphore_table=x");
         assert_eq!(same.unwrap_err().kind(), ErrorKind::Config);
         assert!(PostgresConfig::from_url("postgres://u@h/db?semaphore_table=").is_err());
+        for clash in ["table", "semaphore_table"] {
+            let url = format!("postgres://u@h/db?{clash}={FORMAT_TABLE}");
+            let err = PostgresConfig::from_url(&url).unwrap_err();
+            assert!(err.to_string().contains("format markers"), "{err}");
+        }
     }
 
     #[test]

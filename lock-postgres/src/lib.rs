@@ -107,9 +107,21 @@
 //!     updated_at timestamptz NOT NULL,
 //!     PRIMARY KEY (namespace, key)
 //! );
+//! CREATE TABLE IF NOT EXISTS public.distlock_format (
+//!     lock_table text NOT NULL,
+//!     namespace text NOT NULL,
+//!     format text NOT NULL,
+//!     PRIMARY KEY (lock_table, namespace)
+//! );
 //! GRANT USAGE ON SCHEMA public TO app;
 //! GRANT SELECT, INSERT, UPDATE ON public.distlock_locks, public.distlock_semaphores TO app;
+//! GRANT SELECT, INSERT ON public.distlock_format TO app;
 //! ```
+//!
+//! `distlock_format` holds the format marker of each lock table and
+//! namespace (see [`distlock_core::STORAGE_FORMAT`]): the first client of a
+//! namespace adds its row, later ones only read it. A marker naming another
+//! format is refused with [`ErrorKind::Config`](distlock_core::ErrorKind).
 //!
 //! # Unknown outcomes
 //!
@@ -311,7 +323,7 @@ mod table;
 pub use backend::PostgresLock;
 pub use config::{
     PoolMode, PostgresConfig, DEFAULT_RETRY_INTERVAL, DEFAULT_SCHEMA, DEFAULT_SEMAPHORE_TABLE,
-    DEFAULT_TABLE,
+    DEFAULT_TABLE, FORMAT_TABLE,
 };
 pub use keys::{channel_name, MAX_IDENTIFIER_BYTES};
 #[doc(hidden)]

@@ -52,6 +52,7 @@ use sqlx::postgres::PgArguments;
 use sqlx::query::Query;
 use sqlx::{Execute, Postgres};
 
+use crate::config::FORMAT_TABLE;
 use crate::keys::{qualified_table, quote_identifier};
 
 pub(crate) use run::{send, GiveBack, Reply};
@@ -276,6 +277,19 @@ pub(crate) struct Statements {
     pub table_exists: Arc<Sql>,
     /// Creates the table.
     pub create_table: Arc<Sql>,
+    /// The quoted, qualified table of format markers.
+    pub format_table: String,
+    /// Creates the table of format markers.
+    pub create_format_table: Arc<Sql>,
+    /// `$1` lock table name, `$2` namespace -> `format text`: the marker, if
+    /// any (a read, so a read-only user or server gets past it).
+    pub read_format: Arc<Sql>,
+    /// `$1` lock table name, `$2` namespace, `$3` this client's format ->
+    /// `format text`: stores `$3` as the marker of the lock table and
+    /// namespace if they have none, and returns the marker; no row when a
+    /// concurrent first insert is committed but not in the statement's
+    /// snapshot (sent again, it sees it).
+    pub format: Arc<Sql>,
     /// `$1` namespace, `$2` key, `$3` owner, `$4` TTL in ms, `$5` send
     /// number -> `acquired bool, fencing bigint, owner text, expires_in_ms
     /// bigint, version text`: one row `acquired = true` with the fencing
@@ -323,7 +337,31 @@ impl Statements {
     pub(crate) fn new(schema: &str, table: &str) -> Self {
         let t = qualified_table(schema, table);
         let sql = |template: &str| Arc::new(Sql::new(template, &t));
+        let format_table = qualified_table(schema, FORMAT_TABLE);
+        let marker = |template: &str| Arc::new(Sql::new(template, &format_table));
         Self {
+            create_format_table: marker(
+                "CREATE TABLE IF NOT EXISTS {t} (
+                    lock_table text NOT NULL,
+                    namespace text NOT NULL,
+                    format text NOT NULL,
+                    PRIMARY KEY (lock_table, namespace)
+                )",
+            ),
+            read_format: marker(
+                "SELECT format FROM {t} WHERE lock_table = $1 AND namespace = $2",
+            ),
+            format: marker(
+                "WITH stored AS (
+                    INSERT INTO {t} (lock_table, namespace, format) VALUES ($1, $2, $3)
+                    ON CONFLICT (lock_table, namespace) DO NOTHING
+                    RETURNING format
+                )
+                SELECT format FROM stored
+                UNION ALL
+                SELECT format FROM {t} WHERE lock_table = $1 AND namespace = $2",
+            ),
+            format_table: format_table.clone(),
             schema_exists: sql(
                 "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1) AS exists",
             ),

@@ -1,9 +1,10 @@
-//! Creating the tables a client needs, once per client, within the
-//! operation timeout, safe when many clients start at once.
+//! Creating the tables a client needs and checking the namespace's format
+//! marker, once per client, within the operation timeout, safe when many
+//! clients start at once.
 
 use std::sync::Arc;
 
-use distlock_core::LockError;
+use distlock_core::{check_storage_format, LockError, STORAGE_FORMAT};
 use sqlx::Row;
 
 use crate::backend::PostgresLock;
@@ -23,16 +24,60 @@ impl PostgresLock {
         }
     }
 
-    /// Creates schema and table once per client (cheap afterwards).
+    /// Creates schema and table, and checks the format marker of the table
+    /// and namespace, once per client (cheap afterwards).
     pub(crate) async fn ensure_table(&self) -> Result<(), LockError> {
         self.table_ready
             .get_or_try_init(|| async {
                 let (what, table) = ("creating the lock table", self.qualified_table());
                 self.create_table(what, &table, &self.sql.create_table)
-                    .await
+                    .await?;
+                self.check_format().await
             })
             .await
             .map(|_| ())
+    }
+
+    /// Stores the format marker of this lock table and namespace if there
+    /// is none, and refuses one naming another format (see
+    /// [`distlock_core::check_storage_format`]). Single statements, no
+    /// session state: safe behind a transaction pooler and when clients
+    /// start at once (an insert that finds a marker returns it).
+    async fn check_format(&self) -> Result<(), LockError> {
+        let what = "checking the distlock format marker";
+        let table = &self.sql.format_table;
+        self.create_table(what, table, &self.sql.create_format_table)
+            .await?;
+        let location = format!(
+            "in {table}, row (lock_table {:?}, namespace {:?})",
+            self.config.table, self.config.client.namespace()
+        );
+        let table_and_namespace = || {
+            vec![
+                Arg::text(&self.config.table),
+                Arg::text(self.config.client.namespace()),
+            ]
+        };
+        // Read first: only the first client of a namespace writes.
+        let mut call = self.call(&self.sql.read_format, table_and_namespace());
+        // No row from the write: a concurrent client's marker committed
+        // after this statement's snapshot; the next send sees it.
+        for _ in 0..3 {
+            let Some(row) = self.fetch(what, None, call, None).await?.row else {
+                let mut store = table_and_namespace();
+                store.push(Arg::text(&STORAGE_FORMAT.to_string()));
+                call = self.call(&self.sql.format, store);
+                continue;
+            };
+            let stored: String = row
+                .try_get("format")
+                .map_err(|e| self.map_err(e, what, None))?;
+            return check_storage_format(&stored, &location)
+                .map_err(|e| LockError::new(e.kind(), format!("{what}: {}", e.message())));
+        }
+        Err(LockError::unavailable(format!(
+            "{what}: the marker {location} was neither stored nor found; try again"
+        )))
     }
 
     /// Creates the table `qualified` with `create` (and the schema) unless

@@ -131,8 +131,9 @@ impl RedisLock {
     /// is cloned, not reconnected), and `pubsub` to open the one pub/sub
     /// connection waiters share (a `ConnectionManager` cannot carry pub/sub
     /// messages on RESP2). The server in `config`, if any, is ignored; its
-    /// namespace, timeouts, retention and `min_replicas` apply. Permissions
-    /// and the `maxmemory-policy` are not checked up front: a missing
+    /// namespace, timeouts, retention and `min_replicas` apply. Permissions,
+    /// the namespace's format marker and the `maxmemory-policy` are not
+    /// checked up front: a missing
     /// permission shows at first use ([`ErrorKind::Config`](distlock_core::ErrorKind::Config), with the
     /// server's reason).
     ///

@@ -1,12 +1,15 @@
 //! Connecting a [`RedisLock`]: one server, a Sentinel primary or a
 //! cluster, with retries within the connect timeout, the connect-time
-//! checks (ACL permissions, `maxmemory-policy`) and the scripts preloaded.
+//! checks (ACL permissions, the format marker, `maxmemory-policy`) and the
+//! scripts preloaded.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use distlock_core::{with_timeout, ClientOptions, ErrorKind, LockError};
+use distlock_core::{
+    check_storage_format, with_timeout, ClientOptions, ErrorKind, LockError, STORAGE_FORMAT,
+};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncConnectionConfig, Client};
 
@@ -19,7 +22,7 @@ use crate::errors;
 use crate::eviction;
 use crate::keys::RedisKeys;
 use crate::listener::{ClusterPubSub, PubSub};
-use crate::scripts::{self, PROBE_SCRIPT};
+use crate::scripts::{self, FORMAT_SCRIPT, PROBE_SCRIPT};
 use crate::sentinel::SentinelPrimary;
 use crate::tls;
 
@@ -177,8 +180,8 @@ where
     }
 }
 
-/// Loads the scripts, checks the ACL user's permissions and the server's
-/// eviction policy, on the first connection.
+/// Loads the scripts, checks the ACL user's permissions, the namespace's
+/// format marker and the server's eviction policy, on the first connection.
 pub(crate) async fn prepare(
     conn: &mut Conn,
     config: &RedisConfig,
@@ -188,7 +191,47 @@ pub(crate) async fn prepare(
     let options = config.client();
     preload(conn, options).await?;
     check_permissions(conn, options, channels, what).await?;
+    check_format(conn, options, what).await?;
     eviction::check(conn, config, what).await
+}
+
+/// Stores the namespace's format marker if it has none, and refuses a
+/// server whose marker names another format (see
+/// [`distlock_core::check_storage_format`]). One script: two clients
+/// connecting at once never both find the marker missing.
+pub(crate) async fn check_format(
+    conn: &mut impl ConnectionLike,
+    options: &ClientOptions,
+    what: &str,
+) -> Result<(), LockError> {
+    let marker = RedisKeys::format(options.namespace());
+    let location = format!("at redis key {marker:?}");
+    let stored = options
+        .timed(what, async {
+            match FORMAT_SCRIPT
+                .invoke(conn, &[&marker], &[STORAGE_FORMAT.to_string()])
+                .await
+            {
+                Ok(reply) => redis::from_redis_value::<String>(reply).map_err(|e| {
+                    LockError::corrupted(format!(
+                        "{what}: unexpected reply to the format check {location}: {e}"
+                    ))
+                }),
+                Err(e) if e.code() == Some(errors::CORRUPT_CODE) => {
+                    let detail = e.detail().unwrap_or("");
+                    let detail = detail.strip_prefix("format ").unwrap_or(detail);
+                    Err(LockError::corrupted(format!(
+                        "{what}: the distlock format marker {location} {detail}; distlock did \
+                         not write it and leaves it as it is: check what wrote it, or use \
+                         another namespace"
+                    )))
+                }
+                Err(e) => Err(errors::map(e, what)),
+            }
+        })
+        .await?;
+    check_storage_format(&stored, &location)
+        .map_err(|e| LockError::new(e.kind(), format!("{what}: {}", e.message())))
 }
 
 /// Loads the scripts so the first acquire is one EVALSHA; this also proves
@@ -250,6 +293,7 @@ pub(crate) async fn check_permissions(
                         channels.subscribe.to_owned(),
                         channels.unsubscribe.to_owned(),
                         permits.channel.clone(),
+                        RedisKeys::format(namespace),
                     ],
                 )
                 .await

@@ -20,6 +20,10 @@
 //!   `<owner hex>:<fencing token>/<release id>` scored by expiry;
 //! - `NS:{E}:sem:returned` — the channel a permit's release publishes on;
 //!
+//! and the namespace has one format marker, `NS:format` ([`RedisKeys::format`]):
+//! the [`distlock_core::STORAGE_FORMAT`] number as a string, no expiry. It
+//! does not start with `NS:{`, so it is no lock's or semaphore's name;
+//!
 //! where `E` is `K` with `%`, `{` and `}` percent-escaped (`%25`, `%7B`, `%7D`).
 //! The escape is injective (it is a standard percent-encoding of a subset of
 //! characters, and `%` itself is escaped), so distinct keys never share Redis
@@ -64,6 +68,12 @@ impl RedisKeys {
     /// [`probe`](Self::probe) for a semaphore's names.
     pub(crate) fn semaphore_probe(namespace: &str) -> Self {
         Self::tagged(namespace, "%probe", SEMAPHORE)
+    }
+
+    /// The format marker of `namespace` (`NS:format`): in the namespace,
+    /// outside every `NS:{...}` name, in a cluster slot of its own.
+    pub(crate) fn format(namespace: &str) -> String {
+        format!("{namespace}:format")
     }
 
     fn tagged(namespace: &str, tag: &str, [lock, fence, gone, channel]: [&str; 4]) -> Self {
@@ -175,6 +185,20 @@ mod tests {
                 for keys in both(key) {
                     assert_ne!(keys.lock, probe.lock);
                     assert_ne!(keys.channel, probe.channel);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_format_marker_is_no_lock_or_semaphore() {
+        let marker = RedisKeys::format("ns");
+        assert_eq!(marker, "ns:format");
+        assert_eq!(hash_part(&marker), marker);
+        for key in LOOKALIKES.iter().chain(&["format", "%probe"]) {
+            for keys in both(key) {
+                for name in [&keys.lock, &keys.fence, &keys.gone, &keys.channel] {
+                    assert_ne!(name, &marker);
                 }
             }
         }

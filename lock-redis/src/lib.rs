@@ -47,7 +47,9 @@
 //!
 //! In namespace `NS` distlock needs, for its ACL user:
 //!
-//! - the keys `~NS:*`, read and write;
+//! - the keys `~NS:*`, read and write (the locks and semaphores, and the
+//!   namespace's format marker `NS:format`, see
+//!   [`STORAGE_FORMAT`](distlock_core::STORAGE_FORMAT));
 //! - the channels `&NS:*` (Redis 7 gives new users none:
 //!   `acl-pubsub-default resetchannels`);
 //! - the commands `EVALSHA`, `EVAL`, `SUBSCRIBE`, `UNSUBSCRIBE`, `PING`, and

@@ -410,7 +410,9 @@ return released(ARGV[2], ARGV[1])
 /// KEYS: a lock's lock, fence and released-by marker keys, then a
 /// semaphore's permit set, fence and released-by markers. ARGV: a lock's
 /// channel, the publish, subscribe and unsubscribe commands (sharded in a
-/// cluster), a semaphore's channel; all in the namespace.
+/// cluster), a semaphore's channel, the format marker (an argument, not a
+/// key: it lies in another cluster slot, and the probe touches no key);
+/// all in the namespace.
 /// Runs nothing: returns what the ACL user may not do there, as a flat list
 /// of `command, 'keys'|'channels'|''` pairs. Empty on servers before 7.0
 /// (no `redis.acl_check_cmd`); they report missing permissions at first use.
@@ -437,6 +439,9 @@ if redis.acl_check_cmd then
       check('keys', 'SET', k, 'v', 'PX', '1')
     end
   end
+  check('keys', 'TYPE', ARGV[6])
+  check('keys', 'GET', ARGV[6])
+  check('keys', 'SET', ARGV[6], '1')
   check('keys', 'DEL', KEYS[1])
   check('', 'TIME')
   for _, channel in ipairs({ARGV[1], ARGV[5]}) do
@@ -447,6 +452,20 @@ if redis.acl_check_cmd then
   check('', 'PING')
 end
 return denied
+"#;
+
+/// KEYS: the namespace's format marker. ARGV: this client's format number.
+/// Stores the number if there is no marker (no expiry), then returns the
+/// marker's text; anything but a string there is a `DISTLOCK_CORRUPT
+/// format` error reply, and nothing is written.
+const FORMAT: &str = r#"
+local t = kind(KEYS[1])
+if t == 'none' then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return ARGV[1]
+end
+if t ~= 'string' then return corrupt('format', 'holds a ' .. t .. ', not a format number') end
+return redis.call('GET', KEYS[1])
 "#;
 
 /// The largest duration argument the scripts accept, in milliseconds (15
@@ -597,6 +616,8 @@ pub(crate) static RELEASE_PERMIT_SCRIPT: LazyLock<LuaScript> =
     LazyLock::new(|| LuaScript::permits(RELEASE_PERMIT));
 /// The ACL probe, run at connect.
 pub(crate) static PROBE_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(PROBE));
+/// The format marker check, run at connect.
+pub(crate) static FORMAT_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(FORMAT));
 
 /// The inspect script (operators only; not preloaded).
 pub(crate) static INSPECT_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(INSPECT));

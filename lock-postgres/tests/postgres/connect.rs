@@ -23,6 +23,13 @@ async fn password_authentication_through_the_url() {
         &format!("GRANT CREATE, USAGE ON SCHEMA public TO {role}"),
     )
     .await;
+    // The format markers' table exists already (the superuser's client
+    // made it): a role needs to read and add rows there, as the docs say.
+    admin(
+        &admin_client,
+        &format!("GRANT SELECT, INSERT ON public.distlock_format TO {role}"),
+    )
+    .await;
     let table = unique_name("auth_locks");
     let encoded = percent_encode(&password);
     let url = format!("{}?table={table}", url_with_user(&role, &encoded));

@@ -4,6 +4,7 @@
 
 mod connect;
 mod faults;
+mod format;
 mod listener;
 mod outcomes;
 mod pooler;

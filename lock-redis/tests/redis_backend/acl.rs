@@ -110,6 +110,12 @@ async fn acl_users_missing_permissions_are_refused_at_connect() {
             ],
             "~distlock:*",
         ),
+        // Every lock and semaphore name, but not the format marker.
+        (
+            "noformat",
+            &["~distlock:{*", "&distlock:*", "+@all"],
+            "~distlock:*",
+        ),
     ];
     for (user, rules, named) in cases {
         acl_user(&mut admin, user, rules).await;

@@ -8,6 +8,7 @@ mod cluster;
 mod commands;
 mod eviction;
 mod foreign;
+mod format;
 mod outcomes;
 mod pubsub;
 mod semaphore;
