@@ -50,7 +50,8 @@ impl PostgresLock {
             .await?;
         let location = format!(
             "in {table}, row (lock_table {:?}, namespace {:?})",
-            self.config.table, self.config.client.namespace()
+            self.config.table,
+            self.config.client.namespace()
         );
         let table_and_namespace = || {
             vec![
