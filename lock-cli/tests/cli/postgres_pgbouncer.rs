@@ -7,8 +7,11 @@ use crate::support::{distlock, run_to_end, start_process, stderr, TempDir};
 
 /// 6 "hosts" (threads) each run `distlock run --wait 60s` 10 times on one
 /// key through PgBouncer in transaction mode (fewer server connections
-/// than clients); half of them are woken by NOTIFY on `listen_url`, half
-/// poll. Every run must complete, and no two commands may overlap.
+/// than clients): two are woken by NOTIFY on `listen_url`, two poll with
+/// `pool_mode=transaction`, and two use the plain URL a newcomer types
+/// (neither parameter: the client must find the pooler itself, never
+/// half-work with prepared statements it cannot keep). Every run must
+/// complete, and no two commands may overlap.
 #[test]
 fn many_processes_wait_on_one_key_through_pgbouncer() {
     const HOSTS: usize = 6;
@@ -19,16 +22,19 @@ fn many_processes_wait_on_one_key_through_pgbouncer() {
         .split_once("&listen_url=")
         .expect("the pooled URL names listen_url");
     let polling = polling.to_owned();
+    let plain = polling.replace("pool_mode=transaction", "");
+    let plain = plain.trim_end_matches(['?', '&']).replace("?&", "?");
+    assert!(!plain.contains("pool_mode"), "{plain}");
     let dir = TempDir::new("distlock-cli-pgbouncer");
     let log = dir.path().join("log");
     // Each section writes "start TOKEN" and "end TOKEN" around a pause.
     let script = r#"echo "start $DISTLOCK_FENCING_TOKEN" >> "$LOG"; sleep 0.05; echo "end $DISTLOCK_FENCING_TOKEN" >> "$LOG""#;
     std::thread::scope(|scope| {
         for host in 0..HOSTS {
-            let url = if host % 2 == 0 {
-                &with_listen
-            } else {
-                &polling
+            let url = match host % 3 {
+                0 => &with_listen,
+                1 => &polling,
+                _ => &plain,
             };
             let log = &log;
             scope.spawn(move || {
