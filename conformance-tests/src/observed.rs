@@ -409,11 +409,15 @@ impl SemaphoreBackend for ObservedLock {
             .await
     }
 
-    async fn watch_permits(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+    async fn watch_permits(
+        &self,
+        key: &LockKey,
+        limit: u32,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
         self.inner
             .semaphore()
             .ok_or_else(no_semaphore)?
-            .watch_permits(key)
+            .watch_permits(key, limit)
             .await
     }
 }

@@ -234,8 +234,9 @@ impl LockClient {
     pub(crate) async fn watch_permits(
         &self,
         key: &LockKey,
+        limit: u32,
     ) -> Result<Option<crate::ReleaseWatch>, LockError> {
-        self.semaphore_or_error()?.watch_permits(key).await
+        self.semaphore_or_error()?.watch_permits(key, limit).await
     }
 
     /// Waits for `key` until `deadline` (`Ok(None)` if it is still held

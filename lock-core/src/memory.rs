@@ -346,7 +346,11 @@ impl SemaphoreBackend for MemoryLock {
         Ok(ReleaseReply::Released)
     }
 
-    async fn watch_permits(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+    async fn watch_permits(
+        &self,
+        key: &LockKey,
+        _limit: u32,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
         let watch = self
             .store
             .permit_returns

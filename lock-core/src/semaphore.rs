@@ -97,10 +97,16 @@ pub trait SemaphoreBackend: Send + Sync {
     /// and wakes a waiter.
     async fn release_permit(&self, permit: HeldLock<'_>) -> Result<ReleaseReply, LockError>;
 
-    /// Subscribes to "a permit came back" for `key`, before an attempt.
-    /// `None`: waiters poll.
-    async fn watch_permits(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        let _ = key;
+    /// Subscribes to "a permit came back" for `key`'s semaphore of
+    /// `limit` (the waiter's own; a server may use it to wake only as
+    /// many waiters as there are permits), before an attempt. `None`:
+    /// waiters poll.
+    async fn watch_permits(
+        &self,
+        key: &LockKey,
+        limit: u32,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
+        let _ = (key, limit);
         Ok(None)
     }
 }

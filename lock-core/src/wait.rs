@@ -118,7 +118,7 @@ pub(crate) async fn acquire_until_cancelled(
         if watch.is_none() && caps.native_wait && Instant::now() < deadline {
             let subscribed = match attempt.permits {
                 None => client.raw().watch(key).await,
-                Some(_) => client.watch_permits(key).await,
+                Some(limit) => client.watch_permits(key, limit).await,
             };
             match subscribed {
                 Ok(subscribed) => watch = subscribed,

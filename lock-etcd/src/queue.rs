@@ -219,7 +219,7 @@ async fn watch_target(
     start: i64,
 ) -> Result<ReleaseWatch, LockError> {
     let prefix =
-        matches!(line, Line::Permits(_)) && line.is_held_target(&queues.etcd.layout, target);
+        matches!(line, Line::Permits(..)) && line.is_held_target(&queues.etcd.layout, target);
     queues
         .listener
         .watch(Topic {

@@ -246,10 +246,14 @@ impl SemaphoreBackend for EtcdLock {
         .await
     }
 
-    async fn watch_permits(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+    async fn watch_permits(
+        &self,
+        key: &LockKey,
+        limit: u32,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
         self.inner
             .queues
-            .enqueue(Line::Permits(key.clone()))
+            .enqueue(Line::Permits(key.clone(), limit))
             .await
             .map(Some)
     }

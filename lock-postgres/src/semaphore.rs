@@ -215,7 +215,11 @@ impl SemaphoreBackend for PostgresLock {
         })
     }
 
-    async fn watch_permits(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+    async fn watch_permits(
+        &self,
+        key: &LockKey,
+        _limit: u32,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
         match &self.semaphores.listener {
             // As for locks: nothing to hear through a transaction pooler
             // found since connect, so waiters poll.

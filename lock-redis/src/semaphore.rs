@@ -130,7 +130,11 @@ impl SemaphoreBackend for RedisLock {
         .await
     }
 
-    async fn watch_permits(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+    async fn watch_permits(
+        &self,
+        key: &LockKey,
+        _limit: u32,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
         Ok(Some(
             self.watch_channel(self.semaphore_keys(key).channel).await?,
         ))

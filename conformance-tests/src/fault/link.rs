@@ -485,10 +485,14 @@ impl SemaphoreBackend for LinkedLock {
             .await
     }
 
-    async fn watch_permits(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+    async fn watch_permits(
+        &self,
+        key: &LockKey,
+        limit: u32,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
         let semaphore = self.inner_semaphore()?;
         let inner = self
-            .call("watch_permits", semaphore.watch_permits(key))
+            .call("watch_permits", semaphore.watch_permits(key, limit))
             .await?;
         self.forwarded(&self.permit_notifier, key, inner).await
     }

@@ -996,8 +996,12 @@ impl SemaphoreBackend for Mutant {
             .await
     }
 
-    async fn watch_permits(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        self.inner_semaphore()?.watch_permits(key).await
+    async fn watch_permits(
+        &self,
+        key: &LockKey,
+        limit: u32,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
+        self.inner_semaphore()?.watch_permits(key, limit).await
     }
 }
 

@@ -38,7 +38,7 @@ pub(super) fn reads(layout: &KeyLayout, line: &Line, below: i64, limit: i64) -> 
         TxnOp::get(line.queue_prefix(layout), Some(before(queue))),
         line.read_held(layout),
     ];
-    if matches!(line, Line::Permits(_)) {
+    if matches!(line, Line::Permits(..)) {
         let count = GetOptions::new().with_prefix().with_count_only();
         reads.push(TxnOp::get(line.queue_prefix(layout), Some(before(count))));
     }
