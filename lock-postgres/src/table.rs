@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use distlock_core::{check_storage_format, LockError, STORAGE_FORMAT};
+use distlock_core::{read_storage_format, LockError, STORAGE_FORMAT};
 use sqlx::Row;
 
 use crate::backend::PostgresLock;
@@ -40,7 +40,7 @@ impl PostgresLock {
 
     /// Stores the format marker of this lock table and namespace if there
     /// is none, and refuses one naming another format (see
-    /// [`distlock_core::check_storage_format`]). Single statements, no
+    /// [`distlock_core::read_storage_format`]). Single statements, no
     /// session state: safe behind a transaction pooler and when clients
     /// start at once (an insert that finds a marker returns it).
     async fn check_format(&self) -> Result<(), LockError> {
@@ -73,8 +73,7 @@ impl PostgresLock {
             let stored: String = row
                 .try_get("format")
                 .map_err(|e| self.map_err(e, what, None))?;
-            return check_storage_format(&stored, &location)
-                .map_err(|e| LockError::new(e.kind(), format!("{what}: {}", e.message())));
+            return read_storage_format(what, &location, stored.as_bytes());
         }
         Err(LockError::unavailable(format!(
             "{what}: the marker {location} was neither stored nor found; try again"

@@ -457,14 +457,15 @@ return denied
 /// KEYS: the namespace's format marker. ARGV: this client's format number.
 /// Stores the number if there is no marker (no expiry), then returns the
 /// marker's text; anything but a string there is a `DISTLOCK_CORRUPT
-/// format` error reply, and nothing is written.
+/// format a <type>` error reply (the wording of the refusal is the core's,
+/// [`distlock_core::foreign_storage_format`]), and nothing is written.
 const FORMAT: &str = r#"
 local t = kind(KEYS[1])
 if t == 'none' then
   redis.call('SET', KEYS[1], ARGV[1])
   return ARGV[1]
 end
-if t ~= 'string' then return corrupt('format', 'holds a ' .. t .. ', not a format number') end
+if t ~= 'string' then return corrupt('format', 'a ' .. t) end
 return redis.call('GET', KEYS[1])
 "#;
 
