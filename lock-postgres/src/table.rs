@@ -27,10 +27,10 @@ impl PostgresLock {
     /// Creates schema and table, and checks the format marker of the table
     /// and namespace, once per client (cheap afterwards).
     pub(crate) async fn ensure_table(&self) -> Result<(), LockError> {
-        self.table_ready
+        self.table_ready()
             .get_or_try_init(|| async {
                 let (what, table) = ("creating the lock table", self.qualified_table());
-                self.create_table(what, &table, &self.sql.create_table)
+                self.create_table(what, &table, &self.statements().create_table)
                     .await?;
                 self.check_format().await
             })
@@ -45,29 +45,29 @@ impl PostgresLock {
     /// start at once (an insert that finds a marker returns it).
     async fn check_format(&self) -> Result<(), LockError> {
         let what = "checking the distlock format marker";
-        let table = &self.sql.format_table;
-        self.create_table(what, table, &self.sql.create_format_table)
+        let table = &self.statements().format_table;
+        self.create_table(what, table, &self.statements().create_format_table)
             .await?;
         let location = format!(
             "in {table}, row (lock_table {:?}, namespace {:?})",
-            self.config.table,
-            self.config.client.namespace()
+            self.config().table(),
+            self.config().client().namespace()
         );
         let table_and_namespace = || {
             vec![
-                Arg::text(&self.config.table),
-                Arg::text(self.config.client.namespace()),
+                Arg::text(self.config().table()),
+                Arg::text(self.config().client().namespace()),
             ]
         };
         // Read first: only the first client of a namespace writes.
-        let mut call = self.call(&self.sql.read_format, table_and_namespace());
+        let mut call = self.call(&self.statements().read_format, table_and_namespace());
         // No row from the write: a concurrent client's marker committed
         // after this statement's snapshot; the next send sees it.
         for _ in 0..3 {
             let Some(row) = self.fetch(what, None, call, None).await?.row else {
                 let mut store = table_and_namespace();
                 store.push(Arg::text(&STORAGE_FORMAT.to_string()));
-                call = self.call(&self.sql.format, store);
+                call = self.call(&self.statements().format, store);
                 continue;
             };
             let stored: String = row
@@ -89,7 +89,7 @@ impl PostgresLock {
         create: &Arc<sql::Sql>,
     ) -> Result<(), LockError> {
         let created = self.create_table_untimed(what, qualified, create);
-        self.config.client.timed(what, created).await
+        self.config().client().timed(what, created).await
     }
 
     pub(crate) async fn create_table_untimed(
@@ -98,7 +98,7 @@ impl PostgresLock {
         qualified: &str,
         create: &Arc<sql::Sql>,
     ) -> Result<(), LockError> {
-        let exists = self.call(&self.sql.table_exists, vec![Arg::text(qualified)]);
+        let exists = self.call(&self.statements().table_exists, vec![Arg::text(qualified)]);
         if self.exists(what, exists).await? {
             return Ok(());
         }
@@ -126,12 +126,16 @@ impl PostgresLock {
         create: &Arc<sql::Sql>,
     ) -> Result<(), LockError> {
         let schema = self.call(
-            &self.sql.schema_exists,
-            vec![Arg::text(&self.config.schema)],
+            &self.statements().schema_exists,
+            vec![Arg::text(self.config().schema())],
         );
         if !self.exists(what, schema).await? {
             // Sent once: no statement to cache.
-            let call = Call::new(Protocol::Simple, &self.sql.create_schema, Vec::new());
+            let call = Call::new(
+                Protocol::Simple,
+                &self.statements().create_schema,
+                Vec::new(),
+            );
             self.fetch(what, None, call, None).await?;
         }
         let call = Call::new(Protocol::Simple, create, Vec::new());
