@@ -245,7 +245,21 @@ impl PostgresLock {
     }
 
     pub(crate) fn namespace(&self) -> &str {
-        self.config.client().namespace()
+        self.config.client.namespace()
+    }
+
+    pub(crate) fn map_err(
+        &self,
+        error: sqlx::Error,
+        what: &str,
+        key: Option<&LockKey>,
+    ) -> LockError {
+        errors::map(
+            error,
+            what,
+            key.map(LockKey::as_str),
+            self.config.client.connect_timeout(),
+        )
     }
 
     /// Switches this client to the simple protocol for good; whether it was

@@ -138,7 +138,9 @@ pub enum PoolMode {
 /// ```
 #[derive(Clone)]
 pub struct PostgresConfig {
-    client: ClientOptions,
+    // Crate-visible for `PostgresLock::map_err`; every other field is read
+    // through its getter.
+    pub(crate) client: ClientOptions,
     connect: Option<PgConnectOptions>,
     listen: Option<PgConnectOptions>,
     /// The TLS files of the main URL and of `listen_url`, checked at connect.

@@ -14,20 +14,6 @@ use crate::errors;
 use crate::sql::{self, Arg, Call, GiveBack, Protocol, Reply};
 
 impl PostgresLock {
-    pub(crate) fn map_err(
-        &self,
-        error: sqlx::Error,
-        what: &str,
-        key: Option<&LockKey>,
-    ) -> LockError {
-        errors::map(
-            error,
-            what,
-            key.map(LockKey::as_str),
-            self.config().client().connect_timeout(),
-        )
-    }
-
     /// A statement on `sql` with `args`, for this client's protocol.
     pub(crate) fn call(&self, sql: &Arc<sql::Sql>, args: Vec<Arg>) -> Call {
         Call::new(self.protocol(), sql, args)
