@@ -1,5 +1,6 @@
 //! The text after `--help`: examples, the exit codes, and the URL schemes
-//! this build opens (each backend crate's own `SCHEMES`).
+//! this build opens (the facade's `BACKENDS`: each backend crate's own
+//! descriptor).
 
 const EXAMPLES: &str = "\
 Examples:
@@ -34,55 +35,30 @@ Exit codes:
   126    run: the command could not be executed (not executable, ...)
   127    run: the command was not found";
 
-/// One backend of this build: its name and the schemes it opens.
-struct Backend {
-    name: &'static str,
-    feature: &'static str,
-    schemes: Option<&'static [&'static str]>,
-}
+/// The backend features of this CLI (each brings the facade's feature of
+/// the same name), whether or not this build has them: the backends
+/// themselves, their names and schemes, are [`distlock::BACKENDS`].
+const BACKEND_FEATURES: &[&str] = &["redis", "etcd", "postgres"];
 
-fn backends() -> [Backend; 3] {
-    [
-        Backend {
-            name: "Redis",
-            feature: "redis",
-            #[cfg(feature = "redis")]
-            schemes: Some(distlock::redis::SCHEMES),
-            #[cfg(not(feature = "redis"))]
-            schemes: None,
-        },
-        Backend {
-            name: "etcd",
-            feature: "etcd",
-            #[cfg(feature = "etcd")]
-            schemes: Some(distlock::etcd::SCHEMES),
-            #[cfg(not(feature = "etcd"))]
-            schemes: None,
-        },
-        Backend {
-            name: "PostgreSQL",
-            feature: "postgres",
-            #[cfg(feature = "postgres")]
-            schemes: Some(distlock::postgres::SCHEMES),
-            #[cfg(not(feature = "postgres"))]
-            schemes: None,
-        },
-    ]
+/// The `memory://` backend's line: it is always there, and not for real
+/// use.
+const MEMORY_NOTE: &str = "in this process only (to try distlock out; nothing is shared)";
+
+/// `scheme://, scheme://` for a backend's schemes.
+fn urls(schemes: &[&str]) -> String {
+    let list: Vec<String> = schemes.iter().map(|s| format!("{s}://")).collect();
+    list.join(", ")
 }
 
 /// The URL schemes this build opens, and the backends it was built without.
 fn schemes() -> String {
-    let mut text = String::from(
-        "URL schemes:\n  memory://  in this process only (to try distlock out; nothing is shared)",
-    );
-    let mut missing = Vec::new();
-    for backend in backends() {
-        match backend.schemes {
-            Some(schemes) => {
-                let list: Vec<String> = schemes.iter().map(|s| format!("{s}://")).collect();
-                text.push_str(&format!("\n  {}  ({})", list.join(", "), backend.name));
-            }
-            None => missing.push(backend.feature),
+    let mut text = String::from("URL schemes:");
+    for backend in distlock::BACKENDS {
+        let descriptor = &backend.descriptor;
+        let urls = urls(descriptor.schemes());
+        match backend.feature {
+            None => text.push_str(&format!("\n  {urls}  {MEMORY_NOTE}")),
+            Some(_) => text.push_str(&format!("\n  {urls}  ({})", descriptor.name())),
         }
     }
     if cfg!(feature = "tls") {
@@ -92,6 +68,7 @@ fn schemes() -> String {
             "\n  TLS (rediss…://, etcds://, PostgreSQL sslmode=) is not in this build (feature `tls`).",
         );
     }
+    let missing = left_out();
     if !missing.is_empty() {
         text.push_str(&format!(
             "\n  Not in this build: {} (`cargo install distlock-cli` builds every backend; etcd needs protoc to build).",
@@ -108,10 +85,14 @@ pub fn after_help() -> String {
 
 /// The backend features this build leaves out.
 fn left_out() -> Vec<&'static str> {
-    backends()
-        .into_iter()
-        .filter(|backend| backend.schemes.is_none())
-        .map(|backend| backend.feature)
+    BACKEND_FEATURES
+        .iter()
+        .copied()
+        .filter(|feature| {
+            !distlock::BACKENDS
+                .iter()
+                .any(|backend| backend.feature == Some(*feature))
+        })
         .collect()
 }
 
@@ -120,21 +101,21 @@ fn left_out() -> Vec<&'static str> {
 /// (which tells a Cargo.toml how to enable a feature).
 pub fn not_in_this_build(url: &str) -> Option<String> {
     let (scheme, _) = url.split_once("://")?;
-    let scheme = scheme.to_ascii_lowercase();
-    let opened: Vec<&str> = backends()
-        .into_iter()
-        .filter_map(|backend| backend.schemes)
-        .flatten()
-        .copied()
-        .collect();
     let missing = left_out();
-    if scheme == "memory" || opened.contains(&scheme.as_str()) || missing.is_empty() {
+    if missing.is_empty()
+        || distlock::BACKENDS
+            .iter()
+            .any(|backend| backend.descriptor.opens(scheme))
+    {
         return None;
     }
-    let mut opens = vec!["memory://".to_owned()];
-    opens.extend(opened.iter().map(|s| format!("{s}://")));
+    let opens: Vec<String> = distlock::BACKENDS
+        .iter()
+        .map(|backend| urls(backend.descriptor.schemes()))
+        .collect();
     Some(format!(
-        "{scheme}:// is not a URL scheme this build of distlock opens ({}); it was built without {}: `cargo install distlock-cli` builds every backend{}",
+        "{}:// is not a URL scheme this build of distlock opens ({}); it was built without {}: `cargo install distlock-cli` builds every backend{}",
+        scheme.to_ascii_lowercase(),
         opens.join(", "),
         missing.join(", "),
         if missing.contains(&"etcd") { " (etcd needs protoc to build)" } else { "" }
@@ -148,4 +129,32 @@ pub fn tls_hint(message: &str) -> Option<&'static str> {
     (!cfg!(feature = "tls") && message.to_ascii_lowercase().contains("tls")).then_some(
         "; this build of distlock has no TLS: build it with the `tls` feature (`cargo install distlock-cli --no-default-features --features redis,postgres,tls` needs no protoc)",
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A backend the facade brings by a feature this list lacks would
+    /// never be named as left out.
+    #[test]
+    fn every_backend_feature_of_the_facade_is_listed() {
+        for backend in distlock::BACKENDS {
+            if let Some(feature) = backend.feature {
+                assert!(BACKEND_FEATURES.contains(&feature), "{feature}");
+                assert!(!left_out().contains(&feature), "{feature}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_help_lists_each_backend_by_its_descriptor() {
+        let text = schemes();
+        for backend in distlock::BACKENDS {
+            let line = text
+                .lines()
+                .find(|line| line.contains(&urls(backend.descriptor.schemes())));
+            assert!(line.is_some(), "{:?}: {text}", backend.descriptor);
+        }
+    }
 }

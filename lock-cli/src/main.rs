@@ -21,13 +21,19 @@ compile_error!(
 );
 
 #[cfg(unix)]
+mod admin;
+#[cfg(unix)]
 mod app;
+#[cfg(unix)]
+mod args;
 #[cfg(unix)]
 mod duration;
 #[cfg(unix)]
 mod help;
 #[cfg(unix)]
 mod log;
+#[cfg(unix)]
+mod run;
 #[cfg(unix)]
 mod watchdog;
 

@@ -39,11 +39,7 @@ pub fn check_storage_format(stored: &str, location: &str) -> Result<(), LockErro
         .filter(|s| s.len() == 1 || !s.starts_with('0'))
         .and_then(|s| s.parse::<u32>().ok());
     let Some(found) = number else {
-        return Err(LockError::corrupted(format!(
-            "the distlock format marker {location} holds {:?}, not a format number; distlock \
-             did not write it and leaves it as it is: check what wrote it, or use another namespace",
-            truncated(stored)
-        )));
+        return Err(not_a_marker(location, &format!("{:?}", truncated(stored))));
     };
     if found == STORAGE_FORMAT {
         return Ok(());
@@ -60,6 +56,50 @@ pub fn check_storage_format(stored: &str, location: &str) -> Result<(), LockErro
          {STORAGE_FORMAT}; refusing to connect, as the two would not exclude each other \
          reliably: {advice}"
     )))
+}
+
+/// Checks the format marker a backend read at `location` while doing
+/// `what` (both named in errors): `stored` is the marker's value as the
+/// server keeps it (bytes that are not UTF-8 are not a format number). As
+/// [`check_storage_format`], with `what` in front of the message.
+///
+/// ```
+/// use distlock_core::{read_storage_format, ErrorKind};
+/// assert!(read_storage_format("connecting", "ns:format", b"1").is_ok());
+/// let err = read_storage_format("connecting", "ns:format", b"\xff").unwrap_err();
+/// assert_eq!(err.kind(), ErrorKind::Corrupted);
+/// assert!(err.to_string().contains("connecting: the distlock format marker ns:format"));
+/// ```
+pub fn read_storage_format(what: &str, location: &str, stored: &[u8]) -> Result<(), LockError> {
+    check_storage_format(&String::from_utf8_lossy(stored), location).map_err(|e| within(what, e))
+}
+
+/// The error for a format marker at `location` that is not a value at all
+/// (`found`, such as `"a hash"` for a key of another type), found while
+/// doing `what`: [`ErrorKind::Corrupted`](crate::ErrorKind::Corrupted),
+/// worded as [`check_storage_format`] words a value that is not a number.
+///
+/// ```
+/// use distlock_core::{foreign_storage_format, ErrorKind};
+/// let err = foreign_storage_format("connecting", "at redis key \"ns:format\"", "a hash");
+/// assert_eq!(err.kind(), ErrorKind::Corrupted);
+/// assert!(err.to_string().contains("holds a hash, not a format number"));
+/// ```
+pub fn foreign_storage_format(what: &str, location: &str, found: &str) -> LockError {
+    within(what, not_a_marker(location, found))
+}
+
+/// The marker at `location` holds `found`, which distlock never writes.
+fn not_a_marker(location: &str, found: &str) -> LockError {
+    LockError::corrupted(format!(
+        "the distlock format marker {location} holds {found}, not a format number; distlock \
+         did not write it and leaves it as it is: check what wrote it, or use another namespace"
+    ))
+}
+
+/// `error`, its message after `what` (what the backend was doing).
+fn within(what: &str, error: LockError) -> LockError {
+    LockError::new(error.kind(), format!("{what}: {}", error.message()))
 }
 
 /// At most 64 characters of foreign data, for an error message.
@@ -106,5 +146,36 @@ mod tests {
         let long = "é".repeat(100);
         let err = check_storage_format(&long, "k").unwrap_err();
         assert!(err.to_string().len() < 400, "{err}");
+    }
+
+    #[test]
+    fn read_and_foreign_markers_say_what_was_being_done() {
+        read_storage_format("w", "k", b"1").unwrap();
+        let newer = read_storage_format("w", "k", b"2").unwrap_err();
+        assert_eq!(newer.kind(), ErrorKind::Config);
+        assert!(
+            newer
+                .message()
+                .starts_with("w: the server stores distlock format 2 (k)"),
+            "{newer}"
+        );
+        for stored in [&b"\xff\xfe"[..], b"x"] {
+            let err = read_storage_format("w", "k", stored).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Corrupted, "{stored:?}");
+            assert!(
+                err.message()
+                    .starts_with("w: the distlock format marker k holds "),
+                "{err}"
+            );
+        }
+        let err = foreign_storage_format("w", "k", "a hash");
+        assert_eq!(err.kind(), ErrorKind::Corrupted);
+        assert_eq!(
+            err.message(),
+            read_storage_format("w", "k", b"x")
+                .unwrap_err()
+                .message()
+                .replace("\"x\"", "a hash")
+        );
     }
 }

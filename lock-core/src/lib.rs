@@ -71,7 +71,9 @@ pub use client::{AcquireAttempt, LockClient};
 pub use client_options::{with_timeout, ClientOptions, DEFAULT_NAMESPACE, MAX_TIMEOUT};
 pub use descriptor::{BackendDescriptor, Connecting};
 pub use error::{ErrorKind, LockError};
-pub use format::{check_storage_format, STORAGE_FORMAT};
+pub use format::{
+    check_storage_format, foreign_storage_format, read_storage_format, STORAGE_FORMAT,
+};
 pub use guard::{LockGuard, LostReason, LostSignal};
 pub use instrument::describe_metrics;
 pub use job_key::JobKey;

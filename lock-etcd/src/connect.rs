@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use distlock_core::{check_storage_format, Listener, LockError, STORAGE_FORMAT};
+use distlock_core::{read_storage_format, Listener, LockError, STORAGE_FORMAT};
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, Txn, TxnOp, TxnOpResponse};
 
 use crate::backend::{EtcdLock, Inner};
@@ -129,7 +129,7 @@ impl EtcdLock {
     /// Stores the namespace's format marker if it has none (one
     /// transaction: of two clients connecting at once, one stores it and
     /// the other reads it), and refuses a marker naming another format
-    /// (see [`distlock_core::check_storage_format`]).
+    /// (see [`distlock_core::read_storage_format`]).
     async fn check_format(&self, what: &str) -> Result<(), LockError> {
         let marker = self.etcd().layout.format();
         let location = format!("at etcd key {marker:?}");
@@ -169,9 +169,7 @@ impl EtcdLock {
                 "{what}: etcd answered the format check {location} with no value"
             )));
         };
-        let text = String::from_utf8_lossy(&stored);
-        check_storage_format(&text, &location)
-            .map_err(|e| LockError::new(e.kind(), format!("{what}: {}", e.message())))
+        read_storage_format(what, &location, &stored)
     }
 
     /// One read inside the namespace, to fail fast on an unreachable cluster,

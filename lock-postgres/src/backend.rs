@@ -1,6 +1,7 @@
-//! [`PostgresLock`]: the lease-table backend: the client, how it sends a
-//! statement (timeouts, the pooler-safe protocol), and the trait impls;
-//! table creation lives in `table`, reading rows in `rows`.
+//! [`PostgresLock`]: the lease-table backend: the client and the trait
+//! impls; sending a statement (timeouts, resends, the pooler-safe
+//! protocol) lives in `requests`, table creation in `table`, reading rows
+//! in `rows`.
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -13,9 +14,8 @@ use distlock_core::{
     Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, ReleaseReply, ReleaseWatch,
     SemaphoreBackend,
 };
-use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgPool, PgPoolOptions};
 use tokio::sync::OnceCell;
-use tokio::time::Instant;
 
 use crate::config::{PoolMode, PostgresConfig};
 use crate::errors;
@@ -23,7 +23,7 @@ use crate::keys::{channel_name, qualified_table};
 use crate::listener::Releases;
 use crate::probe;
 use crate::semaphore::Semaphores;
-use crate::sql::{self, Arg, Call, GiveBack, Protocol, Reply, Statements};
+use crate::sql::{Arg, GiveBack, Protocol, Statements};
 
 /// A lock backend on a PostgreSQL lock table.
 ///
@@ -63,30 +63,30 @@ use crate::sql::{self, Arg, Call, GiveBack, Protocol, Reply, Statements};
 /// # Ok(()) }
 /// ```
 pub struct PostgresLock {
-    pub(crate) pool: PgPool,
-    pub(crate) config: PostgresConfig,
-    pub(crate) sql: Arc<Statements>,
+    pool: PgPool,
+    config: PostgresConfig,
+    sql: Arc<Statements>,
     /// The simple protocol is in use: `pool_mode=transaction`, a
     /// transaction pooler found at connect, or the switch after a
     /// statement met another client's prepared statements.
-    pub(crate) simple: AtomicBool,
+    simple: AtomicBool,
     /// Waiters `LISTEN` past the main URL (`listen_url`), so they can be
     /// woken behind a transaction pooler too.
-    pub(crate) listen_apart: bool,
+    listen_apart: bool,
     /// The LISTEN/NOTIFY channel of this namespace and table.
-    pub(crate) channel: String,
-    pub(crate) table_ready: OnceCell<()>,
+    channel: String,
+    table_ready: OnceCell<()>,
     /// `None` when nothing can `LISTEN` (a transaction pooler without
     /// `listen_url`): waiters then poll.
-    pub(crate) listener: Option<Listener<Releases>>,
+    listener: Option<Listener<Releases>>,
     /// Counting semaphores, in a table of their own.
-    pub(crate) semaphores: Semaphores,
+    semaphores: Semaphores,
 }
 
 impl fmt::Debug for PostgresLock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PostgresLock")
-            .field("namespace", &self.config.client.namespace())
+            .field("namespace", &self.config.client().namespace())
             .field("table", &self.qualified_table())
             .field("channel", &self.channel)
             .finish_non_exhaustive()
@@ -116,17 +116,16 @@ impl PostgresLock {
     /// Connects with `config` and creates the lock table if needed.
     pub async fn with_config(config: PostgresConfig) -> Result<Self, LockError> {
         config.validate()?;
-        let Some(connect) = config.connect.clone() else {
+        let Some(connect) = config.connect_options().cloned() else {
             return Err(LockError::config(
                 "the PostgresConfig names no server; build it with PostgresConfig::from_url or PostgresConfig::new, or use PostgresLock::from_pool",
             ));
         };
-        let timeout = config.client.connect_timeout();
-        config.tls.check_files().await?;
-        config.listen_tls.check_files().await?;
+        let timeout = config.client().connect_timeout();
+        config.check_tls_files().await?;
         let pool = distlock_core::with_timeout(timeout, "connecting to PostgreSQL", async {
             PgPoolOptions::new()
-                .max_connections(config.max_connections)
+                .max_connections(config.max_connections())
                 .min_connections(0)
                 .acquire_timeout(timeout)
                 .idle_timeout(Some(Duration::from_secs(60)))
@@ -140,7 +139,7 @@ impl PostgresLock {
                 .map_err(|e| errors::map(e, "connecting to PostgreSQL", None, timeout))
         })
         .await?;
-        let mode = match config.pool_mode {
+        let mode = match config.pool_mode() {
             PoolMode::Auto => probe::detect(&pool, timeout).await?,
             mode => mode,
         };
@@ -162,37 +161,38 @@ impl PostgresLock {
     /// [`PoolMode::Transaction`] for a pool behind one.
     pub fn from_pool(pool: PgPool, config: PostgresConfig) -> Result<Self, LockError> {
         config.validate()?;
-        let mode = config.pool_mode;
+        let mode = config.pool_mode();
         Ok(Self::build(pool, config, mode))
     }
 
     /// A backend on `pool` working in `mode` (`Auto` meaning `Session`).
     fn build(pool: PgPool, config: PostgresConfig, mode: PoolMode) -> Self {
-        let channel = channel_name(&config.schema, &config.table, config.client.namespace());
+        let channel = channel_name(config.schema(), config.table(), config.client().namespace());
         let (protocol, listen) = match mode {
             PoolMode::Session | PoolMode::Auto => (
                 Protocol::Extended,
                 Some(
                     config
-                        .listen
-                        .clone()
+                        .listen_options()
+                        .cloned()
                         .unwrap_or_else(|| (*pool.connect_options()).clone()),
                 ),
             ),
             // A LISTEN through the pooler would stay on a shared server
             // session: only listen_url can wake waiters.
-            PoolMode::Transaction => (Protocol::Simple, config.listen.clone()),
+            PoolMode::Transaction => (Protocol::Simple, config.listen_options().cloned()),
         };
         let semaphores = Semaphores::new(&config, listen.clone());
         let listener = listen.map(|listen| {
-            let releases = Releases::new(listen, channel.clone(), config.client.connect_timeout());
-            Listener::new(releases, &config.client)
+            let releases =
+                Releases::new(listen, channel.clone(), config.client().connect_timeout());
+            Listener::new(releases, config.client())
         });
         Self {
             semaphores,
-            sql: Arc::new(Statements::new(&config.schema, &config.table)),
+            sql: Arc::new(Statements::new(config.schema(), config.table())),
             simple: AtomicBool::new(protocol == Protocol::Simple),
-            listen_apart: config.listen.is_some(),
+            listen_apart: config.listen_options().is_some(),
             listener,
             channel,
             pool,
@@ -213,7 +213,8 @@ impl PostgresLock {
         }
     }
 
-    fn protocol(&self) -> Protocol {
+    /// The protocol statements are sent with now.
+    pub(crate) fn protocol(&self) -> Protocol {
         if self.simple.load(Ordering::Relaxed) {
             Protocol::Simple
         } else {
@@ -240,7 +241,7 @@ impl PostgresLock {
     /// The quoted, schema-qualified name of the lock table
     /// (`"public"."distlock_locks"`), for SQL text.
     pub fn qualified_table(&self) -> String {
-        qualified_table(&self.config.schema, &self.config.table)
+        qualified_table(self.config.schema(), self.config.table())
     }
 
     pub(crate) fn namespace(&self) -> &str {
@@ -261,139 +262,25 @@ impl PostgresLock {
         )
     }
 
-    /// A statement on `sql` with `args`, for this client's protocol.
-    pub(crate) fn call(&self, sql: &Arc<sql::Sql>, args: Vec<Arg>) -> Call {
-        Call::new(self.protocol(), sql, args)
+    /// Switches this client to the simple protocol for good; whether it was
+    /// in use already.
+    pub(crate) fn use_simple_protocol(&self) -> bool {
+        self.simple.swap(true, Ordering::Relaxed)
     }
 
-    /// The error of a statement whose operation timeout ran out.
-    fn timed_out(&self, what: &str, key: Option<&LockKey>) -> LockError {
-        let on_key = key
-            .map(|k| format!(" on lock {:?}", k.as_str()))
-            .unwrap_or_default();
-        LockError::timeout(format!(
-            "{what}{on_key} got no reply within the operation timeout of {:?} (counted from its first send, resends included); \
-             whether it took effect is unknown; the server may be down or overloaded",
-            self.config.client.operation_timeout()
-        ))
+    /// The lock table's statements.
+    pub(crate) fn statements(&self) -> &Arc<Statements> {
+        &self.sql
     }
 
-    /// Runs one statement (see [`sql::send`]) and returns its reply: a
-    /// pooled connection within the connect timeout (the pool's acquire
-    /// timeout), then the statement within the operation timeout, counted
-    /// from its first send, whatever is resent.
-    ///
-    /// A connection found broken — closed by the server while idle in the
-    /// pool (`idle_session_timeout`, a restart, a pooler's own timeouts) or
-    /// terminated while the statement ran (`pg_terminate_backend`) — is
-    /// closed and the statement sent again on another one, while the
-    /// deadline of the first send allows and at most once per pooled
-    /// connection and one more: every lock statement reads correctly when
-    /// repeated (see [`sql::send`]), so the caller sees an error only if
-    /// the server stays unreachable.
-    ///
-    /// Cancel-safe: the statement runs on a task of its own, which reads
-    /// its reply even after this future was dropped or timed out, then
-    /// gives the connection back (or closes it), and gives back a lock an
-    /// acquire was granted with `give_back`; it reads no longer than one
-    /// more operation timeout.
-    pub(crate) async fn fetch(
-        &self,
-        what: &str,
-        key: Option<&LockKey>,
-        call: Call,
-        mut give_back: Option<GiveBack>,
-    ) -> Result<Reply, LockError> {
-        let mut call = Arc::new(call);
-        let timeout = self.config.client.operation_timeout();
-        // Set at the first send: resends share it.
-        let mut deadline: Option<Instant> = None;
-        let mut lost = 0;
-        let mut resent = false;
-        loop {
-            let conn = match deadline {
-                None => self.pool.acquire().await,
-                Some(deadline) => {
-                    match tokio::time::timeout_at(deadline, self.pool.acquire()).await {
-                        Ok(conn) => conn,
-                        Err(_) => return Err(self.timed_out(what, key)),
-                    }
-                }
-            }
-            .map_err(|e| self.map_err(e, what, key))?;
-            let deadline = *deadline.get_or_insert_with(|| Instant::now() + timeout);
-            let mut sent = sql::send(
-                conn,
-                call.clone(),
-                give_back.clone(),
-                deadline + timeout,
-                timeout,
-            );
-            let Some(mut done) = sent.wait(deadline).await else {
-                return Err(self.timed_out(what, key));
-            };
-            match done.take() {
-                Some(Ok(mut reply)) => {
-                    reply.resent |= resent;
-                    return Ok(reply);
-                }
-                // Another client's prepared statements (or none where
-                // sqlx prepared one): a transaction pooler. The statement
-                // did not run (refused at Parse or Bind): send it again,
-                // as every later one, with the simple protocol.
-                Some(Err(e))
-                    if call.is_prepared()
-                        && errors::is_shared_prepared_statement(&e)
-                        && Instant::now() < deadline =>
-                {
-                    if !self.simple.swap(true, Ordering::Relaxed) {
-                        tracing::warn!(
-                            error = %e,
-                            "a statement met another client's prepared statements: the PostgreSQL URL reaches a transaction pooler; \
-                             using the simple query protocol from now on (add pool_mode=transaction to the URL, and listen_url=<a URL past the pooler> so that waiters are woken by NOTIFY)"
-                        );
-                    }
-                    call = Arc::new(call.simple());
-                    if let Some(give_back) = &mut give_back {
-                        give_back.protocol = Protocol::Simple;
-                    }
-                }
-                Some(Err(e))
-                    if errors::is_connection_lost(&e)
-                        && lost <= self.pool.options().get_max_connections()
-                        && Instant::now() < deadline =>
-                {
-                    lost += 1;
-                    // The statement may have run before the connection
-                    // broke: the next reply is read as a repeat.
-                    resent = true;
-                    tracing::debug!(error = %e, what, "connection lost; sending the statement again on another one");
-                }
-                Some(Err(e)) => return Err(self.map_err(e, what, key)),
-                None => return Err(self.timed_out(what, key)),
-            }
-        }
+    /// Set once the tables exist and the format marker was checked.
+    pub(crate) fn table_ready(&self) -> &OnceCell<()> {
+        &self.table_ready
     }
 
-    /// As [`fetch`](Self::fetch), for statements on `key` that always
-    /// return a row and need no undo.
-    pub(crate) async fn fetch_one(
-        &self,
-        what: &str,
-        key: &LockKey,
-        call: Call,
-    ) -> Result<Reply<PgRow>, LockError> {
-        let reply = self.fetch(what, Some(key), call, None).await?;
-        let row = reply.row.ok_or_else(|| {
-            LockError::corrupted(format!(
-                "{what} on lock {:?}: the lock table returned no row",
-                key.as_str()
-            ))
-        })?;
-        Ok(Reply {
-            row,
-            resent: reply.resent,
-        })
+    /// What this client keeps for its semaphores.
+    pub(crate) fn semaphores(&self) -> &Semaphores {
+        &self.semaphores
     }
 }
 
@@ -430,7 +317,7 @@ impl LockBackend for PostgresLock {
             min_ttl: Duration::from_millis(1),
             ttl_granularity: Duration::from_millis(1),
             native_wait: self.can_listen(),
-            retry_interval: self.config.retry_interval,
+            retry_interval: self.config.retry_interval(),
             durable: true,
             ..Capabilities::default()
         }

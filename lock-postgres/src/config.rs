@@ -6,10 +6,10 @@
 //! setting (`table()`), a setter consumes and returns the config and is
 //! named `with_` and the setting (`with_table("locks")`).
 
+mod server;
 mod tls;
 
 use std::fmt;
-use std::str::FromStr;
 use std::time::Duration;
 
 use distlock_core::{ClientOptions, LockError, LockUrl};
@@ -18,6 +18,7 @@ use sqlx::postgres::PgConnectOptions;
 use crate::keys::validate_identifier;
 use crate::SCHEMES;
 
+use self::server::driver_options;
 pub(crate) use self::tls::TlsSettings;
 
 /// The schema of the lock table unless configured.
@@ -35,21 +36,6 @@ pub const FORMAT_TABLE: &str = "distlock_format";
 /// How often a waiter tries again when it cannot be woken by `NOTIFY`
 /// (behind a transaction pooler without `listen_url`), unless configured.
 pub const DEFAULT_RETRY_INTERVAL: Duration = Duration::from_millis(100);
-
-/// The query parameters passed on to sqlx as they are (libpq's names and
-/// sqlx's aliases for them; the TLS ones are read by distlock first); any
-/// other parameter that is not distlock's is a configuration error.
-const DRIVER_PARAMETERS: &[&str] = &[
-    "application_name",
-    "options",
-    "statement-cache-capacity",
-    "host",
-    "hostaddr",
-    "port",
-    "dbname",
-    "user",
-    "password",
-];
 
 /// How the server connections of the main URL are pooled: the
 /// `pool_mode` URL parameter, named after PgBouncer's setting.
@@ -152,18 +138,20 @@ pub enum PoolMode {
 /// ```
 #[derive(Clone)]
 pub struct PostgresConfig {
+    // Crate-visible for `PostgresLock::map_err`; every other field is read
+    // through its getter.
     pub(crate) client: ClientOptions,
-    pub(crate) connect: Option<PgConnectOptions>,
-    pub(crate) listen: Option<PgConnectOptions>,
+    connect: Option<PgConnectOptions>,
+    listen: Option<PgConnectOptions>,
     /// The TLS files of the main URL and of `listen_url`, checked at connect.
-    pub(crate) tls: TlsSettings,
-    pub(crate) listen_tls: TlsSettings,
-    pub(crate) schema: String,
-    pub(crate) table: String,
-    pub(crate) semaphore_table: String,
-    pub(crate) max_connections: u32,
-    pub(crate) pool_mode: PoolMode,
-    pub(crate) retry_interval: Duration,
+    tls: TlsSettings,
+    listen_tls: TlsSettings,
+    schema: String,
+    table: String,
+    semaphore_table: String,
+    max_connections: u32,
+    pool_mode: PoolMode,
+    retry_interval: Duration,
 }
 
 impl Default for PostgresConfig {
@@ -396,6 +384,13 @@ impl PostgresConfig {
         &self.semaphore_table
     }
 
+    /// Checks the TLS files of the main URL and of `listen_url` (they are
+    /// read when the client connects).
+    pub(crate) async fn check_tls_files(&self) -> Result<(), LockError> {
+        self.tls.check_files().await?;
+        self.listen_tls.check_files().await
+    }
+
     /// Checks namespace, timeouts, retry interval, schema and table names.
     pub fn validate(&self) -> Result<(), LockError> {
         self.client.validate()?;
@@ -422,79 +417,9 @@ impl PostgresConfig {
     }
 }
 
-/// sqlx's options for the server of `url`, taking the driver parameters.
-///
-/// The URL is rebuilt for sqlx's own parser rather than fed to the
-/// builder, so sqlx applies its environment defaults (`PGHOST`, ...) and
-/// password file exactly as for a URL it parsed itself.
-fn driver_options(url: &mut LockUrl) -> Result<PgConnectOptions, LockError> {
-    let host = match url.hosts() {
-        [] => String::new(),
-        [host] => {
-            let name = if host.name.contains(':') {
-                format!("[{}]", host.name)
-            } else {
-                encode(&host.name)
-            };
-            match host.port {
-                Some(port) => format!("{name}:{port}"),
-                None => name,
-            }
-        }
-        _ => {
-            return Err(LockError::config(format!(
-                "{url} names several hosts; a PostgreSQL URL names one (put a failover proxy or DNS name in front of replicas)"
-            )))
-        }
-    };
-    let mut driver = String::from("postgres://");
-    if let Some(user) = url.username() {
-        driver.push_str(&encode(user));
-    }
-    if let Some(password) = url.password() {
-        driver.push(':');
-        driver.push_str(&encode(password));
-    }
-    if url.username().is_some() || url.password().is_some() {
-        driver.push('@');
-    }
-    driver.push_str(&host);
-    if !url.path().is_empty() {
-        driver.push('/');
-        driver.push_str(&encode(url.path()));
-    }
-    let mut separator = '?';
-    for name in DRIVER_PARAMETERS {
-        if let Some(value) = url.take(name) {
-            driver.push(separator);
-            driver.push_str(name);
-            driver.push('=');
-            driver.push_str(&encode(&value));
-            separator = '&';
-        }
-    }
-    PgConnectOptions::from_str(&driver).map_err(|e| {
-        LockError::config(format!(
-            "invalid PostgreSQL URL {url} ({e}); expected postgres://user:password@host:port/database"
-        ))
-    })
-}
-
-/// Percent-encodes every byte but unreserved ones (RFC 3986).
-fn encode(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for byte in text.bytes() {
-        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
-            out.push(char::from(byte));
-        } else {
-            out.push_str(&format!("%{byte:02X}"));
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
+    use super::server::encode;
     use distlock_core::ErrorKind;
     use sqlx::postgres::PgSslMode;
 

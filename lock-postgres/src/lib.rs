@@ -315,6 +315,7 @@ mod errors;
 mod keys;
 mod listener;
 mod probe;
+mod requests;
 mod rows;
 mod semaphore;
 mod sql;

@@ -50,10 +50,10 @@ impl Semaphores {
     /// The semaphores of `config`, their waiters listening with `listen`.
     pub(crate) fn new(config: &PostgresConfig, listen: Option<PgConnectOptions>) -> Self {
         let (schema, table) = (config.schema(), config.semaphore_table());
-        let channel = channel_name(schema, table, config.client.namespace());
+        let channel = channel_name(schema, table, config.client().namespace());
         let listener = listen.map(|listen| {
-            let returns = Releases::new(listen, channel.clone(), config.client.connect_timeout());
-            Listener::new(returns, &config.client)
+            let returns = Releases::new(listen, channel.clone(), config.client().connect_timeout());
+            Listener::new(returns, config.client())
         });
         Self {
             sql: Arc::new(PermitStatements::new(schema, table)),
@@ -71,13 +71,13 @@ impl PostgresLock {
     /// locks working: semaphore calls try again and report it.
     pub(crate) async fn prepare_semaphores(&self) {
         if let Err(e) = self.ensure_semaphores().await {
-            tracing::warn!(table = %self.semaphores.table, error = %e, "the semaphore table could not be created; semaphore calls fail until it exists");
+            tracing::warn!(table = %self.semaphores().table, error = %e, "the semaphore table could not be created; semaphore calls fail until it exists");
         }
     }
 
     /// Creates the semaphore table once per client (cheap afterwards).
     async fn ensure_semaphores(&self) -> Result<(), LockError> {
-        let semaphores = &self.semaphores;
+        let semaphores = self.semaphores();
         semaphores
             .table_ready
             .get_or_try_init(|| {
@@ -94,7 +94,7 @@ impl PostgresLock {
             "the row for semaphore {:?} in namespace {:?} of {} is not in the form distlock writes; it is left untouched",
             key.as_str(),
             self.namespace(),
-            self.semaphores.table
+            self.semaphores().table
         ))
     }
 
@@ -134,7 +134,7 @@ impl SemaphoreBackend for PostgresLock {
         self.ensure_semaphores().await?;
         let limit = i64::from(request.limit);
         let call = self.call(
-            &self.semaphores.sql.acquire,
+            &self.semaphores().sql.acquire,
             vec![
                 Arg::text(self.namespace()),
                 Arg::text(key.as_str()),
@@ -186,7 +186,7 @@ impl SemaphoreBackend for PostgresLock {
         permit: HeldLock<'_>,
         ttl: Duration,
     ) -> Result<ExtendReply, LockError> {
-        let sql = &self.semaphores.sql.extend;
+        let sql = &self.semaphores().sql.extend;
         let last = Arg::Int(ttl_millis(ttl));
         Ok(
             match self
@@ -200,8 +200,8 @@ impl SemaphoreBackend for PostgresLock {
     }
 
     async fn release_permit(&self, permit: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
-        let sql = &self.semaphores.sql.release;
-        let last = Arg::text(&self.semaphores.channel);
+        let sql = &self.semaphores().sql.release;
+        let last = Arg::text(&self.semaphores().channel);
         let (done, reply) = self
             .on_permit("releasing a permit", &permit, sql, last)
             .await?;
@@ -220,7 +220,7 @@ impl SemaphoreBackend for PostgresLock {
         key: &LockKey,
         _limit: u32,
     ) -> Result<Option<ReleaseWatch>, LockError> {
-        match &self.semaphores.listener {
+        match &self.semaphores().listener {
             // As for locks: nothing to hear through a transaction pooler
             // found since connect, so waiters poll.
             Some(listener) if self.can_listen() => listener.watch(key.clone()).await.map(Some),

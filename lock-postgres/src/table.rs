@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use distlock_core::{check_storage_format, LockError, STORAGE_FORMAT};
+use distlock_core::{read_storage_format, LockError, STORAGE_FORMAT};
 use sqlx::Row;
 
 use crate::backend::PostgresLock;
@@ -27,10 +27,10 @@ impl PostgresLock {
     /// Creates schema and table, and checks the format marker of the table
     /// and namespace, once per client (cheap afterwards).
     pub(crate) async fn ensure_table(&self) -> Result<(), LockError> {
-        self.table_ready
+        self.table_ready()
             .get_or_try_init(|| async {
                 let (what, table) = ("creating the lock table", self.qualified_table());
-                self.create_table(what, &table, &self.sql.create_table)
+                self.create_table(what, &table, &self.statements().create_table)
                     .await?;
                 self.check_format().await
             })
@@ -40,41 +40,40 @@ impl PostgresLock {
 
     /// Stores the format marker of this lock table and namespace if there
     /// is none, and refuses one naming another format (see
-    /// [`distlock_core::check_storage_format`]). Single statements, no
+    /// [`distlock_core::read_storage_format`]). Single statements, no
     /// session state: safe behind a transaction pooler and when clients
     /// start at once (an insert that finds a marker returns it).
     async fn check_format(&self) -> Result<(), LockError> {
         let what = "checking the distlock format marker";
-        let table = &self.sql.format_table;
-        self.create_table(what, table, &self.sql.create_format_table)
+        let table = &self.statements().format_table;
+        self.create_table(what, table, &self.statements().create_format_table)
             .await?;
         let location = format!(
             "in {table}, row (lock_table {:?}, namespace {:?})",
-            self.config.table,
-            self.config.client.namespace()
+            self.config().table(),
+            self.config().client().namespace()
         );
         let table_and_namespace = || {
             vec![
-                Arg::text(&self.config.table),
-                Arg::text(self.config.client.namespace()),
+                Arg::text(self.config().table()),
+                Arg::text(self.config().client().namespace()),
             ]
         };
         // Read first: only the first client of a namespace writes.
-        let mut call = self.call(&self.sql.read_format, table_and_namespace());
+        let mut call = self.call(&self.statements().read_format, table_and_namespace());
         // No row from the write: a concurrent client's marker committed
         // after this statement's snapshot; the next send sees it.
         for _ in 0..3 {
             let Some(row) = self.fetch(what, None, call, None).await?.row else {
                 let mut store = table_and_namespace();
                 store.push(Arg::text(&STORAGE_FORMAT.to_string()));
-                call = self.call(&self.sql.format, store);
+                call = self.call(&self.statements().format, store);
                 continue;
             };
             let stored: String = row
                 .try_get("format")
                 .map_err(|e| self.map_err(e, what, None))?;
-            return check_storage_format(&stored, &location)
-                .map_err(|e| LockError::new(e.kind(), format!("{what}: {}", e.message())));
+            return read_storage_format(what, &location, stored.as_bytes());
         }
         Err(LockError::unavailable(format!(
             "{what}: the marker {location} was neither stored nor found; try again"
@@ -90,7 +89,7 @@ impl PostgresLock {
         create: &Arc<sql::Sql>,
     ) -> Result<(), LockError> {
         let created = self.create_table_untimed(what, qualified, create);
-        self.config.client.timed(what, created).await
+        self.config().client().timed(what, created).await
     }
 
     pub(crate) async fn create_table_untimed(
@@ -99,7 +98,7 @@ impl PostgresLock {
         qualified: &str,
         create: &Arc<sql::Sql>,
     ) -> Result<(), LockError> {
-        let exists = self.call(&self.sql.table_exists, vec![Arg::text(qualified)]);
+        let exists = self.call(&self.statements().table_exists, vec![Arg::text(qualified)]);
         if self.exists(what, exists).await? {
             return Ok(());
         }
@@ -127,12 +126,16 @@ impl PostgresLock {
         create: &Arc<sql::Sql>,
     ) -> Result<(), LockError> {
         let schema = self.call(
-            &self.sql.schema_exists,
-            vec![Arg::text(&self.config.schema)],
+            &self.statements().schema_exists,
+            vec![Arg::text(self.config().schema())],
         );
         if !self.exists(what, schema).await? {
             // Sent once: no statement to cache.
-            let call = Call::new(Protocol::Simple, &self.sql.create_schema, Vec::new());
+            let call = Call::new(
+                Protocol::Simple,
+                &self.statements().create_schema,
+                Vec::new(),
+            );
             self.fetch(what, None, call, None).await?;
         }
         let call = Call::new(Protocol::Simple, create, Vec::new());

@@ -17,6 +17,7 @@ use crate::connection::{connect_budget, Commands};
 use crate::errors;
 use crate::keys::RedisKeys;
 use crate::listener::PubSub;
+use crate::replies;
 use crate::scripts::{
     self, LuaScript, ACQUIRE_SCRIPT, EXTEND_SCRIPT, FORCE_RELEASE_SCRIPT, INSPECT_SCRIPT,
     RELEASE_SCRIPT,
@@ -289,7 +290,7 @@ impl RedisLock {
         ttl: Duration,
     ) -> Result<ExtendReply, LockError> {
         let (reply, replicated) = self.run_replicated(call).await?;
-        let reply = scripts::extend_reply(held.key, held.fencing, ttl, &reply)?;
+        let reply = replies::extend_reply(held.key, held.fencing, ttl, &reply)?;
         if let ExtendReply::Extended(_) = reply {
             // The primary extended it, but a promoted replica might still
             // expire it at the old time: the lease keeps its old deadline.
@@ -375,7 +376,7 @@ impl RedisLock {
             args: &args,
         };
         let (reply, _) = self.execute(call, None, timeout).await?;
-        scripts::release_reply(key, &reply)
+        replies::release_reply(key, &reply)
     }
 
     /// How long a release's released-by marker is kept (at most the lock's
@@ -489,7 +490,7 @@ impl LockBackend for RedisLock {
             args: &args,
         };
         let (reply, replicated) = self.run_acquire(call, request.settling).await?;
-        let reply = scripts::acquire_reply(key, request.ttl, &reply)?;
+        let reply = replies::acquire_reply(key, request.ttl, &reply)?;
         let AcquireReply::Granted(grant) = &reply else {
             return Ok(reply);
         };
@@ -558,7 +559,7 @@ impl LockAdmin for RedisLock {
                 args: &[],
             })
             .await?;
-        scripts::inspect_reply(key, &reply)
+        replies::inspect_reply(key, &reply)
     }
 
     async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
@@ -573,6 +574,6 @@ impl LockAdmin for RedisLock {
                 args: &[keys.channel.clone(), self.channels.publish.to_owned()],
             })
             .await?;
-        scripts::force_release_reply(key, &reply)
+        replies::force_release_reply(key, &reply)
     }
 }

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use distlock_core::{
-    check_storage_format, with_timeout, ClientOptions, ErrorKind, LockError, STORAGE_FORMAT,
+    foreign_storage_format, read_storage_format, with_timeout, ClientOptions, ErrorKind, LockError,
+    STORAGE_FORMAT,
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncConnectionConfig, Client};
@@ -197,7 +198,7 @@ pub(crate) async fn prepare(
 
 /// Stores the namespace's format marker if it has none, and refuses a
 /// server whose marker names another format (see
-/// [`distlock_core::check_storage_format`]). One script: two clients
+/// [`distlock_core::read_storage_format`]). One script: two clients
 /// connecting at once never both find the marker missing.
 pub(crate) async fn check_format(
     conn: &mut impl ConnectionLike,
@@ -212,26 +213,21 @@ pub(crate) async fn check_format(
                 .invoke(conn, &[&marker], &[STORAGE_FORMAT.to_string()])
                 .await
             {
-                Ok(reply) => redis::from_redis_value::<String>(reply).map_err(|e| {
+                Ok(reply) => redis::from_redis_value::<Vec<u8>>(reply).map_err(|e| {
                     LockError::corrupted(format!(
                         "{what}: unexpected reply to the format check {location}: {e}"
                     ))
                 }),
                 Err(e) if e.code() == Some(errors::CORRUPT_CODE) => {
                     let detail = e.detail().unwrap_or("");
-                    let detail = detail.strip_prefix("format ").unwrap_or(detail);
-                    Err(LockError::corrupted(format!(
-                        "{what}: the distlock format marker {location} {detail}; distlock did \
-                         not write it and leaves it as it is: check what wrote it, or use \
-                         another namespace"
-                    )))
+                    let found = detail.strip_prefix("format ").unwrap_or(detail);
+                    Err(foreign_storage_format(what, &location, found))
                 }
                 Err(e) => Err(errors::map(e, what)),
             }
         })
         .await?;
-    check_storage_format(&stored, &location)
-        .map_err(|e| LockError::new(e.kind(), format!("{what}: {}", e.message())))
+    read_storage_format(what, &location, &stored)
 }
 
 /// Loads the scripts so the first acquire is one EVALSHA; this also proves

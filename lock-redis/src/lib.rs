@@ -312,6 +312,7 @@ mod errors;
 mod eviction;
 mod keys;
 mod listener;
+mod replies;
 mod scripts;
 mod semaphore;
 mod sentinel;

@@ -1,7 +1,8 @@
 //! The Lua scripts: acquire, extend and release, one round trip each, for
 //! locks and for semaphore permits, the operator calls inspect and
-//! force-release, and the connect-time ACL probe; how each is invoked and
-//! what its reply means.
+//! force-release, and the connect-time ACL probe and format check: their
+//! text and what each expects and answers. Running one is [`run`]'s
+//! business; reading its reply, [`crate::replies`]'.
 //!
 //! The value at a lock key is `dl1:<32 hex owner>:<fencing token>`, with a
 //! PX expiry; the released-by marker holds such a value and a release id,
@@ -15,15 +16,11 @@
 //! (`lock` is a semaphore's permit set) and nothing is written; an argument
 //! out of range with `DISTLOCK_ARGS <detail>`, before anything is written.
 
-use std::sync::LazyLock;
-use std::time::Duration;
+mod run;
 
-use distlock_core::{
-    AcquireReply, ExtendReply, FencingToken, Grant, LockError, LockKey, LockState, PermitReply,
-    ReleaseReply,
-};
-use redis::aio::ConnectionLike;
-use redis::{ErrorKind, RedisResult, Script, ServerErrorKind, Value};
+use std::sync::LazyLock;
+
+use redis::Script;
 
 /// Shared helpers, prepended to every script.
 ///
@@ -457,14 +454,15 @@ return denied
 /// KEYS: the namespace's format marker. ARGV: this client's format number.
 /// Stores the number if there is no marker (no expiry), then returns the
 /// marker's text; anything but a string there is a `DISTLOCK_CORRUPT
-/// format` error reply, and nothing is written.
+/// format a <type>` error reply (the wording of the refusal is the core's,
+/// [`distlock_core::foreign_storage_format`]), and nothing is written.
 const FORMAT: &str = r#"
 local t = kind(KEYS[1])
 if t == 'none' then
   redis.call('SET', KEYS[1], ARGV[1])
   return ARGV[1]
 end
-if t ~= 'string' then return corrupt('format', 'holds a ' .. t .. ', not a format number') end
+if t ~= 'string' then return corrupt('format', 'a ' .. t) end
 return redis.call('GET', KEYS[1])
 "#;
 
@@ -493,110 +491,6 @@ impl LuaScript {
         let sha = Script::new(&body).get_hash().to_owned();
         Self { body, sha }
     }
-
-    /// Puts the script in the server's cache (`SCRIPT LOAD`).
-    pub(crate) async fn load(&self, conn: &mut impl ConnectionLike) -> RedisResult<()> {
-        redis::cmd("SCRIPT")
-            .arg("LOAD")
-            .arg(&self.body)
-            .query_async::<String>(conn)
-            .await
-            .map(drop)
-    }
-
-    /// Runs the script as [`invoke`](Self::invoke), then waits up to
-    /// `timeout` for `replicas` to acknowledge its writes (`WAIT`, on the
-    /// same connection): the script's reply and how many acknowledged.
-    ///
-    /// The first `WAIT` is pipelined with the script; while replicas lag,
-    /// it is repeated in slices of at most [`WAIT_SLICE`]. A `WAIT` blocks
-    /// its connection, which every request of this client shares: slices
-    /// let other requests (a give-back of this very lock, say) through
-    /// between them, and a dropped future stops waiting within one slice.
-    pub(crate) async fn invoke_and_wait(
-        &self,
-        conn: &mut impl ConnectionLike,
-        keys: &[&str],
-        args: &[String],
-        replicas: u32,
-        timeout: Duration,
-    ) -> RedisResult<(Value, i64)> {
-        // Errors stay in the replies (`ignore_errors`): a pipeline error
-        // loses the error code, and so the script's own markers.
-        let pipeline = |eval: bool| {
-            let mut pipe = redis::pipe();
-            pipe.ignore_errors();
-            pipe.cmd(if eval { "EVAL" } else { "EVALSHA" })
-                .arg(if eval { &self.body } else { &self.sha })
-                .arg(keys.len())
-                .arg(keys)
-                .arg(args);
-            pipe.cmd("WAIT")
-                .arg(replicas)
-                .arg(wait_millis(timeout.min(WAIT_SLICE)));
-            pipe
-        };
-        let started = std::time::Instant::now();
-        let mut replies: Vec<Value> = pipeline(false).query_async(conn).await?;
-        if matches!(replies.first(), Some(Value::ServerError(e)) if e.kind() == Some(ServerErrorKind::NoScript))
-        {
-            replies = pipeline(true).query_async(conn).await?;
-        }
-        let mut replies = replies.into_iter();
-        let (Some(reply), Some(acknowledged), None) =
-            (replies.next(), replies.next(), replies.next())
-        else {
-            return Err(redis::RedisError::from((
-                ErrorKind::Parse,
-                "a script and WAIT pipeline did not answer twice",
-            )));
-        };
-        let reply = reply.extract_error()?;
-        let mut acknowledged: i64 = redis::from_redis_value(acknowledged.extract_error()?)?;
-        while acknowledged < i64::from(replicas) {
-            let left = timeout.saturating_sub(started.elapsed());
-            if left.is_zero() {
-                break;
-            }
-            acknowledged = redis::cmd("WAIT")
-                .arg(replicas)
-                .arg(wait_millis(left.min(WAIT_SLICE)))
-                .query_async(conn)
-                .await?;
-        }
-        Ok((reply, acknowledged))
-    }
-
-    /// Runs the script: `EVALSHA`, and `EVAL` with its text when the server
-    /// does not have it (after a restart, a failover or `SCRIPT FLUSH`, or
-    /// never loaded because the ACL user may not `SCRIPT LOAD`). `EVAL`
-    /// caches the script, so the next call is one `EVALSHA` again.
-    pub(crate) async fn invoke(
-        &self,
-        conn: &mut impl ConnectionLike,
-        keys: &[&str],
-        args: &[String],
-    ) -> RedisResult<Value> {
-        let result = redis::cmd("EVALSHA")
-            .arg(&self.sha)
-            .arg(keys.len())
-            .arg(keys)
-            .arg(args)
-            .query_async(conn)
-            .await;
-        match result {
-            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                redis::cmd("EVAL")
-                    .arg(&self.body)
-                    .arg(keys.len())
-                    .arg(keys)
-                    .arg(args)
-                    .query_async(conn)
-                    .await
-            }
-            other => other,
-        }
-    }
 }
 
 /// The acquire script.
@@ -624,18 +518,6 @@ pub(crate) static INSPECT_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScri
 /// The force-release script (operators only; not preloaded).
 pub(crate) static FORCE_RELEASE_SCRIPT: LazyLock<LuaScript> =
     LazyLock::new(|| LuaScript::new(FORCE_RELEASE));
-
-/// The longest one `WAIT` blocks the shared connection.
-pub(crate) const WAIT_SLICE: Duration = Duration::from_millis(100);
-
-/// `WAIT`'s timeout: whole milliseconds, at least 1 (0 waits forever), at
-/// most a day (a bound the server adds to its clock without overflow).
-fn wait_millis(timeout: Duration) -> u64 {
-    u64::try_from(timeout.as_millis())
-        .unwrap_or(u64::MAX)
-        .clamp(1, 86_400_000)
-}
-
 /// The SHA1 of the acquire script, for this crate's integration tests
 /// (they count its EVALSHA calls); not a stable API.
 #[doc(hidden)]
@@ -659,156 +541,4 @@ pub(crate) fn all() -> [&'static LuaScript; 7] {
         &EXTEND_PERMIT_SCRIPT,
         &RELEASE_PERMIT_SCRIPT,
     ]
-}
-
-/// Reads the acquire script's reply for a request of `ttl`.
-pub(crate) fn acquire_reply(
-    key: &LockKey,
-    ttl: Duration,
-    reply: &Value,
-) -> Result<AcquireReply, LockError> {
-    let bad = || unexpected("acquire", key, reply);
-    let Value::Array(items) = reply else {
-        return Err(bad());
-    };
-    match (items.first().and_then(as_int), items.get(1)) {
-        (Some(1), Some(token)) => {
-            let token = as_token(token).ok_or_else(bad)?;
-            Ok(AcquireReply::Granted(Grant::new(token, ttl)))
-        }
-        (Some(0), Some(pttl)) => {
-            let pttl = as_int(pttl).ok_or_else(bad)?;
-            Ok(AcquireReply::Held {
-                expires_in: millis_left(pttl),
-            })
-        }
-        _ => Err(bad()),
-    }
-}
-
-/// Reads the permit acquire script's reply for a request of `ttl`.
-pub(crate) fn acquire_permit_reply(
-    key: &LockKey,
-    ttl: Duration,
-    reply: &Value,
-) -> Result<PermitReply, LockError> {
-    let bad = || unexpected("permit acquire", key, reply);
-    let Value::Array(items) = reply else {
-        return Err(bad());
-    };
-    match items.as_slice() {
-        [flag, token] if as_int(flag) == Some(1) => {
-            let token = as_token(token).ok_or_else(bad)?;
-            Ok(PermitReply::Granted(Grant::new(token, ttl)))
-        }
-        [flag, ms] if as_int(flag) == Some(0) => Ok(PermitReply::Full {
-            expires_in: millis_left(as_int(ms).ok_or_else(bad)?),
-        }),
-        [flag, stored] if as_int(flag) == Some(2) => {
-            let stored = as_int(stored)
-                .and_then(|n| u32::try_from(n).ok())
-                .ok_or_else(bad)?;
-            Ok(PermitReply::LimitMismatch { stored })
-        }
-        _ => Err(bad()),
-    }
-}
-
-/// Reads the extend script's reply for a lock of `fencing` extended by `ttl`
-/// (the permit extend script answers the same way).
-pub(crate) fn extend_reply(
-    key: &LockKey,
-    fencing: FencingToken,
-    ttl: Duration,
-    reply: &Value,
-) -> Result<ExtendReply, LockError> {
-    match as_int(reply) {
-        Some(1) => Ok(ExtendReply::Extended(Grant::new(fencing, ttl))),
-        Some(0) => Ok(ExtendReply::NotHeld),
-        _ => Err(unexpected("extend", key, reply)),
-    }
-}
-
-/// Reads the release script's reply (the permit release script answers the
-/// same way).
-pub(crate) fn release_reply(key: &LockKey, reply: &Value) -> Result<ReleaseReply, LockError> {
-    match deleted(key, reply) {
-        Some(true) => Ok(ReleaseReply::Released),
-        Some(false) => Ok(ReleaseReply::NotHeld),
-        None => Err(unexpected("release", key, reply)),
-    }
-}
-
-/// Reads the force-release script's reply: whether a lock was held.
-pub(crate) fn force_release_reply(key: &LockKey, reply: &Value) -> Result<bool, LockError> {
-    deleted(key, reply).ok_or_else(|| unexpected("force release", key, reply))
-}
-
-/// Reads the inspect script's reply.
-pub(crate) fn inspect_reply(key: &LockKey, reply: &Value) -> Result<LockState, LockError> {
-    let bad = || unexpected("inspect", key, reply);
-    let Value::Array(items) = reply else {
-        return Err(bad());
-    };
-    match items.as_slice() {
-        [state] if as_int(state) == Some(0) => Ok(LockState::Free),
-        [state, pttl, token] if as_int(state) == Some(1) => Ok(LockState::Held {
-            expires_in: millis_left(as_int(pttl).ok_or_else(bad)?),
-            fencing_token: as_token(token).ok_or_else(bad)?,
-        }),
-        _ => Err(bad()),
-    }
-}
-
-fn unexpected(what: &str, key: &LockKey, reply: &Value) -> LockError {
-    LockError::corrupted(format!(
-        "{what} on lock {key:?}: unexpected reply from the redis server: {reply:?}"
-    ))
-}
-
-/// Reads a release or force-release reply: whether a lock was deleted.
-/// Logs a deletion whose notification the server refused (`{1, error}`):
-/// the lock is free, but waiters of other clients are not woken and find
-/// out at the holder's expiry, when their timers fire.
-fn deleted(key: &LockKey, reply: &Value) -> Option<bool> {
-    match reply {
-        Value::Array(items) => match items.as_slice() {
-            [flag, error] if as_int(flag) == Some(1) => {
-                let error = redis::from_redis_value_ref::<String>(error).unwrap_or_default();
-                tracing::warn!(
-                    key = %key,
-                    error = %error,
-                    "redis lock released, but the server refused the release notification \
-                     (ACL channel permission?); other clients' waiters wake at the holder's expiry"
-                );
-                Some(true)
-            }
-            _ => None,
-        },
-        other => match as_int(other) {
-            Some(1) => Some(true),
-            Some(0) => Some(false),
-            _ => None,
-        },
-    }
-}
-
-/// A `PTTL` as time left (`None` for the negative "no key"/"no expiry").
-fn millis_left(pttl: i64) -> Option<Duration> {
-    u64::try_from(pttl).ok().map(Duration::from_millis)
-}
-
-fn as_token(value: &Value) -> Option<FencingToken> {
-    as_int(value)
-        .and_then(|t| u64::try_from(t).ok())
-        .map(FencingToken::new)
-}
-
-fn as_int(value: &Value) -> Option<i64> {
-    match value {
-        Value::Int(n) => Some(*n),
-        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
-        Value::SimpleString(s) => s.parse().ok(),
-        _ => None,
-    }
 }

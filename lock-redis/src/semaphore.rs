@@ -18,7 +18,8 @@ use distlock_core::{
 
 use crate::backend::{arg_millis, not_replicated, Call, RedisLock};
 use crate::keys::RedisKeys;
-use crate::scripts::{self, ACQUIRE_PERMIT_SCRIPT, EXTEND_PERMIT_SCRIPT, RELEASE_PERMIT_SCRIPT};
+use crate::replies;
+use crate::scripts::{ACQUIRE_PERMIT_SCRIPT, EXTEND_PERMIT_SCRIPT, RELEASE_PERMIT_SCRIPT};
 
 impl RedisLock {
     /// Gives back the permit of `owner` and `fencing` within `timeout`.
@@ -49,7 +50,7 @@ impl RedisLock {
             args: &args,
         };
         let (reply, _) = self.execute(call, None, timeout).await?;
-        scripts::release_reply(key, &reply)
+        replies::release_reply(key, &reply)
     }
 }
 
@@ -76,7 +77,7 @@ impl SemaphoreBackend for RedisLock {
             args: &args,
         };
         let (reply, replicated) = self.run_acquire(call, request.settling).await?;
-        let reply = scripts::acquire_permit_reply(key, request.ttl, &reply)?;
+        let reply = replies::acquire_permit_reply(key, request.ttl, &reply)?;
         let PermitReply::Granted(grant) = &reply else {
             return Ok(reply);
         };

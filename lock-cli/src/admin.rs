@@ -1,0 +1,156 @@
+//! The operator commands: `status` and `inspect` read a key, `release
+//! --force` frees it whoever holds it.
+
+use std::time::Duration;
+
+use distlock::{AcquireAttempt, ErrorKind, FencingToken, LockClient, LockKey, LockState};
+
+use crate::app::{code, connect, lock_key, Failure};
+use crate::args::{ReleaseArgs, UrlArg};
+use crate::duration::format_duration;
+
+/// Probes `key` with the shortest TTL the backend allows; a lease it gets is
+/// released at once.
+async fn probe(backend: &LockClient, key: &LockKey) -> Result<AcquireAttempt, Failure> {
+    let ttl = backend.capabilities().min_ttl.max(Duration::from_millis(1));
+    let attempt = backend
+        .try_acquire(key, ttl)
+        .await
+        .map_err(|e| Failure::lock(&format!("cannot check lock {key:?}"), &e))?;
+    if let AcquireAttempt::Acquired(lease) = &attempt {
+        // Ignore NotHeld: the probe's short lease may already have run out.
+        match backend.release(lease).await {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::NotHeld => {}
+            Err(e) => {
+                return Err(Failure::lock(
+                    &format!("cannot release probe of {key:?}"),
+                    &e,
+                ))
+            }
+        }
+    }
+    Ok(attempt)
+}
+
+/// What `status` found at a key.
+struct Seen {
+    held: bool,
+    /// The holder's, when the backend says (not through a probe).
+    fencing_token: Option<FencingToken>,
+    /// Time left on the holder's lease by the server's clock, if known.
+    expires_in: Option<Duration>,
+}
+
+/// Reads `key`: the backend's inspect call, or, on a backend without
+/// operator calls, a probe.
+async fn look(backend: &LockClient, key: &LockKey) -> Result<Seen, Failure> {
+    if backend.admin().is_none() {
+        // An attempt tells held or free (and uses up one fencing token
+        // value if free).
+        return Ok(match probe(backend, key).await? {
+            AcquireAttempt::Acquired(_) => Seen {
+                held: false,
+                fencing_token: None,
+                expires_in: None,
+            },
+            AcquireAttempt::Held { expires_in } => Seen {
+                held: true,
+                fencing_token: None,
+                expires_in,
+            },
+        });
+    }
+    let state = backend
+        .inspect(key)
+        .await
+        .map_err(|e| Failure::lock(&format!("cannot inspect lock {key:?}"), &e))?;
+    Ok(match state {
+        LockState::Held {
+            expires_in,
+            fencing_token,
+        } => Seen {
+            held: true,
+            fencing_token: Some(fencing_token),
+            expires_in,
+        },
+        _ => Seen {
+            held: false,
+            fencing_token: None,
+            expires_in: None,
+        },
+    })
+}
+
+/// `(fencing token 7, lease ends in 4.2s unless renewed)`: what is known
+/// of a holder.
+pub(crate) fn describe_holder(
+    fencing_token: Option<FencingToken>,
+    expires_in: Option<Duration>,
+) -> String {
+    let mut parts = Vec::new();
+    if let Some(token) = fencing_token {
+        parts.push(format!("fencing token {token}"));
+    }
+    match expires_in {
+        Some(left) => parts.push(format!(
+            "lease expires in {} unless its holder renews it",
+            format_duration(left)
+        )),
+        None => parts.push("the server did not say for how long".to_owned()),
+    }
+    format!("({})", parts.join(", "))
+}
+
+/// Milliseconds for JSON (saturating; a lease is never that long).
+pub(crate) fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+pub(crate) async fn status(url: UrlArg, key: &str, json: bool) -> Result<u8, Failure> {
+    let key = lock_key(key)?;
+    let backend = connect(&url.url).await?;
+    let seen = look(&backend, &key).await?;
+    if json {
+        // The field names are documented (status --help, README) and stable.
+        let object = serde_json::json!({
+            "key": key.as_str(),
+            "held": seen.held,
+            "fencing_token": seen.fencing_token.map(|token| token.get()),
+            "expires_in_ms": seen.expires_in.map(millis),
+            "backend": backend.name(),
+        });
+        println!("{object}");
+    } else if seen.held {
+        println!(
+            "{key}: held {}",
+            describe_holder(seen.fencing_token, seen.expires_in)
+        );
+    } else {
+        println!("{key}: free");
+    }
+    Ok(if seen.held { code::TEMPFAIL } else { code::OK })
+}
+
+pub(crate) async fn release(args: ReleaseArgs) -> Result<u8, Failure> {
+    let key = lock_key(&args.key)?;
+    if !args.force {
+        return Err(Failure::new(
+            code::USAGE,
+            format!(
+                "refusing to release lock {key:?} without --force: a running holder would lose it mid-job"
+            ),
+        ));
+    }
+    let backend = connect(&args.url.url).await?;
+    let was_held = backend
+        .force_release(&key)
+        .await
+        .map_err(|e| Failure::lock(&format!("cannot force-release lock {key:?}"), &e))?;
+    if was_held {
+        println!("{key}: released; its holder loses the lock at its next renewal");
+    } else {
+        println!("{key}: free; nothing to release");
+    }
+    Ok(code::OK)
+}

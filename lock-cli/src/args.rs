@@ -1,0 +1,191 @@
+//! The command line: the commands and their flags, and the help texts
+//! built at run time.
+
+use std::ffi::OsString;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::app::code;
+use crate::duration::parse_duration;
+use crate::help;
+use crate::log::LogArgs;
+
+/// Run a command under a distributed lock, so a cron line on many hosts runs
+/// the job on only one of them at a time.
+#[derive(Debug, Parser)]
+#[command(name = "distlock", version)]
+pub(crate) struct Cli {
+    #[command(flatten)]
+    pub(crate) log: LogArgs,
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Run CMD while holding the lock KEY (renewed while CMD runs).
+    ///
+    /// If the lock is held elsewhere, prints one line and exits with the
+    /// conflict code (75) without running CMD. CMD runs in a process group
+    /// of its own and gets the fencing token of this acquisition in
+    /// DISTLOCK_FENCING_TOKEN (and the key in DISTLOCK_KEY); it does not get
+    /// DISTLOCK_URL, which may hold a password, unless --pass-url.
+    /// SIGINT/SIGTERM sent to distlock are forwarded to the whole group
+    /// (before CMD starts, they end the wait, giving back anything granted);
+    /// SIGTSTP (Ctrl-Z) is ignored, with a note, because a stopped distlock
+    /// cannot renew. When CMD exits, whatever it left running in its group
+    /// is killed (SIGKILL) before the lock is released.
+    ///
+    /// Stop before expiry: if the lock is lost, or a renewal has not
+    /// succeeded by the stop moment (--stop-margin before the earliest moment
+    /// the server may expire the lease), the whole group gets SIGTERM, then
+    /// SIGKILL --kill-grace later, and distlock exits 70. --kill-grace must
+    /// be shorter than --stop-margin, so CMD is gone before another host can
+    /// get the lock. A watchdog process enforces this even when distlock
+    /// cannot (stopped with SIGSTOP, frozen or starved): it stops the group
+    /// at the stop moment unless distlock has told it of a renewal first,
+    /// and kills the group at once if distlock dies. (CMD is not the
+    /// terminal's foreground group: it cannot read from the terminal.)
+    ///
+    /// On stderr: a line when a wait starts (the key, the holder's fencing
+    /// token, how long distlock will wait), failed renewals as warnings, the
+    /// lost line with its reason; nothing for a run that simply succeeds.
+    Run(RunArgs),
+    /// Say whether KEY is held, by which fencing token and for how much
+    /// longer (exit 0 free, 75 held).
+    ///
+    /// Reads the lock without taking it (the backend's inspect call):
+    /// nothing changes and no fencing token value is used up. The answer is
+    /// stale as soon as it is printed, so never decide on it whether to run a
+    /// job: `distlock run` decides atomically. (A backend without operator
+    /// calls is probed instead: the key is taken for the shortest TTL and
+    /// released at once, which uses up one fencing token value and cannot
+    /// show the holder's.)
+    ///
+    /// With --json, one JSON object on stdout: {"key": "nightly-report",
+    /// "held": true, "fencing_token": 42, "expires_in_ms": 27000,
+    /// "backend": "redis"} (fencing_token and expires_in_ms are null when
+    /// free or unknown). These field names are stable; new ones may be
+    /// added.
+    Status(StatusArgs),
+    /// Same as `status --json`: KEY's state as one JSON object on stdout
+    /// (exit 0 free, 75 held).
+    Inspect(InspectArgs),
+    /// Clear a stuck lock whoever holds it (needs --force).
+    ///
+    /// Deletes the lock at KEY and wakes the processes waiting for it;
+    /// fencing tokens keep growing. The holder is not told at once: its
+    /// distlock finds out at its next renewal (within a third of its TTL)
+    /// that the lock is gone and stops its command, which may overlap the
+    /// next holder until then. Meant for a lock whose holder is known to be
+    /// gone; otherwise wait for its TTL.
+    Release(ReleaseArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct UrlArg {
+    /// The lock server, e.g. redis://127.0.0.1:6379, etcd://127.0.0.1:2379,
+    /// postgres://user:pass@127.0.0.1/db. Give a URL with a password in
+    /// DISTLOCK_URL rather than --url: other local users can read command
+    /// lines.
+    // Never shown in --help: the value may hold a password.
+    #[arg(long, env = "DISTLOCK_URL", hide_env_values = true, value_name = "URL")]
+    pub(crate) url: String,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct RunArgs {
+    #[command(flatten)]
+    pub(crate) url: UrlArg,
+    /// The lock name, shared by every host running the same job.
+    #[arg(long, value_name = "KEY")]
+    pub(crate) key: String,
+    /// Lease time to live; renewed every third of it while CMD runs. A
+    /// crashed distlock frees the key after at most this long.
+    #[arg(long, default_value = "30s", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) ttl: Duration,
+    /// How long to wait for a held lock before giving up (0s: skip at once).
+    #[arg(long, default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) wait: Duration,
+    /// Keep the lock this long after acquiring even if CMD finishes sooner,
+    /// so hosts whose cron fires a little late skip the same run.
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) hold_at_least: Option<Duration>,
+    /// Stop renewing after this long: a hung CMD loses the lock (and is
+    /// stopped, --stop-margin before the lock ends) instead of holding it
+    /// forever.
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) max_hold: Option<Duration>,
+    /// How long before the earliest moment the server may expire an
+    /// unrenewed lease CMD is stopped (SIGTERM). Default: a third of the
+    /// lease, which is --ttl or a shorter --max-hold (10s of the default
+    /// 30s).
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) stop_margin: Option<Duration>,
+    /// How long CMD has to exit after SIGTERM before its group gets SIGKILL
+    /// when the lock is lost. Must be shorter than --stop-margin. Default:
+    /// half the stop margin (5s with the default TTL).
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) kill_grace: Option<Duration>,
+    /// Run under one of N permits of the key's semaphore instead of the
+    /// lock: at most N commands run at once across all hosts (1: the
+    /// lock). A semaphore's name space is its own: `--permits 3 --key x`
+    /// and `--key x` do not exclude each other.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub(crate) permits: u32,
+    /// Exit code when the lock (or every permit) is held elsewhere.
+    #[arg(long, default_value_t = code::TEMPFAIL, value_name = "N")]
+    pub(crate) conflict_exit_code: u8,
+    /// Pass the lock server's URL, password included, to CMD in
+    /// DISTLOCK_URL (without it CMD does not get DISTLOCK_URL at all).
+    #[arg(long)]
+    pub(crate) pass_url: bool,
+    /// The command and its arguments (after `--`).
+    #[arg(required = true, last = true, value_name = "CMD")]
+    pub(crate) command: Vec<OsString>,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct StatusArgs {
+    #[command(flatten)]
+    pub(crate) url: UrlArg,
+    /// Print one JSON object instead of a sentence.
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// The lock name.
+    #[arg(value_name = "KEY")]
+    pub(crate) key: String,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct InspectArgs {
+    #[command(flatten)]
+    pub(crate) url: UrlArg,
+    /// The lock name.
+    #[arg(value_name = "KEY")]
+    pub(crate) key: String,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ReleaseArgs {
+    #[command(flatten)]
+    pub(crate) url: UrlArg,
+    /// Confirm that you mean to clear a lock someone else may hold.
+    #[arg(long)]
+    pub(crate) force: bool,
+    /// The lock name.
+    #[arg(value_name = "KEY")]
+    pub(crate) key: String,
+}
+
+/// Parses the arguments, with the help texts that are built at run time
+/// (the URL schemes of this build).
+pub(crate) fn parse() -> Result<Cli, clap::Error> {
+    use clap::{CommandFactory, FromArgMatches};
+    let after_help = help::after_help();
+    let command = Cli::command()
+        .after_help(after_help.clone())
+        .mut_subcommand("run", |run| run.after_help(after_help));
+    Cli::from_arg_matches(&command.try_get_matches()?)
+}

@@ -1,0 +1,245 @@
+//! The statements of the lock table (and of the namespace's format
+//! marker): one row per lock, given up rows kept so a key's fencing
+//! counter keeps growing.
+
+use std::sync::Arc;
+
+use super::Sql;
+use crate::config::FORMAT_TABLE;
+use crate::keys::{qualified_table, quote_identifier};
+
+/// Marks a row that an owner token gave up (released, or given back by a
+/// caller that left before the reply): the row keeps that owner, and its
+/// `expires_at` is this many microseconds after the Unix epoch plus the
+/// *send number* of the acquisition (see [`Statements::acquire`]). Such a
+/// row is long expired, so it is free for everyone; but a send of that
+/// owner token numbered at most that is refused, so an acquire the server
+/// applies late can never take back a lock its owner already gave up.
+/// Real expiries are `clock_timestamp() + ttl`, never before 2000.
+pub(crate) const GIVEN_UP_BEFORE: &str = "'2000-01-01 00:00:00+00'::timestamptz";
+
+/// The `expires_at` of a row given up by sends numbered up to `$n`.
+fn given_up(n: u32) -> String {
+    format!("('epoch'::timestamptz + ${n}::bigint * interval '1 microsecond')")
+}
+
+/// The statements for one lock table.
+#[derive(Debug, Clone)]
+pub(crate) struct Statements {
+    /// `$1` schema name -> `exists bool`.
+    pub schema_exists: Arc<Sql>,
+    /// Creates the schema.
+    pub create_schema: Arc<Sql>,
+    /// `$1` qualified table name -> `exists bool`.
+    pub table_exists: Arc<Sql>,
+    /// Creates the table.
+    pub create_table: Arc<Sql>,
+    /// The quoted, qualified table of format markers.
+    pub format_table: String,
+    /// Creates the table of format markers.
+    pub create_format_table: Arc<Sql>,
+    /// `$1` lock table name, `$2` namespace -> `format text`: the marker, if
+    /// any (a read, so a read-only user or server gets past it).
+    pub read_format: Arc<Sql>,
+    /// `$1` lock table name, `$2` namespace, `$3` this client's format ->
+    /// `format text`: stores `$3` as the marker of the lock table and
+    /// namespace if they have none, and returns the marker; no row when a
+    /// concurrent first insert is committed but not in the statement's
+    /// snapshot (sent again, it sees it).
+    pub format: Arc<Sql>,
+    /// `$1` namespace, `$2` key, `$3` owner, `$4` TTL in ms, `$5` send
+    /// number -> `acquired bool, fencing bigint, owner text, expires_in_ms
+    /// bigint, version text`: one row `acquired = true` with the fencing
+    /// token and the version (`xmin`) of the row it wrote, or the holder's
+    /// row (`acquired = false`), or no row (a concurrent first insert the
+    /// statement's snapshot cannot see yet).
+    ///
+    /// Takes a free or expired lock with the next fencing token, and
+    /// *adopts* a live lock held by `$3` itself (an earlier attempt of the
+    /// same acquisition whose reply was lost): same fencing token, expiry
+    /// reset to `$4` from now. A row that `$3` gave up with a send number
+    /// of at least `$5` is refused (see [`GIVEN_UP_BEFORE`]). Send numbers
+    /// grow with every acquisition a process starts, so a later
+    /// acquisition with the same owner token is never refused that way.
+    pub acquire: Arc<Sql>,
+    /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` TTL in ms ->
+    /// `done bigint, owner text, fencing bigint` (the row as it was before).
+    pub extend: Arc<Sql>,
+    /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` channel,
+    /// `$6` the lease's send number -> `done bigint, owner text, fencing
+    /// bigint, given_up bool` (the row as it was before); marks the row
+    /// given up (see [`GIVEN_UP_BEFORE`]) and sends `NOTIFY channel, key`
+    /// when it released.
+    pub release: Arc<Sql>,
+    /// `$1` namespace, `$2` key, `$3` owner, `$4` version, `$5` send
+    /// number, `$6` channel -> `done bigint`: for an acquire whose caller
+    /// left before the reply. Marks the row given up by `$3` up to send
+    /// `$5` (see [`GIVEN_UP_BEFORE`]) if it is still exactly the version
+    /// `$4` that acquire wrote (nothing adopted, extended or released it
+    /// since), or if nobody holds it (so that an earlier send of the
+    /// acquire that the server applies later is refused); creates it so
+    /// marked if there is no row. Sends `NOTIFY channel, key` when it
+    /// wrote.
+    pub give_back: Arc<Sql>,
+    /// `$1` namespace, `$2` key -> `held bool, owner text, fencing bigint,
+    /// expires_in_ms bigint`, or no row for a key never locked.
+    pub inspect: Arc<Sql>,
+    /// `$1` namespace, `$2` key, `$3` channel -> `done bigint, owner text,
+    /// fencing bigint` (the row as it was before); frees a live lock of any
+    /// owner distlock wrote and sends `NOTIFY channel, key`.
+    pub force_release: Arc<Sql>,
+}
+
+impl Statements {
+    pub(crate) fn new(schema: &str, table: &str) -> Self {
+        let t = qualified_table(schema, table);
+        let sql = |template: &str| Arc::new(Sql::new(template, &t));
+        let format_table = qualified_table(schema, FORMAT_TABLE);
+        let marker = |template: &str| Arc::new(Sql::new(template, &format_table));
+        Self {
+            create_format_table: marker(
+                "CREATE TABLE IF NOT EXISTS {t} (
+                    lock_table text NOT NULL,
+                    namespace text NOT NULL,
+                    format text NOT NULL,
+                    PRIMARY KEY (lock_table, namespace)
+                )",
+            ),
+            read_format: marker(
+                "SELECT format FROM {t} WHERE lock_table = $1 AND namespace = $2",
+            ),
+            format: marker(
+                "WITH stored AS (
+                    INSERT INTO {t} (lock_table, namespace, format) VALUES ($1, $2, $3)
+                    ON CONFLICT (lock_table, namespace) DO NOTHING
+                    RETURNING format
+                )
+                SELECT format FROM stored
+                UNION ALL
+                SELECT format FROM {t} WHERE lock_table = $1 AND namespace = $2",
+            ),
+            format_table: format_table.clone(),
+            schema_exists: sql(
+                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1) AS exists",
+            ),
+            create_schema: Arc::new(Sql::new(
+                "CREATE SCHEMA IF NOT EXISTS {t}",
+                &quote_identifier(schema),
+            )),
+            table_exists: sql("SELECT pg_catalog.to_regclass($1) IS NOT NULL AS exists"),
+            create_table: sql("CREATE TABLE IF NOT EXISTS {t} (
+                    namespace text NOT NULL,
+                    key text NOT NULL,
+                    owner text,
+                    fencing bigint NOT NULL,
+                    expires_at timestamptz NOT NULL,
+                    PRIMARY KEY (namespace, key)
+                )"),
+            acquire: sql(&format!("WITH taken AS (
+                    INSERT INTO {{t}} AS t (namespace, key, owner, fencing, expires_at)
+                    VALUES ($1, $2, $3, 1, clock_timestamp() + $4::bigint * interval '1 millisecond')
+                    ON CONFLICT (namespace, key) DO UPDATE
+                        SET owner = excluded.owner,
+                            fencing = CASE WHEN t.owner = excluded.owner AND t.expires_at > clock_timestamp()
+                                           THEN t.fencing ELSE t.fencing + 1 END,
+                            expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond'
+                        WHERE (t.owner IS NULL OR t.owner ~ '^[0-9a-f]{{32}}$')
+                          AND t.fencing >= 0
+                          AND (t.owner IS NULL OR t.expires_at <= clock_timestamp() OR t.owner = excluded.owner)
+                          AND NOT coalesce(t.owner = excluded.owner AND t.expires_at < {GIVEN_UP_BEFORE}
+                                           AND t.expires_at >= {up_to}, false)
+                    RETURNING t.fencing, t.xmin::text AS version
+                )
+                SELECT true AS acquired, taken.fencing AS fencing, NULL::text AS owner,
+                       NULL::bigint AS expires_in_ms, taken.version AS version
+                FROM taken
+                UNION ALL
+                SELECT false, h.fencing, h.owner,
+                       greatest(0, ceil(extract(epoch FROM (h.expires_at - clock_timestamp())) * 1000))::bigint,
+                       NULL::text
+                FROM {{t}} AS h
+                WHERE h.namespace = $1 AND h.key = $2 AND NOT EXISTS (SELECT 1 FROM taken)",
+                up_to = given_up(5))),
+            extend: sql("WITH done AS (
+                    UPDATE {t}
+                    SET expires_at = clock_timestamp() + $5::bigint * interval '1 millisecond'
+                    WHERE namespace = $1 AND key = $2 AND owner = $3 AND fencing = $4
+                      AND expires_at > clock_timestamp()
+                    RETURNING 1
+                )
+                SELECT (SELECT count(*) FROM done) AS done, h.owner AS owner, h.fencing AS fencing
+                FROM (VALUES (1)) AS one (x)
+                LEFT JOIN {t} AS h ON h.namespace = $1 AND h.key = $2"),
+            release: sql(&format!("WITH done AS (
+                    UPDATE {{t}}
+                    SET expires_at = {up_to}
+                    WHERE namespace = $1 AND key = $2 AND owner = $3 AND fencing = $4
+                      AND expires_at > clock_timestamp()
+                    RETURNING key
+                )
+                SELECT (SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done,
+                       h.owner AS owner, h.fencing AS fencing,
+                       coalesce(h.expires_at < {GIVEN_UP_BEFORE}, false) AS given_up
+                FROM (VALUES (1)) AS one (x)
+                LEFT JOIN {{t}} AS h ON h.namespace = $1 AND h.key = $2",
+                up_to = given_up(6))),
+            give_back: sql(&format!("WITH done AS (
+                    INSERT INTO {{t}} AS t (namespace, key, owner, fencing, expires_at)
+                    VALUES ($1, $2, $3, 0, {up_to})
+                    ON CONFLICT (namespace, key) DO UPDATE
+                        SET owner = excluded.owner, expires_at = excluded.expires_at
+                        WHERE (t.owner = excluded.owner AND t.xmin = $4::xid)
+                           OR ((t.owner IS NULL OR (t.expires_at <= clock_timestamp()
+                                                    AND t.expires_at >= {GIVEN_UP_BEFORE}))
+                               AND (t.owner IS NULL OR t.owner ~ '^[0-9a-f]{{32}}$')
+                               AND t.fencing >= 0)
+                    RETURNING t.key
+                )
+                SELECT count(*) AS done FROM (SELECT pg_notify($6, done.key) FROM done) AS n",
+                up_to = given_up(5))),
+            inspect: sql("SELECT (owner IS NOT NULL AND expires_at > clock_timestamp()) AS held, owner, fencing,
+                        greatest(0, ceil(extract(epoch FROM (expires_at - clock_timestamp())) * 1000))::bigint
+                            AS expires_in_ms
+                 FROM {t} WHERE namespace = $1 AND key = $2"),
+            force_release: sql("WITH done AS (
+                    UPDATE {t}
+                    SET owner = NULL
+                    WHERE namespace = $1 AND key = $2 AND owner IS NOT NULL
+                      AND owner ~ '^[0-9a-f]{32}$' AND fencing >= 0
+                      AND expires_at > clock_timestamp()
+                    RETURNING key
+                )
+                SELECT (SELECT count(*) FROM (SELECT pg_notify($3, done.key) FROM done) AS n) AS done,
+                       h.owner AS owner, h.fencing AS fencing
+                FROM (VALUES (1)) AS one (x)
+                LEFT JOIN {t} AS h ON h.namespace = $1 AND h.key = $2"),
+        }
+    }
+}
+
+/// The text of the lock statements for the table `schema.table`, exactly as
+/// the backend sends them over the extended protocol (`$1`, `$2`, ...
+/// parameters): for the workspace benchmark, which runs them over a plain
+/// sqlx pool beside the library, so its baseline is the library's own
+/// SQL. Not a stable API.
+#[doc(hidden)]
+#[derive(Debug, Clone)]
+pub struct StatementTexts {
+    /// `$1` namespace, `$2` key, `$3` owner (32 lowercase hex digits), `$4`
+    /// TTL in ms, `$5` send number -> `acquired bool, fencing bigint, ...`.
+    pub acquire: String,
+    /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` channel,
+    /// `$6` the acquire's send number -> `done bigint, ...`.
+    pub release: String,
+}
+
+impl StatementTexts {
+    /// The statements for the lock table `schema.table` (unquoted names).
+    pub fn new(schema: &str, table: &str) -> Self {
+        let statements = Statements::new(schema, table);
+        Self {
+            acquire: statements.acquire.text.clone(),
+            release: statements.release.text.clone(),
+        }
+    }
+}

@@ -1,0 +1,241 @@
+//! The statements of the semaphore table: one row per semaphore, its
+//! permits in arrays of that row.
+
+use std::sync::Arc;
+
+use super::locks::GIVEN_UP_BEFORE;
+use super::Sql;
+use crate::keys::qualified_table;
+
+/// `{a}` (a row of the semaphore table) is in the form distlock writes:
+/// a limit of at least 1, three arrays of one length, each permit with an
+/// owner token, a fencing token between 1 and the row's counter, an expiry.
+fn well_formed(a: &str) -> String {
+    format!(
+        "({a}.permit_limit >= 1 AND {a}.fencing >= 0
+          AND cardinality({a}.owners) = cardinality({a}.fencings)
+          AND cardinality({a}.owners) = cardinality({a}.expires)
+          AND NOT EXISTS (SELECT 1 FROM unnest({a}.owners, {a}.fencings, {a}.expires) AS w (o, f, e)
+                          WHERE w.o IS NULL OR w.o !~ '^[0-9a-f]{{32}}$'
+                             OR w.f IS NULL OR w.f < 1 OR w.f > {a}.fencing OR w.e IS NULL))"
+    )
+}
+
+/// The fencing token of the permit `$3` holds live at `{now}` in row `{a}`
+/// (a scalar subquery: NULL if none).
+fn own_permit(a: &str, now: &str) -> String {
+    format!(
+        "(SELECT l.f FROM unnest({a}.owners, {a}.fencings, {a}.expires) AS l (o, f, e)
+          WHERE l.o = $3::text AND l.e > {now} LIMIT 1)"
+    )
+}
+
+/// Whether the permit `$3`, `$4` is live in row `{a}`.
+fn holds_permit(a: &str) -> String {
+    format!(
+        "EXISTS (SELECT 1 FROM unnest({a}.owners, {a}.fencings, {a}.expires) AS l (o, f, e)
+                 WHERE l.o = $3::text AND l.f = $4::bigint AND l.e > clock_timestamp())"
+    )
+}
+
+/// How many permits of row `{a}` are live at `{now}`.
+fn live_permits(a: &str, now: &str) -> String {
+    format!("(SELECT count(*) FROM unnest({a}.expires) AS l (e) WHERE l.e > {now})")
+}
+
+/// Rewrites the permits of row `t`: those of `rows` (over `l (o, f, e,
+/// n)`, `n` their place), in order, each with expiry `expiry`.
+fn permits_from(rows: &str, expiry: &str) -> String {
+    format!(
+        "(owners, fencings, expires) = (
+            SELECT coalesce(array_agg(l.o ORDER BY l.n), '{{}}'),
+                   coalesce(array_agg(l.f ORDER BY l.n), '{{}}'),
+                   coalesce(array_agg({expiry} ORDER BY l.n), '{{}}')
+            FROM ({rows}) AS l)"
+    )
+}
+
+/// The permits of row `t` kept by `keep`, as rows for [`permits_from`].
+fn permits_of_t(keep: &str) -> String {
+    format!(
+        "SELECT p.o, p.f, p.e, p.n FROM unnest(t.owners, t.fencings, t.expires) WITH ORDINALITY AS p (o, f, e, n)
+         WHERE {keep}"
+    )
+}
+
+/// The statements for one semaphore table.
+///
+/// A semaphore is one row `(namespace, key)` holding its limit, its fencing
+/// counter (the last token granted) and its permits as three arrays of one
+/// length (owner tokens, fencing tokens, expiries). Every statement writes
+/// that one row: under `READ COMMITTED` its row lock, and the re-check of a
+/// row changed while the statement waited for it, make each statement
+/// atomic, with no lock on anything else — permits in rows of their own
+/// could not be counted that way in one statement, whose snapshot predates
+/// the row lock. Expired permits are dropped by every statement that
+/// writes the row; the row itself stays, so the fencing counter keeps
+/// growing.
+#[derive(Debug, Clone)]
+pub(crate) struct PermitStatements {
+    /// Creates the table.
+    pub create_table: Arc<Sql>,
+    /// `$1` namespace, `$2` key, `$3` owner, `$4` TTL in ms, `$5` limit ->
+    /// `granted bool, fencing bigint, permit_limit bigint, live bigint,
+    /// expires_in_ms bigint, well_formed bool`: one row `granted = true`
+    /// with the permit's fencing token, or the semaphore's row as the
+    /// statement's snapshot saw it (`granted = false`: its limit, how many
+    /// permits are live, when the first of them runs out), or no row (a
+    /// concurrent first insert the snapshot cannot see yet).
+    ///
+    /// Grants if no permit is live (the limit `$5` then applies), or the
+    /// limit is `$5` and `$3` holds a live permit (adopted: its fencing
+    /// token, its expiry reset to `$4` from now) or fewer than `$5` are live
+    /// (a new permit with the next fencing token).
+    pub acquire: Arc<Sql>,
+    /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` TTL in ms ->
+    /// `done bigint, well_formed bool`.
+    pub extend: Arc<Sql>,
+    /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` channel ->
+    /// `done bigint, well_formed bool, given_up bool` (`given_up`: the row
+    /// as it was before has the permit given up, by an earlier send of this
+    /// release). Keeps the permit given up (its expiry
+    /// [`GIVEN_UP_BEFORE`]) until the next statement on the row, and sends
+    /// `NOTIFY channel, key` when it released.
+    pub release: Arc<Sql>,
+}
+
+impl PermitStatements {
+    pub(crate) fn new(schema: &str, table: &str) -> Self {
+        let t = qualified_table(schema, table);
+        let sql = |template: &str| Arc::new(Sql::new(template, &t));
+        let ttl = |n: u32| format!("${n}::bigint * interval '1 millisecond'");
+        let now = "excluded.updated_at";
+        // The permit `$3`, `$4` (extend, release).
+        let this = "(p.o = $3::text AND p.f = $4::bigint)";
+        let found = "FROM (VALUES (1)) AS one (x)
+                LEFT JOIN {t} AS h ON h.namespace = $1 AND h.key = $2";
+        Self {
+            create_table: sql("CREATE TABLE IF NOT EXISTS {t} (
+                    namespace text NOT NULL,
+                    key text NOT NULL,
+                    permit_limit bigint NOT NULL,
+                    fencing bigint NOT NULL,
+                    owners text[] NOT NULL,
+                    fencings bigint[] NOT NULL,
+                    expires timestamptz[] NOT NULL,
+                    updated_at timestamptz NOT NULL,
+                    PRIMARY KEY (namespace, key)
+                )"),
+            acquire: sql(&format!(
+                "WITH now AS (SELECT clock_timestamp() AS at),
+                taken AS (
+                    INSERT INTO {{t}} AS t (namespace, key, permit_limit, fencing, owners, fencings, expires, updated_at)
+                    SELECT $1, $2, $5::bigint, 1, ARRAY[$3::text], ARRAY[1::bigint], ARRAY[now.at + {ttl4}], now.at
+                    FROM now
+                    ON CONFLICT (namespace, key) DO UPDATE
+                        SET {permits},
+                            fencing = t.fencing + CASE WHEN {own} IS NULL THEN 1 ELSE 0 END,
+                            permit_limit = excluded.permit_limit,
+                            updated_at = {now}
+                        WHERE {well_formed_t}
+                          AND ({live} = 0
+                               OR (t.permit_limit = excluded.permit_limit
+                                   AND ({own} IS NOT NULL OR {live} < excluded.permit_limit)))
+                    RETURNING t.fencings[cardinality(t.fencings)] AS fencing
+                )
+                SELECT true AS granted, taken.fencing AS fencing, NULL::bigint AS permit_limit,
+                       NULL::bigint AS live, NULL::bigint AS expires_in_ms, true AS well_formed
+                FROM taken
+                UNION ALL
+                SELECT false, h.fencing, h.permit_limit, {live_h},
+                       (SELECT greatest(0, ceil(extract(epoch FROM (min(l.e) - clock_timestamp())) * 1000))::bigint
+                        FROM unnest(h.expires) AS l (e) WHERE l.e > clock_timestamp()),
+                       coalesce({well_formed_h}, false)
+                FROM {{t}} AS h
+                WHERE h.namespace = $1 AND h.key = $2 AND NOT EXISTS (SELECT 1 FROM taken)",
+                ttl4 = ttl(4),
+                permits = permits_from(
+                    &format!(
+                        "{} UNION ALL SELECT $3::text, coalesce({own}, t.fencing + 1), excluded.expires[1], NULL",
+                        permits_of_t(&format!("p.e > {now} AND p.o <> $3::text")),
+                        own = own_permit("t", now),
+                    ),
+                    "l.e",
+                ),
+                own = own_permit("t", now),
+                live = live_permits("t", now),
+                live_h = live_permits("h", "clock_timestamp()"),
+                well_formed_t = well_formed("t"),
+                well_formed_h = well_formed("h"),
+            )),
+            extend: sql(&format!(
+                "WITH done AS (
+                    UPDATE {{t}} AS t
+                    SET {permits}, updated_at = clock_timestamp()
+                    WHERE t.namespace = $1 AND t.key = $2 AND {well_formed_t} AND {holds}
+                    RETURNING 1
+                )
+                SELECT (SELECT count(*) FROM done) AS done, coalesce({well_formed_h}, true) AS well_formed
+                {found}",
+                // The permit was live when the row was checked: kept even
+                // if it ran out since.
+                permits = permits_from(
+                    &permits_of_t(&format!("p.e > clock_timestamp() OR {this}")),
+                    &format!(
+                        "CASE WHEN l.o = $3::text AND l.f = $4::bigint THEN clock_timestamp() + {} ELSE l.e END",
+                        ttl(5)
+                    ),
+                ),
+                holds = holds_permit("t"),
+                well_formed_t = well_formed("t"),
+                well_formed_h = well_formed("h"),
+            )),
+            release: sql(&format!(
+                "WITH done AS (
+                    UPDATE {{t}} AS t
+                    SET {permits}, updated_at = clock_timestamp()
+                    WHERE t.namespace = $1 AND t.key = $2 AND {well_formed_t} AND {holds}
+                    RETURNING t.key
+                )
+                SELECT (SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done,
+                       coalesce({well_formed_h}, true) AS well_formed,
+                       coalesce((SELECT bool_or(l.o = $3::text AND l.f = $4::bigint AND l.e < {GIVEN_UP_BEFORE})
+                                 FROM unnest(h.owners, h.fencings, h.expires) AS l (o, f, e)), false) AS given_up
+                {found}",
+                permits = permits_from(
+                    &permits_of_t(&format!("p.e > clock_timestamp() OR {this}")),
+                    "CASE WHEN l.o = $3::text AND l.f = $4::bigint THEN 'epoch'::timestamptz ELSE l.e END",
+                ),
+                holds = holds_permit("t"),
+                well_formed_t = well_formed("t"),
+                well_formed_h = well_formed("h"),
+            )),
+        }
+    }
+}
+
+/// The text of the permit statements for the semaphore table
+/// `schema.table`, as [`StatementTexts`] gives the lock's: for the
+/// workspace benchmark's raw permit baseline. Not a stable API.
+#[doc(hidden)]
+#[derive(Debug, Clone)]
+pub struct PermitStatementTexts {
+    /// `$1` namespace, `$2` key, `$3` owner (32 lowercase hex digits), `$4`
+    /// TTL in ms, `$5` limit -> `granted bool, fencing bigint, ...`.
+    pub acquire: String,
+    /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` channel ->
+    /// `done bigint, ...`.
+    pub release: String,
+}
+
+impl PermitStatementTexts {
+    /// The statements for the semaphore table `schema.table` (unquoted
+    /// names).
+    pub fn new(schema: &str, table: &str) -> Self {
+        let statements = PermitStatements::new(schema, table);
+        Self {
+            acquire: statements.acquire.text.clone(),
+            release: statements.release.text.clone(),
+        }
+    }
+}

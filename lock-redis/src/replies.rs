@@ -1,0 +1,162 @@
+//! Reading the scripts' replies: what each answer means, and a reply no
+//! script gives reported as corrupted.
+
+use std::time::Duration;
+
+use distlock_core::{
+    AcquireReply, ExtendReply, FencingToken, Grant, LockError, LockKey, LockState, PermitReply,
+    ReleaseReply,
+};
+use redis::Value;
+
+/// Reads the acquire script's reply for a request of `ttl`.
+pub(crate) fn acquire_reply(
+    key: &LockKey,
+    ttl: Duration,
+    reply: &Value,
+) -> Result<AcquireReply, LockError> {
+    let bad = || unexpected("acquire", key, reply);
+    let Value::Array(items) = reply else {
+        return Err(bad());
+    };
+    match (items.first().and_then(as_int), items.get(1)) {
+        (Some(1), Some(token)) => {
+            let token = as_token(token).ok_or_else(bad)?;
+            Ok(AcquireReply::Granted(Grant::new(token, ttl)))
+        }
+        (Some(0), Some(pttl)) => {
+            let pttl = as_int(pttl).ok_or_else(bad)?;
+            Ok(AcquireReply::Held {
+                expires_in: millis_left(pttl),
+            })
+        }
+        _ => Err(bad()),
+    }
+}
+
+/// Reads the permit acquire script's reply for a request of `ttl`.
+pub(crate) fn acquire_permit_reply(
+    key: &LockKey,
+    ttl: Duration,
+    reply: &Value,
+) -> Result<PermitReply, LockError> {
+    let bad = || unexpected("permit acquire", key, reply);
+    let Value::Array(items) = reply else {
+        return Err(bad());
+    };
+    match items.as_slice() {
+        [flag, token] if as_int(flag) == Some(1) => {
+            let token = as_token(token).ok_or_else(bad)?;
+            Ok(PermitReply::Granted(Grant::new(token, ttl)))
+        }
+        [flag, ms] if as_int(flag) == Some(0) => Ok(PermitReply::Full {
+            expires_in: millis_left(as_int(ms).ok_or_else(bad)?),
+        }),
+        [flag, stored] if as_int(flag) == Some(2) => {
+            let stored = as_int(stored)
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(bad)?;
+            Ok(PermitReply::LimitMismatch { stored })
+        }
+        _ => Err(bad()),
+    }
+}
+
+/// Reads the extend script's reply for a lock of `fencing` extended by `ttl`
+/// (the permit extend script answers the same way).
+pub(crate) fn extend_reply(
+    key: &LockKey,
+    fencing: FencingToken,
+    ttl: Duration,
+    reply: &Value,
+) -> Result<ExtendReply, LockError> {
+    match as_int(reply) {
+        Some(1) => Ok(ExtendReply::Extended(Grant::new(fencing, ttl))),
+        Some(0) => Ok(ExtendReply::NotHeld),
+        _ => Err(unexpected("extend", key, reply)),
+    }
+}
+
+/// Reads the release script's reply (the permit release script answers the
+/// same way).
+pub(crate) fn release_reply(key: &LockKey, reply: &Value) -> Result<ReleaseReply, LockError> {
+    match deleted(key, reply) {
+        Some(true) => Ok(ReleaseReply::Released),
+        Some(false) => Ok(ReleaseReply::NotHeld),
+        None => Err(unexpected("release", key, reply)),
+    }
+}
+
+/// Reads the force-release script's reply: whether a lock was held.
+pub(crate) fn force_release_reply(key: &LockKey, reply: &Value) -> Result<bool, LockError> {
+    deleted(key, reply).ok_or_else(|| unexpected("force release", key, reply))
+}
+
+/// Reads the inspect script's reply.
+pub(crate) fn inspect_reply(key: &LockKey, reply: &Value) -> Result<LockState, LockError> {
+    let bad = || unexpected("inspect", key, reply);
+    let Value::Array(items) = reply else {
+        return Err(bad());
+    };
+    match items.as_slice() {
+        [state] if as_int(state) == Some(0) => Ok(LockState::Free),
+        [state, pttl, token] if as_int(state) == Some(1) => Ok(LockState::Held {
+            expires_in: millis_left(as_int(pttl).ok_or_else(bad)?),
+            fencing_token: as_token(token).ok_or_else(bad)?,
+        }),
+        _ => Err(bad()),
+    }
+}
+
+fn unexpected(what: &str, key: &LockKey, reply: &Value) -> LockError {
+    LockError::corrupted(format!(
+        "{what} on lock {key:?}: unexpected reply from the redis server: {reply:?}"
+    ))
+}
+
+/// Reads a release or force-release reply: whether a lock was deleted.
+/// Logs a deletion whose notification the server refused (`{1, error}`):
+/// the lock is free, but waiters of other clients are not woken and find
+/// out at the holder's expiry, when their timers fire.
+fn deleted(key: &LockKey, reply: &Value) -> Option<bool> {
+    match reply {
+        Value::Array(items) => match items.as_slice() {
+            [flag, error] if as_int(flag) == Some(1) => {
+                let error = redis::from_redis_value_ref::<String>(error).unwrap_or_default();
+                tracing::warn!(
+                    key = %key,
+                    error = %error,
+                    "redis lock released, but the server refused the release notification \
+                     (ACL channel permission?); other clients' waiters wake at the holder's expiry"
+                );
+                Some(true)
+            }
+            _ => None,
+        },
+        other => match as_int(other) {
+            Some(1) => Some(true),
+            Some(0) => Some(false),
+            _ => None,
+        },
+    }
+}
+
+/// A `PTTL` as time left (`None` for the negative "no key"/"no expiry").
+fn millis_left(pttl: i64) -> Option<Duration> {
+    u64::try_from(pttl).ok().map(Duration::from_millis)
+}
+
+fn as_token(value: &Value) -> Option<FencingToken> {
+    as_int(value)
+        .and_then(|t| u64::try_from(t).ok())
+        .map(FencingToken::new)
+}
+
+fn as_int(value: &Value) -> Option<i64> {
+    match value {
+        Value::Int(n) => Some(*n),
+        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+        Value::SimpleString(s) => s.parse().ok(),
+        _ => None,
+    }
+}
