@@ -408,34 +408,58 @@ def _spec_of(task: Any) -> Optional[_Spec]:
     return None
 
 
-def _spec_from_class(cls: type, kind: str) -> _Spec:
-    if kind == "singleton":
-        return _Spec(
-            "singleton",
-            f"SingletonTask {cls.__name__}",
-            ttl=getattr(cls, "singleton_ttl"),
-            period=None,
-            key_args=getattr(cls, "singleton_key_args"),
-            raise_on_duplicate=getattr(cls, "singleton_raise_on_duplicate"),
-            on_unavailable=getattr(cls, "singleton_on_unavailable"),
-            dedup_publish=getattr(cls, "singleton_dedup_publish"),
-        )
+def _spec_from_class(cls: type, kind: str, label: str) -> _Spec:
+    # Each base class's options are its own attributes, prefixed by its kind.
+    def option(name: str) -> Any:
+        return getattr(cls, f"{kind}_{name}")
+
     return _Spec(
-        "once_per_fire",
-        f"OncePerFireTask {cls.__name__}",
-        ttl=getattr(cls, "once_per_fire_ttl"),
-        period=getattr(cls, "once_per_fire_period"),
-        key_args=getattr(cls, "once_per_fire_key_args"),
-        raise_on_duplicate=getattr(cls, "once_per_fire_raise_on_duplicate"),
-        on_unavailable=getattr(cls, "once_per_fire_on_unavailable"),
-        dedup_publish=getattr(cls, "once_per_fire_dedup_publish"),
+        kind,
+        f"{label} {cls.__name__}",
+        ttl=option("ttl"),
+        period=option("period") if kind == "once_per_fire" else None,
+        key_args=option("key_args"),
+        raise_on_duplicate=option("raise_on_duplicate"),
+        on_unavailable=option("on_unavailable"),
+        dedup_publish=option("dedup_publish"),
     )
 
 
-class SingletonTask(_TaskBase):
+class _LockedTask(_TaskBase):
+    """What `SingletonTask` and `OncePerFireTask` share: the spec read from
+    the class's options, a run under it, a publish through it."""
+
+    _distlock_kind = ""
+    _distlock_label = ""
+    _distlock_spec: Optional[_Spec] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A task made by @app.task(base=...) has its own run; an
+        # intermediate base class without options is checked when used.
+        if "run" in cls.__dict__:
+            cls._distlock_spec = cls._spec()
+
+    @classmethod
+    def _spec(cls) -> _Spec:
+        return _spec_from_class(cls, cls._distlock_kind, cls._distlock_label)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        spec = self._distlock_spec or self._spec()
+        return _run(spec, self, self.run, super().__call__, args, kwargs)
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, *rest: Any, **options: Any) -> Any:
+        spec = self._distlock_spec or self._spec()
+        return _publish(spec, self, _original_apply_async, args, kwargs, rest, options)
+
+
+class SingletonTask(_LockedTask):
     """A Task base class with the behaviour of `singleton`:
     ``@app.task(base=SingletonTask, singleton_ttl=300, singleton_key_args=["customer"])``.
     The options are checked when the task class is created."""
+
+    _distlock_kind = "singleton"
+    _distlock_label = "SingletonTask"
 
     #: Lock TTL in seconds.
     singleton_ttl: Seconds = 60.0
@@ -448,28 +472,14 @@ class SingletonTask(_TaskBase):
     #: Publish-time dedup: ``False``, ``True`` or the marker's seconds.
     singleton_dedup_publish: Union[bool, Seconds] = False
 
-    _distlock_spec: Optional[_Spec] = None
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # A task made by @app.task(base=...) has its own run; an
-        # intermediate base class without options is checked when used.
-        if "run" in cls.__dict__:
-            cls._distlock_spec = _spec_from_class(cls, "singleton")
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        spec = self._distlock_spec or _spec_from_class(type(self), "singleton")
-        return _run(spec, self, self.run, super().__call__, args, kwargs)
-
-    def apply_async(self, args: Any = None, kwargs: Any = None, *rest: Any, **options: Any) -> Any:
-        spec = self._distlock_spec or _spec_from_class(type(self), "singleton")
-        return _publish(spec, self, _original_apply_async, args, kwargs, rest, options)
-
-
-class OncePerFireTask(_TaskBase):
+class OncePerFireTask(_LockedTask):
     """A Task base class with the behaviour of `once_per_fire`:
     ``@app.task(base=OncePerFireTask, once_per_fire_period=60)``. The
     options are checked when the task class is created."""
+
+    _distlock_kind = "once_per_fire"
+    _distlock_label = "OncePerFireTask"
 
     #: The Beat schedule's period in seconds (required).
     once_per_fire_period: Optional[Seconds] = None
@@ -483,23 +493,6 @@ class OncePerFireTask(_TaskBase):
     once_per_fire_on_unavailable: str = "raise"
     #: Publish-time dedup of fires.
     once_per_fire_dedup_publish: bool = False
-
-    _distlock_spec: Optional[_Spec] = None
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # A task made by @app.task(base=...) has its own run; an
-        # intermediate base class without options is checked when used.
-        if "run" in cls.__dict__:
-            cls._distlock_spec = _spec_from_class(cls, "once_per_fire")
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        spec = self._distlock_spec or _spec_from_class(type(self), "once_per_fire")
-        return _run(spec, self, self.run, super().__call__, args, kwargs)
-
-    def apply_async(self, args: Any = None, kwargs: Any = None, *rest: Any, **options: Any) -> Any:
-        spec = self._distlock_spec or _spec_from_class(type(self), "once_per_fire")
-        return _publish(spec, self, _original_apply_async, args, kwargs, rest, options)
 
 
 # --- publishing ---------------------------------------------------------------

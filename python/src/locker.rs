@@ -143,10 +143,8 @@ impl Locker {
         hold_at_least: Option<&Bound<'_, PyAny>>,
         permits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<LockGuard> {
-        let key = check::key(key, "key")?;
-        let client = self.client(py)?;
-        let how = acquire_options(ttl, wait, max_hold, hold_at_least, permits, Some(&client))?;
-        runtime::block_on(py, acquire(client, key, how))?
+        let request = self.request(py, key, ttl, wait, max_hold, hold_at_least, permits)?;
+        runtime::block_on(py, request.run())?
     }
 
     /// `lock` for asyncio: `guard = await locker.lock_async(...)` or
@@ -164,10 +162,7 @@ impl Locker {
         hold_at_least: Option<&Bound<'py, PyAny>>,
         permits: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let key = check::key(key, "key")?;
-        let client = self.client(py)?;
-        let how = acquire_options(ttl, wait, max_hold, hold_at_least, permits, Some(&client))?;
-        let request = LockRequest { client, key, how };
+        let request = self.request(py, key, ttl, wait, max_hold, hold_at_least, permits)?;
         let start = Bound::new(py, request)?.getattr("_start")?;
         aio(py)?.getattr("AsyncAcquire")?.call1((start,))
     }
@@ -336,11 +331,36 @@ pub(crate) struct LockRequest {
     how: Acquire,
 }
 
+impl Locker {
+    /// The checked request of `lock` and `lock_async`.
+    #[expect(clippy::too_many_arguments)]
+    fn request(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        ttl: &Bound<'_, PyAny>,
+        wait: Option<&Bound<'_, PyAny>>,
+        max_hold: Option<&Bound<'_, PyAny>>,
+        hold_at_least: Option<&Bound<'_, PyAny>>,
+        permits: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<LockRequest> {
+        let key = check::key(key, "key")?;
+        let client = self.client(py)?;
+        let how = acquire_options(ttl, wait, max_hold, hold_at_least, permits, Some(&client))?;
+        Ok(LockRequest { client, key, how })
+    }
+}
+
+impl LockRequest {
+    fn run(&self) -> impl std::future::Future<Output = PyResult<LockGuard>> + Send + 'static {
+        acquire(self.client.clone(), self.key.clone(), self.how)
+    }
+}
+
 #[pymethods]
 impl LockRequest {
     fn _start(&self, done: Py<PyAny>) -> PyResult<TaskHandle> {
-        let future = acquire(self.client.clone(), self.key.clone(), self.how);
-        Ok(TaskHandle(runtime::spawn_with_callback(future, done)?))
+        Ok(TaskHandle(runtime::spawn_with_callback(self.run(), done)?))
     }
 }
 
