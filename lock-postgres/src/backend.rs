@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use distlock_core::{
-    AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
-    Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, ReleaseReply, ReleaseWatch,
-    SemaphoreBackend,
+    request_message, AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant,
+    HeldLock, Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, ReleaseReply,
+    ReleaseWatch, SemaphoreBackend, IN_LOCK_CALL,
 };
 use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use tokio::sync::OnceCell;
@@ -137,7 +137,7 @@ impl PostgresLock {
                 .test_before_acquire(false)
                 .connect_with(connect)
                 .await
-                .map_err(|e| errors::map(e, "connecting to PostgreSQL", None, timeout))
+                .map_err(|e| errors::map(e, "connecting to PostgreSQL"))
         })
         .await?;
         let mode = match config.pool_mode {
@@ -247,34 +247,20 @@ impl PostgresLock {
         self.config.client.namespace()
     }
 
-    pub(crate) fn map_err(
-        &self,
-        error: sqlx::Error,
-        what: &str,
-        key: Option<&LockKey>,
-    ) -> LockError {
-        errors::map(
-            error,
-            what,
-            key.map(LockKey::as_str),
-            self.config.client.connect_timeout(),
-        )
-    }
-
     /// A statement on `sql` with `args`, for this client's protocol.
     pub(crate) fn call(&self, sql: &Arc<sql::Sql>, args: Vec<Arg>) -> Call {
         Call::new(self.protocol(), sql, args)
     }
 
-    /// The error of a statement whose operation timeout ran out.
-    fn timed_out(&self, what: &str, key: Option<&LockKey>) -> LockError {
-        let on_key = key
-            .map(|k| format!(" on lock {:?}", k.as_str()))
-            .unwrap_or_default();
-        LockError::timeout(format!(
-            "{what}{on_key} got no reply within the operation timeout of {:?} (counted from its first send, resends included); \
-             whether it took effect is unknown; the server may be down or overloaded",
-            self.config.client.operation_timeout()
+    /// The error of a statement (`what`) whose operation timeout ran out.
+    fn timed_out(&self, what: &str) -> LockError {
+        LockError::timeout(request_message(
+            what,
+            format_args!(
+                "no reply within the operation timeout of {:?} (counted from its first send, resends included); \
+                 whether it took effect is unknown; the server may be down or overloaded",
+                self.config.client.operation_timeout()
+            ),
         ))
     }
 
@@ -300,7 +286,6 @@ impl PostgresLock {
     pub(crate) async fn fetch(
         &self,
         what: &str,
-        key: Option<&LockKey>,
         call: Call,
         mut give_back: Option<GiveBack>,
     ) -> Result<Reply, LockError> {
@@ -316,11 +301,11 @@ impl PostgresLock {
                 Some(deadline) => {
                     match tokio::time::timeout_at(deadline, self.pool.acquire()).await {
                         Ok(conn) => conn,
-                        Err(_) => return Err(self.timed_out(what, key)),
+                        Err(_) => return Err(self.timed_out(what)),
                     }
                 }
             }
-            .map_err(|e| self.map_err(e, what, key))?;
+            .map_err(|e| errors::map(e, what))?;
             let deadline = *deadline.get_or_insert_with(|| Instant::now() + timeout);
             let mut sent = sql::send(
                 conn,
@@ -330,7 +315,7 @@ impl PostgresLock {
                 timeout,
             );
             let Some(mut done) = sent.wait(deadline).await else {
-                return Err(self.timed_out(what, key));
+                return Err(self.timed_out(what));
             };
             match done.take() {
                 Some(Ok(mut reply)) => {
@@ -369,27 +354,19 @@ impl PostgresLock {
                     resent = true;
                     tracing::debug!(error = %e, what, "connection lost; sending the statement again on another one");
                 }
-                Some(Err(e)) => return Err(self.map_err(e, what, key)),
-                None => return Err(self.timed_out(what, key)),
+                Some(Err(e)) => return Err(errors::map(e, what)),
+                None => return Err(self.timed_out(what)),
             }
         }
     }
 
-    /// As [`fetch`](Self::fetch), for statements on `key` that always
-    /// return a row and need no undo.
-    pub(crate) async fn fetch_one(
-        &self,
-        what: &str,
-        key: &LockKey,
-        call: Call,
-    ) -> Result<Reply<PgRow>, LockError> {
-        let reply = self.fetch(what, Some(key), call, None).await?;
-        let row = reply.row.ok_or_else(|| {
-            LockError::corrupted(format!(
-                "{what} on lock {:?}: the lock table returned no row",
-                key.as_str()
-            ))
-        })?;
+    /// As [`fetch`](Self::fetch), for statements inside a lock call that
+    /// always return a row and need no undo.
+    pub(crate) async fn fetch_one(&self, call: Call) -> Result<Reply<PgRow>, LockError> {
+        let reply = self.fetch(IN_LOCK_CALL, call, None).await?;
+        let row = reply
+            .row
+            .ok_or_else(|| LockError::corrupted("the lock table returned no row"))?;
         Ok(Reply {
             row,
             resent: reply.resent,
@@ -463,9 +440,7 @@ impl LockBackend for PostgresLock {
                 Arg::Int(send),
             ],
         );
-        let reply = self
-            .fetch("acquire", Some(key), call, Some(give_back))
-            .await?;
+        let reply = self.fetch(IN_LOCK_CALL, call, Some(give_back)).await?;
         let Some(row) = reply.row else {
             // Someone inserted the first row for this key concurrently and
             // this statement's snapshot cannot see it yet: try again soon.
@@ -474,16 +449,16 @@ impl LockBackend for PostgresLock {
                 expires_in: Some(Duration::ZERO),
             });
         };
-        let acquired: bool = self.column(&row, "acquired", key)?;
-        let fencing: Option<i64> = self.column(&row, "fencing", key)?;
+        let acquired: bool = self.column(&row, "acquired")?;
+        let fencing: Option<i64> = self.column(&row, "fencing")?;
         if acquired {
             // Taken, or adopted from an earlier attempt with this owner
             // token whose reply was lost (same fencing token, TTL reset).
-            let grant = Grant::new(self.granted(key, fencing)?, request.ttl);
+            let grant = Grant::new(self.granted(fencing)?, request.ttl);
             return Ok(AcquireReply::Granted(grant.with_handle(send as u64)));
         }
-        let holder: Option<String> = self.column(&row, "owner", key)?;
-        self.check_row(key, holder.as_deref(), fencing, None)?;
+        let holder: Option<String> = self.column(&row, "owner")?;
+        self.check_row(holder.as_deref(), fencing, None)?;
         if fencing.is_none() {
             return Err(LockError::corrupted(format!(
                 "the row for lock {:?} in {} has no fencing counter; it is left untouched",
@@ -497,7 +472,7 @@ impl LockBackend for PostgresLock {
             None => Some(Duration::ZERO),
             Some(holder) if holder == owner => Some(Duration::ZERO),
             Some(_) => {
-                let ms: Option<i64> = self.column(&row, "expires_in_ms", key)?;
+                let ms: Option<i64> = self.column(&row, "expires_in_ms")?;
                 ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)))
             }
         };
@@ -520,7 +495,7 @@ impl LockBackend for PostgresLock {
                 Arg::Int(ttl_ms),
             ],
         );
-        let row = self.fetch_one("extend", key, call).await?.row;
+        let row = self.fetch_one(call).await?.row;
         Ok(if self.held_by(&lock, &row)? {
             // The handle (the acquisition's send number) stays with the
             // lease, for its release to refuse that acquisition's late sends.
@@ -547,7 +522,7 @@ impl LockBackend for PostgresLock {
                 Arg::Int(i64::try_from(lock.handle).unwrap_or(0)),
             ],
         );
-        let reply = self.fetch_one("release", key, call).await?;
+        let reply = self.fetch_one(call).await?;
         // A resent release whose earlier attempt freed the row (its reply
         // was lost) finds it given up with this lock's fencing token.
         let released = (reply.resent && self.freed_with(&lock, &reply.row)?)
@@ -585,14 +560,14 @@ impl LockAdmin for PostgresLock {
             &self.sql.inspect,
             vec![Arg::text(self.namespace()), Arg::text(key.as_str())],
         );
-        let Some(row) = self.fetch("inspect", Some(key), call, None).await?.row else {
+        let Some(row) = self.fetch(IN_LOCK_CALL, call, None).await?.row else {
             return Ok(LockState::Free);
         };
-        let held: bool = self.column(&row, "held", key)?;
-        let owner: Option<String> = self.column(&row, "owner", key)?;
-        let fencing: i64 = self.column(&row, "fencing", key)?;
-        let expires_in_ms: i64 = self.column(&row, "expires_in_ms", key)?;
-        self.check_row(key, owner.as_deref(), Some(fencing), None)?;
+        let held: bool = self.column(&row, "held")?;
+        let owner: Option<String> = self.column(&row, "owner")?;
+        let fencing: i64 = self.column(&row, "fencing")?;
+        let expires_in_ms: i64 = self.column(&row, "expires_in_ms")?;
+        self.check_row(owner.as_deref(), Some(fencing), None)?;
         if !held {
             return Ok(LockState::Free);
         }
@@ -612,11 +587,11 @@ impl LockAdmin for PostgresLock {
                 Arg::text(&self.channel),
             ],
         );
-        let row = self.fetch_one("force release", key, call).await?.row;
-        let done: i64 = self.column(&row, "done", key)?;
-        let owner: Option<String> = self.column(&row, "owner", key)?;
-        let fencing: Option<i64> = self.column(&row, "fencing", key)?;
-        self.check_row(key, owner.as_deref(), fencing, None)?;
+        let row = self.fetch_one(call).await?.row;
+        let done: i64 = self.column(&row, "done")?;
+        let owner: Option<String> = self.column(&row, "owner")?;
+        let fencing: Option<i64> = self.column(&row, "fencing")?;
+        self.check_row(owner.as_deref(), fencing, None)?;
         Ok(done > 0)
     }
 }
