@@ -223,10 +223,9 @@ impl LockClient {
 
     fn semaphore_or_error(&self) -> Result<&dyn SemaphoreBackend, LockError> {
         self.semaphore().ok_or_else(|| {
-            LockError::unsupported(format!(
-                "the {} backend has no semaphores; use a lock, or a backend with semaphores",
-                self.name()
-            ))
+            LockError::unsupported(
+                "this backend has no semaphores; use a lock, or a backend with semaphores",
+            )
         })
     }
 
@@ -298,9 +297,7 @@ impl LockClient {
                 ExtendReply::Extended(grant) => {
                     if grant.fencing != lease.fencing_token() {
                         return Err(LockError::corrupted(format!(
-                            "the {} backend extended lock {:?} under fencing token {} but it was acquired with {}",
-                            self.name(),
-                            lease.key().as_str(),
+                            "the server extended the lock under fencing token {} but it was acquired with {}",
                             grant.fencing,
                             lease.fencing_token()
                         )));
@@ -313,17 +310,16 @@ impl LockClient {
                 }
                 ExtendReply::NotHeld => {
                     tracing::debug!("lock not held on extend");
-                    Err(LockError::not_held(format!(
-                        "lock {:?} is no longer held by this lease (released, expired or taken over); it was not extended",
-                        lease.key().as_str()
-                    )))
+                    Err(LockError::not_held(
+                        "this lease no longer holds the lock (released, expired or taken over); it was not extended",
+                    ))
                 }
             }
         }
         .instrument(span)
         .await;
-        self.count_error("extend", &result);
-        result
+        let operation = on_lease(lease, "extend", "extend a permit");
+        self.finish("extend", operation, lease.key(), result)
     }
 
     /// Deletes the lock if, and only if, this lease still holds it, waking
@@ -352,17 +348,16 @@ impl LockClient {
                 }
                 ReleaseReply::NotHeld | ReleaseReply::NotHeldAfterResend => {
                     tracing::debug!("lock not held on release");
-                    Err(LockError::not_held(format!(
-                        "lock {:?} is no longer held by this lease (released already, expired or taken over)",
-                        lease.key().as_str()
-                    )))
+                    Err(LockError::not_held(
+                        "this lease no longer holds the lock (released already, expired or taken over)",
+                    ))
                 }
             }
         }
         .instrument(span)
         .await;
-        self.count_error("release", &result);
-        result
+        let operation = on_lease(lease, "release", "release a permit");
+        self.finish("release", operation, lease.key(), result)
     }
 
     /// Reads who holds `key` (an operator call; [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported)
@@ -370,10 +365,9 @@ impl LockClient {
     pub async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
         let result = match self.admin() {
             Some(admin) => admin.inspect(key).await,
-            None => Err(self.no_admin("inspect")),
+            None => Err(no_admin()),
         };
-        self.count_error("inspect", &result);
-        result
+        self.finish("inspect", "inspect", key, result)
     }
 
     /// Deletes the lock at `key` whoever holds it, waking waiters; returns
@@ -388,27 +382,18 @@ impl LockClient {
                 }
                 result
             }
-            None => Err(self.no_admin("force-release")),
+            None => Err(no_admin()),
         };
-        self.count_error("force_release", &result);
-        result
-    }
-
-    fn no_admin(&self, what: &str) -> LockError {
-        LockError::unsupported(format!(
-            "the {} backend cannot {what} locks (it has no operator calls)",
-            self.name()
-        ))
+        self.finish("force_release", "force-release", key, result)
     }
 
     fn check_issuer(&self, lease: &Lease) -> Result<(), LockError> {
         if lease.issuer() == self.inner.issuer {
             Ok(())
         } else {
-            Err(LockError::invalid_input(format!(
-                "the lease for key {:?} was issued by another lock client; release or extend it through the client that acquired it",
-                lease.key().as_str()
-            )))
+            Err(LockError::invalid_input(
+                "the lease was issued by another lock client; release or extend it through the client that acquired it",
+            ))
         }
     }
 
@@ -425,10 +410,21 @@ impl LockClient {
         result
     }
 
-    fn count_error<T>(&self, op: &'static str, result: &Result<T, LockError>) {
-        if let Err(e) = result {
-            instrument::error(self.name(), op, e);
-        }
+    /// The one place a call's error gains its context (this backend, the
+    /// `operation`, the key), so that no backend words it; also counts it
+    /// under the metric label `op`.
+    fn finish<T>(
+        &self,
+        op: &'static str,
+        operation: &str,
+        key: &LockKey,
+        result: Result<T, LockError>,
+    ) -> Result<T, LockError> {
+        result.map_err(|e| {
+            let e = e.with_context(self.name(), operation, key.as_str());
+            instrument::error(self.name(), op, &e);
+            e
+        })
     }
 
     /// One attempt under `owner`, inline (not cancel-safe by itself).
@@ -450,10 +446,9 @@ impl LockClient {
         let result = async {
             let ttl = self.inner.capabilities.effective_ttl(ttl)?;
             if attempt.permits == Some(0) {
-                return Err(LockError::invalid_input(format!(
-                    "semaphore {:?}: a limit of 0 permits can never be acquired; use at least 1",
-                    key.as_str()
-                )));
+                return Err(LockError::invalid_input(
+                    "a limit of 0 permits can never be acquired; use at least 1",
+                ));
             }
             // Taken before the request leaves: the lease's deadline can
             // only be earlier than the server's.
@@ -487,8 +482,7 @@ impl LockClient {
                         PermitReply::Full { expires_in } => AcquireReply::Held { expires_in },
                         PermitReply::LimitMismatch { stored } => {
                             return Err(LockError::invalid_input(format!(
-                                "semaphore {:?} is held under a limit of {stored} permits, but this call asked for {limit}; use the same limit everywhere (a new limit applies once no permit is held)",
-                                key.as_str()
+                                "the semaphore is held under a limit of {stored} permits, but this call asked for {limit}; use the same limit everywhere (a new limit applies once no permit is held)"
                             )))
                         }
                     }
@@ -527,8 +521,7 @@ impl LockClient {
         }
         .instrument(span)
         .await;
-        self.count_error("acquire", &result);
-        result
+        self.finish("acquire", attempt.operation(), key, result)
     }
 
     /// The waiting loop on a task of its own, so that dropping the
@@ -600,7 +593,11 @@ impl LockClient {
                 stop_waiting.cancel();
                 Ok(None)
             }
-            result = &mut answer.answer => result.unwrap_or_else(panicked),
+            // Attempts' errors have their context already; this names the
+            // call for the others (a failed subscription, a lost task).
+            result = &mut answer.answer => result
+                .unwrap_or_else(panicked)
+                .map_err(|e| e.with_context(self.name(), attempt.operation(), key.as_str())),
         }
     }
 
@@ -719,6 +716,20 @@ impl BackgroundCount {
 impl Drop for BackgroundCount {
     fn drop(&mut self) {
         self.0.background.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+/// The error of an operator call on a backend without them.
+fn no_admin() -> LockError {
+    LockError::unsupported("this backend has no operator calls (inspect, force-release)")
+}
+
+/// The operation on `lease` as an error's context names it: `lock` for a
+/// lock, `permit` for a semaphore's permit.
+fn on_lease(lease: &Lease, lock: &'static str, permit: &'static str) -> &'static str {
+    match lease.permit_limit() {
+        None => lock,
+        Some(_) => permit,
     }
 }
 

@@ -152,7 +152,8 @@ impl ClientOptions {
 }
 
 /// Runs `request`, turning an overrun of `timeout` into an
-/// [`ErrorKind::Timeout`](crate::ErrorKind) error naming `what`.
+/// [`ErrorKind::Timeout`](crate::ErrorKind) error naming `what` (see
+/// [`request_message`](crate::request_message)).
 pub async fn with_timeout<T>(
     timeout: Duration,
     what: &str,
@@ -160,8 +161,9 @@ pub async fn with_timeout<T>(
 ) -> Result<T, LockError> {
     match tokio::time::timeout(timeout, request).await {
         Ok(result) => result,
-        Err(_) => Err(LockError::timeout(format!(
-            "{what} got no reply within {timeout:?}; the server may be down or overloaded"
+        Err(_) => Err(LockError::timeout(crate::request_message(
+            what,
+            format_args!("no reply within {timeout:?}; the server may be down or overloaded"),
         ))),
     }
 }

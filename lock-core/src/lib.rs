@@ -70,7 +70,7 @@ pub use capabilities::Capabilities;
 pub use client::{AcquireAttempt, LockClient};
 pub use client_options::{with_timeout, ClientOptions, DEFAULT_NAMESPACE, MAX_TIMEOUT};
 pub use descriptor::{BackendDescriptor, Connecting};
-pub use error::{ErrorKind, LockError};
+pub use error::{request_message, ErrorKind, LockError, IN_LOCK_CALL};
 pub use format::{
     check_storage_format, foreign_storage_format, read_storage_format, STORAGE_FORMAT,
 };

@@ -227,3 +227,52 @@ async fn a_release_gone_on_resend_is_done_only_while_the_lease_is_valid() {
     let err = client.release(&expired).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NotHeld, "{err}");
 }
+
+/// Every error a client call returns names the backend, the operation and
+/// the key once, whether the backend or the client itself made it.
+#[tokio::test]
+async fn client_errors_name_backend_operation_and_key_once() {
+    let context = |e: &LockError| {
+        (
+            e.backend().map(str::to_owned),
+            e.operation().map(str::to_owned),
+            e.key().map(str::to_owned),
+        )
+    };
+    let expect = |operation: &str, key: &str| {
+        (
+            Some("faulty".to_owned()),
+            Some(operation.to_owned()),
+            Some(key.to_owned()),
+        )
+    };
+    let (_backend, client) = faulty(1, true);
+    let err = client.try_acquire(&key(), TTL).await.unwrap_err();
+    assert_eq!(context(&err), expect("acquire", "job"));
+    assert_eq!(
+        err.to_string(),
+        r#"lock backend timed out: acquire "job" on faulty: the reply was lost (applied)"#
+    );
+
+    let other = LockKey::new("other").unwrap();
+    let lease = client
+        .try_acquire(&other, TTL)
+        .await
+        .unwrap()
+        .lease()
+        .expect("free");
+    let err = client.extend(&lease, TTL).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupted);
+    assert_eq!(context(&err), expect("extend", "other"));
+    assert_eq!(err.to_string().matches("other").count(), 1, "{err}");
+
+    client.release(&lease).await.unwrap();
+    let err = client.release(&lease).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotHeld);
+    assert_eq!(context(&err), expect("release", "other"));
+    assert_eq!(err.to_string().matches("other").count(), 1, "{err}");
+
+    let err = client.try_acquire_permit(&other, 2, TTL).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unsupported);
+    assert_eq!(context(&err), expect("acquire a permit", "other"));
+}

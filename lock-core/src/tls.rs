@@ -289,7 +289,8 @@ impl TlsFailure {
     }
 
     /// The [`ErrorKind::Config`](crate::ErrorKind) error for `what` (the
-    /// request, e.g. "connecting to 127.0.0.1:6380") failing this way:
+    /// request, e.g. "connecting to 127.0.0.1:6380"; see
+    /// [`request_message`](crate::request_message)) failing this way:
     /// what the failure is, `detail` (the driver's words), and what to
     /// change. Trying again cannot help, hence a configuration error.
     pub fn error(self, what: &str, detail: impl fmt::Display, advice: &TlsAdvice) -> LockError {
@@ -299,31 +300,31 @@ impl TlsFailure {
             client_certificate,
             plaintext,
         } = advice;
-        LockError::config(match self {
+        LockError::config(crate::request_message(what, match self {
             Self::Untrusted => format!(
-                "{what}: TLS certificate problem: the {server} server's certificate is not trusted: \
+                "TLS certificate problem: the {server} server's certificate is not trusted: \
                  it is not signed by a CA this client trusts ({detail}); give the CA that signed it with {trust}"
             ),
             Self::HostName => format!(
-                "{what}: TLS certificate problem: the {server} server's certificate is not valid for the host name in the URL ({detail}); \
+                "TLS certificate problem: the {server} server's certificate is not valid for the host name in the URL ({detail}); \
                  connect with a host name or address its certificate lists"
             ),
             Self::NotValidNow => format!(
-                "{what}: TLS certificate problem: the {server} server's certificate is not valid now ({detail}); \
+                "TLS certificate problem: the {server} server's certificate is not valid now ({detail}); \
                  renew it, or check the clocks"
             ),
             Self::ClientRefused => format!(
-                "{what}: TLS certificate problem: the {server} server refused this client's certificate, or its absence ({detail}); \
+                "TLS certificate problem: the {server} server refused this client's certificate, or its absence ({detail}); \
                  it requires a client certificate signed by a CA it trusts: give one with {client_certificate}"
             ),
             Self::NotTls => format!(
-                "{what}: TLS connection problem: the {server} server did not answer in TLS ({detail}); \
+                "TLS connection problem: the {server} server did not answer in TLS ({detail}); \
                  if it does not serve TLS on this port, {plaintext}"
             ),
             Self::Handshake => format!(
-                "{what}: TLS connection problem: the TLS handshake with the {server} server failed ({detail})"
+                "TLS connection problem: the TLS handshake with the {server} server failed ({detail})"
             ),
-        })
+        }))
     }
 }
 

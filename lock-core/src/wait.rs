@@ -59,6 +59,14 @@ impl Attempt {
         Attempt { renewing, ..self }
     }
 
+    /// The operation, as an error's context names it.
+    pub(crate) const fn operation(self) -> &'static str {
+        match self.permits {
+            None => "acquire",
+            Some(_) => "acquire a permit",
+        }
+    }
+
     /// The attempt that settles this one's unknown outcome.
     pub(crate) const fn settling(self) -> Attempt {
         Attempt {

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use distlock_core::{FencingToken, LockAdmin, LockError, LockKey, LockState};
+use distlock_core::{FencingToken, LockAdmin, LockError, LockKey, LockState, IN_LOCK_CALL};
 use etcd_client::{Compare, CompareOp, KeyValue, Txn, TxnOp};
 
 use crate::backend::EtcdLock;
@@ -19,7 +19,7 @@ impl EtcdLock {
         let reply = self
             .etcd()
             .requests
-            .send("etcd get", Repeat::Safe, || {
+            .send(IN_LOCK_CALL, Repeat::Safe, || {
                 let mut kv = kv.clone();
                 let etcd_key = etcd_key.clone();
                 async move { kv.get(etcd_key, None).await }
@@ -28,7 +28,7 @@ impl EtcdLock {
         let Some(found) = reply.kvs().first() else {
             return Ok(None);
         };
-        txn::check_found(key, found.value(), found.lease())?;
+        txn::check_found(found.value(), found.lease())?;
         Ok(Some(found.clone()))
     }
 }
@@ -44,7 +44,7 @@ impl LockAdmin for EtcdLock {
         let ttl = self
             .etcd()
             .requests
-            .send("etcd lease time-to-live", Repeat::Safe, || {
+            .send("reading the lease's time to live", Repeat::Safe, || {
                 let mut leases = leases.clone();
                 async move { leases.time_to_live(lease_id, None).await }
             })
@@ -72,13 +72,12 @@ impl LockAdmin for EtcdLock {
             .and_then([TxnOp::delete(etcd_key, None)]);
         let reply = self
             .etcd()
-            .run_txn("etcd force release", Repeat::IfUnapplied, delete)
+            .run_txn(IN_LOCK_CALL, Repeat::IfUnapplied, delete)
             .await?;
         if !reply.succeeded() {
-            return Err(LockError::unavailable(format!(
-                "lock {:?} changed while it was being force-released; try again",
-                key.as_str()
-            )));
+            return Err(LockError::unavailable(
+                "the lock changed while it was being force-released; try again",
+            ));
         }
         // The key's lease is not revoked: it may be a session lease that
         // other locks of the holder's client share. Without keys, it just

@@ -10,6 +10,7 @@ use async_trait::async_trait;
 use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
     LockAdmin, LockBackend, LockError, LockKey, ReleaseReply, ReleaseWatch, SemaphoreBackend,
+    IN_LOCK_CALL,
 };
 
 use crate::config::{EtcdConfig, MAX_TTL, MIN_TTL};
@@ -167,7 +168,7 @@ impl EtcdLock {
             .etcd()
             .run_txn_until(
                 deadline,
-                "etcd acquire",
+                IN_LOCK_CALL,
                 Repeat::Safe,
                 txn::acquire(&etcd_key, &value, lease_id, None, &[]),
             )
@@ -204,7 +205,7 @@ impl EtcdLock {
         let etcd_key = self.etcd().layout.lock_key(lock.key);
         let value = encode_value(lock.owner);
         let moved = self
-            .move_to_new_lease(lock.fencing, lock.handle, ttl, "etcd extend", |new_lease| {
+            .move_to_new_lease(lock.fencing, lock.handle, ttl, IN_LOCK_CALL, |new_lease| {
                 txn::extend(&etcd_key, &value, lock.fencing, new_lease)
             })
             .await?;
@@ -331,7 +332,7 @@ impl LockBackend for EtcdLock {
         let value = encode_value(lock.owner);
         let released = self
             .release_with(
-                "etcd release",
+                IN_LOCK_CALL,
                 lock.handle,
                 txn::release(&etcd_key, &value, lock.fencing),
             )

@@ -65,7 +65,7 @@ impl EtcdLock {
         let client = distlock_core::with_timeout(options.connect_timeout(), &what, async {
             Client::connect(&endpoints, Some(connect.clone()))
                 .await
-                .map_err(|e| errors::map(&what, e))
+                .map_err(|e| errors::map(e, &what))
         })
         .await
         .map_err(unreachable_on_timeout)?;

@@ -34,7 +34,7 @@ impl Etcd {
         let leases = &self.leases;
         let reply = self
             .requests
-            .send_until(deadline, "etcd lease grant", Repeat::Safe, || {
+            .send_until(deadline, "granting a lease", Repeat::Safe, || {
                 let mut leases = leases.clone();
                 async move { leases.grant(seconds, None).await }
             })
@@ -139,7 +139,7 @@ pub(crate) async fn revoke(
     lease_id: i64,
 ) -> Result<(), LockError> {
     requests
-        .send("etcd lease revoke", Repeat::Safe, || {
+        .send("revoking a lease", Repeat::Safe, || {
             let mut leases = leases.clone();
             async move { leases.revoke(lease_id).await.map(|_| ()) }
         })

@@ -3,7 +3,7 @@
 
 use std::error::Error as StdError;
 
-use distlock_core::LockError;
+use distlock_core::{request_message, LockError};
 
 /// gRPC status code `PERMISSION_DENIED` (from the gRPC spec).
 const PERMISSION_DENIED: i32 = 7;
@@ -128,8 +128,9 @@ fn diagnosis(what: &str, error: &etcd_client::Error) -> Option<LockError> {
         .iter()
         .any(|e| e.to_string().contains("tls handshake eof"))
     {
-        return Some(LockError::unavailable(format!(
-            "{what}: the server closed the connection during the TLS handshake; it does not seem to serve TLS on this port (use etcd:// for a plaintext port)"
+        return Some(LockError::unavailable(request_message(
+            what,
+            "the server closed the connection during the TLS handshake; it does not seem to serve TLS on this port (use etcd:// for a plaintext port)",
         )));
     }
     None
@@ -156,42 +157,72 @@ pub(crate) fn closed_by_peer(error: &etcd_client::Error) -> bool {
     })
 }
 
-/// Maps a driver error from the request `what` to a [`LockError`]:
+/// Maps a driver error from the request `what` (empty inside a lock call,
+/// see [`request_message`]) to a [`LockError`]:
 /// authentication failures, refused permissions and refused certificates
 /// are configuration errors that say what to check, bad arguments are
 /// configuration errors, and everything about reaching the server is
 /// `Unavailable`.
-pub(crate) fn map(what: &str, error: etcd_client::Error) -> LockError {
+pub(crate) fn map(error: etcd_client::Error, what: &str) -> LockError {
     if is_auth_failure(&error) {
         let message = format!(
-            "{what}: etcd authentication failed; check the user and password in the URL (etcd://user:password@host:port): {error}"
+            "etcd authentication failed; check the user and password in the URL (etcd://user:password@host:port): {error}"
         );
-        return LockError::config(message).with_source(error);
+        return LockError::config(request_message(what, message)).with_source(error);
     }
     if let Some(diagnosed) = diagnosis(what, &error) {
         return diagnosed.with_source(error);
     }
-    match &error {
-        etcd_client::Error::GRpcStatus(status) if status.code() as i32 == PERMISSION_DENIED => {
-            let message = format!(
-                "{what}: etcd denied permission; grant the user's role readwrite on the lock namespace prefix: {error}"
-            );
-            LockError::config(message).with_source(error)
-        }
+    let (kind, message): (fn(String) -> LockError, String) = match &error {
+        etcd_client::Error::GRpcStatus(status) if status.code() as i32 == PERMISSION_DENIED => (
+            LockError::config,
+            format!("etcd denied permission; grant the user's role readwrite on the lock namespace prefix: {error}"),
+        ),
         etcd_client::Error::InvalidArgs(_)
         | etcd_client::Error::InvalidUri(_)
         | etcd_client::Error::EndpointError(_)
         | etcd_client::Error::InvalidMetadataValue(_)
-        | etcd_client::Error::TransportError(_) => LockError::config(format!(
-            "{what}: invalid etcd client configuration: {error}"
-        ))
-        .with_source(error),
-        _ => LockError::unavailable(format!("{what}: etcd request failed: {error}"))
-            .with_source(error),
-    }
+        | etcd_client::Error::TransportError(_) => (
+            LockError::config,
+            format!("invalid etcd client configuration: {error}"),
+        ),
+        _ => (
+            LockError::unavailable,
+            format!("etcd request failed: {error}"),
+        ),
+    };
+    kind(request_message(what, message)).with_source(error)
 }
 
 /// A closure for `map_err` that maps errors of the request `what`.
 pub(crate) fn mapper(what: &'static str) -> impl Fn(etcd_client::Error) -> LockError {
-    move |error| map(what, error)
+    move |error| map(error, what)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use distlock_core::{ErrorKind, IN_LOCK_CALL};
+
+    /// Inside a lock call the message is the failure alone (the client
+    /// names the call); elsewhere it starts with the request.
+    #[test]
+    fn only_requests_outside_lock_calls_are_named() {
+        let bad = || etcd_client::Error::InvalidArgs("no endpoints".to_owned());
+        let in_call = map(bad(), IN_LOCK_CALL);
+        assert_eq!(in_call.kind(), ErrorKind::Config);
+        assert!(
+            in_call
+                .message()
+                .starts_with("invalid etcd client configuration"),
+            "{in_call}"
+        );
+        let other = map(bad(), "granting a lease");
+        assert!(
+            other
+                .message()
+                .starts_with("granting a lease: invalid etcd client configuration"),
+            "{other}"
+        );
+    }
 }

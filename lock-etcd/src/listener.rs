@@ -275,7 +275,7 @@ impl NotificationSource for EtcdWatches {
                     None => continue,
                 },
                 Ok(None) => LockError::unavailable("etcd closed the watch stream"),
-                Err(e) => errors::map("etcd watch stream", e),
+                Err(e) => errors::map(e, "etcd watch stream"),
             };
             stream.conn.fail_pending(&error);
             return Some(Err(error));

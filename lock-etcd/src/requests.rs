@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use distlock_core::{ClientOptions, LockError};
+use distlock_core::{request_message, ClientOptions, LockError};
 
 use crate::errors::{failure, map, Failure};
 use crate::health::Health;
@@ -167,7 +167,7 @@ impl Requests {
                 let last = match tokio::time::timeout(attempt.min(left), send()).await {
                     Ok(Ok(reply)) => return Ok(reply),
                     Ok(Err(e)) if !stop(&e) && self.again(&e, repeat) => Some(e),
-                    Ok(Err(e)) => return Err(map(what, e)),
+                    Ok(Err(e)) => return Err(map(e, what)),
                     Err(_) => {
                         self.suspect();
                         None
@@ -178,9 +178,12 @@ impl Requests {
                     ToString::to_string,
                 );
                 if Instant::now() + pause >= deadline {
-                    let error = LockError::timeout(format!(
-                        "{what} got no answer within {:?} (last try: {error}); the etcd cluster may have no leader, or be down or overloaded",
-                        millis(timeout)
+                    let error = LockError::timeout(request_message(
+                        what,
+                        format_args!(
+                            "no answer within {:?} (last try: {error}); the etcd cluster may have no leader, or be down or overloaded",
+                            millis(timeout)
+                        ),
                     ));
                     return Err(match last {
                         Some(last) => error.with_source(last),

@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use distlock_core::{
     ExtendReply, FencingToken, Grant, HeldLock, LockError, LockKey, OwnerToken, PermitReply,
-    PermitRequest, ReleaseReply, ReleaseWatch, SemaphoreBackend,
+    PermitRequest, ReleaseReply, ReleaseWatch, SemaphoreBackend, IN_LOCK_CALL,
 };
 use etcd_client::{GetOptions, KeyValue, SortOrder, SortTarget};
 
@@ -89,8 +89,7 @@ fn parse(lock: &EtcdLock, key: &LockKey, kvs: &[KeyValue]) -> Result<Vec<Permit>
                     })
                 }
                 _ => Err(LockError::corrupted(format!(
-                    "the etcd permits of semaphore {:?} hold a key distlock did not write ({:?}); it was left untouched — remove it or use another namespace",
-                    key.as_str(),
+                    "the semaphore's etcd permits hold a key distlock did not write ({:?}); it was left untouched — remove it or use another namespace",
                     String::from_utf8_lossy(kv.key())
                 ))),
             }
@@ -118,7 +117,7 @@ impl EtcdLock {
         let reply = self
             .etcd()
             .requests
-            .send_until(deadline, "etcd permits read", Repeat::Safe, || {
+            .send_until(deadline, "reading the permits", Repeat::Safe, || {
                 let mut kv = kv.clone();
                 let prefix = prefix.clone();
                 let oldest_first = GetOptions::new()
@@ -171,7 +170,7 @@ impl SemaphoreBackend for EtcdLock {
             .etcd()
             .run_txn_until(
                 deadline,
-                "etcd permit acquire",
+                IN_LOCK_CALL,
                 Repeat::Safe,
                 txn::join_permits(&permit, &value, lease_id, &prefix),
             )
@@ -197,10 +196,9 @@ impl SemaphoreBackend for EtcdLock {
         let place = now.iter().position(|p| p.owner == request.owner);
         let (Some(place), true) = (place, put) else {
             self.etcd().revoke_later(lease_id);
-            return Err(LockError::corrupted(format!(
-                "the etcd permit of semaphore {:?} for this owner holds a value distlock did not write; it was left untouched — remove it or use another namespace",
-                key.as_str()
-            )));
+            return Err(LockError::corrupted(
+                "the semaphore's etcd permit for this owner holds a value distlock did not write; it was left untouched — remove it or use another namespace",
+            ));
         };
         // An adopted permit's earlier lease has no key left.
         if let Some(earlier) = earlier.filter(|p| p.lease != lease_id) {
@@ -228,7 +226,7 @@ impl SemaphoreBackend for EtcdLock {
             permit.fencing,
             permit.handle,
             ttl,
-            "etcd permit extend",
+            IN_LOCK_CALL,
             |new_lease| txn::move_permit(&etcd_key, fencing, new_lease),
         )
         .await
@@ -239,7 +237,7 @@ impl SemaphoreBackend for EtcdLock {
         let fencing = i64::try_from(permit.fencing.get()).unwrap_or(i64::MAX);
         // The deletion wakes the first waiters (their watch).
         self.release_with(
-            "etcd permit release",
+            IN_LOCK_CALL,
             permit.handle,
             txn::release_permit(&etcd_key, fencing),
         )

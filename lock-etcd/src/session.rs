@@ -27,7 +27,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use distlock_core::{AcquireReply, AcquireRequest, ExtendReply, Grant, HeldLock, LockError};
+use distlock_core::{
+    AcquireReply, AcquireRequest, ExtendReply, Grant, HeldLock, LockError, IN_LOCK_CALL,
+};
 use tokio::sync::watch;
 
 use crate::connection::Etcd;
@@ -166,7 +168,7 @@ impl Sessions {
             .etcd
             .run_txn_until(
                 deadline,
-                "etcd acquire",
+                IN_LOCK_CALL,
                 Repeat::Safe,
                 txn::acquire(&etcd_key, &value, session.lease_id(), Some(&fence), &raise),
             )
@@ -206,10 +208,9 @@ impl Sessions {
         // server), taking the new key with it: no lease can be dated from it.
         let Some(confirmed) = session.confirmed_sent_at() else {
             tracing::debug!(key = %key, fencing = %fencing, "etcd session lost while acquiring; the lock goes with it");
-            return Err(LockError::unavailable(format!(
-                "lock {:?} was taken on an etcd session lease that was lost while the request was in flight (no keep-alive answered within its TTL), so it is gone again; try again",
-                key.as_str()
-            )));
+            return Err(LockError::unavailable(
+                "the lock was taken on an etcd session lease that was lost while the request was in flight (no keep-alive answered within its TTL), so it is gone again; try again",
+            ));
         };
         Ok(AcquireReply::Granted(
             Grant::new(fencing, session.ttl())
@@ -233,7 +234,7 @@ impl Sessions {
         let reply = self
             .etcd
             .run_txn(
-                "etcd extend",
+                IN_LOCK_CALL,
                 Repeat::Safe,
                 txn::confirm(&etcd_key, &value, lock.fencing, session.lease_id()),
             )

@@ -297,8 +297,7 @@ pub(crate) fn acquire_outcome(
             .map(|r| AcquireOutcome::Created(FencingToken::new(r)))
             .ok_or_else(|| {
                 LockError::unavailable(format!(
-                    "etcd acquired lock {:?} but returned no revision (header {revision})",
-                    key.as_str()
+                    "etcd acquired the lock but returned no revision (header {revision})"
                 ))
             });
     }
@@ -309,17 +308,16 @@ pub(crate) fn acquire_outcome(
         TxnOpResponse::Txn(nested) => Some(nested),
         _ => None,
     }) else {
-        return Err(LockError::unavailable(format!(
-            "etcd answered the acquire of lock {:?} without the adoption step's reply",
-            key.as_str()
-        )));
+        return Err(LockError::unavailable(
+            "etcd answered without the adoption step's reply",
+        ));
     };
     for op in nested.op_responses() {
         if let TxnOpResponse::Get(get) = op {
             let Some(kv) = get.kvs().first() else {
                 return Ok(gone);
             };
-            if check_found(key, kv.value(), kv.lease())? == owner {
+            if check_found(kv.value(), kv.lease())? == owner {
                 if !nested.succeeded() {
                     // Ours by its value, yet the adoption's comparison
                     // failed: only its fence (a later undo) can do that.
@@ -331,10 +329,7 @@ pub(crate) fn acquire_outcome(
                     .filter(|r| *r > 0)
                     .map(|r| AcquireOutcome::Created(FencingToken::new(r)))
                     .ok_or_else(|| {
-                        LockError::unavailable(format!(
-                            "etcd returned lock {:?} without a create revision",
-                            key.as_str()
-                        ))
+                        LockError::unavailable("etcd returned the lock without a create revision")
                     });
             }
             tracing::trace!(key = %key, holder_lease = kv.lease(), "etcd lock held by another owner");
@@ -349,23 +344,17 @@ pub(crate) fn acquire_outcome(
 }
 
 /// Refuses a value distlock did not write at a lock key.
-pub(crate) fn check_found(
-    key: &LockKey,
-    value: &[u8],
-    lease_id: i64,
-) -> Result<OwnerToken, LockError> {
+pub(crate) fn check_found(value: &[u8], lease_id: i64) -> Result<OwnerToken, LockError> {
     let Some(owner) = decode_value(value) else {
         return Err(LockError::corrupted(format!(
-            "the etcd key for lock {:?} holds a value distlock did not write ({} bytes); it was left untouched — remove it or use another namespace",
-            key.as_str(),
+            "the lock's etcd key holds a value distlock did not write ({} bytes); it was left untouched — remove it or use another namespace",
             value.len()
         )));
     };
     if lease_id == 0 {
-        return Err(LockError::corrupted(format!(
-            "the etcd key for lock {:?} has no lease, so it would never expire; distlock never writes that — it was left untouched, delete it by hand",
-            key.as_str()
-        )));
+        return Err(LockError::corrupted(
+            "the lock's etcd key has no lease, so it would never expire; distlock never writes that — it was left untouched, delete it by hand",
+        ));
     }
     Ok(owner)
 }

@@ -128,7 +128,10 @@ async fn keys_stay_in_namespace_and_foreign_values_are_reported() {
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Corrupted);
-    assert!(err.message().contains("foreign"), "{err}");
+    // The client names the key (once), the backend says what it found.
+    assert_eq!(err.key(), Some("foreign"), "{err}");
+    assert_eq!(err.to_string().matches("foreign").count(), 1, "{err}");
+    assert!(err.message().contains("did not write"), "{err}");
     // Our format but without a lease: would never expire.
     let no_lease = LockKey::new("no-lease").unwrap();
     raw.put(

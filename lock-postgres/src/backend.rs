@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
     Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, ReleaseReply, ReleaseWatch,
-    SemaphoreBackend,
+    SemaphoreBackend, IN_LOCK_CALL,
 };
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use tokio::sync::OnceCell;
@@ -136,7 +136,7 @@ impl PostgresLock {
                 .test_before_acquire(false)
                 .connect_with(connect)
                 .await
-                .map_err(|e| errors::map(e, "connecting to PostgreSQL", None, timeout))
+                .map_err(|e| errors::map(e, "connecting to PostgreSQL"))
         })
         .await?;
         let mode = match config.pool_mode() {
@@ -248,20 +248,6 @@ impl PostgresLock {
         self.config.client.namespace()
     }
 
-    pub(crate) fn map_err(
-        &self,
-        error: sqlx::Error,
-        what: &str,
-        key: Option<&LockKey>,
-    ) -> LockError {
-        errors::map(
-            error,
-            what,
-            key.map(LockKey::as_str),
-            self.config.client.connect_timeout(),
-        )
-    }
-
     /// Switches this client to the simple protocol for good; whether it was
     /// in use already.
     pub(crate) fn use_simple_protocol(&self) -> bool {
@@ -350,9 +336,7 @@ impl LockBackend for PostgresLock {
                 Arg::Int(send),
             ],
         );
-        let reply = self
-            .fetch("acquire", Some(key), call, Some(give_back))
-            .await?;
+        let reply = self.fetch(IN_LOCK_CALL, call, Some(give_back)).await?;
         let Some(row) = reply.row else {
             // Someone inserted the first row for this key concurrently and
             // this statement's snapshot cannot see it yet: try again soon.
@@ -361,16 +345,16 @@ impl LockBackend for PostgresLock {
                 expires_in: Some(Duration::ZERO),
             });
         };
-        let acquired: bool = self.column(&row, "acquired", key)?;
-        let fencing: Option<i64> = self.column(&row, "fencing", key)?;
+        let acquired: bool = self.column(&row, "acquired")?;
+        let fencing: Option<i64> = self.column(&row, "fencing")?;
         if acquired {
             // Taken, or adopted from an earlier attempt with this owner
             // token whose reply was lost (same fencing token, TTL reset).
-            let grant = Grant::new(self.granted(key, fencing)?, request.ttl);
+            let grant = Grant::new(self.granted(fencing)?, request.ttl);
             return Ok(AcquireReply::Granted(grant.with_handle(send as u64)));
         }
-        let holder: Option<String> = self.column(&row, "owner", key)?;
-        self.check_row(key, holder.as_deref(), fencing, None)?;
+        let holder: Option<String> = self.column(&row, "owner")?;
+        self.check_row(holder.as_deref(), fencing, None)?;
         if fencing.is_none() {
             return Err(LockError::corrupted(format!(
                 "the row for lock {:?} in {} has no fencing counter; it is left untouched",
@@ -384,7 +368,7 @@ impl LockBackend for PostgresLock {
             None => Some(Duration::ZERO),
             Some(holder) if holder == owner => Some(Duration::ZERO),
             Some(_) => {
-                let ms: Option<i64> = self.column(&row, "expires_in_ms", key)?;
+                let ms: Option<i64> = self.column(&row, "expires_in_ms")?;
                 ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)))
             }
         };
@@ -407,7 +391,7 @@ impl LockBackend for PostgresLock {
                 Arg::Int(ttl_ms),
             ],
         );
-        let row = self.fetch_one("extend", key, call).await?.row;
+        let row = self.fetch_one(call).await?.row;
         Ok(if self.held_by(&lock, &row)? {
             // The handle (the acquisition's send number) stays with the
             // lease, for its release to refuse that acquisition's late sends.
@@ -434,7 +418,7 @@ impl LockBackend for PostgresLock {
                 Arg::Int(i64::try_from(lock.handle).unwrap_or(0)),
             ],
         );
-        let reply = self.fetch_one("release", key, call).await?;
+        let reply = self.fetch_one(call).await?;
         // A resent release whose earlier attempt freed the row (its reply
         // was lost) finds it given up with this lock's fencing token.
         let released = (reply.resent && self.freed_with(&lock, &reply.row)?)
@@ -472,14 +456,14 @@ impl LockAdmin for PostgresLock {
             &self.sql.inspect,
             vec![Arg::text(self.namespace()), Arg::text(key.as_str())],
         );
-        let Some(row) = self.fetch("inspect", Some(key), call, None).await?.row else {
+        let Some(row) = self.fetch(IN_LOCK_CALL, call, None).await?.row else {
             return Ok(LockState::Free);
         };
-        let held: bool = self.column(&row, "held", key)?;
-        let owner: Option<String> = self.column(&row, "owner", key)?;
-        let fencing: i64 = self.column(&row, "fencing", key)?;
-        let expires_in_ms: i64 = self.column(&row, "expires_in_ms", key)?;
-        self.check_row(key, owner.as_deref(), Some(fencing), None)?;
+        let held: bool = self.column(&row, "held")?;
+        let owner: Option<String> = self.column(&row, "owner")?;
+        let fencing: i64 = self.column(&row, "fencing")?;
+        let expires_in_ms: i64 = self.column(&row, "expires_in_ms")?;
+        self.check_row(owner.as_deref(), Some(fencing), None)?;
         if !held {
             return Ok(LockState::Free);
         }
@@ -499,11 +483,11 @@ impl LockAdmin for PostgresLock {
                 Arg::text(&self.channel),
             ],
         );
-        let row = self.fetch_one("force release", key, call).await?.row;
-        let done: i64 = self.column(&row, "done", key)?;
-        let owner: Option<String> = self.column(&row, "owner", key)?;
-        let fencing: Option<i64> = self.column(&row, "fencing", key)?;
-        self.check_row(key, owner.as_deref(), fencing, None)?;
+        let row = self.fetch_one(call).await?.row;
+        let done: i64 = self.column(&row, "done")?;
+        let owner: Option<String> = self.column(&row, "owner")?;
+        let fencing: Option<i64> = self.column(&row, "fencing")?;
+        self.check_row(owner.as_deref(), fencing, None)?;
         Ok(done > 0)
     }
 }

@@ -1,8 +1,6 @@
 //! Mapping of sqlx errors to [`LockError`] kinds.
 
-use std::time::Duration;
-
-use distlock_core::LockError;
+use distlock_core::{request_message, LockError};
 use sqlx::postgres::{PgDatabaseError, PgSeverity};
 
 /// SQLSTATE codes we treat specially.
@@ -167,7 +165,7 @@ const TLS_ADVICE: distlock_core::TlsAdvice = distlock_core::TlsAdvice {
 fn tls_problem(error: &std::io::Error, what: &str) -> Option<LockError> {
     let tls = error.get_ref()?.downcast_ref::<rustls::Error>()?;
     let failure = distlock_core::TlsFailure::of_rustls(tls);
-    Some(failure.error(&format!("{what} failed"), tls, &TLS_ADVICE))
+    Some(failure.error(what, tls, &TLS_ADVICE))
 }
 
 #[cfg(not(feature = "tls"))]
@@ -203,125 +201,176 @@ fn refused(message: &str) -> LockError {
     }
 }
 
-/// Maps a driver error met while doing `what` (on `key`, if any) to a
-/// [`LockError`] a caller can match on.
-pub(crate) fn map(
-    error: sqlx::Error,
-    what: &str,
-    key: Option<&str>,
-    connect_timeout: Duration,
-) -> LockError {
-    let on_key = key.map(|k| format!(" on lock {k:?}")).unwrap_or_default();
-    let mapped = match &error {
+/// Maps a driver error met while doing `what` (empty inside a lock call,
+/// see [`request_message`]) to a [`LockError`] a caller can match on.
+pub(crate) fn map(error: sqlx::Error, what: &str) -> LockError {
+    // "creating the lock table failed: ...", or nothing in a lock call.
+    let failed = if what.is_empty() {
+        String::new()
+    } else {
+        format!("{what} failed")
+    };
+    let (kind, message): (fn(String) -> LockError, String) = match &error {
         sqlx::Error::Configuration(e) => {
-            LockError::config(format!("invalid PostgreSQL connection settings: {e}"))
+            return LockError::config(format!("invalid PostgreSQL connection settings: {e}"))
+                .with_source(error)
         }
-        sqlx::Error::Io(e) => match tls_problem(e, what) {
-            Some(tls) => tls,
+        sqlx::Error::Database(db) => match db.code().as_deref() {
+            // A refused connection: there is no request to name.
+            Some(code::INVALID_PASSWORD) => {
+                return LockError::config(format!(
+                    "PostgreSQL authentication failed ({}); check the user and password in the URL",
+                    db.message()
+                ))
+                .with_source(error)
+            }
+            Some(code::INVALID_AUTHORIZATION) => {
+                return refused(db.message()).with_source(error)
+            }
+            Some(code::INVALID_CATALOG_NAME) => {
+                return LockError::config(format!(
+                    "PostgreSQL refused the connection ({}); check the database name in the URL",
+                    db.message()
+                ))
+                .with_source(error)
+            }
+            code => database(code, db.message()),
+        },
+        sqlx::Error::Io(e) => match tls_problem(e, &failed) {
+            Some(tls) => return tls.with_source(error),
             // sqlx reads the TLS files again for each new connection.
             None if matches!(
                 e.kind(),
                 std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied
             ) =>
             {
-                LockError::config(format!(
-                    "{what}{on_key} failed: cannot read a TLS file named in the URL ({e}); check sslrootcert, sslcert, sslkey or tls_*_file"
-                ))
+                (
+                    LockError::config,
+                    format!("cannot read a TLS file named in the URL ({e}); check sslrootcert, sslcert, sslkey or tls_*_file"),
+                )
             }
-            None => LockError::unavailable(format!(
-                "{what}{on_key} failed: cannot talk to the PostgreSQL server ({e}); is it running and reachable?"
-            )),
+            None => (
+                LockError::unavailable,
+                format!("cannot talk to the PostgreSQL server ({e}); is it running and reachable?"),
+            ),
         },
         sqlx::Error::Tls(e) => {
             let text = e.to_string();
-            if text.contains("does not support TLS") {
-                LockError::config(format!(
-                    "{what} failed: TLS connection problem: the PostgreSQL server does not accept TLS connections (ssl = off), but the URL's sslmode requires TLS; \
-                     turn ssl on in the server's postgresql.conf, or connect with sslmode=prefer or disable"
-                ))
+            let message = if text.contains("does not support TLS") {
+                "TLS connection problem: the PostgreSQL server does not accept TLS connections (ssl = off), but the URL's sslmode requires TLS; \
+                 turn ssl on in the server's postgresql.conf, or connect with sslmode=prefer or disable".to_owned()
             } else if text.contains("without TLS support") {
-                LockError::config(format!(
-                    "{what} failed: the connection settings (sslmode, or PGSSLMODE in the environment) require TLS, but distlock was built without it: enable the `tls` cargo feature (of distlock, or of distlock-postgres)"
-                ))
+                "the connection settings (sslmode, or PGSSLMODE in the environment) require TLS, but distlock was built without it: enable the `tls` cargo feature (of distlock, or of distlock-postgres)".to_owned()
             } else {
-                LockError::config(format!(
-                    "{what} failed: TLS problem ({text}); check sslrootcert, sslcert and sslkey (or tls_ca_file, tls_cert_file, tls_key_file)"
-                ))
-            }
+                format!("TLS problem ({text}); check sslrootcert, sslcert and sslkey (or tls_ca_file, tls_cert_file, tls_key_file)")
+            };
+            (LockError::config, message)
         }
-        sqlx::Error::Protocol(e) => LockError::unavailable(format!(
-            "{what}{on_key} failed: PostgreSQL protocol error ({e})"
-        )),
-        sqlx::Error::PoolTimedOut => LockError::unavailable(format!(
-            "{what}{on_key} failed: no connection to the PostgreSQL server within the connect timeout of {connect_timeout:?}; is it running and reachable?"
-        )),
-        sqlx::Error::PoolClosed => {
-            LockError::unavailable(format!("{what}{on_key} failed: the connection pool was closed"))
-        }
+        sqlx::Error::Protocol(e) => (
+            LockError::unavailable,
+            format!("PostgreSQL protocol error ({e})"),
+        ),
+        sqlx::Error::PoolTimedOut => (
+            LockError::unavailable,
+            "no connection to the PostgreSQL server within the connect timeout (connect_timeout_ms); is it running and reachable?".to_owned(),
+        ),
+        sqlx::Error::PoolClosed => (
+            LockError::unavailable,
+            "the connection pool was closed".to_owned(),
+        ),
         sqlx::Error::ColumnDecode { .. }
         | sqlx::Error::Decode(_)
         | sqlx::Error::ColumnNotFound(_)
         | sqlx::Error::ColumnIndexOutOfBounds { .. }
-        | sqlx::Error::RowNotFound => LockError::corrupted(format!(
-            "{what}{on_key}: the lock table returned data distlock did not write ({error}); it is left untouched"
-        )),
-        sqlx::Error::Database(db) => {
-            let message = db.message().to_owned();
-            match db.code().as_deref() {
-                Some(code::INVALID_PASSWORD) => LockError::config(format!(
-                    "PostgreSQL authentication failed ({message}); check the user and password in the URL"
-                )),
-                Some(code::INVALID_AUTHORIZATION) => refused(&message),
-                Some(code::INVALID_CATALOG_NAME) => LockError::config(format!(
-                    "PostgreSQL refused the connection ({message}); check the database name in the URL"
-                )),
-                Some(code::INSUFFICIENT_PRIVILEGE) => LockError::config(format!(
-                    "{what}{on_key} failed: permission denied ({message}); grant the user access to the lock table and its schema"
-                )),
-                Some(code::UNDEFINED_TABLE) => LockError::config(format!(
-                    "{what}{on_key} failed ({message}): the lock table was dropped after this client created it; \
-                     distlock does not recreate it behind your back (fencing tokens would restart), create a new client"
-                )),
-                Some(code::UNDEFINED_COLUMN | code::DATATYPE_MISMATCH) => LockError::config(format!(
-                    "{what}{on_key} failed ({message}): the lock table exists but does not have the layout distlock expects; configure another table name"
-                )),
-                Some(code::NUMERIC_VALUE_OUT_OF_RANGE) => LockError::corrupted(format!(
-                    "{what}{on_key}: the lock row holds a value out of range ({message}); it is left untouched"
-                )),
-                Some(c) if is_transient_sqlstate(c) => LockError::unavailable(format!(
-                    "{what}{on_key} failed: the PostgreSQL server is not available ({c}: {message})"
-                )),
-                Some(c @ code::READ_ONLY_TRANSACTION) => LockError::config(format!(
-                    "{what}{on_key} failed ({c}: {message}): the server only allows reads (a hot standby, or default_transaction_read_only = on for this user or database); \
-                     connect to the primary with a user and database that may write"
-                )),
-                Some(c @ code::UNDEFINED_FUNCTION) => LockError::config(format!(
-                    "{what}{on_key} failed ({c}: {message}): a function or operator the statement needs does not exist; \
-                     check the lock table's layout and any trigger on it (PostgreSQL 13 or newer is needed)"
-                )),
-                Some(c @ (code::UNTRANSLATABLE_CHARACTER | code::CHARACTER_NOT_IN_REPERTOIRE)) => {
-                    LockError::invalid_input(format!(
-                        "{what}{on_key} failed ({c}: {message}): the database's encoding cannot store this key or namespace; \
-                         use characters it can store, or a UTF8 database"
-                    ))
-                }
-                Some(c @ (code::DATA_CORRUPTED | code::INDEX_CORRUPTED)) => LockError::corrupted(format!(
-                    "{what}{on_key} failed ({c}: {message}): the server reports damaged data in the lock table"
-                )),
-                code => LockError::config(format!(
-                    "{what}{on_key} failed: PostgreSQL error {}: {message}; sending it again cannot help (check the server's settings, the lock table and any trigger on it)",
-                    code.unwrap_or_default()
-                )),
-            }
-        }
-        _ => LockError::unavailable(format!("{what}{on_key} failed: {error}")),
+        | sqlx::Error::RowNotFound => (
+            LockError::corrupted,
+            format!("the lock table returned data distlock did not write ({error}); it is left untouched"),
+        ),
+        _ => (LockError::unavailable, error.to_string()),
     };
-    mapped.with_source(error)
+    kind(request_message(&failed, message)).with_source(error)
+}
+
+/// The kind and message of a statement's database error with SQLSTATE
+/// `code` and the server's `message`.
+fn database(code: Option<&str>, message: &str) -> (fn(String) -> LockError, String) {
+    match code {
+        Some(code::INSUFFICIENT_PRIVILEGE) => (
+            LockError::config,
+            format!("permission denied ({message}); grant the user access to the lock table and its schema"),
+        ),
+        Some(code::UNDEFINED_TABLE) => (
+            LockError::config,
+            format!(
+                "the lock table was dropped after this client created it ({message}); \
+                 distlock does not recreate it behind your back (fencing tokens would restart), create a new client"
+            ),
+        ),
+        Some(code::UNDEFINED_COLUMN | code::DATATYPE_MISMATCH) => (
+            LockError::config,
+            format!("the lock table exists but does not have the layout distlock expects ({message}); configure another table name"),
+        ),
+        Some(code::NUMERIC_VALUE_OUT_OF_RANGE) => (
+            LockError::corrupted,
+            format!("the lock row holds a value out of range ({message}); it is left untouched"),
+        ),
+        Some(c) if is_transient_sqlstate(c) => (
+            LockError::unavailable,
+            format!("the PostgreSQL server is not available ({c}: {message})"),
+        ),
+        Some(c @ code::READ_ONLY_TRANSACTION) => (
+            LockError::config,
+            format!(
+                "the server only allows reads ({c}: {message}): a hot standby, or default_transaction_read_only = on for this user or database; \
+                 connect to the primary with a user and database that may write"
+            ),
+        ),
+        Some(c @ code::UNDEFINED_FUNCTION) => (
+            LockError::config,
+            format!(
+                "a function or operator the statement needs does not exist ({c}: {message}); \
+                 check the lock table's layout and any trigger on it (PostgreSQL 13 or newer is needed)"
+            ),
+        ),
+        Some(c @ (code::UNTRANSLATABLE_CHARACTER | code::CHARACTER_NOT_IN_REPERTOIRE)) => (
+            LockError::invalid_input,
+            format!(
+                "the database's encoding cannot store this key or namespace ({c}: {message}); \
+                 use characters it can store, or a UTF8 database"
+            ),
+        ),
+        Some(c @ (code::DATA_CORRUPTED | code::INDEX_CORRUPTED)) => (
+            LockError::corrupted,
+            format!("the server reports damaged data in the lock table ({c}: {message})"),
+        ),
+        code => (
+            LockError::config,
+            format!(
+                "PostgreSQL error {}: {message}; sending it again cannot help (check the server's settings, the lock table and any trigger on it)",
+                code.unwrap_or_default()
+            ),
+        ),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use distlock_core::{ErrorKind, IN_LOCK_CALL};
+
+    /// Inside a lock call the message is the failure alone (the client
+    /// names the call); elsewhere it starts with the request.
+    #[test]
+    fn only_requests_outside_lock_calls_are_named() {
+        let in_call = map(sqlx::Error::PoolClosed, IN_LOCK_CALL);
+        assert_eq!(in_call.kind(), ErrorKind::Unavailable);
+        assert_eq!(in_call.message(), "the connection pool was closed");
+        let other = map(sqlx::Error::PoolClosed, "creating the lock table");
+        assert_eq!(
+            other.message(),
+            "creating the lock table failed: the connection pool was closed"
+        );
+    }
 
     #[test]
     fn only_connection_resource_and_conflict_errors_are_transient() {

@@ -41,10 +41,6 @@ impl Releases {
             connect_timeout,
         }
     }
-
-    fn map_err(&self, error: sqlx::Error, what: &str) -> LockError {
-        errors::map(error, what, None, self.connect_timeout)
-    }
 }
 
 #[async_trait]
@@ -71,7 +67,7 @@ impl NotificationSource for Releases {
             .connect_lazy_with(self.connect.clone());
         let mut listener = PgListener::connect_with(&pool)
             .await
-            .map_err(|e| self.map_err(e, "connecting the listener"))?;
+            .map_err(|e| errors::map(e, "connecting the listener"))?;
         // A lost connection ends the stream (the kit reconnects), rather
         // than being reconnected by sqlx behind the kit's back.
         listener.ignore_pool_close_event(true);
@@ -79,7 +75,7 @@ impl NotificationSource for Releases {
         listener
             .listen(&self.channel)
             .await
-            .map_err(|e| self.map_err(e, "LISTEN"))?;
+            .map_err(|e| errors::map(e, "LISTEN"))?;
         tracing::debug!(channel = %self.channel, "listening for lock releases");
         Ok(((), listener))
     }
@@ -98,7 +94,7 @@ impl NotificationSource for Releases {
                 Some(Ok(notification.payload().to_owned()))
             }
             Ok(None) => None,
-            Err(e) => Some(Err(self.map_err(e, "reading release notifications"))),
+            Err(e) => Some(Err(errors::map(e, "reading release notifications"))),
         }
     }
 
@@ -108,6 +104,6 @@ impl NotificationSource for Releases {
             .execute(listener)
             .await
             .map(|_| ())
-            .map_err(|e| self.map_err(e, "pinging the listener"))
+            .map_err(|e| errors::map(e, "pinging the listener"))
     }
 }

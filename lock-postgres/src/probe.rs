@@ -97,7 +97,7 @@ fn read_text() -> String {
 /// connection limit), the probe proves nothing and says `Session`.
 pub(crate) async fn detect(pool: &PgPool, timeout: Duration) -> Result<PoolMode, LockError> {
     let what = "checking for a transaction pooler";
-    let map = |e: sqlx::Error| errors::map(e, what, None, timeout);
+    let map = |e: sqlx::Error| errors::map(e, what);
     let mut a = pool.acquire().await.map_err(map)?;
     let token = format!("{:032x}", rand::random::<u128>());
     let marked = distlock_core::with_timeout(timeout, what, async {

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use distlock_core::{LockError, LockKey};
+use distlock_core::{request_message, LockError, IN_LOCK_CALL};
 use sqlx::postgres::PgRow;
 use tokio::time::Instant;
 
@@ -19,15 +19,15 @@ impl PostgresLock {
         Call::new(self.protocol(), sql, args)
     }
 
-    /// The error of a statement whose operation timeout ran out.
-    fn timed_out(&self, what: &str, key: Option<&LockKey>) -> LockError {
-        let on_key = key
-            .map(|k| format!(" on lock {:?}", k.as_str()))
-            .unwrap_or_default();
-        LockError::timeout(format!(
-            "{what}{on_key} got no reply within the operation timeout of {:?} (counted from its first send, resends included); \
-             whether it took effect is unknown; the server may be down or overloaded",
-            self.config().client().operation_timeout()
+    /// The error of a statement (`what`) whose operation timeout ran out.
+    fn timed_out(&self, what: &str) -> LockError {
+        LockError::timeout(request_message(
+            what,
+            format_args!(
+                "no reply within the operation timeout of {:?} (counted from its first send, resends included); \
+                 whether it took effect is unknown; the server may be down or overloaded",
+                self.config().client().operation_timeout()
+            ),
         ))
     }
 
@@ -53,7 +53,6 @@ impl PostgresLock {
     pub(crate) async fn fetch(
         &self,
         what: &str,
-        key: Option<&LockKey>,
         call: Call,
         mut give_back: Option<GiveBack>,
     ) -> Result<Reply, LockError> {
@@ -69,11 +68,11 @@ impl PostgresLock {
                 Some(deadline) => {
                     match tokio::time::timeout_at(deadline, self.pool().acquire()).await {
                         Ok(conn) => conn,
-                        Err(_) => return Err(self.timed_out(what, key)),
+                        Err(_) => return Err(self.timed_out(what)),
                     }
                 }
             }
-            .map_err(|e| self.map_err(e, what, key))?;
+            .map_err(|e| errors::map(e, what))?;
             let deadline = *deadline.get_or_insert_with(|| Instant::now() + timeout);
             let mut sent = sql::send(
                 conn,
@@ -83,7 +82,7 @@ impl PostgresLock {
                 timeout,
             );
             let Some(mut done) = sent.wait(deadline).await else {
-                return Err(self.timed_out(what, key));
+                return Err(self.timed_out(what));
             };
             match done.take() {
                 Some(Ok(mut reply)) => {
@@ -122,27 +121,19 @@ impl PostgresLock {
                     resent = true;
                     tracing::debug!(error = %e, what, "connection lost; sending the statement again on another one");
                 }
-                Some(Err(e)) => return Err(self.map_err(e, what, key)),
-                None => return Err(self.timed_out(what, key)),
+                Some(Err(e)) => return Err(errors::map(e, what)),
+                None => return Err(self.timed_out(what)),
             }
         }
     }
 
-    /// As [`fetch`](Self::fetch), for statements on `key` that always
-    /// return a row and need no undo.
-    pub(crate) async fn fetch_one(
-        &self,
-        what: &str,
-        key: &LockKey,
-        call: Call,
-    ) -> Result<Reply<PgRow>, LockError> {
-        let reply = self.fetch(what, Some(key), call, None).await?;
-        let row = reply.row.ok_or_else(|| {
-            LockError::corrupted(format!(
-                "{what} on lock {:?}: the lock table returned no row",
-                key.as_str()
-            ))
-        })?;
+    /// As [`fetch`](Self::fetch), for statements inside a lock call that
+    /// always return a row and need no undo.
+    pub(crate) async fn fetch_one(&self, call: Call) -> Result<Reply<PgRow>, LockError> {
+        let reply = self.fetch(IN_LOCK_CALL, call, None).await?;
+        let row = reply
+            .row
+            .ok_or_else(|| LockError::corrupted("the lock table returned no row"))?;
         Ok(Reply {
             row,
             resent: reply.resent,

@@ -1,32 +1,27 @@
 //! Reading the rows the statements return: typed columns, and the checks
 //! that report a row distlock did not write as corrupted.
 
-use distlock_core::{FencingToken, HeldLock, LockError, LockKey};
+use distlock_core::{FencingToken, HeldLock, LockError};
 use sqlx::postgres::PgRow;
 use sqlx::Row;
 
 use crate::backend::PostgresLock;
+use crate::errors;
 use crate::keys::is_owner_token;
 
 impl PostgresLock {
     /// Reads column `name` of a row, reporting an unexpected type as corruption.
-    pub(crate) fn column<'r, T>(
-        &self,
-        row: &'r PgRow,
-        name: &str,
-        key: &LockKey,
-    ) -> Result<T, LockError>
+    pub(crate) fn column<'r, T>(&self, row: &'r PgRow, name: &str) -> Result<T, LockError>
     where
         T: sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
     {
         row.try_get(name)
-            .map_err(|e| self.map_err(e, "reading the lock row", Some(key)))
+            .map_err(|e| errors::map(e, "reading the lock row"))
     }
 
-    /// Checks the row found at `key` for states distlock never writes.
+    /// Checks the row a lock call found for states distlock never writes.
     pub(crate) fn check_row(
         &self,
-        key: &LockKey,
         owner: Option<&str>,
         fencing: Option<i64>,
         expected_fencing: Option<u64>,
@@ -36,19 +31,16 @@ impl PostgresLock {
         if let Some(owner) = owner {
             if !is_owner_token(owner) {
                 return Err(LockError::corrupted(format!(
-                    "the row for lock {:?} in namespace {namespace:?} of {table} has an owner distlock did not write; it is left untouched",
-                    key.as_str(),
+                    "the lock's row in namespace {namespace:?} of {table} has an owner distlock did not write; it is left untouched",
                 )));
             }
         }
         match fencing {
             Some(f) if f < 0 => Err(LockError::corrupted(format!(
-                "the row for lock {:?} in namespace {namespace:?} of {table} has a negative fencing counter ({f}); it is left untouched",
-                key.as_str(),
+                "the lock's row in namespace {namespace:?} of {table} has a negative fencing counter ({f}); it is left untouched",
             ))),
             Some(f) if expected_fencing.is_some_and(|e| (f as u64) < e) => Err(LockError::corrupted(format!(
-                "the fencing counter of lock {:?} in namespace {namespace:?} of {table} went backwards (row {f}, lease {}); the row was edited outside distlock",
-                key.as_str(),
+                "the lock's fencing counter in namespace {namespace:?} of {table} went backwards (row {f}, lease {}); the row was edited outside distlock",
                 expected_fencing.unwrap_or_default()
             ))),
             _ => Ok(()),
@@ -59,18 +51,16 @@ impl PostgresLock {
     /// row as it was before the statement): whether `lock` held it, after
     /// checking the row for states distlock never writes.
     pub(crate) fn held_by(&self, lock: &HeldLock<'_>, row: &PgRow) -> Result<bool, LockError> {
-        let key = lock.key;
-        let done: i64 = self.column(row, "done", key)?;
-        let owner: Option<String> = self.column(row, "owner", key)?;
-        let fencing: Option<i64> = self.column(row, "fencing", key)?;
+        let done: i64 = self.column(row, "done")?;
+        let owner: Option<String> = self.column(row, "owner")?;
+        let fencing: Option<i64> = self.column(row, "fencing")?;
         let expected = lock.fencing.get();
-        self.check_row(key, owner.as_deref(), fencing, Some(expected))?;
+        self.check_row(owner.as_deref(), fencing, Some(expected))?;
         if owner.as_deref() == Some(lock.owner.to_hex().as_str())
             && fencing.is_some_and(|f| f as u64 != expected)
         {
             return Err(LockError::corrupted(format!(
-                "the row for lock {:?} in namespace {:?} of {} has this lease's owner with another fencing token; the row was edited outside distlock",
-                key.as_str(),
+                "the lock's row in namespace {:?} of {} has this lease's owner with another fencing token; the row was edited outside distlock",
                 self.namespace(),
                 self.qualified_table()
             )));
@@ -79,19 +69,14 @@ impl PostgresLock {
     }
 
     /// The fencing token the acquire statement granted.
-    pub(crate) fn granted(
-        &self,
-        key: &LockKey,
-        fencing: Option<i64>,
-    ) -> Result<FencingToken, LockError> {
+    pub(crate) fn granted(&self, fencing: Option<i64>) -> Result<FencingToken, LockError> {
         fencing
             .and_then(|f| u64::try_from(f).ok())
             .filter(|f| *f >= 1)
             .map(FencingToken::new)
             .ok_or_else(|| {
                 LockError::corrupted(format!(
-                    "acquiring lock {:?} returned an impossible fencing token {fencing:?}",
-                    key.as_str()
+                    "the server granted an impossible fencing token {fencing:?}"
                 ))
             })
     }
@@ -100,9 +85,9 @@ impl PostgresLock {
     /// `lock` (released by it) or freed with its fencing token
     /// (force-released since), and not taken by anyone after it.
     pub(crate) fn freed_with(&self, lock: &HeldLock<'_>, row: &PgRow) -> Result<bool, LockError> {
-        let owner: Option<String> = self.column(row, "owner", lock.key)?;
-        let fencing: Option<i64> = self.column(row, "fencing", lock.key)?;
-        let given_up: bool = self.column(row, "given_up", lock.key)?;
+        let owner: Option<String> = self.column(row, "owner")?;
+        let fencing: Option<i64> = self.column(row, "fencing")?;
+        let given_up: bool = self.column(row, "given_up")?;
         let fencing = fencing.and_then(|f| u64::try_from(f).ok());
         let released = match owner {
             None => true,

@@ -23,7 +23,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use distlock_core::{
     ExtendReply, Grant, HeldLock, Listener, LockError, LockKey, PermitReply, PermitRequest,
-    ReleaseReply, ReleaseWatch, SemaphoreBackend,
+    ReleaseReply, ReleaseWatch, SemaphoreBackend, IN_LOCK_CALL,
 };
 use sqlx::postgres::{PgConnectOptions, PgRow};
 use tokio::sync::OnceCell;
@@ -89,10 +89,9 @@ impl PostgresLock {
     }
 
     /// The error for a semaphore row distlock did not write.
-    fn foreign_row(&self, key: &LockKey) -> LockError {
+    fn foreign_row(&self) -> LockError {
         LockError::corrupted(format!(
-            "the row for semaphore {:?} in namespace {:?} of {} is not in the form distlock writes; it is left untouched",
-            key.as_str(),
+            "the semaphore's row in namespace {:?} of {} is not in the form distlock writes; it is left untouched",
             self.namespace(),
             self.semaphores().table
         ))
@@ -103,7 +102,6 @@ impl PostgresLock {
     /// did not write is reported, not touched.
     async fn on_permit(
         &self,
-        what: &str,
         permit: &HeldLock<'_>,
         sql: &Arc<Sql>,
         last: Arg,
@@ -118,10 +116,10 @@ impl PostgresLock {
             Arg::Int(fencing),
             last,
         ];
-        let reply = self.fetch_one(what, key, self.call(sql, args)).await?;
-        let done = self.column::<i64>(&reply.row, "done", key)? > 0;
-        if !done && !self.column::<bool>(&reply.row, "well_formed", key)? {
-            return Err(self.foreign_row(key));
+        let reply = self.fetch_one(self.call(sql, args)).await?;
+        let done = self.column::<i64>(&reply.row, "done")? > 0;
+        if !done && !self.column::<bool>(&reply.row, "well_formed")? {
+            return Err(self.foreign_row());
         }
         Ok((done, reply))
     }
@@ -143,39 +141,35 @@ impl SemaphoreBackend for PostgresLock {
                 Arg::Int(limit),
             ],
         );
-        let Some(row) = self
-            .fetch("acquiring a permit", Some(key), call, None)
-            .await?
-            .row
-        else {
+        let Some(row) = self.fetch(IN_LOCK_CALL, call, None).await?.row else {
             // The semaphore's first row, inserted concurrently, is not in
             // this statement's snapshot yet: try again soon.
             return Ok(PermitReply::Full {
                 expires_in: Some(Duration::ZERO),
             });
         };
-        let fencing: Option<i64> = self.column(&row, "fencing", key)?;
-        if self.column::<bool>(&row, "granted", key)? {
+        let fencing: Option<i64> = self.column(&row, "fencing")?;
+        if self.column::<bool>(&row, "granted")? {
             // New, or adopted from an earlier attempt of this owner token.
             return Ok(PermitReply::Granted(Grant::new(
-                self.granted(key, fencing)?,
+                self.granted(fencing)?,
                 request.ttl,
             )));
         }
-        if !self.column::<bool>(&row, "well_formed", key)? {
-            return Err(self.foreign_row(key));
+        if !self.column::<bool>(&row, "well_formed")? {
+            return Err(self.foreign_row());
         }
-        let stored: i64 = self.column(&row, "permit_limit", key)?;
-        let live: i64 = self.column(&row, "live", key)?;
+        let stored: i64 = self.column(&row, "permit_limit")?;
+        let live: i64 = self.column(&row, "live")?;
         if live > 0 && stored != limit {
-            let stored = u32::try_from(stored).map_err(|_| self.foreign_row(key))?;
+            let stored = u32::try_from(stored).map_err(|_| self.foreign_row())?;
             return Ok(PermitReply::LimitMismatch { stored });
         }
         let expires_in = if live < limit {
             // Permits came back after this statement's snapshot.
             Some(Duration::ZERO)
         } else {
-            let ms: Option<i64> = self.column(&row, "expires_in_ms", key)?;
+            let ms: Option<i64> = self.column(&row, "expires_in_ms")?;
             ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)))
         };
         Ok(PermitReply::Full { expires_in })
@@ -188,26 +182,19 @@ impl SemaphoreBackend for PostgresLock {
     ) -> Result<ExtendReply, LockError> {
         let sql = &self.semaphores().sql.extend;
         let last = Arg::Int(ttl_millis(ttl));
-        Ok(
-            match self
-                .on_permit("extending a permit", &permit, sql, last)
-                .await?
-            {
-                (true, _) => ExtendReply::Extended(Grant::new(permit.fencing, ttl)),
-                (false, _) => ExtendReply::NotHeld,
-            },
-        )
+        Ok(match self.on_permit(&permit, sql, last).await? {
+            (true, _) => ExtendReply::Extended(Grant::new(permit.fencing, ttl)),
+            (false, _) => ExtendReply::NotHeld,
+        })
     }
 
     async fn release_permit(&self, permit: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
         let sql = &self.semaphores().sql.release;
         let last = Arg::text(&self.semaphores().channel);
-        let (done, reply) = self
-            .on_permit("releasing a permit", &permit, sql, last)
-            .await?;
+        let (done, reply) = self.on_permit(&permit, sql, last).await?;
         // Sent again after a lost reply: an earlier send that released the
         // permit left it given up with this fencing token.
-        let given_up = || self.column::<bool>(&reply.row, "given_up", permit.key);
+        let given_up = || self.column::<bool>(&reply.row, "given_up");
         Ok(if done || (reply.resent && given_up()?) {
             ReleaseReply::Released
         } else {

@@ -14,10 +14,8 @@ use crate::sql::{self, Arg, Call, Protocol};
 impl PostgresLock {
     /// Whether the catalog query `call` answers `exists = true`.
     pub(crate) async fn exists(&self, what: &str, call: Call) -> Result<bool, LockError> {
-        match self.fetch(what, None, call, None).await?.row {
-            Some(row) => row
-                .try_get("exists")
-                .map_err(|e| self.map_err(e, what, None)),
+        match self.fetch(what, call, None).await?.row {
+            Some(row) => row.try_get("exists").map_err(|e| errors::map(e, what)),
             None => Err(LockError::corrupted(format!(
                 "{what}: the catalog query returned no row"
             ))),
@@ -64,15 +62,13 @@ impl PostgresLock {
         // No row from the write: a concurrent client's marker committed
         // after this statement's snapshot; the next send sees it.
         for _ in 0..3 {
-            let Some(row) = self.fetch(what, None, call, None).await?.row else {
+            let Some(row) = self.fetch(what, call, None).await?.row else {
                 let mut store = table_and_namespace();
                 store.push(Arg::text(&STORAGE_FORMAT.to_string()));
                 call = self.call(&self.statements().format, store);
                 continue;
             };
-            let stored: String = row
-                .try_get("format")
-                .map_err(|e| self.map_err(e, what, None))?;
+            let stored: String = row.try_get("format").map_err(|e| errors::map(e, what))?;
             return read_storage_format(what, &location, stored.as_bytes());
         }
         Err(LockError::unavailable(format!(
@@ -136,10 +132,10 @@ impl PostgresLock {
                 &self.statements().create_schema,
                 Vec::new(),
             );
-            self.fetch(what, None, call, None).await?;
+            self.fetch(what, call, None).await?;
         }
         let call = Call::new(Protocol::Simple, create, Vec::new());
-        self.fetch(what, None, call, None).await?;
+        self.fetch(what, call, None).await?;
         Ok(())
     }
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use distlock_core::{
     async_trait, with_timeout, AcquireReply, AcquireRequest, Capabilities, ExtendReply, HeldLock,
     Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, OwnerToken, ReleaseReply,
-    ReleaseWatch, SemaphoreBackend,
+    ReleaseWatch, SemaphoreBackend, IN_LOCK_CALL,
 };
 use redis::aio::ConnectionManager;
 use redis::{Client, Value};
@@ -227,7 +227,7 @@ impl RedisLock {
         // waiters' subscriptions hold the connection: one bound in all.
         with_timeout(
             connect_budget(self.config.client()),
-            "redis subscribe for release notifications",
+            "subscribing to release notifications",
             self.listener.watch(channel),
         )
         .await
@@ -294,9 +294,7 @@ impl RedisLock {
         if let ExtendReply::Extended(_) = reply {
             // The primary extended it, but a promoted replica might still
             // expire it at the old time: the lease keeps its old deadline.
-            if let Some(shortfall) =
-                replicated.shortfall(call.what, held.key, "the lease keeps its previous expiry")
-            {
+            if let Some(shortfall) = replicated.shortfall("the lease keeps its previous expiry") {
                 return Err(shortfall);
             }
         }
@@ -313,8 +311,6 @@ impl RedisLock {
         timeout: Duration,
     ) -> Result<(Value, Option<i64>), LockError> {
         let Call {
-            what,
-            key,
             keys,
             script,
             redis_keys,
@@ -322,7 +318,7 @@ impl RedisLock {
         } = call;
         let started = Instant::now();
         // Finding the Sentinel primary is part of the budget.
-        let mut checkout = with_timeout(timeout, what, self.commands.checkout()).await?;
+        let mut checkout = with_timeout(timeout, IN_LOCK_CALL, self.commands.checkout()).await?;
         let left = timeout.saturating_sub(started.elapsed());
         let request = async {
             match wait {
@@ -341,11 +337,11 @@ impl RedisLock {
         let Ok(result) = tokio::time::timeout(left, request).await else {
             checkout.timed_out();
             return Err(LockError::timeout(format!(
-                "{what} got no reply within {timeout:?}; the server may be down or overloaded"
+                "no reply within {timeout:?}; the server may be down or overloaded"
             )));
         };
         checkout.finish(&result);
-        result.map_err(|e| errors::map_script(e, what, key, keys))
+        result.map_err(|e| errors::map_script(e, keys))
     }
 }
 
@@ -368,8 +364,6 @@ impl RedisLock {
             OwnerToken::random().to_hex(),
         ];
         let call = Call {
-            what: "redis release",
-            key,
             keys,
             script: &RELEASE_SCRIPT,
             redis_keys: &[&keys.lock, &keys.gone],
@@ -388,12 +382,10 @@ impl RedisLock {
     }
 }
 
-/// One script invocation: what it is for (for errors), the lock, its Redis
-/// names, and the script's keys and arguments.
+/// One script invocation: the lock's Redis names, and the script's keys
+/// and arguments.
 #[derive(Clone, Copy)]
 pub(crate) struct Call<'a> {
-    pub(crate) what: &'a str,
-    pub(crate) key: &'a LockKey,
     pub(crate) keys: &'a RedisKeys,
     pub(crate) script: &'a LuaScript,
     pub(crate) redis_keys: &'a [&'a str],
@@ -414,7 +406,7 @@ pub(crate) enum Replicated {
 }
 
 impl Replicated {
-    pub(crate) fn shortfall(self, what: &str, key: &LockKey, outcome: &str) -> Option<LockError> {
+    pub(crate) fn shortfall(self, outcome: &str) -> Option<LockError> {
         match self {
             Replicated::Enough => None,
             Replicated::Only {
@@ -422,7 +414,7 @@ impl Replicated {
                 wanted,
                 wait,
             } => Some(LockError::unavailable(format!(
-                "{what} on lock {key:?}: only {acknowledged} of the {wanted} replicas required by min_replicas acknowledged it within {wait:?}, so a failover could lose it; {outcome}"
+                "only {acknowledged} of the {wanted} replicas required by min_replicas acknowledged it within {wait:?}, so a failover could lose it; {outcome}"
             ))),
         }
     }
@@ -482,8 +474,6 @@ impl LockBackend for RedisLock {
         // The give-back below shares this operation's timeout.
         let sent = Instant::now();
         let call = Call {
-            what: "redis acquire",
-            key,
             keys: &keys,
             script: &ACQUIRE_SCRIPT,
             redis_keys: &[&keys.lock, &keys.fence],
@@ -495,8 +485,7 @@ impl LockBackend for RedisLock {
             return Ok(reply);
         };
         let value = scripts::lock_value(&owner, grant.fencing.get());
-        let Some(shortfall) = replicated.shortfall("redis acquire", key, "it was released again")
-        else {
+        let Some(shortfall) = replicated.shortfall("it was released again") else {
             return Ok(reply);
         };
         // Not replicated enough to survive a failover: give it back rather
@@ -515,8 +504,6 @@ impl LockBackend for RedisLock {
             self.retention_ms(ttl),
         ];
         let call = Call {
-            what: "redis extend",
-            key: lock.key,
             keys: &keys,
             script: &EXTEND_SCRIPT,
             redis_keys: &[&keys.lock, &keys.fence],
@@ -551,8 +538,6 @@ impl LockAdmin for RedisLock {
         let keys = self.keys(key);
         let reply = self
             .run(Call {
-                what: "redis inspect",
-                key,
                 keys: &keys,
                 script: &INSPECT_SCRIPT,
                 redis_keys: &[&keys.lock],
@@ -566,8 +551,6 @@ impl LockAdmin for RedisLock {
         let keys = self.keys(key);
         let reply = self
             .run(Call {
-                what: "redis force release",
-                key,
                 keys: &keys,
                 script: &FORCE_RELEASE_SCRIPT,
                 redis_keys: &[&keys.lock],

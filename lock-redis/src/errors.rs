@@ -1,6 +1,6 @@
 //! Redis driver errors -> [`LockError`].
 
-use distlock_core::{LockError, LockKey};
+use distlock_core::{request_message, LockError, IN_LOCK_CALL};
 use redis::{ErrorKind as RedisKind, RedisError};
 
 use crate::keys::RedisKeys;
@@ -13,61 +13,69 @@ pub(crate) const CORRUPT_CODE: &str = "DISTLOCK_CORRUPT";
 /// (checked before anything is written).
 pub(crate) const ARGS_CODE: &str = "DISTLOCK_ARGS";
 
-/// Maps a driver error from `what` (a short description of the request).
-pub(crate) fn map(err: RedisError, what: &str) -> LockError {
-    let err = match crate::tls::failure(err, what) {
+/// Maps a driver error from `what` (a short description of the request;
+/// empty inside a lock call, see [`request_message`]).
+pub(crate) fn map(error: RedisError, what: &str) -> LockError {
+    let err = match crate::tls::failure(error, what) {
         Ok(tls) => return tls,
         Err(err) => err,
     };
     let code = err.code().unwrap_or("");
     let kind = err.kind();
-    if kind == RedisKind::AuthenticationFailed || matches!(code, "WRONGPASS" | "NOAUTH") {
-        return LockError::config(format!(
-            "{what}: redis authentication failed; check the user and password in the URL \
+    let (error, message): (fn(String) -> LockError, String) =
+        if kind == RedisKind::AuthenticationFailed || matches!(code, "WRONGPASS" | "NOAUTH") {
+            (
+                LockError::config,
+                "redis authentication failed; check the user and password in the URL \
              (redis://user:password@host:port, or redis://:password@host:port without ACL users)"
-        ))
-        .with_source(err);
-    }
-    if code == "NOPERM" {
-        return LockError::config(format!(
-            "{what}: the redis ACL user is not allowed to do this ({}); distlock needs the \
-             permissions listed in the distlock-redis docs (\"ACL users\") on its namespace's \
-             keys and channels",
-            err.detail().unwrap_or("NOPERM")
-        ))
-        .with_source(err);
-    }
-    if code == "READONLY" {
-        return LockError::unavailable(format!(
-            "{what}: the redis server is a read-only replica now ({err}); a failover is under way \
-             (or the URL names a replica): nothing was written, the client looks for the primary again"
-        ))
-        .with_source(err);
-    }
-    if matches!(code, "CLUSTERDOWN" | "MASTERDOWN" | "TRYAGAIN" | "LOADING") {
-        return LockError::unavailable(format!(
-            "{what}: the redis server cannot serve the request now ({err})"
-        ))
-        .with_source(err);
-    }
-    if kind == RedisKind::InvalidClientConfig {
-        return LockError::config(format!("{what}: invalid redis configuration: {err}"))
-            .with_source(err);
-    }
-    if err.is_timeout() {
-        return LockError::timeout(format!("{what}: the redis server did not answer in time"))
-            .with_source(err);
-    }
-    if err.is_io_error() || err.is_connection_refusal() || err.is_connection_dropped() {
-        return LockError::unavailable(format!(
-            "{what}: cannot reach the redis server ({err}); it may be down"
-        ))
-        .with_source(err);
-    }
-    LockError::unavailable(format!(
-        "{what}: the redis server refused the request: {err}"
-    ))
-    .with_source(err)
+                    .to_owned(),
+            )
+        } else if code == "NOPERM" {
+            (
+                LockError::config,
+                format!(
+                    "the redis ACL user is not allowed to do this ({}); distlock needs the \
+                 permissions listed in the distlock-redis docs (\"ACL users\") on its namespace's \
+                 keys and channels",
+                    err.detail().unwrap_or("NOPERM")
+                ),
+            )
+        } else if code == "READONLY" {
+            (
+                LockError::unavailable,
+                format!(
+                    "the redis server is a read-only replica now ({err}); a failover is under way \
+                 (or the URL names a replica): nothing was written, and the next call looks for \
+                 the primary again"
+                ),
+            )
+        } else if matches!(code, "CLUSTERDOWN" | "MASTERDOWN" | "TRYAGAIN" | "LOADING") {
+            (
+                LockError::unavailable,
+                format!("the redis server cannot serve the request now ({err})"),
+            )
+        } else if kind == RedisKind::InvalidClientConfig {
+            (
+                LockError::config,
+                format!("invalid redis configuration: {err}"),
+            )
+        } else if err.is_timeout() {
+            (
+                LockError::timeout,
+                "the redis server did not answer in time".to_owned(),
+            )
+        } else if err.is_io_error() || err.is_connection_refusal() || err.is_connection_dropped() {
+            (
+                LockError::unavailable,
+                format!("cannot reach the redis server ({err}); it may be down"),
+            )
+        } else {
+            (
+                LockError::unavailable,
+                format!("the redis server refused the request: {err}"),
+            )
+        };
+    error(request_message(what, message)).with_source(err)
 }
 
 /// Whether the connection `err` came from should be replaced: it failed or
@@ -129,16 +137,12 @@ pub(crate) fn acl_denied(what: &str, namespace: &str, denied: &[(&str, &str)]) -
     ))
 }
 
-/// Maps an error from one of our scripts on `key`: a `DISTLOCK_CORRUPT`
+/// Maps an error from one of our scripts on the lock at `keys`, inside a
+/// lock call (the client names the operation and key): a `DISTLOCK_CORRUPT`
 /// reply becomes [`ErrorKind::Corrupted`](distlock_core::ErrorKind) naming the
 /// Redis key, `DISTLOCK_ARGS` [`ErrorKind::InvalidInput`](distlock_core::ErrorKind),
 /// anything else goes through [`map`].
-pub(crate) fn map_script(
-    err: RedisError,
-    what: &str,
-    key: &LockKey,
-    keys: &RedisKeys,
-) -> LockError {
+pub(crate) fn map_script(err: RedisError, keys: &RedisKeys) -> LockError {
     match err.code() {
         Some(CORRUPT_CODE) => {
             let detail = err.detail().unwrap_or("holds data distlock did not write");
@@ -148,20 +152,20 @@ pub(crate) fn map_script(
                 "gone" => &keys.gone,
                 _ => &keys.lock,
             };
-            corrupted(key, redis_key, rest)
+            corrupted(redis_key, rest)
         }
         Some(ARGS_CODE) => LockError::invalid_input(format!(
-            "{what} on lock {key:?}: the script refused its arguments ({}) before writing anything",
+            "the script refused its arguments ({}) before writing anything",
             err.detail().unwrap_or("out of range")
         )),
-        _ => map(err, what),
+        _ => map(err, IN_LOCK_CALL),
     }
 }
 
 /// A [`ErrorKind::Corrupted`](distlock_core::ErrorKind) error for `redis_key`.
-pub(crate) fn corrupted(key: &LockKey, redis_key: &str, detail: &str) -> LockError {
+pub(crate) fn corrupted(redis_key: &str, detail: &str) -> LockError {
     LockError::corrupted(format!(
-        "lock {key:?}: redis key {redis_key:?} {detail}; distlock did not write it and left it \
+        "redis key {redis_key:?} {detail}; distlock did not write it and left it \
          untouched. Delete it if it is stale, or use another namespace"
     ))
 }
@@ -169,6 +173,28 @@ pub(crate) fn corrupted(key: &LockKey, redis_key: &str, detail: &str) -> LockErr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Inside a lock call the message is the failure alone (the client
+    /// names the call); elsewhere it starts with the request.
+    #[test]
+    fn only_requests_outside_lock_calls_are_named() {
+        let refused = || RedisError::from((RedisKind::Parse, "no"));
+        let in_call = map(refused(), IN_LOCK_CALL);
+        assert_eq!(in_call.kind(), distlock_core::ErrorKind::Unavailable);
+        assert!(
+            in_call
+                .message()
+                .starts_with("the redis server refused the request"),
+            "{in_call}"
+        );
+        let other = map(refused(), "connecting to redis at h:1");
+        assert!(
+            other
+                .message()
+                .starts_with("connecting to redis at h:1: the redis server refused the request"),
+            "{other}"
+        );
+    }
 
     #[test]
     fn acl_denied_names_each_command_once_with_its_pattern() {

@@ -42,8 +42,6 @@ impl RedisLock {
             OwnerToken::random().to_hex(),
         ];
         let call = Call {
-            what: "redis permit release",
-            key,
             keys,
             script: &RELEASE_PERMIT_SCRIPT,
             redis_keys: &[&keys.lock, &keys.gone],
@@ -69,8 +67,6 @@ impl SemaphoreBackend for RedisLock {
         // The give-back below shares this operation's timeout.
         let sent = Instant::now();
         let call = Call {
-            what: "redis permit acquire",
-            key,
             keys: &keys,
             script: &ACQUIRE_PERMIT_SCRIPT,
             redis_keys: &[&keys.lock, &keys.fence],
@@ -81,9 +77,7 @@ impl SemaphoreBackend for RedisLock {
         let PermitReply::Granted(grant) = &reply else {
             return Ok(reply);
         };
-        let Some(shortfall) =
-            replicated.shortfall("redis permit acquire", key, "it was released again")
-        else {
+        let Some(shortfall) = replicated.shortfall("it was released again") else {
             return Ok(reply);
         };
         // Not replicated enough to survive a failover: given back, as the
@@ -108,8 +102,6 @@ impl SemaphoreBackend for RedisLock {
             self.retention_ms(ttl),
         ];
         let call = Call {
-            what: "redis permit extend",
-            key: permit.key,
             keys: &keys,
             script: &EXTEND_PERMIT_SCRIPT,
             redis_keys: &[&keys.lock, &keys.fence],

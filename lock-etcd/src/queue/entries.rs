@@ -145,9 +145,8 @@ pub(super) fn check_entries(
         let id = kv.key().strip_prefix(prefix.as_slice()).unwrap_or_default();
         if kv.value() != ENTRY_VALUE || kv.lease() == 0 || !is_waiter_id(id) {
             return Err(LockError::corrupted(format!(
-                "the etcd waiter queue of {} {:?} holds a key distlock did not write ({:?}); it was left untouched — remove it or use another namespace",
+                "the {}'s etcd waiter queue holds a key distlock did not write ({:?}); it was left untouched — remove it or use another namespace",
                 line.what(),
-                line.key().as_str(),
                 String::from_utf8_lossy(kv.key())
             )));
         }

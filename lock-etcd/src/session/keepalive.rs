@@ -200,7 +200,7 @@ impl Task {
                 {
                     Opened::LeaseGone
                 }
-                Ok(Err(e)) => Opened::Failed(errors::map("etcd lease keep-alive", e)),
+                Ok(Err(e)) => Opened::Failed(errors::map(e, "etcd lease keep-alive")),
                 Err(e) => {
                     self.etcd.requests.suspect();
                     Opened::Failed(e)
