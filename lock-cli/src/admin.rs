@@ -16,18 +16,13 @@ async fn probe(backend: &LockClient, key: &LockKey) -> Result<AcquireAttempt, Fa
     let attempt = backend
         .try_acquire(key, ttl)
         .await
-        .map_err(|e| Failure::lock(&format!("cannot check lock {key:?}"), &e))?;
+        .map_err(|e| Failure::lock("cannot check the lock", &e))?;
     if let AcquireAttempt::Acquired(lease) = &attempt {
         // Ignore NotHeld: the probe's short lease may already have run out.
         match backend.release(lease).await {
             Ok(()) => {}
             Err(e) if e.kind() == ErrorKind::NotHeld => {}
-            Err(e) => {
-                return Err(Failure::lock(
-                    &format!("cannot release probe of {key:?}"),
-                    &e,
-                ))
-            }
+            Err(e) => return Err(Failure::lock("cannot release the probe lease", &e)),
         }
     }
     Ok(attempt)
@@ -64,7 +59,7 @@ async fn look(backend: &LockClient, key: &LockKey) -> Result<Seen, Failure> {
     let state = backend
         .inspect(key)
         .await
-        .map_err(|e| Failure::lock(&format!("cannot inspect lock {key:?}"), &e))?;
+        .map_err(|e| Failure::lock("cannot inspect the lock", &e))?;
     Ok(match state {
         LockState::Held {
             expires_in,
@@ -146,7 +141,7 @@ pub(crate) async fn release(args: ReleaseArgs) -> Result<u8, Failure> {
     let was_held = backend
         .force_release(&key)
         .await
-        .map_err(|e| Failure::lock(&format!("cannot force-release lock {key:?}"), &e))?;
+        .map_err(|e| Failure::lock("cannot force-release the lock", &e))?;
     if was_held {
         println!("{key}: released; its holder loses the lock at its next renewal");
     } else {

@@ -239,11 +239,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
             }
             return Ok(args.conflict_exit_code);
         }
-        Err(e) => {
-            return Err(
-                Failure::lock(&format!("cannot acquire lock {key:?}"), &e).not_running(&what)
-            )
-        }
+        Err(e) => return Err(Failure::lock("cannot acquire the lock", &e).not_running(&what)),
     };
     let fencing = guard.fencing_token();
 

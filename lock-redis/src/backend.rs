@@ -290,7 +290,7 @@ impl RedisLock {
         ttl: Duration,
     ) -> Result<ExtendReply, LockError> {
         let (reply, replicated) = self.run_replicated(call).await?;
-        let reply = replies::extend_reply(held.key, held.fencing, ttl, &reply)?;
+        let reply = replies::extend_reply(held.fencing, ttl, &reply)?;
         if let ExtendReply::Extended(_) = reply {
             // The primary extended it, but a promoted replica might still
             // expire it at the old time: the lease keeps its old deadline.
@@ -480,7 +480,7 @@ impl LockBackend for RedisLock {
             args: &args,
         };
         let (reply, replicated) = self.run_acquire(call, request.settling).await?;
-        let reply = replies::acquire_reply(key, request.ttl, &reply)?;
+        let reply = replies::acquire_reply(request.ttl, &reply)?;
         let AcquireReply::Granted(grant) = &reply else {
             return Ok(reply);
         };
@@ -544,7 +544,7 @@ impl LockAdmin for RedisLock {
                 args: &[],
             })
             .await?;
-        replies::inspect_reply(key, &reply)
+        replies::inspect_reply(&reply)
     }
 
     async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {

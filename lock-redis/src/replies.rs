@@ -10,12 +10,8 @@ use distlock_core::{
 use redis::Value;
 
 /// Reads the acquire script's reply for a request of `ttl`.
-pub(crate) fn acquire_reply(
-    key: &LockKey,
-    ttl: Duration,
-    reply: &Value,
-) -> Result<AcquireReply, LockError> {
-    let bad = || unexpected("acquire", key, reply);
+pub(crate) fn acquire_reply(ttl: Duration, reply: &Value) -> Result<AcquireReply, LockError> {
+    let bad = || unexpected(reply);
     let Value::Array(items) = reply else {
         return Err(bad());
     };
@@ -35,12 +31,8 @@ pub(crate) fn acquire_reply(
 }
 
 /// Reads the permit acquire script's reply for a request of `ttl`.
-pub(crate) fn acquire_permit_reply(
-    key: &LockKey,
-    ttl: Duration,
-    reply: &Value,
-) -> Result<PermitReply, LockError> {
-    let bad = || unexpected("permit acquire", key, reply);
+pub(crate) fn acquire_permit_reply(ttl: Duration, reply: &Value) -> Result<PermitReply, LockError> {
+    let bad = || unexpected(reply);
     let Value::Array(items) = reply else {
         return Err(bad());
     };
@@ -65,7 +57,6 @@ pub(crate) fn acquire_permit_reply(
 /// Reads the extend script's reply for a lock of `fencing` extended by `ttl`
 /// (the permit extend script answers the same way).
 pub(crate) fn extend_reply(
-    key: &LockKey,
     fencing: FencingToken,
     ttl: Duration,
     reply: &Value,
@@ -73,7 +64,7 @@ pub(crate) fn extend_reply(
     match as_int(reply) {
         Some(1) => Ok(ExtendReply::Extended(Grant::new(fencing, ttl))),
         Some(0) => Ok(ExtendReply::NotHeld),
-        _ => Err(unexpected("extend", key, reply)),
+        _ => Err(unexpected(reply)),
     }
 }
 
@@ -83,18 +74,18 @@ pub(crate) fn release_reply(key: &LockKey, reply: &Value) -> Result<ReleaseReply
     match deleted(key, reply) {
         Some(true) => Ok(ReleaseReply::Released),
         Some(false) => Ok(ReleaseReply::NotHeld),
-        None => Err(unexpected("release", key, reply)),
+        None => Err(unexpected(reply)),
     }
 }
 
 /// Reads the force-release script's reply: whether a lock was held.
 pub(crate) fn force_release_reply(key: &LockKey, reply: &Value) -> Result<bool, LockError> {
-    deleted(key, reply).ok_or_else(|| unexpected("force release", key, reply))
+    deleted(key, reply).ok_or_else(|| unexpected(reply))
 }
 
 /// Reads the inspect script's reply.
-pub(crate) fn inspect_reply(key: &LockKey, reply: &Value) -> Result<LockState, LockError> {
-    let bad = || unexpected("inspect", key, reply);
+pub(crate) fn inspect_reply(reply: &Value) -> Result<LockState, LockError> {
+    let bad = || unexpected(reply);
     let Value::Array(items) = reply else {
         return Err(bad());
     };
@@ -108,10 +99,10 @@ pub(crate) fn inspect_reply(key: &LockKey, reply: &Value) -> Result<LockState, L
     }
 }
 
-fn unexpected(what: &str, key: &LockKey, reply: &Value) -> LockError {
-    LockError::corrupted(format!(
-        "{what} on lock {key:?}: unexpected reply from the redis server: {reply:?}"
-    ))
+/// A reply no script of this version gives (the lock call's context names
+/// the operation and key).
+fn unexpected(reply: &Value) -> LockError {
+    LockError::corrupted(format!("unexpected reply from the redis server: {reply:?}"))
 }
 
 /// Reads a release or force-release reply: whether a lock was deleted.

@@ -73,7 +73,7 @@ impl SemaphoreBackend for RedisLock {
             args: &args,
         };
         let (reply, replicated) = self.run_acquire(call, request.settling).await?;
-        let reply = replies::acquire_permit_reply(key, request.ttl, &reply)?;
+        let reply = replies::acquire_permit_reply(request.ttl, &reply)?;
         let PermitReply::Granted(grant) = &reply else {
             return Ok(reply);
         };
