@@ -61,7 +61,7 @@
 //! request; locks without renewal get a lease of their own, two round trips,
 //! so their TTL is exact. See [`EtcdLock`] for the costs of each operation.
 //!
-//! # Semaphores
+//! ## Semaphores
 //!
 //! [`EtcdLock`] is also a [`SemaphoreBackend`](distlock_core::SemaphoreBackend)
 //! (at most N holders of a key: [`LockOptions::with_permits`](distlock_core::LockOptions::with_permits)).
