@@ -353,8 +353,12 @@ impl LockBackend for ObservedLock {
             .await
     }
 
-    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        self.inner.watch(key).await
+    async fn watch(
+        &self,
+        key: &LockKey,
+        waiter: OwnerToken,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
+        self.inner.watch(key, waiter).await
     }
 
     fn admin(&self) -> Option<&dyn LockAdmin> {
@@ -413,11 +417,12 @@ impl SemaphoreBackend for ObservedLock {
         &self,
         key: &LockKey,
         limit: u32,
+        waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
         self.inner
             .semaphore()
             .ok_or_else(no_semaphore)?
-            .watch_permits(key, limit)
+            .watch_permits(key, limit, waiter)
             .await
     }
 }

@@ -140,7 +140,11 @@ impl LockBackend for TinyLock {
         Ok(ReleaseReply::Released)
     }
 
-    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+    async fn watch(
+        &self,
+        key: &LockKey,
+        _waiter: OwnerToken,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
         // A real server subscribes in the closure (SUBSCRIBE, LISTEN, a
         // watch) and confirms before returning, so no release is missed.
         let watch = self

@@ -234,8 +234,17 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     /// wait is not missed. `None` (the default): no server-driven wake-up;
     /// waiters retry every [`Capabilities::retry_interval`] and at the
     /// holder's expiry.
-    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        let _ = key;
+    ///
+    /// `waiter` is the owner token every attempt of this wait uses, so a
+    /// backend can queue the waiter on the server and wake it alone
+    /// ([`Capabilities::wakes_one_waiter`]); the watch's drop says the wait
+    /// ended.
+    async fn watch(
+        &self,
+        key: &LockKey,
+        waiter: OwnerToken,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
+        let _ = (key, waiter);
         Ok(None)
     }
 
@@ -275,8 +284,12 @@ impl<B: LockBackend + ?Sized> LockBackend for std::sync::Arc<B> {
         (**self).release(lock).await
     }
 
-    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        (**self).watch(key).await
+    async fn watch(
+        &self,
+        key: &LockKey,
+        waiter: OwnerToken,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
+        (**self).watch(key, waiter).await
     }
 
     fn admin(&self) -> Option<&dyn LockAdmin> {

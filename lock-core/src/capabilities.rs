@@ -34,6 +34,10 @@ pub struct Capabilities {
     /// The server wakes waiters (pub/sub, watch, NOTIFY) through
     /// [`LockBackend::watch`](crate::LockBackend::watch).
     pub native_wait: bool,
+    /// A release wakes only the next waiter (the server keeps the line),
+    /// not every waiter of the key: one attempt per release, whatever the
+    /// crowd. The suite then checks it (`wait::one_attempt_per_release`).
+    pub wakes_one_waiter: bool,
     /// How often a waiter retries when the backend has no native wake-up.
     pub retry_interval: Duration,
     /// Lock data (and so fencing order) survives a server restart.
@@ -47,6 +51,7 @@ impl Default for Capabilities {
             ttl_granularity: Duration::from_millis(1),
             max_ttl: Duration::from_secs(365 * 24 * 3600),
             native_wait: false,
+            wakes_one_waiter: false,
             retry_interval: Duration::from_millis(50),
             durable: false,
         }

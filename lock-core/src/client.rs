@@ -234,8 +234,11 @@ impl LockClient {
         &self,
         key: &LockKey,
         limit: u32,
+        waiter: OwnerToken,
     ) -> Result<Option<crate::ReleaseWatch>, LockError> {
-        self.semaphore_or_error()?.watch_permits(key, limit).await
+        self.semaphore_or_error()?
+            .watch_permits(key, limit, waiter)
+            .await
     }
 
     /// Waits for `key` until `deadline` (`Ok(None)` if it is still held

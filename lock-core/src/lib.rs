@@ -79,7 +79,7 @@ pub use instrument::describe_metrics;
 pub use job_key::JobKey;
 pub use key::{LockKey, MAX_KEY_BYTES};
 pub use lease::{FencingToken, Lease, OwnerToken};
-pub use listener::{Listener, NotificationSource};
+pub use listener::{Listener, Notification, NotificationSource};
 pub use locker::Locker;
 pub use memory::MemoryLock;
 pub use notify::{ReleaseNotifier, ReleaseWatch};

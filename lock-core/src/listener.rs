@@ -10,7 +10,8 @@
 //! - subscribes a topic on the server when its first local waiter arrives,
 //!   and returns only once the server confirmed (so a waiter that subscribes
 //!   and then attempts never misses the release in between);
-//! - reads notifications on one task and wakes the waiters of their channel;
+//! - reads notifications on one task and wakes the waiters of their channel
+//!   (or the one waiter a [`Notification`] names);
 //! - pings a connection that stayed quiet, so a silently dead one (a network
 //!   black hole) is noticed;
 //! - unsubscribes topics whose waiters all left;
@@ -32,6 +33,36 @@ use async_trait::async_trait;
 use tokio::task::JoinHandle;
 
 use crate::{with_timeout, ClientOptions, LockError, ReleaseNotifier, ReleaseWatch};
+
+/// What a notification wakes: every waiter of a channel, or only the one
+/// waiter the server named (see [`Listener::watch_as`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    /// The local channel ([`NotificationSource::channel`]).
+    pub channel: String,
+    /// The one waiter to wake, if the server named one.
+    pub waiter: Option<String>,
+}
+
+impl Notification {
+    /// Wakes only `waiter` on `channel`.
+    pub fn for_waiter(channel: impl Into<String>, waiter: impl Into<String>) -> Self {
+        Self {
+            channel: channel.into(),
+            waiter: Some(waiter.into()),
+        }
+    }
+}
+
+/// Wakes every waiter of the channel.
+impl From<String> for Notification {
+    fn from(channel: String) -> Self {
+        Self {
+            channel,
+            waiter: None,
+        }
+    }
+}
 
 /// A server connection that delivers release notifications, as a backend
 /// sees it. The [`Listener`] owns the lifecycle; this says how to talk.
@@ -67,10 +98,10 @@ pub trait NotificationSource: Send + Sync + 'static {
         Ok(())
     }
 
-    /// The next notification: the channel to wake. `None` or an error ends
+    /// The next notification: the channel to wake (a `String` converts). `None` or an error ends
     /// the connection. Must be cancel-safe (the listener stops reading to
     /// ping a quiet connection).
-    async fn next(&self, stream: &mut Self::Stream) -> Option<Result<String, LockError>>;
+    async fn next(&self, stream: &mut Self::Stream) -> Option<Result<Notification, LockError>>;
 
     /// Checks that a quiet connection is alive (the listener bounds it by
     /// the operation timeout). The default trusts the transport's own
@@ -93,7 +124,7 @@ const HEALTH_CHECK_AFTER: Duration = Duration::from_secs(10);
 /// describes its connection as a [`NotificationSource`].
 ///
 /// ```
-/// use distlock_core::{async_trait, ClientOptions, Listener, LockError, NotificationSource};
+/// use distlock_core::{async_trait, ClientOptions, Listener, LockError, Notification, NotificationSource};
 /// use tokio::sync::mpsc;
 ///
 /// /// A toy source: notifications come from an in-process channel.
@@ -110,8 +141,8 @@ const HEALTH_CHECK_AFTER: Duration = Duration::from_secs(10);
 ///         rx.map(|rx| ((), rx)).ok_or_else(|| LockError::unavailable("toy server gone"))
 ///     }
 ///     async fn subscribe(&self, _: &(), _: &[String]) -> Result<(), LockError> { Ok(()) }
-///     async fn next(&self, stream: &mut Self::Stream) -> Option<Result<String, LockError>> {
-///         stream.recv().await.map(Ok)
+///     async fn next(&self, stream: &mut Self::Stream) -> Option<Result<Notification, LockError>> {
+///         stream.recv().await.map(|channel| Ok(channel.into()))
 ///     }
 /// }
 ///
@@ -204,11 +235,26 @@ impl<S: NotificationSource> Listener<S> {
     /// Registers a waiter on `topic`; when this returns, the server
     /// subscription is confirmed. An error leaves nothing registered.
     pub async fn watch(&self, topic: S::Topic) -> Result<ReleaseWatch, LockError> {
+        self.watch_named(topic, None).await
+    }
+
+    /// [`watch`](Self::watch) for a waiter named `waiter`: woken by every
+    /// notification of its channel, and alone by a [`Notification`] that
+    /// names it (a server that wakes one waiter per release).
+    pub async fn watch_as(&self, topic: S::Topic, waiter: &str) -> Result<ReleaseWatch, LockError> {
+        self.watch_named(topic, Some(waiter)).await
+    }
+
+    async fn watch_named(
+        &self,
+        topic: S::Topic,
+        waiter: Option<&str>,
+    ) -> Result<ReleaseWatch, LockError> {
         let inner = &self.inner;
         let channel = inner.source.channel(&topic);
         inner
             .notifier
-            .subscribe(&channel, || inner.subscribe(channel.clone(), topic))
+            .subscribe_as(&channel, waiter, || inner.subscribe(channel.clone(), topic))
             .await
     }
 }
@@ -356,10 +402,18 @@ async fn read<S: NotificationSource>(
     let error = loop {
         tokio::select! {
             received = source.next(&mut stream) => match received {
-                Some(Ok(channel)) => {
+                Some(Ok(notification)) => {
                     heard = Instant::now();
                     let Some(inner) = weak.upgrade() else { return };
-                    inner.notifier.notify(&channel);
+                    match &notification.waiter {
+                        None => inner.notifier.notify(&notification.channel),
+                        Some(waiter) => {
+                            if !inner.notifier.notify_waiter(&notification.channel, waiter) {
+                                // It left; its backend passes the turn on.
+                                tracing::trace!(channel = %notification.channel, %waiter, "wake-up for a waiter that left");
+                            }
+                        }
+                    }
                 }
                 Some(Err(e)) => break e,
                 None => break LockError::unavailable("the server closed the notification connection"),
@@ -455,8 +509,8 @@ mod tests {
             unsubscribed.extend(topics.iter().cloned());
             Ok(())
         }
-        async fn next(&self, stream: &mut Self::Stream) -> Option<Result<String, LockError>> {
-            stream.recv().await.map(Ok)
+        async fn next(&self, stream: &mut Self::Stream) -> Option<Result<Notification, LockError>> {
+            stream.recv().await.map(|channel| Ok(channel.into()))
         }
     }
 

@@ -247,7 +247,11 @@ impl LockBackend for MemoryLock {
         Ok(ReleaseReply::Released)
     }
 
-    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+    async fn watch(
+        &self,
+        key: &LockKey,
+        _waiter: OwnerToken,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
         let watch = self
             .store
             .releases
@@ -350,6 +354,7 @@ impl SemaphoreBackend for MemoryLock {
         &self,
         key: &LockKey,
         _limit: u32,
+        _waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
         let watch = self
             .store

@@ -2,9 +2,10 @@
 //!
 //! A backend keeps one server subscription per channel (Redis pub/sub channel,
 //! PostgreSQL LISTEN channel, etcd watch) however many local waiters wait on
-//! it, and wakes them all when a message arrives. A backend that wakes
-//! waiters one at a time (etcd's FIFO queue) gives each waiter a channel of
-//! its own.
+//! it, and wakes them all when a message arrives. A backend whose server
+//! names the one waiter to wake (Redis's waiter queue) registers each
+//! waiter under its owner token and wakes it alone; etcd's FIFO queue gives
+//! each waiter a channel of its own.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -21,8 +22,18 @@ type Wake = (u64, u64);
 #[derive(Debug)]
 struct Channel {
     wake: watch::Sender<Wake>,
+    /// Waiters registered by name, each woken alone by
+    /// [`ReleaseNotifier::notify_waiter`] (and with everyone by `notify`).
+    named: HashMap<String, watch::Sender<Wake>>,
     subscribers: usize,
     ready: Arc<OnceCell<()>>,
+}
+
+impl Channel {
+    /// Every sender of the channel: the shared one and each named waiter's.
+    fn senders(&self) -> impl Iterator<Item = &watch::Sender<Wake>> {
+        std::iter::once(&self.wake).chain(self.named.values())
+    }
 }
 
 type Registry = Mutex<HashMap<String, Channel>>;
@@ -64,22 +75,52 @@ impl ReleaseNotifier {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<(), LockError>>,
     {
+        self.subscribe_as(channel, None, server_subscribe).await
+    }
+
+    /// [`subscribe`](Self::subscribe) for a waiter named `waiter` (its
+    /// owner token, say): [`notify_waiter`](Self::notify_waiter) wakes it
+    /// alone. A name already waiting on `channel` is refused.
+    pub async fn subscribe_as<F, Fut>(
+        &self,
+        channel: &str,
+        waiter: Option<&str>,
+        server_subscribe: F,
+    ) -> Result<ReleaseWatch, LockError>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<(), LockError>>,
+    {
         let (watch, ready) = {
             let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
             let entry = channels
                 .entry(channel.to_owned())
                 .or_insert_with(|| Channel {
                     wake: watch::channel((0, 0)).0,
+                    named: HashMap::new(),
                     subscribers: 0,
                     ready: Arc::new(OnceCell::new()),
                 });
+            let rx = match waiter {
+                None => entry.wake.subscribe(),
+                Some(name) if entry.named.contains_key(name) => {
+                    return Err(LockError::invalid_input(format!(
+                        "waiter {name:?} already waits on {channel:?}"
+                    )));
+                }
+                Some(name) => {
+                    let (tx, rx) = watch::channel(*entry.wake.borrow());
+                    entry.named.insert(name.to_owned(), tx);
+                    rx
+                }
+            };
             entry.subscribers += 1;
-            let rx = entry.wake.subscribe();
             let epoch = rx.borrow().1;
             let watch = ReleaseWatch {
                 rx: Some(rx),
                 epoch,
                 channel: channel.to_owned(),
+                waiter: waiter.map(str::to_owned),
                 registry: Arc::downgrade(&self.channels),
             };
             (watch, entry.ready.clone())
@@ -94,7 +135,23 @@ impl ReleaseNotifier {
     pub fn notify(&self, channel: &str) {
         let channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(entry) = channels.get(channel) {
-            entry.wake.send_modify(|(n, _)| *n = n.wrapping_add(1));
+            for sender in entry.senders() {
+                sender.send_modify(|(n, _)| *n = n.wrapping_add(1));
+            }
+        }
+    }
+
+    /// Wakes only the waiter named `waiter` on `channel` (the server chose
+    /// it). `false` if no such waiter waits here: the wake-up reached
+    /// nobody, and the caller may pass it on.
+    pub fn notify_waiter(&self, channel: &str, waiter: &str) -> bool {
+        let channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        match channels.get(channel).and_then(|e| e.named.get(waiter)) {
+            Some(sender) => {
+                sender.send_modify(|(n, _)| *n = n.wrapping_add(1));
+                true
+            }
+            None => false,
         }
     }
 
@@ -106,9 +163,9 @@ impl ReleaseNotifier {
         let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
         for entry in channels.values_mut() {
             entry.ready = Arc::new(OnceCell::new());
-            entry
-                .wake
-                .send_modify(|(n, epoch)| (*n, *epoch) = (n.wrapping_add(1), *epoch + 1));
+            for sender in entry.senders() {
+                sender.send_modify(|(n, epoch)| (*n, *epoch) = (n.wrapping_add(1), *epoch + 1));
+            }
         }
     }
 
@@ -120,6 +177,29 @@ impl ReleaseNotifier {
         let wake = {
             let channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
             channels.get(channel).map(|entry| entry.wake.clone())
+        };
+        async move {
+            if let Some(wake) = wake {
+                wake.closed().await;
+            }
+        }
+    }
+
+    /// Resolves once the waiter named `waiter` no longer waits on
+    /// `channel` (its [`ReleaseWatch`] dropped); at once if it does not
+    /// wait there now. A backend that queued the waiter on the server
+    /// learns here that it left. Cancel-safe.
+    pub fn waiter_closed(
+        &self,
+        channel: &str,
+        waiter: &str,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        let wake = {
+            let channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+            channels
+                .get(channel)
+                .and_then(|entry| entry.named.get(waiter))
+                .cloned()
         };
         async move {
             if let Some(wake) = wake {
@@ -151,6 +231,8 @@ pub struct ReleaseWatch {
     rx: Option<watch::Receiver<Wake>>,
     epoch: u64,
     channel: String,
+    /// The name it was registered under, if any.
+    waiter: Option<String>,
     registry: Weak<Registry>,
 }
 
@@ -162,6 +244,7 @@ impl ReleaseWatch {
             rx: None,
             epoch: 0,
             channel: String::new(),
+            waiter: None,
             registry: Weak::new(),
         }
     }
@@ -196,10 +279,78 @@ impl Drop for ReleaseWatch {
         };
         let mut channels = registry.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(entry) = channels.get_mut(&self.channel) {
+            if let Some(name) = &self.waiter {
+                entry.named.remove(name);
+            }
             entry.subscribers -= 1;
             if entry.subscribers == 0 {
                 channels.remove(&self.channel);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    async fn woken(watch: &mut ReleaseWatch) -> bool {
+        tokio::time::timeout(Duration::from_millis(20), watch.released())
+            .await
+            .is_ok()
+    }
+
+    #[tokio::test]
+    async fn a_named_wake_up_wakes_that_waiter_alone() {
+        let notifier = ReleaseNotifier::new();
+        let ok = || async { Ok(()) };
+        let mut a = notifier.subscribe_as("k", Some("a"), ok).await.unwrap();
+        let mut b = notifier.subscribe_as("k", Some("b"), ok).await.unwrap();
+        let mut anyone = notifier.subscribe("k", ok).await.unwrap();
+        assert!(notifier.notify_waiter("k", "b"));
+        assert!(woken(&mut b).await);
+        assert!(!woken(&mut a).await);
+        assert!(!woken(&mut anyone).await);
+        // A wake-up for a waiter that is not here reaches nobody.
+        assert!(!notifier.notify_waiter("k", "c"));
+        assert!(!notifier.notify_waiter("other", "a"));
+        // A channel-wide notification still wakes everyone.
+        notifier.notify("k");
+        assert!(woken(&mut a).await && woken(&mut b).await && woken(&mut anyone).await);
+    }
+
+    #[tokio::test]
+    async fn a_reset_reaches_named_waiters_and_a_name_waits_once() {
+        let notifier = ReleaseNotifier::new();
+        let ok = || async { Ok(()) };
+        let mut a = notifier.subscribe_as("k", Some("a"), ok).await.unwrap();
+        let again = notifier.subscribe_as("k", Some("a"), ok).await;
+        assert_eq!(again.unwrap_err().kind(), crate::ErrorKind::InvalidInput);
+        notifier.reset();
+        assert!(a.released().await.is_err());
+    }
+
+    #[tokio::test]
+    async fn waiter_closed_resolves_when_its_watch_drops() {
+        let notifier = ReleaseNotifier::new();
+        let ok = || async { Ok(()) };
+        let a = notifier.subscribe_as("k", Some("a"), ok).await.unwrap();
+        let _b = notifier.subscribe_as("k", Some("b"), ok).await.unwrap();
+        let closed = notifier.waiter_closed("k", "a");
+        tokio::pin!(closed);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(20), &mut closed)
+                .await
+                .is_err(),
+            "a still waits"
+        );
+        drop(a);
+        closed.await;
+        // Its name is free again; the other waiter is untouched.
+        assert!(!notifier.notify_waiter("k", "a"));
+        assert!(notifier.notify_waiter("k", "b"));
+        notifier.subscribe_as("k", Some("a"), ok).await.unwrap();
     }
 }

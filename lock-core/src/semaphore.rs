@@ -99,14 +99,16 @@ pub trait SemaphoreBackend: Send + Sync {
 
     /// Subscribes to "a permit came back" for `key`'s semaphore of
     /// `limit` (the waiter's own; a server may use it to wake only as
-    /// many waiters as there are permits), before an attempt. `None`:
+    /// many waiters as there are permits), before an attempt; `waiter` as
+    /// in [`LockBackend::watch`](crate::LockBackend::watch). `None`:
     /// waiters poll.
     async fn watch_permits(
         &self,
         key: &LockKey,
         limit: u32,
+        waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
-        let _ = (key, limit);
+        let _ = (key, limit, waiter);
         Ok(None)
     }
 }

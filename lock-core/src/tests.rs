@@ -10,8 +10,8 @@ use async_trait::async_trait;
 
 use crate::{
     AcquireReply, AcquireRequest, Capabilities, ErrorKind, ExtendReply, HeldLock, LockBackend,
-    LockClient, LockError, LockKey, LockOptions, Locker, LostReason, MemoryLock, ReleaseReply,
-    ReleaseWatch, Renewal,
+    LockClient, LockError, LockKey, LockOptions, Locker, LostReason, MemoryLock, OwnerToken,
+    ReleaseReply, ReleaseWatch, Renewal,
 };
 
 /// `MemoryLock` with three faults: the first `lost_replies` acquire
@@ -82,8 +82,12 @@ impl LockBackend for Faulty {
         Ok(reply)
     }
 
-    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        self.server.watch(key).await
+    async fn watch(
+        &self,
+        key: &LockKey,
+        waiter: OwnerToken,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
+        self.server.watch(key, waiter).await
     }
 }
 

@@ -121,12 +121,14 @@ pub(crate) async fn acquire_until_cancelled(
             return Ok(settle(client, key, ttl, attempt, owner, unknown).await);
         }
         // Subscribe before the attempt: a release between a failed attempt
-        // and a later subscription would otherwise be missed.
+        // and a later subscription would otherwise be missed. The watch
+        // names this waiter by its owner token (a server that wakes one
+        // waiter per release queues it by that token).
         let mut watch_error = None;
         if watch.is_none() && caps.native_wait && Instant::now() < deadline {
             let subscribed = match attempt.permits {
-                None => client.raw().watch(key).await,
-                Some(limit) => client.watch_permits(key, limit).await,
+                None => client.raw().watch(key, owner).await,
+                Some(limit) => client.watch_permits(key, limit, owner).await,
             };
             match subscribed {
                 Ok(subscribed) => watch = subscribed,
@@ -166,6 +168,8 @@ pub(crate) async fn acquire_until_cancelled(
                     Err(e) => {
                         tracing::debug!(key = %key, error = %e, "giving back a late grant failed; it expires after its TTL");
                         owner = OwnerToken::random();
+                        // The watch names the waiter by its owner token.
+                        watch = None;
                     }
                 }
                 later(Instant::now(), caps.retry_interval.min(backoff))

@@ -9,8 +9,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
-    LockAdmin, LockBackend, LockError, LockKey, ReleaseReply, ReleaseWatch, SemaphoreBackend,
-    IN_LOCK_CALL,
+    LockAdmin, LockBackend, LockError, LockKey, OwnerToken, ReleaseReply, ReleaseWatch,
+    SemaphoreBackend, IN_LOCK_CALL,
 };
 
 use crate::config::{EtcdConfig, MAX_TTL, MIN_TTL};
@@ -341,7 +341,11 @@ impl LockBackend for EtcdLock {
         Ok(released)
     }
 
-    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+    async fn watch(
+        &self,
+        key: &LockKey,
+        _waiter: OwnerToken,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
         self.inner
             .queues
             .enqueue(Line::Lock(key.clone()))

@@ -34,7 +34,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
-use distlock_core::{LockError, NotificationSource};
+use distlock_core::{LockError, Notification, NotificationSource};
 use etcd_client::{EventType, WatchClient, WatchOptions, WatchRequestSender, WatchResponseStream};
 use tokio::sync::oneshot;
 
@@ -267,11 +267,11 @@ impl NotificationSource for EtcdWatches {
         Ok(())
     }
 
-    async fn next(&self, stream: &mut Stream) -> Option<Result<String, LockError>> {
+    async fn next(&self, stream: &mut Stream) -> Option<Result<Notification, LockError>> {
         loop {
             let error = match stream.responses.message().await {
                 Ok(Some(response)) => match stream.conn.handle(&response) {
-                    Some(wake) => return Some(wake),
+                    Some(wake) => return Some(wake.map(Notification::from)),
                     None => continue,
                 },
                 Ok(None) => LockError::unavailable("etcd closed the watch stream"),

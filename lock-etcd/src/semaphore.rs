@@ -248,6 +248,7 @@ impl SemaphoreBackend for EtcdLock {
         &self,
         key: &LockKey,
         limit: u32,
+        _waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
         self.inner
             .queues

@@ -180,7 +180,11 @@ async fn dropped_waits_leave_no_queue_entries_and_do_not_stall_later_waiters() {
     let lock = EtcdLock::connect(&url).await.expect("waiter");
     let waiter = LockClient::new(lock.clone());
     let started = Instant::now();
-    drop(lock.watch(&k).await.expect("watch"));
+    drop(
+        lock.watch(&k, distlock_core::OwnerToken::random())
+            .await
+            .expect("watch"),
+    );
     let queueing = started.elapsed() * 2;
     for i in 0..60 {
         let limit = random_below(queueing);
@@ -191,7 +195,9 @@ async fn dropped_waits_leave_no_queue_entries_and_do_not_stall_later_waiters() {
                 tokio::time::timeout(limit, wait).await.is_err(),
                 "{k} is held"
             );
-        } else if let Ok(watched) = tokio::time::timeout(limit, lock.watch(&k)).await {
+        } else if let Ok(watched) =
+            tokio::time::timeout(limit, lock.watch(&k, distlock_core::OwnerToken::random())).await
+        {
             drop(watched.expect("watch"));
         }
     }

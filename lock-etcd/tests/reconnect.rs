@@ -110,12 +110,12 @@ async fn a_waiter_leaving_during_a_reconnect_does_not_stop_the_wake_up() {
     let held_stays = acquire(&holder, &stays_key, Duration::from_secs(30)).await;
     let held_leaves = acquire(&holder, &leaves_key, Duration::from_secs(30)).await;
     let mut stays = lock
-        .watch(&stays_key)
+        .watch(&stays_key, distlock_core::OwnerToken::random())
         .await
         .expect("watch")
         .expect("etcd has watches");
     let leaves = lock
-        .watch(&leaves_key)
+        .watch(&leaves_key, distlock_core::OwnerToken::random())
         .await
         .expect("watch")
         .expect("etcd has watches");

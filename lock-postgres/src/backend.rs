@@ -430,7 +430,11 @@ impl LockBackend for PostgresLock {
         })
     }
 
-    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+    async fn watch(
+        &self,
+        key: &LockKey,
+        _waiter: distlock_core::OwnerToken,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
         match &self.listener {
             // Nothing to hear through a transaction pooler found since
             // connect: waiters poll.

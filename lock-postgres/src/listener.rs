@@ -15,7 +15,7 @@
 
 use std::time::Duration;
 
-use distlock_core::{async_trait, LockError, LockKey, NotificationSource};
+use distlock_core::{async_trait, LockError, LockKey, Notification, NotificationSource};
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 
 use crate::errors;
@@ -86,12 +86,12 @@ impl NotificationSource for Releases {
         Ok(())
     }
 
-    async fn next(&self, listener: &mut PgListener) -> Option<Result<String, LockError>> {
+    async fn next(&self, listener: &mut PgListener) -> Option<Result<Notification, LockError>> {
         // try_recv is cancel-safe: a partly read message stays buffered.
         match listener.try_recv().await {
             Ok(Some(notification)) => {
                 tracing::trace!(key = notification.payload(), "release notification");
-                Some(Ok(notification.payload().to_owned()))
+                Some(Ok(notification.payload().to_owned().into()))
             }
             Ok(None) => None,
             Err(e) => Some(Err(errors::map(e, "reading release notifications"))),

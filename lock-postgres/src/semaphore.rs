@@ -206,6 +206,7 @@ impl SemaphoreBackend for PostgresLock {
         &self,
         key: &LockKey,
         _limit: u32,
+        _waiter: distlock_core::OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
         match &self.semaphores().listener {
             // As for locks: nothing to hear through a transaction pooler

@@ -1,6 +1,7 @@
 //! [`RedisLock`]: the client, its requests (scripts, replication waits) and the [`LockBackend`] and [`LockAdmin`] implementation; connecting lives in `connect`.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use distlock_core::{
@@ -20,9 +21,10 @@ use crate::listener::PubSub;
 use crate::replies;
 use crate::scripts::{
     self, LuaScript, ACQUIRE_SCRIPT, EXTEND_SCRIPT, FORCE_RELEASE_SCRIPT, INSPECT_SCRIPT,
-    RELEASE_SCRIPT,
+    LEAVE_PERMIT_SCRIPT, LEAVE_SCRIPT, RELEASE_SCRIPT,
 };
 use crate::tls;
+use crate::waiters::{Line, Waiters};
 
 /// A lock server on Redis: one server, the primary of a Sentinel group, or
 /// a Redis Cluster.
@@ -52,10 +54,11 @@ use crate::tls;
 /// # Ok(()) }
 /// ```
 pub struct RedisLock {
-    commands: Commands,
+    commands: Arc<Commands>,
     config: RedisConfig,
     channels: Channels,
     listener: Listener<PubSub>,
+    waiters: Arc<Waiters>,
 }
 
 /// The pub/sub commands: sharded (`SPUBLISH`, `SSUBSCRIBE`) in a cluster,
@@ -171,10 +174,11 @@ impl RedisLock {
 
     fn new(commands: Commands, pubsub: PubSub, channels: Channels, config: RedisConfig) -> Self {
         Self {
-            commands,
+            commands: Arc::new(commands),
             listener: Listener::new(pubsub, config.client()),
             channels,
             config,
+            waiters: Waiters::new(),
         }
     }
 
@@ -188,7 +192,7 @@ impl RedisLock {
     /// own use: `None` for Sentinel and Cluster, whose connections this
     /// client finds and routes itself.
     pub fn connection_manager(&self) -> Option<ConnectionManager> {
-        match &self.commands {
+        match &*self.commands {
             Commands::Single(manager) => Some(manager.current().0),
             _ => None,
         }
@@ -208,6 +212,27 @@ impl RedisLock {
         self.channels.publish
     }
 
+    /// The waiter-line member an attempt sends: an open wait's (it joins
+    /// the line if the key is held), else empty. A settling attempt never
+    /// joins: its wait is over.
+    pub(crate) fn line_member(
+        &self,
+        line: Line,
+        key: &LockKey,
+        owner: OwnerToken,
+        settling: bool,
+    ) -> String {
+        if settling {
+            return String::new();
+        }
+        self.waiters.attempting(line, key, owner)
+    }
+
+    /// An attempt of `owner` was granted: its wait (if any) left the line.
+    pub(crate) fn line_granted(&self, line: Line, key: &LockKey, owner: OwnerToken) {
+        self.waiters.granted(line, key, owner);
+    }
+
     /// How long the fencing counter is kept after an acquisition for `ttl`.
     pub(crate) fn retention_ms(&self, ttl: Duration) -> String {
         arg_millis(self.config.fence_retention().max(ttl.saturating_mul(2)))
@@ -221,16 +246,46 @@ impl RedisLock {
             .saturating_sub(sent.elapsed())
     }
 
-    /// Subscribes to `channel`'s notifications (a wait's watch).
-    pub(crate) async fn watch_channel(&self, channel: String) -> Result<ReleaseWatch, LockError> {
+    /// Opens `waiter`'s wait in `line` of `key` (at `keys`): subscribes
+    /// to this client's channel of that line, under the waiter's name, and
+    /// when the watch drops, takes the waiter out of the line if it may be
+    /// in it (see [`crate::waiters`]).
+    pub(crate) async fn watch_line(
+        &self,
+        line: Line,
+        key: &LockKey,
+        keys: RedisKeys,
+        waiter: OwnerToken,
+    ) -> Result<ReleaseWatch, LockError> {
+        let channel = self.waiters.channel(&keys);
+        let name = waiter.to_hex();
         // Connecting (the first waiter) and subscribing, however long other
         // waiters' subscriptions hold the connection: one bound in all.
-        with_timeout(
+        let watch = with_timeout(
             connect_budget(self.config.client()),
             "subscribing to release notifications",
-            self.listener.watch(channel),
+            self.listener.watch_as(channel.clone(), &name),
         )
-        .await
+        .await?;
+        let registration = self.waiters.opened(line, key, waiter);
+        let closed = self.listener.notifier().waiter_closed(&channel, &name);
+        let leaving = Leaving {
+            commands: self.commands.clone(),
+            waiters: self.waiters.clone(),
+            publish: self.channels.publish,
+            timeout: self.config.client().operation_timeout(),
+            line,
+            key: key.clone(),
+            keys,
+            waiter,
+            registration,
+        };
+        // Ends when the watch drops (the wait ended), at the latest.
+        tokio::spawn(async move {
+            closed.await;
+            leaving.leave().await;
+        });
+        Ok(watch)
     }
 
     /// Runs one script invocation under the operation timeout.
@@ -310,6 +365,78 @@ impl RedisLock {
         wait: Option<(u32, Duration)>,
         timeout: Duration,
     ) -> Result<(Value, Option<i64>), LockError> {
+        execute(&self.commands, call, wait, timeout).await
+    }
+}
+
+/// A wait that ended: leaves its line on the server if it may be in it.
+struct Leaving {
+    commands: Arc<Commands>,
+    waiters: Arc<Waiters>,
+    publish: &'static str,
+    timeout: Duration,
+    line: Line,
+    key: LockKey,
+    keys: RedisKeys,
+    waiter: OwnerToken,
+    registration: u64,
+}
+
+impl Leaving {
+    async fn leave(self) {
+        let Leaving {
+            commands,
+            waiters,
+            publish,
+            timeout,
+            line,
+            key,
+            keys,
+            waiter,
+            registration,
+        } = self;
+        if !waiters.closed(line, &key, waiter, registration) {
+            return;
+        }
+        let script = match line {
+            Line::Lock => &*LEAVE_SCRIPT,
+            Line::Permits => &*LEAVE_PERMIT_SCRIPT,
+        };
+        let args = [
+            waiters.member(waiter),
+            keys.channel.clone(),
+            publish.to_owned(),
+        ];
+        let call = Call {
+            keys: &keys,
+            script,
+            redis_keys: &[&keys.lock, &keys.waiters],
+            args: &args,
+        };
+        // Best effort: a waiter left behind is dropped by a later release
+        // once its client is gone, or with the line when it expires; until
+        // then a wake-up it takes falls back to the others' timers.
+        match execute(&commands, call, None, timeout).await {
+            Ok((reply, _)) => {
+                if replies::deleted(&key, &reply).is_none() {
+                    tracing::debug!(key = %key, ?reply, "unexpected reply to leaving the waiter line");
+                }
+            }
+            Err(e) => {
+                tracing::debug!(key = %key, error = %e, "leaving the waiter line failed; the line drops the waiter later");
+            }
+        }
+    }
+}
+
+/// Runs `call` on `commands` within `timeout`; see [`RedisLock::execute`].
+async fn execute(
+    commands: &Commands,
+    call: Call<'_>,
+    wait: Option<(u32, Duration)>,
+    timeout: Duration,
+) -> Result<(Value, Option<i64>), LockError> {
+    {
         let Call {
             keys,
             script,
@@ -318,7 +445,7 @@ impl RedisLock {
         } = call;
         let started = Instant::now();
         // Finding the Sentinel primary is part of the budget.
-        let mut checkout = with_timeout(timeout, IN_LOCK_CALL, self.commands.checkout()).await?;
+        let mut checkout = with_timeout(timeout, IN_LOCK_CALL, commands.checkout()).await?;
         let left = timeout.saturating_sub(started.elapsed());
         let request = async {
             match wait {
@@ -366,7 +493,7 @@ impl RedisLock {
         let call = Call {
             keys,
             script: &RELEASE_SCRIPT,
-            redis_keys: &[&keys.lock, &keys.gone],
+            redis_keys: &[&keys.lock, &keys.gone, &keys.waiters],
             args: &args,
         };
         let (reply, _) = self.execute(call, None, timeout).await?;
@@ -457,6 +584,7 @@ impl LockBackend for RedisLock {
             min_ttl: Duration::from_millis(1),
             ttl_granularity: Duration::from_millis(1),
             native_wait: true,
+            wakes_one_waiter: true,
             durable: false,
             ..Capabilities::default()
         }
@@ -470,13 +598,14 @@ impl LockBackend for RedisLock {
             owner.clone(),
             arg_millis(request.ttl),
             self.retention_ms(request.ttl),
+            self.line_member(Line::Lock, key, request.owner, request.settling),
         ];
         // The give-back below shares this operation's timeout.
         let sent = Instant::now();
         let call = Call {
             keys: &keys,
             script: &ACQUIRE_SCRIPT,
-            redis_keys: &[&keys.lock, &keys.fence],
+            redis_keys: &[&keys.lock, &keys.fence, &keys.waiters],
             args: &args,
         };
         let (reply, replicated) = self.run_acquire(call, request.settling).await?;
@@ -484,6 +613,7 @@ impl LockBackend for RedisLock {
         let AcquireReply::Granted(grant) = &reply else {
             return Ok(reply);
         };
+        self.waiters.granted(Line::Lock, key, request.owner);
         let value = scripts::lock_value(&owner, grant.fencing.get());
         let Some(shortfall) = replicated.shortfall("it was released again") else {
             return Ok(reply);
@@ -519,8 +649,13 @@ impl LockBackend for RedisLock {
         self.release_value(lock.key, &keys, value, timeout).await
     }
 
-    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        Ok(Some(self.watch_channel(self.keys(key).channel).await?))
+    async fn watch(
+        &self,
+        key: &LockKey,
+        waiter: OwnerToken,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
+        let keys = self.keys(key);
+        Ok(Some(self.watch_line(Line::Lock, key, keys, waiter).await?))
     }
 
     fn admin(&self) -> Option<&dyn LockAdmin> {
@@ -553,7 +688,7 @@ impl LockAdmin for RedisLock {
             .run(Call {
                 keys: &keys,
                 script: &FORCE_RELEASE_SCRIPT,
-                redis_keys: &[&keys.lock],
+                redis_keys: &[&keys.lock, &keys.waiters],
                 args: &[keys.channel.clone(), self.channels.publish.to_owned()],
             })
             .await?;

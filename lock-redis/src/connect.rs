@@ -258,6 +258,9 @@ pub(crate) async fn preload(
     Ok(())
 }
 
+/// A client id for the ACL probe's channels (any hex id would do).
+const PROBE_CLIENT: &str = "00000000000000000000000000000000";
+
 /// Refuses an ACL user that cannot do what distlock needs in its namespace,
 /// naming what is missing. Servers before 7.0 cannot be asked (no
 /// `redis.acl_check_cmd`); there a missing permission shows at first use.
@@ -282,13 +285,16 @@ pub(crate) async fn check_permissions(
                         &permits.lock,
                         &permits.fence,
                         &permits.gone,
+                        &probe.waiters,
+                        &permits.waiters,
                     ],
                     &[
-                        probe.channel.clone(),
+                        // A client's channel: the base and a client id.
+                        probe.client_channel(PROBE_CLIENT),
                         channels.publish.to_owned(),
                         channels.subscribe.to_owned(),
                         channels.unsubscribe.to_owned(),
-                        permits.channel.clone(),
+                        permits.client_channel(PROBE_CLIENT),
                         RedisKeys::format(namespace),
                     ],
                 )

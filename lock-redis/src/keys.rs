@@ -7,10 +7,13 @@
 //! - `NS:{E}:gone` — the value of the lock released last and the id of
 //!   that release, kept briefly (a release resent after it was applied is
 //!   recognised);
-//! - `NS:{E}:released` — the pub/sub channel a release publishes on;
+//! - `NS:{E}:waiters` — the waiter line, a sorted set of
+//!   `<client hex>:<owner hex>` scored by arrival: a release wakes its
+//!   first waiter alone, on that client's channel `NS:{E}:released:<client hex>`;
+//! - `NS:{E}:released` — the base of those channels;
 //!
 //! and the semaphore of the same key `K` uses names of its own, in the same
-//! slot ([`RedisKeys::semaphore`], the same four roles):
+//! slot ([`RedisKeys::semaphore`], the same five roles):
 //!
 //! - `NS:{E}:sem:permits` — the permits, a sorted set of
 //!   `dl1:<owner hex>:<fencing token>:<limit>` scored by expiry (server
@@ -18,7 +21,8 @@
 //! - `NS:{E}:sem:fence` — the semaphore's fencing counter, as the lock's;
 //! - `NS:{E}:sem:gone` — released-by markers, a sorted set of
 //!   `<owner hex>:<fencing token>/<release id>` scored by expiry;
-//! - `NS:{E}:sem:returned` — the channel a permit's release publishes on;
+//! - `NS:{E}:sem:waiters` — the semaphore's waiter line, as the lock's;
+//! - `NS:{E}:sem:returned` — the base of its waiters' channels;
 //!
 //! and the namespace has one format marker, `NS:format` ([`RedisKeys::format`]):
 //! the [`distlock_core::STORAGE_FORMAT`] number as a string, no expiry. It
@@ -43,7 +47,10 @@ pub(crate) struct RedisKeys {
     pub(crate) fence: String,
     /// The released-by marker key.
     pub(crate) gone: String,
-    /// The release notification channel.
+    /// The waiter line.
+    pub(crate) waiters: String,
+    /// The base of the release notification channels (one per client:
+    /// `<channel>:<client hex>`).
     pub(crate) channel: String,
 }
 
@@ -76,20 +83,36 @@ impl RedisKeys {
         format!("{namespace}:format")
     }
 
-    fn tagged(namespace: &str, tag: &str, [lock, fence, gone, channel]: [&str; 4]) -> Self {
+    /// The channel of `client`'s waiters: the base channel and its id.
+    pub(crate) fn client_channel(&self, client: &str) -> String {
+        format!("{}:{client}", self.channel)
+    }
+
+    fn tagged(
+        namespace: &str,
+        tag: &str,
+        [lock, fence, gone, waiters, channel]: [&str; 5],
+    ) -> Self {
         Self {
             lock: format!("{namespace}:{{{tag}}}:{lock}"),
             fence: format!("{namespace}:{{{tag}}}:{fence}"),
             gone: format!("{namespace}:{{{tag}}}:{gone}"),
+            waiters: format!("{namespace}:{{{tag}}}:{waiters}"),
             channel: format!("{namespace}:{{{tag}}}:{channel}"),
         }
     }
 }
 
-/// A lock's suffixes: lock, fence, released-by marker, channel.
-const LOCK: [&str; 4] = ["lock", "fence", "gone", "released"];
+/// A lock's suffixes: lock, fence, released-by marker, waiter line, channel.
+const LOCK: [&str; 5] = ["lock", "fence", "gone", "waiters", "released"];
 /// A semaphore's, in the same roles.
-const SEMAPHORE: [&str; 4] = ["sem:permits", "sem:fence", "sem:gone", "sem:returned"];
+const SEMAPHORE: [&str; 5] = [
+    "sem:permits",
+    "sem:fence",
+    "sem:gone",
+    "sem:waiters",
+    "sem:returned",
+];
 
 /// Percent-escapes `%`, `{` and `}`.
 pub(crate) fn escape(key: &str) -> String {
@@ -172,6 +195,7 @@ mod tests {
                 assert_eq!(hash_part(&keys.fence), tag);
                 assert_eq!(hash_part(&keys.gone), tag);
                 assert_eq!(hash_part(&keys.channel), tag);
+                assert_eq!(hash_part(&keys.waiters), tag);
                 assert!(keys.lock.starts_with("ns:{"));
             }
         }
@@ -197,7 +221,13 @@ mod tests {
         assert_eq!(hash_part(&marker), marker);
         for key in LOOKALIKES.iter().chain(&["format", "%probe"]) {
             for keys in both(key) {
-                for name in [&keys.lock, &keys.fence, &keys.gone, &keys.channel] {
+                for name in [
+                    &keys.lock,
+                    &keys.fence,
+                    &keys.gone,
+                    &keys.waiters,
+                    &keys.channel,
+                ] {
                     assert_ne!(name, &marker);
                 }
             }

@@ -54,8 +54,8 @@
 //!   `acl-pubsub-default resetchannels`);
 //! - the commands `EVALSHA`, `EVAL`, `SUBSCRIBE`, `UNSUBSCRIBE`, `PING`, and
 //!   inside its scripts `TYPE`, `GET`, `SET`, `DEL`, `PTTL`, `PEXPIRE`,
-//!   `TIME`, `PUBLISH`, and for semaphores `ZRANGE`, `ZADD`, `ZREM`,
-//!   `ZREMRANGEBYSCORE`. `SCRIPT LOAD` is optional: without it a script the
+//!   `TIME`, `PUBLISH`, and for waiter lines and semaphores `ZRANGE`,
+//!   `ZADD`, `ZREM`, `ZREMRANGEBYSCORE`. `SCRIPT LOAD` is optional: without it a script the
 //!   server does not have is sent with `EVAL` (which caches it). `CONFIG`
 //!   (`CONFIG GET maxmemory-policy`, see [Eviction](#eviction)) is optional
 //!   too: without it the policy is not checked, and a warning says so.
@@ -100,13 +100,14 @@
 //! # How it works
 //!
 //! Keys (see the table in `keys.rs`): for lock `K` in namespace `NS`,
-//! `NS:{K'}:lock`, `NS:{K'}:fence`, `NS:{K'}:gone` and the channel
-//! `NS:{K'}:released`, where `K'` is `K` with `%`, `{`, `}` percent-escaped
-//! — injective, and the hash tag `{K'}` puts them all in one Redis Cluster
-//! slot whatever `K` contains. The semaphore `K` has names of its own in
-//! the same slot: `NS:{K'}:sem:permits`, `NS:{K'}:sem:fence`,
-//! `NS:{K'}:sem:gone` and the channel `NS:{K'}:sem:returned` (see
-//! [Semaphores](#semaphores)).
+//! `NS:{K'}:lock`, `NS:{K'}:fence`, `NS:{K'}:gone`, the waiter line
+//! `NS:{K'}:waiters` and the channels `NS:{K'}:released:<client id>`,
+//! where `K'` is `K` with `%`, `{`, `}` percent-escaped — injective, and
+//! the hash tag `{K'}` puts them all in one Redis Cluster slot whatever `K`
+//! contains. The semaphore `K` has names of its own in the same slot:
+//! `NS:{K'}:sem:permits`, `NS:{K'}:sem:fence`, `NS:{K'}:sem:gone`,
+//! `NS:{K'}:sem:waiters` and the channels `NS:{K'}:sem:returned:<client
+//! id>` (see [Semaphores](#semaphores)).
 //!
 //! - Every operation is one `EVALSHA` of a Lua script (the scripts are
 //!   loaded at connect; one the server lacks — after a restart, a failover,
@@ -123,7 +124,7 @@
 //!   fence key and returns it.
 //! - **Extend**: compares the stored value with the held lock's owner and
 //!   fencing token, then `PEXPIRE`; a missing key is never recreated.
-//! - **Release**: compares, `DEL`, `PUBLISH` on the channel, and leaves the
+//! - **Release**: compares, `DEL`, wakes the next waiter (see Waiting), and leaves the
 //!   released value with a random id of the release call in
 //!   `NS:{K'}:gone` for twice the operation timeout (at most the lock's
 //!   remaining TTL): the same request sent again (the cluster driver
@@ -132,11 +133,24 @@
 //!   reports `NotHeld`.
 //! - Every script checks its arguments, and the type and shape of every
 //!   key it reads, before its first write (a script is not rolled back).
-//! - **Waiting**: one pub/sub connection per client, shared by all waiters
-//!   and run by [`distlock_core::Listener`]; the first waiter of a key
-//!   subscribes to its channel before its first attempt; a release wakes
-//!   the waiters; a holder that crashed is covered by a timer set to its
-//!   `PTTL`. No polling. If the pub/sub connection fails (closed, a
+//! - **Waiting**: one wake-up per release, in arrival order. Each key has
+//!   a waiter line, the sorted set `NS:{K'}:waiters` of `<client id>:<owner
+//!   hex>` scored by arrival (server microseconds). A waiting attempt that
+//!   finds the key held joins it in the acquire script (keeping its place
+//!   if it has one); a granted one leaves it. A release takes the first
+//!   waiter off the line and publishes its owner token on its client's
+//!   channel `NS:{K'}:released:<client id>`, where that client wakes that
+//!   waiter alone: one attempt per release, however many wait. A waiter
+//!   whose client is gone (the publish reaches nobody) is dropped and the
+//!   next one tried. A wait that ends without the lock (cancelled, out of
+//!   time, failed) leaves the line with one more script, which wakes the
+//!   next waiter if the key is free (it may have taken a wake-up with it).
+//!   The line expires with the last wait that joined it. One pub/sub
+//!   connection per client, shared by all waiters and run by
+//!   [`distlock_core::Listener`], subscribes the client's channel of a key
+//!   before its first waiter's first attempt. A holder that crashed is
+//!   covered by a timer set to its `PTTL`, and so is a wake-up lost with a
+//!   frozen client. No polling. If the pub/sub connection fails (closed, a
 //!   SUBSCRIBE, UNSUBSCRIBE or PING that errs or times out), it is dropped
 //!   and every waiter subscribes again before its next attempt.
 //! - A value distlock did not write (another type, another format, a lock,
@@ -168,8 +182,10 @@
 //!   below).
 //! - **Extend**: this owner and fencing token's live permit gets a new
 //!   score; an expired or released one is never recreated.
-//! - **Release**: removes it, `PUBLISH`es on `NS:{K'}:sem:returned` (every
-//!   waiter of the semaphore wakes and tries, as for the lock), and leaves
+//! - **Release**: removes it, wakes the first waiter of the semaphore's own
+//!   line `NS:{K'}:sem:waiters` on its client's channel
+//!   `NS:{K'}:sem:returned:<client id>` (one wake-up per permit returned,
+//!   as the lock's), and leaves
 //!   a marker `<owner hex>:<fencing token>/<release id>` in the sorted set
 //!   `NS:{K'}:sem:gone` (scored by its expiry, twice the operation timeout
 //!   and at most the permit's remaining TTL) so that a resent release
@@ -317,6 +333,7 @@ mod scripts;
 mod semaphore;
 mod sentinel;
 mod tls;
+mod waiters;
 
 pub use backend::RedisLock;
 pub use config::{RedisConfig, DEFAULT_FENCE_RETENTION, MAX_FENCE_RETENTION};

@@ -1,7 +1,9 @@
 //! Server-driven wake-up: the pub/sub connection as a
 //! [`NotificationSource`], driven by [`distlock_core::Listener`].
 //!
-//! A release script publishes on the lock's channel (`NS:{K'}:released`).
+//! A release script publishes the owner token of the waiter it wakes on
+//! that waiter's client's channel (`NS:{K'}:released:<client>`, see
+//! [`crate::waiters`]); the message wakes that waiter alone.
 //! The listener opens one pub/sub connection per client on the first wait,
 //! subscribes a channel when its first local waiter arrives (confirmed
 //! before the waiter's first attempt), wakes the channel's waiters on each
@@ -22,7 +24,7 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-use distlock_core::{async_trait, ClientOptions, LockError, NotificationSource};
+use distlock_core::{async_trait, ClientOptions, LockError, Notification, NotificationSource};
 use futures_util::StreamExt;
 use redis::aio::{PubSubSink, PubSubStream};
 use redis::cluster_async::ClusterConnection;
@@ -128,6 +130,15 @@ impl ClusterPubSub {
     }
 }
 
+/// What a message on `channel` wakes: the waiter whose owner token it
+/// carries (a release woke it alone), else every waiter of the channel.
+fn wake(channel: &str, payload: Option<String>) -> Notification {
+    match payload.filter(|p| distlock_core::OwnerToken::from_hex(p).is_some()) {
+        Some(owner) => Notification::for_waiter(channel, owner),
+        None => Notification::from(channel.to_owned()),
+    }
+}
+
 #[async_trait]
 impl NotificationSource for PubSub {
     /// A channel name.
@@ -197,12 +208,15 @@ impl NotificationSource for PubSub {
         }
     }
 
-    async fn next(&self, stream: &mut Stream) -> Option<Result<String, LockError>> {
+    async fn next(&self, stream: &mut Stream) -> Option<Result<Notification, LockError>> {
         match stream {
             // `StreamExt::next` is cancel-safe: a message is either
             // returned or left in the stream.
             Stream::Node(stream, primary) => match stream.next().await {
-                Some(message) => Some(Ok(message.get_channel_name().to_owned())),
+                Some(message) => Some(Ok(wake(
+                    message.get_channel_name(),
+                    message.get_payload::<String>().ok(),
+                ))),
                 None => {
                     if let Some(primary) = primary {
                         primary.gone();
@@ -214,12 +228,15 @@ impl NotificationSource for PubSub {
             // nothing a waiter needs.
             Stream::Cluster(pushes, expected) => loop {
                 let push = pushes.recv().await?;
-                let channel = || match push.data.first() {
-                    Some(Value::BulkString(name)) => String::from_utf8_lossy(name).into_owned(),
-                    _ => String::new(),
+                let text = |at: usize| match push.data.get(at) {
+                    Some(Value::BulkString(name)) => {
+                        Some(String::from_utf8_lossy(name).into_owned())
+                    }
+                    _ => None,
                 };
+                let channel = || text(0).unwrap_or_default();
                 match push.kind {
-                    PushKind::SMessage => return Some(Ok(channel())),
+                    PushKind::SMessage => return Some(Ok(wake(&channel(), text(1)))),
                     PushKind::Disconnection => {
                         return Some(Err(LockError::unavailable(
                             "a redis cluster node's pub/sub connection closed",

@@ -109,7 +109,7 @@ fn unexpected(reply: &Value) -> LockError {
 /// Logs a deletion whose notification the server refused (`{1, error}`):
 /// the lock is free, but waiters of other clients are not woken and find
 /// out at the holder's expiry, when their timers fire.
-fn deleted(key: &LockKey, reply: &Value) -> Option<bool> {
+pub(crate) fn deleted(key: &LockKey, reply: &Value) -> Option<bool> {
     match reply {
         Value::Array(items) => match items.as_slice() {
             [flag, error] if as_int(flag) == Some(1) => {

@@ -100,19 +100,70 @@ end
 local function bad_args(detail)
   return redis.error_reply('DISTLOCK_ARGS ' .. detail)
 end
--- After a DEL: wake the waiters (`publish` is PUBLISH, or SPUBLISH in a
--- cluster). A refused publish (no ACL channel permission) must not fail
--- the script after its DEL: the lock is released either way; the error
--- text goes back for the client to log.
-local function released(publish, channel)
-  local r = redis.pcall(publish, channel, 'released')
-  if type(r) == 'table' and r['err'] then return {1, r['err']} end
+-- The server's clock, in milliseconds and in microseconds.
+local function clock()
+  local t = redis.call('TIME')
+  local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return math.floor(us / 1000), us
+end
+-- Integers as arguments: never in exponent form.
+local function int(n)
+  return string.format('%.0f', n)
+end
+-- Keeps `key` at least `ms` more (never less), so it outlives its members.
+local function keep_for(key, ms)
+  if redis.call('PTTL', key) < tonumber(ms) then redis.call('PEXPIRE', key, ms) end
+end
+-- The waiter line: a sorted set of `<client hex>:<owner hex>` scored by
+-- arrival (server microseconds). Checked before a script's first write.
+local function line_ok(key)
+  local t = kind(key)
+  if t == 'none' or t == 'zset' then return nil end
+  return corrupt('waiters', 'holds a ' .. t .. ', not a distlock waiter line')
+end
+-- A failed attempt of a waiter (`member`, if the client sent one) joins
+-- the line, keeping its place if it has one; the line outlives the wait
+-- by at least `ms` (it is re-joined at every failed attempt).
+local function join(key, member, ms)
+  if member == nil or member == '' then return end
+  local _, us = clock()
+  redis.call('ZADD', key, 'NX', int(us), member)
+  keep_for(key, int(ms))
+end
+-- A granted attempt leaves the line.
+local function leave(key, member)
+  if member ~= nil and member ~= '' then redis.call('ZREM', key, member) end
+end
+-- After a DEL: wake the first waiter of the line alone, by publishing its
+-- owner on its client's channel (`<channel>:<client>`; `publish` is
+-- PUBLISH, or SPUBLISH in a cluster). It leaves the line as it is woken
+-- (if its attempt fails it joins again). A waiter nobody receives for
+-- (its client gone) is dropped and the next one tried, a few at most; a
+-- frozen client's waiter takes the wake-up with it, and the others fall
+-- back to their timers. A refused publish (no ACL channel permission)
+-- must not fail the script after its DEL: the lock is released either
+-- way; the error text goes back for the client to log.
+local function released(publish, channel, line)
+  for _ = 1, 8 do
+    local head = redis.call('ZRANGE', line, 0, 0)[1]
+    if head == nil then return 1 end
+    local client, owner = string.match(head, '^(%x+):(%x+)$')
+    if client == nil or #client > 32 or #owner ~= 32 then
+      return {1, 'DISTLOCK_CORRUPT waiters holds a member in a format distlock does not write'}
+    end
+    redis.call('ZREM', line, head)
+    local r = redis.pcall(publish, channel .. ':' .. client, owner)
+    if type(r) == 'table' and r['err'] then return {1, r['err']} end
+    if r > 0 then return 1 end
+  end
   return 1
 end
 "#;
 
-/// KEYS: lock, fence. ARGV: owner hex, ttl ms, fence retention ms.
-/// Returns `{1, token}` when acquired, `{0, pttl}` when held.
+/// KEYS: lock, fence, waiter line. ARGV: owner hex, ttl ms, fence
+/// retention ms, waiter member (empty for an attempt that does not wait).
+/// Returns `{1, token}` when acquired, `{0, pttl}` when held (a waiter
+/// then joins the line).
 ///
 /// The lock held by this same owner is *adopted*: an earlier attempt of
 /// the same acquisition took it but its reply was lost (a timeout, a
@@ -126,19 +177,25 @@ local lock = lock_at(KEYS[1])
 if lock.err then return lock end
 local fence = fence_at(KEYS[2])
 if fence.err then return fence end
+local bad_line = line_ok(KEYS[3])
+if bad_line then return bad_line end
 if lock.value then
   local owner, token = parse(lock.value)
-  if owner ~= ARGV[1] then return {0, lock.pttl} end
+  if owner ~= ARGV[1] then
+    join(KEYS[3], ARGV[4], lock.pttl + tonumber(ARGV[2]))
+    return {0, lock.pttl}
+  end
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   retain(KEYS[2], fence, ARGV[3])
+  leave(KEYS[3], ARGV[4])
   return {1, token}
 end
-local now = redis.call('TIME')
-local token = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local _, token = clock()
 if fence.counter + 1 > token then token = fence.counter + 1 end
-local text = string.format('%.0f', token)
+local text = int(token)
 redis.call('SET', KEYS[1], 'dl1:' .. ARGV[1] .. ':' .. text, 'PX', ARGV[2])
 redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
+leave(KEYS[3], ARGV[4])
 return {1, text}
 "#;
 
@@ -158,10 +215,10 @@ retain(KEYS[2], fence, ARGV[3])
 return 1
 "#;
 
-/// KEYS: lock, released-by marker. ARGV: expected value, channel, publish
-/// command, marker life ms, release id (fresh hex per release call).
-/// Returns 1 when released and published, `{1, error}` when released but
-/// the publish was refused, 0 when not held.
+/// KEYS: lock, released-by marker, waiter line. ARGV: expected value,
+/// channel, publish command, marker life ms, release id (fresh hex per
+/// release call). Returns 1 when released (and the next waiter woken),
+/// `{1, error}` when released but the wake-up failed, 0 when not held.
 ///
 /// A release leaves its value and id in the marker for the marker life (at
 /// most the lock's remaining TTL): the same request sent again (a driver
@@ -178,6 +235,8 @@ local lock = lock_at(KEYS[1])
 if lock.err then return lock end
 local gone = gone_at(KEYS[2])
 if gone.err then return gone end
+local bad_line = line_ok(KEYS[3])
+if bad_line then return bad_line end
 local mark = ARGV[1] .. '/' .. ARGV[5]
 if lock.value ~= ARGV[1] then
   if gone.value == mark then return 1 end
@@ -187,7 +246,7 @@ redis.call('DEL', KEYS[1])
 local keep = math.min(lock.pttl, tonumber(ARGV[4]))
 if keep < 1 then keep = 1 end
 redis.call('SET', KEYS[2], mark, 'PX', string.format('%.0f', keep))
-return released(ARGV[3], ARGV[2])
+return released(ARGV[3], ARGV[2], KEYS[3])
 "#;
 
 /// Helpers of the permit scripts, after [`PRELUDE`].
@@ -245,16 +304,6 @@ end
 local function marks_at(key)
   return entries_at('gone', key, 'a set of distlock released-by markers', permit_mark)
 end
--- The server's clock, in milliseconds and in microseconds.
-local function clock()
-  local t = redis.call('TIME')
-  local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  return math.floor(us / 1000), us
-end
--- Integers as arguments: never in exponent form.
-local function int(n)
-  return string.format('%.0f', n)
-end
 -- The live permit of `owner` (with fencing token `token`, unless nil).
 local function live_permit(entries, owner, token, now)
   for _, p in ipairs(entries) do
@@ -266,16 +315,29 @@ end
 local function sweep(key, now)
   redis.call('ZREMRANGEBYSCORE', key, '-inf', int(now))
 end
--- Keeps `key` at least `ms` more (never less), so it outlives its members.
-local function keep_for(key, ms)
-  if redis.call('PTTL', key) < tonumber(ms) then redis.call('PEXPIRE', key, ms) end
+-- The live permits: how many, under which limit, and when the first
+-- runs out; or an error reply (two limits).
+local function live_permits(entries, now)
+  local live, stored, first = 0, nil, nil
+  for _, p in ipairs(entries) do
+    if p.at > now then
+      if stored ~= nil and stored ~= p.limit then
+        return corrupt('lock', 'holds live permits under two limits, which distlock never writes')
+      end
+      stored = p.limit
+      live = live + 1
+      if first == nil or p.at < first then first = p.at end
+    end
+  end
+  return {live = live, limit = stored, first = first}
 end
 "#;
 
-/// KEYS: permit set, fence. ARGV: owner hex, ttl ms, fence retention ms,
-/// limit. Returns `{1, token}` when granted, `{0, ms}` when full (until the
-/// first live permit runs out), `{2, stored limit}` when live permits are
-/// held under another limit.
+/// KEYS: permit set, fence, waiter line. ARGV: owner hex, ttl ms, fence
+/// retention ms, limit, waiter member (empty for an attempt that does not
+/// wait). Returns `{1, token}` when granted, `{0, ms}` when full (until the
+/// first live permit runs out; a waiter then joins the line), `{2, stored
+/// limit}` when live permits are held under another limit.
 ///
 /// The limit is stored in every permit; with no live permit the request's
 /// applies. The live permit of this same owner is adopted, as the lock is
@@ -290,24 +352,21 @@ local set = permits_at(KEYS[1])
 if set.err then return set end
 local fence = fence_at(KEYS[2])
 if fence.err then return fence end
+local bad_line = line_ok(KEYS[3])
+if bad_line then return bad_line end
 local now, us = clock()
-local live, stored, first = 0, nil, nil
-for _, p in ipairs(set.entries) do
-  if p.at > now then
-    if stored ~= nil and stored ~= p.limit then
-      return corrupt('lock', 'holds live permits under two limits, which distlock never writes')
-    end
-    stored = p.limit
-    live = live + 1
-    if first == nil or p.at < first then first = p.at end
-  end
-end
+local held = live_permits(set.entries, now)
+if held.err then return held end
 local limit = tonumber(ARGV[4])
-if stored ~= nil and stored ~= limit then return {2, stored} end
+if held.limit ~= nil and held.limit ~= limit then return {2, held.limit} end
 local own = live_permit(set.entries, ARGV[1], nil, now)
-if own == nil and live >= limit then return {0, first - now} end
+if own == nil and held.live >= limit then
+  join(KEYS[3], ARGV[5], held.first - now + tonumber(ARGV[2]))
+  return {0, held.first - now}
+end
 local expires = int(now + tonumber(ARGV[2]))
 sweep(KEYS[1], now)
+leave(KEYS[3], ARGV[5])
 if own ~= nil then
   redis.call('ZADD', KEYS[1], expires, own.member)
   keep_for(KEYS[1], ARGV[2])
@@ -344,8 +403,9 @@ retain(KEYS[2], fence, ARGV[4])
 return 1
 "#;
 
-/// KEYS: permit set, released-by markers. ARGV: owner hex, fencing token,
-/// channel, publish command, marker life ms, release id. Returns as
+/// KEYS: permit set, released-by markers, waiter line. ARGV: owner hex,
+/// fencing token, channel, publish command, marker life ms, release id.
+/// Returns as
 /// [`RELEASE`], whose resend rule it follows: a marker per released permit
 /// (several permits may be released within one marker life), swept once
 /// expired.
@@ -360,6 +420,8 @@ local set = permits_at(KEYS[1])
 if set.err then return set end
 local marks = marks_at(KEYS[2])
 if marks.err then return marks end
+local bad_line = line_ok(KEYS[3])
+if bad_line then return bad_line end
 local now = clock()
 local mark = ARGV[1] .. ':' .. ARGV[2] .. '/' .. ARGV[6]
 local mine = live_permit(set.entries, ARGV[1], ARGV[2], now)
@@ -376,7 +438,22 @@ if keep < 1 then keep = 1 end
 sweep(KEYS[2], now)
 redis.call('ZADD', KEYS[2], int(now + keep), mark)
 keep_for(KEYS[2], int(keep))
-return released(ARGV[4], ARGV[3])
+return released(ARGV[4], ARGV[3], KEYS[3])
+"#;
+
+/// KEYS: permit set, waiter line. ARGV: waiter member, channel, publish
+/// command. [`LEAVE`] for a semaphore: the next waiter is woken if a
+/// permit is free.
+const LEAVE_PERMIT: &str = r#"
+local set = permits_at(KEYS[1])
+if set.err then return set end
+local bad_line = line_ok(KEYS[2])
+if bad_line then return bad_line end
+local held = live_permits(set.entries, clock())
+if held.err then return held end
+redis.call('ZREM', KEYS[2], ARGV[1])
+if held.limit ~= nil and held.live >= held.limit then return 1 end
+return released(ARGV[3], ARGV[2], KEYS[2])
 "#;
 
 /// KEYS: lock. Returns `{0}` when free, `{1, pttl, token}` when held.
@@ -390,8 +467,8 @@ local _, fence = string.match(v, '^dl1:(%x+):(%d+)$')
 return {1, redis.call('PTTL', KEYS[1]), fence}
 "#;
 
-/// KEYS: lock. ARGV: channel, publish command. Deletes the lock whoever
-/// holds it.
+/// KEYS: lock, waiter line. ARGV: channel, publish command. Deletes the
+/// lock whoever holds it.
 /// Returns as [`RELEASE`] (0 when free).
 const FORCE_RELEASE: &str = r#"
 local lt = kind(KEYS[1])
@@ -400,12 +477,27 @@ if lt ~= 'string' then return corrupt('lock', 'holds a ' .. lt .. ', not a distl
 if not ours(redis.call('GET', KEYS[1])) then
   return corrupt('lock', 'holds a value in a format distlock does not write')
 end
+local bad_line = line_ok(KEYS[2])
+if bad_line then return bad_line end
 redis.call('DEL', KEYS[1])
-return released(ARGV[2], ARGV[1])
+return released(ARGV[2], ARGV[1], KEYS[2])
+"#;
+
+/// KEYS: lock, waiter line. ARGV: waiter member, channel, publish command.
+/// A waiter whose wait ended without the lock leaves the line; if the lock
+/// is free, the next waiter is woken (the one leaving may have taken a
+/// wake-up with it). Returns as [`RELEASE`].
+const LEAVE: &str = r#"
+local bad_line = line_ok(KEYS[2])
+if bad_line then return bad_line end
+redis.call('ZREM', KEYS[2], ARGV[1])
+if kind(KEYS[1]) ~= 'none' then return 1 end
+return released(ARGV[3], ARGV[2], KEYS[2])
 "#;
 
 /// KEYS: a lock's lock, fence and released-by marker keys, then a
-/// semaphore's permit set, fence and released-by markers. ARGV: a lock's
+/// semaphore's permit set, fence and released-by markers, then the lock's
+/// and the semaphore's waiter lines. ARGV: a lock's
 /// channel, the publish, subscribe and unsubscribe commands (sharded in a
 /// cluster), a semaphore's channel, the format marker (an argument, not a
 /// key: it lies in another cluster slot, and the probe touches no key);
@@ -426,7 +518,7 @@ if redis.acl_check_cmd then
     check('keys', 'TYPE', k)
     check('keys', 'PTTL', k)
     check('keys', 'PEXPIRE', k, '1')
-    if i == 4 or i == 6 then
+    if i == 4 or i >= 6 then
       check('keys', 'ZRANGE', k, '0', '-1', 'WITHSCORES')
       check('keys', 'ZADD', k, '1', 'm')
       check('keys', 'ZREM', k, 'm')
@@ -508,6 +600,11 @@ pub(crate) static EXTEND_PERMIT_SCRIPT: LazyLock<LuaScript> =
 /// The permit release script.
 pub(crate) static RELEASE_PERMIT_SCRIPT: LazyLock<LuaScript> =
     LazyLock::new(|| LuaScript::permits(RELEASE_PERMIT));
+/// The leave script (a wait ended without the lock).
+pub(crate) static LEAVE_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(LEAVE));
+/// The permit leave script.
+pub(crate) static LEAVE_PERMIT_SCRIPT: LazyLock<LuaScript> =
+    LazyLock::new(|| LuaScript::permits(LEAVE_PERMIT));
 /// The ACL probe, run at connect.
 pub(crate) static PROBE_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(PROBE));
 /// The format marker check, run at connect.
@@ -531,7 +628,7 @@ pub(crate) fn lock_value(owner_hex: &str, fencing: u64) -> String {
 }
 
 /// The scripts every client runs, for preloading.
-pub(crate) fn all() -> [&'static LuaScript; 7] {
+pub(crate) fn all() -> [&'static LuaScript; 9] {
     [
         &PROBE_SCRIPT,
         &ACQUIRE_SCRIPT,
@@ -540,5 +637,7 @@ pub(crate) fn all() -> [&'static LuaScript; 7] {
         &ACQUIRE_PERMIT_SCRIPT,
         &EXTEND_PERMIT_SCRIPT,
         &RELEASE_PERMIT_SCRIPT,
+        &LEAVE_SCRIPT,
+        &LEAVE_PERMIT_SCRIPT,
     ]
 }

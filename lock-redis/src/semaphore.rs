@@ -20,6 +20,7 @@ use crate::backend::{arg_millis, not_replicated, Call, RedisLock};
 use crate::keys::RedisKeys;
 use crate::replies;
 use crate::scripts::{ACQUIRE_PERMIT_SCRIPT, EXTEND_PERMIT_SCRIPT, RELEASE_PERMIT_SCRIPT};
+use crate::waiters::Line;
 
 impl RedisLock {
     /// Gives back the permit of `owner` and `fencing` within `timeout`.
@@ -44,7 +45,7 @@ impl RedisLock {
         let call = Call {
             keys,
             script: &RELEASE_PERMIT_SCRIPT,
-            redis_keys: &[&keys.lock, &keys.gone],
+            redis_keys: &[&keys.lock, &keys.gone, &keys.waiters],
             args: &args,
         };
         let (reply, _) = self.execute(call, None, timeout).await?;
@@ -63,13 +64,14 @@ impl SemaphoreBackend for RedisLock {
             arg_millis(request.ttl),
             self.retention_ms(request.ttl),
             request.limit.to_string(),
+            self.line_member(Line::Permits, key, request.owner, request.settling),
         ];
         // The give-back below shares this operation's timeout.
         let sent = Instant::now();
         let call = Call {
             keys: &keys,
             script: &ACQUIRE_PERMIT_SCRIPT,
-            redis_keys: &[&keys.lock, &keys.fence],
+            redis_keys: &[&keys.lock, &keys.fence, &keys.waiters],
             args: &args,
         };
         let (reply, replicated) = self.run_acquire(call, request.settling).await?;
@@ -77,6 +79,7 @@ impl SemaphoreBackend for RedisLock {
         let PermitReply::Granted(grant) = &reply else {
             return Ok(reply);
         };
+        self.line_granted(Line::Permits, key, request.owner);
         let Some(shortfall) = replicated.shortfall("it was released again") else {
             return Ok(reply);
         };
@@ -127,9 +130,11 @@ impl SemaphoreBackend for RedisLock {
         &self,
         key: &LockKey,
         _limit: u32,
+        waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
+        let keys = self.semaphore_keys(key);
         Ok(Some(
-            self.watch_channel(self.semaphore_keys(key).channel).await?,
+            self.watch_line(Line::Permits, key, keys, waiter).await?,
         ))
     }
 }

@@ -110,7 +110,9 @@ async fn drop_one(
                 .map_err(|e| format!("releaser panicked: {e}"))??;
         }
         Call::Watch => {
-            if let Ok(Ok(Some(watch))) = tokio::time::timeout(cut, raw.watch(busy)).await {
+            if let Ok(Ok(Some(watch))) =
+                tokio::time::timeout(cut, raw.watch(busy, OwnerToken::random())).await
+            {
                 tokio::time::sleep(random_within(span)).await;
                 drop(watch);
             }

@@ -14,6 +14,7 @@ mod exclusion;
 mod fault;
 mod fencing;
 mod guard;
+mod handoff;
 mod input;
 mod lease;
 mod run;
@@ -36,6 +37,8 @@ pub enum Needs {
     Semaphore,
     /// Server-driven wake-up of waiters (`Capabilities::native_wait`).
     NativeWait,
+    /// One waiter woken per release (`Capabilities::wakes_one_waiter`).
+    OneWake,
     /// Lock data survives a server restart (`Capabilities::durable`).
     Durable,
     /// A lock server in another process, reachable by URL (a holder in a
@@ -73,6 +76,9 @@ impl Needs {
             }),
             Needs::NativeWait => (!caps.native_wait)
                 .then(|| "backend declares no server-driven wake-up (native_wait = false)".into()),
+            Needs::OneWake => (!caps.wakes_one_waiter).then(|| {
+                "backend declares that a release wakes every waiter (wakes_one_waiter = false)".into()
+            }),
             Needs::Durable => (!caps.durable)
                 .then(|| "backend declares its lock data does not survive a restart (durable = false)".into()),
             Needs::Server => context.server().is_none().then(|| {
@@ -216,6 +222,12 @@ pub fn all() -> Vec<Case> {
         waiter_on_free_key_not_blocked_by_other_key,
         cancel_at_grant_leaves_nothing_held,
         waiters_woken_for_every_key_shape,
+    ));
+    all.extend(cases!(handoff:
+        one_attempt_per_release => Needs::OneWake,
+        arrival_order => Needs::OneWake,
+        cancelled_waiter_passes_the_turn_on => Needs::OneWake,
+        permits_returned_together_wake_as_many => Needs::All(&[Needs::OneWake, Needs::Semaphore]),
     ));
     all.extend(cases!(guard:
         renewal_keeps_lock_past_ttl,

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, HeldLock, LockAdmin, LockBackend,
-    LockClient, LockError, LockKey, LockState, PermitReply, PermitRequest, ReleaseNotifier,
-    ReleaseReply, ReleaseWatch, SemaphoreBackend,
+    LockClient, LockError, LockKey, LockState, OwnerToken, PermitReply, PermitRequest,
+    ReleaseNotifier, ReleaseReply, ReleaseWatch, SemaphoreBackend,
 };
 use tokio::sync::watch;
 
@@ -412,9 +412,13 @@ impl LockBackend for LinkedLock {
         self.call("release", self.inner.release(lock)).await
     }
 
-    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
-        let inner = self.call("watch", self.inner.watch(key)).await?;
-        self.forwarded(&self.notifier, key, inner).await
+    async fn watch(
+        &self,
+        key: &LockKey,
+        waiter: OwnerToken,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
+        let inner = self.call("watch", self.inner.watch(key, waiter)).await?;
+        self.forwarded(&self.notifier, key, waiter, inner).await
     }
 
     fn admin(&self) -> Option<&dyn LockAdmin> {
@@ -429,22 +433,24 @@ impl LockBackend for LinkedLock {
 }
 
 impl LinkedLock {
-    /// A local watch fed by `inner` across the link, through `notifier`.
+    /// A local watch fed by `inner` across the link, through `notifier`:
+    /// one forwarder per waiter, as the backend may wake each alone.
     async fn forwarded(
         &self,
         notifier: &ReleaseNotifier,
         key: &LockKey,
+        waiter: OwnerToken,
         inner: Option<ReleaseWatch>,
     ) -> Result<Option<ReleaseWatch>, LockError> {
         let Some(inner) = inner else {
             return Ok(None);
         };
         let (link, index, fan_out) = (self.link.clone(), self.index, notifier.clone());
-        let channel = key.as_str().to_owned();
+        let channel = format!("{}/{}", key.as_str(), waiter.to_hex());
         let watch = notifier
-            .subscribe(key.as_str(), move || async move {
-                // Runs for the channel's first local waiter only; later
-                // ones share this forwarder (their inner watch is dropped).
+            .subscribe(&channel.clone(), move || async move {
+                // The channel is this waiter's alone: its inner watch is
+                // dropped with it (the backend learns the wait ended).
                 let closed = fan_out.closed(&channel);
                 tokio::spawn(forward(link, index, fan_out, channel, inner, closed));
                 Ok(())
@@ -489,12 +495,14 @@ impl SemaphoreBackend for LinkedLock {
         &self,
         key: &LockKey,
         limit: u32,
+        waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
         let semaphore = self.inner_semaphore()?;
         let inner = self
-            .call("watch_permits", semaphore.watch_permits(key, limit))
+            .call("watch_permits", semaphore.watch_permits(key, limit, waiter))
             .await?;
-        self.forwarded(&self.permit_notifier, key, inner).await
+        self.forwarded(&self.permit_notifier, key, waiter, inner)
+            .await
     }
 }
 

@@ -659,6 +659,7 @@ impl Mutant {
     async fn rerouted_watch(
         &self,
         key: &LockKey,
+        waiter: OwnerToken,
         late: Option<Duration>,
     ) -> Result<Option<ReleaseWatch>, LockError> {
         let server_key = self.server_key(key);
@@ -669,7 +670,7 @@ impl Mutant {
         };
         let first = match late {
             Some(_) => None,
-            None => match self.inner.watch(&server_key).await? {
+            None => match self.inner.watch(&server_key, waiter).await? {
                 Some(watch) => Some(watch),
                 None => return Ok(None),
             },
@@ -694,7 +695,7 @@ impl Mutant {
                                 _ = &mut closed => return,
                                 _ = tokio::time::sleep(late.unwrap_or_default()) => {}
                             }
-                            match inner.watch(&server_key).await {
+                            match inner.watch(&server_key, waiter).await {
                                 Ok(Some(watch)) => watch,
                                 _ => return,
                             }
@@ -899,18 +900,22 @@ impl LockBackend for Mutant {
         }
     }
 
-    async fn watch(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+    async fn watch(
+        &self,
+        key: &LockKey,
+        waiter: OwnerToken,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
         match self.defect {
             Defect::WatchNeverFires => Ok(Some(ReleaseWatch::never())),
             Defect::GlobKeysNeverWoken if key.as_str().contains(GLOB) => {
                 Ok(Some(ReleaseWatch::never()))
             }
             Defect::SubscribeAfterTry => {
-                self.rerouted_watch(key, Some(Duration::from_millis(50)))
+                self.rerouted_watch(key, waiter, Some(Duration::from_millis(50)))
                     .await
             }
-            Defect::WatchDropBreaksChannel => self.rerouted_watch(key, None).await,
-            _ => self.inner.watch(&self.server_key(key)).await,
+            Defect::WatchDropBreaksChannel => self.rerouted_watch(key, waiter, None).await,
+            _ => self.inner.watch(&self.server_key(key), waiter).await,
         }
     }
 
@@ -1000,8 +1005,11 @@ impl SemaphoreBackend for Mutant {
         &self,
         key: &LockKey,
         limit: u32,
+        waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
-        self.inner_semaphore()?.watch_permits(key, limit).await
+        self.inner_semaphore()?
+            .watch_permits(key, limit, waiter)
+            .await
     }
 }
 

@@ -138,9 +138,14 @@ async fn a_listener_whose_server_is_silent_fails_in_bounded_time_and_reconnects_
     // it are held back. Subscribing fails with a transient error, it does
     // not hang (the outer timeout only guards the test run).
     proxy.hold(Direction::ToClient);
-    let watched = tokio::time::timeout(Duration::from_secs(30), waiter.backend.watch(&k))
-        .await
-        .expect("subscribing through a silent server hung");
+    let watched = tokio::time::timeout(
+        Duration::from_secs(30),
+        waiter
+            .backend
+            .watch(&k, distlock_core::OwnerToken::random()),
+    )
+    .await
+    .expect("subscribing through a silent server hung");
     match watched {
         Err(e) => assert!(e.is_transient(), "{e}"),
         Ok(_) => panic!("subscribed without a reply from the server"),

@@ -198,7 +198,12 @@ async fn waiters_behind_a_transaction_pooler_without_listen_url_poll() {
     let waiter = Pg::connect(&url).await;
     // Nothing can wake it: it says so, and never LISTENs through the pooler.
     assert!(!waiter.backend.capabilities().native_wait);
-    assert!(waiter.backend.watch(&key("x")).await.unwrap().is_none());
+    assert!(waiter
+        .backend
+        .watch(&key("x"), distlock_core::OwnerToken::random())
+        .await
+        .unwrap()
+        .is_none());
     let observed = Arc::new(ObservedLock::new(waiter.client.clone()));
     let waiting = LockClient::new(observed.clone());
     let k = key("polled");
@@ -326,7 +331,12 @@ async fn a_plain_url_through_a_transaction_pooler_never_half_works() {
         assert_eq!(lock.backend.pool_mode(), PoolMode::Transaction);
         // Nothing can wake a waiter through the pooler: it polls.
         assert!(!lock.backend.capabilities().native_wait);
-        assert!(lock.backend.watch(&key("x")).await.unwrap().is_none());
+        assert!(lock
+            .backend
+            .watch(&key("x"), distlock_core::OwnerToken::random())
+            .await
+            .unwrap()
+            .is_none());
     }
     // Waiting works (by polling) and a release hands the key over.
     let (holder, waiter) = (&clients[0], &clients[1]);
@@ -461,5 +471,10 @@ async fn a_statement_meeting_shared_prepared_statements_switches_to_the_simple_p
         lock.release(&lease).await.unwrap();
     }
     // Nothing to hear through the pooler any more: the second one polls.
-    assert!(second.backend.watch(&key("x")).await.unwrap().is_none());
+    assert!(second
+        .backend
+        .watch(&key("x"), distlock_core::OwnerToken::random())
+        .await
+        .unwrap()
+        .is_none());
 }

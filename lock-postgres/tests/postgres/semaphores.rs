@@ -334,7 +334,7 @@ async fn permits_work_through_a_transaction_pooler_found_at_connect_and_waiters_
         );
         // Nothing can wake a permit waiter through the pooler: it polls.
         assert!(semaphores(lock)
-            .watch_permits(&key("x"), 1)
+            .watch_permits(&key("x"), 1, distlock_core::OwnerToken::random())
             .await
             .unwrap()
             .is_none());

@@ -57,7 +57,11 @@ impl Pg {
 
     /// Subscribes to releases of `k` (returns once the server listens).
     pub async fn watch(&self, k: &LockKey) -> distlock_core::ReleaseWatch {
-        self.backend.watch(k).await.unwrap().expect("native wait")
+        self.backend
+            .watch(k, distlock_core::OwnerToken::random())
+            .await
+            .unwrap()
+            .expect("native wait")
     }
 }
 

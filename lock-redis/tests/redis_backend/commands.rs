@@ -130,7 +130,10 @@ async fn password_in_the_url_and_wrong_password() {
     // Waiting uses the same credentials on its pub/sub connection.
     assert!(lock
         .backend()
-        .watch(&unique_key("auth-watch"))
+        .watch(
+            &unique_key("auth-watch"),
+            distlock_core::OwnerToken::random()
+        )
         .await
         .unwrap()
         .is_some());

@@ -277,7 +277,7 @@ async fn every_operation_gives_up_within_its_operation_timeout() {
         lock.try_acquire(&free, Duration::from_secs(5)),
         lock.extend(&lease, Duration::from_secs(30)),
         lock.release(&lease),
-        backend.watch(&other),
+        backend.watch(&other, distlock_core::OwnerToken::random()),
     );
     assert!(
         !resumed.is_finished(),

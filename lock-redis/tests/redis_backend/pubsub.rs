@@ -50,7 +50,10 @@ async fn a_timed_out_subscribe_leaves_other_waiters_subscribed() {
 
     // From the reply on, the server runs no client's command for 800 ms.
     pause_all(&mut conn, 800).await;
-    let other = waiter.backend().watch(&unique_key("other")).await;
+    let other = waiter
+        .backend()
+        .watch(&unique_key("other"), distlock_core::OwnerToken::random())
+        .await;
     let err = other.expect_err("a SUBSCRIBE sent during the stall times out");
     assert!(err.is_transient(), "{err}");
 
@@ -76,13 +79,22 @@ async fn a_watch_dropped_during_its_subscribe_leaves_no_subscription() {
     let lock = connect(&url).await.unwrap();
     let mut conn = raw(&url).await;
     // Open the pub/sub connection, so the dropped call is in its SUBSCRIBE.
-    drop(lock.backend().watch(&unique_key("first")).await.unwrap());
+    drop(
+        lock.backend()
+            .watch(&unique_key("first"), distlock_core::OwnerToken::random())
+            .await
+            .unwrap(),
+    );
     let key = unique_key("dropped");
     let channel = channel_of(&key);
 
     pause_all(&mut conn, 300).await;
-    let dropped =
-        tokio::time::timeout(Duration::from_millis(100), lock.backend().watch(&key)).await;
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        lock.backend()
+            .watch(&key, distlock_core::OwnerToken::random()),
+    )
+    .await;
     assert!(dropped.is_err(), "the server was paused: {dropped:?}");
     // The server ran the SUBSCRIBE after the pause...
     await_numsub(&mut conn, &channel, 1, "the SUBSCRIBE reached the server").await;

@@ -36,14 +36,30 @@ pub async fn raw(url: &str) -> MultiplexedConnection {
 
 /// How many clients are subscribed to `channel` (`which` is `NUMSUB`, or
 /// `SHARDNUMSUB` for a shard channel).
-async fn numsub_of(conn: &mut MultiplexedConnection, which: &str, channel: &str) -> i64 {
-    let (_, count): (String, i64) = redis::cmd("PUBSUB")
-        .arg(which)
-        .arg(channel)
+/// Subscribers of the channels of `base` (one per client waiting on the
+/// key: `<base>:<client id>`), in all.
+async fn numsub_of(conn: &mut MultiplexedConnection, which: &str, base: &str) -> i64 {
+    let list = if which == "SHARDNUMSUB" {
+        "SHARDCHANNELS"
+    } else {
+        "CHANNELS"
+    };
+    let channels: Vec<String> = redis::cmd("PUBSUB")
+        .arg(list)
+        .arg(format!("{base}:*"))
         .query_async(conn)
         .await
         .unwrap();
-    count
+    if channels.is_empty() {
+        return 0;
+    }
+    let counts: Vec<(String, i64)> = redis::cmd("PUBSUB")
+        .arg(which)
+        .arg(&channels)
+        .query_async(conn)
+        .await
+        .unwrap();
+    counts.iter().map(|(_, n)| n).sum()
 }
 
 /// Waits (up to 10 s) until `channel` has exactly `want` subscribers.
@@ -186,7 +202,9 @@ impl Waiting {
     }
 }
 
-/// The release channel of `key` in the default namespace (test keys need no escaping).
+/// The base of the release channels of `key` in the default namespace
+/// (each waiting client subscribes `<base>:<client id>`; test keys need no
+/// escaping).
 pub fn channel_of(key: &LockKey) -> String {
     format!("distlock:{{{}}}:released", key.as_str())
 }

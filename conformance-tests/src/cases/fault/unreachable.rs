@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use distlock_core::{
-    AcquireAttempt, ErrorKind, LockClient, LockError, LockKey, LockOptions, Locker, RunOptions,
+    AcquireAttempt, ErrorKind, LockClient, LockError, LockKey, LockOptions, Locker, OwnerToken,
+    RunOptions,
 };
 
 use super::{fault_ttl, ErrorTally, EXPIRY_SLACK};
@@ -241,8 +242,12 @@ impl distlock_core::LockBackend for ExtendLog {
         self.inner.release(lock).await
     }
 
-    async fn watch(&self, key: &LockKey) -> Result<Option<distlock_core::ReleaseWatch>, LockError> {
-        self.inner.watch(key).await
+    async fn watch(
+        &self,
+        key: &LockKey,
+        waiter: OwnerToken,
+    ) -> Result<Option<distlock_core::ReleaseWatch>, LockError> {
+        self.inner.watch(key, waiter).await
     }
 
     fn admin(&self) -> Option<&dyn distlock_core::LockAdmin> {

@@ -1,0 +1,210 @@
+//! `handoff::` — a backend that wakes one waiter per release
+//! (`Capabilities::wakes_one_waiter`) keeps its word: a release costs one
+//! attempt however many wait, waiters are served in arrival order, a
+//! waiter that leaves passes its turn on, and permits returned together
+//! wake as many waiters as came back.
+//!
+//! Every holder here holds for the long TTL, so no waiter's timer fires
+//! during a case: what wakes a waiter is a release, or nothing.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use distlock_core::{ErrorKind, LockClient, LockKey, LockOptions, Locker};
+
+use super::support::{acquire, background_bound, until_attempts, within};
+use crate::context::{CaseError, CaseResult, TestContext};
+use crate::Call;
+use crate::{check, check_eq, ObservedLock};
+
+/// How many waiters queue in these cases.
+const WAITERS: usize = 4;
+
+/// Starts `WAITERS` waiters on `key`, one after another (each only once
+/// the previous one's first attempt was refused, so their arrival order
+/// is known), each holding what it gets for a moment before releasing it.
+/// Returns their observed backends and tasks; `served` records who got it,
+/// in order.
+async fn queue_waiters(
+    ctx: &TestContext,
+    key: &LockKey,
+    permits: Option<u32>,
+    served: &Arc<Mutex<Vec<usize>>>,
+) -> Result<Waiters, CaseError> {
+    let mut waiters = Waiters::default();
+    for i in 0..WAITERS {
+        let observed = Arc::new(ObservedLock::new(ctx.client().await?));
+        let locker = Locker::new(observed.clone());
+        let mut options = LockOptions::new(ctx.long_ttl()).with_wait(Duration::from_secs(120));
+        if let Some(limit) = permits {
+            options = options.with_permits(limit);
+        }
+        let (key, served) = (key.clone(), served.clone());
+        waiters.tasks.push(tokio::spawn(async move {
+            let Some(guard) = locker.acquire(&key, &options).await? else {
+                return Ok(Err(format!("waiter {i} gave up")));
+            };
+            served.lock().unwrap_or_else(|e| e.into_inner()).push(i);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            guard.release().await?;
+            Ok::<_, distlock_core::LockError>(Ok(()))
+        }));
+        until_attempts(&observed, 1, &format!("waiter {i}")).await?;
+        waiters.observed.push(observed);
+    }
+    Ok(waiters)
+}
+
+/// Waiters started by [`queue_waiters`].
+#[derive(Default)]
+struct Waiters {
+    observed: Vec<Arc<ObservedLock>>,
+    tasks: Vec<tokio::task::JoinHandle<Result<Result<(), String>, distlock_core::LockError>>>,
+}
+
+impl Waiters {
+    /// Waits for every waiter to be served; their attempts in all.
+    async fn finish(self) -> Result<Vec<u64>, CaseError> {
+        for task in self.tasks {
+            within(Duration::from_secs(150), task, "waiter")
+                .await?
+                .map_err(|e| format!("waiter task panicked: {e}"))???;
+        }
+        Ok(self.observed.iter().map(|o| o.attempts()).collect())
+    }
+}
+
+/// `WAITERS` waiters queue behind a holder, which then releases: each
+/// waiter's attempts, and the order they were served in.
+async fn served_behind_a_holder(ctx: &TestContext) -> Result<(Vec<u64>, Vec<usize>), CaseError> {
+    let key = ctx.key("handoff");
+    let holder = ctx.client().await?;
+    let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
+    let served = Arc::new(Mutex::new(Vec::new()));
+    let waiters = queue_waiters(ctx, &key, None, &served).await?;
+    holder.release(&lease).await?;
+    let attempts = waiters.finish().await?;
+    let order = served.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    Ok((attempts, order))
+}
+
+/// One release, one attempt: `WAITERS` waiters queue behind a holder;
+/// each is served once with two attempts in all (the refused first one and
+/// the one its wake-up started), not one more for each release it slept
+/// through. A backend that wakes every waiter makes 4 + 4 + 3 + 2 + 1.
+pub async fn one_attempt_per_release(ctx: TestContext) -> CaseResult {
+    let (attempts, _) = served_behind_a_holder(&ctx).await?;
+    let total: u64 = attempts.iter().sum();
+    check!(
+        total <= 2 * WAITERS as u64,
+        "one attempt per release: {WAITERS} waiters made {total} attempts (per waiter {attempts:?}), at most {} expected",
+        2 * WAITERS
+    );
+    Ok(())
+}
+
+/// Waiters are served in the order they arrived.
+pub async fn arrival_order(ctx: TestContext) -> CaseResult {
+    let (_, order) = served_behind_a_holder(&ctx).await?;
+    check_eq!(order, (0..WAITERS).collect::<Vec<_>>(), "order served");
+    Ok(())
+}
+
+/// A waiter that leaves — cancelled before the release, or failing after
+/// the release woke it — passes its turn on: the next waiter is
+/// served long before the holder's TTL could have run out.
+pub async fn cancelled_waiter_passes_the_turn_on(ctx: TestContext) -> CaseResult {
+    for woken_first in [false, true] {
+        let when = if woken_first {
+            "after its wake-up"
+        } else {
+            "before the release"
+        };
+        let key = ctx.key("handoff");
+        let holder = ctx.client().await?;
+        let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
+        let options = LockOptions::new(ctx.long_ttl()).with_wait(Duration::from_secs(120));
+        let first = Arc::new(ObservedLock::new(ctx.client().await?));
+        let leaving = {
+            let (locker, key, options) = (Locker::new(first.clone()), key.clone(), options.clone());
+            tokio::spawn(async move { locker.acquire(&key, &options).await })
+        };
+        until_attempts(&first, 1, "the waiter that leaves").await?;
+        let second = Arc::new(ObservedLock::new(ctx.client().await?));
+        let next = {
+            let (locker, key) = (Locker::new(second.clone()), key.clone());
+            tokio::spawn(async move { locker.acquire(&key, &options).await })
+        };
+        until_attempts(&second, 1, "the next waiter").await?;
+        if woken_first {
+            // Woken, the first waiter gives up: its attempt fails before it
+            // reaches the server, and its wait ends with that error.
+            first.fail_next(Call::Acquire, &key, ErrorKind::Config);
+            holder.release(&lease).await?;
+            let ended = within(
+                background_bound(),
+                leaving,
+                "the first waiter woken by the release",
+            )
+            .await?
+            .map_err(|e| format!("waiter panicked: {e}"))?;
+            check!(
+                ended.is_err(),
+                "the first waiter ended with the injected error"
+            );
+        } else {
+            leaving.abort();
+            let _ = leaving.await;
+            holder.release(&lease).await?;
+        }
+        let started = Instant::now();
+        let guard = within(
+            background_bound(),
+            next,
+            &format!("the next waiter served (the first left {when})"),
+        )
+        .await?
+        .map_err(|e| format!("waiter panicked: {e}"))??
+        .ok_or_else(|| format!("the next waiter gave up (the first left {when})"))?;
+        check!(
+            started.elapsed() < ctx.long_ttl() / 2,
+            "served by the turn passed on, not by an expiry"
+        );
+        guard.release().await?;
+    }
+    Ok(())
+}
+
+/// Two permits returned back to back wake two waiters: both are served
+/// while the holders' TTLs are far from over.
+pub async fn permits_returned_together_wake_as_many(ctx: TestContext) -> CaseResult {
+    const LIMIT: u32 = 2;
+    let key = ctx.key("handoff");
+    let holders: Vec<LockClient> = super::support::clients(&ctx, LIMIT as usize).await?;
+    let mut leases = Vec::new();
+    for (i, holder) in holders.iter().enumerate() {
+        let attempt = holder
+            .try_acquire_permit(&key, LIMIT, ctx.long_ttl())
+            .await?;
+        leases.push(
+            attempt
+                .lease()
+                .ok_or_else(|| format!("holder {i}: a permit should be free"))?,
+        );
+    }
+    let served = Arc::new(Mutex::new(Vec::new()));
+    let waiters = queue_waiters(&ctx, &key, Some(LIMIT), &served).await?;
+    let (a, b) = (&holders[0], &holders[1]);
+    let (ra, rb) = tokio::join!(a.release(&leases[0]), b.release(&leases[1]));
+    ra?;
+    rb?;
+    // The four are served two at a time; each holds a moment and releases,
+    // which wakes the next. Only wake-ups can serve them this soon.
+    within(background_bound(), waiters.finish(), "every waiter served").await??;
+    check_eq!(
+        served.lock().unwrap_or_else(|e| e.into_inner()).len(),
+        WAITERS,
+        "waiters served"
+    );
+    Ok(())
+}
