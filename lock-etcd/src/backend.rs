@@ -18,7 +18,7 @@ use crate::connection::Etcd;
 use crate::keys::encode_value;
 use crate::queue::{Line, Queues};
 use crate::requests::Repeat;
-use crate::session::{self, Sessions};
+use crate::session::{self, Attached, Sessions};
 use crate::txn::{self, AcquireOutcome};
 
 /// A distributed lock server on etcd v3, for
@@ -39,6 +39,8 @@ use crate::txn::{self, AcquireOutcome};
 /// still loses the lock after the TTL while the client lives on; if the
 /// client dies, etcd expires the session lease and its locks with it.
 /// Locks without renewal keep a lease of their own, so their TTL is exact.
+/// Renewed semaphore permits share the session lease the same way (see
+/// the crate docs, [Semaphores](crate#semaphores)).
 /// A session lock's grant (and each renewal) is dated from the send time
 /// of the last keep-alive the server confirmed, if that is earlier than
 /// the request ([`Grant::clock_started`]).
@@ -195,22 +197,28 @@ impl EtcdLock {
         })
     }
 
-    /// Moves the key to a new lease of exactly `ttl` (its own lease, or a
-    /// session lock renewed with another TTL or whose session was lost).
-    async fn move_to_own_lease(
+    /// Renews `held`, the lock or permit `attached`: on a live session
+    /// lease with this TTL, one transaction confirms it (the session's
+    /// keep-alives renew it); else (its own lease, another TTL such as max
+    /// hold or hold-at-least, or a lost session) it moves to a new lease of
+    /// exactly `ttl` by `moving(new lease)`, a transaction that moves the
+    /// key only if it is still ours.
+    pub(crate) async fn renew(
         &self,
-        lock: HeldLock<'_>,
+        attached: &Attached,
+        held: HeldLock<'_>,
         ttl: Duration,
+        moving: impl FnOnce(i64) -> etcd_client::Txn,
     ) -> Result<ExtendReply, LockError> {
-        let etcd_key = self.etcd().layout.lock_key(lock.key);
-        let value = encode_value(lock.owner);
+        let sessions = &self.inner.sessions;
+        if let Some(session) = sessions.renewable(held.handle, ttl) {
+            return sessions.confirm(attached, held.fencing, &session).await;
+        }
         let moved = self
-            .move_to_new_lease(lock.fencing, lock.handle, ttl, IN_LOCK_CALL, |new_lease| {
-                txn::extend(&etcd_key, &value, lock.fencing, new_lease)
-            })
+            .move_to_new_lease(held.fencing, held.handle, ttl, moving)
             .await?;
         // Off the session lease either way: its expiry tracking stops.
-        self.inner.sessions.untrack(&lock);
+        sessions.untrack(held.handle, attached);
         Ok(moved)
     }
 
@@ -220,12 +228,11 @@ impl EtcdLock {
     /// without it: the old one (`old_handle`, if the key's own) once it
     /// moved, else the new one. Grant and transaction share one operation
     /// timeout.
-    pub(crate) async fn move_to_new_lease(
+    async fn move_to_new_lease(
         &self,
         fencing: FencingToken,
         old_handle: u64,
         ttl: Duration,
-        what: &'static str,
         moving: impl FnOnce(i64) -> etcd_client::Txn,
     ) -> Result<ExtendReply, LockError> {
         let deadline = self.etcd().requests.deadline();
@@ -236,7 +243,7 @@ impl EtcdLock {
         // key on again.
         let reply = self
             .etcd()
-            .run_txn_until(deadline, what, Repeat::Safe, moving(new_lease))
+            .run_txn_until(deadline, IN_LOCK_CALL, Repeat::Safe, moving(new_lease))
             .await?;
         if !reply.succeeded() {
             self.etcd().revoke_later(new_lease);
@@ -250,12 +257,13 @@ impl EtcdLock {
         ))
     }
 
-    /// Runs `release`, a transaction that deletes a key (lock or permit)
-    /// only if it is still ours; once it did, revokes the key's own lease
-    /// (in `handle`, if not a session's) in the background.
+    /// Runs `release`, a transaction that deletes `attached` (a lock or
+    /// permit on `handle`) only if it is still ours; once it did, revokes
+    /// the key's own lease (if not a session's) in the background. Either
+    /// way, the key leaves its session's expiry tracking.
     pub(crate) async fn release_with(
         &self,
-        what: &'static str,
+        attached: &Attached,
         handle: u64,
         release: etcd_client::Txn,
     ) -> Result<ReleaseReply, LockError> {
@@ -265,8 +273,9 @@ impl EtcdLock {
         // to its TTL while everyone waits.
         let (reply, resent) = self
             .etcd()
-            .run_txn_resent(what, Repeat::Safe, release)
+            .run_txn_resent(IN_LOCK_CALL, Repeat::Safe, release)
             .await?;
+        self.inner.sessions.untrack(handle, attached);
         if !reply.succeeded() {
             return Ok(if resent {
                 ReleaseReply::NotHeldAfterResend
@@ -316,29 +325,19 @@ impl LockBackend for EtcdLock {
     }
 
     async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError> {
-        if let Some(session) = session::session_lease_of(lock.handle)
-            .and_then(|id| self.inner.sessions.by_lease(id))
-            .filter(|session| session.is_alive() && session.ttl() == ttl)
-        {
-            return self.inner.sessions.confirm_lock(lock, &session).await;
-        }
-        // Any other TTL (max hold, hold-at-least), or a lost session: move
-        // the key to a lease of its own with exactly that TTL.
-        self.move_to_own_lease(lock, ttl).await
+        let attached = Attached::lock(&self.etcd().layout, lock.key, lock.owner);
+        let value = encode_value(lock.owner);
+        self.renew(&attached, lock, ttl, |new_lease| {
+            txn::extend(&attached.key, &value, lock.fencing, new_lease)
+        })
+        .await
     }
 
     async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
-        let etcd_key = self.etcd().layout.lock_key(lock.key);
+        let attached = Attached::lock(&self.etcd().layout, lock.key, lock.owner);
         let value = encode_value(lock.owner);
-        let released = self
-            .release_with(
-                IN_LOCK_CALL,
-                lock.handle,
-                txn::release(&etcd_key, &value, lock.fencing),
-            )
-            .await?;
-        self.inner.sessions.untrack(&lock);
-        Ok(released)
+        let release = txn::release(&attached.key, &value, lock.fencing);
+        self.release_with(&attached, lock.handle, release).await
     }
 
     async fn watch(

@@ -6,7 +6,7 @@
 //! deliver it after requests sent on a newer one). Deleting what it would
 //! have written does not help if it lands after the delete. So every
 //! write the backend may have to undo before its outcome is known (a
-//! renewing acquire, a queue entry) is conditional on its fence key not
+//! renewing acquire or permit attempt, a queue entry) is conditional on its fence key not
 //! existing, and the undo writes the fence in the same transaction as its
 //! delete: applied late, the request then finds the fence and writes
 //! nothing.
@@ -33,14 +33,21 @@ pub(crate) struct Fence {
 }
 
 impl Fence {
-    /// A fresh fence for a request on the lock at etcd key `lock_key`
-    /// attached to `lease_id`: `<lock_key>/fences/<lease id>-<number>`,
-    /// outside the lock's waiter queue (see [`crate::keys`]).
+    /// A fresh fence for a request on the lock at etcd key `lock_key` (or
+    /// on the semaphore whose base that is) attached to `lease_id`:
+    /// `<lock_key>/fences/<lease id>-<number>`, outside the lock's waiter
+    /// queue and the semaphore's permits (see [`crate::keys`]).
     pub(crate) fn new(lock_key: &[u8], lease_id: i64) -> Self {
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let mut key = lock_key.to_vec();
         key.extend_from_slice(format!("/fences/{lease_id:x}-{n:x}").as_bytes());
         Self { key, lease_id }
+    }
+
+    /// The fence's etcd key.
+    #[cfg(test)]
+    pub(crate) fn key(&self) -> &[u8] {
+        &self.key
     }
 
     /// The comparison the fenced request carries: the fence is not up.

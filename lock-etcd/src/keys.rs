@@ -27,10 +27,13 @@
 //! `NS/lock/%sem/<escape(k)>` (see [`crate::semaphore`]):
 //!
 //! - `<base>/permits/<32 hex digits of the owner token>`: one permit, on
-//!   an etcd lease of its own, value `dl1:<owner hex>/<limit>` (the limit
-//!   it was granted under; all live permits carry the same one);
+//!   an etcd lease of its own (or its client's session lease), value
+//!   `dl1:<owner hex>/<limit>` (the limit it was granted under; all live
+//!   permits carry the same one);
 //! - `<base>/waiters/<waiter id>`: its FIFO waiter queue, as a lock's;
-//! - `<base>/fences/...`: fences of its queue entries, as a lock's.
+//! - `<base>/fences/...`: fences of its queue entries and of permit
+//!   attempts on a session lease, as a lock's (outside the permits, whose
+//!   range is read and watched whole).
 //!
 //! `%se` is no escape, so no escaped key starts with `%sem`: no semaphore
 //! key is a lock key or lies in a lock's queue or fence range, and (the

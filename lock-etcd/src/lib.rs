@@ -67,16 +67,20 @@
 //! (at most N holders of a key: [`LockOptions::with_permits`](distlock_core::LockOptions::with_permits)).
 //! A permit is the key `NS/lock/%sem/<escaped key>/permits/<owner token
 //! in hex>`, valued `dl1:<owner token in hex>/<limit>`, on an etcd lease of
-//! its own with the permit's TTL (renewing permits too, so a holder that
-//! dies before its first renewal frees its permit within that TTL). The
+//! its own with the permit's TTL. A permit whose guard renews it goes on
+//! the client's session lease of that TTL instead, as a renewed lock: a
+//! holder that stops renewing it (or dies) frees it within that TTL, and
+//! renewing it is one confirming request. The
 //! holders are the first `limit` permits by create revision: an attempt
-//! grants a lease, puts its permit and reads every permit in one
-//! transaction, and gives it back at once (revoking the lease) if
-//! `limit` older ones exist; attempts at once do not conflict. The
-//! fencing token is the permit's create revision; the limit is stored in
-//! every permit's value, so it goes with the last permit. Costs: 3 round
-//! trips to take a permit (read, lease grant, transaction), 1 read when
-//! every permit is taken; extend as a plain lock's (2), release 1. Waiters
+//! puts its permit and reads every permit in one transaction, and gives
+//! it back at once (revoking its lease, or deleting it from the session
+//! lease) if `limit` older ones exist; attempts at once do not conflict.
+//! The fencing token is the permit's create revision; the limit is stored
+//! in every permit's value, so it goes with the last permit. Costs: 3
+//! round trips to take a permit (read, lease grant, transaction; 2 for a
+//! renewed one: read, transaction), 1 read when every permit is taken;
+//! extend as a plain lock's (2; a renewed permit's with its TTL: 1
+//! confirming transaction), release 1. Waiters
 //! queue FIFO under `NS/lock/%sem/<escaped key>/waiters/`; the first
 //! `limit` of them watch deletions of the permits, the others the entry
 //! before them. A semaphore and the lock of one name share nothing.
@@ -105,7 +109,9 @@
 //! A permit attempt sent again finds its owner's permit and adopts it (see
 //! [Semaphores](#semaphores)); one whose outcome stays unknown revokes its
 //! lease, which deletes the permit if the request was applied and makes it
-//! fail if it is applied later.
+//! fail if it is applied later (a renewed permit's attempt, on the session
+//! lease, is undone by the session as a renewing acquire: the deletion
+//! puts up a fence that makes the attempt, applied later, write nothing).
 //!
 //! A renewing acquire whose session is lost while the request is in flight
 //! is refused (see [`EtcdLock`]): the lock it created goes with the
@@ -135,8 +141,9 @@
 //! with a shorter TTL assume the shorter one). A dropped `release` leaves
 //! the lock to expire as if it had not been released. The same holds for
 //! permits: a dropped permit attempt or extend leaves at most a permit, or
-//! an unused lease, that etcd expires after the requested TTL, and a
-//! dropped permit waiter leaves no queue entry.
+//! an unused lease, that etcd expires after the requested TTL (a renewing
+//! permit attempt: that the session deletes a TTL after the request was
+//! sent), and a dropped permit waiter leaves no queue entry.
 //!
 //! # TLS
 //!

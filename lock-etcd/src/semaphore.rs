@@ -1,5 +1,6 @@
 //! Counting semaphores: at most `limit` permits of a key, each an etcd key
-//! on a lease of its own.
+//! on a lease of its own, or on its client's session lease if its holder
+//! renews it.
 //!
 //! The permits of semaphore `k` are the keys below
 //! `NS/lock/%sem/<escaped k>/permits/`, one per holder, named by its owner
@@ -16,12 +17,13 @@
 //! one transaction puts its permit on it and reads every permit, oldest
 //! first. Its place in that read decides: fewer than `limit` before it, it
 //! holds a permit; else (`Full`), or an older permit carries another limit
-//! (`LimitMismatch`), it revokes its lease, which deletes the entry again.
+//! (`LimitMismatch`), it gives the entry back (revoking its lease, which
+//! deletes it).
 //! A permit's place only moves forward as older ones go, so every holder
 //! is always among the first `limit` entries and never more than `limit`
 //! are held; attempts running at once do not conflict (each finds its own
 //! place), so up to `limit` of them get in at once. An entry on its way
-//! out only delays others (it counts until its revoke lands), and its
+//! out only delays others (it counts until its deletion lands), and its
 //! deletion wakes them. An attempt first reads the permits without
 //! writing, and when that read shows every permit taken (or another
 //! limit) it is refused with no write at all: a full semaphore costs its
@@ -38,15 +40,30 @@
 //! attempt applied unseen is handed back with its fencing token and its
 //! TTL reset from now. An attempt whose outcome is unknown revokes its
 //! lease in the background: the undo of a put on that lease that no late
-//! put outlives (a put on a revoked lease fails whole). Renewing permits
-//! too get a lease of their own with their TTL, so a holder that dies
-//! before its first renewal frees its permit within that TTL; extending
-//! moves a permit to a new lease of the TTL asked for.
+//! put outlives (a put on a revoked lease fails whole). Extending moves a
+//! permit to a new lease of the TTL asked for.
+//!
+//! Renewing permits (a renewing [`PermitRequest`], what a permit guard
+//! takes) go on the client's session lease of their TTL instead, as
+//! renewing locks do ([`crate::session`]): no lease is granted, moved or
+//! revoked per permit. Extending one with that TTL is one transaction that
+//! confirms the permit is still there with its create revision and on the
+//! session lease (the session's keep-alives renew it); with another TTL,
+//! or once the session was lost, it moves to a new lease as above. The
+//! session deletes a permit whose holder stopped renewing it for its TTL,
+//! and etcd expires the session lease (and its permits) a TTL after the
+//! client dies, so a holder that dies before its first renewal still frees
+//! its permit within that TTL. The session lease is never revoked for one
+//! permit: an entry given back, or an attempt whose outcome is unknown, is
+//! deleted by the session's undo, whose fence the attempt's transaction
+//! carries (see [`crate::fence`]; fences go below the semaphore's base,
+//! outside its permits).
 //!
 //! Waiters queue FIFO as a lock's do ([`crate::queue`], on the
 //! semaphore's own queue), the first in line watching deletions below
 //! the permits prefix: a release or an expiry wakes exactly it.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -54,12 +71,13 @@ use distlock_core::{
     ExtendReply, FencingToken, Grant, HeldLock, LockError, LockKey, OwnerToken, PermitReply,
     PermitRequest, ReleaseReply, ReleaseWatch, SemaphoreBackend, IN_LOCK_CALL,
 };
-use etcd_client::{GetOptions, KeyValue, SortOrder, SortTarget};
+use etcd_client::{GetOptions, KeyValue, SortOrder, SortTarget, TxnResponse};
 
 use crate::backend::EtcdLock;
 use crate::keys::{decode_permit, encode_permit};
 use crate::queue::Line;
 use crate::requests::Repeat;
+use crate::session::{Attached, Session, Sessions};
 use crate::txn;
 
 /// A live permit, as read.
@@ -147,16 +165,92 @@ fn decide(held: &[Permit], place: usize, limit: u32) -> Option<PermitReply> {
         .then_some(PermitReply::Full { expires_in: None })
 }
 
+/// The lease a permit attempt put its permit on.
+enum OnLease {
+    /// A lease of its own, granted this TTL: revoking it gives the permit
+    /// back.
+    Own(i64, Duration),
+    /// The session lease of a renewing attempt, the permit tracked from
+    /// that instant: the session's fenced undo gives it back.
+    Session(Arc<Session>, Instant),
+}
+
+impl EtcdLock {
+    /// Sends the permit attempt's transaction, putting `attached` (valued
+    /// `value`) on a lease of the request's TTL: the session lease for a
+    /// renewing attempt (as a renewing lock's), else a lease of its own.
+    /// On an error (unknown outcome) that lease is given back.
+    async fn join(
+        &self,
+        request: &PermitRequest<'_>,
+        attached: &Attached,
+        value: &[u8],
+        deadline: Instant,
+    ) -> Result<(TxnResponse, OnLease), LockError> {
+        let prefix = self.etcd().layout.permits_prefix(request.key);
+        if request.renewing {
+            let sessions = &self.inner.sessions;
+            let session = sessions.session(request.ttl, deadline).await?;
+            let lease_id = session.lease_id();
+            let joining = sessions.attach(&session, attached, deadline, |fence, raise| {
+                txn::join_permits(&attached.key, value, lease_id, &prefix, Some(fence), raise)
+            });
+            return match joining.await {
+                Ok((reply, tracked_from)) => Ok((reply, OnLease::Session(session, tracked_from))),
+                Err(e) => {
+                    // Unknown outcome: the session's undo, fence first, is
+                    // one no late put outlives (see `crate::fence`).
+                    sessions.undo_now(&session, attached, None);
+                    Err(e)
+                }
+            };
+        }
+        let (lease_id, granted) = self.etcd().grant(request.ttl, deadline).await?;
+        let join = txn::join_permits(&attached.key, value, lease_id, &prefix, None, &[]);
+        match self
+            .etcd()
+            .run_txn_until(deadline, IN_LOCK_CALL, Repeat::Safe, join)
+            .await
+        {
+            Ok(reply) => Ok((reply, OnLease::Own(lease_id, granted))),
+            Err(e) => {
+                // Unknown outcome: the permit, if it was put, lives on
+                // this lease; revoking it is an undo no late put outlives.
+                // A retry (same owner) joins or adopts anew.
+                self.etcd().revoke_later(lease_id);
+                Err(e)
+            }
+        }
+    }
+
+    /// Gives back the permit `attached` (created at `fencing`, if known)
+    /// that an attempt put on `on`, in the background.
+    fn give_back(&self, on: &OnLease, attached: &Attached, fencing: Option<FencingToken>) {
+        match on {
+            OnLease::Own(lease_id, _) => self.etcd().revoke_later(*lease_id),
+            OnLease::Session(session, _) => {
+                self.inner.sessions.undo_now(session, attached, fencing);
+            }
+        }
+    }
+
+    /// Forgets the lease of an attempt that put nothing on it.
+    fn unused(&self, on: &OnLease, attached: &Attached) {
+        match on {
+            OnLease::Own(lease_id, _) => self.etcd().revoke_later(*lease_id),
+            OnLease::Session(session, _) => session.untrack(&attached.id),
+        }
+    }
+}
+
 #[async_trait]
 impl SemaphoreBackend for EtcdLock {
     async fn acquire_permit(&self, request: PermitRequest<'_>) -> Result<PermitReply, LockError> {
-        let layout = &self.etcd().layout;
         let key = request.key;
-        let prefix = layout.permits_prefix(key);
-        let permit = layout.permit_key(key, request.owner);
+        let attached = Attached::permit(&self.etcd().layout, key, request.owner);
         let value = encode_permit(request.owner, request.limit);
-        // The read, the grant and the transaction share one operation
-        // timeout.
+        // The read, the grant (of a lease, or of the session's first) and
+        // the transaction share one operation timeout.
         let deadline = self.etcd().requests.deadline();
         let before = self.read_permits(key, deadline).await?;
         let earlier = before.iter().find(|p| p.owner == request.owner);
@@ -165,54 +259,59 @@ impl SemaphoreBackend for EtcdLock {
                 return Ok(refusal);
             }
         }
-        let (lease_id, granted) = self.etcd().grant(request.ttl, deadline).await?;
-        let reply = match self
-            .etcd()
-            .run_txn_until(
-                deadline,
-                IN_LOCK_CALL,
-                Repeat::Safe,
-                txn::join_permits(&permit, &value, lease_id, &prefix),
-            )
-            .await
-        {
-            Ok(reply) => reply,
-            Err(e) => {
-                // Unknown outcome: the permit, if it was put, lives on
-                // this lease; revoking it is an undo no late put outlives.
-                // A retry (same owner) joins or adopts anew.
-                self.etcd().revoke_later(lease_id);
-                return Err(e);
-            }
-        };
+        let (reply, on) = self.join(&request, &attached, &value, deadline).await?;
         let (put, kvs) = txn::joined_permits(&reply);
         let now = match parse(self, key, &kvs) {
             Ok(now) => now,
             Err(e) => {
-                self.etcd().revoke_later(lease_id);
+                self.give_back(&on, &attached, None);
                 return Err(e);
             }
         };
-        let place = now.iter().position(|p| p.owner == request.owner);
-        let (Some(place), true) = (place, put) else {
-            self.etcd().revoke_later(lease_id);
-            return Err(LockError::corrupted(
-                "the semaphore's etcd permit for this owner holds a value distlock did not write; it was left untouched — remove it or use another namespace",
-            ));
+        let place = match (now.iter().position(|p| p.owner == request.owner), put) {
+            (Some(place), true) => place,
+            (None, false) => {
+                // Nothing put and no permit there: only the fence of a
+                // renewing attempt does that, put up by the session's undo
+                // of this attempt once it ran a TTL late. Try again at once.
+                self.unused(&on, &attached);
+                return Ok(PermitReply::Full {
+                    expires_in: Some(Duration::ZERO),
+                });
+            }
+            _ => {
+                self.unused(&on, &attached);
+                return Err(LockError::corrupted(
+                    "the semaphore's etcd permit for this owner holds a value distlock did not write; it was left untouched — remove it or use another namespace",
+                ));
+            }
         };
-        // An adopted permit's earlier lease has no key left.
-        if let Some(earlier) = earlier.filter(|p| p.lease != lease_id) {
+        let lease_id = match &on {
+            OnLease::Own(lease_id, _) => *lease_id,
+            OnLease::Session(session, _) => session.lease_id(),
+        };
+        // An adopted permit's earlier lease has no key left (a session
+        // lease is never revoked for one permit).
+        if let Some(earlier) = earlier
+            .filter(|p| p.lease != lease_id && self.inner.sessions.by_lease(p.lease).is_none())
+        {
             self.etcd().revoke_later(earlier.lease);
         }
+        let fencing = token(now[place].created);
         if let Some(refusal) = decide(&now, place, request.limit) {
-            // Out of the line again: the revoke deletes the entry.
-            self.etcd().revoke_later(lease_id);
+            // Out of the line again: giving it back deletes the entry.
+            self.give_back(&on, &attached, Some(fencing));
             return Ok(refusal);
         }
-        let fencing = now[place].created;
-        Ok(PermitReply::Granted(
-            Grant::new(token(fencing), granted).with_handle(handle(lease_id)),
-        ))
+        let grant = match on {
+            OnLease::Own(lease_id, granted) => {
+                Grant::new(fencing, granted).with_handle(handle(lease_id))
+            }
+            OnLease::Session(session, tracked_from) => {
+                Sessions::granted(&session, &attached, fencing, tracked_from)?
+            }
+        };
+        Ok(PermitReply::Granted(grant))
     }
 
     async fn extend_permit(
@@ -220,28 +319,20 @@ impl SemaphoreBackend for EtcdLock {
         permit: HeldLock<'_>,
         ttl: Duration,
     ) -> Result<ExtendReply, LockError> {
-        let etcd_key = self.etcd().layout.permit_key(permit.key, permit.owner);
+        let attached = Attached::permit(&self.etcd().layout, permit.key, permit.owner);
         let fencing = i64::try_from(permit.fencing.get()).unwrap_or(i64::MAX);
-        self.move_to_new_lease(
-            permit.fencing,
-            permit.handle,
-            ttl,
-            IN_LOCK_CALL,
-            |new_lease| txn::move_permit(&etcd_key, fencing, new_lease),
-        )
+        self.renew(&attached, permit, ttl, |new_lease| {
+            txn::move_permit(&attached.key, fencing, new_lease)
+        })
         .await
     }
 
     async fn release_permit(&self, permit: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
-        let etcd_key = self.etcd().layout.permit_key(permit.key, permit.owner);
+        let attached = Attached::permit(&self.etcd().layout, permit.key, permit.owner);
         let fencing = i64::try_from(permit.fencing.get()).unwrap_or(i64::MAX);
         // The deletion wakes the first waiters (their watch).
-        self.release_with(
-            IN_LOCK_CALL,
-            permit.handle,
-            txn::release_permit(&etcd_key, fencing),
-        )
-        .await
+        let release = txn::release_permit(&attached.key, fencing);
+        self.release_with(&attached, permit.handle, release).await
     }
 
     async fn watch_permits(
@@ -262,8 +353,6 @@ impl SemaphoreBackend for EtcdLock {
 mod tests {
     //! The permit transaction against a real etcd, and the decision on a
     //! place in the line.
-
-    use std::sync::Arc;
 
     use distlock_conformance::server::{Etcd, ServerProcess};
     use etcd_client::Client;
@@ -338,7 +427,7 @@ mod tests {
         let (permits, key) = permit_of("late", owner);
         let value = encode_permit(owner, 1);
         let lease = client.lease_grant(60, None).await.expect("lease").id();
-        let late = txn::join_permits(&key, &value, lease, &permits);
+        let late = txn::join_permits(&key, &value, lease, &permits, None, &[]);
         client.lease_revoke(lease).await.expect("the undo");
         let applied = client.txn(late).await;
         assert!(
@@ -349,13 +438,54 @@ mod tests {
         assert!(left.kvs().is_empty(), "a permit was left");
         let live = client.lease_grant(60, None).await.expect("lease").id();
         let control = client
-            .txn(txn::join_permits(&key, &value, live, &permits))
+            .txn(txn::join_permits(&key, &value, live, &permits, None, &[]))
             .await
             .expect("control");
         let (put, found) = txn::joined_permits(&control);
         assert!(
             put && found.len() == 1,
             "control: the attempt takes the permit"
+        );
+    }
+
+    /// A renewing permit attempt (on a session lease, fenced) whose
+    /// outcome was unknown is undone by the session: the undo deletes the
+    /// permit if the attempt was applied and puts its fence up, so the
+    /// attempt, applied only after that, writes nothing. The control shows
+    /// the same attempt unfenced takes the permit.
+    #[tokio::test]
+    async fn a_renewing_permit_attempt_applied_after_its_undo_takes_nothing() {
+        let (_server, mut client) = etcd().await;
+        let layout = crate::keys::KeyLayout::new("ns");
+        let key = LockKey::new("late-session").expect("a valid key");
+        let owner = OwnerToken::random();
+        let attached = Attached::permit(&layout, &key, owner);
+        let permits = layout.permits_prefix(&key);
+        let value = encode_permit(owner, 1);
+        let session = client.lease_grant(60, None).await.expect("lease").id();
+        let fence = attached.fence(session);
+        let join = |fence: Option<&crate::fence::Fence>| {
+            txn::join_permits(&attached.key, &value, session, &permits, fence, &[])
+        };
+        let late = join(Some(&fence));
+        let undo = txn::undo_session_lock(
+            &attached.key,
+            None,
+            session,
+            None,
+            &attached.fence(session),
+            std::slice::from_ref(&fence),
+        );
+        client.txn(undo).await.expect("undo");
+        let reply = client.txn(late).await.expect("late attempt");
+        let (put, found) = txn::joined_permits(&reply);
+        assert!(!put, "the late attempt put its permit");
+        assert!(found.is_empty(), "a permit was left: {found:?}");
+        let control = client.txn(join(None)).await.expect("control");
+        let (put, found) = txn::joined_permits(&control);
+        assert!(
+            put && found.len() == 1,
+            "control: the attempt without its fence takes the permit"
         );
     }
 
@@ -371,12 +501,12 @@ mod tests {
         let first = client.lease_grant(60, None).await.expect("lease").id();
         let second = client.lease_grant(60, None).await.expect("lease").id();
         let reply = client
-            .txn(txn::join_permits(&key, &value, first, &permits))
+            .txn(txn::join_permits(&key, &value, first, &permits, None, &[]))
             .await
             .expect("first attempt");
         let created = reply.header().expect("header").revision();
         let reply = client
-            .txn(txn::join_permits(&key, &value, second, &permits))
+            .txn(txn::join_permits(&key, &value, second, &permits, None, &[]))
             .await
             .expect("second attempt");
         let (put, found) = txn::joined_permits(&reply);
@@ -386,7 +516,7 @@ mod tests {
         assert_eq!(found[0].lease(), second, "the TTL did not start again");
         let other = encode_permit(owner, 3);
         let reply = client
-            .txn(txn::join_permits(&key, &other, first, &permits))
+            .txn(txn::join_permits(&key, &other, first, &permits, None, &[]))
             .await
             .expect("foreign value");
         let (put, found) = txn::joined_permits(&reply);

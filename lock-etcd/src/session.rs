@@ -1,23 +1,23 @@
 //! Session leases: one etcd lease per client and TTL, shared by the locks
-//! whose guards renew them, kept alive by one keep-alive stream (as etcd's
-//! Go `concurrency.Session`).
+//! and semaphore permits whose guards renew them, kept alive by one
+//! keep-alive stream (as etcd's Go `concurrency.Session`).
 //!
-//! A renewing acquire attaches its key to the session lease, so it costs
-//! one transaction instead of grant + transaction. Renewing such a lock does
-//! not move the key: one request confirms the key is still ours and still on
-//! the session lease, and the lease's validity is counted from the last
+//! A renewing acquire attaches its key to the session lease, so it needs
+//! no lease grant of its own. Renewing such a lock or permit does not move
+//! the key: one request confirms the key is still ours and still on the
+//! session lease, and the lease's validity is counted from the last
 //! keep-alive the server confirmed: a grant or renewal says so with
 //! [`Grant::clock_started`], so the client dates the lease from it.
 //!
 //! The session lease alone would keep a lock alive as long as the *client*
 //! lives, not as long as its *holder* renews it. So the session's task also
-//! tracks each attached lock's last renewal and deletes (compare owner,
-//! create revision and lease, then delete) any lock not renewed for the
-//! session TTL: a holder that stops renewing loses the lock after its TTL
-//! while the session lives on for the other locks. A crashed client stops
-//! the keep-alives and etcd expires the session lease, and its keys with it.
+//! tracks each attached key's last renewal and deletes (compare owner,
+//! create revision and lease, then delete) any not renewed for the session
+//! TTL: a holder that stops renewing loses the lock or permit after its TTL
+//! while the session lives on for the others. A crashed client stops the
+//! keep-alives and etcd expires the session lease, and its keys with it.
 //!
-//! One session's state (liveness, confirmed keep-alives, attached locks)
+//! One session's state (liveness, confirmed keep-alives, attached keys)
 //! is [`state`]; its keep-alive and expiry task is [`keepalive`].
 
 mod keepalive;
@@ -28,13 +28,15 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use distlock_core::{
-    AcquireReply, AcquireRequest, ExtendReply, Grant, HeldLock, LockError, IN_LOCK_CALL,
+    AcquireReply, AcquireRequest, ExtendReply, FencingToken, Grant, LockError, LockKey, OwnerToken,
+    IN_LOCK_CALL,
 };
+use etcd_client::{Txn, TxnResponse};
 use tokio::sync::watch;
 
 use crate::connection::Etcd;
 use crate::fence::Fence;
-use crate::keys::encode_value;
+use crate::keys::{encode_value, KeyLayout};
 use crate::requests::Repeat;
 use crate::txn::{self, AcquireOutcome};
 use keepalive::Task;
@@ -55,6 +57,58 @@ pub(crate) fn session_lease_of(handle: u64) -> Option<i64> {
     (handle & SESSION_BIT != 0)
         .then(|| i64::try_from(handle & !SESSION_BIT).ok())
         .flatten()
+}
+
+/// One acquisition's key on a session lease, a lock or a permit: what the
+/// session tracks, confirms and undoes.
+#[derive(Debug, Clone)]
+pub(crate) struct Attached {
+    /// What the session tracks it by, unique per acquisition: a lock's
+    /// value, a permit's key (each names the owner token).
+    pub(crate) id: Vec<u8>,
+    /// Its etcd key.
+    pub(crate) key: Vec<u8>,
+    /// The value a confirm or undo compares: a lock's; none for a permit,
+    /// whose key names its owner (its value holds the limit, which extend
+    /// and release are not told).
+    pub(crate) value: Option<Vec<u8>>,
+    /// The key its requests' fences go below (see [`crate::keys`]): never
+    /// in the range of a semaphore's permits.
+    pub(crate) fence_base: Vec<u8>,
+    /// "lock" or "permit", for messages.
+    pub(crate) what: &'static str,
+}
+
+impl Attached {
+    /// `owner`'s lock on `key`.
+    pub(crate) fn lock(layout: &KeyLayout, key: &LockKey, owner: OwnerToken) -> Self {
+        let etcd_key = layout.lock_key(key);
+        let value = encode_value(owner);
+        Self {
+            id: value.clone(),
+            key: etcd_key.clone(),
+            value: Some(value),
+            fence_base: etcd_key,
+            what: "lock",
+        }
+    }
+
+    /// `owner`'s permit of the semaphore `key`.
+    pub(crate) fn permit(layout: &KeyLayout, key: &LockKey, owner: OwnerToken) -> Self {
+        let etcd_key = layout.permit_key(key, owner);
+        Self {
+            id: etcd_key.clone(),
+            key: etcd_key,
+            value: None,
+            fence_base: layout.semaphore_base(key),
+            what: "permit",
+        }
+    }
+
+    /// A fresh fence for a request on this key attached to `lease_id`.
+    pub(crate) fn fence(&self, lease_id: i64) -> Fence {
+        Fence::new(&self.fence_base, lease_id)
+    }
 }
 
 /// The sessions of one client, by requested TTL in whole seconds.
@@ -141,6 +195,69 @@ impl Sessions {
         Ok(self.start(secs, lease_id, granted, sent_at))
     }
 
+    /// The live session lease `handle` is on, if its TTL is `ttl`: a lock
+    /// or permit on it is renewed by confirming it ([`confirm`](Self::confirm)).
+    pub(crate) fn renewable(&self, handle: u64, ttl: Duration) -> Option<Arc<Session>> {
+        session_lease_of(handle)
+            .and_then(|id| self.by_lease(id))
+            .filter(|session| session.is_alive() && session.ttl() == ttl)
+    }
+
+    /// Sends the one transaction of a renewing acquire that attaches
+    /// `attached` to `session`: `write(fence, raise)`, fenced by `fence`
+    /// and putting up `raise` (the fences of the owner's earlier requests
+    /// whose outcome is unknown). Returns its reply and the instant the key
+    /// is tracked from. On an error (unknown outcome) the key is still
+    /// tracked; the caller has it undone.
+    pub(crate) async fn attach(
+        &self,
+        session: &Session,
+        attached: &Attached,
+        deadline: Instant,
+        write: impl FnOnce(&Fence, &[Fence]) -> Txn,
+    ) -> Result<(TxnResponse, Instant), LockError> {
+        let fence = attached.fence(session.lease_id());
+        // Tracked before it is sent: if this future is dropped before the
+        // reply, the session still undoes the key a TTL after now, as any
+        // its holder stopped renewing (the session lease itself lives as
+        // long as the client). Now is after the client took its send time,
+        // so the client's lease ends before that undo.
+        let tracked_from = Instant::now();
+        let raise = session.begin(attached, &fence, tracked_from);
+        let reply = self
+            .etcd
+            .run_txn_until(deadline, IN_LOCK_CALL, Repeat::Safe, write(&fence, &raise))
+            .await?;
+        session.settled(&attached.id, &raise, &fence);
+        Ok((reply, tracked_from))
+    }
+
+    /// The grant of `attached`, created at `fencing` on `session` by a
+    /// request tracked from `tracked_from`, dated from the session's last
+    /// confirmed keep-alive; an error if the session died meanwhile.
+    pub(crate) fn granted(
+        session: &Session,
+        attached: &Attached,
+        fencing: FencingToken,
+        tracked_from: Instant,
+    ) -> Result<Grant, LockError> {
+        session.track(attached, Some(fencing), tracked_from);
+        // The server keeps the session lease at least a TTL after the last
+        // confirmed keep-alive was sent. A session that died while the
+        // request was in flight is being revoked (or expires on the
+        // server), taking the new key with it: no lease can be dated from it.
+        let Some(confirmed) = session.confirmed_sent_at() else {
+            tracing::debug!(key = %String::from_utf8_lossy(&attached.key), fencing = %fencing, "etcd session lost while acquiring; the key goes with it");
+            return Err(LockError::unavailable(format!(
+                "the {} was taken on an etcd session lease that was lost while the request was in flight (no keep-alive answered within its TTL), so it is gone again; try again",
+                attached.what
+            )));
+        };
+        Ok(Grant::new(fencing, session.ttl())
+            .with_handle(session_handle(session.lease_id()))
+            .clock_started(confirmed))
+    }
+
     /// A renewing acquire: one transaction creates the key on the session
     /// lease of the request's TTL.
     pub(crate) async fn acquire(
@@ -152,83 +269,72 @@ impl Sessions {
         // operation timeout.
         let deadline = self.etcd.requests.deadline();
         let session = self.session(request.ttl, deadline).await?;
-        let etcd_key = self.etcd.layout.lock_key(key);
+        let attached = Attached::lock(&self.etcd.layout, key, request.owner);
         let value = encode_value(request.owner);
-        let fence = Fence::new(&etcd_key, session.lease_id());
-        // Tracked before it is sent: if this future is dropped before the
-        // reply, the session still undoes the lock a TTL after now, as
-        // any lock its holder stopped renewing (the session lease itself
-        // lives as long as the client). Now is after the client took its
-        // send time, so the client's lease ends before that undo. The
-        // transaction puts up the fences of this acquisition's earlier
+        // The transaction puts up the fences of this acquisition's earlier
         // requests whose outcome is unknown.
-        let tracked_from = Instant::now();
-        let raise = session.begin(&etcd_key, &value, &fence, tracked_from);
-        let reply = match self
-            .etcd
-            .run_txn_until(
-                deadline,
-                IN_LOCK_CALL,
-                Repeat::Safe,
-                txn::acquire(&etcd_key, &value, session.lease_id(), Some(&fence), &raise),
+        let attaching = self.attach(&session, &attached, deadline, |fence, raise| {
+            txn::acquire(
+                &attached.key,
+                &value,
+                session.lease_id(),
+                Some(fence),
+                raise,
             )
-            .await
-        {
-            Ok(reply) => {
-                session.settled(&value, &raise, &fence);
-                reply
-            }
+        });
+        let (reply, tracked_from) = match attaching.await {
+            Ok(answered) => answered,
             Err(e) => {
                 // Unknown outcome, and the session lease cannot be revoked
                 // for one lock: make it due now, so the session undoes it
                 // at its next tick, fence first (see `crate::fence`): the
                 // request, applied after that, writes nothing.
-                let due = tracked_from
-                    .checked_sub(session.ttl())
-                    .unwrap_or(tracked_from);
-                session.track(&etcd_key, &value, None, due);
+                let now = Instant::now();
+                let due = now.checked_sub(session.ttl()).unwrap_or(now);
+                session.track(&attached, None, due);
                 return Err(e);
             }
         };
         let fencing = match txn::acquire_outcome(key, request.owner, &reply) {
             Ok(AcquireOutcome::Created(fencing)) => fencing,
             Ok(AcquireOutcome::Refused(refused)) => {
-                session.untrack(&value);
+                session.untrack(&attached.id);
                 return Ok(refused);
             }
             Err(e) => {
-                session.untrack(&value);
+                session.untrack(&attached.id);
                 return Err(e);
             }
         };
-        session.track(&etcd_key, &value, Some(fencing), tracked_from);
-        // The server keeps the session lease at least a TTL after the last
-        // confirmed keep-alive was sent. A session that died while the
-        // request was in flight is being revoked (or expires on the
-        // server), taking the new key with it: no lease can be dated from it.
-        let Some(confirmed) = session.confirmed_sent_at() else {
-            tracing::debug!(key = %key, fencing = %fencing, "etcd session lost while acquiring; the lock goes with it");
-            return Err(LockError::unavailable(
-                "the lock was taken on an etcd session lease that was lost while the request was in flight (no keep-alive answered within its TTL), so it is gone again; try again",
-            ));
-        };
-        Ok(AcquireReply::Granted(
-            Grant::new(fencing, session.ttl())
-                .with_handle(session_handle(session.lease_id()))
-                .clock_started(confirmed),
-        ))
+        Self::granted(&session, &attached, fencing, tracked_from).map(AcquireReply::Granted)
     }
 
-    /// Renews a lock attached to the live `session` with the session's TTL:
-    /// one transaction confirms the key is still ours and on the session
-    /// lease; the session's keep-alives renew it.
-    pub(crate) async fn confirm_lock(
+    /// Undoes `attached` (created at `fencing`, if known) at once, in the
+    /// background: a key a renewing acquire put on `session` but must give
+    /// back. The undo is the session's fenced one, as for a key its holder
+    /// stopped renewing, so a later request of the same owner that adopts
+    /// the key is never undone by it.
+    pub(crate) fn undo_now(
         &self,
-        lock: HeldLock<'_>,
+        session: &Arc<Session>,
+        attached: &Attached,
+        fencing: Option<FencingToken>,
+    ) {
+        if let Some(undo) = session.take(attached, fencing) {
+            keepalive::undo_later(&self.etcd, session, undo);
+        }
+    }
+
+    /// Renews a lock or permit attached to the live `session` with the
+    /// session's TTL: one transaction confirms the key is still the one
+    /// created at `fencing` and on the session lease; the session's
+    /// keep-alives renew it.
+    pub(crate) async fn confirm(
+        &self,
+        attached: &Attached,
+        fencing: FencingToken,
         session: &Session,
     ) -> Result<ExtendReply, LockError> {
-        let etcd_key = self.etcd.layout.lock_key(lock.key);
-        let value = encode_value(lock.owner);
         // After the client's send time, as in `acquire`.
         let renewed_at = Instant::now();
         let reply = self
@@ -236,31 +342,39 @@ impl Sessions {
             .run_txn(
                 IN_LOCK_CALL,
                 Repeat::Safe,
-                txn::confirm(&etcd_key, &value, lock.fencing, session.lease_id()),
+                txn::confirm(
+                    &attached.key,
+                    attached.value.as_deref(),
+                    fencing,
+                    session.lease_id(),
+                ),
             )
             .await?;
         if !reply.succeeded() {
-            session.untrack(&value);
+            session.untrack(&attached.id);
             return Ok(ExtendReply::NotHeld);
         }
         match session.confirmed_sent_at() {
-            Some(confirmed) if session.renew(&value, renewed_at) => Ok(ExtendReply::Extended(
-                Grant::new(lock.fencing, session.ttl())
-                    .with_handle(session_handle(session.lease_id()))
-                    .clock_started(confirmed),
-            )),
+            Some(confirmed) if session.renew(&attached.id, renewed_at) => {
+                Ok(ExtendReply::Extended(
+                    Grant::new(fencing, session.ttl())
+                        .with_handle(session_handle(session.lease_id()))
+                        .clock_started(confirmed),
+                ))
+            }
             _ => {
-                tracing::debug!(key = %lock.key, fencing = %lock.fencing, "etcd session lock expired or its session was lost");
+                tracing::debug!(key = %String::from_utf8_lossy(&attached.key), fencing = %fencing, "etcd session {} expired or its session was lost", attached.what);
                 Ok(ExtendReply::NotHeld)
             }
         }
     }
 
-    /// Detaches a lock from its session's expiry tracking, if it had one.
-    pub(crate) fn untrack(&self, lock: &HeldLock<'_>) {
-        if let Some(id) = session_lease_of(lock.handle) {
+    /// Detaches a lock or permit on `handle` from its session's expiry
+    /// tracking, if it had one.
+    pub(crate) fn untrack(&self, handle: u64, attached: &Attached) {
+        if let Some(id) = session_lease_of(handle) {
             if let Some(session) = self.by_lease(id) {
-                session.untrack(&encode_value(lock.owner));
+                session.untrack(&attached.id);
             }
         }
     }
@@ -273,6 +387,26 @@ impl Sessions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A permit's fences go below its semaphore's base, outside the
+    /// permits range that attempts read and waiters watch whole (a fence
+    /// there would read as a permit distlock did not write); a lock's go
+    /// below its key.
+    #[test]
+    fn fences_lie_outside_the_permits() {
+        let layout = KeyLayout::new("ns");
+        let key = LockKey::new("sem").expect("a valid key");
+        let owner = OwnerToken::random();
+        let permit = Attached::permit(&layout, &key, owner);
+        let fence = permit.fence(42);
+        assert!(fence.key().starts_with(&layout.semaphore_base(&key)));
+        assert!(!fence.key().starts_with(&layout.permits_prefix(&key)));
+        assert!(!fence.key().starts_with(&layout.permit_queue_prefix(&key)));
+        assert_eq!(permit.id, layout.permit_key(&key, owner));
+        let lock = Attached::lock(&layout, &key, owner);
+        assert!(lock.fence(42).key().starts_with(&layout.lock_key(&key)));
+        assert_ne!(lock.id, permit.id, "a lock and a permit of one owner");
+    }
 
     #[test]
     fn handles_round_trip() {

@@ -13,9 +13,10 @@
 //! - extend: `if value(key) == ours and create_revision(key) == fencing then
 //!   put(key, value, new_lease)`; a missing key fails the comparison, so an
 //!   expired lock is never recreated.
-//! - confirm (renewing a lock on a session lease): `if value(key) == ours
-//!   and create_revision(key) == fencing and lease(key) == session` with no
-//!   operations; the session's keep-alive does the renewing.
+//! - confirm (renewing a lock or permit on a session lease): `if value(key)
+//!   == ours and create_revision(key) == fencing and lease(key) == session`
+//!   (a permit's value unchecked: its key names its owner) with only a
+//!   count-only read; the session's keep-alive does the renewing.
 //! - release: `if value(key) == ours and create_revision(key) == fencing then delete(key)`.
 //!
 //! Permits (see [`crate::semaphore`]), whose key names their owner:
@@ -24,9 +25,11 @@
 //!   get(permits) else (if value(permit) == ours then put(permit, value,
 //!   lease); get(permits) else get(permits))`: the permit's place is its
 //!   create revision, which is also its fencing token; a put again (the
-//!   nested branch, adoption) keeps it.
-//! - move (extend): `if create_revision(permit) == fencing then
-//!   put(permit, same value, new_lease)`.
+//!   nested branch, adoption) keeps it. A renewing one on a session lease
+//!   is fenced as a renewing acquire.
+//! - move (extend, unless on a session lease and its TTL: then confirm):
+//!   `if create_revision(permit) == fencing then put(permit, same value,
+//!   new_lease)`.
 //! - release: `if create_revision(permit) == fencing then delete(permit)`.
 
 use etcd_client::{
@@ -72,26 +75,29 @@ pub(crate) fn acquire(
     Txn::new().when(when).and_then(then).or_else(otherwise)
 }
 
-/// The session's undo of a lock attached to `session_lease` whose holder
-/// stopped renewing it (or whose acquire's outcome is unknown): deletes it
-/// if it is still `value`'s (and, if known, still the acquisition of
-/// `fencing`), and in either branch puts up `raise`, the fences of the
-/// owner's requests whose outcome is unknown, so none of them takes the
-/// lock after this. The undo is itself fenced by `fence`: applied after a
-/// later undo or acquire of the same owner put it up, it does nothing.
+/// The session's undo of a lock or permit attached to `session_lease`
+/// whose holder stopped renewing it (or whose acquire's outcome is
+/// unknown): deletes it if it is still `value`'s (a lock's; a permit's key
+/// names its owner, so it has none to compare) and, if known, still the
+/// acquisition of `fencing`, and in either branch puts up `raise`, the
+/// fences of the owner's requests whose outcome is unknown, so none of
+/// them takes the key after this. The undo is itself fenced by `fence`:
+/// applied after a later undo or acquire of the same owner put it up, it
+/// does nothing.
 pub(crate) fn undo_session_lock(
     key: &[u8],
-    value: &[u8],
+    value: Option<&[u8]>,
     session_lease: i64,
     fencing: Option<FencingToken>,
     fence: &Fence,
     raise: &[Fence],
 ) -> Txn {
-    let mut when = vec![
-        Compare::value(key, CompareOp::Equal, value),
-        Compare::lease(key, CompareOp::Equal, session_lease),
-        fence.down(),
-    ];
+    let mut when: Vec<Compare> = value
+        .map(|value| Compare::value(key, CompareOp::Equal, value))
+        .into_iter()
+        .collect();
+    when.push(Compare::lease(key, CompareOp::Equal, session_lease));
+    when.push(fence.down());
     if let Some(fencing) = fencing {
         when.push(Compare::create_revision(
             key,
@@ -138,12 +144,17 @@ pub(crate) fn dequeue(entry: &[u8], fences: &[Fence]) -> Txn {
 fn ours(key: &[u8], value: &[u8], fencing: FencingToken) -> Vec<Compare> {
     vec![
         Compare::value(key, CompareOp::Equal, value),
-        Compare::create_revision(
-            key,
-            CompareOp::Equal,
-            i64::try_from(fencing.get()).unwrap_or(i64::MAX),
-        ),
+        created_at(key, fencing),
     ]
+}
+
+/// The key was created by the acquisition of `fencing`.
+fn created_at(key: &[u8], fencing: FencingToken) -> Compare {
+    Compare::create_revision(
+        key,
+        CompareOp::Equal,
+        i64::try_from(fencing.get()).unwrap_or(i64::MAX),
+    )
 }
 
 /// The extend transaction: moves the key to `new_lease_id`.
@@ -157,9 +168,10 @@ pub(crate) fn extend(key: &[u8], value: &[u8], fencing: FencingToken, new_lease_
         )])
 }
 
-/// The confirm transaction for a lock on a session lease: succeeds, without
-/// writing anything, if the key is still this acquisition's and still
-/// attached to `session_lease_id`.
+/// The confirm transaction for a lock or permit on a session lease:
+/// succeeds, without writing anything, if the key is still this
+/// acquisition's (created at `fencing`, and holding `value` if given: a
+/// permit's key names its owner) and still attached to `session_lease_id`.
 ///
 /// It carries a read of the key (a linearizable one, the default): etcd
 /// serves a transaction whose every operation is a serializable read (and
@@ -171,11 +183,14 @@ pub(crate) fn extend(key: &[u8], value: &[u8], fencing: FencingToken, new_lease_
 /// client.
 pub(crate) fn confirm(
     key: &[u8],
-    value: &[u8],
+    value: Option<&[u8]>,
     fencing: FencingToken,
     session_lease_id: i64,
 ) -> Txn {
-    let mut when = ours(key, value, fencing);
+    let mut when = match value {
+        Some(value) => ours(key, value, fencing),
+        None => vec![created_at(key, fencing)],
+    };
     when.push(Compare::lease(key, CompareOp::Equal, session_lease_id));
     let linearizable = || TxnOp::get(key, Some(GetOptions::new().with_count_only()));
     Txn::new()
@@ -213,17 +228,31 @@ fn read_permits(permits: &[u8]) -> TxnOp {
 /// oldest first. A permit that holds this attempt's `value` already (an
 /// earlier attempt of the owner, applied unseen) is put again on `lease`,
 /// which keeps its create revision (its place and fencing token) and
-/// starts its TTL again; any other value is only read.
-pub(crate) fn join_permits(permit: &[u8], value: &[u8], lease: i64, permits: &[u8]) -> Txn {
+/// starts its TTL again; any other value is only read. As a renewing
+/// acquire's, an attempt on a session lease is `fence`d (it writes nothing
+/// once its fence is up) and puts up `raise` in either branch.
+pub(crate) fn join_permits(
+    permit: &[u8],
+    value: &[u8],
+    lease: i64,
+    permits: &[u8],
+    fence: Option<&Fence>,
+    raise: &[Fence],
+) -> Txn {
     let put = || TxnOp::put(permit, value, Some(PutOptions::new().with_lease(lease)));
+    let mut adopt_when = vec![Compare::value(permit, CompareOp::Equal, value)];
+    adopt_when.extend(fence.map(Fence::down));
     let adopt = Txn::new()
-        .when([Compare::value(permit, CompareOp::Equal, value)])
+        .when(adopt_when)
         .and_then([put(), read_permits(permits)])
         .or_else([read_permits(permits)]);
-    Txn::new()
-        .when([Compare::create_revision(permit, CompareOp::Equal, 0)])
-        .and_then([put(), read_permits(permits)])
-        .or_else([TxnOp::txn(adopt)])
+    let mut when = vec![Compare::create_revision(permit, CompareOp::Equal, 0)];
+    when.extend(fence.map(Fence::down));
+    let mut then = vec![put(), read_permits(permits)];
+    let mut otherwise = vec![TxnOp::txn(adopt)];
+    then.extend(raise.iter().map(Fence::raise));
+    otherwise.extend(raise.iter().map(Fence::raise));
+    Txn::new().when(when).and_then(then).or_else(otherwise)
 }
 
 /// What [`join_permits`] read, and whether it put the permit.
@@ -398,7 +427,7 @@ mod tests {
         let undo_fence = Fence::new(&key, session);
         let undo = undo_session_lock(
             &key,
-            &value,
+            Some(&value),
             session,
             None,
             &undo_fence,
@@ -418,7 +447,8 @@ mod tests {
     /// The confirm of a session lock is not a compare-only transaction:
     /// etcd serves those from the answering member's own (possibly stale)
     /// state. Its read makes etcd answer it linearizably; the reply shows
-    /// the read in either branch.
+    /// the read in either branch. A permit's confirm (no value to compare)
+    /// still fails for another acquisition's create revision.
     #[tokio::test]
     async fn a_confirm_carries_a_linearizable_read() {
         let (_server, mut client, session) = etcd().await;
@@ -428,12 +458,24 @@ mod tests {
             .await
             .expect("acquire");
         let fencing = FencingToken::new(created.header().expect("header").revision() as u64);
-        for (lease, held) in [(session, true), (session + 1, false)] {
+        let other = FencingToken::new(fencing.get() - 1);
+        for (value, fencing, lease, held) in [
+            (Some(&value[..]), fencing, session, true),
+            (Some(&value[..]), fencing, session + 1, false),
+            (Some(&b"another"[..]), fencing, session, false),
+            (None, fencing, session, true),
+            (None, other, session, false),
+            (None, fencing, session + 1, false),
+        ] {
             let reply = client
-                .txn(confirm(&key, &value, fencing, lease))
+                .txn(confirm(&key, value, fencing, lease))
                 .await
                 .expect("confirm");
-            assert_eq!(reply.succeeded(), held);
+            assert_eq!(
+                reply.succeeded(),
+                held,
+                "confirm of value {value:?}, fencing {fencing}, lease {lease}"
+            );
             assert!(
                 matches!(reply.op_responses().as_slice(), [TxnOpResponse::Get(_)]),
                 "the confirm (held: {held}) carries no read, so a cluster member may answer it from stale state"

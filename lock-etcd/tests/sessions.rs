@@ -11,7 +11,11 @@ use common::{
     acquire, acquire_renewing, any_server, connect, grpc_started, own_server, raw_client,
     requests_between, unique_key,
 };
-use distlock_core::{AcquireAttempt, ErrorKind};
+use distlock_core::{
+    AcquireAttempt, ErrorKind, ExtendReply, HeldLock, OwnerToken, PermitReply, PermitRequest,
+    ReleaseReply, SemaphoreBackend,
+};
+use distlock_etcd::EtcdLock;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewing_acquire_is_one_round_trip_and_still_expires() {
@@ -151,4 +155,124 @@ async fn dropping_the_client_stops_its_session_keep_alive() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// A renewing permit (what a permit guard takes) goes on the session lease
+/// as a renewing lock does (a read and one transaction), and renewing it
+/// with its TTL is one confirming transaction: no lease granted, moved to
+/// or revoked. A permit deleted
+/// behind its holder's back is not held at its next renewal; another TTL
+/// moves a permit to a lease of its own; releasing one leaves the session
+/// lease (and the other permits on it) alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewing_permit_renewal_is_one_confirming_request() {
+    // A server of its own, so no other test's requests are counted.
+    let server = own_server();
+    let lock = EtcdLock::connect(&server.url()).await.expect("connect");
+    let mut raw = raw_client(&server.url()).await;
+    let long = Duration::from_secs(30);
+    let key = unique_key("sem-session");
+    let mut held = Vec::new();
+    for n in 0..3 {
+        let owner = OwnerToken::random();
+        let request = PermitRequest {
+            key: &key,
+            owner,
+            ttl: long,
+            limit: 3,
+            renewing: true,
+            settling: false,
+        };
+        let before = grpc_started(server.addr()).await;
+        let reply = lock.acquire_permit(request).await.expect("permit");
+        let after = grpc_started(server.addr()).await;
+        // A read, then one transaction on the session lease (granted by
+        // the first).
+        let mut expected = BTreeMap::from([("Range".to_owned(), 1), ("Txn".to_owned(), 1)]);
+        if n == 0 {
+            expected.insert("LeaseGrant".to_owned(), 1);
+        }
+        assert_eq!(
+            requests_between(&before, &after),
+            expected,
+            "renewing permit attempt {n}"
+        );
+        match reply {
+            PermitReply::Granted(grant) => held.push(HeldLock {
+                key: &key,
+                owner,
+                fencing: grant.fencing,
+                handle: grant.handle,
+            }),
+            reply => panic!("a renewing permit of a free semaphore: {reply:?}"),
+        }
+    }
+    let [first, deleted, other] = held[..] else {
+        unreachable!("three permits were taken");
+    };
+    assert!(
+        first.handle == deleted.handle && first.handle == other.handle,
+        "renewing permits with one TTL share the session lease"
+    );
+
+    for renewal in 1..=2 {
+        let before = grpc_started(server.addr()).await;
+        let reply = lock.extend_permit(first, long).await.expect("extend");
+        let after = grpc_started(server.addr()).await;
+        assert_eq!(
+            requests_between(&before, &after),
+            BTreeMap::from([("Txn".to_owned(), 1)]),
+            "renewal {renewal} of a session permit with its TTL"
+        );
+        let ExtendReply::Extended(grant) = reply else {
+            panic!("a held permit was not extended: {reply:?}");
+        };
+        assert_eq!(grant.fencing, first.fencing);
+        // Still on the session lease, so its next renewal is one request too.
+        assert_eq!(grant.handle, first.handle);
+    }
+
+    // Deleted behind its holder's back (as a force release does): not held.
+    let permit_key = format!(
+        "{}%sem/{key}/permits/{}",
+        lock.key_prefix(),
+        deleted.owner.to_hex()
+    );
+    let gone = raw.delete(permit_key, None).await.expect("raw delete");
+    assert_eq!(gone.deleted(), 1, "the permit's etcd key");
+    let reply = lock.extend_permit(deleted, long).await.expect("extend");
+    assert_eq!(reply, ExtendReply::NotHeld, "a deleted permit was renewed");
+
+    // Another TTL moves it to a lease of exactly that TTL.
+    let before = grpc_started(server.addr()).await;
+    let reply = lock
+        .extend_permit(first, Duration::from_secs(20))
+        .await
+        .expect("extend with another TTL");
+    let after = grpc_started(server.addr()).await;
+    let moved = requests_between(&before, &after);
+    assert_eq!(moved.get("LeaseGrant"), Some(&1), "moved: {moved:?}");
+    let ExtendReply::Extended(grant) = reply else {
+        panic!("a held permit was not moved: {reply:?}");
+    };
+    assert_ne!(grant.handle, first.handle, "still on the session lease");
+    let first = HeldLock {
+        handle: grant.handle,
+        ..first
+    };
+
+    // Releasing a permit does not revoke the session lease: the other
+    // permit on it is still held.
+    assert_eq!(
+        lock.release_permit(first).await.expect("release"),
+        ReleaseReply::Released
+    );
+    assert!(matches!(
+        lock.extend_permit(other, long).await.expect("extend"),
+        ExtendReply::Extended(_)
+    ));
+    assert_eq!(
+        lock.release_permit(other).await.expect("release"),
+        ReleaseReply::Released
+    );
 }

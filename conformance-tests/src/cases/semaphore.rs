@@ -476,8 +476,8 @@ pub async fn one_permit_is_a_mutex(ctx: TestContext) -> CaseResult {
 /// a permit (`LockOptions::with_permits`), skipping when all are taken.
 pub async fn guards_and_run_exclusive(ctx: TestContext) -> CaseResult {
     // Renewal past the TTL, not expiry, is what is tested: a TTL a loaded
-    // machine renews in time (an etcd permit renewal is two requests), and
-    // a round whose renewal still came too late (lost as `Expired`) is
+    // machine renews in time (an etcd permit renewal is a request or two),
+    // and a round whose renewal still came too late (lost as `Expired`) is
     // tried again on a new key; a refused renewal fails at once.
     let ttl = ctx.steady_ttl();
     let locker = ctx.locker().await?;

@@ -1,8 +1,8 @@
 //! The keep-alive and expiry task of one session lease: keeps the lease
 //! alive on one keep-alive stream, records the send time of every
-//! keep-alive the server confirmed, deletes attached locks their holders
-//! stopped renewing, and gives the session up (revoking the lease) when no
-//! keep-alive was confirmed within the TTL.
+//! keep-alive the server confirmed, deletes attached locks and permits
+//! their holders stopped renewing, and gives the session up (revoking the
+//! lease) when no keep-alive was confirmed within the TTL.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -209,52 +209,58 @@ impl Task {
         }
     }
 
-    /// Deletes, in the background, the attached locks not renewed for the
-    /// TTL; returns the next such deadline.
+    /// Deletes, in the background, the attached locks and permits not
+    /// renewed for the TTL; returns the next such deadline.
     fn sweep(&self, now: Instant) -> Option<Instant> {
         let (expired, next) = self.session.take_expired(now);
         for undo in expired {
-            let session = self.session.clone();
-            let kv = self.etcd.kv.clone();
-            let requests = self.etcd.requests.clone();
-            tokio::spawn(async move {
-                let Undo {
-                    value,
-                    tracked,
-                    fence,
-                    raise,
-                } = undo;
-                let txn = txn::undo_session_lock(
-                    &tracked.key,
-                    &value,
-                    session.lease_id(),
-                    tracked.fencing,
-                    &fence,
-                    &raise,
-                );
-                let result = requests
-                    .send("etcd expire session lock", Repeat::Safe, || {
-                        let mut kv = kv.clone();
-                        let txn = txn.clone();
-                        async move { kv.txn(txn).await }
-                    })
-                    .await;
-                match result {
-                    Ok(reply) => {
-                        session.settled(&value, &raise, &fence);
-                        tracing::debug!(
-                            fencing = ?tracked.fencing,
-                            deleted = reply.succeeded(),
-                            "etcd session lock not renewed within its TTL; expired"
-                        );
-                    }
-                    Err(e) => {
-                        tracing::debug!(error = %e, "could not expire an unrenewed etcd session lock; retrying");
-                        session.put_back(value, tracked);
-                    }
-                }
-            });
+            undo_later(&self.etcd, &self.session, undo);
         }
         next
     }
+}
+
+/// Runs `undo` of a lock or permit attached to `session` in the
+/// background; if it fails, the key is put back to be undone again.
+pub(crate) fn undo_later(etcd: &Etcd, session: &Arc<Session>, undo: Undo) {
+    let session = session.clone();
+    let kv = etcd.kv.clone();
+    let requests = etcd.requests.clone();
+    tokio::spawn(async move {
+        let Undo {
+            tracked,
+            fence,
+            raise,
+        } = undo;
+        let attached = &tracked.attached;
+        let txn = txn::undo_session_lock(
+            &attached.key,
+            attached.value.as_deref(),
+            session.lease_id(),
+            tracked.fencing,
+            &fence,
+            &raise,
+        );
+        let result = requests
+            .send("etcd expire session lock", Repeat::Safe, || {
+                let mut kv = kv.clone();
+                let txn = txn.clone();
+                async move { kv.txn(txn).await }
+            })
+            .await;
+        match result {
+            Ok(reply) => {
+                session.settled(&attached.id, &raise, &fence);
+                tracing::debug!(
+                    fencing = ?tracked.fencing,
+                    deleted = reply.succeeded(),
+                    "etcd session lock or permit not renewed within its TTL, or given back; expired"
+                );
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "could not expire an etcd session lock or permit; retrying");
+                session.put_back(tracked);
+            }
+        }
+    });
 }

@@ -1,6 +1,6 @@
 //! The state of one session lease: whether it is alive, the send time of
-//! its last confirmed keep-alive, and the locks attached to it with their
-//! last renewal (the ones not renewed for the TTL are undone by
+//! its last confirmed keep-alive, and the locks and permits attached to it
+//! with their last renewal (the ones not renewed for the TTL are undone by
 //! [`super::keepalive`]), and the fences of requests whose outcome is
 //! unknown.
 
@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use distlock_core::FencingToken;
 
+use super::Attached;
 use crate::fence::Fence;
 
 /// One session lease.
@@ -25,18 +26,18 @@ struct State {
     /// positively was sent: the server keeps the lease at least `ttl`
     /// from then.
     confirmed_sent_at: Instant,
-    /// Attached locks by owner value (unique per acquisition).
+    /// Attached locks and permits by [`Attached::id`] (unique per
+    /// acquisition).
     locks: HashMap<Vec<u8>, Tracked>,
-    /// By owner value: the fences of requests (acquires, undos) whose
+    /// By [`Attached::id`]: the fences of requests (acquires, undos) whose
     /// outcome is unknown; the next request for that owner puts them up.
     pending: HashMap<Vec<u8>, Vec<Fence>>,
 }
 
-/// A lock the session undoes (its holder stopped renewing it, or its
-/// acquire's outcome is unknown): the undo is fenced by `fence` and puts
-/// up `raise`, the fences of the owner's earlier unknown requests.
+/// A lock or permit the session undoes (its holder stopped renewing it,
+/// or its acquire's outcome is unknown): the undo is fenced by `fence` and
+/// puts up `raise`, the fences of the owner's earlier unknown requests.
 pub(crate) struct Undo {
-    pub(crate) value: Vec<u8>,
     pub(crate) tracked: Tracked,
     pub(crate) fence: Fence,
     pub(crate) raise: Vec<Fence>,
@@ -44,7 +45,7 @@ pub(crate) struct Undo {
 
 #[derive(Clone)]
 pub(crate) struct Tracked {
-    pub(crate) key: Vec<u8>,
+    pub(crate) attached: Attached,
     pub(crate) fencing: Option<FencingToken>,
     pub(crate) renewed_at: Instant,
 }
@@ -89,21 +90,20 @@ impl Session {
         state.alive.then_some(state.confirmed_sent_at)
     }
 
-    /// Attaches a lock (renewed at `renewed_at`); `fencing` is `None` when
-    /// the acquire's outcome is unknown.
+    /// Attaches a lock or permit (renewed at `renewed_at`); `fencing` is
+    /// `None` when the acquire's outcome is unknown.
     pub(crate) fn track(
         &self,
-        key: &[u8],
-        value: &[u8],
+        attached: &Attached,
         fencing: Option<FencingToken>,
         renewed_at: Instant,
     ) {
         let mut state = self.state();
         if state.alive {
             state.locks.insert(
-                value.to_vec(),
+                attached.id.clone(),
                 Tracked {
-                    key: key.to_vec(),
+                    attached: attached.clone(),
                     fencing,
                     renewed_at,
                 },
@@ -111,14 +111,14 @@ impl Session {
         }
     }
 
-    /// Records a renewal at `at`; false if the lock is no longer attached
-    /// (expired and being deleted, or the session died).
-    pub(crate) fn renew(&self, value: &[u8], at: Instant) -> bool {
+    /// Records a renewal at `at` of the lock or permit `id`; false if it is
+    /// no longer attached (expired and being deleted, or the session died).
+    pub(crate) fn renew(&self, id: &[u8], at: Instant) -> bool {
         let mut state = self.state();
         if !state.alive {
             return false;
         }
-        match state.locks.get_mut(value) {
+        match state.locks.get_mut(id) {
             Some(tracked) => {
                 tracked.renewed_at = tracked.renewed_at.max(at);
                 true
@@ -127,54 +127,54 @@ impl Session {
         }
     }
 
-    /// Starts an acquire request of owner `value` fenced by `fence`, sent
-    /// at `at`: tracks it as attached (outcome unknown) and returns the
-    /// fences it must put up.
-    pub(crate) fn begin(&self, key: &[u8], value: &[u8], fence: &Fence, at: Instant) -> Vec<Fence> {
+    /// Starts an acquire request of `attached` fenced by `fence`, sent at
+    /// `at`: tracks it as attached (outcome unknown) and returns the fences
+    /// it must put up.
+    pub(crate) fn begin(&self, attached: &Attached, fence: &Fence, at: Instant) -> Vec<Fence> {
         let mut state = self.state();
         if !state.alive {
             return Vec::new();
         }
         state.locks.insert(
-            value.to_vec(),
+            attached.id.clone(),
             Tracked {
-                key: key.to_vec(),
+                attached: attached.clone(),
                 fencing: None,
                 renewed_at: at,
             },
         );
-        let pending = state.pending.entry(value.to_vec()).or_default();
+        let pending = state.pending.entry(attached.id.clone()).or_default();
         let raise = pending.clone();
         pending.push(fence.clone());
         raise
     }
 
-    /// A request fenced by `fence` that put up `raised` was answered: the
-    /// outcome of both is known.
-    pub(crate) fn settled(&self, value: &[u8], raised: &[Fence], fence: &Fence) {
+    /// A request of `id` fenced by `fence` that put up `raised` was
+    /// answered: the outcome of both is known.
+    pub(crate) fn settled(&self, id: &[u8], raised: &[Fence], fence: &Fence) {
         let mut state = self.state();
-        if let Some(pending) = state.pending.get_mut(value) {
+        if let Some(pending) = state.pending.get_mut(id) {
             pending.retain(|f| f != fence && !raised.contains(f));
             if pending.is_empty() {
-                state.pending.remove(value);
+                state.pending.remove(id);
             }
         }
     }
 
-    /// Detaches a lock (released, moved to its own lease, or gone). If a
-    /// request of its owner has an unknown outcome, it stays due for an
-    /// undo, which puts that request's fence up.
-    pub(crate) fn untrack(&self, value: &[u8]) {
+    /// Detaches the lock or permit `id` (released, moved to its own lease,
+    /// or gone). If a request of its owner has an unknown outcome, it stays
+    /// due for an undo, which puts that request's fence up.
+    pub(crate) fn untrack(&self, id: &[u8]) {
         let mut state = self.state();
-        let removed = state.locks.remove(value);
+        let removed = state.locks.remove(id);
         if let Some(tracked) = removed {
-            if state.pending.contains_key(value) {
+            if state.pending.contains_key(id) {
                 let due = tracked
                     .renewed_at
                     .checked_sub(self.ttl)
                     .unwrap_or(tracked.renewed_at);
                 state.locks.insert(
-                    value.to_vec(),
+                    id.to_vec(),
                     Tracked {
                         fencing: None,
                         renewed_at: due,
@@ -185,13 +185,14 @@ impl Session {
         }
     }
 
-    /// How many locks are attached.
+    /// How many locks and permits are attached.
     #[cfg(test)]
     fn attached(&self) -> usize {
         self.state().locks.len()
     }
 
-    /// Removes and returns the locks not renewed for the TTL, each with the
+    /// Removes and returns the locks and permits not renewed for the TTL,
+    /// each with the
     /// fence of its undo (counted as pending until the undo is answered),
     /// and the earliest deadline of the others.
     pub(crate) fn take_expired(&self, now: Instant) -> (Vec<Undo>, Option<Instant>) {
@@ -204,31 +205,61 @@ impl Session {
             .map(|(v, _)| v.clone())
             .collect();
         let mut taken = Vec::with_capacity(expired.len());
-        for value in expired {
-            let Some(tracked) = state.locks.remove(&value) else {
-                continue;
-            };
-            let fence = Fence::new(&tracked.key, self.lease_id);
-            let pending = state.pending.entry(value.clone()).or_default();
-            let raise = pending.clone();
-            pending.push(fence.clone());
-            taken.push(Undo {
-                value,
-                tracked,
-                fence,
-                raise,
-            });
+        for id in expired {
+            if let Some(tracked) = state.locks.remove(&id) {
+                taken.push(self.undo(&mut state, tracked));
+            }
         }
         let next = state.locks.values().map(|t| t.renewed_at + ttl).min();
         (taken, next)
     }
 
-    /// Puts back a lock whose undo failed, to be undone again (unless a
-    /// new request of its owner tracks it already).
-    pub(crate) fn put_back(&self, value: Vec<u8>, tracked: Tracked) {
+    /// Takes `attached` (created at `fencing`, if known) for an undo now,
+    /// whatever its last renewal, as [`take_expired`](Self::take_expired)
+    /// takes the keys it finds; `None` once the session died (its keys go
+    /// with its lease).
+    pub(crate) fn take(&self, attached: &Attached, fencing: Option<FencingToken>) -> Option<Undo> {
+        let mut state = self.state();
+        if !state.alive {
+            return None;
+        }
+        state.locks.remove(&attached.id);
+        let now = Instant::now();
+        // Due already, should the undo fail and the key be put back.
+        let tracked = Tracked {
+            attached: attached.clone(),
+            fencing,
+            renewed_at: now.checked_sub(self.ttl).unwrap_or(now),
+        };
+        Some(self.undo(&mut state, tracked))
+    }
+
+    /// The undo of `tracked`, taken out of the tracking: its fence counts
+    /// as pending until the undo is answered.
+    fn undo(&self, state: &mut State, tracked: Tracked) -> Undo {
+        let fence = tracked.attached.fence(self.lease_id);
+        let pending = state
+            .pending
+            .entry(tracked.attached.id.clone())
+            .or_default();
+        let raise = pending.clone();
+        pending.push(fence.clone());
+        Undo {
+            tracked,
+            fence,
+            raise,
+        }
+    }
+
+    /// Puts back a lock or permit whose undo failed, to be undone again
+    /// (unless a new request of its owner tracks it already).
+    pub(crate) fn put_back(&self, tracked: Tracked) {
         let mut state = self.state();
         if state.alive {
-            state.locks.entry(value).or_insert(tracked);
+            state
+                .locks
+                .entry(tracked.attached.id.clone())
+                .or_insert(tracked);
         }
     }
 
@@ -237,7 +268,8 @@ impl Session {
         state.confirmed_sent_at = state.confirmed_sent_at.max(sent_at);
     }
 
-    /// Marks the session dead; its locks are gone (or going) on the server.
+    /// Marks the session dead; its locks and permits are gone (or going) on
+    /// the server.
     pub(crate) fn kill(&self) {
         let mut state = self.state();
         state.alive = false;
@@ -263,17 +295,24 @@ mod tests {
                 pending: HashMap::new(),
             }),
         };
-        session.track(b"k1", b"v1", Some(FencingToken::new(3)), start);
-        session.track(b"k2", b"v2", None, start);
+        let attached = |id: &[u8]| Attached {
+            id: id.to_vec(),
+            key: id.to_vec(),
+            value: None,
+            fence_base: id.to_vec(),
+            what: "lock",
+        };
+        session.track(&attached(b"v1"), Some(FencingToken::new(3)), start);
+        session.track(&attached(b"v2"), None, start);
         assert!(session.renew(b"v2", start + Duration::from_secs(1)));
         let (expired, next) = session.take_expired(start + Duration::from_secs(2));
         assert_eq!(expired.len(), 1);
-        assert_eq!(expired[0].value, b"v1".to_vec());
+        assert_eq!(expired[0].tracked.attached.id, b"v1".to_vec());
         assert_eq!(next, Some(start + Duration::from_secs(3)));
         assert!(!session.renew(b"v1", start + Duration::from_secs(2)));
         session.untrack(b"v2");
         assert_eq!(session.attached(), 0);
-        session.track(b"k3", b"v3", None, start);
+        session.track(&attached(b"v3"), None, start);
         session.kill();
         assert_eq!(session.attached(), 0);
         assert_eq!(session.confirmed_sent_at(), None);
