@@ -1,6 +1,8 @@
 //! The in-process backend: real TTL, owner-token, fencing and wake-up
 //! semantics in a map, for tests and single-process programs.
 
+mod line;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -13,9 +15,10 @@ use crate::lease::later;
 use crate::{
     AcquireReply, AcquireRequest, BackendDescriptor, Capabilities, Connecting, ExtendReply,
     FencingToken, Grant, HeldLock, LockAdmin, LockBackend, LockClient, LockError, LockKey,
-    LockState, OwnerToken, PermitReply, PermitRequest, ReleaseNotifier, ReleaseReply, ReleaseWatch,
+    LockState, OwnerToken, PermitReply, PermitRequest, ReleaseReply, ReleaseWatch,
     SemaphoreBackend,
 };
+use line::Lines;
 
 #[derive(Debug)]
 struct Held {
@@ -35,11 +38,13 @@ struct Semaphore {
 struct Store {
     locks: Mutex<HashMap<LockKey, Held>>,
     semaphores: Mutex<HashMap<LockKey, Semaphore>>,
-    permit_returns: ReleaseNotifier,
+    /// The semaphores' waiter lines.
+    permit_lines: Lines,
     /// One counter for every key: strictly increasing per key, and no state
     /// left behind for keys nobody holds.
     fencing: AtomicU64,
-    releases: ReleaseNotifier,
+    /// The locks' waiter lines.
+    lock_lines: Lines,
 }
 
 impl Store {
@@ -49,6 +54,20 @@ impl Store {
 
     fn semaphores(&self) -> std::sync::MutexGuard<'_, HashMap<LockKey, Semaphore>> {
         self.semaphores.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether `key`'s lock is free.
+    fn lock_free(&self, key: &LockKey) -> bool {
+        let now = Instant::now();
+        self.locks().get(key).is_none_or(|h| h.expires_at <= now)
+    }
+
+    /// Whether `key`'s semaphore has a permit free.
+    fn permit_free(&self, key: &LockKey) -> bool {
+        let now = Instant::now();
+        self.semaphores().get(key).is_none_or(|s| {
+            s.permits.iter().filter(|p| p.expires_at > now).count() < s.limit as usize
+        })
     }
 
     fn next_fencing(&self) -> FencingToken {
@@ -186,6 +205,7 @@ impl LockBackend for MemoryLock {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             native_wait: true,
+            wakes_one_waiter: true,
             ..Capabilities::default()
         }
     }
@@ -199,8 +219,10 @@ impl LockBackend for MemoryLock {
                     // An earlier attempt of this acquisition took it unseen:
                     // adopted, its TTL reset from now.
                     held.expires_at = later(now, request.ttl);
+                    self.store.lock_lines.leave(request.key, request.owner);
                     return Ok(AcquireReply::Granted(Grant::new(held.fencing, request.ttl)));
                 }
+                self.store.lock_lines.refused(request.key, request.owner);
                 return Ok(AcquireReply::Held {
                     expires_in: Some(held.expires_at - now),
                 });
@@ -219,6 +241,7 @@ impl LockBackend for MemoryLock {
                 expires_at: later(now, request.ttl),
             },
         );
+        self.store.lock_lines.leave(request.key, request.owner);
         Ok(AcquireReply::Granted(Grant::new(fencing, request.ttl)))
     }
 
@@ -243,20 +266,26 @@ impl LockBackend for MemoryLock {
             }
             locks.remove(lock.key);
         }
-        self.store.releases.notify(lock.key.as_str());
+        self.store.lock_lines.wake_next(lock.key);
         Ok(ReleaseReply::Released)
     }
 
     async fn watch(
         &self,
         key: &LockKey,
-        _waiter: OwnerToken,
+        waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
-        let watch = self
-            .store
-            .releases
-            .subscribe(key.as_str(), || async { Ok(()) })
-            .await?;
+        let (watch, closed) = self.store.lock_lines.watch(key, waiter).await?;
+        let (store, key) = (self.store.clone(), key.clone());
+        // A waiter that leaves may have taken a wake-up with it: passed on
+        // while the key is free. Ends with the watch.
+        tokio::spawn(async move {
+            closed.await;
+            store.lock_lines.leave(&key, waiter);
+            if store.lock_free(&key) {
+                store.lock_lines.wake_next(&key);
+            }
+        });
         Ok(Some(watch))
     }
 
@@ -297,9 +326,11 @@ impl SemaphoreBackend for MemoryLock {
             // This owner's permit, taken by an earlier attempt unseen:
             // adopted, its TTL reset from now (never a second permit).
             own.expires_at = later(now, request.ttl);
+            self.store.permit_lines.leave(request.key, request.owner);
             return Ok(PermitReply::Granted(Grant::new(own.fencing, request.ttl)));
         }
         if semaphore.permits.len() >= semaphore.limit as usize {
+            self.store.permit_lines.refused(request.key, request.owner);
             let first_out = semaphore.permits.iter().map(|p| p.expires_at).min();
             return Ok(PermitReply::Full {
                 expires_in: first_out.map(|at| at - now),
@@ -311,6 +342,7 @@ impl SemaphoreBackend for MemoryLock {
             fencing,
             expires_at: later(now, request.ttl),
         });
+        self.store.permit_lines.leave(request.key, request.owner);
         Ok(PermitReply::Granted(Grant::new(fencing, request.ttl)))
     }
 
@@ -346,7 +378,7 @@ impl SemaphoreBackend for MemoryLock {
                 }
             }
         }
-        self.store.permit_returns.notify(permit.key.as_str());
+        self.store.permit_lines.wake_next(permit.key);
         Ok(ReleaseReply::Released)
     }
 
@@ -354,13 +386,18 @@ impl SemaphoreBackend for MemoryLock {
         &self,
         key: &LockKey,
         _limit: u32,
-        _waiter: OwnerToken,
+        waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
-        let watch = self
-            .store
-            .permit_returns
-            .subscribe(key.as_str(), || async { Ok(()) })
-            .await?;
+        let (watch, closed) = self.store.permit_lines.watch(key, waiter).await?;
+        let (store, key) = (self.store.clone(), key.clone());
+        // As for the lock's waiters.
+        tokio::spawn(async move {
+            closed.await;
+            store.permit_lines.leave(&key, waiter);
+            if store.permit_free(&key) {
+                store.permit_lines.wake_next(&key);
+            }
+        });
         Ok(Some(watch))
     }
 }
@@ -385,8 +422,53 @@ impl LockAdmin for MemoryLock {
             matches!(locks.remove(key), Some(held) if held.expires_at > now)
         };
         if was_held {
-            self.store.releases.notify(key.as_str());
+            self.store.lock_lines.wake_next(key);
         }
         Ok(was_held)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    /// Waits that end — served, cancelled, out of time — leave nothing in
+    /// the lines.
+    #[tokio::test]
+    async fn ended_waits_leave_the_lines_empty() {
+        let server = MemoryLock::new();
+        let (holder, waiter) = (server.client(), server.client());
+        let key = LockKey::new("k").unwrap();
+        let ttl = Duration::from_secs(30);
+        let lease = holder.try_acquire(&key, ttl).await.unwrap().lease().unwrap();
+        // Out of time, while queued.
+        let soon = Instant::now() + Duration::from_millis(30);
+        assert!(waiter.acquire(&key, ttl, soon).await.unwrap().is_none());
+        // Cancelled while queued.
+        let later = Instant::now() + Duration::from_secs(60);
+        let cancelled = tokio::time::timeout(
+            Duration::from_millis(30),
+            waiter.acquire(&key, ttl, later),
+        )
+        .await;
+        assert!(cancelled.is_err());
+        // Served.
+        let served = {
+            let (waiter, key) = (waiter.clone(), key.clone());
+            tokio::spawn(async move { waiter.acquire(&key, ttl, later).await })
+        };
+        while server.store.lock_lines.queued() == 0 {
+            tokio::task::yield_now().await;
+        }
+        holder.release(&lease).await.unwrap();
+        let got = served.await.unwrap().unwrap().expect("served");
+        waiter.release(&got).await.unwrap();
+        // The leave tasks run once their watches are gone.
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(server.store.lock_lines.queued(), 0);
     }
 }

@@ -185,6 +185,14 @@ impl ReleaseNotifier {
         }
     }
 
+    /// Whether a waiter named `waiter` waits on `channel`.
+    pub fn is_waiting(&self, channel: &str, waiter: &str) -> bool {
+        let channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        channels
+            .get(channel)
+            .is_some_and(|entry| entry.named.contains_key(waiter))
+    }
+
     /// Resolves once the waiter named `waiter` no longer waits on
     /// `channel` (its [`ReleaseWatch`] dropped); at once if it does not
     /// wait there now. A backend that queued the waiter on the server

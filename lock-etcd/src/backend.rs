@@ -311,6 +311,7 @@ impl LockBackend for EtcdLock {
             ttl_granularity: Duration::from_secs(1),
             max_ttl: MAX_TTL,
             native_wait: true,
+            wakes_one_waiter: true,
             durable: true,
             ..Capabilities::default()
         }
