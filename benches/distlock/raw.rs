@@ -380,12 +380,15 @@ impl Raw {
             }
             Raw::Postgres { pool, permits, .. } => {
                 use sqlx::Row;
+                // As for locks: a fresh owner, so any send number will do.
+                let send = 1_i64;
                 let row = sqlx::query(&permits.acquire)
                     .bind("rawbench")
                     .bind(key)
                     .bind(&owner)
                     .bind(ttl.as_millis() as i64)
                     .bind(i64::from(limit))
+                    .bind(send)
                     .fetch_optional(pool)
                     .await
                     .map_err(|e| e.to_string())?
@@ -401,6 +404,7 @@ impl Raw {
                     .bind(&owner)
                     .bind(fencing)
                     .bind(PG_CHANNEL)
+                    .bind(send)
                     .fetch_one(pool)
                     .await
                     .map_err(|e| e.to_string())?;

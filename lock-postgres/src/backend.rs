@@ -270,13 +270,20 @@ impl PostgresLock {
     }
 }
 
-/// The acquisitions this process started, each numbered for the statement
-/// that carries it (see `Statements::acquire`).
+/// The acquisitions (of locks and permits) this process started, each
+/// numbered for the statement that carries it (see `Statements::acquire`).
 static SENDS: AtomicI64 = AtomicI64::new(0);
 
 /// A send number greater than every one this process used so far.
-fn next_send() -> i64 {
+pub(crate) fn next_send() -> i64 {
     SENDS.fetch_add(1, Ordering::SeqCst) + 1
+}
+
+/// The send number of the acquisition that granted `lock` (its handle,
+/// see `next_send`), for its release to refuse that acquisition's late
+/// sends.
+pub(crate) fn send_param(lock: &HeldLock<'_>) -> Arg {
+    Arg::Int(i64::try_from(lock.handle).unwrap_or(0))
 }
 
 /// `lock`'s fencing token as a bigint (every token this backend grants is one).
@@ -415,7 +422,7 @@ impl LockBackend for PostgresLock {
                 Arg::Int(fencing),
                 Arg::text(&self.channel),
                 // Acquire sends up to this lease's are refused from now on.
-                Arg::Int(i64::try_from(lock.handle).unwrap_or(0)),
+                send_param(&lock),
             ],
         );
         let reply = self.fetch_one(call).await?;

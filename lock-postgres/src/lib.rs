@@ -60,7 +60,7 @@
 //! | `namespace`, `key` | `text` | as for locks (the primary key) |
 //! | `permit_limit` | `bigint` | the limit of the permits held; a request with another limit while one is live is refused (`InvalidInput` naming both); once none is live, the next request's limit is stored |
 //! | `fencing` | `bigint` | the last fencing token granted to any permit of the semaphore; the row stays, so tokens keep growing |
-//! | `owners`, `fencings`, `expires` | `text[]`, `bigint[]`, `timestamptz[]` | the permits, one index each, in the order granted: owner token (32 lowercase hex digits), fencing token, expiry by the database clock; a released permit stays, expired at `1970-01-01` (given up), until the next write, which drops it with every expired permit |
+//! | `owners`, `fencings`, `expires` | `text[]`, `bigint[]`, `timestamptz[]` | the permits, one index each, in the order granted: owner token (32 lowercase hex digits), fencing token, expiry by the database clock; a released permit stays given up, with an expiry in 1970 that encodes its attempt's send number (see [Unknown outcomes](#unknown-outcomes)); every write drops the permits that ran out, and all but the last `permit_limit` of the given-up ones |
 //! | `updated_at` | `timestamptz` | the database time of the last write |
 //!
 //! Each permit call is one statement that writes that one row
@@ -150,15 +150,26 @@
 //!   refused. Older versions of this crate read such a row as expired.
 //! - **Permits**: an attempt by the owner token that holds a live permit
 //!   adopts it, so the client settles a permit attempt whose reply was lost
-//!   with one more attempt of the same token and gives back what it gets. A
-//!   release sent again on another connection after its first send was
-//!   applied finds the permit given up with its fencing token and is
-//!   `Released`. A permit attempt applied after its caller left (and after
-//!   the settling attempt) runs out by its TTL: permits have no send numbers.
+//!   with one more attempt of the same token and gives back what it gets
+//!   (a release). Permit attempts are numbered from the same sends as lock
+//!   acquires, and a released permit stays in the row given up, with its
+//!   owner token and its attempt's send number encoded in its expiry as for
+//!   a lock row: it counts for nothing against the limit, but a permit
+//!   attempt of that owner token with a send number up to it is refused. So
+//!   an earlier send applied after the release, or after the settling
+//!   attempt gave back what it got, takes no permit for nobody. A row keeps
+//!   the last `permit_limit` of its given-up permits (other writes of the
+//!   row keep them too), so it holds at most twice its limit. A release sent
+//!   again on another connection after its first send was applied finds
+//!   the permit given up with its fencing token and is `Released`. Older
+//!   versions of this crate read a given-up permit as expired and drop it.
 //!
 //! What is left: if the give-back itself cannot run (the server unreachable
 //! until the operation timeout passes), or another client takes and frees
 //! the row before a late send lands, that send's lock expires after its TTL.
+//! For permits the same holds when the settling attempt finds the semaphore
+//! full (nothing to give back, so nothing given up), or when `permit_limit`
+//! later permits were given up before the late send lands.
 //!
 //! ## Lost connections
 //!

@@ -14,8 +14,10 @@
 //! reply was lost with one more attempt of the same token, and gives back
 //! what it is granted); a release sent again after its first send was
 //! applied finds the permit given up with its fencing token and is
-//! `Released`, as the lock's release is. A permit attempt applied after
-//! its caller left expires by its TTL.
+//! `Released`, as the lock's release is. Permit attempts carry the lock's
+//! send numbers, and a released permit stays given up with its attempt's
+//! number (the last `limit` of them per semaphore), so a send of that
+//! attempt the server applies after the release is refused, as a lock's.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,7 +30,7 @@ use distlock_core::{
 use sqlx::postgres::{PgConnectOptions, PgRow};
 use tokio::sync::OnceCell;
 
-use crate::backend::{fencing_param, ttl_millis, PostgresLock};
+use crate::backend::{fencing_param, next_send, send_param, ttl_millis, PostgresLock};
 use crate::config::PostgresConfig;
 use crate::keys::{channel_name, qualified_table};
 use crate::listener::Releases;
@@ -97,25 +99,25 @@ impl PostgresLock {
         ))
     }
 
-    /// Runs extend or release (`sql`, whose last parameter is `last`) on
-    /// `permit`: whether it held the permit, and the reply. A row distlock
-    /// did not write is reported, not touched.
+    /// Runs extend or release (`sql`, whose parameters after the fencing
+    /// token are `last`) on `permit`: whether it held the permit, and the
+    /// reply. A row distlock did not write is reported, not touched.
     async fn on_permit(
         &self,
         permit: &HeldLock<'_>,
         sql: &Arc<Sql>,
-        last: Arg,
+        last: Vec<Arg>,
     ) -> Result<(bool, Reply<PgRow>), LockError> {
         let fencing = fencing_param(permit)?;
         let key = permit.key;
         self.ensure_semaphores().await?;
-        let args = vec![
+        let mut args = vec![
             Arg::text(self.namespace()),
             Arg::text(key.as_str()),
             Arg::Text(permit.owner.to_hex()),
             Arg::Int(fencing),
-            last,
         ];
+        args.extend(last);
         let reply = self.fetch_one(self.call(sql, args)).await?;
         let done = self.column::<i64>(&reply.row, "done")? > 0;
         if !done && !self.column::<bool>(&reply.row, "well_formed")? {
@@ -131,6 +133,7 @@ impl SemaphoreBackend for PostgresLock {
         let key = request.key;
         self.ensure_semaphores().await?;
         let limit = i64::from(request.limit);
+        let send = next_send();
         let call = self.call(
             &self.semaphores().sql.acquire,
             vec![
@@ -139,6 +142,7 @@ impl SemaphoreBackend for PostgresLock {
                 Arg::Text(request.owner.to_hex()),
                 Arg::Int(ttl_millis(request.ttl)),
                 Arg::Int(limit),
+                Arg::Int(send),
             ],
         );
         let Some(row) = self.fetch(IN_LOCK_CALL, call, None).await?.row else {
@@ -151,10 +155,9 @@ impl SemaphoreBackend for PostgresLock {
         let fencing: Option<i64> = self.column(&row, "fencing")?;
         if self.column::<bool>(&row, "granted")? {
             // New, or adopted from an earlier attempt of this owner token.
-            return Ok(PermitReply::Granted(Grant::new(
-                self.granted(fencing)?,
-                request.ttl,
-            )));
+            // The send number goes with the lease, for its release.
+            let grant = Grant::new(self.granted(fencing)?, request.ttl);
+            return Ok(PermitReply::Granted(grant.with_handle(send as u64)));
         }
         if !self.column::<bool>(&row, "well_formed")? {
             return Err(self.foreign_row());
@@ -181,16 +184,20 @@ impl SemaphoreBackend for PostgresLock {
         ttl: Duration,
     ) -> Result<ExtendReply, LockError> {
         let sql = &self.semaphores().sql.extend;
-        let last = Arg::Int(ttl_millis(ttl));
+        let last = vec![Arg::Int(ttl_millis(ttl))];
         Ok(match self.on_permit(&permit, sql, last).await? {
-            (true, _) => ExtendReply::Extended(Grant::new(permit.fencing, ttl)),
+            // The handle (the send number) stays with the lease.
+            (true, _) => {
+                ExtendReply::Extended(Grant::new(permit.fencing, ttl).with_handle(permit.handle))
+            }
             (false, _) => ExtendReply::NotHeld,
         })
     }
 
     async fn release_permit(&self, permit: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
         let sql = &self.semaphores().sql.release;
-        let last = Arg::text(&self.semaphores().channel);
+        // Permit sends up to this lease's are refused from now on.
+        let last = vec![Arg::text(&self.semaphores().channel), send_param(&permit)];
         let (done, reply) = self.on_permit(&permit, sql, last).await?;
         // Sent again after a lost reply: an earlier send that released the
         // permit left it given up with this fencing token.

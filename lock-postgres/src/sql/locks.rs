@@ -8,19 +8,30 @@ use super::Sql;
 use crate::config::FORMAT_TABLE;
 use crate::keys::{qualified_table, quote_identifier};
 
-/// Marks a row that an owner token gave up (released, or given back by a
-/// caller that left before the reply): the row keeps that owner, and its
-/// `expires_at` is this many microseconds after the Unix epoch plus the
-/// *send number* of the acquisition (see [`Statements::acquire`]). Such a
-/// row is long expired, so it is free for everyone; but a send of that
-/// owner token numbered at most that is refused, so an acquire the server
-/// applies late can never take back a lock its owner already gave up.
-/// Real expiries are `clock_timestamp() + ttl`, never before 2000.
+/// Marks a row (or a permit, see [`super::PermitStatements`]) that an
+/// owner token gave up (released, or given back by a caller that left
+/// before the reply): it keeps that owner, and its expiry is as many
+/// microseconds after the Unix epoch as the *send number* of the
+/// acquisition (see [`Statements::acquire`]). It is long expired, so it is
+/// free for everyone; but a send of that owner token numbered at most that
+/// is refused ([`late_send`]), so an acquire the server applies late can
+/// never take back what its owner already gave up. Real expiries are
+/// `clock_timestamp() + ttl`, never before 2000.
 pub(crate) const GIVEN_UP_BEFORE: &str = "'2000-01-01 00:00:00+00'::timestamptz";
 
-/// The `expires_at` of a row given up by sends numbered up to `$n`.
-fn given_up(n: u32) -> String {
+/// The expiry of a row or permit given up by sends numbered up to `$n`.
+pub(super) fn given_up(n: u32) -> String {
     format!("('epoch'::timestamptz + ${n}::bigint * interval '1 microsecond')")
+}
+
+/// Whether an acquire numbered `$n` is a late send: `{same_owner}` (its
+/// owner token is the one of the row or permit) and `{expiry}` marks it
+/// given up by that owner from a send numbered `$n` or later.
+pub(super) fn late_send(same_owner: &str, expiry: &str, n: u32) -> String {
+    format!(
+        "({same_owner} AND {expiry} < {GIVEN_UP_BEFORE} AND {expiry} >= {})",
+        given_up(n)
+    )
 }
 
 /// The statements for one lock table.
@@ -146,8 +157,7 @@ impl Statements {
                         WHERE (t.owner IS NULL OR t.owner ~ '^[0-9a-f]{{32}}$')
                           AND t.fencing >= 0
                           AND (t.owner IS NULL OR t.expires_at <= clock_timestamp() OR t.owner = excluded.owner)
-                          AND NOT coalesce(t.owner = excluded.owner AND t.expires_at < {GIVEN_UP_BEFORE}
-                                           AND t.expires_at >= {up_to}, false)
+                          AND NOT coalesce({late}, false)
                     RETURNING t.fencing, t.xmin::text AS version
                 )
                 SELECT true AS acquired, taken.fencing AS fencing, NULL::text AS owner,
@@ -159,7 +169,7 @@ impl Statements {
                        NULL::text
                 FROM {{t}} AS h
                 WHERE h.namespace = $1 AND h.key = $2 AND NOT EXISTS (SELECT 1 FROM taken)",
-                up_to = given_up(5))),
+                late = late_send("t.owner = excluded.owner", "t.expires_at", 5))),
             extend: sql("WITH done AS (
                     UPDATE {t}
                     SET expires_at = clock_timestamp() + $5::bigint * interval '1 millisecond'

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::locks::GIVEN_UP_BEFORE;
+use super::locks::{given_up, late_send, GIVEN_UP_BEFORE};
 use super::Sql;
 use crate::keys::qualified_table;
 
@@ -44,14 +44,19 @@ fn live_permits(a: &str, now: &str) -> String {
 }
 
 /// Rewrites the permits of row `t`: those of `rows` (over `l (o, f, e,
-/// n)`, `n` their place), in order, each with expiry `expiry`.
-fn permits_from(rows: &str, expiry: &str) -> String {
+/// n)`, `n` their place), in order, each with expiry `expiry`; of those
+/// given up (see [`GIVEN_UP_BEFORE`]) only the last `{limit}` are kept, so
+/// a row holds at most twice its limit.
+fn permits_from(rows: &str, expiry: &str, limit: &str) -> String {
     format!(
         "(owners, fencings, expires) = (
-            SELECT coalesce(array_agg(l.o ORDER BY l.n), '{{}}'),
-                   coalesce(array_agg(l.f ORDER BY l.n), '{{}}'),
-                   coalesce(array_agg({expiry} ORDER BY l.n), '{{}}')
-            FROM ({rows}) AS l)"
+            SELECT coalesce(array_agg(k.o ORDER BY k.n), '{{}}'),
+                   coalesce(array_agg(k.f ORDER BY k.n), '{{}}'),
+                   coalesce(array_agg(k.e ORDER BY k.n), '{{}}')
+            FROM (SELECT l.o, l.f, l.n, {expiry} AS e,
+                         count(*) FILTER (WHERE {expiry} < {GIVEN_UP_BEFORE}) OVER (ORDER BY l.n DESC) AS later
+                  FROM ({rows}) AS l) AS k
+            WHERE k.e >= {GIVEN_UP_BEFORE} OR k.later <= {limit})"
     )
 }
 
@@ -60,6 +65,15 @@ fn permits_of_t(keep: &str) -> String {
     format!(
         "SELECT p.o, p.f, p.e, p.n FROM unnest(t.owners, t.fencings, t.expires) WITH ORDINALITY AS p (o, f, e, n)
          WHERE {keep}"
+    )
+}
+
+/// Whether row `t` holds a permit `$3` gave up from a send numbered `$n`
+/// or later: an acquire numbered `$n` is then a late send.
+fn late_permit_send(n: u32) -> String {
+    format!(
+        "EXISTS (SELECT 1 FROM unnest(t.owners, t.expires) AS g (o, e) WHERE {})",
+        late_send("g.o = $3::text", "g.e", n)
     )
 }
 
@@ -73,13 +87,15 @@ fn permits_of_t(keep: &str) -> String {
 /// atomic, with no lock on anything else — permits in rows of their own
 /// could not be counted that way in one statement, whose snapshot predates
 /// the row lock. Expired permits are dropped by every statement that
-/// writes the row; the row itself stays, so the fencing counter keeps
-/// growing.
+/// writes the row, except the last `permit_limit` of those given up (which
+/// refuse their attempts' late sends, see [`GIVEN_UP_BEFORE`]); the row
+/// itself stays, so the fencing counter keeps growing.
 #[derive(Debug, Clone)]
 pub(crate) struct PermitStatements {
     /// Creates the table.
     pub create_table: Arc<Sql>,
-    /// `$1` namespace, `$2` key, `$3` owner, `$4` TTL in ms, `$5` limit ->
+    /// `$1` namespace, `$2` key, `$3` owner, `$4` TTL in ms, `$5` limit,
+    /// `$6` send number ->
     /// `granted bool, fencing bigint, permit_limit bigint, live bigint,
     /// expires_in_ms bigint, well_formed bool`: one row `granted = true`
     /// with the permit's fencing token, or the semaphore's row as the
@@ -90,16 +106,18 @@ pub(crate) struct PermitStatements {
     /// Grants if no permit is live (the limit `$5` then applies), or the
     /// limit is `$5` and `$3` holds a live permit (adopted: its fencing
     /// token, its expiry reset to `$4` from now) or fewer than `$5` are live
-    /// (a new permit with the next fencing token).
+    /// (a new permit with the next fencing token). Refused if `$3` gave up
+    /// a permit from a send numbered `$6` or later (see
+    /// [`GIVEN_UP_BEFORE`]), as the lock's acquire is.
     pub acquire: Arc<Sql>,
     /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` TTL in ms ->
     /// `done bigint, well_formed bool`.
     pub extend: Arc<Sql>,
-    /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` channel ->
-    /// `done bigint, well_formed bool, given_up bool` (`given_up`: the row
-    /// as it was before has the permit given up, by an earlier send of this
-    /// release). Keeps the permit given up (its expiry
-    /// [`GIVEN_UP_BEFORE`]) until the next statement on the row, and sends
+    /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` channel,
+    /// `$6` the permit's send number -> `done bigint, well_formed bool,
+    /// given_up bool` (`given_up`: the row as it was before has the permit
+    /// given up, by an earlier send of this release). Keeps the permit
+    /// given up by sends up to `$6` (see [`GIVEN_UP_BEFORE`]), and sends
     /// `NOTIFY channel, key` when it released.
     pub release: Arc<Sql>,
 }
@@ -112,6 +130,8 @@ impl PermitStatements {
         let now = "excluded.updated_at";
         // The permit `$3`, `$4` (extend, release).
         let this = "(p.o = $3::text AND p.f = $4::bigint)";
+        // Live permits, given-up ones, and that permit.
+        let keep = format!("p.e > clock_timestamp() OR p.e < {GIVEN_UP_BEFORE} OR {this}");
         let found = "FROM (VALUES (1)) AS one (x)
                 LEFT JOIN {t} AS h ON h.namespace = $1 AND h.key = $2";
         Self {
@@ -138,6 +158,7 @@ impl PermitStatements {
                             permit_limit = excluded.permit_limit,
                             updated_at = {now}
                         WHERE {well_formed_t}
+                          AND NOT {late}
                           AND ({live} = 0
                                OR (t.permit_limit = excluded.permit_limit
                                    AND ({own} IS NOT NULL OR {live} < excluded.permit_limit)))
@@ -157,11 +178,15 @@ impl PermitStatements {
                 permits = permits_from(
                     &format!(
                         "{} UNION ALL SELECT $3::text, coalesce({own}, t.fencing + 1), excluded.expires[1], NULL",
-                        permits_of_t(&format!("p.e > {now} AND p.o <> $3::text")),
+                        permits_of_t(&format!(
+                            "(p.e > {now} OR p.e < {GIVEN_UP_BEFORE}) AND p.o <> $3::text"
+                        )),
                         own = own_permit("t", now),
                     ),
                     "l.e",
+                    "excluded.permit_limit",
                 ),
+                late = late_permit_send(6),
                 own = own_permit("t", now),
                 live = live_permits("t", now),
                 live_h = live_permits("h", "clock_timestamp()"),
@@ -180,11 +205,12 @@ impl PermitStatements {
                 // The permit was live when the row was checked: kept even
                 // if it ran out since.
                 permits = permits_from(
-                    &permits_of_t(&format!("p.e > clock_timestamp() OR {this}")),
+                    &permits_of_t(&keep),
                     &format!(
                         "CASE WHEN l.o = $3::text AND l.f = $4::bigint THEN clock_timestamp() + {} ELSE l.e END",
                         ttl(5)
                     ),
+                    "t.permit_limit",
                 ),
                 holds = holds_permit("t"),
                 well_formed_t = well_formed("t"),
@@ -203,8 +229,12 @@ impl PermitStatements {
                                  FROM unnest(h.owners, h.fencings, h.expires) AS l (o, f, e)), false) AS given_up
                 {found}",
                 permits = permits_from(
-                    &permits_of_t(&format!("p.e > clock_timestamp() OR {this}")),
-                    "CASE WHEN l.o = $3::text AND l.f = $4::bigint THEN 'epoch'::timestamptz ELSE l.e END",
+                    &permits_of_t(&keep),
+                    &format!(
+                        "CASE WHEN l.o = $3::text AND l.f = $4::bigint THEN {} ELSE l.e END",
+                        given_up(6)
+                    ),
+                    "t.permit_limit",
                 ),
                 holds = holds_permit("t"),
                 well_formed_t = well_formed("t"),
@@ -221,10 +251,11 @@ impl PermitStatements {
 #[derive(Debug, Clone)]
 pub struct PermitStatementTexts {
     /// `$1` namespace, `$2` key, `$3` owner (32 lowercase hex digits), `$4`
-    /// TTL in ms, `$5` limit -> `granted bool, fencing bigint, ...`.
+    /// TTL in ms, `$5` limit, `$6` send number -> `granted bool, fencing
+    /// bigint, ...`.
     pub acquire: String,
-    /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` channel ->
-    /// `done bigint, ...`.
+    /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` channel,
+    /// `$6` the acquire's send number -> `done bigint, ...`.
     pub release: String,
 }
 

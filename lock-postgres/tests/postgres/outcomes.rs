@@ -6,12 +6,13 @@
 
 use std::time::{Duration, Instant};
 
-use distlock_conformance::fault::Direction;
+use distlock_conformance::fault::{Direction, Proxy};
 use distlock_core::{
-    AcquireReply, AcquireRequest, ErrorKind, Grant, HeldLock, LockBackend, LockKey, LockState,
-    OwnerToken, ReleaseReply,
+    AcquireReply, AcquireRequest, ErrorKind, Grant, HeldLock, Lease, LockBackend, LockError,
+    LockKey, LockState, OwnerToken, ReleaseReply,
 };
 use sqlx::{Connection, PgConnection};
+use tokio::task::JoinHandle;
 
 use super::support::*;
 
@@ -124,7 +125,7 @@ async fn a_first_send_applied_after_the_give_back_leaves_nothing_held() {
     let ns = unique_name("late_first");
     let (lock, direct, app) = on_own_table(&proxied, &ns).await;
     let (first_send, second_send) = (rand::random::<i32>(), rand::random::<i32>());
-    let mut gate = stall_inserts(&direct, &[first_send, second_send]).await;
+    let mut gate = stall_inserts(&direct, &direct.table(), &[first_send, second_send]).await;
     let k = key("late");
     let owner = OwnerToken::random();
     let call = {
@@ -246,10 +247,10 @@ async fn a_release_sent_again_after_a_lost_connection_ends_by_its_first_sends_de
     assert_ends_by_the_first_sends_deadline(Op::Release).await;
 }
 
-/// Makes the n-th `INSERT` into `lock`'s table (the n-th send of an
-/// acquire, counting every client) wait on the advisory lock `gates[n - 1]`,
-/// which the returned connection holds until the test unlocks it.
-async fn stall_inserts(lock: &Pg, gates: &[i32]) -> PgConnection {
+/// Makes the n-th `INSERT` into `table` (the n-th send of an acquire,
+/// counting every client) wait on the advisory lock `gates[n - 1]`, which
+/// the returned connection holds until the test unlocks it.
+async fn stall_inserts(lock: &Pg, table: &str, gates: &[i32]) -> PgConnection {
     let sequence = unique_name("sends");
     let function = unique_name("stall");
     let cases: String = gates
@@ -272,8 +273,7 @@ async fn stall_inserts(lock: &Pg, gates: &[i32]) -> PgConnection {
     admin(
         lock,
         &format!(
-            "CREATE TRIGGER stall BEFORE INSERT ON {} FOR EACH ROW EXECUTE FUNCTION {function}()",
-            lock.table()
+            "CREATE TRIGGER stall BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {function}()"
         ),
     )
     .await;
@@ -295,17 +295,21 @@ async fn open(gate_holder: &mut PgConnection, gate: i32) {
         .unwrap();
 }
 
-/// A client through `proxied` on its own table (so that a trigger can stall
-/// its inserts), with its `application_name`, and a direct client on the
-/// same rows.
+/// A client through `proxied` on its own lock and semaphore tables (so that
+/// a trigger can stall their inserts), with its `application_name`, and a
+/// direct client on the same rows.
 async fn on_own_table(proxied: &str, ns: &str) -> (Pg, Pg, String) {
-    let table = unique_name("stalled");
+    let tables = format!(
+        "table={}&semaphore_table={}",
+        unique_name("stalled"),
+        unique_name("stalled_sem")
+    );
     let app = unique_name("app");
     let lock = Pg::connect(&format!(
-        "{proxied}?namespace={ns}&table={table}&application_name={app}&operation_timeout_ms=20000"
+        "{proxied}?namespace={ns}&{tables}&application_name={app}&operation_timeout_ms=20000"
     ))
     .await;
-    let direct = Pg::connect(&format!("{}?namespace={ns}&table={table}", server().url())).await;
+    let direct = Pg::connect(&format!("{}?namespace={ns}&{tables}", server().url())).await;
     (lock, direct, app)
 }
 
@@ -333,7 +337,7 @@ async fn a_first_send_applied_after_its_lease_was_renewed_and_released_takes_not
     let ns = unique_name("late_after_release");
     let (lock, direct, app) = on_own_table(&proxied, &ns).await;
     let first_send = rand::random::<i32>();
-    let mut gate = stall_inserts(&direct, &[first_send]).await;
+    let mut gate = stall_inserts(&direct, &direct.table(), &[first_send]).await;
     let k = key("late");
     let call = spawn_op(&lock, &k, None, Op::Acquire);
     let first = backend(&direct, &app, STALLED).await;
@@ -354,4 +358,156 @@ async fn a_first_send_applied_after_its_lease_was_renewed_and_released_takes_not
         row(&direct, &k).await
     );
     take(&direct, &k, Duration::from_secs(5), "free").await;
+}
+
+/// A permit attempt (with `limit` permits, through a proxy, on a semaphore
+/// table of its own) whose first send stalls on the server.
+struct StalledPermit {
+    proxy: Proxy,
+    lock: Pg,
+    direct: Pg,
+    app: String,
+    k: LockKey,
+    limit: u32,
+    gate: PgConnection,
+    first_send: i32,
+    /// The backend running the first send.
+    first: i32,
+}
+
+impl StalledPermit {
+    /// Starts the attempt (a waiting one if `wait`) on a task of its own and
+    /// returns once its first send stalls.
+    async fn start(
+        ns: &str,
+        limit: u32,
+        wait: bool,
+    ) -> (Self, JoinHandle<Result<Option<Lease>, LockError>>) {
+        let (proxy, proxied) = proxied().await;
+        let (lock, direct, app) = on_own_table(&proxied, &unique_name(ns)).await;
+        let first_send = rand::random::<i32>();
+        let gate = stall_inserts(&direct, &direct.semaphore_table(), &[first_send]).await;
+        let k = key("stalled");
+        let call = {
+            let (lock, k) = (lock.clone(), k.clone());
+            tokio::spawn(async move {
+                let ttl = Duration::from_secs(30);
+                if wait {
+                    let deadline = Instant::now() + Duration::from_secs(60);
+                    lock.acquire_permit(&k, limit, ttl, deadline).await
+                } else {
+                    lock.try_acquire_permit(&k, limit, ttl)
+                        .await
+                        .map(|attempt| attempt.lease())
+                }
+            })
+        };
+        let first = backend(&direct, &app, STALLED).await;
+        let stalled = Self {
+            proxy,
+            lock,
+            direct,
+            app,
+            k,
+            limit,
+            gate,
+            first_send,
+            first,
+        };
+        (stalled, call)
+    }
+
+    /// How many permits are live by the database clock.
+    async fn live_permits(&self) -> i64 {
+        sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM {} AS s, unnest(s.expires) AS e
+             WHERE s.namespace = $1 AND s.key = $2 AND e > clock_timestamp()",
+            self.direct.semaphore_table()
+        ))
+        .bind(self.direct.backend.config().client().namespace())
+        .bind(self.k.as_str())
+        .fetch_one(self.direct.pool())
+        .await
+        .unwrap()
+    }
+
+    /// Lets the first send go on, waits for its end, and checks that every
+    /// permit is free (a fresh client takes all `limit`); `why` names what
+    /// the first send did otherwise.
+    async fn finish(mut self, why: &str) {
+        open(&mut self.gate, self.first_send).await;
+        ended(&self.direct, &self.app, self.first).await;
+        let mut leases = Vec::new();
+        for n in 1..=self.limit {
+            let attempt = self
+                .direct
+                .try_acquire_permit(&self.k, self.limit, Duration::from_secs(5))
+                .await
+                .unwrap();
+            let lease = attempt
+                .lease()
+                .unwrap_or_else(|| panic!("permit {n} of {}: {why}", self.limit));
+            leases.push(lease);
+        }
+        for lease in &leases {
+            self.direct.release(lease).await.unwrap();
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_first_permit_send_applied_after_its_permit_was_renewed_and_released_takes_nothing() {
+    // The permit twin of the lock case above: the first send of a permit
+    // attempt stalls on the server and its connection is cut; the resend
+    // takes a permit, which is renewed and released, and another client
+    // takes and returns a permit (a write of the semaphore's row, which
+    // keeps the given-up permit). Only then does the first send go on: it
+    // must not take a permit for nobody.
+    let (stalled, call) = StalledPermit::start("late_permit", 2, false).await;
+    stalled.proxy.drop_all();
+    let lease = call
+        .await
+        .unwrap()
+        .expect("sent again after the lost connection")
+        .expect("a free permit");
+    let lock = &stalled.lock;
+    let lease = lock.extend(&lease, Duration::from_secs(60)).await.unwrap();
+    lock.release(&lease).await.unwrap();
+    assert_eq!(stalled.live_permits().await, 0, "the permit was released");
+    let other = stalled
+        .direct
+        .try_acquire_permit(&stalled.k, stalled.limit, Duration::from_secs(5))
+        .await
+        .unwrap()
+        .lease()
+        .expect("a free permit");
+    stalled.direct.release(&other).await.unwrap();
+    stalled
+        .finish("the first send, applied after the release, took a permit for nobody")
+        .await;
+}
+
+#[tokio::test]
+async fn a_first_permit_send_applied_after_its_caller_left_takes_nothing() {
+    // The first send of a waiting permit attempt stalls on the server, and
+    // its caller leaves: the client settles the attempt with one more of
+    // the same owner token and gives back what that gets. Then the first
+    // send's connection is cut and the statement sent again, whose grant
+    // (if any) is given back too. Only then does the first send go on: it
+    // must not take a permit for nobody.
+    let (stalled, call) = StalledPermit::start("left_permit", 3, true).await;
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+    stalled.proxy.drop_all();
+    tokio::time::timeout(Duration::from_secs(30), stalled.lock.idle())
+        .await
+        .expect("the attempt left by its caller was never settled");
+    assert_eq!(
+        stalled.live_permits().await,
+        0,
+        "what the attempts got was given back"
+    );
+    stalled
+        .finish("the first send, applied after the give-back, took a permit for nobody")
+        .await;
 }

@@ -43,12 +43,6 @@ fn semaphores(lock: &Pg) -> &dyn SemaphoreBackend {
     lock.backend.as_ref()
 }
 
-/// The quoted semaphore table of `lock`.
-fn semaphore_table(lock: &Pg) -> String {
-    let config = lock.backend.config();
-    format!("\"{}\".\"{}\"", config.schema(), config.semaphore_table())
-}
-
 /// The semaphore row of `k`: its limit, fencing counter, and each permit's
 /// owner, fencing token and milliseconds left by the database clock.
 async fn semaphore_row(lock: &Pg, k: &LockKey) -> Option<(i64, i64, Vec<(String, i64, i64)>)> {
@@ -58,7 +52,7 @@ async fn semaphore_row(lock: &Pg, k: &LockKey) -> Option<(i64, i64, Vec<(String,
                 ARRAY(SELECT floor(extract(epoch FROM (e - clock_timestamp())) * 1000)::bigint
                       FROM unnest(expires) WITH ORDINALITY AS x (e, n) ORDER BY n)
          FROM {} WHERE namespace = $1 AND key = $2",
-        semaphore_table(lock)
+        lock.semaphore_table()
     ))
     .bind(lock.backend.config().client().namespace())
     .bind(k.as_str())
@@ -217,8 +211,8 @@ async fn a_semaphore_is_one_row_of_its_own_table_and_expired_permits_are_reclaim
         [owner.to_hex()],
         "expired permits were not reclaimed"
     );
-    // Released, the permit is kept given up only until the next write,
-    // and the row (its counter) stays.
+    // Released, the permit is kept given up (see the test below), and the
+    // row (its counter) stays.
     let released = semaphores(&lock)
         .release_permit(held(&k, owner, &grant))
         .await
@@ -242,10 +236,66 @@ async fn a_semaphore_is_one_row_of_its_own_table_and_expired_permits_are_reclaim
 }
 
 #[tokio::test]
+async fn given_up_permits_are_not_counted_and_only_the_last_limit_of_them_are_kept() {
+    let ns = unique_name("sem_given_up");
+    let lock = client(&ns).await;
+    let k = key("returned");
+    let ttl = Duration::from_secs(30);
+    let limit = 2;
+    let mut owners = Vec::new();
+    for _ in 0..5 {
+        let owner = OwnerToken::random();
+        let grant = granted(
+            semaphores(&lock)
+                .acquire_permit(request(&k, owner, ttl, limit))
+                .await
+                .unwrap(),
+            "every earlier permit was returned",
+        );
+        let released = semaphores(&lock)
+            .release_permit(held(&k, owner, &grant))
+            .await
+            .unwrap();
+        assert_eq!(released, ReleaseReply::Released);
+        owners.push(owner);
+    }
+    // Each permit stays given up, to refuse its attempt's late sends, but
+    // only the last `limit` of them: the row stays small.
+    let (_, counter, permits) = semaphore_row(&lock, &k).await.unwrap();
+    assert_eq!(counter, 5);
+    let kept: Vec<String> = permits.iter().map(|p| p.0.clone()).collect();
+    let last: Vec<String> = owners[3..].iter().map(|o| o.to_hex()).collect();
+    assert_eq!(kept, last, "the given-up permits kept");
+    assert!(
+        permits.iter().all(|p| p.2 < 0),
+        "a given-up permit is live: {permits:?}"
+    );
+    // They count for nothing: `limit` more permits, one of them by the
+    // owner token of a given-up one (a later attempt, not a late send).
+    for owner in [owners[4], OwnerToken::random()] {
+        granted(
+            semaphores(&lock)
+                .acquire_permit(request(&k, owner, ttl, limit))
+                .await
+                .unwrap(),
+            "a permit beside given-up ones",
+        );
+    }
+    let full = semaphores(&lock)
+        .acquire_permit(request(&k, OwnerToken::random(), ttl, limit))
+        .await
+        .unwrap();
+    assert!(
+        matches!(full, PermitReply::Full { .. }),
+        "a permit beyond the limit: {full:?}"
+    );
+}
+
+#[tokio::test]
 async fn a_semaphore_row_edited_into_an_impossible_state_is_reported_not_overwritten() {
     let ns = unique_name("sem_corrupt");
     let a = client(&ns).await;
-    let table = semaphore_table(&a);
+    let table = a.semaphore_table();
     let ttl = Duration::from_secs(30);
     for (name, edit) in [
         ("owner", "owners = ARRAY['not-a-token']"),

@@ -55,6 +55,12 @@ impl Pg {
         self.backend.qualified_table()
     }
 
+    /// The quoted, schema-qualified semaphore table.
+    pub fn semaphore_table(&self) -> String {
+        let config = self.backend.config();
+        format!("\"{}\".\"{}\"", config.schema(), config.semaphore_table())
+    }
+
     /// Subscribes to releases of `k` (returns once the server listens).
     pub async fn watch(&self, k: &LockKey) -> distlock_core::ReleaseWatch {
         self.backend
