@@ -120,32 +120,42 @@ impl Locker {
             .permits()
             .map_or(Attempt::PLAIN, Attempt::permit)
             .renewed(options.renew_period(options.request_ttl()).is_some());
-        let lease = self
-            .client
-            .acquire_until(
-                key,
-                options.request_ttl(),
-                deadline,
-                attempt,
-                Some(options.clone()),
-                cancel,
-            )
-            .await?;
-        let Some(lease) = lease else {
-            tracing::info!(key = %key, "lock held elsewhere; not acquired");
-            return Ok(None);
-        };
-        let margin = options.stop_margin_for(lease.ttl());
-        let stop_at = lease.valid_until().checked_sub(margin);
-        if stop_at.is_none_or(|at| Instant::now() >= at) {
+        tokio::pin!(cancel);
+        let lease = loop {
+            let lease = self
+                .client
+                .acquire_until(
+                    key,
+                    options.request_ttl(),
+                    deadline,
+                    attempt,
+                    Some(options.clone()),
+                    &mut cancel,
+                )
+                .await?;
+            let Some(lease) = lease else {
+                tracing::info!(key = %key, "lock held elsewhere; not acquired");
+                return Ok(None);
+            };
+            let margin = options.stop_margin_for(lease.ttl());
+            let stop_at = lease.valid_until().checked_sub(margin);
+            let now = Instant::now();
+            if stop_at.is_some_and(|at| now < at) {
+                break lease;
+            }
+            // The waiting loop found it usable a moment ago, but a loaded
+            // machine let its stop margin begin since: given back unused,
+            // and tried again while the wait allows.
             let late = lease.sent_at().elapsed();
             tracing::warn!(key = %key, fencing = %lease.fencing_token(), ?late, "lock granted inside its stop margin; releasing it unused");
             let ttl = lease.ttl();
             self.client.release_unused(lease).await;
-            return Err(LockError::timeout(format!(
-                "lock {key:?} was granted {late:?} after the request was sent, too late to use: less than the stop margin {margin:?} of its {ttl:?} TTL was left. It was released and nothing ran; the server or network is too slow for this TTL: retry, or use a longer TTL"
-            )));
-        }
+            if Instant::now() >= deadline {
+                return Err(LockError::timeout(format!(
+                    "lock {key:?} was granted {late:?} after the request was sent, too late to use: less than the stop margin {margin:?} of its {ttl:?} TTL was left. It was released and nothing ran; the server or network is too slow for this TTL: retry, or use a longer TTL"
+                )));
+            }
+        };
         tracing::info!(key = %key, fencing = %lease.fencing_token(), "lock acquired");
         Ok(Some(LockGuard::new(self.client.clone(), lease, options)))
     }

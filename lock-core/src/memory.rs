@@ -442,17 +442,19 @@ mod tests {
         let (holder, waiter) = (server.client(), server.client());
         let key = LockKey::new("k").unwrap();
         let ttl = Duration::from_secs(30);
-        let lease = holder.try_acquire(&key, ttl).await.unwrap().lease().unwrap();
+        let lease = holder
+            .try_acquire(&key, ttl)
+            .await
+            .unwrap()
+            .lease()
+            .unwrap();
         // Out of time, while queued.
         let soon = Instant::now() + Duration::from_millis(30);
         assert!(waiter.acquire(&key, ttl, soon).await.unwrap().is_none());
         // Cancelled while queued.
         let later = Instant::now() + Duration::from_secs(60);
-        let cancelled = tokio::time::timeout(
-            Duration::from_millis(30),
-            waiter.acquire(&key, ttl, later),
-        )
-        .await;
+        let cancelled =
+            tokio::time::timeout(Duration::from_millis(30), waiter.acquire(&key, ttl, later)).await;
         assert!(cancelled.is_err());
         // Served.
         let served = {
