@@ -1,8 +1,9 @@
 //! `handoff::` — a backend that wakes one waiter per release
 //! (`Capabilities::wakes_one_waiter`) keeps its word: a release costs one
 //! attempt however many wait, waiters are served in arrival order, a
-//! waiter that leaves passes its turn on, and permits returned together
-//! wake as many waiters as came back.
+//! waiter that leaves passes its turn on, a waiter whose client is gone is
+//! passed over, and permits returned together wake as many waiters as came
+//! back.
 //!
 //! Every holder here holds for the long TTL, so no waiter's timer fires
 //! during a case: what wakes a waiter is a release, or nothing.
@@ -206,5 +207,44 @@ pub async fn permits_returned_together_wake_as_many(ctx: TestContext) -> CaseRes
         WAITERS,
         "waiters served"
     );
+    Ok(())
+}
+
+/// A waiter whose client is cut off for good (as a killed process's
+/// connections end) does not keep the turn: the release passes over it
+/// to the next waiter, long before the holder's TTL could have run out.
+pub async fn gone_waiter_is_passed_over(ctx: TestContext) -> CaseResult {
+    let key = ctx.key("handoff");
+    let holder = ctx.client().await?;
+    let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
+    let options = LockOptions::new(ctx.long_ttl()).with_wait(Duration::from_secs(120));
+    let path = ctx.fault_path().await?;
+    let cut_off = Arc::new(ObservedLock::new(ctx.client_through(&path).await?));
+    let gone = {
+        let (locker, key, options) = (Locker::new(cut_off.clone()), key.clone(), options.clone());
+        tokio::spawn(async move { locker.acquire(&key, &options).await })
+    };
+    until_attempts(&cut_off, 1, "the waiter that will be cut off").await?;
+    let second = Arc::new(ObservedLock::new(ctx.client().await?));
+    let next = {
+        let (locker, key) = (Locker::new(second.clone()), key.clone());
+        tokio::spawn(async move { locker.acquire(&key, &options).await })
+    };
+    until_attempts(&second, 1, "the next waiter").await?;
+    // Its connections end and it cannot reach the server again.
+    path.down();
+    holder.release(&lease).await?;
+    let result = within(
+        background_bound(),
+        next,
+        "the next waiter served past the gone one",
+    )
+    .await;
+    gone.abort();
+    let guard = result?
+        .map_err(|e| format!("waiter panicked: {e}"))??
+        .ok_or("the next waiter gave up")?;
+    guard.release().await?;
+    drop(path);
     Ok(())
 }

@@ -228,6 +228,7 @@ pub fn all() -> Vec<Case> {
         arrival_order => Needs::OneWake,
         cancelled_waiter_passes_the_turn_on => Needs::OneWake,
         permits_returned_together_wake_as_many => Needs::All(&[Needs::OneWake, Needs::Semaphore]),
+        gone_waiter_is_passed_over => Needs::All(&[Needs::OneWake, Needs::ServerProcess]),
     ));
     all.extend(cases!(guard:
         renewal_keeps_lock_past_ttl,
