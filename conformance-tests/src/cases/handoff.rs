@@ -231,8 +231,11 @@ pub async fn gone_waiter_is_passed_over(ctx: TestContext) -> CaseResult {
         tokio::spawn(async move { locker.acquire(&key, &options).await })
     };
     until_attempts(&second, 1, "the next waiter").await?;
-    // Its connections end and it cannot reach the server again.
+    // Its connections end and it cannot reach the server again; the
+    // release comes once they are closed (a killed process's connections
+    // close before anyone else's next request, as the kernel closes them).
     path.down();
+    path.until_cut_off().await;
     holder.release(&lease).await?;
     let result = within(
         background_bound(),

@@ -119,6 +119,19 @@ impl FaultPath {
         }
     }
 
+    /// Resolves once every connection a cut ([`down`](Self::down),
+    /// [`drop_all`](Self::drop_all)) ended is closed on the server's side
+    /// too (a proxy closes them on their own tasks; a simulated link at
+    /// once). Gives up after 10 s.
+    pub async fn until_cut_off(&self) {
+        if let FaultPath::Proxy(p) = self {
+            let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while p.connections_open() > 0 && std::time::Instant::now() < give_up {
+                tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+            }
+        }
+    }
+
     /// The server is reachable again after [`down`](Self::down).
     pub fn up(&self) {
         match self {

@@ -61,6 +61,8 @@ pub struct Proxy {
     target: SocketAddr,
     state: watch::Sender<State>,
     accepted: Arc<AtomicUsize>,
+    /// Connections whose sockets are still open.
+    open: Arc<AtomicUsize>,
 }
 
 impl Proxy {
@@ -71,11 +73,12 @@ impl Proxy {
         let addr = listener.local_addr()?;
         let (state, _) = watch::channel(State::default());
         let accepted = Arc::new(AtomicUsize::new(0));
+        let open = Arc::new(AtomicUsize::new(0));
         tokio::spawn(accept_loop(
             listener,
             target,
             state.subscribe(),
-            accepted.clone(),
+            (accepted.clone(), open.clone()),
         ));
         tracing::debug!(%addr, %target, "fault proxy started");
         Ok(Proxy {
@@ -83,6 +86,7 @@ impl Proxy {
             target,
             state,
             accepted,
+            open,
         })
     }
 
@@ -100,6 +104,12 @@ impl Proxy {
     /// next one, for [`delay_connection`](Self::delay_connection)).
     pub fn connections_accepted(&self) -> usize {
         self.accepted.load(Ordering::SeqCst)
+    }
+
+    /// How many connections through it still have their sockets open (a
+    /// cut takes effect on each connection's own task, a moment later).
+    pub fn connections_open(&self) -> usize {
+        self.open.load(Ordering::SeqCst)
     }
 
     /// Resets every live connection (both sides see a reset or end of
@@ -190,7 +200,7 @@ async fn accept_loop(
     listener: TcpListener,
     target: SocketAddr,
     mut state: watch::Receiver<State>,
-    accepted: Arc<AtomicUsize>,
+    (accepted, open): (Arc<AtomicUsize>, Arc<AtomicUsize>),
 ) {
     loop {
         let client = tokio::select! {
@@ -213,7 +223,11 @@ async fn accept_loop(
                     reset(&client);
                     continue;
                 }
-                tokio::spawn(connection(client, target, state.clone(), epoch, index));
+                let (open, state) = (Open::count(&open), state.clone());
+                tokio::spawn(async move {
+                    connection(client, target, state, epoch, index).await;
+                    drop(open);
+                });
             }
             Err(e) => {
                 tracing::debug!(error = %e, "fault proxy: accept failed");
@@ -266,10 +280,34 @@ async fn connection(
     let downstream = tokio::spawn(pump(server_read, client_write, link(Direction::ToClient)));
     // Whichever direction ends first (end of stream, error or cut) ends
     // the connection; a cut resets both sockets.
+    // The other one is awaited once aborted, so that its sockets are
+    // closed when this returns.
     let (mut up, mut down) = (upstream, downstream);
     tokio::select! {
-        _ = &mut up => down.abort(),
-        _ = &mut down => up.abort(),
+        _ = &mut up => {
+            down.abort();
+            let _ = down.await;
+        }
+        _ = &mut down => {
+            up.abort();
+            let _ = up.await;
+        }
+    }
+}
+
+/// One open connection, counted while it lives.
+struct Open(Arc<AtomicUsize>);
+
+impl Open {
+    fn count(open: &Arc<AtomicUsize>) -> Self {
+        open.fetch_add(1, Ordering::SeqCst);
+        Open(open.clone())
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
