@@ -150,6 +150,7 @@ pub(crate) fn map_script(err: RedisError, keys: &RedisKeys) -> LockError {
             let redis_key = match which {
                 "fence" => &keys.fence,
                 "gone" => &keys.gone,
+                "waiters" => &keys.waiters,
                 _ => &keys.lock,
             };
             corrupted(redis_key, rest)

@@ -191,3 +191,39 @@ async fn foreign_data_at_every_key_is_reported_and_left_alone() {
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+/// A foreign value at a key's waiter line: an attempt that does not wait
+/// never reads it; a waiting attempt is refused as `Corrupted` before it
+/// writes; a release still releases (only its wake-up fails). The value
+/// is left as it was.
+#[tokio::test]
+async fn foreign_data_at_the_waiter_line_is_reported_and_left_alone() {
+    let server = start(server::Redis::default());
+    let url = server.url();
+    let lock = connect(&format!("{url}/?namespace={NS}")).await.unwrap();
+    let mut conn = raw(&url).await;
+    let key = unique_key("foreign-line");
+    let line = format!("{NS}:{{{}}}:waiters", key.as_str());
+    let _: () = conn.set(&line, "not a line").await.unwrap();
+    let ttl = Duration::from_secs(30);
+
+    let lease = lock
+        .try_acquire(&key, ttl)
+        .await
+        .unwrap()
+        .lease()
+        .expect("an attempt that does not wait never reads the line");
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let err = lock
+        .acquire(&key, ttl, deadline)
+        .await
+        .expect_err("a waiting attempt reads the line");
+    assert_eq!(err.kind(), ErrorKind::Corrupted, "{err}");
+    assert!(err.message().contains("waiters"), "{err}");
+    lock.release(&lease)
+        .await
+        .expect("the release still releases");
+    let kept: String = conn.get(&line).await.unwrap();
+    assert_eq!(kept, "not a line", "the foreign value is left alone");
+    let _: () = conn.del(&line).await.unwrap();
+}
