@@ -84,9 +84,14 @@ fn run(plan: Plan) -> BenchResult<()> {
         .map(|n| n.get())
         .unwrap_or(1);
     let pin = ncpu >= 2;
+    // `DISTLOCK_BENCH_ONLY=redis,etcd`: only those backends (say, to
+    // profile one); all of them otherwise.
+    let only = std::env::var("DISTLOCK_BENCH_ONLY").unwrap_or_default();
     let mut servers = Vec::new();
     for backend in Backend::ALL {
-        servers.push(Server::start(backend, pin.then_some(1))?);
+        if only.is_empty() || only.split(',').any(|name| name.trim() == backend.name()) {
+            servers.push(Server::start(backend, pin.then_some(1))?);
+        }
     }
     let own_pin = if pin && servers::taskset_all(std::process::id(), 0) {
         format!(
