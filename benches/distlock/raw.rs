@@ -48,6 +48,10 @@ return token
 
 /// The channel the raw PostgreSQL releases notify.
 const PG_CHANNEL: &str = "distlock_rawbench";
+/// Its channel of single wake-ups (unused: the raw acquires never wait).
+const PG_NEXT_CHANNEL: &str = "distlock_rawbench_next";
+/// The listener pid of a raw PostgreSQL acquire: none, it does not wait.
+const NOT_WAITING: i64 = 0;
 
 /// A raw client for one backend.
 #[derive(Clone)]
@@ -237,6 +241,8 @@ impl Raw {
                     .bind(&owner)
                     .bind(ttl.as_millis() as i64)
                     .bind(send)
+                    .bind(DEFAULT_TABLE)
+                    .bind(NOT_WAITING)
                     .fetch_optional(pool)
                     .await
                     .map_err(|e| e.to_string())?
@@ -253,6 +259,8 @@ impl Raw {
                     .bind(fencing)
                     .bind(PG_CHANNEL)
                     .bind(send)
+                    .bind(DEFAULT_TABLE)
+                    .bind(PG_NEXT_CHANNEL)
                     .fetch_one(pool)
                     .await
                     .map_err(|e| e.to_string())?;
@@ -389,6 +397,8 @@ impl Raw {
                     .bind(ttl.as_millis() as i64)
                     .bind(i64::from(limit))
                     .bind(send)
+                    .bind(DEFAULT_SEMAPHORE_TABLE)
+                    .bind(NOT_WAITING)
                     .fetch_optional(pool)
                     .await
                     .map_err(|e| e.to_string())?
@@ -405,6 +415,8 @@ impl Raw {
                     .bind(fencing)
                     .bind(PG_CHANNEL)
                     .bind(send)
+                    .bind(DEFAULT_SEMAPHORE_TABLE)
+                    .bind(PG_NEXT_CHANNEL)
                     .fetch_one(pool)
                     .await
                     .map_err(|e| e.to_string())?;

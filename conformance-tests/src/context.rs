@@ -400,6 +400,18 @@ impl TestContext {
         self.controls_servers() || (self.server.is_none() && self.simulated_network)
     }
 
+    /// Whether a [`fault_path`](Self::fault_path) carries every connection
+    /// of a client opened through it, so cutting it cuts the client off
+    /// entirely, as a killed process is (see
+    /// [`ServerKind::carries_every_connection`]).
+    pub fn cuts_whole_clients(&self) -> bool {
+        self.can_inject_faults()
+            && self
+                .kind
+                .as_ref()
+                .is_none_or(|k| k.carries_every_connection())
+    }
+
     /// A new [`FaultPath`] to the suite's server: a [`Proxy`] in front of
     /// the shared server, or a [`Link`] for an in-process backend. Open
     /// clients through it with [`client_through`](Self::client_through).

@@ -61,6 +61,7 @@ mod tests;
 mod tls;
 mod url;
 mod wait;
+mod waits;
 
 pub use backend::{
     AcquireReply, AcquireRequest, ExtendReply, Grant, HeldLock, LockAdmin, LockBackend, LockState,
@@ -89,6 +90,7 @@ pub use schedule::{Fire, ScheduledJob, ScheduledOutcome, SkipReason};
 pub use semaphore::{PermitReply, PermitRequest, SemaphoreBackend};
 pub use tls::{TlsAdvice, TlsFailure, TlsFiles, TlsPem};
 pub use url::{LockUrl, UrlHost};
+pub use waits::{OpenWaits, WaitLine};
 
 /// Re-exported so backends implement [`LockBackend`] with the same
 /// `async_trait` version.

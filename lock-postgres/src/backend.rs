@@ -11,8 +11,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
-    Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, ReleaseReply, ReleaseWatch,
-    SemaphoreBackend, IN_LOCK_CALL,
+    Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, OpenWaits, OwnerToken,
+    ReleaseReply, ReleaseWatch, SemaphoreBackend, WaitLine, IN_LOCK_CALL,
 };
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use tokio::sync::OnceCell;
@@ -20,10 +20,10 @@ use tokio::sync::OnceCell;
 use crate::config::{PoolMode, PostgresConfig};
 use crate::errors;
 use crate::keys::{channel_name, qualified_table};
-use crate::listener::Releases;
+use crate::listener::{next_channel, Releases};
 use crate::probe;
 use crate::semaphore::Semaphores;
-use crate::sql::{Arg, GiveBack, Protocol, Statements};
+use crate::sql::{self, Arg, Call, GiveBack, Protocol, Sql, Statements};
 
 /// A lock backend on a PostgreSQL lock table.
 ///
@@ -68,14 +68,20 @@ pub struct PostgresLock {
     sql: Arc<Statements>,
     /// The simple protocol is in use: `pool_mode=transaction`, a
     /// transaction pooler found at connect, or the switch after a
-    /// statement met another client's prepared statements.
-    simple: AtomicBool,
+    /// statement met another client's prepared statements (shared with the
+    /// statements that leave a waiter line).
+    simple: Arc<AtomicBool>,
     /// Waiters `LISTEN` past the main URL (`listen_url`), so they can be
     /// woken behind a transaction pooler too.
     listen_apart: bool,
     /// The LISTEN/NOTIFY channel of this namespace and table.
     channel: String,
     table_ready: OnceCell<()>,
+    /// The table of waiter lines exists: waits queue, a release wakes the
+    /// first waiter alone.
+    line_ready: AtomicBool,
+    /// The open waits of this client (see [`OpenWaits`]).
+    waits: Arc<OpenWaits>,
     /// `None` when nothing can `LISTEN` (a transaction pooler without
     /// `listen_url`): waiters then poll.
     listener: Option<Listener<Releases>>,
@@ -191,7 +197,9 @@ impl PostgresLock {
         Self {
             semaphores,
             sql: Arc::new(Statements::new(config.schema(), config.table())),
-            simple: AtomicBool::new(protocol == Protocol::Simple),
+            simple: Arc::new(AtomicBool::new(protocol == Protocol::Simple)),
+            line_ready: AtomicBool::new(false),
+            waits: Arc::default(),
             listen_apart: config.listen_options().is_some(),
             listener,
             channel,
@@ -268,6 +276,169 @@ impl PostgresLock {
     pub(crate) fn semaphores(&self) -> &Semaphores {
         &self.semaphores
     }
+
+    /// The table of waiter lines exists (checked with the lock table).
+    pub(crate) fn line_ready(&self) -> bool {
+        self.line_ready.load(Ordering::Relaxed)
+    }
+
+    /// Says that the table of waiter lines exists.
+    pub(crate) fn set_line_ready(&self) {
+        self.line_ready.store(true, Ordering::Relaxed);
+    }
+
+    /// The arguments an attempt of `owner` on `key` adds for the acquire
+    /// statement with the waiter line of `table`, if the line is ready:
+    /// the table's name and the pid it queues with when refused — that of
+    /// `listener`'s connection if the attempt is an open wait's and not
+    /// one settling a lost reply (its wait is over), else 0 (never queues).
+    pub(crate) fn line_args(
+        &self,
+        line: WaitLine,
+        listener: Option<&Listener<Releases>>,
+        table: &str,
+        request: (&LockKey, OwnerToken, bool),
+    ) -> Option<[Arg; 2]> {
+        if !self.line_ready() {
+            return None;
+        }
+        let (key, owner, settling) = request;
+        let pid = listener
+            .and_then(|l| l.source().pid())
+            .filter(|_| !settling && self.waits.joins(line, key, owner));
+        Some([Arg::text(table), Arg::Int(pid.unwrap_or(0).into())])
+    }
+
+    /// `owner`'s attempt on `key` was granted: it left its line.
+    pub(crate) fn line_granted(&self, line: WaitLine, key: &LockKey, owner: OwnerToken) {
+        self.waits.granted(line, key, owner);
+    }
+
+    /// Opens `waiter`'s wait on `key` in `of`'s line: registers it under
+    /// its owner token, and when its watch drops, runs `of.leave` (the
+    /// statement that takes it out of the line and wakes the next waiter if
+    /// the key is free) if it may be in the line.
+    pub(crate) async fn watch_line(
+        &self,
+        of: Lines<'_>,
+        key: &LockKey,
+        waiter: OwnerToken,
+    ) -> Result<ReleaseWatch, LockError> {
+        let Lines {
+            line,
+            listener,
+            leave,
+            table,
+            channel,
+        } = of;
+        let name = waiter.to_hex();
+        let watch = listener.watch_as(key.clone(), &name).await?;
+        if !self.line_ready() {
+            return Ok(watch);
+        }
+        let registration = self.waits.register(line, key, waiter);
+        let closed = listener.notifier().waiter_closed(key.as_str(), &name);
+        let leaving = Leaving {
+            pool: self.pool.clone(),
+            simple: self.simple.clone(),
+            waits: self.waits.clone(),
+            timeout: self.config.client().operation_timeout(),
+            line,
+            key: key.clone(),
+            waiter,
+            registration,
+            leave: leave.clone(),
+            args: vec![
+                Arg::text(self.namespace()),
+                Arg::text(key.as_str()),
+                Arg::Text(name),
+                Arg::text(table),
+                Arg::text(channel),
+                Arg::text(listener.source().next()),
+                Arg::Int(listener.source().pid().unwrap_or(0).into()),
+            ],
+        };
+        // Ends when the watch drops (the wait ended), at the latest.
+        tokio::spawn(async move {
+            closed.await;
+            leaving.leave().await;
+        });
+        Ok(watch)
+    }
+}
+
+/// The lines of locks, or of permits, as a wait sees them.
+pub(crate) struct Lines<'a> {
+    pub(crate) line: WaitLine,
+    /// Who hears this line's wake-ups.
+    pub(crate) listener: &'a Listener<Releases>,
+    /// The statement that leaves it.
+    pub(crate) leave: &'a Arc<Sql>,
+    /// The name of the table whose rows it waits for.
+    pub(crate) table: &'a str,
+    /// The channel that wakes every waiter of a key.
+    pub(crate) channel: &'a str,
+}
+
+/// A wait that ended: leaves its line on the server if it may be in it.
+struct Leaving {
+    pool: PgPool,
+    simple: Arc<AtomicBool>,
+    waits: Arc<OpenWaits>,
+    timeout: Duration,
+    line: WaitLine,
+    key: LockKey,
+    waiter: OwnerToken,
+    registration: u64,
+    leave: Arc<Sql>,
+    args: Vec<Arg>,
+}
+
+impl Leaving {
+    async fn leave(self) {
+        let key = &self.key;
+        if !self
+            .waits
+            .ended(self.line, key, self.waiter, self.registration)
+        {
+            return;
+        }
+        let protocol = if self.simple.load(Ordering::Relaxed) {
+            Protocol::Simple
+        } else {
+            Protocol::Extended
+        };
+        let call = Call::new(protocol, &self.leave, self.args);
+        // On a task of its own, as every statement (see `sql::send`). Best
+        // effort: a row left behind is taken off the line (to no avail) by
+        // a later release, which costs the other waiters that wake-up:
+        // they fall back to their timers.
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let left = match tokio::time::timeout_at(deadline, self.pool.acquire()).await {
+            Ok(Ok(conn)) => {
+                let mut sent = sql::send(
+                    conn,
+                    Arc::new(call),
+                    None,
+                    deadline + self.timeout,
+                    self.timeout,
+                );
+                match sent.wait(deadline).await.and_then(|mut done| done.take()) {
+                    Some(Ok(_)) => Ok(()),
+                    Some(Err(e)) => Err(e.to_string()),
+                    None => Err("no reply within the operation timeout".to_owned()),
+                }
+            }
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("no connection within the operation timeout".to_owned()),
+        };
+        match left {
+            Ok(()) => tracing::trace!(key = %key, "a wait that ended left its waiter line"),
+            Err(error) => {
+                tracing::debug!(key = %key, %error, "leaving the waiter line failed; a later release drops the row");
+            }
+        }
+    }
 }
 
 /// The acquisitions (of locks and permits) this process started, each
@@ -310,6 +481,7 @@ impl LockBackend for PostgresLock {
             min_ttl: Duration::from_millis(1),
             ttl_granularity: Duration::from_millis(1),
             native_wait: self.can_listen(),
+            wakes_one_waiter: self.can_listen() && self.line_ready(),
             retry_interval: self.config.retry_interval(),
             durable: true,
             ..Capabilities::default()
@@ -333,16 +505,23 @@ impl LockBackend for PostgresLock {
             send,
             channel: self.channel.clone(),
         };
-        let call = self.call(
-            &self.sql.acquire,
-            vec![
-                Arg::text(self.namespace()),
-                Arg::text(key.as_str()),
-                Arg::Text(owner.clone()),
-                Arg::Int(ttl_ms),
-                Arg::Int(send),
-            ],
-        );
+        let mut args = vec![
+            Arg::text(self.namespace()),
+            Arg::text(key.as_str()),
+            Arg::Text(owner.clone()),
+            Arg::Int(ttl_ms),
+            Arg::Int(send),
+        ];
+        let waiting = (key, request.owner, request.settling);
+        let line = self.listener.as_ref();
+        let statement = match self.line_args(WaitLine::Lock, line, self.config.table(), waiting) {
+            Some(line) => {
+                args.extend(line);
+                &self.sql.acquire_queued
+            }
+            None => &self.sql.acquire,
+        };
+        let call = self.call(statement, args);
         let reply = self.fetch(IN_LOCK_CALL, call, Some(give_back)).await?;
         let Some(row) = reply.row else {
             // Someone inserted the first row for this key concurrently and
@@ -355,6 +534,7 @@ impl LockBackend for PostgresLock {
         let acquired: bool = self.column(&row, "acquired")?;
         let fencing: Option<i64> = self.column(&row, "fencing")?;
         if acquired {
+            self.line_granted(WaitLine::Lock, key, request.owner);
             // Taken, or adopted from an earlier attempt with this owner
             // token whose reply was lost (same fencing token, TTL reset).
             let grant = Grant::new(self.granted(fencing)?, request.ttl);
@@ -413,18 +593,25 @@ impl LockBackend for PostgresLock {
         self.ensure_table().await?;
         let key = lock.key;
         let owner = lock.owner.to_hex();
-        let call = self.call(
-            &self.sql.release,
-            vec![
-                Arg::text(self.namespace()),
-                Arg::text(key.as_str()),
-                Arg::Text(owner),
-                Arg::Int(fencing),
-                Arg::text(&self.channel),
-                // Acquire sends up to this lease's are refused from now on.
-                send_param(&lock),
-            ],
-        );
+        let mut args = vec![
+            Arg::text(self.namespace()),
+            Arg::text(key.as_str()),
+            Arg::Text(owner),
+            Arg::Int(fencing),
+            Arg::text(&self.channel),
+            // Acquire sends up to this lease's are refused from now on.
+            send_param(&lock),
+        ];
+        let statement = if self.line_ready() {
+            args.extend([
+                Arg::text(self.config.table()),
+                Arg::Text(next_channel(&self.channel)),
+            ]);
+            &self.sql.release_next
+        } else {
+            &self.sql.release
+        };
+        let call = self.call(statement, args);
         let reply = self.fetch_one(call).await?;
         // A resent release whose earlier attempt freed the row (its reply
         // was lost) finds it given up with this lock's fencing token.
@@ -440,12 +627,25 @@ impl LockBackend for PostgresLock {
     async fn watch(
         &self,
         key: &LockKey,
-        _waiter: distlock_core::OwnerToken,
+        waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
         match &self.listener {
             // Nothing to hear through a transaction pooler found since
             // connect: waiters poll.
-            Some(listener) if self.can_listen() => listener.watch(key.clone()).await.map(Some),
+            Some(listener) if self.can_listen() => self
+                .watch_line(
+                    Lines {
+                        line: WaitLine::Lock,
+                        listener,
+                        leave: &self.sql.leave,
+                        table: self.config.table(),
+                        channel: &self.channel,
+                    },
+                    key,
+                    waiter,
+                )
+                .await
+                .map(Some),
             _ => Ok(None),
         }
     }

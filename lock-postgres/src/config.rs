@@ -32,6 +32,10 @@ pub const DEFAULT_SEMAPHORE_TABLE: &str = "distlock_semaphores";
 /// lock table and namespace, holding the
 /// [`STORAGE_FORMAT`](distlock_core::STORAGE_FORMAT) its rows are in.
 pub const FORMAT_TABLE: &str = "distlock_format";
+/// The table of waiter lines (in the lock table's schema): one row per
+/// waiter queued for a lock or a semaphore of a lock or semaphore table,
+/// so that a release wakes the first one alone (see the crate docs).
+pub const WAITER_TABLE: &str = "distlock_waiters";
 
 /// How often a waiter tries again when it cannot be woken by `NOTIFY`
 /// (behind a transaction pooler without `listen_url`), unless configured.
@@ -402,10 +406,15 @@ impl PostgresConfig {
         validate_identifier("schema", &self.schema)?;
         validate_identifier("table", &self.table)?;
         validate_identifier("semaphore table", &self.semaphore_table)?;
-        if self.table == FORMAT_TABLE || self.semaphore_table == FORMAT_TABLE {
-            return Err(LockError::config(format!(
-                "the table name {FORMAT_TABLE:?} is distlock's table of format markers; name the lock and semaphore tables otherwise"
-            )));
+        for (name, what) in [
+            (FORMAT_TABLE, "table of format markers"),
+            (WAITER_TABLE, "table of waiter lines"),
+        ] {
+            if self.table == name || self.semaphore_table == name {
+                return Err(LockError::config(format!(
+                    "the table name {name:?} is distlock's {what}; name the lock and semaphore tables otherwise"
+                )));
+            }
         }
         if self.semaphore_table == self.table {
             return Err(LockError::config(format!(
@@ -438,6 +447,9 @@ mod tests {
             let url = format!("postgres://u@h/db?{clash}={FORMAT_TABLE}");
             let err = PostgresConfig::from_url(&url).unwrap_err();
             assert!(err.to_string().contains("format markers"), "{err}");
+            let url = format!("postgres://u@h/db?{clash}={WAITER_TABLE}");
+            let err = PostgresConfig::from_url(&url).unwrap_err();
+            assert!(err.to_string().contains("waiter lines"), "{err}");
         }
     }
 

@@ -41,8 +41,64 @@
 //! on the server; keys are bind parameters (dollar-quoted literals behind a
 //! transaction pooler), never SQL text. Waiters are woken by
 //! `LISTEN`/`NOTIFY` on one shared connection per client (distlock-core's
-//! [`Listener`](distlock_core::Listener)), and by a timer set to the
-//! holder's remaining lease in case the holder crashed.
+//! [`Listener`](distlock_core::Listener)), one waiter per release in
+//! arrival order (below), and by a timer set to the holder's remaining
+//! lease in case the holder crashed.
+//!
+//! ## Waiting
+//!
+//! Each lock and each semaphore has a waiter line on the server: rows of
+//! the table [`WAITER_TABLE`] (`distlock_waiters`, in the lock table's
+//! schema, created with the lock table), one per waiter, holding the lock
+//! or semaphore table's name, namespace, key, the waiter's owner token
+//! (`member`), the backend pid of its client's listener connection and
+//! its arrival time. So a release costs one acquire attempt, however many
+//! wait ([`Capabilities::wakes_one_waiter`](distlock_core::Capabilities)):
+//!
+//! - a *waiting* attempt (one whose wait subscribed, so its client
+//!   listens) that finds the key held joins the line in the acquire
+//!   statement itself, keeping its place if it has one; a granted attempt
+//!   leaves it in the same statement;
+//! - a release takes the first live waiter off the line and sends `NOTIFY`
+//!   on the namespace's `_next` channel with payload `owner:key`: every
+//!   client hears it, and the one whose waiter that is wakes it alone. A
+//!   waiter whose listener pid no longer is in `pg_stat_activity` (its
+//!   client is gone or reconnected) is deleted instead, up to 8 per
+//!   release; a reconnected client's waiters subscribe again and store
+//!   the new pid with their next attempt, keeping their place;
+//! - a wait that ends without the lock (cancelled, out of time, an error)
+//!   leaves the line with one more statement, run on a task when its watch
+//!   drops, which wakes the next waiter if the key is free (the one leaving
+//!   may have taken a wake-up with it).
+//!
+//! Nothing locks a table: every statement that touches a line first locks
+//! the key's row (the lock's or the semaphore's), so they take turns per
+//! key. A waiter that joins while a release waits for that row is not in
+//! the line the release reads (its snapshot is older); a release that finds
+//! no live waiter therefore notifies the key on the namespace's channel,
+//! which wakes every waiter of it, as every release did before — so no
+//! wake-up is lost. Force-release and the give-back of a grant whose caller
+//! left wake every waiter of the key the same way. Line rows are deleted
+//! when granted, left, woken or found dead; nothing stays once the waits
+//! are over. A woken waiter that loses the key to someone who did not wait
+//! joins again at the end of the line.
+//!
+//! Limits: a waiter row of a client that died, whose listener pid another
+//! backend took meanwhile (a session pooler on `listen_url` keeps server
+//! sessions and hands them on), takes one wake-up with it; the next waiter
+//! then waits for its timer (the released holder's expiry). Behind a
+//! transaction pooler without `listen_url` waiters poll and never queue;
+//! their client's releases still wake queued waiters of other clients. A
+//! role that may not create `distlock_waiters`, or may not read, insert,
+//! update and delete in it, works as before it existed (every waiter of
+//! a key woken by each release; a warning at connect).
+//!
+//! Rolling upgrade from a version that woke every waiter (same storage
+//! format): locks and permits stay exclusive. Old clients listen on the
+//! namespace's channel only and never queue: a new client's release wakes
+//! them only when no new client waits in line, else they wake at the
+//! released holder's expiry; an old client's release wakes every waiter
+//! of the key, new ones included, which then take turns as before.
 //!
 //! ## Semaphores
 //!
@@ -72,12 +128,14 @@
 //! owner token that holds a live permit adopts it (its fencing token, the
 //! expiry reset). A row in any other form (a foreign owner, arrays of
 //! different lengths, a token above the counter, a limit below 1) is
-//! reported as `Corrupted` and never written. A returned permit sends
-//! `NOTIFY` on the semaphore table's channel
-//! ([`channel_name`] of schema, semaphore table and namespace) with the key
-//! as payload; a client's permit waiters listen on one more connection,
-//! opened with the first of them (behind a transaction pooler without
-//! `listen_url` they poll, as lock waiters do).
+//! reported as `Corrupted` and never written. Permit waiters queue in a
+//! line of their own, as lock waiters do (see [Waiting](#waiting)): a
+//! returned permit wakes the first of them on the semaphore table's
+//! channels ([`channel_name`] of schema, semaphore table and namespace,
+//! and its `_next` channel), and two permits returned wake two. A client's
+//! permit waiters listen on one more connection, opened with the first of
+//! them (behind a transaction pooler without `listen_url` they poll, as
+//! lock waiters do).
 //!
 //! ## Tables for DBAs
 //!
@@ -113,15 +171,28 @@
 //!     format text NOT NULL,
 //!     PRIMARY KEY (lock_table, namespace)
 //! );
+//! CREATE TABLE IF NOT EXISTS public.distlock_waiters (
+//!     lock_table text NOT NULL,
+//!     namespace text NOT NULL,
+//!     key text NOT NULL,
+//!     member text NOT NULL,
+//!     pid integer NOT NULL,
+//!     arrival timestamptz NOT NULL,
+//!     PRIMARY KEY (lock_table, namespace, key, member)
+//! );
 //! GRANT USAGE ON SCHEMA public TO app;
 //! GRANT SELECT, INSERT, UPDATE ON public.distlock_locks, public.distlock_semaphores TO app;
 //! GRANT SELECT, INSERT ON public.distlock_format TO app;
+//! GRANT SELECT, INSERT, UPDATE, DELETE ON public.distlock_waiters TO app;
 //! ```
 //!
 //! `distlock_format` holds the format marker of each lock table and
 //! namespace (see [`distlock_core::STORAGE_FORMAT`]): the first client of a
 //! namespace adds its row, later ones only read it. A marker naming another
 //! format is refused with [`ErrorKind::Config`](distlock_core::ErrorKind).
+//! `distlock_waiters` holds the waiter lines of every lock and semaphore
+//! table of the schema (see [Waiting](#waiting)); its rows come and go
+//! with the waits.
 //!
 //! # Unknown outcomes
 //!
@@ -335,7 +406,7 @@ mod table;
 pub use backend::PostgresLock;
 pub use config::{
     PoolMode, PostgresConfig, DEFAULT_RETRY_INTERVAL, DEFAULT_SCHEMA, DEFAULT_SEMAPHORE_TABLE,
-    DEFAULT_TABLE, FORMAT_TABLE,
+    DEFAULT_TABLE, FORMAT_TABLE, WAITER_TABLE,
 };
 pub use keys::{channel_name, MAX_IDENTIFIER_BYTES};
 #[doc(hidden)]

@@ -1,32 +1,53 @@
 //! Server-driven wake-up: `LISTEN` on one connection per client, through
 //! distlock-core's [`Listener`](distlock_core::Listener).
 //!
-//! Release runs `pg_notify(channel, key)` in the same statement that frees
-//! the row, so the notification is delivered when (and only if) the release
-//! commits. A client listens on the one channel of its namespace and table
-//! (see [`channel_name`](crate::channel_name)): the connection sends
-//! `LISTEN` once when it opens, and each notification's payload, the user
-//! key, names the local channel to wake. So subscribing a key needs no
-//! server round trip once the connection listens. A quiet connection is
-//! pinged with `SELECT 1`; every failure is the kit's one lost path (the
-//! connection is dropped and waiters subscribe again, reconnecting). Holders
-//! that crash without releasing are covered by the waiters' timers set to
-//! the holder's remaining lease.
+//! A client listens on two channels of its namespace and table (see
+//! [`channel_name`](crate::channel_name)): the connection sends `LISTEN`
+//! once when it opens, so subscribing a key needs no server round trip
+//! afterwards.
+//!
+//! - On the *next* channel (the namespace's channel and `_next`) a release
+//!   wakes the one waiter it took off the key's waiter line: the payload
+//!   is that waiter's owner token, `:`, and the key, and only that waiter
+//!   is woken ([`Notification::for_waiter`]). Its line row names this
+//!   connection's backend pid ([`Releases::pid`], read when it opens), so
+//!   a release can tell a waiter whose client is gone.
+//! - On the namespace's channel, payload the key, every waiter of the key
+//!   is woken: sent by force-release, by a given-back grant, by a release
+//!   that found no live waiter in line, and by clients of earlier versions.
+//!
+//! Each notification is sent in the statement that frees the row, so it is
+//! delivered when (and only if) that commits. A quiet connection is pinged
+//! with `SELECT 1`; every failure is the kit's one lost path (the
+//! connection is dropped and waiters subscribe again, reconnecting, and
+//! join their lines again with the new pid). Holders that crash without
+//! releasing are covered by the waiters' timers set to the holder's
+//! remaining lease.
 
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use distlock_core::{async_trait, LockError, LockKey, Notification, NotificationSource};
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use sqlx::{Executor, Row};
 
 use crate::errors;
+use crate::keys::is_owner_token;
+use crate::sql::Statement;
 
 /// The `LISTEN` connection of one client; see the [module](self) docs.
 pub(crate) struct Releases {
     /// Where the connection goes (the pool's server, or `listen_url`).
     connect: PgConnectOptions,
-    /// The channel of this client's namespace and table.
+    /// The channel of this client's namespace and table: wakes every
+    /// waiter of the key it names.
     channel: String,
+    /// The channel that wakes one waiter.
+    next: String,
     connect_timeout: Duration,
+    /// The backend pid of the current connection (0: not connected yet).
+    pid: Arc<AtomicI32>,
 }
 
 impl Releases {
@@ -37,10 +58,46 @@ impl Releases {
     ) -> Self {
         Self {
             connect,
+            next: next_channel(&channel),
             channel,
             connect_timeout,
+            pid: Arc::new(AtomicI32::new(0)),
         }
     }
+
+    /// The backend pid of the listening connection, once it connected: a
+    /// waiter's line row names it (a reconnection reads the new one; the
+    /// waiters subscribe again and their next attempt stores it).
+    pub(crate) fn pid(&self) -> Option<i32> {
+        Some(self.pid.load(Ordering::SeqCst)).filter(|pid| *pid != 0)
+    }
+
+    /// The channel on which a release wakes one waiter.
+    pub(crate) fn next(&self) -> &str {
+        &self.next
+    }
+}
+
+/// The channel that wakes one waiter, for the namespace channel `channel`.
+pub(crate) fn next_channel(channel: &str) -> String {
+    format!("{channel}_next")
+}
+
+/// The backend pid of `listener`'s connection, asked with the simple
+/// protocol.
+async fn backend_pid(listener: &mut PgListener) -> Result<i32, sqlx::Error> {
+    let row = listener
+        .fetch_one(Statement::Simple("SELECT pg_backend_pid()"))
+        .await?;
+    row.try_get(0)
+}
+
+/// What a notification on the channel that wakes one waiter wakes: the
+/// waiter whose owner token leads the payload (`owner:key`); `None` for a
+/// payload in another form.
+fn one_waiter(payload: &str) -> Option<Notification> {
+    let (owner, key) = payload.split_once(':')?;
+    is_owner_token(owner).then(|| Notification::for_waiter(key, owner))
 }
 
 #[async_trait]
@@ -72,11 +129,19 @@ impl NotificationSource for Releases {
         // than being reconnected by sqlx behind the kit's back.
         listener.ignore_pool_close_event(true);
         listener.eager_reconnect(false);
+        // Before LISTEN, so that LISTEN stays the connection's last query
+        // (what an operator sees of it in pg_stat_activity); unprepared, as
+        // LISTEN is, so that a pooler's shared server session never meets
+        // a prepared statement of this connection's.
+        let pid = backend_pid(&mut listener)
+            .await
+            .map_err(|e| errors::map(e, "reading the listener's backend pid"))?;
         listener
-            .listen(&self.channel)
+            .listen_all([self.channel.as_str(), self.next.as_str()])
             .await
             .map_err(|e| errors::map(e, "LISTEN"))?;
-        tracing::debug!(channel = %self.channel, "listening for lock releases");
+        self.pid.store(pid, Ordering::SeqCst);
+        tracing::debug!(channel = %self.channel, pid, "listening for lock releases");
         Ok(((), listener))
     }
 
@@ -87,14 +152,27 @@ impl NotificationSource for Releases {
     }
 
     async fn next(&self, listener: &mut PgListener) -> Option<Result<Notification, LockError>> {
-        // try_recv is cancel-safe: a partly read message stays buffered.
-        match listener.try_recv().await {
-            Ok(Some(notification)) => {
-                tracing::trace!(key = notification.payload(), "release notification");
-                Some(Ok(notification.payload().to_owned().into()))
+        loop {
+            // try_recv is cancel-safe: a partly read message stays buffered.
+            let notification = match listener.try_recv().await {
+                Ok(Some(notification)) => notification,
+                Ok(None) => return None,
+                Err(e) => return Some(Err(errors::map(e, "reading release notifications"))),
+            };
+            let payload = notification.payload();
+            tracing::trace!(
+                channel = notification.channel(),
+                payload,
+                "release notification"
+            );
+            if notification.channel() != self.next {
+                return Some(Ok(payload.to_owned().into()));
             }
-            Ok(None) => None,
-            Err(e) => Some(Err(errors::map(e, "reading release notifications"))),
+            // A payload in another form names no waiter (no client writes
+            // one): it wakes nobody.
+            if let Some(one) = one_waiter(payload) {
+                return Some(Ok(one));
+            }
         }
     }
 
@@ -105,5 +183,24 @@ impl NotificationSource for Releases {
             .await
             .map(|_| ())
             .map_err(|e| errors::map(e, "pinging the listener"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_single_wake_up_names_owner_and_key() {
+        let owner = "0123456789abcdef".repeat(2);
+        let woken = one_waiter(&format!("{owner}:jobs:a:b")).unwrap();
+        assert_eq!(woken, Notification::for_waiter("jobs:a:b", owner.clone()));
+        assert_eq!(
+            one_waiter(&format!("{owner}:")).unwrap(),
+            Notification::for_waiter("", owner)
+        );
+        assert!(one_waiter("nope:key").is_none());
+        assert!(one_waiter("key").is_none());
+        assert_eq!(next_channel("distlock_00"), "distlock_00_next");
     }
 }

@@ -3,11 +3,13 @@
 //! and the statements).
 //!
 //! A semaphore is its own row of its own table, so a semaphore and a lock
-//! of one name share neither rows nor fencing counters; its permits are
-//! woken on a `LISTEN`/`NOTIFY` channel of their own (the channel of the
-//! semaphore table, payload the key), heard by a listener connection of
-//! their own that opens with the first permit waiter. Behind a transaction
-//! pooler without `listen_url` permit waiters poll, as lock waiters do.
+//! of one name share neither rows nor fencing counters; its permit waiters
+//! queue in a waiter line of their own (the semaphore table's, see the
+//! crate docs on waiting), and are woken one per returned permit on the
+//! `LISTEN`/`NOTIFY` channels of the semaphore table, heard by a listener
+//! connection of their own that opens with the first permit waiter. Behind
+//! a transaction pooler without `listen_url` permit waiters poll, as lock
+//! waiters do.
 //!
 //! Unknown outcomes follow the lock's rules: an attempt by the owner token
 //! that holds a live permit adopts it (the client settles an attempt whose
@@ -24,16 +26,16 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use distlock_core::{
-    ExtendReply, Grant, HeldLock, Listener, LockError, LockKey, PermitReply, PermitRequest,
-    ReleaseReply, ReleaseWatch, SemaphoreBackend, IN_LOCK_CALL,
+    ExtendReply, Grant, HeldLock, Listener, LockError, LockKey, OwnerToken, PermitReply,
+    PermitRequest, ReleaseReply, ReleaseWatch, SemaphoreBackend, WaitLine, IN_LOCK_CALL,
 };
 use sqlx::postgres::{PgConnectOptions, PgRow};
 use tokio::sync::OnceCell;
 
-use crate::backend::{fencing_param, next_send, send_param, ttl_millis, PostgresLock};
+use crate::backend::{fencing_param, next_send, send_param, ttl_millis, Lines, PostgresLock};
 use crate::config::PostgresConfig;
 use crate::keys::{channel_name, qualified_table};
-use crate::listener::Releases;
+use crate::listener::{next_channel, Releases};
 use crate::sql::{Arg, PermitStatements, Reply, Sql};
 
 /// What a client keeps for its semaphores.
@@ -41,6 +43,8 @@ pub(crate) struct Semaphores {
     sql: Arc<PermitStatements>,
     /// The quoted, schema-qualified semaphore table.
     table: String,
+    /// Its name (as its waiter lines name it).
+    name: String,
     /// The `NOTIFY` channel of permits given back in this namespace.
     channel: String,
     /// `None` when nothing can `LISTEN` (as for the lock's listener).
@@ -60,6 +64,7 @@ impl Semaphores {
         Self {
             sql: Arc::new(PermitStatements::new(schema, table)),
             table: qualified_table(schema, table),
+            name: table.to_owned(),
             channel,
             listener,
             table_ready: OnceCell::new(),
@@ -134,17 +139,25 @@ impl SemaphoreBackend for PostgresLock {
         self.ensure_semaphores().await?;
         let limit = i64::from(request.limit);
         let send = next_send();
-        let call = self.call(
-            &self.semaphores().sql.acquire,
-            vec![
-                Arg::text(self.namespace()),
-                Arg::text(key.as_str()),
-                Arg::Text(request.owner.to_hex()),
-                Arg::Int(ttl_millis(request.ttl)),
-                Arg::Int(limit),
-                Arg::Int(send),
-            ],
-        );
+        let semaphores = self.semaphores();
+        let mut args = vec![
+            Arg::text(self.namespace()),
+            Arg::text(key.as_str()),
+            Arg::Text(request.owner.to_hex()),
+            Arg::Int(ttl_millis(request.ttl)),
+            Arg::Int(limit),
+            Arg::Int(send),
+        ];
+        let waiting = (key, request.owner, request.settling);
+        let line = semaphores.listener.as_ref();
+        let statement = match self.line_args(WaitLine::Permits, line, &semaphores.name, waiting) {
+            Some(line) => {
+                args.extend(line);
+                &semaphores.sql.acquire_queued
+            }
+            None => &semaphores.sql.acquire,
+        };
+        let call = self.call(statement, args);
         let Some(row) = self.fetch(IN_LOCK_CALL, call, None).await?.row else {
             // The semaphore's first row, inserted concurrently, is not in
             // this statement's snapshot yet: try again soon.
@@ -154,6 +167,7 @@ impl SemaphoreBackend for PostgresLock {
         };
         let fencing: Option<i64> = self.column(&row, "fencing")?;
         if self.column::<bool>(&row, "granted")? {
+            self.line_granted(WaitLine::Permits, key, request.owner);
             // New, or adopted from an earlier attempt of this owner token.
             // The send number goes with the lease, for its release.
             let grant = Grant::new(self.granted(fencing)?, request.ttl);
@@ -195,9 +209,20 @@ impl SemaphoreBackend for PostgresLock {
     }
 
     async fn release_permit(&self, permit: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
-        let sql = &self.semaphores().sql.release;
+        let semaphores = self.semaphores();
+        let channel = Arg::text(&semaphores.channel);
         // Permit sends up to this lease's are refused from now on.
-        let last = vec![Arg::text(&self.semaphores().channel), send_param(&permit)];
+        let send = send_param(&permit);
+        let (sql, last) = if self.line_ready() {
+            let next = Arg::Text(next_channel(&semaphores.channel));
+            let table = Arg::text(&semaphores.name);
+            (
+                &semaphores.sql.release_next,
+                vec![channel, send, table, next],
+            )
+        } else {
+            (&semaphores.sql.release, vec![channel, send])
+        };
         let (done, reply) = self.on_permit(&permit, sql, last).await?;
         // Sent again after a lost reply: an earlier send that released the
         // permit left it given up with this fencing token.
@@ -213,12 +238,26 @@ impl SemaphoreBackend for PostgresLock {
         &self,
         key: &LockKey,
         _limit: u32,
-        _waiter: distlock_core::OwnerToken,
+        waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
-        match &self.semaphores().listener {
+        let semaphores = self.semaphores();
+        match &semaphores.listener {
             // As for locks: nothing to hear through a transaction pooler
             // found since connect, so waiters poll.
-            Some(listener) if self.can_listen() => listener.watch(key.clone()).await.map(Some),
+            Some(listener) if self.can_listen() => self
+                .watch_line(
+                    Lines {
+                        line: WaitLine::Permits,
+                        listener,
+                        leave: &semaphores.sql.leave,
+                        table: &semaphores.name,
+                        channel: &semaphores.channel,
+                    },
+                    key,
+                    waiter,
+                )
+                .await
+                .map(Some),
             _ => Ok(None),
         }
     }

@@ -45,6 +45,7 @@
 //! statement is run (resent after a notification, a conflict or a lost
 //! connection; cancelled safely) is in [`run`].
 
+mod line;
 mod locks;
 mod permits;
 pub(crate) mod run;
@@ -125,6 +126,33 @@ impl Sql {
     /// Builds a statement from `template`, whose `$n` are parameters and
     /// whose `{t}` is replaced by `table` (after the parameters were found).
     fn new(template: &str, table: &str) -> Self {
+        Self::with_tables(template, table, "")
+    }
+
+    /// [`new`](Self::new), `{w}` also replaced by `waiters` (the table of
+    /// waiter lines).
+    fn with_tables(template: &str, table: &str, waiters: &str) -> Self {
+        // One pass, so that a table name holding `{w}` stays as it is.
+        let names = |piece: &str| {
+            let mut out = String::with_capacity(piece.len() + table.len());
+            let mut rest = piece;
+            while let Some(at) = rest.find(['{']) {
+                out.push_str(&rest[..at]);
+                let after = &rest[at..];
+                if let Some(tail) = after.strip_prefix("{t}") {
+                    out.push_str(table);
+                    rest = tail;
+                } else if let Some(tail) = after.strip_prefix("{w}") {
+                    out.push_str(waiters);
+                    rest = tail;
+                } else {
+                    out.push('{');
+                    rest = &after[1..];
+                }
+            }
+            out.push_str(rest);
+            out
+        };
         let mut pieces = Vec::new();
         let mut text = String::new();
         let mut rest = template;
@@ -143,12 +171,12 @@ impl Sql {
             }
             text.push_str(piece);
             let number: usize = after[1..=digits].parse().unwrap_or(0);
-            pieces.push((text.replace("{t}", table), number.checked_sub(1)));
+            pieces.push((names(&text), number.checked_sub(1)));
             text = String::new();
             rest = &after[1 + digits..];
         }
         text.push_str(rest);
-        pieces.push((text.replace("{t}", table), None));
+        pieces.push((names(&text), None));
         let text = pieces
             .iter()
             .map(|(piece, param)| match param {
@@ -282,6 +310,19 @@ mod tests {
         assert_eq!(
             sql.render(&args),
             "SELECT  $d$x$d$ FROM \"s\".\"t$1\" WHERE k ~ '^a$' AND n = '-7'::bigint AND t =  $d$x$d$"
+        );
+    }
+
+    #[test]
+    fn table_names_are_inserted_once_each() {
+        let sql = Sql::with_tables(
+            "SELECT $1 FROM {t}, {w} WHERE k ~ '^a{2}$'",
+            "\"{w}\"",
+            "\"w$2\"",
+        );
+        assert_eq!(
+            sql.text,
+            "SELECT $1 FROM \"{w}\", \"w$2\" WHERE k ~ '^a{2}$'"
         );
     }
 

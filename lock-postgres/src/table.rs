@@ -30,10 +30,42 @@ impl PostgresLock {
                 let (what, table) = ("creating the lock table", self.qualified_table());
                 self.create_table(what, &table, &self.statements().create_table)
                     .await?;
-                self.check_format().await
+                self.check_format().await?;
+                self.prepare_line().await;
+                Ok::<_, LockError>(())
             })
             .await
             .map(|_| ())
+    }
+
+    /// Creates the table of waiter lines, and checks that this role may
+    /// write it. If not (a role that may not create tables, where a DBA
+    /// created only the others, or no grant on it), waiters are woken as
+    /// before this table existed: every waiter of a key at each release.
+    async fn prepare_line(&self) {
+        let (what, table) = (
+            "creating the table of waiter lines",
+            &self.statements().waiter_table,
+        );
+        let ready = async {
+            self.create_table(what, table, &self.statements().create_waiter_table)
+                .await?;
+            let check = self.call(&self.statements().table_writable, vec![Arg::text(table)]);
+            self.exists(
+                "checking the privileges on the table of waiter lines",
+                check,
+            )
+            .await
+        };
+        match ready.await {
+            Ok(true) => self.set_line_ready(),
+            Ok(false) => {
+                tracing::warn!(table = %table, "this role may not read, insert, update and delete in the table of waiter lines; a release wakes every waiter of its key");
+            }
+            Err(e) => {
+                tracing::warn!(table = %table, error = %e, "the table of waiter lines could not be created; a release wakes every waiter of its key");
+            }
+        }
     }
 
     /// Stores the format marker of this lock table and namespace if there

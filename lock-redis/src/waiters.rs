@@ -14,19 +14,14 @@
 //! under their owner token), so that their attempts join the line, and
 //! whether each may still be in it.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use distlock_core::{LockKey, OwnerToken};
+use distlock_core::{LockKey, OpenWaits, OwnerToken};
 
 use crate::keys::RedisKeys;
 
 /// Lock or semaphore: the two lines a key has.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) enum Line {
-    Lock,
-    Permits,
-}
+pub(crate) use distlock_core::WaitLine as Line;
 
 /// The open waits of one client.
 #[derive(Debug)]
@@ -37,15 +32,7 @@ pub(crate) struct Waiters {
     /// Open waits: which registration (a wait may subscribe again after
     /// its notification connection was lost) and whether it may be in its
     /// line on the server.
-    open: Mutex<HashMap<(Line, LockKey, OwnerToken), Wait>>,
-    registrations: std::sync::atomic::AtomicU64,
-}
-
-/// One open wait.
-#[derive(Debug, Clone, Copy)]
-struct Wait {
-    registration: u64,
-    queued: bool,
+    open: OpenWaits,
 }
 
 impl Waiters {
@@ -53,8 +40,7 @@ impl Waiters {
     pub(crate) fn new() -> Arc<Self> {
         Arc::new(Self {
             client: OwnerToken::random().to_hex(),
-            open: Mutex::new(HashMap::new()),
-            registrations: std::sync::atomic::AtomicU64::new(0),
+            open: OpenWaits::default(),
         })
     }
 
@@ -68,48 +54,26 @@ impl Waiters {
         format!("{}:{}", self.client, owner.to_hex())
     }
 
-    fn open(&self) -> std::sync::MutexGuard<'_, HashMap<(Line, LockKey, OwnerToken), Wait>> {
-        self.open.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// A wait opens (its watch is registered): its registration, for
     /// [`closed`](Self::closed). A wait that subscribes again replaces its
     /// earlier registration and keeps its place in the line.
     pub(crate) fn opened(&self, line: Line, key: &LockKey, owner: OwnerToken) -> u64 {
-        let registration = self
-            .registrations
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut open = self.open();
-        let queued = open
-            .get(&(line, key.clone(), owner))
-            .is_some_and(|w| w.queued);
-        open.insert(
-            (line, key.clone(), owner),
-            Wait {
-                registration,
-                queued,
-            },
-        );
-        registration
+        self.open.register(line, key, owner)
     }
 
     /// The member an attempt of `owner` on `key` sends: empty unless it
     /// is an open wait's (then it may join the line from now on).
     pub(crate) fn attempting(&self, line: Line, key: &LockKey, owner: OwnerToken) -> String {
-        match self.open().get_mut(&(line, key.clone(), owner)) {
-            Some(wait) => {
-                wait.queued = true;
-                self.member(owner)
-            }
-            None => String::new(),
+        if self.open.joins(line, key, owner) {
+            self.member(owner)
+        } else {
+            String::new()
         }
     }
 
     /// An open wait's attempt was granted: it left the line.
     pub(crate) fn granted(&self, line: Line, key: &LockKey, owner: OwnerToken) {
-        if let Some(wait) = self.open().get_mut(&(line, key.clone(), owner)) {
-            wait.queued = false;
-        }
+        self.open.granted(line, key, owner);
     }
 
     /// The watch of `registration` dropped: whether the wait may still be
@@ -122,20 +86,13 @@ impl Waiters {
         owner: OwnerToken,
         registration: u64,
     ) -> bool {
-        let mut open = self.open();
-        let id = (line, key.clone(), owner);
-        match open.get(&id) {
-            Some(wait) if wait.registration == registration => {
-                open.remove(&id).is_some_and(|w| w.queued)
-            }
-            _ => false,
-        }
+        self.open.ended(line, key, owner, registration)
     }
 
     /// How many waits are open (for tests: none left behind).
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.open().len()
+        self.open.len()
     }
 }
 

@@ -58,6 +58,9 @@ pub enum Needs {
     /// an in-process one whose factory honours `namespace=`
     /// ([`Suite::namespaces`](crate::Suite::namespaces)).
     Namespaces,
+    /// A fault path that carries every connection of a client
+    /// ([`TestContext::cuts_whole_clients`]): cutting it is a killed client.
+    WholeClientCut,
     /// Every one of these (`Needs::All(&[Needs::Faults, Needs::Semaphore])`).
     All(&'static [Needs]),
 }
@@ -94,6 +97,9 @@ impl Needs {
             }),
             Needs::Namespaces => (!context.has_namespaces()).then(|| {
                 "in-process backend whose factory does not honour namespace= (Suite::namespaces): no second namespace to open a client in".into()
+            }),
+            Needs::WholeClientCut => (!context.cuts_whole_clients()).then(|| {
+                "no fault path carries every connection of a client here (an external server, an in-process backend without a simulated network, or a server kind whose clients also connect past the proxy, as PgBouncer's listen_url)".into()
             }),
             Needs::All(needs) => needs.iter().find_map(|need| need.missing(context)),
         }
@@ -228,7 +234,7 @@ pub fn all() -> Vec<Case> {
         arrival_order => Needs::OneWake,
         cancelled_waiter_passes_the_turn_on => Needs::OneWake,
         permits_returned_together_wake_as_many => Needs::All(&[Needs::OneWake, Needs::Semaphore]),
-        gone_waiter_is_passed_over => Needs::All(&[Needs::OneWake, Needs::ServerProcess]),
+        gone_waiter_is_passed_over => Needs::All(&[Needs::OneWake, Needs::ServerProcess, Needs::WholeClientCut]),
     ));
     all.extend(cases!(guard:
         renewal_keeps_lock_past_ttl,

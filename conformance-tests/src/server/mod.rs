@@ -65,6 +65,14 @@ pub trait ServerKind: Send + Sync + 'static {
     /// the fault proxy passes its own address here).
     fn url(&self, addr: SocketAddr) -> String;
 
+    /// Whether a client of [`url`](Self::url)`(addr)` reaches the server
+    /// only through `addr`, so that a fault proxy there cuts off all of
+    /// it (default: yes). PgBouncer in transaction mode says no: its
+    /// URL sends the client's listener past the pooler (`listen_url`).
+    fn carries_every_connection(&self) -> bool {
+        true
+    }
+
     /// Extra readiness check after the port accepts connections (default: none).
     fn wait_ready(&self, dir: &Path, port: u16) -> io::Result<()> {
         let _ = (dir, port);

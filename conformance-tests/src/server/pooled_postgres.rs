@@ -90,6 +90,10 @@ impl ServerKind for PooledPostgres {
         }
     }
 
+    fn carries_every_connection(&self) -> bool {
+        self.mode != PoolMode::Transaction
+    }
+
     fn url(&self, addr: SocketAddr) -> String {
         let url = format!(
             "postgres://{}:{}@{addr}/postgres",

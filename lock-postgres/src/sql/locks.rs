@@ -4,8 +4,8 @@
 
 use std::sync::Arc;
 
-use super::Sql;
-use crate::config::FORMAT_TABLE;
+use super::{line, Sql};
+use crate::config::{FORMAT_TABLE, WAITER_TABLE};
 use crate::keys::{qualified_table, quote_identifier};
 
 /// Marks a row (or a permit, see [`super::PermitStatements`]) that an
@@ -73,6 +73,12 @@ pub(crate) struct Statements {
     /// grow with every acquisition a process starts, so a later
     /// acquisition with the same owner token is never refused that way.
     pub acquire: Arc<Sql>,
+    /// [`acquire`](Self::acquire) with the waiter line, plus `$6` the lock
+    /// table's name and `$7` the backend pid of the client's listener
+    /// connection (0 for an attempt that does not wait): refused, a waiting
+    /// `$3` joins the lock's waiter line (keeping its place); granted, it
+    /// leaves it.
+    pub acquire_queued: Arc<Sql>,
     /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` TTL in ms ->
     /// `done bigint, owner text, fencing bigint` (the row as it was before).
     pub extend: Arc<Sql>,
@@ -82,6 +88,28 @@ pub(crate) struct Statements {
     /// given up (see [`GIVEN_UP_BEFORE`]) and sends `NOTIFY channel, key`
     /// when it released.
     pub release: Arc<Sql>,
+    /// [`release`](Self::release) that wakes one waiter, plus `$7` the
+    /// lock table's name and `$8` the channel of single wake-ups -> also
+    /// `woken bigint, woke_all bigint`: when it released, takes the first
+    /// live waiter off the lock's line and sends `NOTIFY $8, 'owner:key'`,
+    /// or, with no live waiter, `NOTIFY $5, key` (see `line`).
+    pub release_next: Arc<Sql>,
+    /// `$1` namespace, `$2` key, `$3` the waiter's owner, `$4` the lock
+    /// table's name, `$5` the channel that wakes every waiter of a key,
+    /// `$6` the channel of single wake-ups, `$7` the listener pid the wait
+    /// registered with -> `done bigint, woken bigint, woke_all bigint`: a
+    /// wait that ended without the lock leaves the line (unless its
+    /// listener connection is gone: see `line::leave`); if the
+    /// lock is free, the next waiter is woken as a release wakes it (the
+    /// one leaving may have taken a wake-up with it).
+    pub leave: Arc<Sql>,
+    /// The quoted, qualified table of waiter lines.
+    pub waiter_table: String,
+    /// Creates the table of waiter lines.
+    pub create_waiter_table: Arc<Sql>,
+    /// `$1` qualified table name -> `exists bool`: whether this role may
+    /// read, add, change and delete its rows.
+    pub table_writable: Arc<Sql>,
     /// `$1` namespace, `$2` key, `$3` owner, `$4` version, `$5` send
     /// number, `$6` channel -> `done bigint`: for an acquire whose caller
     /// left before the reply. Marks the row given up by `$3` up to send
@@ -104,10 +132,70 @@ pub(crate) struct Statements {
 impl Statements {
     pub(crate) fn new(schema: &str, table: &str) -> Self {
         let t = qualified_table(schema, table);
-        let sql = |template: &str| Arc::new(Sql::new(template, &t));
+        let w = qualified_table(schema, WAITER_TABLE);
+        let sql = |template: &str| Arc::new(Sql::with_tables(template, &t, &w));
         let format_table = qualified_table(schema, FORMAT_TABLE);
         let marker = |template: &str| Arc::new(Sql::new(template, &format_table));
+        // The acquire: takes the lock (`taken`), or answers with the holder.
+        let taken = format!("taken AS (
+                    INSERT INTO {{t}} AS t (namespace, key, owner, fencing, expires_at)
+                    VALUES ($1, $2, $3, 1, clock_timestamp() + $4::bigint * interval '1 millisecond')
+                    ON CONFLICT (namespace, key) DO UPDATE
+                        SET owner = excluded.owner,
+                            fencing = CASE WHEN t.owner = excluded.owner AND t.expires_at > clock_timestamp()
+                                           THEN t.fencing ELSE t.fencing + 1 END,
+                            expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond'
+                        WHERE (t.owner IS NULL OR t.owner ~ '^[0-9a-f]{{32}}$')
+                          AND t.fencing >= 0
+                          AND (t.owner IS NULL OR t.expires_at <= clock_timestamp() OR t.owner = excluded.owner)
+                          AND NOT coalesce({late}, false)
+                    RETURNING t.fencing, t.xmin::text AS version
+                )
+                ",
+            late = late_send("t.owner = excluded.owner", "t.expires_at", 5)
+        );
+        let answer = "SELECT true AS acquired, taken.fencing AS fencing, NULL::text AS owner,
+                       NULL::bigint AS expires_in_ms, taken.version AS version
+                FROM taken
+                UNION ALL
+                SELECT false, h.fencing, h.owner,
+                       greatest(0, ceil(extract(epoch FROM (h.expires_at - clock_timestamp())) * 1000))::bigint,
+                       NULL::text
+                FROM {t} AS h
+                WHERE h.namespace = $1 AND h.key = $2 AND NOT EXISTS (SELECT 1 FROM taken)";
+        let release = |wake: &str, answer: &str| {
+            format!(
+                "WITH done AS (
+                    UPDATE {{t}}
+                    SET expires_at = {up_to}
+                    WHERE namespace = $1 AND key = $2 AND owner = $3 AND fencing = $4
+                      AND expires_at > clock_timestamp()
+                    RETURNING key
+                ){wake}
+                SELECT {answer},
+                       h.owner AS owner, h.fencing AS fencing,
+                       coalesce(h.expires_at < {GIVEN_UP_BEFORE}, false) AS given_up
+                FROM (VALUES (1)) AS one (x)
+                LEFT JOIN {{t}} AS h ON h.namespace = $1 AND h.key = $2",
+                up_to = given_up(6)
+            )
+        };
         Self {
+            release: sql(&release(
+                "",
+                "(SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done",
+            )),
+            release_next: {
+                let (wake, answer) = line::release_next("$7", "$8");
+                sql(&release(&wake, &answer))
+            },
+            leave: sql(&line::leave(
+                "h.owner IS NULL OR h.expires_at <= clock_timestamp()",
+            )),
+            waiter_table: w.clone(),
+            create_waiter_table: Arc::new(Sql::new(line::CREATE_TABLE, &w)),
+            table_writable: sql("SELECT has_table_privilege($1, 'SELECT') AND has_table_privilege($1, 'INSERT')
+                    AND has_table_privilege($1, 'UPDATE') AND has_table_privilege($1, 'DELETE') AS exists"),
             create_format_table: marker(
                 "CREATE TABLE IF NOT EXISTS {t} (
                     lock_table text NOT NULL,
@@ -146,30 +234,11 @@ impl Statements {
                     expires_at timestamptz NOT NULL,
                     PRIMARY KEY (namespace, key)
                 )"),
-            acquire: sql(&format!("WITH taken AS (
-                    INSERT INTO {{t}} AS t (namespace, key, owner, fencing, expires_at)
-                    VALUES ($1, $2, $3, 1, clock_timestamp() + $4::bigint * interval '1 millisecond')
-                    ON CONFLICT (namespace, key) DO UPDATE
-                        SET owner = excluded.owner,
-                            fencing = CASE WHEN t.owner = excluded.owner AND t.expires_at > clock_timestamp()
-                                           THEN t.fencing ELSE t.fencing + 1 END,
-                            expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond'
-                        WHERE (t.owner IS NULL OR t.owner ~ '^[0-9a-f]{{32}}$')
-                          AND t.fencing >= 0
-                          AND (t.owner IS NULL OR t.expires_at <= clock_timestamp() OR t.owner = excluded.owner)
-                          AND NOT coalesce({late}, false)
-                    RETURNING t.fencing, t.xmin::text AS version
-                )
-                SELECT true AS acquired, taken.fencing AS fencing, NULL::text AS owner,
-                       NULL::bigint AS expires_in_ms, taken.version AS version
-                FROM taken
-                UNION ALL
-                SELECT false, h.fencing, h.owner,
-                       greatest(0, ceil(extract(epoch FROM (h.expires_at - clock_timestamp())) * 1000))::bigint,
-                       NULL::text
-                FROM {{t}} AS h
-                WHERE h.namespace = $1 AND h.key = $2 AND NOT EXISTS (SELECT 1 FROM taken)",
-                late = late_send("t.owner = excluded.owner", "t.expires_at", 5))),
+            acquire: sql(&format!("WITH {taken} {answer}")),
+            acquire_queued: sql(&format!(
+                "WITH {taken}, {line} {answer}",
+                line = line::join_or_leave("$6", "$7")
+            )),
             extend: sql("WITH done AS (
                     UPDATE {t}
                     SET expires_at = clock_timestamp() + $5::bigint * interval '1 millisecond'
@@ -180,19 +249,6 @@ impl Statements {
                 SELECT (SELECT count(*) FROM done) AS done, h.owner AS owner, h.fencing AS fencing
                 FROM (VALUES (1)) AS one (x)
                 LEFT JOIN {t} AS h ON h.namespace = $1 AND h.key = $2"),
-            release: sql(&format!("WITH done AS (
-                    UPDATE {{t}}
-                    SET expires_at = {up_to}
-                    WHERE namespace = $1 AND key = $2 AND owner = $3 AND fencing = $4
-                      AND expires_at > clock_timestamp()
-                    RETURNING key
-                )
-                SELECT (SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done,
-                       h.owner AS owner, h.fencing AS fencing,
-                       coalesce(h.expires_at < {GIVEN_UP_BEFORE}, false) AS given_up
-                FROM (VALUES (1)) AS one (x)
-                LEFT JOIN {{t}} AS h ON h.namespace = $1 AND h.key = $2",
-                up_to = given_up(6))),
             give_back: sql(&format!("WITH done AS (
                     INSERT INTO {{t}} AS t (namespace, key, owner, fencing, expires_at)
                     VALUES ($1, $2, $3, 0, {up_to})
@@ -229,17 +285,20 @@ impl Statements {
 
 /// The text of the lock statements for the table `schema.table`, exactly as
 /// the backend sends them over the extended protocol (`$1`, `$2`, ...
-/// parameters): for the workspace benchmark, which runs them over a plain
-/// sqlx pool beside the library, so its baseline is the library's own
-/// SQL. Not a stable API.
+/// parameters) once its table of waiter lines exists: for the workspace
+/// benchmark, which runs them over a plain sqlx pool beside the library, so
+/// its baseline is the library's own SQL. Not a stable API.
 #[doc(hidden)]
 #[derive(Debug, Clone)]
 pub struct StatementTexts {
     /// `$1` namespace, `$2` key, `$3` owner (32 lowercase hex digits), `$4`
-    /// TTL in ms, `$5` send number -> `acquired bool, fencing bigint, ...`.
+    /// TTL in ms, `$5` send number, `$6` the lock table's name, `$7` the
+    /// waiter's listener pid (0: not waiting) -> `acquired bool, fencing
+    /// bigint, ...`.
     pub acquire: String,
     /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` channel,
-    /// `$6` the acquire's send number -> `done bigint, ...`.
+    /// `$6` the acquire's send number, `$7` the lock table's name, `$8` the
+    /// channel of single wake-ups -> `done bigint, ...`.
     pub release: String,
 }
 
@@ -248,8 +307,8 @@ impl StatementTexts {
     pub fn new(schema: &str, table: &str) -> Self {
         let statements = Statements::new(schema, table);
         Self {
-            acquire: statements.acquire.text.clone(),
-            release: statements.release.text.clone(),
+            acquire: statements.acquire_queued.text.clone(),
+            release: statements.release_next.text.clone(),
         }
     }
 }

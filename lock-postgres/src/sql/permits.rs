@@ -4,7 +4,8 @@
 use std::sync::Arc;
 
 use super::locks::{given_up, late_send, GIVEN_UP_BEFORE};
-use super::Sql;
+use super::{line, Sql};
+use crate::config::WAITER_TABLE;
 use crate::keys::qualified_table;
 
 /// `{a}` (a row of the semaphore table) is in the form distlock writes:
@@ -120,12 +121,28 @@ pub(crate) struct PermitStatements {
     /// given up by sends up to `$6` (see [`GIVEN_UP_BEFORE`]), and sends
     /// `NOTIFY channel, key` when it released.
     pub release: Arc<Sql>,
+    /// [`acquire`](Self::acquire) with the waiter line, plus `$7` the
+    /// semaphore table's name and `$8` the backend pid of the client's
+    /// listener connection (0 for an attempt that does not wait): as the
+    /// lock's `acquire_queued`.
+    pub acquire_queued: Arc<Sql>,
+    /// [`release`](Self::release) that wakes one waiter, plus `$7` the
+    /// semaphore table's name and `$8` the channel of single wake-ups ->
+    /// also `woken bigint, woke_all bigint` (as the lock's `release_next`).
+    pub release_next: Arc<Sql>,
+    /// `$1` namespace, `$2` key, `$3` the waiter's owner, `$4` the
+    /// semaphore table's name, `$5` and `$6` the channels, `$7` the
+    /// listener pid (as the lock's `leave`) -> `done bigint,
+    /// woken bigint, woke_all bigint`: as the lock's `leave`, the next
+    /// waiter woken if a permit is free.
+    pub leave: Arc<Sql>,
 }
 
 impl PermitStatements {
     pub(crate) fn new(schema: &str, table: &str) -> Self {
         let t = qualified_table(schema, table);
-        let sql = |template: &str| Arc::new(Sql::new(template, &t));
+        let w = qualified_table(schema, WAITER_TABLE);
+        let sql = |template: &str| Arc::new(Sql::with_tables(template, &t, &w));
         let ttl = |n: u32| format!("${n}::bigint * interval '1 millisecond'");
         let now = "excluded.updated_at";
         // The permit `$3`, `$4` (extend, release).
@@ -134,19 +151,8 @@ impl PermitStatements {
         let keep = format!("p.e > clock_timestamp() OR p.e < {GIVEN_UP_BEFORE} OR {this}");
         let found = "FROM (VALUES (1)) AS one (x)
                 LEFT JOIN {t} AS h ON h.namespace = $1 AND h.key = $2";
-        Self {
-            create_table: sql("CREATE TABLE IF NOT EXISTS {t} (
-                    namespace text NOT NULL,
-                    key text NOT NULL,
-                    permit_limit bigint NOT NULL,
-                    fencing bigint NOT NULL,
-                    owners text[] NOT NULL,
-                    fencings bigint[] NOT NULL,
-                    expires timestamptz[] NOT NULL,
-                    updated_at timestamptz NOT NULL,
-                    PRIMARY KEY (namespace, key)
-                )"),
-            acquire: sql(&format!(
+        let acquire = |line: &str| {
+            format!(
                 "WITH now AS (SELECT clock_timestamp() AS at),
                 taken AS (
                     INSERT INTO {{t}} AS t (namespace, key, permit_limit, fencing, owners, fencings, expires, updated_at)
@@ -158,12 +164,12 @@ impl PermitStatements {
                             permit_limit = excluded.permit_limit,
                             updated_at = {now}
                         WHERE {well_formed_t}
-                          AND NOT {late}
                           AND ({live} = 0
                                OR (t.permit_limit = excluded.permit_limit
                                    AND ({own} IS NOT NULL OR {live} < excluded.permit_limit)))
+                          AND NOT {late}
                     RETURNING t.fencings[cardinality(t.fencings)] AS fencing
-                )
+                ){line}
                 SELECT true AS granted, taken.fencing AS fencing, NULL::bigint AS permit_limit,
                        NULL::bigint AS live, NULL::bigint AS expires_in_ms, true AS well_formed
                 FROM taken
@@ -186,13 +192,60 @@ impl PermitStatements {
                     "l.e",
                     "excluded.permit_limit",
                 ),
-                late = late_permit_send(6),
                 own = own_permit("t", now),
                 live = live_permits("t", now),
                 live_h = live_permits("h", "clock_timestamp()"),
                 well_formed_t = well_formed("t"),
                 well_formed_h = well_formed("h"),
-            )),
+                late = late_permit_send(6),
+                line = line,
+            )
+        };
+        let release = |wake: &str, answer: &str| {
+            format!(
+                "WITH done AS (
+                    UPDATE {{t}} AS t
+                    SET {permits}, updated_at = clock_timestamp()
+                    WHERE t.namespace = $1 AND t.key = $2 AND {well_formed_t} AND {holds}
+                    RETURNING t.key
+                ){wake}
+                SELECT {answer},
+                       coalesce({well_formed_h}, true) AS well_formed,
+                       coalesce((SELECT bool_or(l.o = $3::text AND l.f = $4::bigint AND l.e < {GIVEN_UP_BEFORE})
+                                 FROM unnest(h.owners, h.fencings, h.expires) AS l (o, f, e)), false) AS given_up
+                {found}",
+                permits = permits_from(
+                    &permits_of_t(&keep),
+                    &format!(
+                        "CASE WHEN l.o = $3::text AND l.f = $4::bigint THEN {} ELSE l.e END",
+                        given_up(6)
+                    ),
+                    "t.permit_limit",
+                ),
+                holds = holds_permit("t"),
+                well_formed_t = well_formed("t"),
+                well_formed_h = well_formed("h"),
+                wake = wake,
+                answer = answer,
+            )
+        };
+        Self {
+            create_table: sql("CREATE TABLE IF NOT EXISTS {t} (
+                    namespace text NOT NULL,
+                    key text NOT NULL,
+                    permit_limit bigint NOT NULL,
+                    fencing bigint NOT NULL,
+                    owners text[] NOT NULL,
+                    fencings bigint[] NOT NULL,
+                    expires timestamptz[] NOT NULL,
+                    updated_at timestamptz NOT NULL,
+                    PRIMARY KEY (namespace, key)
+                )"),
+            acquire: sql(&acquire("")),
+            acquire_queued: sql(&acquire(&format!(
+                ", {}",
+                line::join_or_leave("$7", "$8")
+            ))),
             extend: sql(&format!(
                 "WITH done AS (
                     UPDATE {{t}} AS t
@@ -216,30 +269,18 @@ impl PermitStatements {
                 well_formed_t = well_formed("t"),
                 well_formed_h = well_formed("h"),
             )),
-            release: sql(&format!(
-                "WITH done AS (
-                    UPDATE {{t}} AS t
-                    SET {permits}, updated_at = clock_timestamp()
-                    WHERE t.namespace = $1 AND t.key = $2 AND {well_formed_t} AND {holds}
-                    RETURNING t.key
-                )
-                SELECT (SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done,
-                       coalesce({well_formed_h}, true) AS well_formed,
-                       coalesce((SELECT bool_or(l.o = $3::text AND l.f = $4::bigint AND l.e < {GIVEN_UP_BEFORE})
-                                 FROM unnest(h.owners, h.fencings, h.expires) AS l (o, f, e)), false) AS given_up
-                {found}",
-                permits = permits_from(
-                    &permits_of_t(&keep),
-                    &format!(
-                        "CASE WHEN l.o = $3::text AND l.f = $4::bigint THEN {} ELSE l.e END",
-                        given_up(6)
-                    ),
-                    "t.permit_limit",
-                ),
-                holds = holds_permit("t"),
-                well_formed_t = well_formed("t"),
-                well_formed_h = well_formed("h"),
+            release: sql(&release(
+                "",
+                "(SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done",
             )),
+            release_next: {
+                let (wake, answer) = line::release_next("$7", "$8");
+                sql(&release(&wake, &answer))
+            },
+            leave: sql(&line::leave(&format!(
+                "{} < h.permit_limit",
+                live_permits("h", "clock_timestamp()")
+            ))),
         }
     }
 }
@@ -251,11 +292,13 @@ impl PermitStatements {
 #[derive(Debug, Clone)]
 pub struct PermitStatementTexts {
     /// `$1` namespace, `$2` key, `$3` owner (32 lowercase hex digits), `$4`
-    /// TTL in ms, `$5` limit, `$6` send number -> `granted bool, fencing
-    /// bigint, ...`.
+    /// TTL in ms, `$5` limit, `$6` send number, `$7` the semaphore table's
+    /// name, `$8` the waiter's listener pid (0: not waiting) -> `granted
+    /// bool, fencing bigint, ...`.
     pub acquire: String,
     /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` channel,
-    /// `$6` the acquire's send number -> `done bigint, ...`.
+    /// `$6` the acquire's send number, `$7` the semaphore table's name,
+    /// `$8` the channel of single wake-ups -> `done bigint, ...`.
     pub release: String,
 }
 
@@ -265,8 +308,8 @@ impl PermitStatementTexts {
     pub fn new(schema: &str, table: &str) -> Self {
         let statements = PermitStatements::new(schema, table);
         Self {
-            acquire: statements.acquire.text.clone(),
-            release: statements.release.text.clone(),
+            acquire: statements.acquire_queued.text.clone(),
+            release: statements.release_next.text.clone(),
         }
     }
 }

@@ -5,6 +5,7 @@
 mod connect;
 mod faults;
 mod format;
+mod line;
 mod listener;
 mod outcomes;
 mod pooler;

@@ -1,0 +1,324 @@
+//! The waiter lines (`distlock_waiters`): a waiting attempt joins, a grant
+//! or a wait that ends leaves, a release wakes the first live waiter, and
+//! nothing is left once the waits are over.
+//!
+//! Holders here hold for [`LONG`], and a waiter's own timer is set to the
+//! holder's expiry: a waiter served within [`BOUND`] was woken by a
+//! release, not by its timer.
+
+use std::time::{Duration, Instant};
+
+use distlock_core::{Lease, LockError, LockKey, OwnerToken};
+use distlock_postgres::{channel_name, PgPool, WAITER_TABLE};
+use tokio::task::JoinHandle;
+
+use super::support::*;
+
+/// The holders' TTL, and how long the waiters wait.
+const LONG: Duration = Duration::from_secs(120);
+/// Far below [`LONG`]: what a wake-up takes at most here.
+const BOUND: Duration = Duration::from_secs(30);
+
+/// A waiter line row: key, member (owner token), listener pid.
+type Row = (String, String, i32);
+
+/// A waiting call on a task of its own.
+type Waiting = JoinHandle<Result<Option<Lease>, LockError>>;
+
+/// The line rows of namespace `ns` (every key, locks and semaphores), in
+/// arrival order.
+async fn line(pool: &PgPool, ns: &str) -> Vec<Row> {
+    sqlx::query_as(&format!(
+        "SELECT key, member, pid FROM public.{WAITER_TABLE} WHERE namespace = $1 ORDER BY arrival"
+    ))
+    .bind(ns)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// A fresh namespace whose key `k` `holder` holds for [`LONG`]; `admin`
+/// reads and writes the waiter line.
+struct Scene {
+    ns: String,
+    admin: Pg,
+    holder: Pg,
+    k: LockKey,
+    lease: Lease,
+}
+
+impl Scene {
+    /// `holder` is the one given, or a fresh client.
+    async fn new(ns: String, holder: Option<Pg>) -> Self {
+        let holder = match holder {
+            Some(holder) => holder,
+            None => client(&ns).await,
+        };
+        let k = key("k");
+        let lease = take(&holder, &k, LONG, "free").await;
+        Self {
+            admin: client(&ns).await,
+            ns,
+            holder,
+            k,
+            lease,
+        }
+    }
+
+    /// The line rows of the namespace.
+    async fn line(&self) -> Vec<Row> {
+        line(self.admin.pool(), &self.ns).await
+    }
+
+    /// Waits until the line rows are `expected` (within [`BOUND`]).
+    async fn until_line(&self, expected: &[Row], why: &str) {
+        let deadline = Instant::now() + BOUND;
+        loop {
+            let rows = self.line().await;
+            if rows == expected {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{why}: the line is {rows:?}, not {expected:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// `waiter` waits for `k` on a task of its own, until it is in line
+    /// (the line then has `n` rows): its task and the line.
+    async fn queue(&self, waiter: &Pg, n: usize, why: &str) -> (Waiting, Vec<Row>) {
+        let (task_waiter, k) = (waiter.clone(), self.k.clone());
+        let waiting =
+            tokio::spawn(async move { task_waiter.acquire(&k, LONG, Instant::now() + LONG).await });
+        let deadline = Instant::now() + BOUND;
+        loop {
+            let rows = self.line().await;
+            if rows.len() == n {
+                return (waiting, rows);
+            }
+            assert!(Instant::now() < deadline, "{why} never queued: {rows:?}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Puts `member` with listener `pid` in the line of `k`, arriving at
+    /// `arrival` (SQL), as a waiting attempt would.
+    async fn put_in_line(
+        &self,
+        db: impl sqlx::PgExecutor<'_>,
+        member: &str,
+        pid: i32,
+        arrival: &str,
+    ) {
+        sqlx::query(&format!(
+            "INSERT INTO public.{WAITER_TABLE} (lock_table, namespace, key, member, pid, arrival)
+             VALUES ('distlock_locks', $1, $2, $3, $4, {arrival})"
+        ))
+        .bind(&self.ns)
+        .bind(self.k.as_str())
+        .bind(member)
+        .bind(pid)
+        .execute(db)
+        .await
+        .unwrap();
+    }
+
+    /// The holder releases; once `waiting` of `waiter` was served, it
+    /// releases too, and the line is empty.
+    async fn hand_over(&self, waiting: Waiting, waiter: &Pg, why: &str) {
+        self.holder.release(&self.lease).await.unwrap();
+        served_then_released(waiting, waiter, why).await;
+        assert!(
+            self.line().await.is_empty(),
+            "{why}: the line is left empty"
+        );
+    }
+}
+
+/// Waits (within [`BOUND`]) for `waiting` to be served, then `waiter`
+/// releases what it got.
+async fn served_then_released(waiting: Waiting, waiter: &Pg, why: &str) {
+    let lease = tokio::time::timeout(BOUND, waiting)
+        .await
+        .unwrap_or_else(|_| panic!("{why}: not served within {BOUND:?}"))
+        .unwrap()
+        .unwrap()
+        .unwrap_or_else(|| panic!("{why}: gave up"));
+    waiter.release(&lease).await.unwrap();
+}
+
+#[tokio::test]
+async fn waits_queue_under_their_listener_pid_and_leave_nothing_behind() {
+    let scene = Scene::new(unique_name("line"), None).await;
+    let (first, app) = named_client(&scene.ns, "").await;
+    let (first_wait, queued) = scene.queue(&first, 1, "the first waiter").await;
+    let listener = backend(&scene.admin, &app, "query LIKE 'LISTEN%'").await;
+    assert_eq!(queued[0].0, scene.k.as_str());
+    assert_eq!(
+        queued[0].2, listener,
+        "the row names the waiter's listener connection"
+    );
+    // A second waiter queues behind, then its wait is dropped: it leaves.
+    let second = client(&scene.ns).await;
+    let (second_wait, both) = scene.queue(&second, 2, "the second waiter").await;
+    assert_eq!(both[0], queued[0], "the first keeps its place");
+    second_wait.abort();
+    assert!(second_wait.await.unwrap_err().is_cancelled());
+    scene.until_line(&queued, "the dropped wait left").await;
+    // The first one's grant leaves the line.
+    scene
+        .hand_over(first_wait, &first, "the first waiter")
+        .await;
+}
+
+#[tokio::test]
+async fn a_dead_waiter_is_dropped_and_the_next_one_woken() {
+    let scene = Scene::new(unique_name("line"), None).await;
+    let waiter = client(&scene.ns).await;
+    let (waiting, _) = scene.queue(&waiter, 1, "the waiter").await;
+    // Ahead of it, waiters whose client is gone: no backend has their pid
+    // (above any pid_max).
+    for _ in 0..3 {
+        let member = OwnerToken::random().to_hex();
+        let an_hour_ago = "clock_timestamp() - interval '1 hour'";
+        let db = scene.admin.pool();
+        scene.put_in_line(db, &member, i32::MAX, an_hour_ago).await;
+    }
+    scene
+        .hand_over(waiting, &waiter, "the live waiter behind dead ones")
+        .await;
+}
+
+/// A lost listener connection: the waiter subscribes again on a new one
+/// and its next attempt stores the new pid in its row, which keeps its
+/// place ahead of a later waiter (the old watch's leave does not delete
+/// the row of a connection that is gone).
+#[tokio::test]
+async fn a_waiter_whose_listener_reconnected_keeps_its_place_under_the_new_pid() {
+    let scene = Scene::new(unique_name("line"), None).await;
+    let (first, app) = named_client(&scene.ns, "").await;
+    let second = client(&scene.ns).await;
+    let (first_wait, _) = scene.queue(&first, 1, "the first waiter").await;
+    let (second_wait, both) = scene.queue(&second, 2, "the second waiter").await;
+    let (key, member, old) = both[0].clone();
+    terminate(&scene.admin, old).await;
+    let listening = format!("query LIKE 'LISTEN%' AND pid <> {old}");
+    let new = backend(&scene.admin, &app, &listening).await;
+    let expected = [(key, member, new), both[1].clone()];
+    scene
+        .until_line(&expected, "the first waiter under its new pid, first")
+        .await;
+    scene.holder.release(&scene.lease).await.unwrap();
+    served_then_released(first_wait, &first, "the first waiter").await;
+    served_then_released(second_wait, &second, "the second waiter").await;
+    assert!(scene.line().await.is_empty());
+}
+
+#[tokio::test]
+async fn permit_waits_queue_and_leave_nothing_behind() {
+    let ns = unique_name("line");
+    let holder = client(&ns).await;
+    let waiter = client(&ns).await;
+    let k = key("k");
+    let permit = holder
+        .try_acquire_permit(&k, 1, LONG)
+        .await
+        .unwrap()
+        .lease()
+        .expect("a free permit");
+    let waiting = {
+        let (waiter, k) = (waiter.clone(), k.clone());
+        tokio::spawn(async move {
+            waiter
+                .acquire_permit(&k, 1, LONG, Instant::now() + LONG)
+                .await
+        })
+    };
+    let deadline = Instant::now() + BOUND;
+    let queued = loop {
+        let rows = line(holder.pool(), &ns).await;
+        if !rows.is_empty() {
+            break rows;
+        }
+        assert!(Instant::now() < deadline, "the permit waiter never queued");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(queued.len(), 1);
+    assert_eq!(queued[0].0, k.as_str());
+    holder.release(&permit).await.unwrap();
+    served_then_released(waiting, &waiter, "the permit waiter").await;
+    assert!(line(holder.pool(), &ns).await.is_empty());
+}
+
+/// The race one statement cannot see: a waiter that joins the line while
+/// a release waits for the lock's row — after the release's snapshot — is
+/// not in the line that release reads. Finding nobody there, the release
+/// wakes every waiter of the key, so this one is served all the same.
+#[tokio::test]
+async fn a_waiter_joining_while_the_release_waits_is_woken() {
+    let ns = unique_name("line");
+    let (holder, app) = named_client(&ns, "").await;
+    let scene = Scene::new(ns, Some(holder)).await;
+    let waiter = client(&scene.ns).await;
+    let (waiting, queued) = scene.queue(&waiter, 1, "the waiter").await;
+    let (_, member, pid) = &queued[0];
+    sqlx::query(&format!(
+        "DELETE FROM public.{WAITER_TABLE} WHERE namespace = $1"
+    ))
+    .bind(&scene.ns)
+    .execute(scene.admin.pool())
+    .await
+    .unwrap();
+    // The release takes its snapshot without the waiter's row, then waits
+    // for the lock's row, while the row joins the line again.
+    let mut blocker = lock_row(&scene.admin, &scene.holder, &scene.k).await;
+    let release = {
+        let (holder, lease) = (scene.holder.clone(), scene.lease.clone());
+        tokio::spawn(async move { holder.release(&lease).await })
+    };
+    backend(&scene.admin, &app, "wait_event_type = 'Lock'").await;
+    let now = "clock_timestamp()";
+    scene.put_in_line(&mut *blocker, member, *pid, now).await;
+    blocker.commit().await.unwrap();
+    release.await.unwrap().unwrap();
+    served_then_released(waiting, &waiter, "the waiter the release could not see").await;
+    assert!(scene.line().await.is_empty());
+}
+
+/// A release wakes the first waiter on the namespace's `_next` channel
+/// (payload `owner:key`); with nobody in line it notifies the key on the
+/// namespace's channel, as earlier versions did, whose waiters listen
+/// there.
+#[tokio::test]
+async fn a_release_names_its_waiter_and_otherwise_wakes_the_key() {
+    let scene = Scene::new(unique_name("line"), None).await;
+    let waiter = client(&scene.ns).await;
+    let channel = channel_name("public", "distlock_locks", &scene.ns);
+    let next = format!("{channel}_next");
+    let mut heard = sqlx::postgres::PgListener::connect(&server().url())
+        .await
+        .unwrap();
+    heard
+        .listen_all([channel.as_str(), next.as_str()])
+        .await
+        .unwrap();
+    let mut hear = async || {
+        let n = tokio::time::timeout(BOUND, heard.recv())
+            .await
+            .expect("a notification")
+            .unwrap();
+        (n.channel().to_owned(), n.payload().to_owned())
+    };
+    // Nobody in line.
+    scene.holder.release(&scene.lease).await.unwrap();
+    let k = scene.k.as_str().to_owned();
+    assert_eq!(hear().await, (channel, k.clone()));
+    // A waiter in line.
+    let lease = take(&scene.holder, &scene.k, LONG, "free").await;
+    let (waiting, queued) = scene.queue(&waiter, 1, "the waiter").await;
+    scene.holder.release(&lease).await.unwrap();
+    assert_eq!(hear().await, (next, format!("{}:{k}", queued[0].1)));
+    served_then_released(waiting, &waiter, "the waiter").await;
+}
