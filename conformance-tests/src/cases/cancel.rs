@@ -147,7 +147,8 @@ struct Storm {
     _paths: Vec<FaultPath>,
 }
 
-/// Every raw call dropped at random points, `CLIENTS` x `ROUNDS` times,
+/// Every raw call dropped at random points, `CLIENTS` x `ROUNDS` times
+/// (after a watch and a wait on the busy key dropped at their first poll),
 /// each client behind a path that delays its requests and replies by 0, 2,
 /// 8 or 20 ms, so drops land before, during and after the server handled
 /// the call.
@@ -182,7 +183,15 @@ async fn storm(ctx: &TestContext) -> Result<Storm, CaseError> {
         // Three crossings and a handshake cover every stage of a call.
         let span = delays[index] * 4 + Duration::from_millis(3);
         workers.push(tokio::spawn(async move {
+            // First a watch and a wait dropped right after their first poll:
+            // mid-subscribe wherever subscribing awaits the server, whatever
+            // the random cuts below happen to hit.
             let mut touched = Vec::new();
+            for what in [Call::Watch, Call::AcquireHeld] {
+                touched.extend(
+                    drop_one(&ctx, &client, &holder, &busy, what, ttl, Duration::ZERO).await?,
+                );
+            }
             for round in 0..ROUNDS {
                 let what = CALLS[(round + index) % CALLS.len()];
                 touched.extend(drop_one(&ctx, &client, &holder, &busy, what, ttl, span).await?);
