@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -43,6 +43,15 @@ struct Faults {
     reply_delays: HashMap<Call, Duration>,
     /// One-shot errors per call and key.
     failures: Vec<(Call, LockKey, ErrorKind)>,
+}
+
+impl Faults {
+    /// Whether any fault is set for `call`.
+    fn touch(&self, call: Call) -> bool {
+        self.holds.keys().any(|(held, _)| *held == call)
+            || self.reply_delays.contains_key(&call)
+            || self.failures.iter().any(|(failing, _, _)| *failing == call)
+    }
 }
 
 /// A lock the backend granted through an [`ObservedLock`]: enough to act
@@ -112,6 +121,8 @@ pub struct ObservedLock {
     granted: Mutex<Vec<Granted>>,
     faults: Mutex<Faults>,
     opened: Notify,
+    /// The most locks one `extend_many` call carried.
+    largest_extend_batch: AtomicUsize,
 }
 
 impl fmt::Debug for ObservedLock {
@@ -150,12 +161,19 @@ impl ObservedLock {
             granted: Mutex::new(Vec::new()),
             faults: Mutex::new(Faults::default()),
             opened: Notify::new(),
+            largest_extend_batch: AtomicUsize::new(0),
         }
     }
 
     /// Acquisition attempts so far (`try_acquire` and `try_acquire_renewing`).
     pub fn attempts(&self) -> u64 {
         self.attempts.load(Ordering::SeqCst)
+    }
+
+    /// The most locks one batched renewal
+    /// ([`LockBackend::extend_many`]) carried through this wrapper.
+    pub fn largest_extend_batch(&self) -> usize {
+        self.largest_extend_batch.load(Ordering::SeqCst)
     }
 
     /// The last lock granted through this wrapper.
@@ -346,6 +364,24 @@ impl LockBackend for ObservedLock {
     async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError> {
         self.around(Call::Extend, lock.key, self.inner.extend(lock, ttl))
             .await
+    }
+
+    async fn extend_many(
+        &self,
+        locks: &[HeldLock<'_>],
+        ttl: Duration,
+    ) -> Result<Vec<Result<ExtendReply, LockError>>, LockError> {
+        self.largest_extend_batch
+            .fetch_max(locks.len(), Ordering::SeqCst);
+        if !self.faults().touch(Call::Extend) {
+            return self.inner.extend_many(locks, ttl).await;
+        }
+        // Faults act per lock: one call each.
+        let mut replies = Vec::with_capacity(locks.len());
+        for lock in locks {
+            replies.push(self.extend(*lock, ttl).await);
+        }
+        Ok(replies)
     }
 
     async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {

@@ -224,6 +224,25 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     /// (max hold, hold-at-least).
     async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError>;
 
+    /// [`extend`](Self::extend) for each of `locks` (at most
+    /// [`Capabilities::extend_batch`] of them, all for `ttl`), in as few
+    /// requests as the server allows: one reply per lock, in order. An
+    /// `Err` says the whole call failed (nothing is known of any lock);
+    /// an item's `Err` concerns that lock alone (data distlock did not
+    /// write at its key). The client calls it only when the backend
+    /// declares `extend_batch` above 1; the default extends one by one.
+    async fn extend_many(
+        &self,
+        locks: &[HeldLock<'_>],
+        ttl: Duration,
+    ) -> Result<Vec<Result<ExtendReply, LockError>>, LockError> {
+        let mut replies = Vec::with_capacity(locks.len());
+        for lock in locks {
+            replies.push(self.extend(*lock, ttl).await);
+        }
+        Ok(replies)
+    }
+
     /// Deletes the lock if, and only if, this owner still holds it, and
     /// wakes the key's waiters. A lock that was deleted is `Released` even
     /// if waking the waiters failed (they fall back to their timers).
@@ -278,6 +297,14 @@ impl<B: LockBackend + ?Sized> LockBackend for std::sync::Arc<B> {
 
     async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError> {
         (**self).extend(lock, ttl).await
+    }
+
+    async fn extend_many(
+        &self,
+        locks: &[HeldLock<'_>],
+        ttl: Duration,
+    ) -> Result<Vec<Result<ExtendReply, LockError>>, LockError> {
+        (**self).extend_many(locks, ttl).await
     }
 
     async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {

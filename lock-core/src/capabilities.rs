@@ -42,6 +42,11 @@ pub struct Capabilities {
     pub retry_interval: Duration,
     /// Lock data (and so fencing order) survives a server restart.
     pub durable: bool,
+    /// The most locks one [`LockBackend::extend_many`](crate::LockBackend::extend_many)
+    /// call renews in one request. Above 1, guards of one client that
+    /// share a TTL renew together, at shared moments; 1 (the default):
+    /// each guard renews alone.
+    pub extend_batch: usize,
 }
 
 impl Default for Capabilities {
@@ -54,6 +59,7 @@ impl Default for Capabilities {
             wakes_one_waiter: false,
             retry_interval: Duration::from_millis(50),
             durable: false,
+            extend_batch: 1,
         }
     }
 }

@@ -12,6 +12,7 @@ use tracing::Instrument;
 
 use crate::backend::{AcquireReply, AcquireRequest, ExtendReply, ReleaseReply};
 use crate::lease::LeaseIssuer;
+use crate::renewal::{self, Renewals, Renewed};
 use crate::wait::{self, Attempt};
 use crate::{
     instrument, Capabilities, Lease, LockAdmin, LockBackend, LockError, LockKey, LockOptions,
@@ -77,6 +78,8 @@ struct Inner {
     issuer: LeaseIssuer,
     /// How many of the client's background tasks run (see [`LockClient::idle`]).
     background: tokio::sync::watch::Sender<usize>,
+    /// Guards' renewals, sent together where the backend batches them.
+    renewals: Renewals,
 }
 
 impl fmt::Debug for LockClient {
@@ -108,6 +111,7 @@ impl LockClient {
                 capabilities: backend.capabilities(),
                 issuer: LeaseIssuer::random(),
                 background: tokio::sync::watch::Sender::new(0),
+                renewals: Renewals::default(),
                 backend,
             }),
         }
@@ -296,33 +300,126 @@ impl LockClient {
                         .await?
                 }
             };
-            match reply {
-                ExtendReply::Extended(grant) => {
-                    if grant.fencing != lease.fencing_token() {
-                        return Err(LockError::corrupted(format!(
-                            "the server extended the lock under fencing token {} but it was acquired with {}",
-                            grant.fencing,
-                            lease.fencing_token()
-                        )));
-                    }
-                    let renewed = lease
-                        .renewed(valid_from(sent_at, grant.clock_started), grant.ttl.max(ttl))
-                        .with_handle(grant.handle);
-                    tracing::trace!(ttl = ?ttl, "lock extended");
-                    Ok(renewed)
-                }
-                ExtendReply::NotHeld => {
-                    tracing::debug!("lock not held on extend");
-                    Err(LockError::not_held(
-                        "this lease no longer holds the lock (released, expired or taken over); it was not extended",
-                    ))
-                }
-            }
+            self.extended(lease, ttl, sent_at, reply)
         }
         .instrument(span)
         .await;
         let operation = on_lease(lease, "extend", "extend a permit");
         self.finish("extend", operation, lease.key(), result)
+    }
+
+    /// What `lease` becomes after the server's `reply` to extending it for
+    /// `ttl`, sent at `sent_at`.
+    fn extended(
+        &self,
+        lease: &Lease,
+        ttl: Duration,
+        sent_at: Instant,
+        reply: ExtendReply,
+    ) -> Result<Lease, LockError> {
+        match reply {
+            ExtendReply::Extended(grant) => {
+                if grant.fencing != lease.fencing_token() {
+                    return Err(LockError::corrupted(format!(
+                        "the server extended the lock under fencing token {} but it was acquired with {}",
+                        grant.fencing,
+                        lease.fencing_token()
+                    )));
+                }
+                let renewed = lease
+                    .renewed(valid_from(sent_at, grant.clock_started), grant.ttl.max(ttl))
+                    .with_handle(grant.handle);
+                tracing::trace!(key = %lease.key(), ttl = ?ttl, "lock extended");
+                Ok(renewed)
+            }
+            ExtendReply::NotHeld => {
+                tracing::debug!(key = %lease.key(), "lock not held on extend");
+                Err(LockError::not_held(
+                    "this lease no longer holds the lock (released, expired or taken over); it was not extended",
+                ))
+            }
+        }
+    }
+
+    /// A guard's renewal of `lease` for `ttl`: sent with this client's
+    /// other renewals of the same TTL where the backend batches extends
+    /// (see [`Capabilities::extend_batch`]), alone otherwise. Answers as
+    /// [`extend`](Self::extend) does.
+    pub(crate) async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
+        let limit = self.capabilities().extend_batch;
+        if limit > 1 && lease.permit_limit().is_none() && lease.issuer() == self.inner.issuer {
+            let client = Arc::downgrade(&self.inner);
+            let start = move |requests| {
+                let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                    return false;
+                };
+                runtime.spawn(renewal::gather(requests, limit, move |leases, ttl| {
+                    let client = client.upgrade().map(|inner| LockClient { inner });
+                    async move {
+                        match client {
+                            Some(client) => client.extend_together(&leases, ttl).await,
+                            // Unreachable while a guard (which holds the
+                            // client) waits; answer anyway.
+                            None => leases
+                                .iter()
+                                .map(|_| Err(LockError::unavailable("the lock client was dropped")))
+                                .collect(),
+                        }
+                    }
+                }));
+                true
+            };
+            if let Some(renewed) = self.inner.renewals.renew(lease, ttl, start).await {
+                return renewed;
+            }
+        }
+        self.extend(lease, ttl).await
+    }
+
+    /// [`extend`](Self::extend) for each of `leases` (this client's locks)
+    /// in one backend call: each answered alone, each dated from the
+    /// call's send time.
+    async fn extend_together(&self, leases: &[Lease], ttl: Duration) -> Vec<Renewed> {
+        let span = tracing::debug_span!(
+            "distlock.extend_many",
+            backend = self.name(),
+            locks = leases.len()
+        );
+        let replies = async {
+            let ttl = self.inner.capabilities.effective_ttl(ttl)?;
+            let held: Vec<_> = leases.iter().map(Lease::held).collect();
+            let sent_at = Instant::now();
+            let replies = self
+                .timed("extend", self.raw().extend_many(&held, ttl))
+                .await?;
+            if replies.len() != leases.len() {
+                return Err(LockError::corrupted(format!(
+                    "the backend answered {} of {} extends in one call",
+                    replies.len(),
+                    leases.len()
+                )));
+            }
+            Ok((ttl, sent_at, replies))
+        }
+        .instrument(span)
+        .await;
+        match replies {
+            Ok((ttl, sent_at, replies)) => leases
+                .iter()
+                .zip(replies)
+                .map(|(lease, reply)| {
+                    let result = reply.and_then(|r| self.extended(lease, ttl, sent_at, r));
+                    self.finish("extend", "extend", lease.key(), result)
+                })
+                .collect(),
+            Err(e) => leases
+                .iter()
+                .map(|lease| {
+                    let copy = LockError::new(e.kind(), e.message());
+                    self.finish("extend", "extend", lease.key(), Err(copy))
+                })
+                .collect(),
+        }
     }
 
     /// Deletes the lock if, and only if, this lease still holds it, waking

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::lease::later;
+use crate::renewal;
 use crate::{
     instrument, ErrorKind, FencingToken, Lease, LockClient, LockError, LockKey, LockOptions,
 };
@@ -341,7 +342,19 @@ async fn keep_alive(
     if shared.lost.is_lost() {
         return;
     }
-    let mut next_renewal = period.map(|p| later(shared.acquired_at, p));
+    // Where the client renews guards together, each renews on the shared
+    // grid (a little early), so guards acquired apart still meet in a batch.
+    let batched =
+        shared.client.capabilities().extend_batch > 1 && shared.lease().permit_limit().is_none();
+    let due = |from: Instant, period: Duration| {
+        let at = later(from, period);
+        let moment = renewal::on_grid(at, period);
+        match batched && moment > later(Instant::now(), MIN_RENEW_GAP) {
+            true => moment,
+            false => at,
+        }
+    };
+    let mut next_renewal = period.map(|p| due(shared.acquired_at, p));
     // When the current lease arrived.
     let mut got_at = Instant::now();
     loop {
@@ -374,7 +387,7 @@ async fn keep_alive(
             if ttl.is_zero() {
                 return Ok(None);
             }
-            shared.client.extend(&lease, ttl).await.map(Some)
+            shared.client.renew(&lease, ttl).await.map(Some)
         };
         let result = tokio::select! {
             _ = stop.cancelled() => return,
@@ -395,7 +408,7 @@ async fn keep_alive(
                 tracing::trace!(key = %renewed.key(), fencing = %renewed.fencing_token(), "lock renewed");
                 *shared.lease.lock().unwrap_or_else(|e| e.into_inner()) = renewed;
                 got_at = Instant::now();
-                next_renewal = period.map(|p| later(got_at, p));
+                next_renewal = period.map(|p| due(got_at, p));
             }
             Ok(None) => next_renewal = None,
             // A refusal, or data at the key that distlock did not write

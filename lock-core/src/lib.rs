@@ -53,6 +53,7 @@ mod locker;
 mod memory;
 mod notify;
 mod options;
+mod renewal;
 mod run;
 mod schedule;
 mod semaphore;

@@ -194,7 +194,26 @@ impl MemoryLock {
             held.owner == lock.owner && held.fencing == lock.fencing && held.expires_at > now
         })
     }
+
+    /// Resets `lock`'s TTL to `ttl` from `now` if this owner holds it.
+    fn extend_held(
+        locks: &mut HashMap<LockKey, Held>,
+        lock: &HeldLock<'_>,
+        ttl: Duration,
+        now: Instant,
+    ) -> ExtendReply {
+        match Self::owned(locks, lock, now) {
+            Some(held) => {
+                held.expires_at = later(now, ttl);
+                ExtendReply::Extended(Grant::new(lock.fencing, ttl))
+            }
+            None => ExtendReply::NotHeld,
+        }
+    }
 }
+
+/// The most locks one `extend_many` call renews (one pass under the lock).
+const MEMORY_EXTEND_BATCH: usize = 1024;
 
 #[async_trait]
 impl LockBackend for MemoryLock {
@@ -206,6 +225,7 @@ impl LockBackend for MemoryLock {
         Capabilities {
             native_wait: true,
             wakes_one_waiter: true,
+            extend_batch: MEMORY_EXTEND_BATCH,
             ..Capabilities::default()
         }
     }
@@ -247,14 +267,20 @@ impl LockBackend for MemoryLock {
 
     async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError> {
         let now = Instant::now();
-        let mut locks = self.store.locks();
-        Ok(match Self::owned(&mut locks, &lock, now) {
-            Some(held) => {
-                held.expires_at = later(now, ttl);
-                ExtendReply::Extended(Grant::new(lock.fencing, ttl))
-            }
-            None => ExtendReply::NotHeld,
-        })
+        Ok(Self::extend_held(&mut self.store.locks(), &lock, ttl, now))
+    }
+
+    async fn extend_many(
+        &self,
+        locks: &[HeldLock<'_>],
+        ttl: Duration,
+    ) -> Result<Vec<Result<ExtendReply, LockError>>, LockError> {
+        let now = Instant::now();
+        let mut held = self.store.locks();
+        Ok(locks
+            .iter()
+            .map(|lock| Ok(Self::extend_held(&mut held, lock, ttl, now)))
+            .collect())
     }
 
     async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {

@@ -20,11 +20,15 @@ use crate::keys::RedisKeys;
 use crate::listener::PubSub;
 use crate::replies;
 use crate::scripts::{
-    self, LuaScript, ACQUIRE_SCRIPT, EXTEND_SCRIPT, FORCE_RELEASE_SCRIPT, INSPECT_SCRIPT,
-    LEAVE_PERMIT_SCRIPT, LEAVE_SCRIPT, RELEASE_SCRIPT,
+    self, LuaScript, ACQUIRE_SCRIPT, EXTEND_MANY_SCRIPT, EXTEND_SCRIPT, FORCE_RELEASE_SCRIPT,
+    INSPECT_SCRIPT, LEAVE_PERMIT_SCRIPT, LEAVE_SCRIPT, RELEASE_SCRIPT,
 };
 use crate::tls;
 use crate::waiters::{Line, Waiters};
+
+/// The most locks one extend script renews: a script blocks the server
+/// while it runs, so a batch stays short (about a millisecond).
+const EXTEND_BATCH: usize = 200;
 
 /// A lock server on Redis: one server, the primary of a Sentinel group, or
 /// a Redis Cluster.
@@ -586,6 +590,11 @@ impl LockBackend for RedisLock {
             native_wait: true,
             wakes_one_waiter: true,
             durable: false,
+            // A cluster's keys span slots: one script cannot reach them.
+            extend_batch: match self.channels.publish == Channels::SHARDED.publish {
+                true => 1,
+                false => EXTEND_BATCH,
+            },
             ..Capabilities::default()
         }
     }
@@ -640,6 +649,47 @@ impl LockBackend for RedisLock {
             args: &args,
         };
         self.run_extend(call, lock, ttl).await
+    }
+
+    async fn extend_many(
+        &self,
+        locks: &[HeldLock<'_>],
+        ttl: Duration,
+    ) -> Result<Vec<Result<ExtendReply, LockError>>, LockError> {
+        if locks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<RedisKeys> = locks.iter().map(|lock| self.keys(lock.key)).collect();
+        let redis_keys: Vec<&str> = keys
+            .iter()
+            .flat_map(|k| [k.lock.as_str(), k.fence.as_str()])
+            .collect();
+        let mut args = vec![arg_millis(ttl), self.retention_ms(ttl)];
+        args.extend(
+            locks
+                .iter()
+                .map(|lock| scripts::lock_value(&lock.owner.to_hex(), lock.fencing.get())),
+        );
+        let call = Call {
+            keys: &keys[0],
+            script: &EXTEND_MANY_SCRIPT,
+            redis_keys: &redis_keys,
+            args: &args,
+        };
+        let (reply, replicated) = self.run_replicated(call).await?;
+        let held: Vec<_> = locks.iter().map(|l| l.fencing).zip(&keys).collect();
+        let mut replies = replies::extend_many_reply(&held, ttl, &reply)?;
+        for reply in &mut replies {
+            // As for one extend: a lock a promoted replica might still
+            // expire at the old time keeps its old deadline.
+            if let Ok(ExtendReply::Extended(_)) = reply {
+                if let Some(shortfall) = replicated.shortfall("the lease keeps its previous expiry")
+                {
+                    *reply = Err(shortfall);
+                }
+            }
+        }
+        Ok(replies)
     }
 
     async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {

@@ -144,17 +144,10 @@ pub(crate) fn acl_denied(what: &str, namespace: &str, denied: &[(&str, &str)]) -
 /// anything else goes through [`map`].
 pub(crate) fn map_script(err: RedisError, keys: &RedisKeys) -> LockError {
     match err.code() {
-        Some(CORRUPT_CODE) => {
-            let detail = err.detail().unwrap_or("holds data distlock did not write");
-            let (which, rest) = detail.split_once(' ').unwrap_or((detail, ""));
-            let redis_key = match which {
-                "fence" => &keys.fence,
-                "gone" => &keys.gone,
-                "waiters" => &keys.waiters,
-                _ => &keys.lock,
-            };
-            corrupted(redis_key, rest)
-        }
+        Some(CORRUPT_CODE) => corrupt_detail(
+            err.detail().unwrap_or("holds data distlock did not write"),
+            keys,
+        ),
         Some(ARGS_CODE) => LockError::invalid_input(format!(
             "the script refused its arguments ({}) before writing anything",
             err.detail().unwrap_or("out of range")
@@ -164,6 +157,19 @@ pub(crate) fn map_script(err: RedisError, keys: &RedisKeys) -> LockError {
 }
 
 /// A [`ErrorKind::Corrupted`](distlock_core::ErrorKind) error for `redis_key`.
+/// A `DISTLOCK_CORRUPT` detail (`<which> <what>`, after the code) about
+/// `keys`, naming the Redis key it is about.
+pub(crate) fn corrupt_detail(detail: &str, keys: &RedisKeys) -> LockError {
+    let (which, rest) = detail.split_once(' ').unwrap_or((detail, ""));
+    let redis_key = match which {
+        "fence" => &keys.fence,
+        "gone" => &keys.gone,
+        "waiters" => &keys.waiters,
+        _ => &keys.lock,
+    };
+    corrupted(redis_key, rest)
+}
+
 pub(crate) fn corrupted(redis_key: &str, detail: &str) -> LockError {
     LockError::corrupted(format!(
         "redis key {redis_key:?} {detail}; distlock did not write it and left it \

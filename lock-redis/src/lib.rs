@@ -124,6 +124,10 @@
 //!   fence key and returns it.
 //! - **Extend**: compares the stored value with the held lock's owner and
 //!   fencing token, then `PEXPIRE`; a missing key is never recreated.
+//!   Guards of one client that share a TTL renew together: one script
+//!   extends up to 200 locks, each compared and answered on its own (a
+//!   corrupted one alone is refused), on one server or Sentinel; in a
+//!   cluster, whose locks span slots, each renews alone.
 //! - **Release**: compares, `DEL`, wakes the next waiter (see Waiting), and leaves the
 //!   released value with a random id of the release call in
 //!   `NS:{K'}:gone` for twice the operation timeout (at most the lock's

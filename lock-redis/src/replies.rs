@@ -9,6 +9,9 @@ use distlock_core::{
 };
 use redis::Value;
 
+use crate::errors::{self, CORRUPT_CODE};
+use crate::keys::RedisKeys;
+
 /// Reads the acquire script's reply for a request of `ttl`.
 pub(crate) fn acquire_reply(ttl: Duration, reply: &Value) -> Result<AcquireReply, LockError> {
     let bad = || unexpected(reply);
@@ -66,6 +69,37 @@ pub(crate) fn extend_reply(
         Some(0) => Ok(ExtendReply::NotHeld),
         _ => Err(unexpected(reply)),
     }
+}
+
+/// Reads the many-lock extend script's reply: one answer per lock of
+/// `held` (with its Redis names), each as [`extend_reply`] reads it, or
+/// the corruption found at that lock's keys.
+pub(crate) fn extend_many_reply(
+    held: &[(FencingToken, &RedisKeys)],
+    ttl: Duration,
+    reply: &Value,
+) -> Result<Vec<Result<ExtendReply, LockError>>, LockError> {
+    let Value::Array(items) = reply else {
+        return Err(unexpected(reply));
+    };
+    if items.len() != held.len() {
+        return Err(unexpected(reply));
+    }
+    let corrupt = format!("{CORRUPT_CODE} ");
+    Ok(held
+        .iter()
+        .zip(items)
+        .map(|((fencing, keys), item)| match item {
+            Value::BulkString(b) => match std::str::from_utf8(b)
+                .ok()
+                .and_then(|text| text.strip_prefix(&corrupt))
+            {
+                Some(detail) => Err(errors::corrupt_detail(detail, keys)),
+                None => Err(unexpected(item)),
+            },
+            answer => extend_reply(*fencing, ttl, answer),
+        })
+        .collect())
 }
 
 /// Reads the release script's reply (the permit release script answers the

@@ -223,6 +223,36 @@ retain(KEYS[2], fence, ARGV[3])
 return 1
 "#;
 
+/// The extend script for many locks of one client (not in a cluster: the
+/// keys span slots). KEYS: lock and fence of each lock, in pairs. ARGV:
+/// ttl ms, fence retention ms, then each lock's expected value. Returns
+/// one answer per lock: 1 when extended, 0 when not held, or the
+/// `DISTLOCK_CORRUPT` message for data distlock did not write at its keys
+/// (each lock checked before it is written, as EXTEND does).
+const EXTEND_MANY: &str = r#"
+if not millis_ok(ARGV[1], ARGV[2]) then
+  return bad_args('ttl ' .. tostring(ARGV[1]) .. ' ms, fence retention ' .. tostring(ARGV[2]) .. ' ms')
+end
+if #KEYS ~= 2 * (#ARGV - 2) then
+  return bad_args(#KEYS .. ' keys for ' .. (#ARGV - 2) .. ' locks')
+end
+local answers = {}
+for i = 1, #ARGV - 2 do
+  local lock = lock_at(KEYS[2 * i - 1])
+  local fence = {}
+  if not lock.err and lock.value == ARGV[i + 2] then fence = fence_at(KEYS[2 * i]) end
+  if lock.err then answers[i] = lock.err
+  elseif lock.value ~= ARGV[i + 2] then answers[i] = 0
+  elseif fence.err then answers[i] = fence.err
+  else
+    redis.call('PEXPIRE', KEYS[2 * i - 1], ARGV[1])
+    retain(KEYS[2 * i], fence, ARGV[2])
+    answers[i] = 1
+  end
+end
+return answers
+"#;
+
 /// KEYS: lock, released-by marker, waiter line. ARGV: expected value,
 /// channel, publish command, marker life ms, release id (fresh hex per
 /// release call). Returns 1 when released (and the next waiter woken),
@@ -594,6 +624,10 @@ pub(crate) static ACQUIRE_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScri
 /// The extend script.
 pub(crate) static EXTEND_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(EXTEND));
 /// The release script.
+/// The extend script for many locks.
+pub(crate) static EXTEND_MANY_SCRIPT: LazyLock<LuaScript> =
+    LazyLock::new(|| LuaScript::new(EXTEND_MANY));
+
 pub(crate) static RELEASE_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(RELEASE));
 /// The permit acquire script.
 pub(crate) static ACQUIRE_PERMIT_SCRIPT: LazyLock<LuaScript> =

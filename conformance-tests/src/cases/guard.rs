@@ -11,7 +11,7 @@ use super::support::{
     acquire, background_bound, eventually_acquire, expect_kind, expiry_bound, lock_free_key,
     refused, within,
 };
-use crate::context::{CaseResult, TestContext};
+use crate::context::{CaseError, CaseResult, TestContext};
 use crate::fault::Link;
 use crate::{check, check_eq, Call, ObservedLock};
 
@@ -79,6 +79,112 @@ pub async fn renewal_keeps_lock_past_ttl(ctx: TestContext) -> CaseResult {
         return Ok(());
     }
     Err(format!("in five rounds the guard never renewed in time: {late:?}").into())
+}
+
+/// Guards of one client renew together where the backend batches extends
+/// ([`Capabilities::extend_batch`](distlock_core::Capabilities) above 1),
+/// yet each learns its own fate. Eight guards renew on one client; once
+/// each has renewed, one guard's lock is deleted behind its back: that
+/// guard alone learns `lost()` (refused), and the seven others renew again
+/// and keep their locks past their first lease's TTL (another client is
+/// refused each). Where the
+/// backend batches, some renewal carried more than one lock.
+///
+/// A round in which a guard could not renew in time (a loaded machine: it
+/// passed its stop moment, `Expired`) proves nothing and is tried again,
+/// up to five times.
+pub async fn renewed_together_each_learns_alone(ctx: TestContext) -> CaseResult {
+    const GUARDS: usize = 8;
+    let other = ctx.client().await?;
+    let ttl = ctx.steady_ttl();
+    let mut late = Vec::new();
+    for round in 0..5 {
+        let observed = Arc::new(ObservedLock::new(ctx.client().await?));
+        let client = distlock_core::LockClient::from_arc(observed.clone());
+        let locker = Locker::new(client.clone());
+        let mut guards = Vec::new();
+        for _ in 0..GUARDS {
+            let key = ctx.key("together");
+            guards.push(lock_free_key(&locker, &key, &LockOptions::new(ttl)).await?);
+        }
+        let last_acquired = guards.last().map(|g| g.lease().sent_at());
+        let start = Instant::now();
+        all_renewed_since(start, &guards, ttl, "every guard's first renewal").await?;
+        let victim = guards.remove(GUARDS / 2);
+        client.release(&victim.lease()).await?;
+        let deleted = Instant::now();
+        let reason = within(expiry_bound(ttl), victim.lost(), "the deleted guard's loss").await?;
+        all_renewed_since(
+            deleted,
+            &guards,
+            ttl,
+            "the other guards' renewals after the delete",
+        )
+        .await?;
+        // Past every first lease's TTL: only renewals that reached the
+        // server keep the locks now.
+        if let Some(acquired) = last_acquired {
+            tokio::time::sleep_until((acquired + ttl + ttl / 4).into()).await;
+        }
+        let expired: Vec<_> = guards
+            .iter()
+            .filter_map(|g| g.lost_signal().reason())
+            .collect();
+        if reason == LostReason::Expired || !expired.is_empty() {
+            late.push(format!("round {round}: {reason:?}, others {expired:?}"));
+            continue;
+        }
+        check_eq!(
+            reason,
+            LostReason::Refused,
+            "why the deleted guard lost its lock"
+        );
+        for (i, guard) in guards.iter().enumerate() {
+            refused(
+                &other,
+                &guard.key(),
+                &format!("guard {i}, renewed with the others"),
+            )
+            .await?;
+        }
+        if client.capabilities().extend_batch > 1 {
+            check!(
+                observed.largest_extend_batch() > 1,
+                "{GUARDS} guards of one client with one TTL renewed one lock per request, although the backend batches up to {} (largest batch: {})",
+                client.capabilities().extend_batch,
+                observed.largest_extend_batch()
+            );
+        }
+        for guard in guards {
+            guard.release().await?;
+        }
+        return Ok(());
+    }
+    Err(format!("in five rounds some guard never renewed in time: {late:?}").into())
+}
+
+/// Waits until each of `guards` renewed after `at` (or is lost).
+async fn all_renewed_since(
+    at: Instant,
+    guards: &[distlock_core::LockGuard],
+    ttl: Duration,
+    what: &str,
+) -> Result<(), CaseError> {
+    let renewed = || {
+        guards
+            .iter()
+            .all(|g| g.is_lost() || g.lease().sent_at() > at)
+    };
+    within(
+        expiry_bound(ttl),
+        async {
+            while !renewed() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        },
+        what,
+    )
+    .await
 }
 
 /// A custom renewal period is used: with `Renewal::Every(ttl / 10)` the

@@ -239,6 +239,7 @@ pub fn all() -> Vec<Case> {
     all.extend(cases!(guard:
         renewal_keeps_lock_past_ttl,
         renewal_every_period,
+        renewed_together_each_learns_alone,
         renewal_off_expires,
         lost_fires_when_taken,
         lost_fires_when_deleted,

@@ -408,6 +408,16 @@ impl LockBackend for LinkedLock {
         self.call("extend", self.inner.extend(lock, ttl)).await
     }
 
+    /// One request across the link, counted as one `extend`.
+    async fn extend_many(
+        &self,
+        locks: &[HeldLock<'_>],
+        ttl: Duration,
+    ) -> Result<Vec<Result<ExtendReply, LockError>>, LockError> {
+        self.call("extend", self.inner.extend_many(locks, ttl))
+            .await
+    }
+
     async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
         self.call("release", self.inner.release(lock)).await
     }

@@ -73,6 +73,9 @@ pub enum Defect {
     GlobKeysNeverWoken,
     FullwidthFolded,
     InvisibleStripped,
+    /// A batched renewal extends its first lock and reports every other
+    /// one extended without touching it.
+    BatchExtendsFirstOnly,
     /// Every namespace on one server (the factory in `main.rs` gives each
     /// namespace its own in-memory server otherwise).
     NamespacesShared,
@@ -310,6 +313,12 @@ pub const CORPUS: &[MutantSpec] = &[
         defect: Defect::InvisibleStripped,
         what: "zero-width and other invisible characters are stripped from keys on the server (a\u{200b}b and ab collide)",
         killers: &["basic::unicode_lookalike_keys_independent"],
+    },
+    MutantSpec {
+        name: "batch_extends_first_only",
+        defect: Defect::BatchExtendsFirstOnly,
+        what: "a batched renewal extends only its first lock and reports the others extended: their guards hold nothing once the TTL runs out",
+        killers: &["guard::renewed_together_each_learns_alone"],
     },
     MutantSpec {
         name: "namespaces_shared",
@@ -869,6 +878,21 @@ impl LockBackend for Mutant {
                 Err(e) => return Err(e),
             }),
         }
+    }
+
+    async fn extend_many(
+        &self,
+        locks: &[HeldLock<'_>],
+        ttl: Duration,
+    ) -> Result<Vec<Result<ExtendReply, LockError>>, LockError> {
+        let mut replies = Vec::with_capacity(locks.len());
+        for (i, lock) in locks.iter().enumerate() {
+            replies.push(match self.is(Defect::BatchExtendsFirstOnly) && i > 0 {
+                true => Ok(ExtendReply::Extended(Grant::new(lock.fencing, ttl))),
+                false => self.extend(*lock, ttl).await,
+            });
+        }
+        Ok(replies)
     }
 
     async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {

@@ -192,6 +192,82 @@ async fn foreign_data_at_every_key_is_reported_and_left_alone() {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
+/// A batched renewal meets foreign data at one lock's keys: that lock's
+/// answer is `Corrupted` naming the Redis key, which is left as it was
+/// (and the lock not extended); the locks beside it in the same request
+/// are extended.
+#[tokio::test]
+async fn foreign_data_in_a_batched_renewal_concerns_its_lock_alone() {
+    let server = start(server::Redis::default());
+    let url = server.url();
+    let lock = connect(&format!("{url}/?namespace={NS}")).await.unwrap();
+    assert!(
+        lock.capabilities().extend_batch > 1,
+        "one server batches renewals"
+    );
+    let mut conn = raw(&url).await;
+    let mut problems = Vec::new();
+    for target in [Target::Lock, Target::Fence] {
+        for variant in VARIANTS {
+            let label = format!("a batched extend with a foreign {variant} at the {target:?} key");
+            let mut leases = Vec::new();
+            for _ in 0..3 {
+                let key = unique_key("foreign-batch");
+                leases.push(acquired(
+                    lock.try_acquire(&key, Duration::from_secs(10))
+                        .await
+                        .unwrap(),
+                ));
+            }
+            let name = redis_key(leases[1].key(), target);
+            plant(&mut conn, &name, variant, target).await;
+            let before = snapshot(&mut conn, &name).await;
+            let held: Vec<_> = leases.iter().map(Lease::held).collect();
+            let replies = lock
+                .backend()
+                .extend_many(&held, Duration::from_secs(60))
+                .await
+                .unwrap();
+            match &replies[1] {
+                Err(e) if e.kind() == ErrorKind::Corrupted && e.message().contains(&name) => {}
+                other => problems.push(format!("{label}: its lock answered {other:?}")),
+            }
+            if snapshot(&mut conn, &name).await.0 != before.0 {
+                problems.push(format!("{label}: the foreign value was changed"));
+            }
+            for i in [0, 2] {
+                let pttl: i64 = conn
+                    .pttl(redis_key(leases[i].key(), Target::Lock))
+                    .await
+                    .unwrap();
+                if !matches!(replies[i], Ok(distlock_core::ExtendReply::Extended(_)))
+                    || pttl <= 10_000
+                {
+                    problems.push(format!(
+                        "{label}: lock {i} beside it answered {:?} (PTTL {pttl} ms)",
+                        replies[i]
+                    ));
+                }
+            }
+            if target == Target::Fence {
+                let pttl: i64 = conn
+                    .pttl(redis_key(leases[1].key(), Target::Lock))
+                    .await
+                    .unwrap();
+                if !(0..=10_000).contains(&pttl) {
+                    problems.push(format!("{label}: its lock was extended (PTTL {pttl} ms)"));
+                }
+            }
+            for lease in &leases {
+                for target in [Target::Lock, Target::Fence] {
+                    let _: () = conn.del(redis_key(lease.key(), target)).await.unwrap();
+                }
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
 /// A foreign value at a key's waiter line: an attempt that does not wait
 /// never reads it; a waiting attempt is refused as `Corrupted` before it
 /// writes; a release still releases (only its wake-up fails). The value

@@ -198,6 +198,21 @@ impl ExtendLog {
     }
 }
 
+impl ExtendLog {
+    /// Records one extend's outcome, sent at `started`.
+    fn log(&self, started: Instant, reply: &Result<distlock_core::ExtendReply, LockError>) {
+        let outcome = match reply {
+            Ok(distlock_core::ExtendReply::Extended(_)) => ExtendOutcome::Extended,
+            Ok(distlock_core::ExtendReply::NotHeld) => ExtendOutcome::NotHeld,
+            Err(e) => ExtendOutcome::Failed(e.kind()),
+        };
+        self.extends
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((started, outcome));
+    }
+}
+
 #[deny(clippy::missing_trait_methods)]
 #[distlock_core::async_trait]
 impl distlock_core::LockBackend for ExtendLog {
@@ -223,16 +238,25 @@ impl distlock_core::LockBackend for ExtendLog {
     ) -> Result<distlock_core::ExtendReply, LockError> {
         let started = Instant::now();
         let reply = self.inner.extend(lock, ttl).await;
-        let outcome = match &reply {
-            Ok(distlock_core::ExtendReply::Extended(_)) => ExtendOutcome::Extended,
-            Ok(distlock_core::ExtendReply::NotHeld) => ExtendOutcome::NotHeld,
-            Err(e) => ExtendOutcome::Failed(e.kind()),
-        };
-        self.extends
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((started, outcome));
+        self.log(started, &reply);
         reply
+    }
+
+    async fn extend_many(
+        &self,
+        locks: &[distlock_core::HeldLock<'_>],
+        ttl: Duration,
+    ) -> Result<Vec<Result<distlock_core::ExtendReply, LockError>>, LockError> {
+        let started = Instant::now();
+        let replies = self.inner.extend_many(locks, ttl).await;
+        match &replies {
+            Ok(replies) => replies.iter().for_each(|reply| self.log(started, reply)),
+            Err(e) => {
+                let failed = Err(LockError::new(e.kind(), e.message()));
+                locks.iter().for_each(|_| self.log(started, &failed));
+            }
+        }
+        replies
     }
 
     async fn release(
