@@ -12,7 +12,7 @@ use tracing::Instrument;
 
 use crate::backend::{AcquireReply, AcquireRequest, ExtendReply, ReleaseReply};
 use crate::lease::LeaseIssuer;
-use crate::renewal::{self, Renewals, Renewed};
+use crate::renewal::{Renewals, Renewed};
 use crate::wait::{self, Attempt};
 use crate::{
     instrument, Capabilities, Lease, LockAdmin, LockBackend, LockError, LockKey, LockOptions,
@@ -348,28 +348,12 @@ impl LockClient {
     pub(crate) async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
         let limit = self.capabilities().extend_batch;
         if limit > 1 && lease.permit_limit().is_none() && lease.issuer() == self.inner.issuer {
-            let client = Arc::downgrade(&self.inner);
-            let start = move |requests| {
-                let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-                    return false;
-                };
-                runtime.spawn(renewal::gather(requests, limit, move |leases, ttl| {
-                    let client = client.upgrade().map(|inner| LockClient { inner });
-                    async move {
-                        match client {
-                            Some(client) => client.extend_together(&leases, ttl).await,
-                            // Unreachable while a guard (which holds the
-                            // client) waits; answer anyway.
-                            None => leases
-                                .iter()
-                                .map(|_| Err(LockError::unavailable("the lock client was dropped")))
-                                .collect(),
-                        }
-                    }
-                }));
-                true
+            let client = self.clone();
+            let send = move |leases: Vec<Lease>, ttl| {
+                let client = client.clone();
+                async move { client.extend_together(&leases, ttl).await }
             };
-            if let Some(renewed) = self.inner.renewals.renew(lease, ttl, start).await {
+            if let Some(renewed) = self.inner.renewals.renew(lease, ttl, limit, send).await {
                 return renewed;
             }
         }

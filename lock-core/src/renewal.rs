@@ -2,23 +2,26 @@
 //!
 //! Where a client's backend batches extends (its
 //! [`Capabilities::extend_batch`](crate::Capabilities::extend_batch) is
-//! above one), guards hand their renewals to the client's batcher instead
-//! of sending them alone. The batcher gathers what arrives within one timer
-//! tick, groups it by TTL and sends each group in calls of at most
-//! `extend_batch` locks ([`LockBackend::extend_many`](crate::LockBackend::extend_many));
-//! every guard gets its own answer, dated from its batch's send time.
+//! above one), guards queue their renewals instead of sending them alone.
+//! The first renewal into an empty queue starts a short task that gathers
+//! what arrives within one timer tick, groups it by TTL and sends each
+//! group in calls of at most `extend_batch` locks
+//! ([`LockBackend::extend_many`](crate::LockBackend::extend_many)); every
+//! guard gets its own answer, dated from its batch's send time. No task
+//! outlives its batch, and each runs on the runtime of a guard that renews.
 //! Guards renew at moments on a shared grid (see [`on_grid`]), so those
 //! acquired at different times still meet in one batch.
 
-use std::sync::{Mutex, OnceLock};
+use std::future::Future;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use crate::{Lease, LockError};
 
-/// How long the batcher waits after a renewal arrives for the others due
-/// at the same moment: one tick of tokio's timer.
+/// How long renewals are gathered after the first one arrives, for the
+/// others due at the same moment: one tick of tokio's timer.
 const GATHER: Duration = Duration::from_millis(1);
 
 /// Grid steps per renewal period: a guard renews at most this fraction of
@@ -29,101 +32,103 @@ const GRID_STEPS: u32 = 8;
 pub(crate) type Renewed = Result<Lease, LockError>;
 
 /// One guard's renewal, waiting for its batch.
-pub(crate) struct Renewal {
-    pub(crate) lease: Lease,
-    pub(crate) ttl: Duration,
-    pub(crate) answer: oneshot::Sender<Renewed>,
+struct Renewal {
+    lease: Lease,
+    ttl: Duration,
+    answer: oneshot::Sender<Renewed>,
 }
 
-/// A client's way into its batcher (started on first use).
+/// A client's renewals waiting to be sent together.
 #[derive(Default)]
 pub(crate) struct Renewals {
-    sender: Mutex<Option<mpsc::UnboundedSender<Renewal>>>,
+    due: Arc<Mutex<Vec<Renewal>>>,
 }
 
 impl Renewals {
-    /// Hands `lease`'s renewal for `ttl` to the batcher, starting one with
-    /// `start` if there is none (or the runtime that ran it is gone), and
-    /// waits for the answer. `None` if no batcher could take it (`start`
-    /// found no runtime) or it went away before answering: the caller then
-    /// extends alone. Cancel-safe: dropped, the renewal is still sent with
-    /// its batch, and its answer is dropped.
-    pub(crate) async fn renew(
+    /// Queues `lease`'s renewal for `ttl` and waits for its answer. The
+    /// first renewal into an empty queue spawns a short task (on the
+    /// current runtime) that waits one tick, takes the queue and has `send`
+    /// renew each group (one TTL, at most `limit` leases) in one call.
+    /// `None` if it could not be sent together (no runtime; the task was
+    /// dropped with its runtime): the caller then extends alone.
+    /// Cancel-safe: dropped, the renewal is still sent with its batch, and
+    /// its answer is dropped.
+    pub(crate) async fn renew<F, Fut>(
         &self,
         lease: &Lease,
         ttl: Duration,
-        start: impl FnOnce(mpsc::UnboundedReceiver<Renewal>) -> bool,
-    ) -> Option<Renewed> {
+        limit: usize,
+        send: F,
+    ) -> Option<Renewed>
+    where
+        F: Fn(Vec<Lease>, Duration) -> Fut + Send + 'static,
+        Fut: Future<Output = Vec<Renewed>> + Send + 'static,
+    {
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
         let (answer, answered) = oneshot::channel();
-        let renewal = Renewal {
-            lease: lease.clone(),
-            ttl,
-            answer,
+        let first = {
+            let mut due = self.due.lock().unwrap_or_else(|e| e.into_inner());
+            due.push(Renewal {
+                lease: lease.clone(),
+                ttl,
+                answer,
+            });
+            due.len() == 1
         };
-        let sent = {
-            let mut sender = self.sender.lock().unwrap_or_else(|e| e.into_inner());
-            let unsent = match sender.as_ref() {
-                Some(live) => live.send(renewal).err().map(|e| e.0),
-                None => Some(renewal),
-            };
-            match unsent {
-                None => true,
-                // None yet, or its runtime shut down: start one here.
-                Some(renewal) => {
-                    let (fresh, requests) = mpsc::unbounded_channel();
-                    *sender = None;
-                    let sent = start(requests) && fresh.send(renewal).is_ok();
-                    if sent {
-                        *sender = Some(fresh);
-                    }
-                    sent
+        if first {
+            let taken = TakeOnDrop(self.due.clone());
+            runtime.spawn(async move {
+                tokio::time::sleep(GATHER).await;
+                for (leases, ttl, answers) in batches(taken.take(), limit) {
+                    let call = send(leases, ttl);
+                    // Batches run side by side: a slow one holds up no other.
+                    tokio::spawn(async move {
+                        for (answer, result) in answers.into_iter().zip(call.await) {
+                            let _ = answer.send(result);
+                        }
+                    });
                 }
-            }
-        };
-        if !sent {
-            return None;
+            });
         }
         answered.await.ok()
     }
 }
 
-/// The batcher: gathers renewals and has `send` renew each group (one TTL,
-/// at most `limit` leases) in one call, answering every guard. Ends when
-/// the client (every sender) is gone.
-pub(crate) async fn gather<F, Fut>(
-    mut requests: mpsc::UnboundedReceiver<Renewal>,
-    limit: usize,
-    send: F,
-) where
-    F: Fn(Vec<Lease>, Duration) -> Fut,
-    Fut: std::future::Future<Output = Vec<Renewed>> + Send + 'static,
-{
-    let limit = limit.max(1);
-    while let Some(first) = requests.recv().await {
-        tokio::time::sleep(GATHER).await;
-        let mut due = vec![first];
-        while let Ok(next) = requests.try_recv() {
-            due.push(next);
-        }
-        // A guard that stopped meanwhile (released, dropped) is not renewed.
-        due.retain(|r| !r.answer.is_closed());
-        due.sort_by_key(|r| r.ttl);
-        while !due.is_empty() {
-            let ttl = due[0].ttl;
-            let same = due.iter().take_while(|r| r.ttl == ttl).count().min(limit);
-            let batch: Vec<Renewal> = due.drain(..same).collect();
-            let (leases, answers): (Vec<Lease>, Vec<_>) =
-                batch.into_iter().map(|r| (r.lease, r.answer)).unzip();
-            let call = send(leases, ttl);
-            // Batches run side by side: a slow one holds up no other.
-            tokio::spawn(async move {
-                let results = call.await;
-                for (answer, result) in answers.into_iter().zip(results) {
-                    let _ = answer.send(result);
-                }
-            });
-        }
+/// The queue, taken by the gathering task; taken on its drop too (its
+/// runtime shut down), so no renewal waits for a task that is gone (their
+/// answers are dropped, and their guards extend alone).
+struct TakeOnDrop(Arc<Mutex<Vec<Renewal>>>);
+
+impl TakeOnDrop {
+    fn take(&self) -> Vec<Renewal> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
     }
+}
+
+impl Drop for TakeOnDrop {
+    fn drop(&mut self) {
+        drop(self.take());
+    }
+}
+
+/// `due` as calls: each of one TTL and at most `limit` leases, with the
+/// answers to send back. Renewals whose guard stopped meanwhile are left
+/// out.
+fn batches(
+    mut due: Vec<Renewal>,
+    limit: usize,
+) -> Vec<(Vec<Lease>, Duration, Vec<oneshot::Sender<Renewed>>)> {
+    due.retain(|r| !r.answer.is_closed());
+    due.sort_by_key(|r| r.ttl);
+    let mut calls = Vec::new();
+    while !due.is_empty() {
+        let ttl = due[0].ttl;
+        let same = due.iter().take_while(|r| r.ttl == ttl).count();
+        let batch: Vec<Renewal> = due.drain(..same.min(limit.max(1))).collect();
+        let (leases, answers) = batch.into_iter().map(|r| (r.lease, r.answer)).unzip();
+        calls.push((leases, ttl, answers));
+    }
+    calls
 }
 
 /// The latest moment on the renewal grid of `period` that is not after
