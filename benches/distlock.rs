@@ -13,8 +13,14 @@
 //! latency with W waiters, of a lock and of a semaphore of 1; server work
 //! per handoff;
 //! renewal cost of H held guards (each H in a child process, so resident
-//! memory is measured from a clean heap). Prints a table and writes
-//! `target/distlock-bench.json`.
+//! memory is measured from a clean heap); for Redis, the job-facing pair
+//! beside the `rslock` crate's and a raw fenced pair; the state a namespace
+//! keeps after 10,000 distinct fired keys, and after a retention. Prints a
+//! table and writes `target/distlock-bench.json`.
+//!
+//! `DISTLOCK_BENCH_ONLY=redis,etcd` runs only those backends,
+//! `DISTLOCK_BENCH_ROWS=peer,state` only those row groups (`uncontended`,
+//! `handoff`, `renewal`, `peer`, `state`).
 //!
 //! Nothing wraps the library client while it is timed: the servers count
 //! their own work (Redis `INFO commandstats`, etcd's gRPC counters,
@@ -24,11 +30,13 @@
 //!
 //! Modules: `plan` (run sizes), `servers` (start, pin, /proc readings),
 //! `probe` (server counters and versions), `raw` (the driver baselines),
-//! `uncontended`, `handoff`, `renewal` (the scenarios), `report` (table
-//! and JSON).
+//! `uncontended`, `handoff`, `renewal`, `peer`, `state` (the scenarios),
+//! `report` (table and JSON).
 
 #[path = "distlock/handoff.rs"]
 mod handoff;
+#[path = "distlock/peer.rs"]
+mod peer;
 #[path = "distlock/plan.rs"]
 mod plan;
 #[path = "distlock/probe.rs"]
@@ -41,6 +49,8 @@ mod renewal;
 mod report;
 #[path = "distlock/servers.rs"]
 mod servers;
+#[path = "distlock/state.rs"]
+mod state;
 #[path = "distlock/uncontended.rs"]
 mod uncontended;
 
@@ -60,7 +70,26 @@ fn main() -> std::process::ExitCode {
     }
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
-    match run(Plan::new(quick)) {
+    let mut plan = Plan::new(quick);
+    // `DISTLOCK_BENCH_ROWS=peer,state`: only those row groups.
+    let rows = std::env::var("DISTLOCK_BENCH_ROWS").unwrap_or_default();
+    plan.only_rows = rows
+        .split(',')
+        .map(|g| g.trim().to_owned())
+        .filter(|g| !g.is_empty())
+        .collect();
+    if let Some(bad) = plan
+        .only_rows
+        .iter()
+        .find(|g| !plan::ROW_GROUPS.contains(&g.as_str()))
+    {
+        eprintln!(
+            "DISTLOCK_BENCH_ROWS: no row group {bad:?} (groups: {})",
+            plan::ROW_GROUPS.join(", ")
+        );
+        return std::process::ExitCode::FAILURE;
+    }
+    match run(plan) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("distlock bench failed: {e}");
@@ -136,6 +165,16 @@ fn run(plan: Plan) -> BenchResult<()> {
         "interleaving: library / raw / ping batches alternate ({} rounds, order rotated each round)",
         plan.rounds
     );
+    if plan.wants("peer") {
+        let _ = writeln!(
+            header,
+            "peer (redis): raw fenced pair / rslock / Locker alternate in batches of {} pairs, 1 task, same pinning",
+            plan::PEER_BATCH
+        );
+    }
+    if !plan.only_rows.is_empty() {
+        let _ = writeln!(header, "row groups: {}", plan.only_rows.join(", "));
+    }
     print!("{header}");
 
     let mut rows = Vec::new();
@@ -175,17 +214,34 @@ async fn bench_backend(plan: &Plan, server: &Server) -> BenchResult<Vec<Row>> {
         Backend::Memory => None,
         _ => Some(Raw::connect(backend, &server.url, server.port().unwrap_or(0)).await?),
     };
-    let (mut rows, ping_p50) = uncontended::rows(plan, server, &lib, raw.as_ref()).await?;
-    eprintln!("[{}] uncontended done", backend.name());
-
-    let max_w = plan.waiters.iter().copied().max().unwrap_or(1);
-    let mut clients = Vec::new();
-    for _ in 0..=max_w {
-        clients.push(client(backend, &server.url, &memory).await?);
+    let (mut rows, mut ping_p50) = (Vec::new(), None);
+    if plan.wants("uncontended") {
+        let (uncontended, p50) = uncontended::rows(plan, server, &lib, raw.as_ref()).await?;
+        (rows, ping_p50) = (uncontended, p50);
+        eprintln!("[{}] uncontended done", backend.name());
     }
-    rows.extend(handoff::rows(plan, server, &clients, ping_p50).await?);
-    drop(clients);
 
-    rows.extend(renewal::rows(plan, server)?);
+    if plan.wants("peer") {
+        rows.extend(peer::rows(plan, server, &lib, raw.as_ref(), ping_p50).await?);
+    }
+
+    if plan.wants("handoff") {
+        let max_w = plan.waiters.iter().copied().max().unwrap_or(1);
+        let mut clients = Vec::new();
+        for _ in 0..=max_w {
+            clients.push(client(backend, &server.url, &memory).await?);
+        }
+        rows.extend(handoff::rows(plan, server, &clients, ping_p50).await?);
+    }
+
+    if plan.wants("renewal") {
+        rows.extend(renewal::rows(plan, server)?);
+    }
+
+    if plan.wants("state") {
+        let t = Instant::now();
+        rows.extend(state::rows(server, raw.as_ref()).await?);
+        eprintln!("[{}] state done in {:.1?}", backend.name(), t.elapsed());
+    }
     Ok(rows)
 }

@@ -34,7 +34,25 @@ pub struct Plan {
     pub guards: Vec<usize>,
     pub renewal_window: Duration,
     pub renewal_ttl: Duration,
+    /// Pairs per contender of the Redis peer row, run in batches of
+    /// [`PEER_BATCH`].
+    pub peer_pairs: usize,
+    /// The row groups to run (`DISTLOCK_BENCH_ROWS`); empty for all.
+    pub only_rows: Vec<String>,
 }
+
+/// The row groups `DISTLOCK_BENCH_ROWS` may name.
+pub const ROW_GROUPS: [&str; 5] = ["uncontended", "handoff", "renewal", "peer", "state"];
+
+/// Pairs per batch of the Redis peer row: the three contenders alternate
+/// batch by batch.
+pub const PEER_BATCH: usize = 200;
+
+/// Distinct keys the state row fires (acquires and releases once each).
+pub const STATE_KEYS: usize = 10_000;
+
+/// Tasks firing them.
+pub const STATE_TASKS: usize = 32;
 
 impl Plan {
     pub fn new(quick: bool) -> Self {
@@ -50,6 +68,8 @@ impl Plan {
                 guards: vec![1, 1000],
                 renewal_window: Duration::from_secs(4),
                 renewal_ttl: Duration::from_secs(3),
+                peer_pairs: 1_000,
+                only_rows: Vec::new(),
             }
         } else {
             Plan {
@@ -63,7 +83,14 @@ impl Plan {
                 guards: vec![1, 1000, 10_000],
                 renewal_window: Duration::from_secs(30),
                 renewal_ttl: Duration::from_secs(15),
+                peer_pairs: 2_000,
+                only_rows: Vec::new(),
             }
         }
+    }
+
+    /// Whether row group `group` (one of [`ROW_GROUPS`]) runs.
+    pub fn wants(&self, group: &str) -> bool {
+        self.only_rows.is_empty() || self.only_rows.iter().any(|g| g == group)
     }
 }

@@ -12,6 +12,12 @@
 //! (its place is its grant), a delete transaction and a revoke in the
 //! background (as the library's); PostgreSQL, the library's own permit
 //! statements (`distlock_postgres::PermitStatementTexts`).
+//!
+//! And the fenced Redis pair the peer row measures against: one script
+//! doing `SET NX PX` and `INCR` of a fencing counter (returning the
+//! token), then the compare-and-delete; both by EVALSHA of scripts loaded
+//! at connect, on the one multiplexed connection. Besides, what a
+//! namespace left on a server (the state row's counts).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +28,7 @@ use distlock::etcd::etcd_client::{
 };
 use distlock::postgres::{
     PermitStatementTexts, StatementTexts, DEFAULT_SCHEMA, DEFAULT_SEMAPHORE_TABLE, DEFAULT_TABLE,
+    WAITER_TABLE,
 };
 use distlock::redis::redis::{self, aio::ConnectionManager, Script};
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -31,6 +38,10 @@ use crate::servers::Backend;
 /// Compare-and-delete: the minimal safe Redis release.
 const REDIS_RELEASE: &str =
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end";
+
+/// A fenced acquire: the lock if free, and then the next fencing token
+/// (0 when refused). KEYS: lock, fence. ARGV: owner, ttl ms.
+const REDIS_ACQUIRE_FENCED: &str = "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return redis.call('INCR', KEYS[2]) else return 0 end";
 
 /// A permit: drop expired ones (scores are expiries in server ms), refuse
 /// at the limit, else the next fencing token and the permit
@@ -60,6 +71,7 @@ pub enum Raw {
         conn: ConnectionManager,
         release: Script,
         acquire_permit: Script,
+        acquire_fenced: Script,
     },
     Etcd {
         kv: Box<KvClient>,
@@ -91,11 +103,14 @@ impl Raw {
                 let mut conn = ConnectionManager::new_with_config(client, config)
                     .await
                     .map_err(|e| e.to_string())?;
-                let (release, acquire_permit) = (
+                let (release, acquire_permit, acquire_fenced) = (
                     Script::new(REDIS_RELEASE),
                     Script::new(REDIS_ACQUIRE_PERMIT),
+                    Script::new(REDIS_ACQUIRE_FENCED),
                 );
-                for script in [&release, &acquire_permit] {
+                // Loaded now, so every call is one EVALSHA (no NOSCRIPT
+                // round trip while timed).
+                for script in [&release, &acquire_permit, &acquire_fenced] {
                     script
                         .load_async(&mut conn)
                         .await
@@ -105,6 +120,7 @@ impl Raw {
                     conn,
                     release,
                     acquire_permit,
+                    acquire_fenced,
                 })
             }
             Backend::Etcd => {
@@ -269,6 +285,123 @@ impl Raw {
                     return Err(format!("raw release did not release {key}"));
                 }
                 Ok(())
+            }
+        }
+    }
+
+    /// Redis only: acquires `key` for `ttl` with its next fencing token,
+    /// and releases it (compare-and-delete); the token.
+    pub async fn fenced_acquire_release(
+        &self,
+        key: &str,
+        n: u64,
+        ttl: Duration,
+    ) -> Result<i64, String> {
+        let Raw::Redis {
+            conn,
+            release,
+            acquire_fenced,
+            ..
+        } = self
+        else {
+            return Err("the fenced raw pair is Redis only".to_owned());
+        };
+        let owner = owner_hex(n);
+        let mut conn = conn.clone();
+        let (lock, fence) = (
+            format!("rawbench:{{{key}}}:lock"),
+            format!("rawbench:{{{key}}}:fence"),
+        );
+        let token: i64 = acquire_fenced
+            .key(&lock)
+            .key(&fence)
+            .arg(&owner)
+            .arg(ttl.as_millis() as u64)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| e.to_string())?;
+        if token == 0 {
+            return Err(format!("raw fenced acquire refused on fresh key {lock}"));
+        }
+        let deleted: i64 = release
+            .key(&lock)
+            .arg(&owner)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| e.to_string())?;
+        if deleted != 1 {
+            return Err(format!("raw release did not delete {lock}"));
+        }
+        Ok(token)
+    }
+
+    /// Redis only: how many keys match `pattern` (a full SCAN; the server
+    /// skips expired keys).
+    pub async fn count_redis_keys(&self, pattern: &str) -> Result<u64, String> {
+        let Raw::Redis { conn, .. } = self else {
+            return Err("counting Redis keys needs Redis".to_owned());
+        };
+        let mut conn = conn.clone();
+        let (mut cursor, mut count) = (0u64, 0u64);
+        loop {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(pattern)
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| e.to_string())?;
+            count += keys.len() as u64;
+            if next == 0 {
+                return Ok(count);
+            }
+            cursor = next;
+        }
+    }
+
+    /// What namespace `namespace` left on the server, as (what, count):
+    /// Redis keys `NS:*`; etcd keys under `NS/`; PostgreSQL rows of the
+    /// namespace in the lock table and in the table of waiter lines.
+    pub async fn state_counts(&self, namespace: &str) -> Result<Vec<(&'static str, u64)>, String> {
+        match self {
+            Raw::Redis { .. } => {
+                let keys = self.count_redis_keys(&format!("{namespace}:*")).await?;
+                Ok(vec![("redis_keys", keys)])
+            }
+            Raw::Etcd { kv, .. } => {
+                let mut kv = KvClient::clone(kv);
+                let reply = kv
+                    .get(
+                        format!("{namespace}/"),
+                        Some(GetOptions::new().with_prefix().with_count_only()),
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(vec![(
+                    "etcd_keys",
+                    u64::try_from(reply.count()).unwrap_or(0),
+                )])
+            }
+            Raw::Postgres { pool, .. } => {
+                let count = |sql: String| async move {
+                    sqlx::query_scalar::<_, i64>(&sql)
+                        .bind(namespace)
+                        .fetch_one(pool)
+                        .await
+                        .map(|n| u64::try_from(n).unwrap_or(0))
+                        .map_err(|e| format!("{sql}: {e}"))
+                };
+                let locks = count(format!(
+                    "SELECT count(*) FROM \"{DEFAULT_SCHEMA}\".\"{DEFAULT_TABLE}\" WHERE namespace = $1"
+                ))
+                .await?;
+                let waiters = count(format!(
+                    "SELECT count(*) FROM \"{DEFAULT_SCHEMA}\".\"{WAITER_TABLE}\" WHERE namespace = $1"
+                ))
+                .await?;
+                Ok(vec![("lock_rows", locks), ("waiter_rows", waiters)])
             }
         }
     }

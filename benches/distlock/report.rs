@@ -19,6 +19,9 @@ pub struct Row {
     pub ratio_vs_raw: Option<f64>,
     pub round_trips: Option<f64>,
     pub note: Option<String>,
+    /// Fields of this row's own, added to its JSON object (the peer row's
+    /// mean, the state row's key counts).
+    pub extra: Vec<(&'static str, Value)>,
 }
 
 impl Row {
@@ -32,7 +35,7 @@ impl Row {
     }
 
     pub fn json(&self) -> Value {
-        json!({
+        let mut value = json!({
             "backend": self.backend,
             "scenario": self.scenario,
             "param": self.param,
@@ -42,7 +45,13 @@ impl Row {
             "ratio_vs_raw": self.ratio_vs_raw.map(round3),
             "round_trips": self.round_trips.map(round3),
             "note": self.note,
-        })
+        });
+        if let Value::Object(fields) = &mut value {
+            for (name, extra) in &self.extra {
+                fields.insert((*name).to_owned(), extra.clone());
+            }
+        }
+        value
     }
 }
 
@@ -100,6 +109,10 @@ impl Samples {
         v.sort_by(|a, b| a.total_cmp(b));
         let i = ((v.len() as f64 - 1.0) * p).round() as usize;
         Some(v[i.min(v.len() - 1)])
+    }
+
+    pub fn mean(&self) -> Option<f64> {
+        (!self.us.is_empty()).then(|| self.us.iter().sum::<f64>() / self.us.len() as f64)
     }
 
     pub fn ops_per_s(&self) -> Option<f64> {
