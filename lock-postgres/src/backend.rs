@@ -458,6 +458,9 @@ pub(crate) fn send_param(lock: &HeldLock<'_>) -> Arg {
 }
 
 /// `lock`'s fencing token as a bigint (every token this backend grants is one).
+/// The most locks one batched extend statement renews.
+const EXTEND_BATCH: usize = 500;
+
 pub(crate) fn fencing_param(lock: &HeldLock<'_>) -> Result<i64, LockError> {
     i64::try_from(lock.fencing.get()).map_err(|_| {
         LockError::invalid_input("the lease's fencing token is out of PostgreSQL's bigint range")
@@ -484,6 +487,7 @@ impl LockBackend for PostgresLock {
             wakes_one_waiter: self.can_listen() && self.line_ready(),
             retry_interval: self.config.retry_interval(),
             durable: true,
+            extend_batch: EXTEND_BATCH,
             ..Capabilities::default()
         }
     }
@@ -586,6 +590,71 @@ impl LockBackend for PostgresLock {
         } else {
             ExtendReply::NotHeld
         })
+    }
+
+    async fn extend_many(
+        &self,
+        locks: &[HeldLock<'_>],
+        ttl: Duration,
+    ) -> Result<Vec<Result<ExtendReply, LockError>>, LockError> {
+        // A token out of bigint range (never issued here) is that lock's
+        // error alone; the others go in one statement.
+        let fencings: Vec<_> = locks.iter().map(fencing_param).collect();
+        let batch: Vec<_> = locks
+            .iter()
+            .zip(&fencings)
+            .enumerate()
+            .filter_map(|(n, (lock, fencing))| {
+                let fencing = fencing.as_ref().ok()?;
+                Some(serde_json::json!({
+                    "n": n, "key": lock.key.as_str(), "owner": lock.owner.to_hex(), "fencing": fencing,
+                }))
+            })
+            .collect();
+        let mut answers = if batch.is_empty() {
+            Vec::new()
+        } else {
+            self.ensure_table().await?;
+            let call = self.call(
+                &self.sql.extend_many,
+                vec![
+                    Arg::text(self.namespace()),
+                    Arg::Text(serde_json::Value::Array(batch).to_string()),
+                    Arg::Int(ttl_millis(ttl)),
+                ],
+            );
+            let row = self.fetch_one(call).await?.row;
+            let done: Vec<i64> = self.column(&row, "done")?;
+            let owners: Vec<Option<String>> = self.column(&row, "owner")?;
+            let tokens: Vec<Option<i64>> = self.column(&row, "fencing")?;
+            let sent = fencings.iter().filter(|f| f.is_ok()).count();
+            if done.len() != sent || owners.len() != sent || tokens.len() != sent {
+                return Err(LockError::corrupted(format!(
+                    "the batched extend of {sent} locks answered for {} of them",
+                    done.len()
+                )));
+            }
+            done.into_iter().zip(owners).zip(tokens).collect()
+        }
+        .into_iter();
+        Ok(locks
+            .iter()
+            .zip(fencings)
+            .map(|(lock, fencing)| {
+                fencing?;
+                let ((done, owner), token) = answers.next().ok_or_else(|| {
+                    LockError::corrupted(
+                        "the batched extend answered for fewer locks than it was sent",
+                    )
+                })?;
+                Ok(match self.held_as(lock, done, owner.as_deref(), token)? {
+                    true => ExtendReply::Extended(
+                        Grant::new(lock.fencing, ttl).with_handle(lock.handle),
+                    ),
+                    false => ExtendReply::NotHeld,
+                })
+            })
+            .collect())
     }
 
     async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {

@@ -39,7 +39,9 @@
 //! token, a fencing counter and an expiry computed by the **database
 //! clock**. Acquire, extend and release are one SQL statement each, atomic
 //! on the server; keys are bind parameters (dollar-quoted literals behind a
-//! transaction pooler), never SQL text. Waiters are woken by
+//! transaction pooler), never SQL text. Guards of one client that share a
+//! TTL renew together: one statement extends up to 500 locks (passed as
+//! one JSON parameter), each checked and answered on its own. Waiters are woken by
 //! `LISTEN`/`NOTIFY` on one shared connection per client (distlock-core's
 //! [`Listener`](distlock_core::Listener)), one waiter per release in
 //! arrival order (below), and by a timer set to the holder's remaining

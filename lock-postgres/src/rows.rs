@@ -54,9 +54,20 @@ impl PostgresLock {
         let done: i64 = self.column(row, "done")?;
         let owner: Option<String> = self.column(row, "owner")?;
         let fencing: Option<i64> = self.column(row, "fencing")?;
+        self.held_as(lock, done, owner.as_deref(), fencing)
+    }
+
+    /// [`held_by`](Self::held_by) on the values of one lock's answer.
+    pub(crate) fn held_as(
+        &self,
+        lock: &HeldLock<'_>,
+        done: i64,
+        owner: Option<&str>,
+        fencing: Option<i64>,
+    ) -> Result<bool, LockError> {
         let expected = lock.fencing.get();
-        self.check_row(owner.as_deref(), fencing, Some(expected))?;
-        if owner.as_deref() == Some(lock.owner.to_hex().as_str())
+        self.check_row(owner, fencing, Some(expected))?;
+        if owner == Some(lock.owner.to_hex().as_str())
             && fencing.is_some_and(|f| f as u64 != expected)
         {
             return Err(LockError::corrupted(format!(

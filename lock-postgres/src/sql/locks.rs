@@ -82,6 +82,12 @@ pub(crate) struct Statements {
     /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` TTL in ms ->
     /// `done bigint, owner text, fencing bigint` (the row as it was before).
     pub extend: Arc<Sql>,
+    /// `$1` namespace, `$2` the locks as a JSON array of `{"n": <place>,
+    /// "key": text, "owner": text, "fencing": bigint}`, `$3` TTL in ms ->
+    /// one row of arrays in the order of `n`: `done bigint[], owner
+    /// text[], fencing bigint[]`, each item as [`extend`](Self::extend)
+    /// answers for its lock.
+    pub extend_many: Arc<Sql>,
     /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` channel,
     /// `$6` the lease's send number -> `done bigint, owner text, fencing
     /// bigint, given_up bool` (the row as it was before); marks the row
@@ -249,6 +255,21 @@ impl Statements {
                 SELECT (SELECT count(*) FROM done) AS done, h.owner AS owner, h.fencing AS fencing
                 FROM (VALUES (1)) AS one (x)
                 LEFT JOIN {t} AS h ON h.namespace = $1 AND h.key = $2"),
+            extend_many: sql("WITH b AS (
+                    SELECT * FROM jsonb_to_recordset($2::jsonb) AS b (n bigint, key text, owner text, fencing bigint)
+                ), done AS (
+                    UPDATE {t} AS t
+                    SET expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond'
+                    FROM b
+                    WHERE t.namespace = $1 AND t.key = b.key AND t.owner = b.owner AND t.fencing = b.fencing
+                      AND t.expires_at > clock_timestamp()
+                    RETURNING b.n
+                )
+                SELECT coalesce(array_agg((SELECT count(*) FROM done d WHERE d.n = b.n) ORDER BY b.n), '{}') AS done,
+                       coalesce(array_agg(h.owner ORDER BY b.n), '{}') AS owner,
+                       coalesce(array_agg(h.fencing ORDER BY b.n), '{}') AS fencing
+                FROM b
+                LEFT JOIN {t} AS h ON h.namespace = $1 AND h.key = b.key"),
             give_back: sql(&format!("WITH done AS (
                     INSERT INTO {{t}} AS t (namespace, key, owner, fencing, expires_at)
                     VALUES ($1, $2, $3, 0, {up_to})

@@ -244,3 +244,75 @@ async fn serializable_default_isolation_never_fails_concurrent_acquires() {
         errors.first()
     );
 }
+
+/// A batched renewal (one statement for many locks, awkward keys among
+/// them) answers each lock alone: a row edited into an impossible state is
+/// that lock's `Corrupted`, a lock released behind its holder's back is
+/// `NotHeld`, and the others are extended (and the edited row is left as
+/// it was).
+#[tokio::test]
+async fn batched_extend_answers_each_lock_alone() {
+    use distlock_core::{ExtendReply, LockBackend};
+    let ns = unique_name("batch");
+    let a = client(&ns).await;
+    let table = a.table();
+    assert!(
+        a.capabilities().extend_batch > 1,
+        "PostgreSQL batches renewals"
+    );
+    let names = ["plain", "it's", "$1", "ünïcødé 🔒", "corrupt", "released"];
+    let mut leases = Vec::new();
+    for name in names {
+        leases.push(take(&a, &key(name), Duration::from_secs(10), "fresh").await);
+    }
+    admin(
+        &a,
+        &format!(
+            "UPDATE {table} SET owner = 'not-a-token' WHERE namespace = '{ns}' AND key = 'corrupt'"
+        ),
+    )
+    .await;
+    a.release(&leases[5]).await.unwrap();
+    let held: Vec<_> = leases.iter().map(|l| l.held()).collect();
+    let replies = a
+        .backend
+        .extend_many(&held, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(replies.len(), names.len());
+    for (name, reply) in names.iter().zip(&replies).take(4) {
+        assert!(
+            matches!(reply, Ok(ExtendReply::Extended(_))),
+            "{name}: {reply:?}"
+        );
+    }
+    assert!(
+        matches!(&replies[4], Err(e) if e.kind() == ErrorKind::Corrupted),
+        "the edited row: {:?}",
+        replies[4]
+    );
+    assert!(
+        matches!(replies[5], Ok(ExtendReply::NotHeld)),
+        "the released lock: {:?}",
+        replies[5]
+    );
+    for name in &names[..4] {
+        let left: f64 = sqlx::query_scalar(&format!(
+            "SELECT extract(epoch FROM expires_at - clock_timestamp())::float8 FROM {table} WHERE namespace = $1 AND key = $2"
+        ))
+        .bind(&ns)
+        .bind(*name)
+        .fetch_one(a.pool())
+        .await
+        .unwrap();
+        assert!(left > 10.0, "{name} was not extended: {left} s left");
+    }
+    let owner: String = sqlx::query_scalar(&format!(
+        "SELECT owner FROM {table} WHERE namespace = $1 AND key = 'corrupt'"
+    ))
+    .bind(&ns)
+    .fetch_one(a.pool())
+    .await
+    .unwrap();
+    assert_eq!(owner, "not-a-token", "the edited row is left untouched");
+}
