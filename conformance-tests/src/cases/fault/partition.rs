@@ -16,6 +16,7 @@ use crate::cases::support::{
 };
 use crate::checker::ExclusionChecker;
 use crate::context::{CaseError, CaseResult, TestContext};
+use crate::fault::Direction;
 use crate::{check, check_eq};
 
 /// The holder's connection is black-holed: its guard's `lost()` fires, and
@@ -85,6 +86,65 @@ pub async fn black_holed_holder_loses_first(ctx: TestContext) -> CaseResult {
     );
     direct.release(&lease).await?;
     drop(guard);
+    drop(proxy);
+    Ok(())
+}
+
+/// Three guards renew together on one client (one request where the
+/// backend batches renewals) whose replies are then held: the server
+/// applies every renewal, the client hears nothing. Each guard's `lost()`
+/// fires (the lease ran out) before another client, talking to the server
+/// directly, gets its key, although the server extended it; the checker
+/// sees no overlap.
+pub async fn held_renewal_replies_lose_first(ctx: TestContext) -> CaseResult {
+    let proxy = ctx.fault_path().await?;
+    let locker = Locker::new(ctx.client_through(&proxy).await?);
+    let direct = ctx.client().await?;
+    let ttl = fault_ttl(&ctx, Duration::from_secs(2))?;
+    let checker = ExclusionChecker::new();
+    let mut holders = Vec::new();
+    for _ in 0..3 {
+        let key = ctx.key("fault-held-renewals");
+        let guard = locker
+            .try_lock(&key, &LockOptions::new(ttl))
+            .await?
+            .ok_or("the key should be free")?;
+        let (checker, key_held, token) = (checker.clone(), key.clone(), guard.fencing_token());
+        let lost = guard.lost();
+        let ended = tokio::spawn(async move {
+            let section = checker.enter(&key_held, token);
+            let reason = lost.await;
+            let at = Instant::now();
+            section.exit();
+            Ok::<_, CaseError>((reason, at))
+        });
+        holders.push((key, guard, ended));
+    }
+    proxy.hold(Direction::ToClient);
+    let bound = ttl * 2 + EXPIRY_SLACK;
+    for (key, guard, ended) in holders {
+        let lease = eventually_acquire(&direct, &key, ttl, bound, "the direct client").await?;
+        let acquired_at = Instant::now();
+        checker.critical_section(&key, lease.fencing_token()).await;
+        let (reason, lost_at) = join(ended, background_bound(), "a holder's lost()").await?;
+        check_eq!(
+            reason,
+            LostReason::Expired,
+            "why a holder whose replies were held lost"
+        );
+        check!(
+            lost_at <= acquired_at,
+            "a holder's lost() fired {:?} after the other client acquired its key",
+            lost_at - acquired_at
+        );
+        check!(
+            guard.lease().valid_until() <= acquired_at,
+            "a holder's lease was still valid when the other client got its key"
+        );
+        direct.release(&lease).await?;
+        drop(guard);
+    }
+    checker.verify()?;
     drop(proxy);
     Ok(())
 }
