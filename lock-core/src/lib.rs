@@ -42,6 +42,7 @@ mod client;
 mod client_options;
 mod descriptor;
 mod error;
+mod fence;
 mod format;
 mod guard;
 pub mod instrument;
@@ -73,6 +74,7 @@ pub use client::{AcquireAttempt, LockClient};
 pub use client_options::{with_timeout, ClientOptions, DEFAULT_NAMESPACE, MAX_TIMEOUT};
 pub use descriptor::{BackendDescriptor, Connecting};
 pub use error::{request_message, ErrorKind, LockError, IN_LOCK_CALL};
+pub use fence::{check_fence_retention, DEFAULT_FENCE_RETENTION, MAX_FENCE_RETENTION};
 pub use format::{
     check_storage_format, foreign_storage_format, read_storage_format, STORAGE_FORMAT,
 };

@@ -24,6 +24,7 @@ use crate::listener::{next_channel, Releases};
 use crate::probe;
 use crate::semaphore::Semaphores;
 use crate::sql::{self, Arg, Call, GiveBack, Protocol, Sql, Statements};
+use crate::sweep::{SweepJob, Sweeper, SweptTable};
 
 /// A lock backend on a PostgreSQL lock table.
 ///
@@ -32,8 +33,11 @@ use crate::sql::{self, Arg, Call, GiveBack, Protocol, Sql, Statements};
 /// configured; idempotent, safe when many clients start at once; PostgreSQL
 /// 13 or newer). Expiry is computed by the database clock. Acquire, extend
 /// and release are one statement each; rows stay after release (marked
-/// given up, see the crate docs on unknown outcomes) so the fencing counter
-/// of a key keeps growing.
+/// given up, see the crate docs on unknown outcomes) until nobody has held
+/// them for the [fencing retention](PostgresConfig::fence_retention), when
+/// the clients' sweep deletes them; fencing tokens follow the database
+/// clock so they keep growing across that (see the crate docs, [Fencing
+/// tokens](crate#fencing-tokens-without-a-row-per-lock-name-forever)).
 ///
 /// No lock statement uses session state — no advisory locks, no `SET`.
 /// Behind a transaction pooler (`pool_mode=transaction`, or found at
@@ -87,6 +91,10 @@ pub struct PostgresLock {
     listener: Option<Listener<Releases>>,
     /// Counting semaphores, in a table of their own.
     semaphores: Semaphores,
+    /// When the sweep of idle rows runs; it ends with the client.
+    sweeper: Sweeper,
+    /// The lock table, as the sweep deletes from it.
+    swept: SweptTable,
 }
 
 impl fmt::Debug for PostgresLock {
@@ -194,9 +202,15 @@ impl PostgresLock {
                 Releases::new(listen, channel.clone(), config.client().connect_timeout());
             Listener::new(releases, config.client())
         });
+        let sql = Arc::new(Statements::new(config.schema(), config.table()));
         Self {
             semaphores,
-            sql: Arc::new(Statements::new(config.schema(), config.table())),
+            sweeper: Sweeper::new(config.fence_retention()),
+            swept: SweptTable::new(
+                qualified_table(config.schema(), config.table()),
+                &sql.sweep.delete,
+            ),
+            sql,
             simple: Arc::new(AtomicBool::new(protocol == Protocol::Simple)),
             line_ready: AtomicBool::new(false),
             waits: Arc::default(),
@@ -223,11 +237,7 @@ impl PostgresLock {
 
     /// The protocol statements are sent with now.
     pub(crate) fn protocol(&self) -> Protocol {
-        if self.simple.load(Ordering::Relaxed) {
-            Protocol::Simple
-        } else {
-            Protocol::Extended
-        }
+        Protocol::of(&self.simple)
     }
 
     /// Whether waiters can be woken: a listener, not through a transaction
@@ -275,6 +285,23 @@ impl PostgresLock {
     /// What this client keeps for its semaphores.
     pub(crate) fn semaphores(&self) -> &Semaphores {
         &self.semaphores
+    }
+
+    /// Starts a sweep of the rows nobody has held for the fencing retention
+    /// (in the lock table, and the semaphore table once it exists) if one
+    /// is due: see [`crate::sweep`]. Never waits for it.
+    pub(crate) fn sweep_if_due(&self) {
+        self.sweeper.maybe_start(|| SweepJob {
+            pool: self.pool.clone(),
+            simple: self.simple.clone(),
+            namespace: self.namespace().to_owned(),
+            retention: self.config.fence_retention(),
+            timeout: self.config.client().operation_timeout(),
+            tables: [Some(self.swept.clone()), self.semaphores.swept()]
+                .into_iter()
+                .flatten()
+                .collect(),
+        });
     }
 
     /// The table of waiter lines exists (checked with the lock table).
@@ -403,37 +430,13 @@ impl Leaving {
         {
             return;
         }
-        let protocol = if self.simple.load(Ordering::Relaxed) {
-            Protocol::Simple
-        } else {
-            Protocol::Extended
-        };
-        let call = Call::new(protocol, &self.leave, self.args);
+        let call = Call::new(Protocol::of(&self.simple), &self.leave, self.args);
         // On a task of its own, as every statement (see `sql::send`). Best
         // effort: a row left behind is taken off the line (to no avail) by
         // a later release, which costs the other waiters that wake-up:
         // they fall back to their timers.
-        let deadline = tokio::time::Instant::now() + self.timeout;
-        let left = match tokio::time::timeout_at(deadline, self.pool.acquire()).await {
-            Ok(Ok(conn)) => {
-                let mut sent = sql::send(
-                    conn,
-                    Arc::new(call),
-                    None,
-                    deadline + self.timeout,
-                    self.timeout,
-                );
-                match sent.wait(deadline).await.and_then(|mut done| done.take()) {
-                    Some(Ok(_)) => Ok(()),
-                    Some(Err(e)) => Err(e.to_string()),
-                    None => Err("no reply within the operation timeout".to_owned()),
-                }
-            }
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err("no connection within the operation timeout".to_owned()),
-        };
-        match left {
-            Ok(()) => tracing::trace!(key = %key, "a wait that ended left its waiter line"),
+        match sql::send_alone(&self.pool, call, self.timeout).await {
+            Ok(_) => tracing::trace!(key = %key, "a wait that ended left its waiter line"),
             Err(error) => {
                 tracing::debug!(key = %key, %error, "leaving the waiter line failed; a later release drops the row");
             }
@@ -496,6 +499,7 @@ impl LockBackend for PostgresLock {
         let key = request.key;
         let ttl_ms = ttl_millis(request.ttl);
         self.ensure_table().await?;
+        self.sweep_if_due();
         let owner = request.owner.to_hex();
         let send = next_send();
         // The statement's caller may leave (a timeout, a dropped future)

@@ -12,7 +12,8 @@ mod tls;
 use std::fmt;
 use std::time::Duration;
 
-use distlock_core::{ClientOptions, LockError, LockUrl};
+use distlock_core::{check_fence_retention, ClientOptions, LockError, LockUrl};
+pub use distlock_core::{DEFAULT_FENCE_RETENTION, MAX_FENCE_RETENTION};
 use sqlx::postgres::PgConnectOptions;
 
 use crate::keys::validate_identifier;
@@ -99,6 +100,7 @@ pub enum PoolMode {
 /// | `pool_mode` | `auto`, `session`, `transaction` or `statement` (the last two mean the same here): what pools the URL's connections ([`PoolMode`]); without it a probe at connect tells a transaction pooler from a direct connection or session pool, and the client then works as with `transaction` | `auto` |
 /// | `listen_url` | percent-encoded URL where waiters `LISTEN` for releases when the main URL goes through a transaction pooler (see [`with_listen_options`](Self::with_listen_options)); it takes the driver's parameters below, and the main URL's TLS settings unless it has its own | the main URL |
 /// | `retry_interval_ms` | how often waiters try again when nothing can wake them (a transaction pooler without `listen_url`) | 100 |
+/// | `fence_retention_ms` | minimum life of an idle fencing counter (a key's row once nobody holds it), 1 ms to 365 days ([`fence_retention`](Self::fence_retention)) | 3600000 |
 /// | `sslmode`, `sslrootcert`, `sslcert`, `sslkey` (sqlx's aliases `ssl-mode`, `ssl-root-cert`, `ssl-ca`, `ssl-cert`, `ssl-key`) | libpq's TLS settings (cargo feature `tls`; see below) | `PGSSLMODE`, else `prefer` |
 /// | `tls_ca_file`, `tls_cert_file`, `tls_key_file` | distlock's shared names for `sslrootcert`, `sslcert`, `sslkey` | |
 /// | `application_name`, `options`, `statement-cache-capacity`, `host`, `hostaddr`, `port`, `dbname`, `user`, `password` | the driver's own, passed on to sqlx | sqlx's |
@@ -156,6 +158,7 @@ pub struct PostgresConfig {
     max_connections: u32,
     pool_mode: PoolMode,
     retry_interval: Duration,
+    fence_retention: Duration,
 }
 
 impl Default for PostgresConfig {
@@ -174,6 +177,7 @@ impl Default for PostgresConfig {
             max_connections: 8,
             pool_mode: PoolMode::Auto,
             retry_interval: DEFAULT_RETRY_INTERVAL,
+            fence_retention: DEFAULT_FENCE_RETENTION,
         }
     }
 }
@@ -200,6 +204,7 @@ impl fmt::Debug for PostgresConfig {
             .field("max_connections", &self.max_connections)
             .field("pool_mode", &self.pool_mode)
             .field("retry_interval", &self.retry_interval)
+            .field("fence_retention", &self.fence_retention)
             .finish()
     }
 }
@@ -237,6 +242,10 @@ impl PostgresConfig {
         }
         if let Some(interval) = url.take_millis("retry_interval_ms")? {
             config.retry_interval = interval;
+        }
+        if let Some(retention) = url.take_millis("fence_retention_ms")? {
+            check_fence_retention(retention, "URL parameter fence_retention_ms")?;
+            config.fence_retention = retention;
         }
         config.tls = TlsSettings::take(&mut url, config.client.tls())?;
         if let Some(listen) = url.take("listen_url") {
@@ -329,6 +338,12 @@ impl PostgresConfig {
         self
     }
 
+    /// Sets the [fencing-counter retention](Self::fence_retention).
+    pub fn with_fence_retention(mut self, retention: Duration) -> Self {
+        self.fence_retention = retention;
+        self
+    }
+
     /// Sets the [most connections](Self::max_connections) the client's
     /// pool opens (at least 1).
     pub fn with_max_connections(mut self, max: u32) -> Self {
@@ -351,6 +366,20 @@ impl PostgresConfig {
     /// average, and each waiter runs one acquire statement per interval.
     pub fn retry_interval(&self) -> Duration {
         self.retry_interval
+    }
+
+    /// The minimum time a key's row (its fencing counter) is kept once
+    /// nobody holds it: a lock row free or expired for longer than this,
+    /// whose last acquisition is older than this, is deleted by the
+    /// clients' background sweep; a semaphore row likewise once every
+    /// permit is. A held lock or permit is never deleted, whatever its TTL.
+    /// Tokens stay strictly increasing as long as the database server's
+    /// clock never steps back by more than this; see the crate docs,
+    /// [Fencing tokens](crate#fencing-tokens-without-a-row-per-lock-name-forever).
+    /// Default [`DEFAULT_FENCE_RETENTION`] (the `fence_retention_ms` URL
+    /// parameter).
+    pub fn fence_retention(&self) -> Duration {
+        self.fence_retention
     }
 
     /// The most connections the client's pool opens (default 8), not
@@ -395,9 +424,12 @@ impl PostgresConfig {
         self.listen_tls.check_files().await
     }
 
-    /// Checks namespace, timeouts, retry interval, schema and table names.
+    /// Checks namespace, timeouts, retry interval, fencing-counter
+    /// retention (more than zero, at most [`MAX_FENCE_RETENTION`]), schema
+    /// and table names.
     pub fn validate(&self) -> Result<(), LockError> {
         self.client.validate()?;
+        check_fence_retention(self.fence_retention, "fence_retention")?;
         if self.retry_interval.is_zero() {
             return Err(LockError::config(
                 "retry_interval_ms is zero; waiters need a pause between attempts",
@@ -496,6 +528,26 @@ mod tests {
     }
 
     #[test]
+    fn fence_retention_is_bounded_as_redis_bounds_it() {
+        let config = PostgresConfig::from_url("postgres://u@h/db?fence_retention_ms=200").unwrap();
+        assert_eq!(config.fence_retention(), Duration::from_millis(200));
+        let config = config.with_fence_retention(MAX_FENCE_RETENTION);
+        assert!(config.validate().is_ok());
+        for bad in [
+            Duration::ZERO,
+            MAX_FENCE_RETENTION + Duration::from_millis(1),
+        ] {
+            let err = config
+                .clone()
+                .with_fence_retention(bad)
+                .validate()
+                .unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Config);
+            assert!(err.to_string().contains(": fence_retention "), "{err}");
+        }
+    }
+
+    #[test]
     fn pool_mode_and_retry_interval() {
         let config =
             PostgresConfig::from_url("postgres://u@h/db?pool_mode=statement&retry_interval_ms=20")
@@ -504,6 +556,7 @@ mod tests {
         assert_eq!(config.retry_interval(), Duration::from_millis(20));
         let config = PostgresConfig::from_url("postgres://u@h/db").unwrap();
         assert_eq!(config.pool_mode(), PoolMode::Auto);
+        assert_eq!(config.fence_retention(), DEFAULT_FENCE_RETENTION);
         for (mode, expected) in [("auto", PoolMode::Auto), ("session", PoolMode::Session)] {
             let config =
                 PostgresConfig::from_url(&format!("postgres://u@h/db?pool_mode={mode}")).unwrap();
@@ -512,6 +565,18 @@ mod tests {
         for (url, name) in [
             ("postgres://u@h/db?pool_mode=bouncy", "bouncy"),
             ("postgres://u@h/db?retry_interval_ms=0", "retry_interval_ms"),
+            (
+                "postgres://u@h/db?fence_retention_ms=x",
+                "fence_retention_ms",
+            ),
+            (
+                "postgres://u@h/db?fence_retention_ms=0",
+                "fence_retention_ms",
+            ),
+            (
+                "postgres://u@h/db?fence_retention_ms=31536000001",
+                "fence_retention_ms",
+            ),
             ("postgres://u@h/db?poll_interval_ms=20", "poll_interval_ms"),
             ("postgres://u@h/db?schema=a%00b", "schema"),
             ("postgres://u@h/db?namespace=a/b", "namespace"),

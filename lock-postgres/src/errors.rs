@@ -84,6 +84,12 @@ pub(crate) fn is_concurrent_create(error: &LockError) -> bool {
     )
 }
 
+/// Whether the server refused the statement for want of a privilege (a role
+/// that may not delete from a table a DBA created).
+pub(crate) fn is_permission_denied(error: &sqlx::Error) -> bool {
+    sqlstate(error).as_deref() == Some(code::INSUFFICIENT_PRIVILEGE)
+}
+
 /// Whether the server rolled the statement back because it conflicted with
 /// a concurrent transaction: a serialization failure (the database or role
 /// defaults to `REPEATABLE READ` or `SERIALIZABLE`) or a deadlock. The

@@ -37,6 +37,18 @@ pub(crate) fn qualified_table(schema: &str, table: &str) -> String {
     format!("{}.{}", quote_identifier(schema), quote_identifier(table))
 }
 
+/// The name of the index on `(namespace, fencing)` of the table `table`
+/// that the sweep of idle rows reads: `{table}_fencing`, the table's part
+/// cut (at a character boundary) so that it fits in an identifier.
+pub(crate) fn fencing_index_name(table: &str) -> String {
+    const SUFFIX: &str = "_fencing";
+    let mut end = table.len().min(MAX_IDENTIFIER_BYTES - SUFFIX.len());
+    while !table.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{SUFFIX}", &table[..end])
+}
+
 /// The LISTEN/NOTIFY channel of one namespace in one lock table.
 ///
 /// Channel names are identifiers (at most 63 bytes), so the channel is
@@ -87,6 +99,18 @@ mod tests {
         assert_eq!(a, channel_name("public", "distlock_locks", "distlock"));
         assert_ne!(a, channel_name("public", "distlock_locks", "other"));
         assert_ne!(channel_name("ab", "c", "ns"), channel_name("a", "bc", "ns"));
+    }
+
+    #[test]
+    fn fencing_index_names_fit_in_an_identifier() {
+        assert_eq!(
+            fencing_index_name("distlock_locks"),
+            "distlock_locks_fencing"
+        );
+        let long = "é".repeat(31) + "x";
+        let name = fencing_index_name(&long);
+        assert!(name.len() <= MAX_IDENTIFIER_BYTES, "{name}");
+        assert!(name.ends_with("é_fencing"), "{name}");
     }
 
     #[test]

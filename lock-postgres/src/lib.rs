@@ -28,7 +28,7 @@
 //! `postgres://user:password@host:port/database?parameters` (or
 //! `postgresql://`, [`SCHEMES`]). The table of query parameters —
 //! distlock's (`namespace`, `schema`, `table`, `pool_mode`, `listen_url`,
-//! `retry_interval_ms`, the timeouts), the TLS ones and the driver's own —
+//! `retry_interval_ms`, `fence_retention_ms`, the timeouts), the TLS ones and the driver's own —
 //! is on [`PostgresConfig`]; any other parameter is a configuration error
 //! naming it.
 //!
@@ -182,8 +182,10 @@
 //!     arrival timestamptz NOT NULL,
 //!     PRIMARY KEY (lock_table, namespace, key, member)
 //! );
+//! CREATE INDEX IF NOT EXISTS distlock_locks_fencing ON public.distlock_locks (namespace, fencing);
+//! CREATE INDEX IF NOT EXISTS distlock_semaphores_fencing ON public.distlock_semaphores (namespace, fencing);
 //! GRANT USAGE ON SCHEMA public TO app;
-//! GRANT SELECT, INSERT, UPDATE ON public.distlock_locks, public.distlock_semaphores TO app;
+//! GRANT SELECT, INSERT, UPDATE, DELETE ON public.distlock_locks, public.distlock_semaphores TO app;
 //! GRANT SELECT, INSERT ON public.distlock_format TO app;
 //! GRANT SELECT, INSERT, UPDATE, DELETE ON public.distlock_waiters TO app;
 //! ```
@@ -194,7 +196,63 @@
 //! format is refused with [`ErrorKind::Config`](distlock_core::ErrorKind).
 //! `distlock_waiters` holds the waiter lines of every lock and semaphore
 //! table of the schema (see [Waiting](#waiting)); its rows come and go
-//! with the waits.
+//! with the waits (a waiter's row goes when it is granted, leaves, or is
+//! found dead by a wake-up), so it holds at most one row per open wait,
+//! plus those of waits whose client died until the key's next release.
+//! The `_fencing` indexes (the table's name, cut to fit an identifier, and
+//! `_fencing`) serve the sweep of idle rows (see [Fencing
+//! tokens](#fencing-tokens-without-a-row-per-lock-name-forever)); a client
+//! creates them with its tables, or on a table of an earlier version with
+//! `CREATE INDEX CONCURRENTLY` (writes go on meanwhile), and works without
+//! them if it may not (logging a warning), as it works without `DELETE`
+//! (rows are then never reclaimed by that client; a warning says so).
+//!
+//! ## Fencing tokens without a row per lock name forever
+//!
+//! A key's fencing counter lives in its row. The token is
+//! `greatest(counter + 1, database clock in microseconds since the Unix
+//! epoch)` (`clock_timestamp()`; a new row starts at the clock), and a row
+//! nobody has held for [`fence_retention`](PostgresConfig::fence_retention)
+//! (default one hour) is deleted: a lock row free or expired for the
+//! retention, whose counter is more than the retention behind the clock
+//! (every token is at least the clock reading of its acquisition, so its
+//! last acquisition is older than that); a semaphore row once every permit
+//! is. So a scheduler that locks a new name per run leaves a bounded
+//! table behind, while tokens keep growing: within the retention the
+//! counter orders them; after it, the clock has moved past every token
+//! issued for the key (tokens track the clock to within the number of
+//! acquisitions per microsecond). Adoption keeps the token it adopts.
+//! A held lock or permit is never deleted, whatever its TTL, so no "twice
+//! the TTL" floor is needed as on Redis, whose counter is a key apart from
+//! the lock.
+//!
+//! The clients delete these rows themselves: at most one sweep per client
+//! per interval (half the retention, between 1 s and 60 s), started by an
+//! acquisition (and by the first one of each client) on a task the
+//! acquisition does not wait for, which ends with the client. It deletes
+//! up to 100 rows per statement and up to 50 statements per sweep, only in
+//! its client's namespace (whose clients should share one retention),
+//! picking rows `FOR UPDATE SKIP LOCKED` through the `_fencing` index
+//! above, with no table lock; the `DELETE` checks the conditions again on
+//! the row it deletes, so a row acquired meanwhile stays. A row is gone
+//! within about the retention plus one interval after its last use, as
+//! long as some client acquires in its namespace.
+//!
+//! **Assumption** (see also [Clocks](#clocks)): the database server's clock
+//! never steps back by more than the retention (a time daemon slews, it
+//! does not jump hours back). A bigger backward step followed by a row's
+//! deletion could issue a token lower than an earlier one of that key.
+//! Before this, tokens depended on no clock: that is what the bounded
+//! table costs. PostgreSQL is otherwise durable (`Capabilities::durable`
+//! is `true`): a restart or a failover to a synchronous replica keeps the
+//! counters, and the clock of the promoted host then counts as a step.
+//! Two smaller costs, for a lock held longer than the retention (its row
+//! may go as soon as it is released, the release time not being stored):
+//! a release resent after a lost reply may find no row and read `NotHeld`
+//! rather than `Released`, and a late send of that acquisition applied
+//! after the row went takes the lock for nobody until its TTL (see
+//! [Unknown outcomes](#unknown-outcomes); a give-back moves the counter to
+//! the clock, so its row is kept for the retention from then).
 //!
 //! # Unknown outcomes
 //!
@@ -403,12 +461,13 @@ mod requests;
 mod rows;
 mod semaphore;
 mod sql;
+mod sweep;
 mod table;
 
 pub use backend::PostgresLock;
 pub use config::{
-    PoolMode, PostgresConfig, DEFAULT_RETRY_INTERVAL, DEFAULT_SCHEMA, DEFAULT_SEMAPHORE_TABLE,
-    DEFAULT_TABLE, FORMAT_TABLE, WAITER_TABLE,
+    PoolMode, PostgresConfig, DEFAULT_FENCE_RETENTION, DEFAULT_RETRY_INTERVAL, DEFAULT_SCHEMA,
+    DEFAULT_SEMAPHORE_TABLE, DEFAULT_TABLE, FORMAT_TABLE, MAX_FENCE_RETENTION, WAITER_TABLE,
 };
 pub use keys::{channel_name, MAX_IDENTIFIER_BYTES};
 #[doc(hidden)]

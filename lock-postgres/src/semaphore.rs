@@ -37,6 +37,7 @@ use crate::config::PostgresConfig;
 use crate::keys::{channel_name, qualified_table};
 use crate::listener::{next_channel, Releases};
 use crate::sql::{Arg, PermitStatements, Reply, Sql};
+use crate::sweep::SweptTable;
 
 /// What a client keeps for its semaphores.
 pub(crate) struct Semaphores {
@@ -50,6 +51,8 @@ pub(crate) struct Semaphores {
     /// `None` when nothing can `LISTEN` (as for the lock's listener).
     listener: Option<Listener<Releases>>,
     table_ready: OnceCell<()>,
+    /// The table, as the sweep deletes from it.
+    swept: SweptTable,
 }
 
 impl Semaphores {
@@ -61,14 +64,21 @@ impl Semaphores {
             let returns = Releases::new(listen, channel.clone(), config.client().connect_timeout());
             Listener::new(returns, config.client())
         });
+        let sql = Arc::new(PermitStatements::new(schema, table));
         Self {
-            sql: Arc::new(PermitStatements::new(schema, table)),
+            swept: SweptTable::new(qualified_table(schema, table), &sql.sweep.delete),
+            sql,
             table: qualified_table(schema, table),
             name: table.to_owned(),
             channel,
             listener,
             table_ready: OnceCell::new(),
         }
+    }
+
+    /// The table, for the sweep, once it exists.
+    pub(crate) fn swept(&self) -> Option<SweptTable> {
+        self.table_ready.initialized().then(|| self.swept.clone())
     }
 }
 
@@ -87,9 +97,12 @@ impl PostgresLock {
         let semaphores = self.semaphores();
         semaphores
             .table_ready
-            .get_or_try_init(|| {
+            .get_or_try_init(|| async {
                 let what = "creating the semaphore table";
                 self.create_table(what, &semaphores.table, &semaphores.sql.create_table)
+                    .await?;
+                self.prepare_sweep_index(&semaphores.sql.sweep).await;
+                Ok::<_, LockError>(())
             })
             .await
             .map(|_| ())
@@ -137,6 +150,7 @@ impl SemaphoreBackend for PostgresLock {
     async fn acquire_permit(&self, request: PermitRequest<'_>) -> Result<PermitReply, LockError> {
         let key = request.key;
         self.ensure_semaphores().await?;
+        self.sweep_if_due();
         let limit = i64::from(request.limit);
         let send = next_send();
         let semaphores = self.semaphores();

@@ -41,7 +41,8 @@
 //! never the client's (see the crate docs on clocks). Acquire, extend and
 //! release are one statement (one round trip) each, atomic on the server;
 //! none keeps session state. The statements are [`locks`] (the lock table
-//! and the format marker) and [`permits`] (the semaphore table); how a
+//! and the format marker), [`permits`] (the semaphore table) and
+//! [`sweep`] (deleting rows nobody has held for the fencing retention); how a
 //! statement is run (resent after a notification, a conflict or a lost
 //! connection; cancelled safely) is in [`run`].
 
@@ -49,8 +50,10 @@ mod line;
 mod locks;
 mod permits;
 pub(crate) mod run;
+mod sweep;
 
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use sqlx::postgres::PgArguments;
@@ -61,7 +64,9 @@ pub use locks::StatementTexts;
 pub(crate) use locks::Statements;
 pub use permits::PermitStatementTexts;
 pub(crate) use permits::PermitStatements;
-pub(crate) use run::{send, GiveBack, Reply};
+pub(crate) use run::{send, send_alone, GiveBack, Missed, Reply};
+use sweep::create_table_with_index;
+pub(crate) use sweep::{Sweep, BATCH};
 
 /// How statements and their values are sent to the server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +75,18 @@ pub(crate) enum Protocol {
     Extended,
     /// One `Query` message per statement, values as literals.
     Simple,
+}
+
+impl Protocol {
+    /// The protocol a client's switch (set once it uses the simple
+    /// protocol for good) says.
+    pub(crate) fn of(simple: &AtomicBool) -> Self {
+        if simple.load(Ordering::Relaxed) {
+            Protocol::Simple
+        } else {
+            Protocol::Extended
+        }
+    }
 }
 
 /// A value for a statement parameter.

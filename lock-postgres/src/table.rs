@@ -9,7 +9,7 @@ use sqlx::Row;
 
 use crate::backend::PostgresLock;
 use crate::errors;
-use crate::sql::{self, Arg, Call, Protocol};
+use crate::sql::{self, Arg, Call, Protocol, Sweep};
 
 impl PostgresLock {
     /// Whether the catalog query `call` answers `exists = true`.
@@ -30,6 +30,7 @@ impl PostgresLock {
                 let (what, table) = ("creating the lock table", self.qualified_table());
                 self.create_table(what, &table, &self.statements().create_table)
                     .await?;
+                self.prepare_sweep_index(&self.statements().sweep).await;
                 self.check_format().await?;
                 self.prepare_line().await;
                 Ok::<_, LockError>(())
@@ -65,6 +66,21 @@ impl PostgresLock {
             Err(e) => {
                 tracing::warn!(table = %table, error = %e, "the table of waiter lines could not be created; a release wakes every waiter of its key");
             }
+        }
+    }
+
+    /// Creates the index the sweep of idle rows reads on a table that has
+    /// none (one an earlier version or a DBA created; a table this client
+    /// created got it with the table), without blocking writes to it. A
+    /// role that may not create it works without: the sweep then reads
+    /// the namespace's rows through the primary key.
+    pub(crate) async fn prepare_sweep_index(&self, sweep: &Sweep) {
+        let what = "creating the index of idle rows";
+        if let Err(e) = self
+            .create_table(what, &sweep.index, &sweep.create_index)
+            .await
+        {
+            tracing::warn!(index = %sweep.index, error = %e, "the index the sweep of idle rows reads could not be created; the sweep reads more of the table without it");
         }
     }
 

@@ -12,20 +12,16 @@ mod server;
 use std::fmt;
 use std::time::Duration;
 
-use distlock_core::{ClientOptions, LockError, LockUrl};
+use distlock_core::{check_fence_retention as check_retention, ClientOptions, LockError, LockUrl};
 use redis::ConnectionInfo;
 
 pub(crate) use self::server::{host_port, tcp_addr, ClusterServer, SentinelServer, Server};
 
-/// How long a fencing counter outlives its last use, at least (see the crate
-/// docs, [Fencing tokens](crate#fencing-tokens-without-a-key-per-lock-name-forever),
-/// for why it may expire at all). Default one hour.
-pub const DEFAULT_FENCE_RETENTION: Duration = Duration::from_secs(3600);
-
-/// The longest [`fence_retention`](RedisConfig::fence_retention) accepted:
-/// 365 days, the longest TTL. (A longer one was accepted once and failed
-/// inside the acquire script.)
-pub const MAX_FENCE_RETENTION: Duration = Duration::from_secs(365 * 24 * 3600);
+/// The fencing-counter retention's default (one hour) and upper bound (365
+/// days), shared with the PostgreSQL backend; see
+/// [`RedisConfig::fence_retention`] and the crate docs,
+/// [Fencing tokens](crate#fencing-tokens-without-a-key-per-lock-name-forever).
+pub use distlock_core::{DEFAULT_FENCE_RETENTION, MAX_FENCE_RETENTION};
 
 /// The Unix-socket schemes, which [`RedisConfig::from_url`] accepts beside
 /// the facade's [`SCHEMES`](crate::SCHEMES).
@@ -278,23 +274,6 @@ impl fmt::Debug for RedisConfig {
             .field("allow_eviction", &self.allow_eviction)
             .finish()
     }
-}
-
-/// A fencing retention (`name` says where it was given) within its bounds.
-fn check_retention(retention: Duration, name: &str) -> Result<(), LockError> {
-    if retention.is_zero() {
-        return Err(LockError::config(format!(
-            "{name} must be greater than zero"
-        )));
-    }
-    if retention > MAX_FENCE_RETENTION {
-        return Err(LockError::config(format!(
-            "{name} of {retention:?} is longer than the longest accepted, {} days ({} ms)",
-            MAX_FENCE_RETENTION.as_secs() / 86_400,
-            MAX_FENCE_RETENTION.as_millis()
-        )));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

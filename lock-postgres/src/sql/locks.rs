@@ -1,10 +1,11 @@
 //! The statements of the lock table (and of the namespace's format
-//! marker): one row per lock, given up rows kept so a key's fencing
-//! counter keeps growing.
+//! marker): one row per lock, given up rows kept (so a key's fencing
+//! counter keeps growing) until the sweep deletes them, the fencing
+//! retention after their last acquisition (see [`super::sweep`]).
 
 use std::sync::Arc;
 
-use super::{line, Sql};
+use super::{create_table_with_index, line, Sql, Sweep};
 use crate::config::{FORMAT_TABLE, WAITER_TABLE};
 use crate::keys::{qualified_table, quote_identifier};
 
@@ -22,6 +23,13 @@ pub(crate) const GIVEN_UP_BEFORE: &str = "'2000-01-01 00:00:00+00'::timestamptz"
 /// The expiry of a row or permit given up by sends numbered up to `$n`.
 pub(super) fn given_up(n: u32) -> String {
     format!("('epoch'::timestamptz + ${n}::bigint * interval '1 microsecond')")
+}
+
+/// The microseconds since the Unix epoch of the timestamp `at`: the clock
+/// part of a fencing token, which is `greatest(counter + 1, this)` (see the
+/// crate docs on fencing tokens).
+pub(super) fn micros(at: &str) -> String {
+    format!("floor(extract(epoch FROM {at}) * 1000000)::bigint")
 }
 
 /// Whether an acquire numbered `$n` is a late send: `{same_owner}` (its
@@ -133,6 +141,8 @@ pub(crate) struct Statements {
     /// fencing bigint` (the row as it was before); frees a live lock of any
     /// owner distlock wrote and sends `NOTIFY channel, key`.
     pub force_release: Arc<Sql>,
+    /// Deletes rows nobody has held for the fencing retention.
+    pub sweep: Sweep,
 }
 
 impl Statements {
@@ -142,14 +152,15 @@ impl Statements {
         let sql = |template: &str| Arc::new(Sql::with_tables(template, &t, &w));
         let format_table = qualified_table(schema, FORMAT_TABLE);
         let marker = |template: &str| Arc::new(Sql::new(template, &format_table));
+        let clock = micros("clock_timestamp()");
         // The acquire: takes the lock (`taken`), or answers with the holder.
         let taken = format!("taken AS (
                     INSERT INTO {{t}} AS t (namespace, key, owner, fencing, expires_at)
-                    VALUES ($1, $2, $3, 1, clock_timestamp() + $4::bigint * interval '1 millisecond')
+                    VALUES ($1, $2, $3, {clock}, clock_timestamp() + $4::bigint * interval '1 millisecond')
                     ON CONFLICT (namespace, key) DO UPDATE
                         SET owner = excluded.owner,
                             fencing = CASE WHEN t.owner = excluded.owner AND t.expires_at > clock_timestamp()
-                                           THEN t.fencing ELSE t.fencing + 1 END,
+                                           THEN t.fencing ELSE greatest(t.fencing + 1, {clock}) END,
                             expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond'
                         WHERE (t.owner IS NULL OR t.owner ~ '^[0-9a-f]{{32}}$')
                           AND t.fencing >= 0
@@ -187,6 +198,7 @@ impl Statements {
             )
         };
         Self {
+            sweep: Sweep::locks(schema, table),
             release: sql(&release(
                 "",
                 "(SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done",
@@ -232,14 +244,18 @@ impl Statements {
                 &quote_identifier(schema),
             )),
             table_exists: sql("SELECT pg_catalog.to_regclass($1) IS NOT NULL AS exists"),
-            create_table: sql("CREATE TABLE IF NOT EXISTS {t} (
+            create_table: create_table_with_index(
+                "CREATE TABLE IF NOT EXISTS {t} (
                     namespace text NOT NULL,
                     key text NOT NULL,
                     owner text,
                     fencing bigint NOT NULL,
                     expires_at timestamptz NOT NULL,
                     PRIMARY KEY (namespace, key)
-                )"),
+                )",
+                schema,
+                table,
+            ),
             acquire: sql(&format!("WITH {taken} {answer}")),
             acquire_queued: sql(&format!(
                 "WITH {taken}, {line} {answer}",
@@ -270,11 +286,15 @@ impl Statements {
                        coalesce(array_agg(h.fencing ORDER BY b.n), '{}') AS fencing
                 FROM b
                 LEFT JOIN {t} AS h ON h.namespace = $1 AND h.key = b.key"),
+            // The counter moves to the clock (no token is issued), so that
+            // the sweep keeps the row, and the late sends it refuses, for
+            // the retention from now.
             give_back: sql(&format!("WITH done AS (
                     INSERT INTO {{t}} AS t (namespace, key, owner, fencing, expires_at)
-                    VALUES ($1, $2, $3, 0, {up_to})
+                    VALUES ($1, $2, $3, {clock}, {up_to})
                     ON CONFLICT (namespace, key) DO UPDATE
-                        SET owner = excluded.owner, expires_at = excluded.expires_at
+                        SET owner = excluded.owner, expires_at = excluded.expires_at,
+                            fencing = greatest(t.fencing, excluded.fencing)
                         WHERE (t.owner = excluded.owner AND t.xmin = $4::xid)
                            OR ((t.owner IS NULL OR (t.expires_at <= clock_timestamp()
                                                     AND t.expires_at >= {GIVEN_UP_BEFORE}))
@@ -283,7 +303,8 @@ impl Statements {
                     RETURNING t.key
                 )
                 SELECT count(*) AS done FROM (SELECT pg_notify($6, done.key) FROM done) AS n",
-                up_to = given_up(5))),
+                up_to = given_up(5),
+                clock = clock)),
             inspect: sql("SELECT (owner IS NOT NULL AND expires_at > clock_timestamp()) AS held, owner, fencing,
                         greatest(0, ceil(extract(epoch FROM (expires_at - clock_timestamp())) * 1000))::bigint
                             AS expires_in_ms

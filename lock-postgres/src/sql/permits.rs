@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use super::locks::{given_up, late_send, GIVEN_UP_BEFORE};
-use super::{line, Sql};
+use super::locks::{given_up, late_send, micros, GIVEN_UP_BEFORE};
+use super::{create_table_with_index, line, Sql, Sweep};
 use crate::config::WAITER_TABLE;
 use crate::keys::qualified_table;
 
@@ -90,7 +90,9 @@ fn late_permit_send(n: u32) -> String {
 /// the row lock. Expired permits are dropped by every statement that
 /// writes the row, except the last `permit_limit` of those given up (which
 /// refuse their attempts' late sends, see [`GIVEN_UP_BEFORE`]); the row
-/// itself stays, so the fencing counter keeps growing.
+/// itself stays, so the fencing counter keeps growing, until the sweep
+/// deletes it (every permit free for the fencing retention, see
+/// [`super::sweep`]).
 #[derive(Debug, Clone)]
 pub(crate) struct PermitStatements {
     /// Creates the table.
@@ -136,6 +138,9 @@ pub(crate) struct PermitStatements {
     /// woken bigint, woke_all bigint`: as the lock's `leave`, the next
     /// waiter woken if a permit is free.
     pub leave: Arc<Sql>,
+    /// Deletes semaphore rows nobody has held a permit of for the fencing
+    /// retention.
+    pub sweep: Sweep,
 }
 
 impl PermitStatements {
@@ -145,6 +150,9 @@ impl PermitStatements {
         let sql = |template: &str| Arc::new(Sql::with_tables(template, &t, &w));
         let ttl = |n: u32| format!("${n}::bigint * interval '1 millisecond'");
         let now = "excluded.updated_at";
+        // A new permit's fencing token: one time value for the permit and
+        // the row's counter, so that the permit's is never above it.
+        let next = format!("greatest(t.fencing + 1, {})", micros(now));
         // The permit `$3`, `$4` (extend, release).
         let this = "(p.o = $3::text AND p.f = $4::bigint)";
         // Live permits, given-up ones, and that permit.
@@ -156,11 +164,11 @@ impl PermitStatements {
                 "WITH now AS (SELECT clock_timestamp() AS at),
                 taken AS (
                     INSERT INTO {{t}} AS t (namespace, key, permit_limit, fencing, owners, fencings, expires, updated_at)
-                    SELECT $1, $2, $5::bigint, 1, ARRAY[$3::text], ARRAY[1::bigint], ARRAY[now.at + {ttl4}], now.at
+                    SELECT $1, $2, $5::bigint, {first}, ARRAY[$3::text], ARRAY[{first}], ARRAY[now.at + {ttl4}], now.at
                     FROM now
                     ON CONFLICT (namespace, key) DO UPDATE
                         SET {permits},
-                            fencing = t.fencing + CASE WHEN {own} IS NULL THEN 1 ELSE 0 END,
+                            fencing = CASE WHEN {own} IS NULL THEN {next} ELSE t.fencing END,
                             permit_limit = excluded.permit_limit,
                             updated_at = {now}
                         WHERE {well_formed_t}
@@ -181,9 +189,11 @@ impl PermitStatements {
                 FROM {{t}} AS h
                 WHERE h.namespace = $1 AND h.key = $2 AND NOT EXISTS (SELECT 1 FROM taken)",
                 ttl4 = ttl(4),
+                first = micros("now.at"),
+                next = next,
                 permits = permits_from(
                     &format!(
-                        "{} UNION ALL SELECT $3::text, coalesce({own}, t.fencing + 1), excluded.expires[1], NULL",
+                        "{} UNION ALL SELECT $3::text, coalesce({own}, {next}), excluded.expires[1], NULL",
                         permits_of_t(&format!(
                             "(p.e > {now} OR p.e < {GIVEN_UP_BEFORE}) AND p.o <> $3::text"
                         )),
@@ -230,7 +240,9 @@ impl PermitStatements {
             )
         };
         Self {
-            create_table: sql("CREATE TABLE IF NOT EXISTS {t} (
+            sweep: Sweep::permits(schema, table, &well_formed("{a}")),
+            create_table: create_table_with_index(
+                "CREATE TABLE IF NOT EXISTS {t} (
                     namespace text NOT NULL,
                     key text NOT NULL,
                     permit_limit bigint NOT NULL,
@@ -240,7 +252,10 @@ impl PermitStatements {
                     expires timestamptz[] NOT NULL,
                     updated_at timestamptz NOT NULL,
                     PRIMARY KEY (namespace, key)
-                )"),
+                )",
+                schema,
+                table,
+            ),
             acquire: sql(&acquire("")),
             acquire_queued: sql(&acquire(&format!(
                 ", {}",

@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use futures_util::TryStreamExt;
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnection, PgRow};
+use sqlx::postgres::{PgConnection, PgPool, PgRow};
 use sqlx::{Either, Executor, Postgres, Row};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -172,6 +172,50 @@ impl Drop for Done {
                 drop(conn.detach());
             }
         }
+    }
+}
+
+/// Why [`send_alone`] has no reply.
+pub(crate) enum Missed {
+    /// The statement (or getting a connection) failed.
+    Failed(sqlx::Error),
+    /// No pooled connection within the timeout.
+    NoConnection,
+    /// No reply within the timeout (the statement may still run).
+    NoReply,
+}
+
+impl std::fmt::Display for Missed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Missed::Failed(e) => e.fmt(f),
+            Missed::NoConnection => f.write_str("no connection within the operation timeout"),
+            Missed::NoReply => f.write_str("no reply within the operation timeout"),
+        }
+    }
+}
+
+/// Runs `call` once on a connection of `pool`, for a statement no caller
+/// waits for (leaving a waiter line, the sweep): the connection within
+/// `timeout`, the reply within `timeout` of that, read to the end on a
+/// task of its own as [`send`] does (so dropping this future leaves no
+/// connection mid-reply).
+pub(crate) async fn send_alone(
+    pool: &PgPool,
+    call: Call,
+    timeout: Duration,
+) -> Result<Reply, Missed> {
+    let deadline = Instant::now() + timeout;
+    let conn = match tokio::time::timeout_at(deadline, pool.acquire()).await {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(e)) => return Err(Missed::Failed(e)),
+        Err(_) => return Err(Missed::NoConnection),
+    };
+    let mut sent = send(conn, Arc::new(call), None, deadline + timeout, timeout);
+    match sent.wait(deadline).await.and_then(|mut done| done.take()) {
+        Some(Ok(reply)) => Ok(reply),
+        Some(Err(e)) => Err(Missed::Failed(e)),
+        None => Err(Missed::NoReply),
     }
 }
 

@@ -9,6 +9,7 @@ mod line;
 mod listener;
 mod outcomes;
 mod pooler;
+mod reclaim;
 mod rows;
 mod semaphores;
 mod settings;
