@@ -292,7 +292,7 @@ impl PostgresLock {
     /// is due: see [`crate::sweep`]. Never waits for it.
     pub(crate) fn sweep_if_due(&self) {
         self.sweeper.maybe_start(|| SweepJob {
-            pool: self.pool.clone(),
+            connect: (*self.pool.connect_options()).clone(),
             simple: self.simple.clone(),
             namespace: self.namespace().to_owned(),
             retention: self.config.fence_retention(),

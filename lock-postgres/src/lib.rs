@@ -229,7 +229,9 @@
 //! The clients delete these rows themselves: at most one sweep per client
 //! per interval (half the retention, between 1 s and 60 s), started by an
 //! acquisition (and by the first one of each client) on a task the
-//! acquisition does not wait for, which ends with the client. It deletes
+//! acquisition does not wait for, which ends with the client, over one
+//! connection of its own (closed after the sweep: a lock call never waits
+//! for a connection the sweep holds). It deletes
 //! up to 100 rows per statement and up to 50 statements per sweep, only in
 //! its client's namespace (whose clients should share one retention),
 //! picking rows `FOR UPDATE SKIP LOCKED` through the `_fencing` index

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use sqlx::postgres::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::Row;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -50,7 +50,10 @@ impl SweptTable {
 
 /// What a sweep needs, owned, to run on its own task.
 pub(crate) struct SweepJob {
-    pub(crate) pool: PgPool,
+    /// How the client's pool connects: the sweep opens one connection of
+    /// its own, so it never holds one a lock call is waiting for (which
+    /// would then open another, a round trip more, or wait).
+    pub(crate) connect: PgConnectOptions,
     /// The client's protocol switch (see `PostgresLock::protocol`).
     pub(crate) simple: Arc<AtomicBool>,
     pub(crate) namespace: String,
@@ -133,13 +136,23 @@ impl Drop for Sweeper {
 
 impl SweepJob {
     async fn run(self) {
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .min_connections(0)
+            .test_before_acquire(false)
+            .connect_lazy_with(self.connect.clone());
+        self.sweep(&pool).await;
+        pool.close().await;
+    }
+
+    async fn sweep(&self, pool: &PgPool) {
         for table in &self.tables {
             if table.refused.load(Ordering::Relaxed) {
                 continue;
             }
             let mut deleted = 0;
             for _ in 0..BATCHES {
-                match self.batch(table).await {
+                match self.batch(pool, table).await {
                     Ok(done) => {
                         deleted += done;
                         if done < BATCH {
@@ -164,7 +177,7 @@ impl SweepJob {
     }
 
     /// One delete statement: how many rows it deleted.
-    async fn batch(&self, table: &SweptTable) -> Result<i64, Failure> {
+    async fn batch(&self, pool: &PgPool, table: &SweptTable) -> Result<i64, Failure> {
         let retention = i64::try_from(self.retention.as_millis()).unwrap_or(i64::MAX);
         let call = Call::new(
             Protocol::of(&self.simple),
@@ -175,7 +188,7 @@ impl SweepJob {
                 Arg::Int(BATCH),
             ],
         );
-        match sql::send_alone(&self.pool, call, self.timeout).await {
+        match sql::send_alone(pool, call, self.timeout).await {
             Ok(reply) => Ok(reply
                 .row
                 .and_then(|row| row.try_get::<i64, _>("done").ok())

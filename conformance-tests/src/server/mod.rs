@@ -260,10 +260,21 @@ impl ServerProcess {
         &self.dir
     }
 
-    /// Kills the process with SIGKILL and reaps it. Idempotent.
+    /// Kills the process and every process it started with SIGKILL, and
+    /// reaps it. Idempotent.
     pub fn kill(&self) {
         if let Some(mut child) = self.child.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            // Its children too: a PostgreSQL backend outlives a killed
+            // postmaster for a moment and would still answer a request
+            // sent to a server the case believes down.
+            let children = descendants(child.id());
             let _ = child.kill();
+            if !children.is_empty() {
+                let _ = Command::new("kill")
+                    .arg("-KILL")
+                    .args(children.iter().map(u32::to_string))
+                    .status();
+            }
             let _ = child.wait();
         }
     }
