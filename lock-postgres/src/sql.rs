@@ -64,7 +64,7 @@ pub use locks::StatementTexts;
 pub(crate) use locks::Statements;
 pub use permits::PermitStatementTexts;
 pub(crate) use permits::PermitStatements;
-pub(crate) use run::{send, send_alone, GiveBack, Missed, Reply};
+pub(crate) use run::{send, send_alone, GiveBack, Reply};
 use sweep::create_table_with_index;
 pub(crate) use sweep::{Sweep, BATCH};
 

@@ -12,13 +12,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgConnection};
+use sqlx::Connection;
 use sqlx::Row;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::errors;
-use crate::sql::{self, Arg, Call, Missed, Protocol, Sql, BATCH};
+use crate::sql::{self, Arg, Call, Protocol, Sql, BATCH};
 
 /// The shortest and longest pause between two sweeps of one client.
 const INTERVAL: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(60));
@@ -136,23 +137,31 @@ impl Drop for Sweeper {
 
 impl SweepJob {
     async fn run(self) {
-        let pool = PgPoolOptions::new()
-            .max_connections(1)
-            .min_connections(0)
-            .test_before_acquire(false)
-            .connect_lazy_with(self.connect.clone());
-        self.sweep(&pool).await;
-        pool.close().await;
+        let connected =
+            tokio::time::timeout(self.timeout, PgConnection::connect_with(&self.connect)).await;
+        let mut conn = match connected {
+            Ok(Ok(conn)) => conn,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "sweeping idle rows: no connection; trying again at the next sweep");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(timeout = ?self.timeout, "sweeping idle rows: no connection within the timeout; trying again at the next sweep");
+                return;
+            }
+        };
+        self.sweep(&mut conn).await;
+        let _ = conn.close().await;
     }
 
-    async fn sweep(&self, pool: &PgPool) {
+    async fn sweep(&self, conn: &mut PgConnection) {
         for table in &self.tables {
             if table.refused.load(Ordering::Relaxed) {
                 continue;
             }
             let mut deleted = 0;
             for _ in 0..BATCHES {
-                match self.batch(pool, table).await {
+                match self.batch(conn, table).await {
                     Ok(done) => {
                         deleted += done;
                         if done < BATCH {
@@ -177,7 +186,7 @@ impl SweepJob {
     }
 
     /// One delete statement: how many rows it deleted.
-    async fn batch(&self, pool: &PgPool, table: &SweptTable) -> Result<i64, Failure> {
+    async fn batch(&self, conn: &mut PgConnection, table: &SweptTable) -> Result<i64, Failure> {
         let retention = i64::try_from(self.retention.as_millis()).unwrap_or(i64::MAX);
         let call = Call::new(
             Protocol::of(&self.simple),
@@ -188,15 +197,18 @@ impl SweepJob {
                 Arg::Int(BATCH),
             ],
         );
-        match sql::send_alone(pool, call, self.timeout).await {
-            Ok(reply) => Ok(reply
+        // Dropped on timeout, the connection is closed with the sweep.
+        match tokio::time::timeout(self.timeout, sql::run::run(conn, &call)).await {
+            Ok(Ok(reply)) => Ok(reply
                 .row
                 .and_then(|row| row.try_get::<i64, _>("done").ok())
                 .unwrap_or(0)),
-            Err(Missed::Failed(e)) if errors::is_permission_denied(&e) => {
-                Err(Failure::Refused(e.to_string()))
-            }
-            Err(missed) => Err(Failure::Other(missed.to_string())),
+            Ok(Err(e)) if errors::is_permission_denied(&e) => Err(Failure::Refused(e.to_string())),
+            Ok(Err(e)) => Err(Failure::Other(e.to_string())),
+            Err(_) => Err(Failure::Other(format!(
+                "no reply within {:?}",
+                self.timeout
+            ))),
         }
     }
 }

@@ -317,19 +317,25 @@ impl ServerProcess {
             .as_ref()
             .map(Child::id)
             .ok_or_else(|| io::Error::other("the server is not running"))?;
-        let mut pids = vec![pid];
-        pids.extend(descendants(pid));
+        // The server itself must take the signal; a child may exit between
+        // listing and signalling (a connection closing), which is no error.
         let status = Command::new("kill")
             .arg(format!("-{signal}"))
-            .args(pids.iter().map(u32::to_string))
+            .arg(pid.to_string())
             .status()?;
-        if status.success() {
-            Ok(())
-        } else {
-            Err(io::Error::other(format!(
-                "kill -{signal} {pids:?} failed ({status})"
-            )))
+        if !status.success() {
+            return Err(io::Error::other(format!(
+                "kill -{signal} {pid} failed ({status})"
+            )));
         }
+        let children = descendants(pid);
+        if !children.is_empty() {
+            let _ = Command::new("kill")
+                .arg(format!("-{signal}"))
+                .args(children.iter().map(u32::to_string))
+                .status();
+        }
+        Ok(())
     }
 
     /// Whether the process is running (as far as the harness knows).

@@ -196,7 +196,7 @@ impl std::fmt::Display for Missed {
 }
 
 /// Runs `call` once on a connection of `pool`, for a statement no caller
-/// waits for (leaving a waiter line, the sweep): the connection within
+/// waits for (leaving a waiter line): the connection within
 /// `timeout`, the reply within `timeout` of that, read to the end on a
 /// task of its own as [`send`] does (so dropping this future leaves no
 /// connection mid-reply).
