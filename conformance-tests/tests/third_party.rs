@@ -167,6 +167,7 @@ impl LockAdmin for TinyLock {
             Some(entry) if entry.expires_at > now => LockState::Held {
                 expires_in: Some(entry.expires_at - now),
                 fencing_token: entry.fencing,
+                holder: None,
             },
             _ => LockState::Free,
         })

@@ -64,6 +64,7 @@ async fn look(backend: &LockClient, key: &LockKey) -> Result<Seen, Failure> {
         LockState::Held {
             expires_in,
             fencing_token,
+            ..
         } => Seen {
             held: true,
             fencing_token: Some(fencing_token),

@@ -395,6 +395,7 @@ async fn announce_wait(backend: &LockClient, key: &LockKey, wait: Duration) {
         Ok(LockState::Held {
             expires_in,
             fencing_token,
+            ..
         }) => note!(
             key = key.as_str(),
             holder_fencing = %fencing_token,

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
-use crate::{Capabilities, FencingToken, LockError, LockKey, OwnerToken, ReleaseWatch};
+use crate::{Capabilities, FencingToken, HolderId, LockError, LockKey, OwnerToken, ReleaseWatch};
 
 /// What the client asks a backend to take.
 ///
@@ -36,6 +36,11 @@ pub struct AcquireRequest<'a> {
     /// someone will use needs (waiting for replicas to acknowledge it), so
     /// the give-back is not held up by what delays the attempt it settles.
     pub settling: bool,
+    /// Who asks, for people to read ([`LockState::Held::holder`]): store
+    /// it with the lock, bound to `owner`, where
+    /// [`Capabilities::holder_ids`] is declared. Never compare it for
+    /// ownership.
+    pub holder: Option<&'a HolderId>,
 }
 
 /// A lock the client holds, as the backend is asked to extend or release it.
@@ -340,6 +345,11 @@ pub enum LockState {
         expires_in: Option<Duration>,
         /// The holder's fencing token.
         fencing_token: FencingToken,
+        /// The holder's label, if the holder gave one and the backend
+        /// stores them ([`Capabilities::holder_ids`]). Only a label stored
+        /// by the acquisition that holds the lock now is shown, never one
+        /// left by an earlier holder. For people: not proof of anything.
+        holder: Option<HolderId>,
     },
 }
 
@@ -356,4 +366,16 @@ pub trait LockAdmin: Send + Sync {
     /// next renewal; fencing tokens keep growing. Never touches a value the
     /// library did not write ([`ErrorKind::Corrupted`](crate::ErrorKind)).
     async fn force_release(&self, key: &LockKey) -> Result<bool, LockError>;
+
+    /// Subscribes to changes of who holds `key` (taken, released,
+    /// force-released, expired where the server notices), for observers
+    /// ([`Locker::observe`](crate::Locker::observe)); the watch fires at
+    /// least once after each change. An observer must never take a place
+    /// in a waiter line. `None` (the default): observers read
+    /// [`inspect`](Self::inspect) at the holder's expiry and every poll
+    /// interval.
+    async fn watch_holder(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        let _ = key;
+        Ok(None)
+    }
 }

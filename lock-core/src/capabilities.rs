@@ -47,6 +47,10 @@ pub struct Capabilities {
     /// share a TTL renew together, at shared moments; 1 (the default):
     /// each guard renews alone.
     pub extend_batch: usize,
+    /// The backend stores a lock's [`HolderId`](crate::HolderId) with it
+    /// and shows it in [`LockState::Held`](crate::LockState::Held). The
+    /// suite then checks it round-trips (`holder::`).
+    pub holder_ids: bool,
 }
 
 impl Default for Capabilities {
@@ -60,6 +64,7 @@ impl Default for Capabilities {
             retry_interval: Duration::from_millis(50),
             durable: false,
             extend_batch: 1,
+            holder_ids: false,
         }
     }
 }

@@ -169,7 +169,7 @@ impl LockClient {
         key: &LockKey,
         ttl: Duration,
     ) -> Result<AcquireAttempt, LockError> {
-        self.attempt(key, ttl, Attempt::PLAIN, OwnerToken::random())
+        self.attempt(key, ttl, &Attempt::PLAIN, OwnerToken::random())
             .await
     }
 
@@ -182,7 +182,7 @@ impl LockClient {
         key: &LockKey,
         ttl: Duration,
     ) -> Result<AcquireAttempt, LockError> {
-        self.attempt(key, ttl, Attempt::RENEWING, OwnerToken::random())
+        self.attempt(key, ttl, &Attempt::RENEWING, OwnerToken::random())
             .await
     }
 
@@ -202,7 +202,7 @@ impl LockClient {
         limit: u32,
         ttl: Duration,
     ) -> Result<AcquireAttempt, LockError> {
-        self.attempt(key, ttl, Attempt::permit(limit), OwnerToken::random())
+        self.attempt(key, ttl, &Attempt::permit(limit), OwnerToken::random())
             .await
     }
 
@@ -518,7 +518,7 @@ impl LockClient {
         &self,
         key: &LockKey,
         ttl: Duration,
-        attempt: Attempt,
+        attempt: &Attempt,
         owner: OwnerToken,
     ) -> Result<AcquireAttempt, LockError> {
         let span = tracing::debug_span!(
@@ -545,6 +545,7 @@ impl LockClient {
                         ttl,
                         renewing: attempt.renewing,
                         settling: attempt.settling,
+                        holder: attempt.holder.as_ref(),
                     };
                     self.timed("acquire", self.raw().acquire(request)).await?
                 }
@@ -556,6 +557,7 @@ impl LockClient {
                         limit,
                         renewing: attempt.renewing,
                         settling: attempt.settling,
+                        holder: attempt.holder.as_ref(),
                     };
                     let semaphore = self.semaphore_or_error()?;
                     match self
@@ -626,6 +628,8 @@ impl LockClient {
     ) -> Result<Option<Lease>, LockError> {
         let client = self.clone();
         let task_key = key.clone();
+        let operation = attempt.operation();
+        let task_attempt = attempt;
         let stop_waiting = CancellationToken::new();
         let task_cancel = stop_waiting.clone();
         let (reply, answer) = oneshot::channel();
@@ -638,7 +642,7 @@ impl LockClient {
                     &task_key,
                     ttl,
                     deadline,
-                    attempt,
+                    &task_attempt,
                     guard_options.as_ref(),
                     &task_cancel,
                 )
@@ -681,7 +685,7 @@ impl LockClient {
             // call for the others (a failed subscription, a lost task).
             result = &mut answer.answer => result
                 .unwrap_or_else(panicked)
-                .map_err(|e| e.with_context(self.name(), attempt.operation(), key.as_str())),
+                .map_err(|e| e.with_context(self.name(), operation, key.as_str())),
         }
     }
 
@@ -717,12 +721,12 @@ impl LockClient {
         &self,
         key: &LockKey,
         ttl: Duration,
-        attempt: Attempt,
+        attempt: &Attempt,
         owner: OwnerToken,
     ) {
-        let (client, key) = (self.clone(), key.clone());
+        let (client, key, attempt) = (self.clone(), key.clone(), attempt.clone());
         self.spawn_background(async move {
-            if let Some(lease) = client.settle(&key, ttl, attempt, owner).await {
+            if let Some(lease) = client.settle(&key, ttl, &attempt, owner).await {
                 let _ = client.release(&lease).await;
             }
         });
@@ -734,10 +738,10 @@ impl LockClient {
         &self,
         key: &LockKey,
         ttl: Duration,
-        attempt: Attempt,
+        attempt: &Attempt,
         owner: OwnerToken,
     ) -> Option<Lease> {
-        match self.attempt(key, ttl, attempt.settling(), owner).await {
+        match self.attempt(key, ttl, &attempt.settling(), owner).await {
             Ok(AcquireAttempt::Acquired(lease)) => {
                 tracing::debug!(key = %key, fencing = %lease.fencing_token(), "an attempt whose outcome was unknown had been granted; giving it back");
                 Some(lease)

@@ -45,6 +45,7 @@ mod error;
 mod fence;
 mod format;
 mod guard;
+mod holder;
 pub mod instrument;
 mod job_key;
 mod key;
@@ -79,6 +80,7 @@ pub use format::{
     check_storage_format, foreign_storage_format, read_storage_format, STORAGE_FORMAT,
 };
 pub use guard::{LockGuard, LostReason, LostSignal};
+pub use holder::{HolderId, MAX_HOLDER_BYTES};
 pub use instrument::describe_metrics;
 pub use job_key::JobKey;
 pub use key::{LockKey, MAX_KEY_BYTES};

@@ -119,7 +119,8 @@ impl Locker {
         let attempt = options
             .permits()
             .map_or(Attempt::PLAIN, Attempt::permit)
-            .renewed(options.renew_period(options.request_ttl()).is_some());
+            .renewed(options.renew_period(options.request_ttl()).is_some())
+            .held_by(options.holder().cloned());
         tokio::pin!(cancel);
         let lease = loop {
             let lease = self
@@ -128,7 +129,7 @@ impl Locker {
                     key,
                     options.request_ttl(),
                     deadline,
-                    attempt,
+                    attempt.clone(),
                     Some(options.clone()),
                     &mut cancel,
                 )

@@ -14,9 +14,9 @@ use crate::lease::later;
 
 use crate::{
     AcquireReply, AcquireRequest, BackendDescriptor, Capabilities, Connecting, ExtendReply,
-    FencingToken, Grant, HeldLock, LockAdmin, LockBackend, LockClient, LockError, LockKey,
-    LockState, OwnerToken, PermitReply, PermitRequest, ReleaseReply, ReleaseWatch,
-    SemaphoreBackend,
+    FencingToken, Grant, HeldLock, HolderId, LockAdmin, LockBackend, LockClient, LockError,
+    LockKey, LockState, OwnerToken, PermitReply, PermitRequest, ReleaseNotifier, ReleaseReply,
+    ReleaseWatch, SemaphoreBackend,
 };
 use line::Lines;
 
@@ -25,6 +25,7 @@ struct Held {
     owner: OwnerToken,
     fencing: FencingToken,
     expires_at: Instant,
+    holder: Option<HolderId>,
 }
 
 /// One semaphore: its limit and its permits (live or not yet swept).
@@ -45,6 +46,8 @@ struct Store {
     fencing: AtomicU64,
     /// The locks' waiter lines.
     lock_lines: Lines,
+    /// Observers of who holds a lock, told of every take and release.
+    observers: ReleaseNotifier,
 }
 
 impl Store {
@@ -226,6 +229,7 @@ impl LockBackend for MemoryLock {
             native_wait: true,
             wakes_one_waiter: true,
             extend_batch: MEMORY_EXTEND_BATCH,
+            holder_ids: true,
             ..Capabilities::default()
         }
     }
@@ -259,9 +263,12 @@ impl LockBackend for MemoryLock {
                 owner: request.owner,
                 fencing,
                 expires_at: later(now, request.ttl),
+                holder: request.holder.cloned(),
             },
         );
+        drop(locks);
         self.store.lock_lines.leave(request.key, request.owner);
+        self.store.observers.notify(request.key.as_str());
         Ok(AcquireReply::Granted(Grant::new(fencing, request.ttl)))
     }
 
@@ -292,6 +299,7 @@ impl LockBackend for MemoryLock {
             }
             locks.remove(lock.key);
         }
+        self.store.observers.notify(lock.key.as_str());
         self.store.lock_lines.wake_next(lock.key);
         Ok(ReleaseReply::Released)
     }
@@ -367,6 +375,7 @@ impl SemaphoreBackend for MemoryLock {
             owner: request.owner,
             fencing,
             expires_at: later(now, request.ttl),
+            holder: request.holder.cloned(),
         });
         self.store.permit_lines.leave(request.key, request.owner);
         Ok(PermitReply::Granted(Grant::new(fencing, request.ttl)))
@@ -436,6 +445,7 @@ impl LockAdmin for MemoryLock {
             Some(held) if held.expires_at > now => LockState::Held {
                 expires_in: Some(held.expires_at - now),
                 fencing_token: held.fencing,
+                holder: held.holder.clone(),
             },
             _ => LockState::Free,
         })
@@ -448,9 +458,19 @@ impl LockAdmin for MemoryLock {
             matches!(locks.remove(key), Some(held) if held.expires_at > now)
         };
         if was_held {
+            self.store.observers.notify(key.as_str());
             self.store.lock_lines.wake_next(key);
         }
         Ok(was_held)
+    }
+
+    async fn watch_holder(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        let watch = self
+            .store
+            .observers
+            .subscribe(key.as_str(), || async { Ok(()) })
+            .await?;
+        Ok(Some(watch))
     }
 }
 

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::lease::clock_drift;
-use crate::LockError;
+use crate::{HolderId, LockError};
 
 /// When a [`LockGuard`](crate::LockGuard) renews its lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -56,6 +56,7 @@ pub struct LockOptions {
     hold_at_least: Option<Duration>,
     stop_margin: Option<Duration>,
     permits: Option<u32>,
+    holder: Option<HolderId>,
 }
 
 impl LockOptions {
@@ -71,6 +72,7 @@ impl LockOptions {
             hold_at_least: None,
             stop_margin: None,
             permits: None,
+            holder: None,
         }
     }
 
@@ -132,6 +134,20 @@ impl LockOptions {
     pub fn with_permits(mut self, limit: u32) -> Self {
         self.permits = Some(limit);
         self
+    }
+
+    /// Store `holder` with the lock (or permit) so others can read who holds
+    /// it ([`LockState::Held`](crate::LockState::Held), `distlock status`).
+    /// A label for people, never proof of ownership; ignored by a backend
+    /// that does not declare [`Capabilities::holder_ids`](crate::Capabilities::holder_ids).
+    pub fn with_holder(mut self, holder: HolderId) -> Self {
+        self.holder = Some(holder);
+        self
+    }
+
+    /// The holder label stored with the lock, if set.
+    pub fn holder(&self) -> Option<&HolderId> {
+        self.holder.as_ref()
     }
 
     /// The semaphore limit, if the options take a permit.

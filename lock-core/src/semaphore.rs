@@ -20,7 +20,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::{
-    ExtendReply, Grant, HeldLock, LockError, LockKey, OwnerToken, ReleaseReply, ReleaseWatch,
+    ExtendReply, Grant, HeldLock, HolderId, LockError, LockKey, OwnerToken, ReleaseReply,
+    ReleaseWatch,
 };
 
 /// What the client asks a backend to take: one permit of `key`'s semaphore.
@@ -45,6 +46,8 @@ pub struct PermitRequest<'a> {
     /// someone will use needs (waiting for replicas to acknowledge it), so
     /// the give-back is not held up by what delays the attempt it settles.
     pub settling: bool,
+    /// Who asks, as in [`AcquireRequest::holder`](crate::AcquireRequest::holder).
+    pub holder: Option<&'a HolderId>,
 }
 
 /// The server's answer to one permit attempt.

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::lease::later;
+use crate::HolderId;
 use crate::{
     AcquireAttempt, ErrorKind, Lease, LockClient, LockError, LockKey, LockOptions, OwnerToken,
     ReleaseWatch,
@@ -21,7 +22,7 @@ const BACKOFF_MIN: Duration = Duration::from_millis(50);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// Which acquisition the waiting loop makes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Attempt {
     /// A guard will renew it (a backend may attach it to a session).
     pub(crate) renewing: bool,
@@ -30,6 +31,8 @@ pub(crate) struct Attempt {
     /// Only settles an earlier attempt whose outcome is unknown: what it is
     /// granted is given back at once.
     pub(crate) settling: bool,
+    /// Stored with the lock for people to read.
+    pub(crate) holder: Option<HolderId>,
 }
 
 impl Attempt {
@@ -38,6 +41,7 @@ impl Attempt {
         renewing: false,
         permits: None,
         settling: false,
+        holder: None,
     };
 
     /// A lock a guard will renew.
@@ -55,12 +59,17 @@ impl Attempt {
     }
 
     /// The same acquisition, renewed by a guard or not.
-    pub(crate) const fn renewed(self, renewing: bool) -> Attempt {
+    pub(crate) fn renewed(self, renewing: bool) -> Attempt {
         Attempt { renewing, ..self }
     }
 
+    /// The same acquisition, labelled with `holder`.
+    pub(crate) fn held_by(self, holder: Option<HolderId>) -> Attempt {
+        Attempt { holder, ..self }
+    }
+
     /// The operation, as an error's context names it.
-    pub(crate) const fn operation(self) -> &'static str {
+    pub(crate) const fn operation(&self) -> &'static str {
         match self.permits {
             None => "acquire",
             Some(_) => "acquire a permit",
@@ -68,10 +77,10 @@ impl Attempt {
     }
 
     /// The attempt that settles this one's unknown outcome.
-    pub(crate) const fn settling(self) -> Attempt {
+    pub(crate) fn settling(&self) -> Attempt {
         Attempt {
             settling: true,
-            ..self
+            ..self.clone()
         }
     }
 }
@@ -104,7 +113,7 @@ pub(crate) async fn acquire_until_cancelled(
     key: &LockKey,
     ttl: Duration,
     deadline: Instant,
-    attempt: Attempt,
+    attempt: &Attempt,
     guard_options: Option<&LockOptions>,
     cancel: &CancellationToken,
 ) -> Result<Option<Lease>, LockError> {
@@ -234,7 +243,7 @@ async fn attempt_giving_back_on_cancel(
     client: &LockClient,
     key: &LockKey,
     ttl: Duration,
-    attempt: Attempt,
+    attempt: &Attempt,
     owner: OwnerToken,
     cancel: &CancellationToken,
 ) -> Result<AcquireAttempt, LockError> {
@@ -256,7 +265,7 @@ async fn settle(
     client: &LockClient,
     key: &LockKey,
     ttl: Duration,
-    attempt: Attempt,
+    attempt: &Attempt,
     owner: OwnerToken,
     unknown: bool,
 ) -> Option<Lease> {

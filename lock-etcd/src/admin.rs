@@ -53,6 +53,7 @@ impl LockAdmin for EtcdLock {
             // -1 once the lease expired (the key goes with it).
             expires_in: u64::try_from(ttl.ttl()).ok().map(Duration::from_secs),
             fencing_token: FencingToken::new(u64::try_from(found.create_revision()).unwrap_or(0)),
+            holder: None,
         })
     }
 

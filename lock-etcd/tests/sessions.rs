@@ -182,6 +182,7 @@ async fn renewing_permit_renewal_is_one_confirming_request() {
             limit: 3,
             renewing: true,
             settling: false,
+            holder: None,
         };
         let before = grpc_started(server.addr()).await;
         let reply = lock.acquire_permit(request).await.expect("permit");

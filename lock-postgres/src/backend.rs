@@ -754,6 +754,7 @@ impl LockAdmin for PostgresLock {
         Ok(LockState::Held {
             expires_in: u64::try_from(expires_in_ms).ok().map(Duration::from_millis),
             fencing_token: FencingToken::new(u64::try_from(fencing).unwrap_or(0)),
+            holder: None,
         })
     }
 

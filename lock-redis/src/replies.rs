@@ -128,6 +128,7 @@ pub(crate) fn inspect_reply(reply: &Value) -> Result<LockState, LockError> {
         [state, pttl, token] if as_int(state) == Some(1) => Ok(LockState::Held {
             expires_in: millis_left(as_int(pttl).ok_or_else(bad)?),
             fencing_token: as_token(token).ok_or_else(bad)?,
+            holder: None,
         }),
         _ => Err(bad()),
     }

@@ -122,6 +122,7 @@ impl Client {
             LockState::Held {
                 expires_in,
                 fencing_token,
+                ..
             } => Some(Holder {
                 fencing_token: fencing_token.get(),
                 expires_in,

@@ -29,6 +29,7 @@ pub async fn inspect_reports_holder(ctx: TestContext) -> CaseResult {
         LockState::Held {
             fencing_token,
             expires_in,
+            ..
         } => {
             check_eq!(
                 fencing_token,

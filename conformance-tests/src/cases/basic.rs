@@ -733,6 +733,7 @@ pub async fn held_reports_time_left(ctx: TestContext) -> CaseResult {
                     LockState::Held {
                         expires_in: Some(left),
                         fencing_token,
+                        ..
                     } if fencing_token == lease.fencing_token() => time_left_is_real(
                         &ctx,
                         left,

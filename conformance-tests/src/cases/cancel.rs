@@ -82,6 +82,7 @@ async fn drop_one(
                 ttl: client.capabilities().effective_ttl(ttl)?,
                 renewing: matches!(what, Call::RawAcquireRenewing),
                 settling: false,
+                holder: None,
             };
             let _ = tokio::time::timeout(cut, raw.acquire(request)).await;
         }

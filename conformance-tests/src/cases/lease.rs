@@ -604,6 +604,7 @@ async fn reported_end_within_expiry(
                 distlock_core::LockState::Held {
                     expires_in: Some(left),
                     fencing_token,
+                    ..
                 } if fencing_token == lease.fencing_token() => {
                     let expiry = answered + left + granularity + rate;
                     check!(
@@ -616,6 +617,7 @@ async fn reported_end_within_expiry(
                 distlock_core::LockState::Held {
                     expires_in: None,
                     fencing_token,
+                    ..
                 } if fencing_token == lease.fencing_token() => {}
                 state if answered < lease.valid_until() => {
                     return Err(CaseError(format!(

@@ -15,6 +15,7 @@ mod fault;
 mod fencing;
 mod guard;
 mod handoff;
+mod holder;
 mod input;
 mod lease;
 mod run;
@@ -41,6 +42,9 @@ pub enum Needs {
     OneWake,
     /// Lock data survives a server restart (`Capabilities::durable`).
     Durable,
+    /// Holder labels stored with locks and shown by `inspect`
+    /// (`Capabilities::holder_ids`, and the operator calls).
+    HolderIds,
     /// A lock server in another process, reachable by URL (a holder in a
     /// child process can share it; an in-process backend cannot).
     Server,
@@ -81,6 +85,11 @@ impl Needs {
                 .then(|| "backend declares no server-driven wake-up (native_wait = false)".into()),
             Needs::OneWake => (!caps.wakes_one_waiter).then(|| {
                 "backend declares that a release wakes every waiter (wakes_one_waiter = false)".into()
+            }),
+            Needs::HolderIds => Needs::Admin.missing(context).or_else(|| {
+                (!caps.holder_ids).then(|| {
+                    "backend declares it stores no holder labels (holder_ids = false)".into()
+                })
             }),
             Needs::Durable => (!caps.durable)
                 .then(|| "backend declares its lock data does not survive a restart (durable = false)".into()),
@@ -194,6 +203,10 @@ pub fn all() -> Vec<Case> {
         unicode_lookalike_keys_independent,
         namespaces_independent => Needs::Namespaces,
         held_reports_time_left,
+    ));
+    all.extend(cases!(holder:
+        label_round_trips => Needs::HolderIds,
+        label_is_not_ownership => Needs::HolderIds,
     ));
     all.extend(cases!(input:
         empty_key_rejected,

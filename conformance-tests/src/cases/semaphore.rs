@@ -639,6 +639,7 @@ pub async fn renewing_permit_holder_death_frees_permit(ctx: TestContext) -> Case
                 limit: 1,
                 renewing: true,
                 settling: false,
+                holder: None,
             };
             let fencing = match semaphore.acquire_permit(request).await? {
                 distlock_core::PermitReply::Granted(grant) => grant.fencing,

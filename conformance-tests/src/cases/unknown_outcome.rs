@@ -704,6 +704,7 @@ pub async fn same_owner_acquire_adopts(ctx: TestContext) -> CaseResult {
                 ttl,
                 renewing,
                 settling: false,
+                holder: None,
             };
             let raw = client.backend();
             let first_sent = Instant::now();
@@ -847,6 +848,7 @@ fn permit(key: &LockKey, owner: OwnerToken, ttl: Duration) -> PermitRequest<'_> 
         limit: 2,
         renewing: false,
         settling: false,
+        holder: None,
     }
 }
 

@@ -527,6 +527,11 @@ impl LockAdmin for LinkedLock {
         let admin = self.inner.admin().ok_or_else(no_admin)?;
         self.call("force_release", admin.force_release(key)).await
     }
+
+    async fn watch_holder(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        let admin = self.inner.admin().ok_or_else(no_admin)?;
+        self.call("watch_holder", admin.watch_holder(key)).await
+    }
 }
 
 fn no_admin() -> LockError {

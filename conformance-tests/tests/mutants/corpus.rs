@@ -855,6 +855,7 @@ impl LockBackend for Mutant {
                         ttl: server_ttl,
                         renewing: false,
                         settling: false,
+                        holder: None,
                     };
                     match self.inner.acquire(again).await? {
                         AcquireReply::Granted(grant) => {
@@ -1046,6 +1047,12 @@ impl LockAdmin for Mutant {
     async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
         self.admin_of_inner()?
             .force_release(&self.server_key(key))
+            .await
+    }
+
+    async fn watch_holder(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        self.admin_of_inner()?
+            .watch_holder(&self.server_key(key))
             .await
     }
 }

@@ -23,6 +23,7 @@ fn request(k: &LockKey, owner: OwnerToken, ttl: Duration) -> AcquireRequest<'_> 
         ttl,
         renewing: false,
         settling: false,
+        holder: None,
     }
 }
 

@@ -20,6 +20,7 @@ fn request(k: &LockKey, owner: OwnerToken, ttl: Duration, limit: u32) -> PermitR
         limit,
         renewing: false,
         settling: false,
+        holder: None,
     }
 }
 

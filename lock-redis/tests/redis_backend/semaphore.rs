@@ -30,6 +30,7 @@ fn request(key: &LockKey, owner: OwnerToken, ttl: Duration, settling: bool) -> P
         limit: 1,
         renewing: false,
         settling,
+        holder: None,
     }
 }
 

@@ -465,6 +465,7 @@ pub async fn raw_acquire(
         ttl,
         renewing: false,
         settling: false,
+        holder: None,
     })
     .await
 }
