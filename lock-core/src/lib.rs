@@ -41,6 +41,7 @@ mod capabilities;
 mod client;
 mod client_options;
 mod descriptor;
+mod election;
 mod error;
 mod fence;
 mod format;
@@ -74,6 +75,7 @@ pub use capabilities::Capabilities;
 pub use client::{AcquireAttempt, LockClient};
 pub use client_options::{with_timeout, ClientOptions, DEFAULT_NAMESPACE, MAX_TIMEOUT};
 pub use descriptor::{BackendDescriptor, Connecting};
+pub use election::{Leader, LeaderWatch, Leadership, DEFAULT_OBSERVE_POLL};
 pub use error::{request_message, ErrorKind, LockError, IN_LOCK_CALL};
 pub use fence::{check_fence_retention, DEFAULT_FENCE_RETENTION, MAX_FENCE_RETENTION};
 pub use format::{

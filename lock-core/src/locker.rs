@@ -108,7 +108,7 @@ impl Locker {
         self.lock_until(key, options, deadline, cancel).await
     }
 
-    async fn lock_until<C: Future<Output = ()>>(
+    pub(crate) async fn lock_until<C: Future<Output = ()>>(
         &self,
         key: &LockKey,
         options: &LockOptions,

@@ -150,6 +150,11 @@ impl LockOptions {
         self.holder.as_ref()
     }
 
+    /// Take the lock, not a permit.
+    pub(crate) fn clear_permits(&mut self) {
+        self.permits = None;
+    }
+
     /// The semaphore limit, if the options take a permit.
     pub fn permits(&self) -> Option<u32> {
         self.permits

@@ -10,6 +10,7 @@ use crate::context::{CaseResult, TestContext};
 mod admin;
 mod basic;
 mod cancel;
+mod election;
 mod exclusion;
 mod fault;
 mod fencing;
@@ -207,6 +208,13 @@ pub fn all() -> Vec<Case> {
     all.extend(cases!(holder:
         label_round_trips => Needs::HolderIds,
         label_is_not_ownership => Needs::HolderIds,
+    ));
+    all.extend(cases!(election:
+        one_leader_at_a_time => Needs::HolderIds,
+        observers_see_each_change => Needs::HolderIds,
+        resign_hands_over => Needs::HolderIds,
+        crash_hands_over_after_ttl => Needs::HolderIds,
+        vacancy_reported => Needs::HolderIds,
     ));
     all.extend(cases!(input:
         empty_key_rejected,

@@ -89,7 +89,20 @@ pub enum Defect {
     AdoptsWithoutTtlReset,
     SecondLockInsteadOfAdopting,
     SecondPermitInsteadOfAdopting,
+    // Holder labels and observers.
+    /// `inspect` shows the last label any holder of the key gave, not the
+    /// current holder's (a label not bound to its lock).
+    LabelOutlivesLock,
+    /// An observer's change notice is a place in the waiter line: a
+    /// release wakes the observer instead of the next candidate.
+    ObserverQueues,
 }
+
+/// The last label given per server key, across every client of the
+/// process (`LabelOutlivesLock`: what a server that keeps labels apart from
+/// locks would show).
+static LAST_LABELS: std::sync::LazyLock<Mutex<HashMap<String, distlock_core::HolderId>>> =
+    std::sync::LazyLock::new(Default::default);
 
 impl Defect {
     /// Whether the mutant sits below the simulated network, as a broken
@@ -352,6 +365,18 @@ pub const CORPUS: &[MutantSpec] = &[
         defect: Defect::HeldNoTimeLeft,
         what: "a refusal reports no time left on the holder's lease (waiters retry at once, over and over)",
         killers: &["basic::held_reports_time_left"],
+    },
+    MutantSpec {
+        name: "label_outlives_lock",
+        defect: Defect::LabelOutlivesLock,
+        what: "inspect shows the last label given for the key, also when the holder now gave none (a stale identity shown for another holder)",
+        killers: &["holder::label_round_trips"],
+    },
+    MutantSpec {
+        name: "observer_queues",
+        defect: Defect::ObserverQueues,
+        what: "an observer's change notice takes a place in the waiter line, so a resign wakes the observer, not the standby candidate",
+        killers: &["election::resign_hands_over"],
     },
     MutantSpec {
         name: "refuses_own_owner",
@@ -780,6 +805,12 @@ impl LockBackend for Mutant {
         }
         let started = Instant::now();
         let key = self.server_key(request.key);
+        if let (Defect::LabelOutlivesLock, Some(label)) = (self.defect, request.holder) {
+            LAST_LABELS
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key.as_str().to_owned(), label.clone());
+        }
         let reply = match (self.defect, self.take(request, &key).await) {
             (Defect::UnavailableAsHeld, Err(e)) if e.is_transient() => {
                 Ok(AcquireReply::Held { expires_in: None })
@@ -1041,7 +1072,27 @@ impl SemaphoreBackend for Mutant {
 #[distlock_core::async_trait]
 impl LockAdmin for Mutant {
     async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
-        self.admin_of_inner()?.inspect(&self.server_key(key)).await
+        let key = self.server_key(key);
+        let state = self.admin_of_inner()?.inspect(&key).await?;
+        Ok(match (self.defect, state) {
+            (
+                Defect::LabelOutlivesLock,
+                LockState::Held {
+                    expires_in,
+                    fencing_token,
+                    ..
+                },
+            ) => LockState::Held {
+                expires_in,
+                fencing_token,
+                holder: LAST_LABELS
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(key.as_str())
+                    .cloned(),
+            },
+            (_, state) => state,
+        })
     }
 
     async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
@@ -1051,6 +1102,29 @@ impl LockAdmin for Mutant {
     }
 
     async fn watch_holder(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        if self.is(Defect::ObserverQueues) {
+            // Joins the line as a waiter does: subscribed, then refused.
+            let (key, owner) = (self.server_key(key), OwnerToken::random());
+            let watch = self.inner.watch(&key, owner).await?;
+            let attempt = AcquireRequest {
+                key: &key,
+                owner,
+                ttl: Duration::from_secs(60),
+                renewing: false,
+                settling: false,
+                holder: None,
+            };
+            if let AcquireReply::Granted(grant) = self.inner.acquire(attempt).await? {
+                let taken = HeldLock {
+                    key: &key,
+                    owner,
+                    fencing: grant.fencing,
+                    handle: grant.handle,
+                };
+                self.inner.release(taken).await?;
+            }
+            return Ok(watch);
+        }
         self.admin_of_inner()?
             .watch_holder(&self.server_key(key))
             .await
