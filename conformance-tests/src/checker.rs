@@ -37,6 +37,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use distlock_core::{FencingToken, LockKey};
 
@@ -53,6 +54,13 @@ pub struct Section {
     pub end: u64,
     /// Whether it incremented the key's non-atomic counter.
     pub incremented: bool,
+    /// When it started, by this process's clock.
+    pub started_at: Instant,
+    /// The holder's stop moment, if the section was ended with
+    /// [`SectionHandle::exit_by`]: the job did nothing after it (it was
+    /// told to stop then, and a task starved past it only records its exit
+    /// late), so a section that starts later does not overlap it.
+    pub stop_by: Option<Instant>,
 }
 
 /// What [`ExclusionChecker::verify`] found when everything held.
@@ -93,6 +101,7 @@ pub struct SectionHandle<'a> {
     key: LockKey,
     token: FencingToken,
     start: u64,
+    started_at: Instant,
     incremented: bool,
 }
 
@@ -121,6 +130,21 @@ impl SectionHandle<'_> {
 
     /// Ends the section and records it. Call it before releasing the lock.
     pub fn exit(self) {
+        self.record(None);
+    }
+
+    /// Ends the section of a job that was told to stop at `stop_moment`
+    /// (its guard's [`stop_moment`](distlock_core::LockGuard::stop_moment)
+    /// when its `lost()` fired): it did nothing after that moment, however
+    /// late a starved task records its exit. The checker still reports a
+    /// section that started before `stop_moment` while this one ran, so a
+    /// stop moment the server's expiry preceded (a wrong lease), or a lock
+    /// granted twice, is still caught.
+    pub fn exit_by(self, stop_moment: Instant) {
+        self.record(Some(stop_moment));
+    }
+
+    fn record(self, stop_by: Option<Instant>) {
         let end = self.checker.next_seq();
         let section = Section {
             key: self.key,
@@ -128,6 +152,8 @@ impl SectionHandle<'_> {
             start: self.start,
             end,
             incremented: self.incremented,
+            started_at: self.started_at,
+            stop_by,
         };
         self.checker
             .sections
@@ -164,6 +190,7 @@ impl ExclusionChecker {
             key: key.clone(),
             token,
             start: self.next_seq(),
+            started_at: Instant::now(),
             incremented: false,
         }
     }
@@ -230,8 +257,11 @@ impl ExclusionChecker {
                         section.token, section.start
                     ));
                 }
-                // Sequence numbers are unique, so `end < start` is "ended before".
-                open.retain(|s| s.end > section.start);
+                // Sequence numbers are unique, so `end < start` is "ended
+                // before"; a section past its stop moment had stopped.
+                open.retain(|s| {
+                    s.end > section.start && s.stop_by.is_none_or(|stop| section.started_at < stop)
+                });
                 open.push(section);
                 if open.len() > limit {
                     let held: Vec<String> = open
@@ -260,14 +290,25 @@ impl ExclusionChecker {
         };
         for (key, sections) in self.by_key() {
             let mut latest: Option<&Section> = None;
+            // Earlier sections that may still be open (their exit recorded
+            // late by a task starved past its stop moment).
+            let mut open: Vec<&Section> = Vec::new();
             for section in &sections {
+                open.retain(|s| s.end > section.start);
+                if let Some(prev) = open
+                    .iter()
+                    .find(|prev| prev.stop_by.is_none_or(|stop| section.started_at < stop))
+                {
+                    return Err(format!(
+                        "key {key:?}: critical sections overlap: token {} ran from #{} to #{} and token {} started at #{}{}",
+                        prev.token, prev.start, prev.end, section.token, section.start,
+                        match prev.stop_by {
+                            Some(stop) => format!(", {:?} before the first one's stop moment", stop - section.started_at),
+                            None => String::new(),
+                        }
+                    ));
+                }
                 if let Some(prev) = latest {
-                    if prev.end > section.start {
-                        return Err(format!(
-                            "key {key:?}: critical sections overlap: token {} ran from #{} to #{} and token {} started at #{}",
-                            prev.token, prev.start, prev.end, section.token, section.start
-                        ));
-                    }
                     if token_order && section.token <= prev.token {
                         return Err(format!(
                             "key {key:?}: fencing token did not grow: section starting at #{} has token {} after token {} (started at #{})",
@@ -275,9 +316,8 @@ impl ExclusionChecker {
                         ));
                     }
                 }
-                // Sections never overlap past this point, so the latest
-                // start also has the latest end.
                 latest = Some(section);
+                open.push(section);
             }
             let increments = sections.iter().filter(|s| s.incremented).count() as u64;
             let counted = self.counter(&key).load(Ordering::SeqCst);
@@ -327,6 +367,43 @@ mod tests {
         first.exit();
         second.exit();
         assert!(checker.verify().unwrap_err().contains("overlap"));
+    }
+
+    /// A section whose exit a starved task recorded late is not an overlap
+    /// with one that started after its stop moment, but still is with one
+    /// that started before it, and later sections are checked against both.
+    #[test]
+    fn exit_by_excuses_only_what_started_after_the_stop_moment() {
+        let checker = ExclusionChecker::new();
+        let stop = Instant::now();
+        let first = checker.enter(&key("a"), FencingToken::new(1));
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let second = checker.enter(&key("a"), FencingToken::new(2));
+        first.exit_by(stop);
+        second.exit();
+        assert!(checker.verify().is_ok());
+        assert!(checker.verify_at_most(1).is_ok());
+        // Started before the stop moment: an overlap.
+        let checker = ExclusionChecker::new();
+        let first = checker.enter(&key("a"), FencingToken::new(1));
+        let second = checker.enter(&key("a"), FencingToken::new(2));
+        let stop = Instant::now() + std::time::Duration::from_secs(60);
+        first.exit_by(stop);
+        second.exit();
+        let err = checker.verify().unwrap_err();
+        assert!(err.contains("before the first one's stop moment"), "{err}");
+        assert!(checker.verify_at_most(1).is_err());
+        // A third section overlapping the long-open first one is caught
+        // although the second started and ended in between.
+        let checker = ExclusionChecker::new();
+        let stop = Instant::now() + std::time::Duration::from_secs(60);
+        let first = checker.enter(&key("a"), FencingToken::new(1));
+        let second = checker.enter(&key("a"), FencingToken::new(2));
+        let third = checker.enter(&key("a"), FencingToken::new(3));
+        first.exit_by(stop);
+        second.exit();
+        third.exit();
+        assert!(checker.verify().is_err());
     }
 
     #[tokio::test]

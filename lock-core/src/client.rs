@@ -398,10 +398,7 @@ impl LockClient {
                 .collect(),
             Err(e) => leases
                 .iter()
-                .map(|lease| {
-                    let copy = LockError::new(e.kind(), e.message());
-                    self.finish("extend", "extend", lease.key(), Err(copy))
-                })
+                .map(|lease| self.finish("extend", "extend", lease.key(), Err(e.duplicate())))
                 .collect(),
         }
     }

@@ -154,6 +154,26 @@ impl LockError {
         self
     }
 
+    /// A copy for one of several callers that share this error (each lock
+    /// of a failed batch): same kind, message and context; the source, which
+    /// cannot be cloned, is kept as its text.
+    ///
+    /// ```
+    /// use distlock_core::{ErrorKind, LockError};
+    /// let shared = LockError::timeout("no reply within 2s").with_context("redis", "extend", "a");
+    /// let copy = shared.duplicate();
+    /// assert_eq!(copy.kind(), ErrorKind::Timeout);
+    /// assert_eq!(copy.to_string(), shared.to_string());
+    /// ```
+    pub fn duplicate(&self) -> Self {
+        Self {
+            kind: self.kind,
+            message: self.message.clone(),
+            context: self.context.clone(),
+            source: self.source.as_ref().map(|s| Source::from(s.to_string())),
+        }
+    }
+
     /// Shorthand for [`ErrorKind::InvalidInput`].
     pub fn invalid_input(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::InvalidInput, message)

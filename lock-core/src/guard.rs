@@ -44,30 +44,95 @@ impl fmt::Display for LostReason {
 /// Resolves when a guard no longer holds its lock, or must stop using it: at
 /// the latest the stop margin before the lease may run out. Cheap to clone;
 /// hand it to the job so it can stop writing.
+///
+/// Past the current lease's stop moment it reads as lost by the clock
+/// alone, also before the guard's renewal task has run: a job whose
+/// runtime was starved or frozen past that moment sees `lost` first when
+/// it runs again, never a late renewal's success.
 #[derive(Debug, Clone, Default)]
 pub struct LostSignal {
     token: CancellationToken,
     reason: Arc<Mutex<Option<LostReason>>>,
+    /// The current lease's stop moment. Moved only while not yet reached,
+    /// so once lost by the clock, lost for good; cleared for good when the
+    /// guard is given back.
+    stop_at: Arc<Mutex<StopMoment>>,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+enum StopMoment {
+    /// Not a guard's signal (or not set yet).
+    #[default]
+    Unset,
+    At(Instant),
+    /// The guard was given back before its stop moment.
+    Retired,
 }
 
 impl LostSignal {
     /// Whether the lock is known or assumed lost.
     pub fn is_lost(&self) -> bool {
-        self.token.is_cancelled()
+        self.token.is_cancelled() || self.past_stop()
     }
 
     /// Why the lock was lost, once it was.
     pub fn reason(&self) -> Option<LostReason> {
-        self.reason
+        let reason = self
+            .reason
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .clone()
+            .clone();
+        reason.or_else(|| self.past_stop().then_some(LostReason::Expired))
     }
 
     /// Waits until the lock is lost. Cancel-safe.
     pub async fn wait(&self) -> LostReason {
-        self.token.cancelled().await;
+        // Checked before waiting: a timer already due fires only at the
+        // timer driver's next turn, after the job's next step.
+        while !self.is_lost() {
+            let stop_at = self.stop_at();
+            tokio::select! {
+                biased;
+                () = self.token.cancelled() => break,
+                () = sleep_until_opt(stop_at) => {}
+            }
+        }
         self.reason().unwrap_or(LostReason::Expired)
+    }
+
+    fn stop_at(&self) -> Option<Instant> {
+        match *self.stop_at.lock().unwrap_or_else(|e| e.into_inner()) {
+            StopMoment::At(at) => Some(at),
+            StopMoment::Unset | StopMoment::Retired => None,
+        }
+    }
+
+    fn past_stop(&self) -> bool {
+        self.stop_at().is_some_and(|at| Instant::now() >= at)
+    }
+
+    /// The guard is given back: no stop moment any more (a released lock
+    /// is not lost), unless it was already reached.
+    fn retire(&self) {
+        let mut stop_at = self.stop_at.lock().unwrap_or_else(|e| e.into_inner());
+        match *stop_at {
+            StopMoment::At(at) if Instant::now() >= at => {}
+            _ => *stop_at = StopMoment::Retired,
+        }
+    }
+
+    /// Moves the stop moment to `at` (a renewed lease's); refused once
+    /// the current one is reached: the lock was lost by then.
+    fn move_stop(&self, at: Instant) -> bool {
+        let mut stop_at = self.stop_at.lock().unwrap_or_else(|e| e.into_inner());
+        match *stop_at {
+            StopMoment::At(reached) if Instant::now() >= reached => false,
+            StopMoment::Retired => true,
+            _ => {
+                *stop_at = StopMoment::At(at);
+                true
+            }
+        }
     }
 
     fn fire(&self, reason: LostReason) {
@@ -106,7 +171,8 @@ impl Shared {
     }
 
     fn mark_lost(&self, reason: LostReason) {
-        if !self.lost.is_lost() {
+        // The token, not `is_lost`: a loss by the clock is logged here too.
+        if !self.lost.token.is_cancelled() {
             let lease = self.lease();
             tracing::warn!(backend = self.client.name(), key = %lease.key(), fencing = %lease.fencing_token(), %reason, "lock lost");
             instrument::lost(
@@ -210,6 +276,7 @@ impl LockGuard {
             hold_at_least: options.hold_at_least(),
             stop_margin,
         });
+        shared.lost.move_stop(shared.stop_moment(&shared.lease()));
         if Instant::now() >= shared.stop_moment(&shared.lease()) {
             // Fired before anyone can poll the job, not later from the task.
             shared.mark_lost(LostReason::Expired);
@@ -302,6 +369,7 @@ impl LockGuard {
 
     async fn release_with(mut self, now: bool) -> Result<(), LockError> {
         self.stop_renewal.cancel();
+        self.shared.lost.retire();
         let result = self.shared.release(now).await;
         // Only now: a drop before the answer must still release (Drop).
         self.released = true;
@@ -312,6 +380,7 @@ impl LockGuard {
 impl Drop for LockGuard {
     fn drop(&mut self) {
         self.stop_renewal.cancel();
+        self.shared.lost.retire();
         if self.released {
             return;
         }
@@ -406,6 +475,12 @@ async fn keep_alive(
         match result {
             Ok(Some(renewed)) => {
                 tracing::trace!(key = %renewed.key(), fencing = %renewed.fencing_token(), "lock renewed");
+                if !shared.lost.move_stop(shared.stop_moment(&renewed)) {
+                    // Renewed, but only after the stop moment: the job was
+                    // told to stop already.
+                    shared.mark_lost(LostReason::Expired);
+                    return;
+                }
                 *shared.lease.lock().unwrap_or_else(|e| e.into_inner()) = renewed;
                 got_at = Instant::now();
                 next_renewal = period.map(|p| due(got_at, p));

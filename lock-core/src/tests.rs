@@ -280,3 +280,22 @@ async fn client_errors_name_backend_operation_and_key_once() {
     assert_eq!(err.kind(), ErrorKind::Unsupported);
     assert_eq!(context(&err), expect("acquire a permit", "other"));
 }
+
+/// A runtime frozen past the stop moment (the renewal task could not run
+/// either) sees its guard lost at once when it runs again: `is_lost` and
+/// `while_held` go by the clock, not only by the renewal task's word.
+/// Before, the job ran on: the lost signal waited for the renewal task.
+#[tokio::test(flavor = "current_thread")]
+async fn frozen_runtime_sees_lost_first() {
+    let locker = Locker::new(MemoryLock::new());
+    let key = LockKey::new("frozen").unwrap();
+    let options = LockOptions::new(Duration::from_millis(300));
+    let guard = locker.try_lock(&key, &options).await.unwrap().unwrap();
+    let stop = guard.stop_moment();
+    // Frozen: nothing on this runtime runs until past the stop moment.
+    std::thread::sleep(stop.saturating_duration_since(Instant::now()) + Duration::from_millis(20));
+    assert!(guard.is_lost(), "lost by the clock");
+    assert_eq!(guard.lost_signal().reason(), Some(LostReason::Expired));
+    assert!(guard.while_held(async { "the job ran" }).await.is_err());
+    assert_eq!(guard.lost().await, LostReason::Expired);
+}

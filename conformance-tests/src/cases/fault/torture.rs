@@ -416,7 +416,9 @@ impl Worker {
                 tokio::time::sleep(hold).await;
             } => {}
         }
-        section.exit();
+        // By the stop moment at the latest: a task starved past it records
+        // its exit late, but its job was told to stop then.
+        section.exit_by(guard.stop_moment());
         self.holding[self.index].store(false, Ordering::SeqCst);
         self.stats.sections.fetch_add(1, Ordering::SeqCst);
         if rand::random_bool(0.7) {

@@ -252,7 +252,7 @@ impl distlock_core::LockBackend for ExtendLog {
         match &replies {
             Ok(replies) => replies.iter().for_each(|reply| self.log(started, reply)),
             Err(e) => {
-                let failed = Err(LockError::new(e.kind(), e.message()));
+                let failed = Err(e.duplicate());
                 locks.iter().for_each(|_| self.log(started, &failed));
             }
         }
