@@ -99,6 +99,26 @@ async fn a_label_left_by_another_owner_is_never_shown() {
     // A force-release deletes the stale label too.
     assert!(lock.force_release(&key).await.unwrap());
     assert!(!conn.exists::<_, bool>(&name).await.unwrap());
+
+    // A batched renewal renews each lock's own label (keys in threes).
+    let keys = [unique_key("holder-batch"), unique_key("holder-batch")];
+    let mut held = Vec::new();
+    for key in &keys {
+        held.push(take(&lock, key, OwnerToken::random(), short, Some(&a)).await);
+    }
+    let replies = lock
+        .extend_many(&held, Duration::from_secs(60))
+        .await
+        .unwrap();
+    for (key, reply) in keys.iter().zip(replies) {
+        assert!(matches!(reply, Ok(ExtendReply::Extended(_))), "{reply:?}");
+        let pttl: i64 = conn.pttl(holder_key_of(key)).await.unwrap();
+        assert!(
+            pttl > 5_000,
+            "{key}'s label PTTL after a batched renewal: {pttl}"
+        );
+        assert_eq!(shown(&lock, key).await, Some(a.clone()));
+    }
 }
 
 /// What distlock does not write, at the label key.
