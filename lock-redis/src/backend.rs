@@ -497,7 +497,7 @@ impl RedisLock {
         let call = Call {
             keys,
             script: &RELEASE_SCRIPT,
-            redis_keys: &[&keys.lock, &keys.gone, &keys.waiters],
+            redis_keys: &[&keys.lock, &keys.gone, &keys.waiters, &keys.holder],
             args: &args,
         };
         let (reply, _) = self.execute(call, None, timeout).await?;
@@ -595,6 +595,8 @@ impl LockBackend for RedisLock {
                 true => 1,
                 false => EXTEND_BATCH,
             },
+            // Beside the lock, bound to its owner (see `scripts`).
+            holder_ids: true,
             ..Capabilities::default()
         }
     }
@@ -608,17 +610,20 @@ impl LockBackend for RedisLock {
             arg_millis(request.ttl),
             self.retention_ms(request.ttl),
             self.line_member(Line::Lock, key, request.owner, request.settling),
+            request
+                .holder
+                .map_or_else(String::new, |h| h.as_str().to_owned()),
         ];
         // The give-back below shares this operation's timeout.
         let sent = Instant::now();
         let call = Call {
             keys: &keys,
             script: &ACQUIRE_SCRIPT,
-            redis_keys: &[&keys.lock, &keys.fence, &keys.waiters],
+            redis_keys: &[&keys.lock, &keys.fence, &keys.waiters, &keys.holder],
             args: &args,
         };
         let (reply, replicated) = self.run_acquire(call, request.settling).await?;
-        let reply = replies::acquire_reply(request.ttl, &reply)?;
+        let reply = replies::acquire_reply(key, &keys, request.ttl, &reply)?;
         let AcquireReply::Granted(grant) = &reply else {
             return Ok(reply);
         };
@@ -645,7 +650,7 @@ impl LockBackend for RedisLock {
         let call = Call {
             keys: &keys,
             script: &EXTEND_SCRIPT,
-            redis_keys: &[&keys.lock, &keys.fence],
+            redis_keys: &[&keys.lock, &keys.fence, &keys.holder],
             args: &args,
         };
         self.run_extend(call, lock, ttl).await
@@ -662,7 +667,7 @@ impl LockBackend for RedisLock {
         let keys: Vec<RedisKeys> = locks.iter().map(|lock| self.keys(lock.key)).collect();
         let redis_keys: Vec<&str> = keys
             .iter()
-            .flat_map(|k| [k.lock.as_str(), k.fence.as_str()])
+            .flat_map(|k| [k.lock.as_str(), k.fence.as_str(), k.holder.as_str()])
             .collect();
         let mut args = vec![arg_millis(ttl), self.retention_ms(ttl)];
         args.extend(
@@ -725,7 +730,7 @@ impl LockAdmin for RedisLock {
             .run(Call {
                 keys: &keys,
                 script: &INSPECT_SCRIPT,
-                redis_keys: &[&keys.lock],
+                redis_keys: &[&keys.lock, &keys.holder],
                 args: &[],
             })
             .await?;
@@ -738,7 +743,7 @@ impl LockAdmin for RedisLock {
             .run(Call {
                 keys: &keys,
                 script: &FORCE_RELEASE_SCRIPT,
-                redis_keys: &[&keys.lock, &keys.waiters],
+                redis_keys: &[&keys.lock, &keys.waiters, &keys.holder],
                 args: &[keys.channel.clone(), self.channels.publish.to_owned()],
             })
             .await?;

@@ -287,6 +287,7 @@ pub(crate) async fn check_permissions(
                         &permits.gone,
                         &probe.waiters,
                         &permits.waiters,
+                        &probe.holder,
                     ],
                     &[
                         // A client's channel: the base and a client id.

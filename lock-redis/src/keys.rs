@@ -11,9 +11,12 @@
 //!   `<client hex>:<owner hex>` scored by arrival: a release wakes its
 //!   first waiter alone, on that client's channel `NS:{E}:released:<client hex>`;
 //! - `NS:{E}:released` — the base of those channels;
+//! - `NS:{E}:holder` — the holder label of the acquisition that stored it,
+//!   `<owner hex>:<label>` with the lock's PX expiry (shown only while that
+//!   owner holds the lock; written only when the holder gave a label);
 //!
 //! and the semaphore of the same key `K` uses names of its own, in the same
-//! slot ([`RedisKeys::semaphore`], the same five roles):
+//! slot ([`RedisKeys::semaphore`], the same six roles):
 //!
 //! - `NS:{E}:sem:permits` — the permits, a sorted set of
 //!   `dl1:<owner hex>:<fencing token>:<limit>` scored by expiry (server
@@ -23,6 +26,7 @@
 //!   `<owner hex>:<fencing token>/<release id>` scored by expiry;
 //! - `NS:{E}:sem:waiters` — the semaphore's waiter line, as the lock's;
 //! - `NS:{E}:sem:returned` — the base of its waiters' channels;
+//! - `NS:{E}:sem:holder` — reserved (permits store no label yet);
 //!
 //! and the namespace has one format marker, `NS:format` ([`RedisKeys::format`]):
 //! the [`distlock_core::STORAGE_FORMAT`] number as a string, no expiry. It
@@ -52,6 +56,8 @@ pub(crate) struct RedisKeys {
     /// The base of the release notification channels (one per client:
     /// `<channel>:<client hex>`).
     pub(crate) channel: String,
+    /// The holder label key.
+    pub(crate) holder: String,
 }
 
 impl RedisKeys {
@@ -91,7 +97,7 @@ impl RedisKeys {
     fn tagged(
         namespace: &str,
         tag: &str,
-        [lock, fence, gone, waiters, channel]: [&str; 5],
+        [lock, fence, gone, waiters, channel, holder]: [&str; 6],
     ) -> Self {
         Self {
             lock: format!("{namespace}:{{{tag}}}:{lock}"),
@@ -99,19 +105,22 @@ impl RedisKeys {
             gone: format!("{namespace}:{{{tag}}}:{gone}"),
             waiters: format!("{namespace}:{{{tag}}}:{waiters}"),
             channel: format!("{namespace}:{{{tag}}}:{channel}"),
+            holder: format!("{namespace}:{{{tag}}}:{holder}"),
         }
     }
 }
 
-/// A lock's suffixes: lock, fence, released-by marker, waiter line, channel.
-const LOCK: [&str; 5] = ["lock", "fence", "gone", "waiters", "released"];
+/// A lock's suffixes: lock, fence, released-by marker, waiter line,
+/// channel, holder label.
+const LOCK: [&str; 6] = ["lock", "fence", "gone", "waiters", "released", "holder"];
 /// A semaphore's, in the same roles.
-const SEMAPHORE: [&str; 5] = [
+const SEMAPHORE: [&str; 6] = [
     "sem:permits",
     "sem:fence",
     "sem:gone",
     "sem:waiters",
     "sem:returned",
+    "sem:holder",
 ];
 
 /// Percent-escapes `%`, `{` and `}`.
@@ -182,6 +191,7 @@ mod tests {
                 assert!(seen.insert(keys.fence.clone()));
                 assert!(seen.insert(keys.gone.clone()));
                 assert!(seen.insert(keys.channel.clone()));
+                assert!(seen.insert(keys.holder.clone()));
             }
         }
     }
@@ -196,6 +206,7 @@ mod tests {
                 assert_eq!(hash_part(&keys.gone), tag);
                 assert_eq!(hash_part(&keys.channel), tag);
                 assert_eq!(hash_part(&keys.waiters), tag);
+                assert_eq!(hash_part(&keys.holder), tag);
                 assert!(keys.lock.starts_with("ns:{"));
             }
         }
@@ -227,6 +238,7 @@ mod tests {
                     &keys.gone,
                     &keys.waiters,
                     &keys.channel,
+                    &keys.holder,
                 ] {
                     assert_ne!(name, &marker);
                 }

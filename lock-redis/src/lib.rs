@@ -101,7 +101,8 @@
 //!
 //! Keys (see the table in `keys.rs`): for lock `K` in namespace `NS`,
 //! `NS:{K'}:lock`, `NS:{K'}:fence`, `NS:{K'}:gone`, the waiter line
-//! `NS:{K'}:waiters` and the channels `NS:{K'}:released:<client id>`,
+//! `NS:{K'}:waiters`, the holder label `NS:{K'}:holder` and the channels
+//! `NS:{K'}:released:<client id>`,
 //! where `K'` is `K` with `%`, `{`, `}` percent-escaped — injective, and
 //! the hash tag `{K'}` puts them all in one Redis Cluster slot whatever `K`
 //! contains. The semaphore `K` has names of its own in the same slot:
@@ -122,6 +123,16 @@
 //!   is the one in the request, minted by
 //!   [`LockClient`](distlock_core::LockClient)), stores the token in the
 //!   fence key and returns it.
+//! - **Holder label** ([`HolderId`](distlock_core::HolderId)): an
+//!   acquisition that gives one also sets `NS:{K'}:holder` to
+//!   `<owner>:<label>` with the lock's `PX` (an adoption sets it again);
+//!   one without a label writes nothing there. Extend pushes its expiry
+//!   when it is the same owner's; release and force-release delete it.
+//!   Inspect shows it only when its owner is the lock's, so a label left by
+//!   an earlier holder (or beside a lock taken by an older client, which
+//!   never touches it) is never shown. The lock value keeps its format.
+//!   Anything distlock does not write at that key is left alone and stops
+//!   nothing: no label is stored or shown (acquire logs a warning).
 //! - **Extend**: compares the stored value with the held lock's owner and
 //!   fencing token, then `PEXPIRE`; a missing key is never recreated.
 //!   Guards of one client that share a TTL renew together: one script

@@ -4,16 +4,22 @@
 use std::time::Duration;
 
 use distlock_core::{
-    AcquireReply, ExtendReply, FencingToken, Grant, LockError, LockKey, LockState, PermitReply,
-    ReleaseReply,
+    AcquireReply, ExtendReply, FencingToken, Grant, HolderId, LockError, LockKey, LockState,
+    PermitReply, ReleaseReply,
 };
 use redis::Value;
 
 use crate::errors::{self, CORRUPT_CODE};
 use crate::keys::RedisKeys;
 
-/// Reads the acquire script's reply for a request of `ttl`.
-pub(crate) fn acquire_reply(ttl: Duration, reply: &Value) -> Result<AcquireReply, LockError> {
+/// Reads the acquire script's reply for a request of `ttl` on `key` (at
+/// `keys`).
+pub(crate) fn acquire_reply(
+    key: &LockKey,
+    keys: &RedisKeys,
+    ttl: Duration,
+    reply: &Value,
+) -> Result<AcquireReply, LockError> {
     let bad = || unexpected(reply);
     let Value::Array(items) = reply else {
         return Err(bad());
@@ -21,6 +27,14 @@ pub(crate) fn acquire_reply(ttl: Duration, reply: &Value) -> Result<AcquireReply
     match (items.first().and_then(as_int), items.get(1)) {
         (Some(1), Some(token)) => {
             let token = as_token(token).ok_or_else(bad)?;
+            if items.get(2).is_some() {
+                // The lock is ours; only its label, for people, is missing.
+                tracing::warn!(
+                    key = %key,
+                    redis_key = %keys.holder,
+                    "holder label not stored: the key holds data distlock did not write (left alone)"
+                );
+            }
             Ok(AcquireReply::Granted(Grant::new(token, ttl)))
         }
         (Some(0), Some(pttl)) => {
@@ -125,11 +139,20 @@ pub(crate) fn inspect_reply(reply: &Value) -> Result<LockState, LockError> {
     };
     match items.as_slice() {
         [state] if as_int(state) == Some(0) => Ok(LockState::Free),
-        [state, pttl, token] if as_int(state) == Some(1) => Ok(LockState::Held {
-            expires_in: millis_left(as_int(pttl).ok_or_else(bad)?),
-            fencing_token: as_token(token).ok_or_else(bad)?,
-            holder: None,
-        }),
+        [state, pttl, token, label @ ..] if as_int(state) == Some(1) && label.len() <= 1 => {
+            Ok(LockState::Held {
+                expires_in: millis_left(as_int(pttl).ok_or_else(bad)?),
+                fencing_token: as_token(token).ok_or_else(bad)?,
+                // The script shows only a label in distlock's format; one
+                // HolderId would refuse is shown as none, never a panic.
+                holder: match label.first() {
+                    Some(Value::BulkString(b)) => std::str::from_utf8(b)
+                        .ok()
+                        .and_then(|s| HolderId::new(s).ok()),
+                    _ => None,
+                },
+            })
+        }
         _ => Err(bad()),
     }
 }

@@ -5,7 +5,10 @@
 //! business; reading its reply, [`crate::replies`]'.
 //!
 //! The value at a lock key is `dl1:<32 hex owner>:<fencing token>`, with a
-//! PX expiry; the released-by marker holds such a value and a release id,
+//! PX expiry (a format older clients parse too, so it never changes); the
+//! holder label beside it, stored only by an acquisition that gave one, is
+//! `<32 hex owner>:<label>` with the lock's PX expiry, shown by inspect
+//! only while that owner holds the lock; the released-by marker holds such a value and a release id,
 //! `dl1:<owner>:<token>/<hex id>`, with a PX expiry. A semaphore's permit
 //! set is a sorted set of `dl1:<owner>:<token>:<limit>` scored by the
 //! permit's expiry (server time in milliseconds), its released-by markers
@@ -15,6 +18,9 @@
 //! answered with a `DISTLOCK_CORRUPT lock|fence|gone <detail>` error reply
 //! (`lock` is a semaphore's permit set) and nothing is written; an argument
 //! out of range with `DISTLOCK_ARGS <detail>`, before anything is written.
+//! The holder label is for people, so anything else at its key does not
+//! stop a lock operation: no script writes, deletes or shows it (acquire
+//! then tells the client its label was not stored).
 
 mod run;
 
@@ -61,6 +67,36 @@ local function string_at(which, key, noun, valid)
 end
 local function lock_at(key)
   return string_at('lock', key, 'a distlock lock', ours)
+end
+-- A holder label as a client sends it (a HolderId): 1 to 128 bytes, no
+-- control character.
+local function label_ok(s)
+  return type(s) == 'string' and #s >= 1 and #s <= 128 and string.find(s, '%c') == nil
+end
+-- The holder label key: {owner = hex, label = text} if it holds what
+-- distlock writes there (`<owner hex>:<label>`, with an expiry); {} if
+-- there is none; nil for anything else, which no script writes, deletes or
+-- shows. Read with pcall: another type there must not fail the script.
+local function holder_at(key)
+  local v = redis.pcall('GET', key)
+  if v == false then return {} end
+  if type(v) ~= 'string' then return nil end
+  local owner, label = string.match(v, '^(%x+):(.*)$')
+  if owner == nil or #owner ~= 32 or not label_ok(label) then return nil end
+  if redis.call('PTTL', key) < 0 then return nil end
+  return {owner = owner, label = label}
+end
+-- Pushes the expiry of `owner`'s label (if it has one there) to `ms`, as
+-- its lock's.
+local function holder_keep(key, owner, ms)
+  local h = holder_at(key)
+  if h ~= nil and h.owner == owner then redis.call('PEXPIRE', key, ms) end
+end
+-- After the lock was deleted: its label (any distlock label there is
+-- stale once the lock is free) goes too.
+local function holder_drop(key)
+  local h = holder_at(key)
+  if h ~= nil and h.owner ~= nil then redis.call('DEL', key) end
 end
 -- The released-by marker: a lock value and the id of the release that
 -- deleted it, `dl1:<owner>:<token>/<release id>`.
@@ -166,18 +202,42 @@ local function released(publish, channel, line)
 end
 "#;
 
-/// KEYS: lock, fence, waiter line. ARGV: owner hex, ttl ms, fence
-/// retention ms, waiter member (empty for an attempt that does not wait).
-/// Returns `{1, token}` when acquired, `{0, pttl}` when held (a waiter
+/// KEYS: lock, fence, waiter line, holder label. ARGV: owner hex, ttl ms,
+/// fence retention ms, waiter member (empty for an attempt that does not
+/// wait), holder label (empty for none). Returns `{1, token}` when
+/// acquired (`{1, token, 'foreign'}` if the label was not stored: data
+/// distlock did not write is at its key), `{0, pttl}` when held (a waiter
 /// then joins the line).
 ///
 /// The lock held by this same owner is *adopted*: an earlier attempt of
 /// the same acquisition took it but its reply was lost (a timeout, a
 /// dropped connection, a driver resending the request). Its TTL is reset
-/// to `ttl` from now and its own fencing token returned.
+/// to `ttl` from now and its own fencing token returned; its label is set
+/// again, or the one it stored kept as long. Without a label a fresh
+/// acquisition never touches the label key: a label left there by another
+/// owner is never shown.
 const ACQUIRE: &str = r#"
 if not millis_ok(ARGV[2], ARGV[3]) then
   return bad_args('ttl ' .. tostring(ARGV[2]) .. ' ms, fence retention ' .. tostring(ARGV[3]) .. ' ms')
+end
+if ARGV[5] ~= '' and not label_ok(ARGV[5]) then
+  return bad_args('holder label of ' .. #tostring(ARGV[5]) .. ' bytes or with a control character')
+end
+-- After a grant: stores the label (or keeps an adopted one as long as the
+-- lock); 'foreign' if data distlock did not write is at its key.
+local function label(adopted)
+  if ARGV[5] == '' and not adopted then return nil end
+  local h = holder_at(KEYS[4])
+  if h == nil then
+    if ARGV[5] ~= '' then return 'foreign' end
+    return nil
+  end
+  if ARGV[5] ~= '' then
+    redis.call('SET', KEYS[4], ARGV[1] .. ':' .. ARGV[5], 'PX', ARGV[2])
+  elseif h.owner == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[4], ARGV[2])
+  end
+  return nil
 end
 local lock = lock_at(KEYS[1])
 if lock.err then return lock end
@@ -196,7 +256,7 @@ if lock.value then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   retain(KEYS[2], fence, ARGV[3])
   leave(KEYS[3], ARGV[4])
-  return {1, token}
+  return {1, token, label(true)}
 end
 local _, token = clock()
 if fence.counter + 1 > token then token = fence.counter + 1 end
@@ -204,11 +264,12 @@ local text = int(token)
 redis.call('SET', KEYS[1], 'dl1:' .. ARGV[1] .. ':' .. text, 'PX', ARGV[2])
 redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
 leave(KEYS[3], ARGV[4])
-return {1, text}
+return {1, text, label(false)}
 "#;
 
-/// KEYS: lock, fence. ARGV: expected value, ttl ms, fence retention ms.
-/// Returns 1 when extended, 0 when not held. Never recreates the lock.
+/// KEYS: lock, fence, holder label. ARGV: expected value, ttl ms, fence
+/// retention ms. Returns 1 when extended (the owner's label with it), 0
+/// when not held. Never recreates the lock.
 const EXTEND: &str = r#"
 if not millis_ok(ARGV[2], ARGV[3]) then
   return bad_args('ttl ' .. tostring(ARGV[2]) .. ' ms, fence retention ' .. tostring(ARGV[3]) .. ' ms')
@@ -220,11 +281,13 @@ local fence = fence_at(KEYS[2])
 if fence.err then return fence end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 retain(KEYS[2], fence, ARGV[3])
+holder_keep(KEYS[3], (parse(ARGV[1])), ARGV[2])
 return 1
 "#;
 
 /// The extend script for many locks of one client (not in a cluster: the
-/// keys span slots). KEYS: lock and fence of each lock, in pairs. ARGV:
+/// keys span slots). KEYS: lock, fence and holder label of each lock, in
+/// threes. ARGV:
 /// ttl ms, fence retention ms, then each lock's expected value. Returns
 /// one answer per lock: 1 when extended, 0 when not held, or the
 /// `DISTLOCK_CORRUPT` message for data distlock did not write at its keys
@@ -233,27 +296,29 @@ const EXTEND_MANY: &str = r#"
 if not millis_ok(ARGV[1], ARGV[2]) then
   return bad_args('ttl ' .. tostring(ARGV[1]) .. ' ms, fence retention ' .. tostring(ARGV[2]) .. ' ms')
 end
-if #KEYS ~= 2 * (#ARGV - 2) then
+if #KEYS ~= 3 * (#ARGV - 2) then
   return bad_args(#KEYS .. ' keys for ' .. (#ARGV - 2) .. ' locks')
 end
 local answers = {}
 for i = 1, #ARGV - 2 do
-  local lock = lock_at(KEYS[2 * i - 1])
+  local lock = lock_at(KEYS[3 * i - 2])
   local fence = {}
-  if not lock.err and lock.value == ARGV[i + 2] then fence = fence_at(KEYS[2 * i]) end
+  if not lock.err and lock.value == ARGV[i + 2] then fence = fence_at(KEYS[3 * i - 1]) end
   if lock.err then answers[i] = lock.err
   elseif lock.value ~= ARGV[i + 2] then answers[i] = 0
   elseif fence.err then answers[i] = fence.err
   else
-    redis.call('PEXPIRE', KEYS[2 * i - 1], ARGV[1])
-    retain(KEYS[2 * i], fence, ARGV[2])
+    redis.call('PEXPIRE', KEYS[3 * i - 2], ARGV[1])
+    retain(KEYS[3 * i - 1], fence, ARGV[2])
+    holder_keep(KEYS[3 * i], (parse(lock.value)), ARGV[1])
     answers[i] = 1
   end
 end
 return answers
 "#;
 
-/// KEYS: lock, released-by marker, waiter line. ARGV: expected value,
+/// KEYS: lock, released-by marker, waiter line, holder label (deleted with
+/// the lock). ARGV: expected value,
 /// channel, publish command, marker life ms, release id (fresh hex per
 /// release call). Returns 1 when released (and the next waiter woken),
 /// `{1, error}` when released but the wake-up failed, 0 when not held.
@@ -279,6 +344,7 @@ if lock.value ~= ARGV[1] then
   return 0
 end
 redis.call('DEL', KEYS[1])
+holder_drop(KEYS[4])
 local keep = math.min(lock.pttl, tonumber(ARGV[4]))
 if keep < 1 then keep = 1 end
 redis.call('SET', KEYS[2], mark, 'PX', string.format('%.0f', keep))
@@ -492,19 +558,24 @@ if held.limit ~= nil and held.live >= held.limit then return 1 end
 return released(ARGV[3], ARGV[2], KEYS[2])
 "#;
 
-/// KEYS: lock. Returns `{0}` when free, `{1, pttl, token}` when held.
+/// KEYS: lock, holder label. Returns `{0}` when free, `{1, pttl, token}`
+/// when held, `{1, pttl, token, label}` when held by the owner that stored
+/// the label (a label of another owner is stale: never shown).
 const INSPECT: &str = r#"
 local lt = kind(KEYS[1])
 if lt == 'none' then return {0} end
 if lt ~= 'string' then return corrupt('lock', 'holds a ' .. lt .. ', not a distlock lock') end
 local v = redis.call('GET', KEYS[1])
 if not ours(v) then return corrupt('lock', 'holds a value in a format distlock does not write') end
-local _, fence = string.match(v, '^dl1:(%x+):(%d+)$')
-return {1, redis.call('PTTL', KEYS[1]), fence}
+local owner, fence = parse(v)
+local h = holder_at(KEYS[2])
+local label = nil
+if h ~= nil and h.owner == owner then label = h.label end
+return {1, redis.call('PTTL', KEYS[1]), fence, label}
 "#;
 
-/// KEYS: lock, waiter line. ARGV: channel, publish command. Deletes the
-/// lock whoever holds it.
+/// KEYS: lock, waiter line, holder label. ARGV: channel, publish command.
+/// Deletes the lock whoever holds it, and its label.
 /// Returns as [`RELEASE`] (0 when free).
 const FORCE_RELEASE: &str = r#"
 local lt = kind(KEYS[1])
@@ -514,6 +585,7 @@ if not ours(redis.call('GET', KEYS[1])) then
   return corrupt('lock', 'holds a value in a format distlock does not write')
 end
 redis.call('DEL', KEYS[1])
+holder_drop(KEYS[3])
 return released(ARGV[2], ARGV[1], KEYS[2])
 "#;
 
@@ -531,7 +603,7 @@ return released(ARGV[3], ARGV[2], KEYS[2])
 
 /// KEYS: a lock's lock, fence and released-by marker keys, then a
 /// semaphore's permit set, fence and released-by markers, then the lock's
-/// and the semaphore's waiter lines. ARGV: a lock's
+/// and the semaphore's waiter lines, then the lock's holder label. ARGV: a lock's
 /// channel, the publish, subscribe and unsubscribe commands (sharded in a
 /// cluster), a semaphore's channel, the format marker (an argument, not a
 /// key: it lies in another cluster slot, and the probe touches no key);
@@ -552,7 +624,7 @@ if redis.acl_check_cmd then
     check('keys', 'TYPE', k)
     check('keys', 'PTTL', k)
     check('keys', 'PEXPIRE', k, '1')
-    if i == 4 or i >= 6 then
+    if i == 4 or (i >= 6 and i <= 8) then
       check('keys', 'ZRANGE', k, '0', '-1', 'WITHSCORES')
       check('keys', 'ZADD', k, '1', 'm')
       check('keys', 'ZREM', k, 'm')
@@ -566,6 +638,7 @@ if redis.acl_check_cmd then
   check('keys', 'GET', ARGV[6])
   check('keys', 'SET', ARGV[6], '1')
   check('keys', 'DEL', KEYS[1])
+  check('keys', 'DEL', KEYS[9])
   check('', 'TIME')
   for _, channel in ipairs({ARGV[1], ARGV[5]}) do
     check('channels', ARGV[2], channel, 'released')

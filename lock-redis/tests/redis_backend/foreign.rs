@@ -82,17 +82,6 @@ async fn plant(conn: &mut MultiplexedConnection, name: &str, variant: &str, targ
     }
 }
 
-/// What is at `name`: its serialized value and its PTTL.
-async fn snapshot(conn: &mut MultiplexedConnection, name: &str) -> (Vec<u8>, i64) {
-    let dump: Vec<u8> = redis::cmd("DUMP")
-        .arg(name)
-        .query_async(conn)
-        .await
-        .unwrap();
-    let pttl: i64 = conn.pttl(name).await.unwrap();
-    (dump, pttl)
-}
-
 /// Runs `op` with foreign `variant` data at `target`; the mismatches with
 /// what should happen, if any.
 async fn case(

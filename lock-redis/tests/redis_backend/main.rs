@@ -9,6 +9,7 @@ mod commands;
 mod eviction;
 mod foreign;
 mod format;
+mod holder;
 mod outcomes;
 mod pubsub;
 mod semaphore;

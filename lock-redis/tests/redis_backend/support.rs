@@ -595,3 +595,14 @@ impl tracing::Subscriber for Capture {
     fn enter(&self, _: &tracing::span::Id) {}
     fn exit(&self, _: &tracing::span::Id) {}
 }
+
+/// What is at `name`: its serialized value and its PTTL.
+pub async fn snapshot(conn: &mut MultiplexedConnection, name: &str) -> (Vec<u8>, i64) {
+    let dump: Vec<u8> = redis::cmd("DUMP")
+        .arg(name)
+        .query_async(conn)
+        .await
+        .unwrap();
+    let pttl: i64 = conn.pttl(name).await.unwrap();
+    (dump, pttl)
+}
