@@ -119,8 +119,33 @@ impl Leadership {
     /// [`ErrorKind::NotHeld`](crate::ErrorKind::NotHeld) if leadership was
     /// already lost. Cancel-safe as [`LockGuard::release`]. Dropping a
     /// leadership resigns in the background.
+    ///
+    /// A resign whose outcome is unknown (a timeout, a lost connection:
+    /// the server may or may not have applied it) is returned as that
+    /// error, and sent again in the background, with backoff, until the
+    /// server answers or the lease could have run out: a standby then
+    /// takes over as soon as the server can be reached, not only after the
+    /// TTL. Resending is safe: a release is conditional on this term's
+    /// owner token, so a late one never frees a successor's leadership.
     pub async fn resign(self) -> Result<(), LockError> {
-        self.guard.release_now().await
+        let (client, lease) = (self.guard.client().clone(), self.guard.lease());
+        let result = self.guard.release_now().await;
+        if matches!(&result, Err(e) if e.is_transient()) {
+            let retrying = client.clone();
+            client.spawn_background(async move {
+                let mut backoff = Duration::from_millis(50);
+                while !lease.is_expired() {
+                    tokio::time::sleep(backoff).await;
+                    match retrying.release(&lease).await {
+                        Err(e) if e.is_transient() => {
+                            backoff = (backoff * 2).min(Duration::from_secs(2))
+                        }
+                        _ => return,
+                    }
+                }
+            });
+        }
+        result
     }
 
     /// The lock guard underneath.

@@ -361,6 +361,11 @@ impl LockGuard {
         self.release_with(false).await
     }
 
+    /// The client that holds the lock.
+    pub(crate) fn client(&self) -> &LockClient {
+        &self.shared.client
+    }
+
     /// Releases at once, ignoring hold-at-least (the work it protected did
     /// not happen, so late instances must not skip it).
     pub(crate) async fn release_now(self) -> Result<(), LockError> {

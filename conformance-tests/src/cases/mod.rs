@@ -361,6 +361,7 @@ pub fn all() -> Vec<Case> {
         late_reply_extend => Needs::Faults,
         late_reply_release => Needs::Faults,
         late_reply_waiting_acquire => Needs::Faults,
+        late_reply_campaign_and_resign => Needs::All(&[Needs::Faults, Needs::HolderIds]),
         late_reply_waiter_queue => Needs::Faults,
         late_reply_permit_acquire => Needs::All(&[Needs::Faults, Needs::Semaphore]),
         late_reply_permit_waiting_acquire => Needs::All(&[Needs::Faults, Needs::Semaphore]),

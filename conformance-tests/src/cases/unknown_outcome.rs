@@ -29,9 +29,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use distlock_core::{
-    AcquireAttempt, AcquireReply, AcquireRequest, ErrorKind, FencingToken, Grant, HeldLock, Lease,
-    LockClient, LockError, LockGuard, LockKey, LockOptions, Locker, OwnerToken, PermitReply,
-    PermitRequest, ReleaseReply,
+    AcquireAttempt, AcquireReply, AcquireRequest, ErrorKind, FencingToken, Grant, HeldLock,
+    HolderId, Lease, LockClient, LockError, LockGuard, LockKey, LockOptions, Locker, OwnerToken,
+    PermitReply, PermitRequest, ReleaseReply,
 };
 
 use super::lease::server_holds_until_deadline;
@@ -894,4 +894,89 @@ async fn release_raw(
     match client.backend().release(held(key, owner, grant)).await? {
         ReleaseReply::Released | ReleaseReply::NotHeld | ReleaseReply::NotHeldAfterResend => Ok(()),
     }
+}
+
+/// Election: a campaign whose grant is applied while its reply is held
+/// leads once replies flow, under the term the server shows for it (the
+/// applied grant adopted, or given back first: never a second term held
+/// beside it); then a resign whose reply is held is an unknown outcome,
+/// and a standby still leads long before the leader's TTL could run out
+/// (the resign is sent again once the server answers), with a newer term.
+pub async fn late_reply_campaign_and_resign(ctx: TestContext) -> CaseResult {
+    let (path, held) = held_client(&ctx, Target::Lock).await?;
+    let observed = Arc::new(ObservedLock::new(held));
+    let candidate = Locker::new(observed.clone());
+    let (observer, standby) = (ctx.locker().await?, ctx.locker().await?);
+    let key = ctx.key("late-campaign");
+    let identity = HolderId::new("late-candidate")?;
+    let options = LockOptions::new(ctx.long_ttl());
+    // The first attempt waits at the wrapper, after the subscription.
+    observed.hold_requests(Call::Acquire);
+    let campaign = {
+        let (candidate, key, identity, options) = (
+            candidate.clone(),
+            key.clone(),
+            identity.clone(),
+            options.clone(),
+        );
+        tokio::spawn(async move { candidate.campaign(&key, &identity, &options).await })
+    };
+    let first = observed.until_waiting(Call::Acquire, 1);
+    within(background_bound(), first, "the campaign's first attempt").await?;
+    path.hold(Direction::ToClient);
+    observed.open(Call::Acquire);
+    let two = async {
+        while observed.attempts() < 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    let bound = HELD_TIMEOUT * 2 + background_bound();
+    within(bound, two, "two campaign attempts with held replies").await?;
+    // What the held attempts did: a grant the server shows (none where an
+    // attempt takes more than one round trip and never got past its first
+    // held reply).
+    let applied = observer.leader(&key).await?;
+    if let Some(applied) = &applied {
+        check_eq!(
+            applied.identity.as_ref(),
+            Some(&identity),
+            "who the server shows leading"
+        );
+    }
+    path.pass(Direction::ToClient);
+    let leading = joined(campaign, WAITER_WAIT + background_bound(), "the campaign")
+        .await?
+        .map_err(|e| CaseError(format!("the campaign failed: {e}")))?;
+    if let Some(applied) = &applied {
+        check!(
+            leading.term() >= applied.term,
+            "the campaign's term {} is the applied grant's {} or newer",
+            leading.term(),
+            applied.term
+        );
+    }
+    check_eq!(
+        observer.leader(&key).await?.map(|l| l.term),
+        Some(leading.term()),
+        "the server shows the campaign's own term"
+    );
+    let term = leading.term();
+    let waiting = {
+        let (key, identity) = (key.clone(), HolderId::new("standby")?);
+        tokio::spawn(async move { standby.campaign(&key, &identity, &options).await })
+    };
+    path.hold(Direction::ToClient);
+    unknown(leading.resign(), "a resign whose reply is held").await?;
+    path.pass(Direction::ToClient);
+    let next = joined(waiting, HELD_TIMEOUT + background_bound(), "the standby")
+        .await?
+        .map_err(|e| CaseError(format!("the standby failed: {e}")))?;
+    check!(
+        next.term() > term,
+        "the standby's term {} is newer than {term}",
+        next.term()
+    );
+    next.resign().await?;
+    drop((candidate, observed, path));
+    Ok(())
 }
