@@ -28,7 +28,8 @@ use crate::sweep::{SweepJob, Sweeper, SweptTable};
 
 /// A lock backend on a PostgreSQL lock table.
 ///
-/// Each lock is one row `(namespace, key, owner, fencing, expires_at)` of a
+/// Each lock is one row `(namespace, key, owner, fencing, expires_at,
+/// holder, holder_owner)` of a
 /// table the client creates on first use (`public.distlock_locks` unless
 /// configured; idempotent, safe when many clients start at once; PostgreSQL
 /// 13 or newer). Expiry is computed by the database clock. Acquire, extend
@@ -84,6 +85,8 @@ pub struct PostgresLock {
     /// The table of waiter lines exists: waits queue, a release wakes the
     /// first waiter alone.
     line_ready: AtomicBool,
+    /// The lock table has the holder columns: labels are stored and shown.
+    holder_ready: AtomicBool,
     /// The open waits of this client (see [`OpenWaits`]).
     waits: Arc<OpenWaits>,
     /// `None` when nothing can `LISTEN` (a transaction pooler without
@@ -213,6 +216,7 @@ impl PostgresLock {
             sql,
             simple: Arc::new(AtomicBool::new(protocol == Protocol::Simple)),
             line_ready: AtomicBool::new(false),
+            holder_ready: AtomicBool::new(false),
             waits: Arc::default(),
             listen_apart: config.listen_options().is_some(),
             listener,
@@ -312,6 +316,16 @@ impl PostgresLock {
     /// Says that the table of waiter lines exists.
     pub(crate) fn set_line_ready(&self) {
         self.line_ready.store(true, Ordering::Relaxed);
+    }
+
+    /// The lock table has the holder columns (checked with the table).
+    pub(crate) fn holder_ready(&self) -> bool {
+        self.holder_ready.load(Ordering::Relaxed)
+    }
+
+    /// Says that the lock table has the holder columns.
+    pub(crate) fn set_holder_ready(&self) {
+        self.holder_ready.store(true, Ordering::Relaxed);
     }
 
     /// The arguments an attempt of `owner` on `key` adds for the acquire
@@ -491,6 +505,9 @@ impl LockBackend for PostgresLock {
             retry_interval: self.config.retry_interval(),
             durable: true,
             extend_batch: EXTEND_BATCH,
+            // Known once the table was checked (at connect; for a client
+            // made with `from_pool`, at its first call).
+            holder_ids: self.holder_ready(),
             ..Capabilities::default()
         }
     }
@@ -522,13 +539,22 @@ impl LockBackend for PostgresLock {
         ];
         let waiting = (key, request.owner, request.settling);
         let line = self.listener.as_ref();
-        let statement = match self.line_args(WaitLine::Lock, line, self.config.table(), waiting) {
-            Some(line) => {
+        let queued = self.line_args(WaitLine::Lock, line, self.config.table(), waiting);
+        let statement = match (queued, self.holder_ready()) {
+            (Some(line), labelled) => {
                 args.extend(line);
-                &self.sql.acquire_queued
+                match labelled {
+                    true => &self.sql.acquire_queued,
+                    false => &self.sql.unlabelled.acquire_queued,
+                }
             }
-            None => &self.sql.acquire,
+            (None, true) => &self.sql.acquire,
+            (None, false) => &self.sql.unlabelled.acquire,
         };
+        if self.holder_ready() {
+            // No label: '' (a HolderId is never empty), stored as NULL.
+            args.push(Arg::text(request.holder.map_or("", |h| h.as_str())));
+        }
         let call = self.call(statement, args);
         let reply = self.fetch(IN_LOCK_CALL, call, Some(give_back)).await?;
         let Some(row) = reply.row else {
@@ -736,8 +762,12 @@ impl LockBackend for PostgresLock {
 impl LockAdmin for PostgresLock {
     async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
         self.ensure_table().await?;
+        let statement = match self.holder_ready() {
+            true => &self.sql.inspect,
+            false => &self.sql.unlabelled.inspect,
+        };
         let call = self.call(
-            &self.sql.inspect,
+            statement,
             vec![Arg::text(self.namespace()), Arg::text(key.as_str())],
         );
         let Some(row) = self.fetch(IN_LOCK_CALL, call, None).await?.row else {
@@ -747,6 +777,7 @@ impl LockAdmin for PostgresLock {
         let owner: Option<String> = self.column(&row, "owner")?;
         let fencing: i64 = self.column(&row, "fencing")?;
         let expires_in_ms: i64 = self.column(&row, "expires_in_ms")?;
+        let holder: Option<String> = self.column(&row, "holder")?;
         self.check_row(owner.as_deref(), Some(fencing), None)?;
         if !held {
             return Ok(LockState::Free);
@@ -754,7 +785,7 @@ impl LockAdmin for PostgresLock {
         Ok(LockState::Held {
             expires_in: u64::try_from(expires_in_ms).ok().map(Duration::from_millis),
             fencing_token: FencingToken::new(u64::try_from(fencing).unwrap_or(0)),
-            holder: None,
+            holder: holder.map(|h| self.holder_label(key, &h)).transpose()?,
         })
     }
 

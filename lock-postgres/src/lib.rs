@@ -154,6 +154,8 @@
 //!     owner text,
 //!     fencing bigint NOT NULL,
 //!     expires_at timestamptz NOT NULL,
+//!     holder text,
+//!     holder_owner text,
 //!     PRIMARY KEY (namespace, key)
 //! );
 //! CREATE TABLE IF NOT EXISTS public.distlock_semaphores (
@@ -206,6 +208,24 @@
 //! `CREATE INDEX CONCURRENTLY` (writes go on meanwhile), and works without
 //! them if it may not (logging a warning), as it works without `DELETE`
 //! (rows are then never reclaimed by that client; a warning says so).
+//!
+//! `holder` is the label an acquisition gave
+//! ([`HolderId`](distlock_core::HolderId), `LockOptions::with_holder`),
+//! NULL for none, and `holder_owner` the owner token that stored it:
+//! [`inspect`](distlock_core::LockAdmin::inspect) shows the label only
+//! while that owner holds the lock, so a label is never shown for a later
+//! holder, even one whose client predates the columns and leaves them as
+//! they were. A client adds both (`ALTER TABLE ... ADD COLUMN IF NOT
+//! EXISTS`, which only the table's owner may run; a catalog change, under
+//! a 2 s `lock_timeout`) to a table of an earlier version; a role that may
+//! not works without labels, logging a warning
+//! ([`Capabilities::holder_ids`](distlock_core::Capabilities::holder_ids)
+//! false, labels not stored), until the owner adds them:
+//!
+//! ```sql
+//! ALTER TABLE public.distlock_locks ADD COLUMN IF NOT EXISTS holder text,
+//!     ADD COLUMN IF NOT EXISTS holder_owner text;
+//! ```
 //!
 //! ## Fencing tokens without a row per lock name forever
 //!

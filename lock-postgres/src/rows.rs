@@ -1,7 +1,7 @@
 //! Reading the rows the statements return: typed columns, and the checks
 //! that report a row distlock did not write as corrupted.
 
-use distlock_core::{FencingToken, HeldLock, LockError};
+use distlock_core::{FencingToken, HeldLock, HolderId, LockError, LockKey};
 use sqlx::postgres::PgRow;
 use sqlx::Row;
 
@@ -77,6 +77,19 @@ impl PostgresLock {
             )));
         }
         Ok(done > 0)
+    }
+
+    /// The holder label stored in `key`'s row, refused as corruption if
+    /// it is not one distlock writes (edited outside distlock).
+    pub(crate) fn holder_label(&self, key: &LockKey, label: &str) -> Result<HolderId, LockError> {
+        HolderId::new(label).map_err(|e| {
+            LockError::corrupted(format!(
+                "the row for lock {:?} in namespace {:?} of {} has a holder label distlock did not write ({e}); it is left untouched",
+                key.as_str(),
+                self.namespace(),
+                self.qualified_table()
+            ))
+        })
     }
 
     /// The fencing token the acquire statement granted.

@@ -31,6 +31,7 @@ impl PostgresLock {
                 self.create_table(what, &table, &self.statements().create_table)
                     .await?;
                 self.prepare_sweep_index(&self.statements().sweep).await;
+                self.prepare_holder_columns(&table).await;
                 self.check_format().await?;
                 self.prepare_line().await;
                 Ok::<_, LockError>(())
@@ -81,6 +82,45 @@ impl PostgresLock {
             .await
         {
             tracing::warn!(index = %sweep.index, error = %e, "the index the sweep of idle rows reads could not be created; the sweep reads more of the table without it");
+        }
+    }
+
+    /// Adds the holder columns to a lock table that has none (one an
+    /// earlier version or a DBA created; a table this client created got
+    /// them with the table). `ALTER TABLE` needs the table's owner: a role
+    /// that may not (or that waited too long for the table's lock) works
+    /// without labels, logging a warning ([`Capabilities::holder_ids`]
+    /// false, labels not stored, `inspect` shows none), and tries again
+    /// when it next starts.
+    ///
+    /// [`Capabilities::holder_ids`]: distlock_core::Capabilities::holder_ids
+    async fn prepare_holder_columns(&self, table: &str) {
+        let what = "adding the holder columns to the lock table";
+        let statements = self.statements();
+        let present = || {
+            let check = self.call(&statements.holder_columns, vec![Arg::text(table)]);
+            self.exists("checking the lock table's holder columns", check)
+        };
+        let ready = async {
+            if present().await? {
+                return Ok(true);
+            }
+            // Sent once: no statement to cache.
+            let add = Call::new(Protocol::Simple, &statements.add_holder_columns, Vec::new());
+            match self.fetch(what, add, None).await {
+                Ok(_) => Ok(true),
+                // Another client may have added them meanwhile.
+                Err(e) => match present().await {
+                    Ok(true) => Ok(true),
+                    _ => Err(e),
+                },
+            }
+        };
+        match self.config().client().timed(what, ready).await {
+            Ok(_) => self.set_holder_ready(),
+            Err(e) => {
+                tracing::warn!(table = %table, error = %e, "the lock table has no holder columns (holder text, holder_owner text) and this role could not add them; holder labels are not stored (the table's owner can add them: see the distlock-postgres docs)");
+            }
         }
     }
 

@@ -42,6 +42,28 @@ pub(super) fn late_send(same_owner: &str, expiry: &str, n: u32) -> String {
     )
 }
 
+/// Adds the holder columns to a lock table `{t}` created without them.
+/// Adding a nullable column without a default changes only the catalog,
+/// but takes the table's strongest lock: `lock_timeout` bounds the wait
+/// for it (lock statements queue behind a waiting `ALTER`), and a client
+/// that times out works without labels and tries again at its next start.
+const ADD_HOLDER_COLUMNS: &str = "SET LOCAL lock_timeout = '2s';
+    ALTER TABLE {t} ADD COLUMN IF NOT EXISTS holder text, ADD COLUMN IF NOT EXISTS holder_owner text";
+
+/// The statements that differ on a lock table without the holder columns
+/// (made by an earlier version, where this client may not add them): as
+/// [`Statements`]' of the same names, without the label parameter; the
+/// `holder` that `inspect` answers is always NULL.
+#[derive(Debug, Clone)]
+pub(crate) struct Unlabelled {
+    /// [`Statements::acquire`] without `$6`.
+    pub acquire: Arc<Sql>,
+    /// [`Statements::acquire_queued`] without `$8`.
+    pub acquire_queued: Arc<Sql>,
+    /// [`Statements::inspect`], `holder` NULL.
+    pub inspect: Arc<Sql>,
+}
+
 /// The statements for one lock table.
 #[derive(Debug, Clone)]
 pub(crate) struct Statements {
@@ -67,7 +89,7 @@ pub(crate) struct Statements {
     /// snapshot (sent again, it sees it).
     pub format: Arc<Sql>,
     /// `$1` namespace, `$2` key, `$3` owner, `$4` TTL in ms, `$5` send
-    /// number -> `acquired bool, fencing bigint, owner text, expires_in_ms
+    /// number, `$6` the holder label (`''` for none) -> `acquired bool, fencing bigint, owner text, expires_in_ms
     /// bigint, version text`: one row `acquired = true` with the fencing
     /// token and the version (`xmin`) of the row it wrote, or the holder's
     /// row (`acquired = false`), or no row (a concurrent first insert the
@@ -76,14 +98,17 @@ pub(crate) struct Statements {
     /// Takes a free or expired lock with the next fencing token, and
     /// *adopts* a live lock held by `$3` itself (an earlier attempt of the
     /// same acquisition whose reply was lost): same fencing token, expiry
-    /// reset to `$4` from now. A row that `$3` gave up with a send number
+    /// reset to `$4` from now. The label is stored with the owner token
+    /// that wrote it (`holder`, `holder_owner`), also on adoption. A row
+    /// that `$3` gave up with a send number
     /// of at least `$5` is refused (see [`GIVEN_UP_BEFORE`]). Send numbers
     /// grow with every acquisition a process starts, so a later
     /// acquisition with the same owner token is never refused that way.
     pub acquire: Arc<Sql>,
-    /// [`acquire`](Self::acquire) with the waiter line, plus `$6` the lock
-    /// table's name and `$7` the backend pid of the client's listener
-    /// connection (0 for an attempt that does not wait): refused, a waiting
+    /// [`acquire`](Self::acquire) with the waiter line: `$6` the lock
+    /// table's name, `$7` the backend pid of the client's listener
+    /// connection (0 for an attempt that does not wait), `$8` the holder
+    /// label (`''` for none). Refused, a waiting
     /// `$3` joins the lock's waiter line (keeping its place); granted, it
     /// leaves it.
     pub acquire_queued: Arc<Sql>,
@@ -135,8 +160,19 @@ pub(crate) struct Statements {
     /// wrote.
     pub give_back: Arc<Sql>,
     /// `$1` namespace, `$2` key -> `held bool, owner text, fencing bigint,
-    /// expires_in_ms bigint`, or no row for a key never locked.
+    /// expires_in_ms bigint, holder text`, or no row for a key never
+    /// locked. `holder` is the label only if the row's owner stored it
+    /// (never one an earlier owner left, see [`acquire`](Self::acquire)).
     pub inspect: Arc<Sql>,
+    /// The statements that name no holder column, for a table of an
+    /// earlier version this client could not add them to.
+    pub unlabelled: Unlabelled,
+    /// `$1` qualified table name -> `exists bool`: whether the table has
+    /// both holder columns.
+    pub holder_columns: Arc<Sql>,
+    /// Adds the holder columns to a table of an earlier version (simple
+    /// protocol: two statements in one implicit transaction).
+    pub add_holder_columns: Arc<Sql>,
     /// `$1` namespace, `$2` key, `$3` channel -> `done bigint, owner text,
     /// fencing bigint` (the row as it was before); frees a live lock of any
     /// owner distlock wrote and sends `NOTIFY channel, key`.
@@ -154,14 +190,30 @@ impl Statements {
         let marker = |template: &str| Arc::new(Sql::new(template, &format_table));
         let clock = micros("clock_timestamp()");
         // The acquire: takes the lock (`taken`), or answers with the holder.
-        let taken = format!("taken AS (
-                    INSERT INTO {{t}} AS t (namespace, key, owner, fencing, expires_at)
-                    VALUES ($1, $2, $3, {clock}, clock_timestamp() + $4::bigint * interval '1 millisecond')
+        // With `label` (the number of its parameter), it also stores the
+        // holder label (NULL for `''`: a `HolderId` is never empty) and the
+        // owner token that wrote it: an older client's acquire leaves both
+        // as they were, so `inspect` shows a label only where
+        // `holder_owner` is the row's owner.
+        let taken = |label: Option<u32>| {
+            let (columns, values, set) = match label {
+                Some(n) => (
+                    ", holder, holder_owner",
+                    format!(", nullif(${n}::text, ''), $3"),
+                    ",
+                            holder = excluded.holder,
+                            holder_owner = excluded.holder_owner",
+                ),
+                None => ("", String::new(), ""),
+            };
+            format!("taken AS (
+                    INSERT INTO {{t}} AS t (namespace, key, owner, fencing, expires_at{columns})
+                    VALUES ($1, $2, $3, {clock}, clock_timestamp() + $4::bigint * interval '1 millisecond'{values})
                     ON CONFLICT (namespace, key) DO UPDATE
                         SET owner = excluded.owner,
                             fencing = CASE WHEN t.owner = excluded.owner AND t.expires_at > clock_timestamp()
                                            THEN t.fencing ELSE greatest(t.fencing + 1, {clock}) END,
-                            expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond'
+                            expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond'{set}
                         WHERE (t.owner IS NULL OR t.owner ~ '^[0-9a-f]{{32}}$')
                           AND t.fencing >= 0
                           AND (t.owner IS NULL OR t.expires_at <= clock_timestamp() OR t.owner = excluded.owner)
@@ -169,8 +221,17 @@ impl Statements {
                     RETURNING t.fencing, t.xmin::text AS version
                 )
                 ",
-            late = late_send("t.owner = excluded.owner", "t.expires_at", 5)
-        );
+                late = late_send("t.owner = excluded.owner", "t.expires_at", 5)
+            )
+        };
+        let queued = line::join_or_leave("$6", "$7");
+        let inspect = |holder: &str| {
+            sql(&format!("SELECT (owner IS NOT NULL AND expires_at > clock_timestamp()) AS held, owner, fencing,
+                        greatest(0, ceil(extract(epoch FROM (expires_at - clock_timestamp())) * 1000))::bigint
+                            AS expires_in_ms,
+                        {holder} AS holder
+                 FROM {{t}} WHERE namespace = $1 AND key = $2"))
+        };
         let answer = "SELECT true AS acquired, taken.fencing AS fencing, NULL::text AS owner,
                        NULL::bigint AS expires_in_ms, taken.version AS version
                 FROM taken
@@ -251,16 +312,24 @@ impl Statements {
                     owner text,
                     fencing bigint NOT NULL,
                     expires_at timestamptz NOT NULL,
+                    holder text,
+                    holder_owner text,
                     PRIMARY KEY (namespace, key)
                 )",
                 schema,
                 table,
             ),
-            acquire: sql(&format!("WITH {taken} {answer}")),
-            acquire_queued: sql(&format!(
-                "WITH {taken}, {line} {answer}",
-                line = line::join_or_leave("$6", "$7")
-            )),
+            acquire: sql(&format!("WITH {} {answer}", taken(Some(6)))),
+            acquire_queued: sql(&format!("WITH {}, {queued} {answer}", taken(Some(8)))),
+            unlabelled: Unlabelled {
+                acquire: sql(&format!("WITH {} {answer}", taken(None))),
+                acquire_queued: sql(&format!("WITH {}, {queued} {answer}", taken(None))),
+                inspect: inspect("NULL::text"),
+            },
+            holder_columns: sql("SELECT count(*) = 2 AS exists FROM pg_catalog.pg_attribute
+                 WHERE attrelid = pg_catalog.to_regclass($1) AND NOT attisdropped
+                   AND attname IN ('holder', 'holder_owner')"),
+            add_holder_columns: sql(ADD_HOLDER_COLUMNS),
             extend: sql("WITH done AS (
                     UPDATE {t}
                     SET expires_at = clock_timestamp() + $5::bigint * interval '1 millisecond'
@@ -305,10 +374,7 @@ impl Statements {
                 SELECT count(*) AS done FROM (SELECT pg_notify($6, done.key) FROM done) AS n",
                 up_to = given_up(5),
                 clock = clock)),
-            inspect: sql("SELECT (owner IS NOT NULL AND expires_at > clock_timestamp()) AS held, owner, fencing,
-                        greatest(0, ceil(extract(epoch FROM (expires_at - clock_timestamp())) * 1000))::bigint
-                            AS expires_in_ms
-                 FROM {t} WHERE namespace = $1 AND key = $2"),
+            inspect: inspect("CASE WHEN holder_owner = owner THEN holder END"),
             force_release: sql("WITH done AS (
                     UPDATE {t}
                     SET owner = NULL
@@ -335,8 +401,8 @@ impl Statements {
 pub struct StatementTexts {
     /// `$1` namespace, `$2` key, `$3` owner (32 lowercase hex digits), `$4`
     /// TTL in ms, `$5` send number, `$6` the lock table's name, `$7` the
-    /// waiter's listener pid (0: not waiting) -> `acquired bool, fencing
-    /// bigint, ...`.
+    /// waiter's listener pid (0: not waiting), `$8` the holder label (`''`
+    /// for none) -> `acquired bool, fencing bigint, ...`.
     pub acquire: String,
     /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` channel,
     /// `$6` the acquire's send number, `$7` the lock table's name, `$8` the

@@ -5,6 +5,7 @@
 mod connect;
 mod faults;
 mod format;
+mod holder;
 mod line;
 mod listener;
 mod outcomes;

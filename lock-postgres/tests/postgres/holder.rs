@@ -1,0 +1,215 @@
+//! Holder labels in the lock table: bound to the owner token that stored
+//! them (an older client's takeover never shows the label it did not
+//! write), added to a table of an earlier version, and a role that may not
+//! add them works without labels.
+
+use std::time::Duration;
+
+use distlock_core::{
+    AcquireReply, AcquireRequest, HolderId, LockBackend, LockKey, LockState, OwnerToken,
+};
+
+use super::support::*;
+
+/// Acquires `k` (free) for `owner` with `label`, directly on the backend.
+async fn acquire_labelled(lock: &Pg, k: &LockKey, owner: OwnerToken, label: Option<&HolderId>) {
+    let reply = lock
+        .backend
+        .acquire(AcquireRequest {
+            key: k,
+            owner,
+            ttl: Duration::from_secs(30),
+            renewing: false,
+            settling: false,
+            holder: label,
+        })
+        .await
+        .unwrap();
+    assert!(matches!(reply, AcquireReply::Granted(_)), "{reply:?}");
+}
+
+/// The label `inspect` shows for `k`, which must be held.
+async fn shown(lock: &Pg, k: &LockKey) -> Option<HolderId> {
+    match lock.inspect(k).await.unwrap() {
+        LockState::Held { holder, .. } => holder,
+        LockState::Free => panic!("{k:?} is held"),
+    }
+}
+
+/// Runs `UPDATE ... SET {set}` on the row of `k`, as the superuser.
+async fn set_row(lock: &Pg, k: &LockKey, set: &str) {
+    sqlx::query(&format!(
+        "UPDATE {} SET {set} WHERE namespace = $1 AND key = $2",
+        lock.table()
+    ))
+    .bind(lock.backend.config().client().namespace())
+    .bind(k.as_str())
+    .execute(lock.pool())
+    .await
+    .unwrap_or_else(|e| panic!("SET {set}: {e}"));
+}
+
+/// Lets the lock on `k` expire now.
+async fn expire(lock: &Pg, k: &LockKey) {
+    set_row(
+        lock,
+        k,
+        "expires_at = clock_timestamp() - interval '1 second'",
+    )
+    .await;
+}
+
+/// Whether `table` (unquoted, in `public`) has both holder columns.
+async fn has_holder_columns(lock: &Pg, table: &str) -> bool {
+    sqlx::query_scalar(
+        "SELECT count(*) = 2 FROM pg_attribute
+         WHERE attrelid = to_regclass($1) AND NOT attisdropped
+           AND attname IN ('holder', 'holder_owner')",
+    )
+    .bind(format!("public.{table}"))
+    .fetch_one(lock.pool())
+    .await
+    .unwrap()
+}
+
+/// Creates `public.{table}` as versions before holder labels did.
+async fn create_old_table(admin_client: &Pg, table: &str) {
+    admin(
+        admin_client,
+        &format!(
+            "CREATE TABLE public.{table} (namespace text NOT NULL, key text NOT NULL, owner text,
+                 fencing bigint NOT NULL, expires_at timestamptz NOT NULL, PRIMARY KEY (namespace, key))"
+        ),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_label_left_by_an_earlier_owner_is_not_shown() {
+    let lock = client(&unique_name("holder")).await;
+    assert!(lock.backend.capabilities().holder_ids);
+    let k = key("labelled");
+    let label = HolderId::new("worker-1:42").unwrap();
+    let owner = OwnerToken::random();
+    acquire_labelled(&lock, &k, owner, Some(&label)).await;
+    assert_eq!(shown(&lock, &k).await, Some(label.clone()));
+    let (stored, by): (Option<String>, Option<String>) = sqlx::query_as(&format!(
+        "SELECT holder, holder_owner FROM {} WHERE namespace = $1 AND key = $2",
+        lock.table()
+    ))
+    .bind(lock.backend.config().client().namespace())
+    .bind(k.as_str())
+    .fetch_one(lock.pool())
+    .await
+    .unwrap();
+    assert_eq!(stored.as_deref(), Some(label.as_str()));
+    assert_eq!(by, Some(owner.to_hex()), "stored with its owner token");
+
+    // The lock expires and a client of an earlier version takes it over:
+    // its acquire writes owner, fencing and expiry, and leaves the label
+    // columns as they were.
+    let intruder = OwnerToken::random();
+    set_row(
+        &lock,
+        &k,
+        &format!(
+            "owner = '{}', fencing = fencing + 1,
+             expires_at = clock_timestamp() + interval '30 seconds'",
+            intruder.to_hex()
+        ),
+    )
+    .await;
+    assert_eq!(
+        shown(&lock, &k).await,
+        None,
+        "the earlier owner's label is shown for the new holder"
+    );
+
+    // A labelled acquisition of this version after it shows its own.
+    expire(&lock, &k).await;
+    let other = HolderId::new("worker-2:7").unwrap();
+    acquire_labelled(&lock, &k, OwnerToken::random(), Some(&other)).await;
+    assert_eq!(shown(&lock, &k).await, Some(other));
+    // And one without a label clears it.
+    expire(&lock, &k).await;
+    acquire_labelled(&lock, &k, OwnerToken::random(), None).await;
+    assert_eq!(shown(&lock, &k).await, None);
+}
+
+#[tokio::test]
+async fn a_label_distlock_did_not_write_is_reported_as_corrupted() {
+    let lock = client(&unique_name("holder")).await;
+    let k = key("edited");
+    let owner = OwnerToken::random();
+    let label = HolderId::new("worker-1:42").unwrap();
+    acquire_labelled(&lock, &k, owner, Some(&label)).await;
+    set_row(&lock, &k, "holder = E'two\\nlines'").await;
+    let error = lock.inspect(&k).await.unwrap_err();
+    assert_eq!(error.kind(), distlock_core::ErrorKind::Corrupted, "{error}");
+    assert!(error.to_string().contains("holder label"), "{error}");
+}
+
+#[tokio::test]
+async fn a_table_of_the_previous_version_gets_the_holder_columns() {
+    let admin_client = client("holder-admin").await;
+    let table = unique_name("old_holder");
+    create_old_table(&admin_client, &table).await;
+    assert!(!has_holder_columns(&admin_client, &table).await);
+    let lock = Pg::connect(&format!(
+        "{}?namespace=old&table={table}&semaphore_table={table}_sem",
+        server().url()
+    ))
+    .await;
+    assert!(has_holder_columns(&lock, &table).await, "columns added");
+    assert!(lock.backend.capabilities().holder_ids);
+    let k = key("k");
+    let label = HolderId::new("pod-é 3").unwrap();
+    acquire_labelled(&lock, &k, OwnerToken::random(), Some(&label)).await;
+    assert_eq!(shown(&lock, &k).await, Some(label));
+}
+
+#[tokio::test]
+async fn a_role_that_may_not_add_the_columns_works_without_labels() {
+    let admin_client = client("holder-admin").await;
+    let table = unique_name("old_holder_ro");
+    create_old_table(&admin_client, &table).await;
+    let role = unique_name("distlock_noalter");
+    for sql in [
+        format!("CREATE ROLE {role} LOGIN PASSWORD 'pw'"),
+        format!("GRANT USAGE ON SCHEMA public TO {role}"),
+        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON public.{table} TO {role}"),
+        format!("GRANT SELECT, INSERT ON public.distlock_format TO {role}"),
+    ] {
+        admin(&admin_client, &sql).await;
+    }
+    let lock = Pg::connect(&format!(
+        "{}?namespace=ro&table={table}&semaphore_table={table}_sem",
+        url_with_user(&role, "pw")
+    ))
+    .await;
+    assert!(!has_holder_columns(&admin_client, &table).await);
+    assert!(
+        !lock.backend.capabilities().holder_ids,
+        "no columns, no labels"
+    );
+    let k = key("k");
+    let label = HolderId::new("worker-1:42").unwrap();
+    acquire_labelled(&lock, &k, OwnerToken::random(), Some(&label)).await;
+    assert_eq!(shown(&lock, &k).await, None, "not stored");
+
+    // Once the table's owner adds them, the role's next client stores labels.
+    admin(
+        &admin_client,
+        &format!("ALTER TABLE public.{table} ADD COLUMN holder text, ADD COLUMN holder_owner text"),
+    )
+    .await;
+    let next = Pg::connect(&format!(
+        "{}?namespace=ro&table={table}&semaphore_table={table}_sem",
+        url_with_user(&role, "pw")
+    ))
+    .await;
+    assert!(next.backend.capabilities().holder_ids);
+    let k = key("k2");
+    acquire_labelled(&next, &k, OwnerToken::random(), Some(&label)).await;
+    assert_eq!(shown(&next, &k).await, Some(label));
+}
