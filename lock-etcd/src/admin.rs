@@ -1,42 +1,65 @@
-//! The operator calls of [`EtcdLock`]: read or clear a lock whoever holds it.
+//! The operator calls of [`EtcdLock`]: read or clear a lock whoever holds
+//! it, and watch who holds it.
 
 use std::time::Duration;
 
 use async_trait::async_trait;
-use distlock_core::{FencingToken, LockAdmin, LockError, LockKey, LockState, IN_LOCK_CALL};
-use etcd_client::{Compare, CompareOp, KeyValue, Txn, TxnOp};
+use distlock_core::{
+    FencingToken, HolderId, LockAdmin, LockError, LockKey, LockState, ReleaseWatch, IN_LOCK_CALL,
+};
+use etcd_client::{Compare, CompareOp, KeyValue, Txn, TxnOp, TxnOpResponse};
 
 use crate::backend::EtcdLock;
+use crate::keys::decode_holder;
+use crate::listener::Topic;
 use crate::requests::Repeat;
 use crate::txn;
 
+/// The local channel of `key`'s observers. Waiters' channels end with
+/// `#<decimal number>` (see [`crate::queue`]); this one never does.
+fn observers_channel(key: &LockKey) -> String {
+    format!("{}#holder", key.as_str())
+}
+
 impl EtcdLock {
-    /// Reads the lock key: `None` if absent, else the key-value after
-    /// checking distlock wrote it.
-    async fn read_lock(&self, key: &LockKey) -> Result<Option<KeyValue>, LockError> {
-        let etcd_key = self.etcd().layout.lock_key(key);
-        let kv = &self.etcd().kv;
+    /// Reads the lock key and its holder-label key in one transaction:
+    /// `None` if the lock is absent, else the lock's key-value (after
+    /// checking distlock wrote it) and the label, if one is stored by the
+    /// lock's own owner. Whatever else is at the label key (another
+    /// owner's, left behind; bad data) is ignored.
+    async fn read_lock(
+        &self,
+        key: &LockKey,
+    ) -> Result<Option<(KeyValue, Option<HolderId>)>, LockError> {
+        let layout = &self.etcd().layout;
+        let read = Txn::new().and_then([
+            TxnOp::get(layout.lock_key(key), None),
+            TxnOp::get(layout.holder_key(key), None),
+        ]);
         let reply = self
             .etcd()
-            .requests
-            .send(IN_LOCK_CALL, Repeat::Safe, || {
-                let mut kv = kv.clone();
-                let etcd_key = etcd_key.clone();
-                async move { kv.get(etcd_key, None).await }
-            })
+            .run_txn(IN_LOCK_CALL, Repeat::Safe, read)
             .await?;
-        let Some(found) = reply.kvs().first() else {
+        let mut found = reply.op_responses().into_iter().map(|op| match op {
+            TxnOpResponse::Get(get) => get.kvs().first().cloned(),
+            _ => None,
+        });
+        let (Some(lock), label) = (found.next().flatten(), found.next().flatten()) else {
             return Ok(None);
         };
-        txn::check_found(found.value(), found.lease())?;
-        Ok(Some(found.clone()))
+        let owner = txn::check_found(lock.value(), lock.lease())?;
+        let holder = label
+            .and_then(|label| decode_holder(label.value()))
+            .filter(|(labelled, _)| *labelled == owner)
+            .map(|(_, holder)| holder);
+        Ok(Some((lock, holder)))
     }
 }
 
 #[async_trait]
 impl LockAdmin for EtcdLock {
     async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
-        let Some(found) = self.read_lock(key).await? else {
+        let Some((found, holder)) = self.read_lock(key).await? else {
             return Ok(LockState::Free);
         };
         let leases = &self.etcd().leases;
@@ -53,24 +76,29 @@ impl LockAdmin for EtcdLock {
             // -1 once the lease expired (the key goes with it).
             expires_in: u64::try_from(ttl.ttl()).ok().map(Duration::from_secs),
             fencing_token: FencingToken::new(u64::try_from(found.create_revision()).unwrap_or(0)),
-            holder: None,
+            holder,
         })
     }
 
     async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
-        let Some(found) = self.read_lock(key).await? else {
+        let Some((found, _)) = self.read_lock(key).await? else {
             return Ok(false);
         };
         // Delete exactly the lock that was read (and checked to be ours), so
-        // a value written in between is never removed unseen.
-        let etcd_key = self.etcd().layout.lock_key(key);
+        // a value written in between is never removed unseen; its label
+        // goes with it.
+        let layout = &self.etcd().layout;
+        let etcd_key = layout.lock_key(key);
         let delete = Txn::new()
             .when([Compare::mod_revision(
                 etcd_key.clone(),
                 CompareOp::Equal,
                 found.mod_revision(),
             )])
-            .and_then([TxnOp::delete(etcd_key, None)]);
+            .and_then([
+                TxnOp::delete(etcd_key, None),
+                TxnOp::delete(layout.holder_key(key), None),
+            ]);
         let reply = self
             .etcd()
             .run_txn(IN_LOCK_CALL, Repeat::IfUnapplied, delete)
@@ -84,5 +112,21 @@ impl LockAdmin for EtcdLock {
         // other locks of the holder's client share. Without keys, it just
         // runs out.
         Ok(true)
+    }
+
+    /// One etcd watch on the lock key per client and key, however many
+    /// observers: its creations (a take) and deletions (a release, a force
+    /// release, the lease running out) fire it; renewals, which rewrite
+    /// the key, do not. It shares the waiters' watch stream but not their
+    /// queue, so an observer never takes a waiter's place or wake-up.
+    async fn watch_holder(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        let topic = Topic {
+            channel: observers_channel(key),
+            key: self.etcd().layout.lock_key(key),
+            prefix: false,
+            start_revision: 0,
+            creations: true,
+        };
+        self.inner.queues.listener.watch(topic).await.map(Some)
     }
 }

@@ -163,6 +163,7 @@ impl EtcdLock {
         let key = request.key;
         let etcd_key = self.etcd().layout.lock_key(key);
         let value = encode_value(request.owner);
+        let label = txn::Label::of(&self.etcd().layout, &request);
         // The grant and the transaction share one operation timeout.
         let deadline = self.etcd().requests.deadline();
         let (lease_id, granted) = self.etcd().grant(request.ttl, deadline).await?;
@@ -172,7 +173,7 @@ impl EtcdLock {
                 deadline,
                 IN_LOCK_CALL,
                 Repeat::Safe,
-                txn::acquire(&etcd_key, &value, lease_id, None, &[]),
+                txn::acquire(&etcd_key, &value, &label, lease_id, None, &[]),
             )
             .await
         {
@@ -313,6 +314,7 @@ impl LockBackend for EtcdLock {
             native_wait: true,
             wakes_one_waiter: true,
             durable: true,
+            holder_ids: true,
             ..Capabilities::default()
         }
     }
@@ -328,8 +330,9 @@ impl LockBackend for EtcdLock {
     async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError> {
         let attached = Attached::lock(&self.etcd().layout, lock.key, lock.owner);
         let value = encode_value(lock.owner);
+        let label_key = self.etcd().layout.holder_key(lock.key);
         self.renew(&attached, lock, ttl, |new_lease| {
-            txn::extend(&attached.key, &value, lock.fencing, new_lease)
+            txn::extend(&attached.key, &value, &label_key, lock.fencing, new_lease)
         })
         .await
     }
@@ -337,7 +340,8 @@ impl LockBackend for EtcdLock {
     async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
         let attached = Attached::lock(&self.etcd().layout, lock.key, lock.owner);
         let value = encode_value(lock.owner);
-        let release = txn::release(&attached.key, &value, lock.fencing);
+        let label_key = self.etcd().layout.holder_key(lock.key);
+        let release = txn::release(&attached.key, &value, &label_key, lock.fencing);
         self.release_with(&attached, lock.handle, release).await
     }
 

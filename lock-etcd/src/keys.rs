@@ -23,6 +23,15 @@
 //! The value is `dl1:<32 hex digits of the owner token>`; anything else at a
 //! lock key was not written by distlock and is reported as corrupted.
 //!
+//! The holder's label ([`distlock_core::HolderId`]) is the sibling key
+//! `NS/lock/<escape(k)>/holder`, valued `dl1:<owner hex>/<label>`: written
+//! in the transaction that creates the lock, on the lock's lease, and
+//! shown only while its owner is the lock's (a label another owner left
+//! there, by a client that did not remove it, is ignored). The lock's own
+//! value stays as it was, so clients that predate labels still read it
+//! (they reject any other value as corrupted). `/holder` is outside the
+//! queue and fence ranges, and no lock key (its escaped part has no `/`).
+//!
 //! A counting semaphore on user key `k` lives under its own base
 //! `NS/lock/%sem/<escape(k)>` (see [`crate::semaphore`]):
 //!
@@ -48,7 +57,7 @@
 //! semaphore's, and lies in no queue or fence range; it is under `NS/lock/`,
 //! so the one permission covers it too.
 
-use distlock_core::{LockKey, OwnerToken};
+use distlock_core::{HolderId, LockKey, OwnerToken};
 
 /// Prefix of every value we write.
 const VALUE_PREFIX: &str = "dl1:";
@@ -62,6 +71,9 @@ const PERMITS: &[u8] = b"/permits/";
 
 /// Under a lock key or a semaphore's base: its waiter queue.
 const WAITERS: &[u8] = b"/waiters/";
+
+/// Under a lock key: its holder's label.
+const HOLDER: &[u8] = b"/holder";
 
 /// The etcd key layout of one namespace.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -105,6 +117,13 @@ impl KeyLayout {
     /// The etcd key of the lock on `key`.
     pub(crate) fn lock_key(&self, key: &LockKey) -> Vec<u8> {
         self.escaped("", key)
+    }
+
+    /// The key of the label of `key`'s holder (`<lock key>/holder`).
+    pub(crate) fn holder_key(&self, key: &LockKey) -> Vec<u8> {
+        let mut out = self.lock_key(key);
+        out.extend_from_slice(HOLDER);
+        out
     }
 
     /// The base of the semaphore `key` (`NS/lock/%sem/<escaped key>`): its
@@ -163,6 +182,20 @@ pub(crate) fn encode_value(owner: OwnerToken) -> Vec<u8> {
 pub(crate) fn decode_value(value: &[u8]) -> Option<OwnerToken> {
     let text = std::str::from_utf8(value).ok()?;
     OwnerToken::from_hex(text.strip_prefix(VALUE_PREFIX)?)
+}
+
+/// The value of the label key of `owner`'s lock, labelled `holder`.
+pub(crate) fn encode_holder(owner: OwnerToken, holder: &HolderId) -> Vec<u8> {
+    format!("{VALUE_PREFIX}{}/{holder}", owner.to_hex()).into_bytes()
+}
+
+/// Parses a value found at a label key: its owner and label; `None` for
+/// anything else (a label is for people: bad data there is ignored, never
+/// an error).
+pub(crate) fn decode_holder(value: &[u8]) -> Option<(OwnerToken, HolderId)> {
+    let text = std::str::from_utf8(value).ok()?;
+    let (owner, label) = text.strip_prefix(VALUE_PREFIX)?.split_once('/')?;
+    Some((OwnerToken::from_hex(owner)?, HolderId::new(label).ok()?))
 }
 
 /// The value stored at the permit of `owner`, granted under `limit`.
@@ -332,6 +365,58 @@ mod tests {
         for bad in ["0", "03", "+3", "-1", "x", ""] {
             assert_eq!(decode_permit(format!("dl1:{hex}/{bad}").as_bytes()), None);
         }
+    }
+
+    #[test]
+    fn holder_keys_lie_outside_every_range() {
+        let layout = KeyLayout::new("distlock");
+        let keys = ["a", "a/holder", "a%2Fholder", "holder", "%sem", "/", "%"];
+        let keys: Vec<LockKey> = keys.iter().map(|k| LockKey::new(*k).unwrap()).collect();
+        for k in &keys {
+            let label = layout.holder_key(k);
+            assert!(label.starts_with(&layout.lock_key(k)));
+            assert!(label.starts_with(layout.prefix().as_bytes()));
+            for other in &keys {
+                assert_ne!(label, layout.lock_key(other));
+                assert!(!label.starts_with(&layout.queue_prefix(other)));
+                assert!(!label.starts_with(&layout.semaphore_base(other)));
+                let mut fences = layout.lock_key(other);
+                fences.extend_from_slice(b"/fences/");
+                assert!(!label.starts_with(&fences));
+                if other != k {
+                    assert_ne!(label, layout.holder_key(other));
+                }
+            }
+        }
+        assert_eq!(
+            layout.holder_key(&LockKey::new("a/b").unwrap()),
+            b"distlock/lock/a%2Fb/holder"
+        );
+    }
+
+    #[test]
+    fn holder_values_round_trip() {
+        let owner = OwnerToken::random();
+        let label = HolderId::new("pod-7/é:42").unwrap();
+        let value = encode_holder(owner, &label);
+        assert_eq!(decode_holder(&value), Some((owner, label)));
+        // The lock's value is untouched by labels.
+        assert_eq!(decode_value(&value), None);
+        let hex = owner.to_hex();
+        for bad in [
+            format!("dl1:{hex}/"),
+            format!("dl1:{hex}"),
+            format!("dl1:{hex}/a\nb"),
+            "dl1:xyz/a".to_owned(),
+            format!("dl2:{hex}/a"),
+            format!(
+                "dl1:{hex}/{}",
+                "x".repeat(distlock_core::MAX_HOLDER_BYTES + 1)
+            ),
+        ] {
+            assert_eq!(decode_holder(bad.as_bytes()), None, "{bad:?}");
+        }
+        assert_eq!(decode_holder(&[0xff, 0xfe]), None);
     }
 
     #[test]

@@ -55,6 +55,16 @@
 //! global, durable revision counter. Waiters are woken by an etcd watch on
 //! the holder's key, not by polling, in FIFO order (see [`EtcdLock`]).
 //!
+//! A holder's label ([`HolderId`](distlock_core::HolderId)) is a sibling
+//! key, `NS/lock/<escaped key>/holder`, valued `dl1:<owner token in
+//! hex>/<label>`, written in the lock's own transactions (no extra round
+//! trip) on the lock's lease; `inspect` shows it only while its owner
+//! holds the lock. The lock's value is unchanged, so clients that predate
+//! labels read locks of newer ones. Observers
+//! ([`watch_holder`](distlock_core::LockAdmin::watch_holder)) share one
+//! etcd watch per client and key, on the lock key's creations and
+//! deletions, outside the waiter queue.
+//!
 //! A lock whose guard renews it goes on a lease shared by the client's
 //! renewed locks (one per TTL, kept alive by one keep-alive stream), so
 //! taking it costs one round trip and renewing it one small confirming

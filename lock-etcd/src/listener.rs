@@ -17,7 +17,9 @@
 //!   confirmation is matched to its subscribe, which returns only once etcd
 //!   confirmed the watch.
 //! - A `DELETE` event wakes the watch's channel; other events (a value
-//!   renewed under the same key) do not.
+//!   renewed under the same key) do not, except, for a topic that asks
+//!   ([`Topic::creations`]: an observer of who holds a lock), a `PUT` that
+//!   created its key.
 //! - etcd cancelling a live watch (its start revision compacted while it
 //!   lagged behind) is reported as a lost stream: the kit's one lost path
 //!   makes every waiter look up its place again and watch from a fresh
@@ -54,6 +56,8 @@ pub(crate) struct Topic {
     pub(crate) prefix: bool,
     /// The revision to watch from (0: from now).
     pub(crate) start_revision: i64,
+    /// Wake on the key's creation too, not only its deletion.
+    pub(crate) creations: bool,
 }
 
 /// How the listener talks to etcd's watch service.
@@ -89,6 +93,8 @@ struct Watches {
 
 struct Watch {
     channel: String,
+    /// See [`Topic::creations`].
+    creations: bool,
     /// The subscribe waiting for etcd's `created`; `None` once confirmed.
     confirm: Option<oneshot::Sender<Result<(), LockError>>>,
 }
@@ -143,10 +149,21 @@ impl Conn {
                 let _ = confirm.send(Ok(()));
             }
         }
+        let wakes = |event: &etcd_client::Event| match event.event_type() {
+            EventType::Delete => true,
+            // A put that created the key (its create revision is this
+            // put's); a renewal's put rewrites an existing key.
+            EventType::Put => {
+                watch.creations
+                    && event
+                        .kv()
+                        .is_some_and(|kv| kv.create_revision() == kv.mod_revision())
+            }
+        };
         response
             .events()
             .iter()
-            .any(|event| event.event_type() == EventType::Delete)
+            .any(wakes)
             .then(|| Ok(watch.channel.clone()))
     }
 }
@@ -220,6 +237,7 @@ impl NotificationSource for EtcdWatches {
                     id,
                     Watch {
                         channel: topic.channel.clone(),
+                        creations: topic.creations,
                         confirm: Some(confirm),
                     },
                 );

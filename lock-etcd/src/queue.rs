@@ -227,6 +227,7 @@ async fn watch_target(
             key: target.to_vec(),
             prefix,
             start_revision: start,
+            creations: false,
         })
         .await
 }

@@ -471,6 +471,7 @@ mod tests {
         let undo = txn::undo_session_lock(
             &attached.key,
             None,
+            None,
             session,
             None,
             &attached.fence(session),

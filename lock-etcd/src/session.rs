@@ -72,6 +72,8 @@ pub(crate) struct Attached {
     /// whose key names its owner (its value holds the limit, which extend
     /// and release are not told).
     pub(crate) value: Option<Vec<u8>>,
+    /// A lock's holder-label key, which goes with it; none for a permit.
+    pub(crate) label_key: Option<Vec<u8>>,
     /// The key its requests' fences go below (see [`crate::keys`]): never
     /// in the range of a semaphore's permits.
     pub(crate) fence_base: Vec<u8>,
@@ -88,6 +90,7 @@ impl Attached {
             id: value.clone(),
             key: etcd_key.clone(),
             value: Some(value),
+            label_key: Some(layout.holder_key(key)),
             fence_base: etcd_key,
             what: "lock",
         }
@@ -100,6 +103,7 @@ impl Attached {
             id: etcd_key.clone(),
             key: etcd_key,
             value: None,
+            label_key: None,
             fence_base: layout.semaphore_base(key),
             what: "permit",
         }
@@ -271,12 +275,14 @@ impl Sessions {
         let session = self.session(request.ttl, deadline).await?;
         let attached = Attached::lock(&self.etcd.layout, key, request.owner);
         let value = encode_value(request.owner);
+        let label = txn::Label::of(&self.etcd.layout, &request);
         // The transaction puts up the fences of this acquisition's earlier
         // requests whose outcome is unknown.
         let attaching = self.attach(&session, &attached, deadline, |fence, raise| {
             txn::acquire(
                 &attached.key,
                 &value,
+                &label,
                 session.lease_id(),
                 Some(fence),
                 raise,

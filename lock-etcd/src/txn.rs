@@ -19,6 +19,13 @@
 //!   count-only read; the session's keep-alive does the renewing.
 //! - release: `if value(key) == ours and create_revision(key) == fencing then delete(key)`.
 //!
+//! A lock's holder label (its sibling key, see [`crate::keys`]) rides in
+//! the same transactions, so it costs no round trip: an acquire (and an
+//! adoption) puts it on the lock's lease, or deletes whatever an earlier
+//! holder left there when it has none; an extend moves it with the key to
+//! the new lease; a release, the session's undo and a force release
+//! delete it with the key.
+//!
 //! Permits (see [`crate::semaphore`]), whose key names their owner:
 //!
 //! - join: `if create_revision(permit) == 0 then put(permit, value, lease);
@@ -38,17 +45,55 @@ use etcd_client::{
 };
 use std::time::Duration;
 
-use distlock_core::{AcquireReply, FencingToken, LockError, LockKey, OwnerToken};
+use distlock_core::{AcquireReply, AcquireRequest, FencingToken, LockError, LockKey, OwnerToken};
 
 use crate::fence::Fence;
-use crate::keys::decode_value;
+use crate::keys::{decode_value, encode_holder, KeyLayout};
+
+/// A lock's holder-label key, and the label value an acquisition stores
+/// there (`None`: it has no label).
+#[derive(Debug, Clone)]
+pub(crate) struct Label {
+    /// The label key ([`KeyLayout::holder_key`]).
+    pub(crate) key: Vec<u8>,
+    /// [`encode_holder`] of the owner and label.
+    pub(crate) value: Option<Vec<u8>>,
+}
+
+impl Label {
+    /// What `request` stores as its holder's label.
+    pub(crate) fn of(layout: &KeyLayout, request: &AcquireRequest<'_>) -> Self {
+        Self {
+            key: layout.holder_key(request.key),
+            value: request
+                .holder
+                .map(|holder| encode_holder(request.owner, holder)),
+        }
+    }
+
+    /// Stores the label on `lease_id` with the lock; without one, deletes
+    /// whatever an earlier holder left (it is never shown for this owner
+    /// anyway, but it need not linger).
+    fn write(&self, lease_id: i64) -> TxnOp {
+        match &self.value {
+            Some(value) => TxnOp::put(
+                self.key.clone(),
+                value.clone(),
+                Some(PutOptions::new().with_lease(lease_id)),
+            ),
+            None => TxnOp::delete(self.key.clone(), None),
+        }
+    }
+}
 
 /// The acquire transaction. A `fence`d one writes nothing once its fence
 /// is up; either branch puts the fences in `raise` up (earlier requests of
 /// the same acquisition whose outcome is unknown; see [`crate::fence`]).
+/// Whatever takes or adopts the lock also writes its `label`.
 pub(crate) fn acquire(
     key: &[u8],
     value: &[u8],
+    label: &Label,
     lease_id: i64,
     fence: Option<&Fence>,
     raise: &[Fence],
@@ -56,7 +101,7 @@ pub(crate) fn acquire(
     let put = || TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease_id)));
     let mut when = vec![Compare::create_revision(key, CompareOp::Equal, 0)];
     when.extend(fence.map(Fence::down));
-    let mut then = vec![put()];
+    let mut then = vec![put(), label.write(lease_id)];
     // Adoption: a key that holds this acquisition's value was taken by an
     // earlier attempt whose reply was lost. Putting it again on this
     // attempt's lease resets its TTL from now (a put keeps the key's
@@ -65,9 +110,10 @@ pub(crate) fn acquire(
     // bounds it.
     let mut adopt_when = vec![Compare::value(key, CompareOp::Equal, value)];
     adopt_when.extend(fence.map(Fence::down));
+    // The label moves to this lease too, or would go with the revoked one.
     let adopt = Txn::new()
         .when(adopt_when)
-        .and_then([put(), TxnOp::get(key, None)])
+        .and_then([put(), label.write(lease_id), TxnOp::get(key, None)])
         .or_else([TxnOp::get(key, None)]);
     let mut otherwise = vec![TxnOp::txn(adopt)];
     then.extend(raise.iter().map(Fence::raise));
@@ -83,10 +129,11 @@ pub(crate) fn acquire(
 /// fences of the owner's requests whose outcome is unknown, so none of
 /// them takes the key after this. The undo is itself fenced by `fence`:
 /// applied after a later undo or acquire of the same owner put it up, it
-/// does nothing.
+/// does nothing. A lock's `label_key` goes with it.
 pub(crate) fn undo_session_lock(
     key: &[u8],
     value: Option<&[u8]>,
+    label_key: Option<&[u8]>,
     session_lease: i64,
     fencing: Option<FencingToken>,
     fence: &Fence,
@@ -106,6 +153,7 @@ pub(crate) fn undo_session_lock(
         ));
     }
     let mut then = vec![TxnOp::delete(key, None)];
+    then.extend(label_key.map(|label| TxnOp::delete(label, None)));
     then.extend(raise.iter().map(Fence::raise));
     Txn::new()
         .when(when)
@@ -157,15 +205,31 @@ fn created_at(key: &[u8], fencing: FencingToken) -> Compare {
     )
 }
 
-/// The extend transaction: moves the key to `new_lease_id`.
-pub(crate) fn extend(key: &[u8], value: &[u8], fencing: FencingToken, new_lease_id: i64) -> Txn {
-    Txn::new()
-        .when(ours(key, value, fencing))
+/// The extend transaction: moves the key, and its label key if there is
+/// one, to `new_lease_id` (the old lease is revoked after, which would
+/// take a label left on it).
+pub(crate) fn extend(
+    key: &[u8],
+    value: &[u8],
+    label_key: &[u8],
+    fencing: FencingToken,
+    new_lease_id: i64,
+) -> Txn {
+    let on_new_lease = || Some(PutOptions::new().with_lease(new_lease_id));
+    // A put that keeps the value fails the whole transaction on a missing
+    // key, hence the check. The label may be an earlier holder's, left by a
+    // client that did not remove it: moved, it just goes with our lease.
+    let move_label = Txn::new()
+        .when([Compare::version(label_key, CompareOp::Greater, 0)])
         .and_then([TxnOp::put(
-            key,
-            value,
-            Some(PutOptions::new().with_lease(new_lease_id)),
-        )])
+            label_key,
+            Vec::new(),
+            on_new_lease().map(PutOptions::with_ignore_value),
+        )]);
+    Txn::new().when(ours(key, value, fencing)).and_then([
+        TxnOp::put(key, value, on_new_lease()),
+        TxnOp::txn(move_label),
+    ])
 }
 
 /// The confirm transaction for a lock or permit on a session lease:
@@ -199,11 +263,11 @@ pub(crate) fn confirm(
         .or_else([linearizable()])
 }
 
-/// The release transaction.
-pub(crate) fn release(key: &[u8], value: &[u8], fencing: FencingToken) -> Txn {
+/// The release transaction; the label key goes with the lock.
+pub(crate) fn release(key: &[u8], value: &[u8], label_key: &[u8], fencing: FencingToken) -> Txn {
     Txn::new()
         .when(ours(key, value, fencing))
-        .and_then([TxnOp::delete(key, None)])
+        .and_then([TxnOp::delete(key, None), TxnOp::delete(label_key, None)])
 }
 
 /// A permit is still the one granted with `fencing` (its key names its
@@ -413,6 +477,14 @@ mod tests {
         (server, client, lease)
     }
 
+    /// No label: these tests are about the lock key.
+    fn unlabelled() -> Label {
+        Label {
+            key: b"ns/lock/unlabelled/holder".to_vec(),
+            value: None,
+        }
+    }
+
     async fn exists(client: &mut Client, key: &[u8]) -> bool {
         !client.get(key, None).await.expect("get").kvs().is_empty()
     }
@@ -423,11 +495,12 @@ mod tests {
         let (_server, mut client, session) = etcd().await;
         let (key, value) = (b"ns/lock/late".to_vec(), b"owner".to_vec());
         let fence = Fence::new(&key, session);
-        let late = acquire(&key, &value, session, Some(&fence), &[]);
+        let late = acquire(&key, &value, &unlabelled(), session, Some(&fence), &[]);
         let undo_fence = Fence::new(&key, session);
         let undo = undo_session_lock(
             &key,
             Some(&value),
+            None,
             session,
             None,
             &undo_fence,
@@ -437,7 +510,7 @@ mod tests {
         let reply = client.txn(late).await.expect("late acquire");
         assert!(!reply.succeeded(), "the late acquire took the lock");
         assert!(!exists(&mut client, &key).await, "a lock was left");
-        let unfenced = acquire(&key, &value, session, None, &[]);
+        let unfenced = acquire(&key, &value, &unlabelled(), session, None, &[]);
         assert!(
             client.txn(unfenced).await.expect("control").succeeded(),
             "control: the same acquire without its fence takes the free lock"
@@ -454,7 +527,7 @@ mod tests {
         let (_server, mut client, session) = etcd().await;
         let (key, value) = (b"ns/lock/confirmed".to_vec(), b"owner".to_vec());
         let created = client
-            .txn(acquire(&key, &value, session, None, &[]))
+            .txn(acquire(&key, &value, &unlabelled(), session, None, &[]))
             .await
             .expect("acquire");
         let fencing = FencingToken::new(created.header().expect("header").revision() as u64);

@@ -96,6 +96,19 @@ pub fn etcd_grpc_started(port: u16) -> io::Result<BTreeMap<String, u64>> {
     Ok(by_method)
 }
 
+/// The value of the unlabelled metric `name` (a gauge such as
+/// `etcd_debugging_mvcc_watcher_total`, the watches open on the member)
+/// on the member whose client port is `port`, from `/metrics`.
+pub fn etcd_metric(port: u16, name: &str) -> io::Result<f64> {
+    let body = http_get(port, "/metrics")?;
+    body.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .ok_or_else(|| io::Error::other(format!("no metric {name} in etcd's /metrics")))?
+        .trim()
+        .parse()
+        .map_err(|e| io::Error::other(format!("bad value of {name}: {e}")))
+}
+
 impl ServerKind for Etcd {
     fn name(&self) -> &'static str {
         "etcd"

@@ -236,6 +236,7 @@ pub(crate) fn undo_later(etcd: &Etcd, session: &Arc<Session>, undo: Undo) {
         let txn = txn::undo_session_lock(
             &attached.key,
             attached.value.as_deref(),
+            attached.label_key.as_deref(),
             session.lease_id(),
             tracked.fencing,
             &fence,

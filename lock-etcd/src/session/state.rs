@@ -299,6 +299,7 @@ mod tests {
             id: id.to_vec(),
             key: id.to_vec(),
             value: None,
+            label_key: None,
             fence_base: id.to_vec(),
             what: "lock",
         };
