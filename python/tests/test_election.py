@@ -177,6 +177,13 @@ def test_async_election(backend):
             return await asyncio.wait_for(watch.__anext__(), 60)
 
         assert await step() is None
+        # A step cancelled while it waits loses nothing: the next one answers.
+        pending = asyncio.ensure_future(watch.__anext__())
+        await asyncio.sleep(0.2)
+        assert not pending.done()
+        pending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
         assert await c.leader_async("async-election") is None
         first = await a.campaign_async("async-election", "a", ttl=10)
         seen_a = await step()
