@@ -5,10 +5,7 @@ cancel-safe) when the awaiting task is cancelled."""
 
 import asyncio
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Protocol, Type
-
-if TYPE_CHECKING:
-    from ._distlock import LockGuard
+from typing import Any, Callable, Generator, Generic, Optional, Protocol, Type, TypeVar
 
 
 class _Handle(Protocol):
@@ -17,10 +14,13 @@ class _Handle(Protocol):
 
 _Done = Callable[[bool, Any], None]
 _Start = Callable[[_Done], _Handle]
+# What an acquisition yields: a LockGuard or a Leadership.
+_Held = TypeVar("_Held")
 
 
 def _discard(ok: bool, value: Any) -> None:
-    # A guard nobody will receive: release it in the background.
+    # A guard (or leadership) nobody will receive: release it in the
+    # background.
     if ok and hasattr(value, "_abandon"):
         value._abandon()
 
@@ -53,22 +53,23 @@ async def run(start: _Start) -> Any:
         raise
 
 
-class AsyncAcquire:
-    """What ``Locker.lock_async`` returns: await it for the guard, or use it
-    with ``async with`` (released at the end of the block)."""
+class AsyncAcquire(Generic[_Held]):
+    """What ``Locker.lock_async`` (``Locker.campaign_async``) returns: await
+    it for the guard (the leadership), or use it with ``async with``
+    (released, resigned, at the end of the block)."""
 
     __slots__ = ("_start", "_guard")
 
     def __init__(self, start: _Start) -> None:
         self._start = start
-        self._guard: "Optional[LockGuard]" = None
+        self._guard: Optional[_Held] = None
 
-    def __await__(self) -> "Generator[Any, None, LockGuard]":
-        guard: "LockGuard" = yield from run(self._start).__await__()
+    def __await__(self) -> Generator[Any, None, _Held]:
+        guard: _Held = yield from run(self._start).__await__()
         return guard
 
-    async def __aenter__(self) -> "LockGuard":
-        guard: "LockGuard" = await run(self._start)
+    async def __aenter__(self) -> _Held:
+        guard: _Held = await run(self._start)
         self._guard = guard
         return guard
 
@@ -81,7 +82,7 @@ class AsyncAcquire:
         return await release(self._guard, exc_type)
 
 
-async def ready(guard: "LockGuard") -> "LockGuard":
+async def ready(guard: _Held) -> _Held:
     return guard
 
 

@@ -3,7 +3,19 @@
 import contextvars
 import datetime
 from types import TracebackType
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Tuple, Type, Union, final
+from typing import (
+    Any,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Type,
+    Union,
+    final,
+)
 
 from distlock._aio import AsyncAcquire
 
@@ -101,6 +113,7 @@ class Locker:
         max_hold: Optional[_Seconds] = None,
         hold_at_least: Optional[_Seconds] = None,
         permits: Optional[int] = None,
+        holder: Optional[str] = None,
     ) -> LockGuard:
         """Takes the lock `key` for `ttl` seconds (by the server's clock),
         renewed in the background every ttl/3 until released, and returns its
@@ -110,8 +123,11 @@ class Locker:
         acquisition; `hold_at_least` keeps the lock until then even if
         released sooner. With `permits=N` it takes one of N permits of the
         semaphore `key` instead (at most N holders at once; a semaphore's
-        names are its own, apart from the locks'). The GIL is released while
-        waiting."""
+        names are its own, apart from the locks'). `holder` labels the lock
+        for people (`inspect` shows it as `LockInfo.holder`): a non-empty
+        str of at most 128 UTF-8 bytes without control characters, else
+        `InvalidInput`; never proof of ownership, and not stored by a backend
+        without holder labels. The GIL is released while waiting."""
 
     def lock_async(
         self,
@@ -122,7 +138,8 @@ class Locker:
         max_hold: Optional[_Seconds] = None,
         hold_at_least: Optional[_Seconds] = None,
         permits: Optional[int] = None,
-    ) -> AsyncAcquire:
+        holder: Optional[str] = None,
+    ) -> AsyncAcquire[LockGuard]:
         """`lock` for asyncio: ``guard = await locker.lock_async(...)`` or
         ``async with locker.lock_async(...) as guard:``. Cancelling the
         awaiting task leaves no lock held."""
@@ -168,6 +185,54 @@ class Locker:
         never decide whether to run a job by it. `Unsupported` if the
         backend has no operator calls."""
 
+    def campaign(
+        self,
+        key: str,
+        identity: Optional[str],
+        ttl: _Seconds,
+        timeout: Optional[_Seconds] = None,
+    ) -> Leadership:
+        """Campaigns for leadership of the election `key` as `identity` and
+        returns the `Leadership` once this candidate leads (a context
+        manager: leaving the block resigns). A leadership is the lock `key`
+        labelled with `identity`, renewed every ttl/3; its term is the lock's
+        fencing token. Waits however long it takes (``timeout=None``), woken
+        by the server when the leader resigns or when its lease runs out;
+        raises `LockHeld` if another candidate still leads after `timeout`
+        seconds. `identity` is a label for people (`Leader.identity`): a
+        non-empty str of at most 128 UTF-8 bytes without control characters,
+        else `InvalidInput`; ``None`` is ``"<host name>:<pid>"``. Do not also
+        take the lock `key` for other work. The GIL is released while
+        waiting; Ctrl-C stops the campaign and leaves nothing held."""
+
+    def campaign_async(
+        self,
+        key: str,
+        identity: Optional[str],
+        ttl: _Seconds,
+        timeout: Optional[_Seconds] = None,
+    ) -> AsyncAcquire[Leadership]:
+        """`campaign` for asyncio: ``leadership = await
+        locker.campaign_async(...)`` or ``async with
+        locker.campaign_async(...) as leadership:``. Cancelling the awaiting
+        task stops the campaign and leaves nothing held."""
+
+    def leader(self, key: str) -> Optional[Leader]:
+        """Who leads the election `key` now: ``None`` if nobody. Stale as
+        soon as it arrives (for people and dashboards); `observe` follows
+        changes. `Unsupported` if the backend has no operator calls."""
+
+    def leader_async(self, key: str) -> Awaitable[Optional[Leader]]:
+        """`leader` for asyncio: ``leader = await locker.leader_async(key)``."""
+
+    def observe(self, key: str, poll_interval: Optional[_Seconds] = None) -> LeaderWatch:
+        """Follows who leads the election `key`: iterate the `LeaderWatch`
+        (``for`` or ``async for``) for each change, a `Leader` or ``None``
+        (vacant). The first step answers at once; terms only grow. Woken by
+        the server where the backend notifies changes (memory, etcd), else
+        by reading at the leader's expiry and every `poll_interval` seconds
+        (default 1)."""
+
     def force_release(self, key: str) -> bool:
         """Deletes the lock at `key` whoever holds it, waking its waiters;
         returns whether one was held. The holder learns at its next renewal
@@ -182,6 +247,10 @@ class LockInfo:
     expires_in: Optional[float]
     """Seconds left on the holder's lease by the server's clock (renewal
     extends it), or ``None`` if the backend does not tell."""
+    holder: Optional[str]
+    """The label the holder gave (`Locker.lock`'s ``holder``, a campaign's
+    ``identity``), or ``None`` if it gave none or the backend stores no
+    labels. For people: never proof of ownership."""
 
 @final
 class LockGuard:
@@ -226,6 +295,85 @@ class LockGuard:
         exc: Optional[BaseException],
         traceback: Optional[TracebackType],
     ) -> bool: ...
+
+@final
+class Leadership:
+    """This candidate leads (`Locker.campaign`): renews itself in the
+    background, tells when leadership is lost (before another candidate can
+    lead), and resigns on `resign()` or at the end of a ``with`` / ``async
+    with`` block (leaving the block raises `LockLost` if leadership was lost
+    meanwhile, unless the block raised). A leadership dropped without
+    resigning resigns in the background."""
+
+    @property
+    def key(self) -> str:
+        """The election's key."""
+    @property
+    def term(self) -> int:
+        """Strictly greater than every earlier leader's term (it is the
+        lock's fencing token); pass it to what the leader writes so a deposed
+        leader's late writes can be refused."""
+    @property
+    def identity(self) -> str:
+        """The label this candidate campaigned with."""
+    @property
+    def lost_reason(self) -> Optional[str]:
+        """Why leadership was lost, or ``None``."""
+    def is_lost(self) -> bool:
+        """Whether leadership is known or assumed lost."""
+    def raise_if_lost(self) -> None:
+        """Raises `LockLost` if leadership is lost; call it before each write."""
+    def wait_lost(self, timeout: Optional[_Seconds] = None) -> bool:
+        """Blocks (GIL released) until leadership is lost or `timeout`
+        seconds passed; returns `is_lost()`."""
+    def resign(self) -> None:
+        """Steps down at once and wakes the next candidate. Raises `LockLost`
+        if leadership was lost meanwhile; resigning twice does nothing."""
+    def __enter__(self) -> Leadership: ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> bool: ...
+    async def __aenter__(self) -> Leadership: ...
+    async def __aexit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> bool: ...
+
+@final
+class Leader:
+    """Who leads an election, as the server said (`Locker.leader`,
+    `LeaderWatch`). Equal when identity and term are."""
+
+    identity: Optional[str]
+    """The leader's label, or ``None`` if the backend stores no labels.
+    For people: never proof of anything."""
+    term: int
+    """The leadership's term (its lock's fencing token), greater than every
+    earlier leader's."""
+
+@final
+class LeaderWatch:
+    """Follows who leads an election (`Locker.observe`). Each step of
+    ``for`` (blocking, GIL released) or ``async for`` is the next change: a
+    `Leader`, or ``None`` when vacant. The first step answers at once; later
+    steps wait for a change. A leader of an older term than one already
+    reported is never reported, and changes between two reads may be
+    skipped (it reports states, not every transition). The iteration never
+    ends by itself; a server error is raised from the step and the next
+    step goes on. Stopping a step (Ctrl-C, task cancellation) loses nothing."""
+
+    @property
+    def key(self) -> str:
+        """The election's key."""
+    def __iter__(self) -> LeaderWatch: ...
+    def __next__(self) -> Optional[Leader]: ...
+    def __aiter__(self) -> LeaderWatch: ...
+    def __anext__(self) -> Awaitable[Optional[Leader]]: ...
 
 @final
 class FireOutcome:

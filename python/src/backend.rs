@@ -1,16 +1,18 @@
 //! The one place where the binding calls the distlock Rust API: connecting,
-//! acquiring, the guard's signals, scheduled runs and job keys. The rest of
+//! acquiring, the guard's signals, scheduled runs, job keys and leader
+//! election. The rest of
 //! the binding sees only the small types below, so a change of the Rust API
 //! is a change of this file.
 
 use std::future::Future;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use distlock::{Fire, JobKey, LockKey, LockOptions, LockState, Locker, OnLost, ScheduledJob};
 
 pub use distlock::{
     ErrorKind, LockError, LockGuard, LostReason, LostSignal, ScheduledOutcome, SkipReason,
 };
+pub use distlock_core::{HolderId, LeaderWatch, Leadership, MAX_HOLDER_BYTES};
 
 /// A connected lock client.
 #[derive(Debug, Clone)]
@@ -26,7 +28,7 @@ pub async fn connect(url: &str) -> Result<Client, LockError> {
 }
 
 /// How to take one lock.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Acquire {
     /// TTL of each lease (the guard renews it every third).
     pub ttl: Duration,
@@ -39,9 +41,24 @@ pub struct Acquire {
     /// Take one of this many permits of the key's semaphore instead of
     /// the lock.
     pub permits: Option<u32>,
+    /// The label stored with the lock, for people reading who holds it.
+    pub holder: Option<HolderId>,
 }
 
 impl Acquire {
+    /// A lease of `ttl` and nothing else (schedules, campaigns), for the
+    /// same checks as a lock's.
+    pub fn ttl_only(ttl: Duration) -> Self {
+        Self {
+            ttl,
+            wait: Duration::ZERO,
+            max_hold: None,
+            hold_at_least: None,
+            permits: None,
+            holder: None,
+        }
+    }
+
     fn options(&self) -> LockOptions {
         let mut options = LockOptions::new(self.ttl).with_wait(self.wait);
         if let Some(max) = self.max_hold {
@@ -52,6 +69,9 @@ impl Acquire {
         }
         if let Some(permits) = self.permits {
             options = options.with_permits(permits);
+        }
+        if let Some(holder) = &self.holder {
+            options = options.with_holder(holder.clone());
         }
         options
     }
@@ -64,12 +84,42 @@ impl Acquire {
 }
 
 /// Who holds a key, as an operator reads it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Holder {
     /// The holder's fencing token.
     pub fencing_token: u64,
     /// Time left on the holder's lease, if the backend tells.
     pub expires_in: Option<Duration>,
+    /// The holder's label, if it gave one and the backend stores labels.
+    pub holder: Option<String>,
+}
+
+/// Who leads an election, as the server says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Leader {
+    /// The leader's label (`None` where the backend stores no labels).
+    pub identity: Option<String>,
+    /// The leadership's term (its lock's fencing token).
+    pub term: u64,
+}
+
+impl From<distlock_core::Leader> for Leader {
+    fn from(leader: distlock_core::Leader) -> Self {
+        Self {
+            identity: leader.identity.map(|id| id.as_str().to_owned()),
+            term: leader.term.get(),
+        }
+    }
+}
+
+/// What a guard or a leadership holds: released, or dropped to release in
+/// the background, the same way.
+#[derive(Debug)]
+pub enum Holding {
+    /// A lock or permit.
+    Lock(LockGuard),
+    /// A leadership (its lock underneath).
+    Leadership(Leadership),
 }
 
 /// The longest key a schedule name may have: the fire key adds
@@ -88,8 +138,12 @@ pub struct Held {
 }
 
 impl Held {
-    /// The view of a guard.
-    pub fn of(guard: &LockGuard) -> Self {
+    /// The view of a guard or a leadership.
+    pub fn of(holding: &Holding) -> Self {
+        let guard = match holding {
+            Holding::Lock(guard) => guard,
+            Holding::Leadership(leadership) => leadership.guard(),
+        };
         Self {
             key: guard.key().as_str().to_owned(),
             fencing_token: guard.fencing_token().get(),
@@ -122,13 +176,52 @@ impl Client {
             LockState::Held {
                 expires_in,
                 fencing_token,
-                ..
+                holder,
             } => Some(Holder {
                 fencing_token: fencing_token.get(),
                 expires_in,
+                holder: holder.map(|id| id.as_str().to_owned()),
             }),
             LockState::Free => None,
         })
+    }
+
+    /// Campaigns for leadership of `key` as `identity` with leases of
+    /// `ttl`, until `deadline` (`None`: however long it takes); `None` if
+    /// another candidate still leads then.
+    pub async fn campaign(
+        &self,
+        key: &str,
+        identity: &HolderId,
+        ttl: Duration,
+        deadline: Option<Instant>,
+    ) -> Result<Option<Leadership>, LockError> {
+        let key = LockKey::new(key)?;
+        let options = LockOptions::new(ttl);
+        match deadline {
+            Some(deadline) => {
+                self.locker
+                    .campaign_until(&key, identity, &options, deadline)
+                    .await
+            }
+            None => self
+                .locker
+                .campaign(&key, identity, &options)
+                .await
+                .map(Some),
+        }
+    }
+
+    /// Who leads `key` now (`None`: vacant).
+    pub async fn leader(&self, key: &str) -> Result<Option<Leader>, LockError> {
+        let key = LockKey::new(key)?;
+        Ok(self.locker.leader(&key).await?.map(Leader::from))
+    }
+
+    /// Follows who leads `key`, reading at least every `poll`.
+    pub fn observe(&self, key: &str, poll: Duration) -> Result<LeaderWatch, LockError> {
+        let key = LockKey::new(key)?;
+        Ok(self.locker.observe(&key).with_poll_interval(poll))
     }
 
     /// Deletes the lock at `key` whoever holds it; whether one was held.
@@ -172,10 +265,18 @@ impl Client {
     }
 }
 
-/// Stops renewal and releases (or keeps the lock until its hold-at-least
-/// time).
-pub async fn release(guard: LockGuard) -> Result<(), LockError> {
-    guard.release().await
+/// Stops renewal and releases (a lock is kept until its hold-at-least
+/// time; a leadership resigns at once).
+pub async fn release(holding: Holding) -> Result<(), LockError> {
+    match holding {
+        Holding::Lock(guard) => guard.release().await,
+        Holding::Leadership(leadership) => leadership.resign().await,
+    }
+}
+
+/// The next change of who leads (see `LeaderWatch::changed`).
+pub async fn next_leader(watch: &mut LeaderWatch) -> Result<Option<Leader>, LockError> {
+    Ok(watch.changed().await?.map(Leader::from))
 }
 
 /// The key `JobKey::new(name).args(&args).only(&only)` derives; without

@@ -8,7 +8,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 
-use crate::backend::{Acquire, SCHEDULE_SUFFIX_BYTES};
+use crate::backend::{Acquire, HolderId, MAX_HOLDER_BYTES, SCHEDULE_SUFFIX_BYTES};
 use crate::convert::type_name;
 use crate::errors::invalid_input;
 
@@ -58,6 +58,53 @@ pub fn permits(value: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u32>> {
             u32::MAX
         ))),
     }
+}
+
+/// A holder label (`holder=`, `identity=`): a non-empty `str` of at most
+/// 128 UTF-8 bytes without control characters, so it prints on one line.
+/// For people reading who holds a lock; never proof of ownership.
+pub fn holder(value: &Bound<'_, PyAny>, what: &str) -> PyResult<HolderId> {
+    let label = string(
+        value,
+        what,
+        "a label for people, such as a host name and pid or a pod name",
+    )?;
+    if label.is_empty() {
+        return Err(invalid_input(format!(
+            "{what} is empty; name the holder (a host name and pid, a pod name), or leave it None"
+        )));
+    }
+    if label.len() > MAX_HOLDER_BYTES {
+        return Err(invalid_input(format!(
+            "{what} is {} bytes in UTF-8, the limit is {MAX_HOLDER_BYTES}; use a shorter label",
+            label.len()
+        )));
+    }
+    if let Some(c) = label.chars().find(|c| c.is_control()) {
+        // Written as Python's repr() writes it.
+        let shown = match c {
+            '\n' => "\\n".to_owned(),
+            '\r' => "\\r".to_owned(),
+            '\t' => "\\t".to_owned(),
+            c if u32::from(c) < 0x100 => format!("\\x{:02x}", u32::from(c)),
+            c => format!("\\u{:04x}", u32::from(c)),
+        };
+        return Err(invalid_input(format!(
+            "{what} contains the control character '{shown}'; a label must print on one line, \
+             use printable characters only"
+        )));
+    }
+    // The same rules as the Rust type's, so this cannot fail; its error
+    // stays typed all the same.
+    HolderId::new(label).map_err(crate::errors::to_py)
+}
+
+/// An optional holder label (`None` stays `None`).
+pub fn optional_holder(value: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<HolderId>> {
+    value
+        .filter(|value| !value.is_none())
+        .map(|value| holder(value, what))
+        .transpose()
 }
 
 /// A lock key: a non-empty `str` of at most 512 UTF-8 bytes without NUL.
@@ -152,16 +199,7 @@ pub fn schedule(job_name: &str, period: Duration, ttl: Option<Duration>) -> PyRe
         )));
     }
     if let Some(ttl) = ttl {
-        acquire(
-            &Acquire {
-                ttl,
-                wait: Duration::ZERO,
-                max_hold: None,
-                hold_at_least: None,
-                permits: None,
-            },
-            None,
-        )?;
+        acquire(&Acquire::ttl_only(ttl), None)?;
     }
     Ok(())
 }

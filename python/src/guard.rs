@@ -1,11 +1,12 @@
 //! `LockGuard`: a held lock as Python sees it (renewal in the background,
-//! the lost signal, release at the end of a `with` block or on drop).
+//! the lost signal, release at the end of a `with` block or on drop). A
+//! `Leadership` (`election`) is one of these underneath.
 
 use std::sync::Mutex;
 
 use pyo3::prelude::*;
 
-use crate::backend::{self, ErrorKind, Held, LockError as RustLockError};
+use crate::backend::{self, ErrorKind, Held, Holding, LockError as RustLockError};
 use crate::errors::{invalid_input, lost_text, to_py, LockLost};
 use crate::locker::TaskHandle;
 use crate::{aio, convert, runtime};
@@ -14,9 +15,11 @@ use crate::{aio, convert, runtime};
 /// releases on `release()` or at the end of a `with` / `async with` block.
 #[pyclass(module = "distlock", frozen)]
 pub(crate) struct LockGuard {
-    held: Held,
+    pub(crate) held: Held,
     /// `None` once released, and for a job's lock (its runner releases it).
-    guard: Mutex<Option<backend::LockGuard>>,
+    guard: Mutex<Option<Holding>>,
+    /// Whether it holds a leadership (messages say so).
+    leading: bool,
     /// Whether `release()` is this object's to call.
     owned: bool,
     /// The process that acquired it: a forked child must not release the
@@ -25,10 +28,11 @@ pub(crate) struct LockGuard {
 }
 
 impl LockGuard {
-    pub(crate) fn new(guard: backend::LockGuard) -> Self {
+    pub(crate) fn new(holding: Holding) -> Self {
         Self {
-            held: Held::of(&guard),
-            guard: Mutex::new(Some(guard)),
+            held: Held::of(&holding),
+            leading: matches!(holding, Holding::Leadership(_)),
+            guard: Mutex::new(Some(holding)),
             owned: true,
             pid: std::process::id(),
         }
@@ -38,12 +42,13 @@ impl LockGuard {
         Self {
             held,
             guard: Mutex::new(None),
+            leading: false,
             owned: false,
             pid: std::process::id(),
         }
     }
 
-    fn take(&self) -> PyResult<Option<backend::LockGuard>> {
+    fn take(&self) -> PyResult<Option<Holding>> {
         if !self.owned {
             return Err(invalid_input(
                 "this is a job's lock; the job runner releases it when the job returns",
@@ -52,10 +57,16 @@ impl LockGuard {
         Ok(self.guard.lock().unwrap_or_else(|e| e.into_inner()).take())
     }
 
-    fn lost_error(held: &Held) -> PyErr {
+    fn lost_error(held: &Held, leading: bool) -> PyErr {
         let reason = backend::lost_reason(&held.lost)
             .map(|reason| lost_text(&reason))
             .unwrap_or_else(|| "the server no longer knows this owner".to_owned());
+        if leading {
+            return LockLost::new_err(format!(
+                "leadership lost: {:?} (term {}) was lost: {reason}; another candidate may have led meanwhile",
+                held.key, held.fencing_token
+            ));
+        }
         LockLost::new_err(format!(
             "lock lost: {:?} (fencing token {}) was lost: {reason}; another owner may have run meanwhile",
             held.key, held.fencing_token
@@ -63,12 +74,29 @@ impl LockGuard {
     }
 
     /// What a release reports: a lost lock is `LockLost`.
-    fn released(held: &Held, result: Result<(), RustLockError>) -> PyResult<()> {
+    fn released(held: &Held, leading: bool, result: Result<(), RustLockError>) -> PyResult<()> {
         match result {
             Ok(()) if !held.lost.is_lost() => Ok(()),
-            Ok(()) => Err(Self::lost_error(held)),
-            Err(e) if e.kind() == ErrorKind::NotHeld => Err(Self::lost_error(held)),
+            Ok(()) => Err(Self::lost_error(held, leading)),
+            Err(e) if e.kind() == ErrorKind::NotHeld => Err(Self::lost_error(held, leading)),
             Err(e) => Err(to_py(e)),
+        }
+    }
+
+    /// `"lost"`, `"released"` or `"held"`, for `__repr__`.
+    pub(crate) fn state(&self) -> &'static str {
+        if self.held.lost.is_lost() {
+            "lost"
+        } else if self.owned
+            && self
+                .guard
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_none()
+        {
+            "released"
+        } else {
+            "held"
         }
     }
 }
@@ -89,20 +117,20 @@ impl LockGuard {
     }
 
     /// Whether the lock is known or assumed lost.
-    fn is_lost(&self) -> bool {
+    pub(crate) fn is_lost(&self) -> bool {
         self.held.lost.is_lost()
     }
 
     /// Why the lock was lost, or `None`.
     #[getter]
-    fn lost_reason(&self) -> Option<String> {
+    pub(crate) fn lost_reason(&self) -> Option<String> {
         backend::lost_reason(&self.held.lost).map(|reason| lost_text(&reason))
     }
 
     /// Raises `LockLost` if the lock is lost; call it before each write.
-    fn raise_if_lost(&self) -> PyResult<()> {
+    pub(crate) fn raise_if_lost(&self) -> PyResult<()> {
         if self.held.lost.is_lost() {
-            return Err(Self::lost_error(&self.held));
+            return Err(Self::lost_error(&self.held, self.leading));
         }
         Ok(())
     }
@@ -110,7 +138,11 @@ impl LockGuard {
     /// Blocks until the lock is lost or `timeout` seconds passed (`None`:
     /// no limit); returns `is_lost()`.
     #[pyo3(signature = (timeout=None))]
-    fn wait_lost(&self, py: Python<'_>, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+    pub(crate) fn wait_lost(
+        &self,
+        py: Python<'_>,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
         let timeout = convert::optional_duration(timeout, "timeout")?;
         let lost = self.held.lost.clone();
         runtime::block_on(py, async move {
@@ -128,21 +160,24 @@ impl LockGuard {
 
     /// Stops renewal and releases the lock. Raises `LockLost` if it was lost
     /// meanwhile. Releasing twice does nothing.
-    fn release(&self, py: Python<'_>) -> PyResult<()> {
+    pub(crate) fn release(&self, py: Python<'_>) -> PyResult<()> {
         match self.take()? {
-            Some(guard) => {
-                Self::released(&self.held, runtime::block_on(py, backend::release(guard))?)
-            }
+            Some(guard) => Self::released(
+                &self.held,
+                self.leading,
+                runtime::block_on(py, backend::release(guard))?,
+            ),
             None => Ok(()),
         }
     }
 
-    fn _release_start(&self, done: Py<PyAny>) -> PyResult<TaskHandle> {
+    pub(crate) fn _release_start(&self, done: Py<PyAny>) -> PyResult<TaskHandle> {
         let guard = self.take()?;
         let held = self.held.clone();
+        let leading = self.leading;
         let future = async move {
             match guard {
-                Some(guard) => Self::released(&held, backend::release(guard).await),
+                Some(guard) => Self::released(&held, leading, backend::release(guard).await),
                 None => Ok(()),
             }
         };
@@ -150,7 +185,7 @@ impl LockGuard {
     }
 
     /// Releases in the background (an abandoned asyncio acquisition).
-    fn _abandon(&self) {
+    pub(crate) fn _abandon(&self) {
         if let Ok(Some(guard)) = self.take() {
             drop_in_runtime(guard);
         }
@@ -162,7 +197,7 @@ impl LockGuard {
 
     /// Releases; if the block raised, its exception wins over a release
     /// error.
-    fn __exit__(
+    pub(crate) fn __exit__(
         &self,
         py: Python<'_>,
         exc_type: &Bound<'_, PyAny>,
@@ -177,7 +212,7 @@ impl LockGuard {
     }
 
     fn __aenter__<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        aio(slf.py())?.getattr("ready")?.call1((slf,))
+        aenter(slf.into_any())
     }
 
     fn __aexit__<'py>(
@@ -186,26 +221,15 @@ impl LockGuard {
         _exc: &Bound<'py, PyAny>,
         _traceback: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        aio(slf.py())?.getattr("release")?.call1((slf, exc_type))
+        aexit(slf.into_any(), exc_type)
     }
 
     fn __repr__(&self) -> String {
-        let state = if self.held.lost.is_lost() {
-            "lost"
-        } else if self.owned
-            && self
-                .guard
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .is_none()
-        {
-            "released"
-        } else {
-            "held"
-        };
         format!(
-            "LockGuard(key={:?}, fencing_token={}, {state})",
-            self.held.key, self.held.fencing_token
+            "LockGuard(key={:?}, fencing_token={}, {})",
+            self.held.key,
+            self.held.fencing_token,
+            self.state()
         )
     }
 }
@@ -228,8 +252,22 @@ impl Drop for LockGuard {
     }
 }
 
+/// `async with` on a guard or a leadership: it is held already.
+pub(crate) fn aenter(held: Bound<'_, PyAny>) -> PyResult<Bound<'_, PyAny>> {
+    aio(held.py())?.getattr("ready")?.call1((held,))
+}
+
+/// The end of `async with`: releases (resigns); the block's exception
+/// wins over a release error.
+pub(crate) fn aexit<'py>(
+    held: Bound<'py, PyAny>,
+    exc_type: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    aio(held.py())?.getattr("release")?.call1((held, exc_type))
+}
+
 /// Drops a guard where its background release can run.
-pub(crate) fn drop_in_runtime(guard: backend::LockGuard) {
+pub(crate) fn drop_in_runtime(guard: Holding) {
     match runtime::handle() {
         Ok(handle) => {
             let _context = handle.enter();

@@ -14,6 +14,7 @@ use pyo3::types::{PyDict, PyTuple};
 mod backend;
 mod check;
 mod convert;
+mod election;
 mod errors;
 mod fire;
 mod guard;
@@ -21,6 +22,7 @@ mod locker;
 mod log;
 mod runtime;
 
+use election::{LeaderWatch, Leadership, PyLeader};
 use fire::FireOutcome;
 use guard::LockGuard;
 use locker::{_check_lock_options, _check_schedule, LockInfo, Locker};
@@ -139,6 +141,9 @@ fn _distlock(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<LockInfo>()?;
     module.add_class::<LockGuard>()?;
     module.add_class::<FireOutcome>()?;
+    module.add_class::<Leadership>()?;
+    module.add_class::<PyLeader>()?;
+    module.add_class::<LeaderWatch>()?;
     module.add("_current_lock", current_lock_var(module.py())?)?;
     errors::register(module)?;
     Ok(())

@@ -9,7 +9,8 @@ use pyo3::types::{PyDict, PyTuple};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::backend::{self, Acquire, Client, Held};
+use crate::backend::{self, Acquire, Client, Held, Holding};
+use crate::election::{self, LeaderWatch, Leadership, PyLeader};
 use crate::errors::{invalid_input, to_py, LockHeld};
 use crate::fire::FireOutcome;
 use crate::guard::LockGuard;
@@ -52,6 +53,7 @@ pub(crate) fn acquire_options(
     max_hold: Option<&Bound<'_, PyAny>>,
     hold_at_least: Option<&Bound<'_, PyAny>>,
     permits: Option<&Bound<'_, PyAny>>,
+    holder: Option<&Bound<'_, PyAny>>,
     client: Option<&Client>,
 ) -> PyResult<Acquire> {
     let how = Acquire {
@@ -60,6 +62,7 @@ pub(crate) fn acquire_options(
         max_hold: convert::optional_duration(max_hold, "max_hold")?,
         hold_at_least: convert::optional_duration(hold_at_least, "hold_at_least")?,
         permits: check::permits(permits)?,
+        holder: check::optional_holder(holder, "holder")?,
     };
     check::acquire(&how, client.map(Client::max_ttl))?;
     Ok(how)
@@ -75,7 +78,7 @@ pub(crate) fn _check_lock_options(
     max_hold: Option<&Bound<'_, PyAny>>,
     hold_at_least: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
-    acquire_options(ttl, wait, max_hold, hold_at_least, None, None).map(|_| ())
+    acquire_options(ttl, wait, max_hold, hold_at_least, None, None, None).map(|_| ())
 }
 
 /// Checks a schedule as `Locker.run_once_per_fire` would (`job_name` may
@@ -111,14 +114,15 @@ pub(crate) async fn acquire(client: Client, key: String, how: Acquire) -> PyResu
         None => format!("{key:?} is held by another owner"),
         Some(n) => format!("all {n} permits of {key:?} are held by other owners"),
     };
+    let wait = how.wait;
     match client.acquire(&key, how).await.map_err(to_py)? {
-        Some(guard) => Ok(LockGuard::new(guard)),
-        None if how.wait.is_zero() => Err(LockHeld::new_err(format!(
+        Some(guard) => Ok(LockGuard::new(Holding::Lock(guard))),
+        None if wait.is_zero() => Err(LockHeld::new_err(format!(
             "lock held: {held}; skip this run, or pass wait= to wait for it"
         ))),
         None => Err(LockHeld::new_err(format!(
             "lock held: {held}, still after waiting {:?}",
-            how.wait
+            wait
         ))),
     }
 }
@@ -130,9 +134,11 @@ impl Locker {
     /// waiting up to `wait` seconds, if given). Use it as a context manager.
     /// With `permits=N`, takes one of N permits of the semaphore `key`
     /// instead (at most N holders at once; its own name space).
+    /// `holder` labels the lock for people reading who holds it
+    /// (`inspect`).
     // One parameter per Python argument: the signature is the API.
     #[expect(clippy::too_many_arguments)]
-    #[pyo3(signature = (key, ttl, wait=None, *, max_hold=None, hold_at_least=None, permits=None))]
+    #[pyo3(signature = (key, ttl, wait=None, *, max_hold=None, hold_at_least=None, permits=None, holder=None))]
     fn lock(
         &self,
         py: Python<'_>,
@@ -142,8 +148,9 @@ impl Locker {
         max_hold: Option<&Bound<'_, PyAny>>,
         hold_at_least: Option<&Bound<'_, PyAny>>,
         permits: Option<&Bound<'_, PyAny>>,
+        holder: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<LockGuard> {
-        let request = self.request(py, key, ttl, wait, max_hold, hold_at_least, permits)?;
+        let request = self.request(py, key, ttl, wait, max_hold, hold_at_least, permits, holder)?;
         runtime::block_on(py, request.run())?
     }
 
@@ -151,7 +158,7 @@ impl Locker {
     /// `async with locker.lock_async(...) as guard:`.
     // One parameter per Python argument: the signature is the API.
     #[expect(clippy::too_many_arguments)]
-    #[pyo3(signature = (key, ttl, wait=None, *, max_hold=None, hold_at_least=None, permits=None))]
+    #[pyo3(signature = (key, ttl, wait=None, *, max_hold=None, hold_at_least=None, permits=None, holder=None))]
     fn lock_async<'py>(
         &self,
         py: Python<'py>,
@@ -161,8 +168,9 @@ impl Locker {
         max_hold: Option<&Bound<'py, PyAny>>,
         hold_at_least: Option<&Bound<'py, PyAny>>,
         permits: Option<&Bound<'py, PyAny>>,
+        holder: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let request = self.request(py, key, ttl, wait, max_hold, hold_at_least, permits)?;
+        let request = self.request(py, key, ttl, wait, max_hold, hold_at_least, permits, holder)?;
         let start = Bound::new(py, request)?.getattr("_start")?;
         aio(py)?.getattr("AsyncAcquire")?.call1((start,))
     }
@@ -258,7 +266,76 @@ impl Locker {
         Ok(holder.map(|holder| LockInfo {
             fencing_token: holder.fencing_token,
             expires_in: holder.expires_in.map(|left| left.as_secs_f64()),
+            holder: holder.holder,
         }))
+    }
+
+    /// Campaigns for leadership of the election `key` as `identity` (a
+    /// label; `None`: this host's name and pid), with leases of `ttl`
+    /// seconds renewed in the background; waits until this candidate leads
+    /// (`timeout=None`: however long) and returns its `Leadership`. Raises
+    /// `LockHeld` if another candidate still leads after `timeout`.
+    #[pyo3(signature = (key, identity, ttl, timeout=None))]
+    fn campaign(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        identity: Option<&Bound<'_, PyAny>>,
+        ttl: &Bound<'_, PyAny>,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Leadership> {
+        let campaign = election::Campaign::new(self.client(py)?, key, identity, ttl, timeout)?;
+        runtime::block_on(py, campaign.run())?
+    }
+
+    /// `campaign` for asyncio: `leadership = await locker.campaign_async(...)`
+    /// or `async with locker.campaign_async(...) as leadership:`.
+    #[pyo3(signature = (key, identity, ttl, timeout=None))]
+    fn campaign_async<'py>(
+        &self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+        identity: Option<&Bound<'py, PyAny>>,
+        ttl: &Bound<'py, PyAny>,
+        timeout: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let campaign = election::Campaign::new(self.client(py)?, key, identity, ttl, timeout)?;
+        let start = Bound::new(py, campaign)?.getattr("_start")?;
+        aio(py)?.getattr("AsyncAcquire")?.call1((start,))
+    }
+
+    /// Who leads the election `key` now: `None` if nobody, else a
+    /// `Leader`. Stale as soon as it arrives; `observe` follows changes.
+    fn leader(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Option<PyLeader>> {
+        let key = check::key(key, "key")?;
+        let client = self.client(py)?;
+        election::leader(py, client, key)
+    }
+
+    /// `leader` for asyncio: `leader = await locker.leader_async(key)`.
+    fn leader_async<'py>(
+        &self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let key = check::key(key, "key")?;
+        let client = self.client(py)?;
+        election::leader_async(py, client, key)
+    }
+
+    /// Follows who leads the election `key`: iterate the returned
+    /// `LeaderWatch` (`for` or `async for`) for each change, `None` when
+    /// vacant. It reads at least every `poll_interval` seconds.
+    #[pyo3(signature = (key, poll_interval=None))]
+    fn observe(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        poll_interval: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<LeaderWatch> {
+        let key = check::key(key, "key")?;
+        let poll = convert::optional_duration(poll_interval, "poll_interval")?;
+        LeaderWatch::new(self.client(py)?, key, poll)
     }
 
     /// Deletes the lock at `key` whoever holds it, waking its waiters;
@@ -283,18 +360,22 @@ pub(crate) struct LockInfo {
     /// Seconds left on the holder's lease by the server's clock (renewal
     /// extends it), or `None` if the backend does not tell.
     expires_in: Option<f64>,
+    /// The label the holder gave (`holder=`, a campaign's identity), or
+    /// `None` if it gave none or the backend stores no labels.
+    holder: Option<String>,
 }
 
 #[pymethods]
 impl LockInfo {
     fn __repr__(&self) -> String {
-        match self.expires_in {
-            Some(left) => format!(
-                "LockInfo(fencing_token={}, expires_in={left:.3})",
-                self.fencing_token
-            ),
-            None => format!("LockInfo(fencing_token={})", self.fencing_token),
+        let mut repr = format!("LockInfo(fencing_token={}", self.fencing_token);
+        if let Some(left) = self.expires_in {
+            repr += &format!(", expires_in={left:.3}");
         }
+        if let Some(holder) = &self.holder {
+            repr += &format!(", holder={holder:?}");
+        }
+        repr + ")"
     }
 }
 
@@ -343,17 +424,26 @@ impl Locker {
         max_hold: Option<&Bound<'_, PyAny>>,
         hold_at_least: Option<&Bound<'_, PyAny>>,
         permits: Option<&Bound<'_, PyAny>>,
+        holder: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<LockRequest> {
         let key = check::key(key, "key")?;
         let client = self.client(py)?;
-        let how = acquire_options(ttl, wait, max_hold, hold_at_least, permits, Some(&client))?;
+        let how = acquire_options(
+            ttl,
+            wait,
+            max_hold,
+            hold_at_least,
+            permits,
+            holder,
+            Some(&client),
+        )?;
         Ok(LockRequest { client, key, how })
     }
 }
 
 impl LockRequest {
     fn run(&self) -> impl std::future::Future<Output = PyResult<LockGuard>> + Send + 'static {
-        acquire(self.client.clone(), self.key.clone(), self.how)
+        acquire(self.client.clone(), self.key.clone(), self.how.clone())
     }
 }
 
