@@ -181,7 +181,9 @@ fn observe_documents_its_lines_and_ends_cleanly() {
 }
 
 /// An observer sees leader A, A killed (SIGKILL of its distlock, which takes
-/// its command along), then B in a later term, in that order.
+/// its command along), then B in a later term, in that order; then B's
+/// leadership force-released (B stops its command and exits 70) and the
+/// vacancy.
 pub fn observe_shows_a_killed_leader_replaced(url: &str) {
     let labels = stores_labels(url);
     let dir = TempDir::new("distlock-cli-observe");
@@ -247,12 +249,25 @@ pub fn observe_shows_a_killed_leader_replaced(url: &str) {
         "{seen:?}"
     );
 
-    // B's command gets the SIGTERM; B resigns, and the observer sees it.
+    // B loses its leadership (forced release): its command is stopped as
+    // `run`'s would be, it exits 70 saying why, and the observer sees the
+    // vacancy.
     wait_for_file(&dir.file("b"));
-    signal(b.id(), libc::SIGTERM);
+    let output = distlock()
+        .args(["release", "--force", "--url", url, &key])
+        .output()
+        .expect("release");
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
     let output = finish(b);
-    assert_eq!(code(&output), 128 + libc::SIGTERM, "{}", stderr(&output));
-    observer.wait_for("vacant after B resigned", |line| line == "vacant");
+    assert_eq!(code(&output), 70, "{}", stderr(&output));
+    let err = stderr(&output);
+    assert!(
+        err.lines().any(|line| line.starts_with(&format!(
+            "distlock: lost leadership of {key:?} (term {t2}) while `sh -c"
+        ))),
+        "{err}"
+    );
+    observer.wait_for("vacant after B lost", |line| line == "vacant");
     let err = observer.stop();
     assert_eq!(err, "", "no errors while observing");
 }
