@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use distlock::{AcquireAttempt, ErrorKind, FencingToken, LockClient, LockKey, LockState};
+use distlock::{AcquireAttempt, ErrorKind, FencingToken, HolderId, LockClient, LockKey, LockState};
 
 use crate::app::{code, connect, lock_key, Failure};
 use crate::args::{ReleaseArgs, UrlArg};
@@ -33,6 +33,8 @@ struct Seen {
     held: bool,
     /// The holder's, when the backend says (not through a probe).
     fencing_token: Option<FencingToken>,
+    /// The holder's label, when the backend stores one and it gave one.
+    holder: Option<HolderId>,
     /// Time left on the holder's lease by the server's clock, if known.
     expires_in: Option<Duration>,
 }
@@ -47,11 +49,13 @@ async fn look(backend: &LockClient, key: &LockKey) -> Result<Seen, Failure> {
             AcquireAttempt::Acquired(_) => Seen {
                 held: false,
                 fencing_token: None,
+                holder: None,
                 expires_in: None,
             },
             AcquireAttempt::Held { expires_in } => Seen {
                 held: true,
                 fencing_token: None,
+                holder: None,
                 expires_in,
             },
         });
@@ -64,29 +68,36 @@ async fn look(backend: &LockClient, key: &LockKey) -> Result<Seen, Failure> {
         LockState::Held {
             expires_in,
             fencing_token,
-            ..
+            holder,
         } => Seen {
             held: true,
             fencing_token: Some(fencing_token),
+            holder,
             expires_in,
         },
         _ => Seen {
             held: false,
             fencing_token: None,
+            holder: None,
             expires_in: None,
         },
     })
 }
 
-/// `(fencing token 7, lease ends in 4.2s unless renewed)`: what is known
-/// of a holder.
+/// `(fencing token 7, holder "web-1:4242", lease expires in 4.2s unless
+/// its holder renews it)`: what is known of a holder. The label is quoted
+/// (it may hold spaces or commas).
 pub(crate) fn describe_holder(
     fencing_token: Option<FencingToken>,
+    holder: Option<&HolderId>,
     expires_in: Option<Duration>,
 ) -> String {
     let mut parts = Vec::new();
     if let Some(token) = fencing_token {
         parts.push(format!("fencing token {token}"));
+    }
+    if let Some(holder) = holder {
+        parts.push(format!("holder {holder:?}"));
     }
     match expires_in {
         Some(left) => parts.push(format!(
@@ -103,10 +114,9 @@ pub(crate) fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
-pub(crate) async fn status(url: UrlArg, key: &str, json: bool) -> Result<u8, Failure> {
-    let key = lock_key(key)?;
-    let backend = connect(&url.url).await?;
-    let seen = look(&backend, &key).await?;
+/// What `status` prints for `seen` at `key`: one JSON object (`json`) or
+/// one sentence.
+fn render(key: &LockKey, seen: &Seen, backend: &str, json: bool) -> String {
     if json {
         // The field names are documented (status --help, README) and stable.
         let object = serde_json::json!({
@@ -114,17 +124,25 @@ pub(crate) async fn status(url: UrlArg, key: &str, json: bool) -> Result<u8, Fai
             "held": seen.held,
             "fencing_token": seen.fencing_token.map(|token| token.get()),
             "expires_in_ms": seen.expires_in.map(millis),
-            "backend": backend.name(),
+            "holder": seen.holder.as_ref().map(HolderId::as_str),
+            "backend": backend,
         });
-        println!("{object}");
+        object.to_string()
     } else if seen.held {
-        println!(
+        format!(
             "{key}: held {}",
-            describe_holder(seen.fencing_token, seen.expires_in)
-        );
+            describe_holder(seen.fencing_token, seen.holder.as_ref(), seen.expires_in)
+        )
     } else {
-        println!("{key}: free");
+        format!("{key}: free")
     }
+}
+
+pub(crate) async fn status(url: UrlArg, key: &str, json: bool) -> Result<u8, Failure> {
+    let key = lock_key(key)?;
+    let backend = connect(&url.url).await?;
+    let seen = look(&backend, &key).await?;
+    println!("{}", render(&key, &seen, backend.name(), json));
     Ok(if seen.held { code::TEMPFAIL } else { code::OK })
 }
 
@@ -149,4 +167,46 @@ pub(crate) async fn release(args: ReleaseArgs) -> Result<u8, Failure> {
         println!("{key}: free; nothing to release");
     }
     Ok(code::OK)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use distlock::{LockOptions, Locker, MemoryLock};
+
+    /// The label a holder gave shows in both outputs (memory stores
+    /// labels; a server backend may not yet).
+    #[tokio::test]
+    async fn status_shows_the_holder_label() {
+        let server = MemoryLock::new();
+        let client = server.client();
+        let key = LockKey::new("labelled").unwrap();
+        let free = look(&client, &key).await.unwrap();
+        assert_eq!(render(&key, &free, "memory", false), "labelled: free");
+        let options = LockOptions::new(Duration::from_secs(30))
+            .with_holder(HolderId::new("web 1, pid 42").unwrap());
+        let guard = Locker::new(client.clone())
+            .try_lock(&key, &options)
+            .await
+            .unwrap()
+            .expect("free");
+        let seen = look(&client, &key).await.unwrap();
+        let line = render(&key, &seen, "memory", false);
+        assert!(
+            line.starts_with(&format!(
+                "labelled: held (fencing token {}, holder \"web 1, pid 42\", lease expires in ",
+                guard.fencing_token()
+            )),
+            "{line}"
+        );
+        let object: serde_json::Value =
+            serde_json::from_str(&render(&key, &seen, "memory", true)).unwrap();
+        assert_eq!(object["holder"], "web 1, pid 42");
+        assert_eq!(object["held"], true);
+        guard.release().await.unwrap();
+        let free = look(&client, &key).await.unwrap();
+        let object: serde_json::Value =
+            serde_json::from_str(&render(&key, &free, "memory", true)).unwrap();
+        assert!(object["holder"].is_null(), "{object}");
+    }
 }

@@ -1,17 +1,18 @@
 //! The entry point: parses the arguments, runs one command, and turns its
 //! failure into one line on stderr and a sysexits(3) code. The commands
-//! are `run` ([`crate::run`]) and the operator commands `status`,
-//! `inspect` and `release` ([`crate::admin`]); the arguments, [`crate::args`].
+//! are `run` ([`crate::run`]), `elect` and `observe` ([`crate::elect`]) and
+//! the operator commands `status`, `inspect` and `release`
+//! ([`crate::admin`]); the arguments, [`crate::args`].
 
 use std::ffi::OsStr;
 use std::process::ExitCode;
 
-use distlock::{ErrorKind, LockClient, LockError, LockKey};
+use distlock::{ErrorKind, HolderId, LockClient, LockError, LockKey};
 
-use crate::args::{parse, Command};
+use crate::args::{parse, Command, IdArg};
 use crate::log::failure;
 use crate::watchdog::{self, WATCHDOG_ARG};
-use crate::{admin, help, run};
+use crate::{admin, elect, help, run};
 
 /// sysexits(3) codes.
 pub(crate) mod code {
@@ -94,6 +95,8 @@ pub fn main() -> ExitCode {
             Command::Status(args) => admin::status(args.url, &args.key, args.json).await,
             Command::Inspect(args) => admin::status(args.url, &args.key, true).await,
             Command::Release(args) => admin::release(args).await,
+            Command::Elect(args) => elect::elect(args).await,
+            Command::Observe(args) => elect::observe(args).await,
         }
     });
     // Do not wait for background tasks (a renewal in flight) on the way out.
@@ -124,4 +127,13 @@ pub(crate) async fn connect(url: &str) -> Result<LockClient, Failure> {
 
 pub(crate) fn lock_key(key: &str) -> Result<LockKey, Failure> {
     LockKey::new(key).map_err(|e| Failure::new(code::USAGE, format!("bad --key {key:?}: {e}")))
+}
+
+/// The holder label of `--id`, or this process's (`<host>:<pid>`).
+pub(crate) fn holder_id(arg: &IdArg) -> Result<HolderId, Failure> {
+    match &arg.id {
+        None => Ok(HolderId::this_process()),
+        Some(name) => HolderId::new(name)
+            .map_err(|e| Failure::new(code::USAGE, format!("bad --id {name:?}: {e}"))),
+    }
 }

@@ -63,15 +63,46 @@ pub(crate) enum Command {
     /// released at once, which uses up one fencing token value and cannot
     /// show the holder's.)
     ///
+    /// The holder's label (`run --id`, `elect --id`) is shown when the
+    /// backend stores one.
+    ///
     /// With --json, one JSON object on stdout: {"key": "nightly-report",
     /// "held": true, "fencing_token": 42, "expires_in_ms": 27000,
-    /// "backend": "redis"} (fencing_token and expires_in_ms are null when
-    /// free or unknown). These field names are stable; new ones may be
-    /// added.
+    /// "holder": "web-1:4242", "backend": "redis"} (fencing_token,
+    /// expires_in_ms and holder are null when free or unknown). These field
+    /// names are stable; new ones may be added.
     Status(StatusArgs),
     /// Same as `status --json`: KEY's state as one JSON object on stdout
     /// (exit 0 free, 75 held).
     Inspect(InspectArgs),
+    /// Campaign for leadership of KEY, then run CMD while leading.
+    ///
+    /// Candidates of the same KEY (on any host) take turns: one leads and
+    /// runs CMD, the others wait until it is gone (resigned, or crashed and
+    /// its TTL run out), however long, or up to --wait. A leadership is the
+    /// lock KEY labelled with --id, so everything `run --help` says about
+    /// CMD holds here too: its own process group, the watchdog, signal
+    /// forwarding, and the stop before expiry: if leadership is lost, CMD's
+    /// group gets SIGTERM, then SIGKILL --kill-grace later, and distlock
+    /// exits 70. When CMD exits, distlock resigns (the next candidate takes
+    /// over at once) and exits with CMD's code. CMD gets the term (greater
+    /// than every earlier leader's) in DISTLOCK_FENCING_TOKEN, and KEY in
+    /// DISTLOCK_KEY. A SIGINT/SIGTERM while campaigning ends the campaign
+    /// (exit 128+N).
+    Elect(ElectArgs),
+    /// Follow who leads KEY: one line on stdout per change, until SIGINT or
+    /// SIGTERM (exit 0).
+    ///
+    /// Lines: `term=<N> leader=<ID>` while a candidate leads (ID is the
+    /// rest of the line, its --id label, or `-` if it stored none), and
+    /// `vacant` while nobody does. The first line comes at once (the
+    /// current state); terms only grow, so a stale read never goes back to
+    /// an earlier leader. A quick change between two reads may be skipped
+    /// (each line is a state, not every transition). Errors from the server
+    /// are reported on stderr and observing goes on (retried with backoff);
+    /// a bad URL or KEY, or a backend without operator calls, ends it with
+    /// the usual exit code. With --json, one JSON object a line instead.
+    Observe(ObserveArgs),
     /// Clear a stuck lock whoever holds it (needs --force).
     ///
     /// Deletes the lock at KEY and wakes the processes waiting for it;
@@ -94,24 +125,26 @@ pub(crate) struct UrlArg {
     pub(crate) url: String,
 }
 
+/// `--id`: the holder label stored with the lock, shown by `status`.
 #[derive(Debug, Args)]
-pub(crate) struct RunArgs {
-    #[command(flatten)]
-    pub(crate) url: UrlArg,
-    /// The lock name, shared by every host running the same job.
-    #[arg(long, value_name = "KEY")]
-    pub(crate) key: String,
+pub(crate) struct IdArg {
+    /// The label stored with the lock (the leadership, for `elect`) so
+    /// that `status` and `observe` show who holds it: a host name, pod or
+    /// instance name. Not proof of anything: only this process can renew or
+    /// release its lock. At most 128 bytes, no control characters. Default:
+    /// <host name>:<pid>.
+    #[arg(long = "id", value_name = "NAME")]
+    pub(crate) id: Option<String>,
+}
+
+/// The lease and how CMD is stopped when it ends: shared by `run` and
+/// `elect`.
+#[derive(Debug, Args)]
+pub(crate) struct LeaseArgs {
     /// Lease time to live; renewed every third of it while CMD runs. A
     /// crashed distlock frees the key after at most this long.
     #[arg(long, default_value = "30s", value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) ttl: Duration,
-    /// How long to wait for a held lock before giving up (0s: skip at once).
-    #[arg(long, default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
-    pub(crate) wait: Duration,
-    /// Keep the lock this long after acquiring even if CMD finishes sooner,
-    /// so hosts whose cron fires a little late skip the same run.
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
-    pub(crate) hold_at_least: Option<Duration>,
     /// Stop renewing after this long: a hung CMD loses the lock (and is
     /// stopped, --stop-margin before the lock ends) instead of holding it
     /// forever.
@@ -128,6 +161,38 @@ pub(crate) struct RunArgs {
     /// half the stop margin (5s with the default TTL).
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     pub(crate) kill_grace: Option<Duration>,
+}
+
+/// CMD and what it is given: shared by `run` and `elect`.
+#[derive(Debug, Args)]
+pub(crate) struct CommandArgs {
+    /// Pass the lock server's URL, password included, to CMD in
+    /// DISTLOCK_URL (without it CMD does not get DISTLOCK_URL at all).
+    #[arg(long)]
+    pub(crate) pass_url: bool,
+    /// The command and its arguments (after `--`).
+    #[arg(required = true, last = true, value_name = "CMD")]
+    pub(crate) command: Vec<OsString>,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct RunArgs {
+    #[command(flatten)]
+    pub(crate) url: UrlArg,
+    /// The lock name, shared by every host running the same job.
+    #[arg(long, value_name = "KEY")]
+    pub(crate) key: String,
+    #[command(flatten)]
+    pub(crate) id: IdArg,
+    #[command(flatten)]
+    pub(crate) lease: LeaseArgs,
+    /// How long to wait for a held lock before giving up (0s: skip at once).
+    #[arg(long, default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) wait: Duration,
+    /// Keep the lock this long after acquiring even if CMD finishes sooner,
+    /// so hosts whose cron fires a little late skip the same run.
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) hold_at_least: Option<Duration>,
     /// Run under one of N permits of the key's semaphore instead of the
     /// lock: at most N commands run at once across all hosts (1: the
     /// lock). A semaphore's name space is its own: `--permits 3 --key x`
@@ -137,13 +202,50 @@ pub(crate) struct RunArgs {
     /// Exit code when the lock (or every permit) is held elsewhere.
     #[arg(long, default_value_t = code::TEMPFAIL, value_name = "N")]
     pub(crate) conflict_exit_code: u8,
-    /// Pass the lock server's URL, password included, to CMD in
-    /// DISTLOCK_URL (without it CMD does not get DISTLOCK_URL at all).
+    #[command(flatten)]
+    pub(crate) command: CommandArgs,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ElectArgs {
+    #[command(flatten)]
+    pub(crate) url: UrlArg,
+    #[command(flatten)]
+    pub(crate) id: IdArg,
+    #[command(flatten)]
+    pub(crate) lease: LeaseArgs,
+    /// Give up campaigning after this long (exit with --conflict-exit-code,
+    /// CMD not run). Default: campaign as long as it takes.
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) wait: Option<Duration>,
+    /// Exit code when another candidate still leads at the end of --wait.
+    #[arg(long, default_value_t = code::TEMPFAIL, value_name = "N")]
+    pub(crate) conflict_exit_code: u8,
+    /// The election's name, shared by every candidate (a lock key: do not
+    /// also use it with `run`).
+    #[arg(value_name = "KEY")]
+    pub(crate) key: String,
+    #[command(flatten)]
+    pub(crate) command: CommandArgs,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ObserveArgs {
+    #[command(flatten)]
+    pub(crate) url: UrlArg,
+    /// Print one JSON object a line instead: {"term": 7, "leader":
+    /// "web-1:4242"}, {"term": 7, "leader": null} (no label), or
+    /// {"term": null, "leader": null} (vacant).
     #[arg(long)]
-    pub(crate) pass_url: bool,
-    /// The command and its arguments (after `--`).
-    #[arg(required = true, last = true, value_name = "CMD")]
-    pub(crate) command: Vec<OsString>,
+    pub(crate) json: bool,
+    /// Read who leads at least this often (on backends that notify changes,
+    /// memory and etcd, a safety net; elsewhere the delay of a change
+    /// other than an expiry).
+    #[arg(long, default_value = "1s", value_parser = parse_duration, value_name = "DURATION")]
+    pub(crate) poll_interval: Duration,
+    /// The election's name.
+    #[arg(value_name = "KEY")]
+    pub(crate) key: String,
 }
 
 #[derive(Debug, Args)]
@@ -186,6 +288,7 @@ pub(crate) fn parse() -> Result<Cli, clap::Error> {
     let after_help = help::after_help();
     let command = Cli::command()
         .after_help(after_help.clone())
-        .mut_subcommand("run", |run| run.after_help(after_help));
+        .mut_subcommand("run", |run| run.after_help(after_help.clone()))
+        .mut_subcommand("elect", |elect| elect.after_help(after_help));
     Cli::from_arg_matches(&command.try_get_matches()?)
 }

@@ -14,26 +14,35 @@ Examples:
   export DISTLOCK_URL=postgres://locks@db/locks
   distlock run --key migrate --ttl 1m -- ./migrate --apply
   distlock status migrate
-  distlock status --json migrate";
+  distlock status --json migrate
+
+  # One scheduler among all hosts: the others stand by and take over when
+  # its host dies (after --ttl); follow who leads.
+  distlock elect --url etcd://127.0.0.1:2379 --id \"$(hostname)\" --ttl 10s scheduler -- ./scheduler
+  distlock observe --url etcd://127.0.0.1:2379 scheduler";
 
 /// The exit codes, one a line (the README has the same table).
 pub const EXIT_CODES: &str = "\
 Exit codes:
-  0      done: run's command exited 0; status: the key is free
-  N      run: the command's own exit code, passed through
-  128+N  run: the command died of signal N, or distlock got SIGINT/SIGTERM
-         (N) before the command started (the command did not run)
-  64     usage: a bad flag, duration or key, or flags that do not fit together
+  0      done: run's (elect's) command exited 0; status: the key is free;
+         observe: ended by SIGINT/SIGTERM
+  N      run, elect: the command's own exit code, passed through
+  128+N  run, elect: the command died of signal N, or distlock got
+         SIGINT/SIGTERM (N) before the command started (it did not run)
+  64     usage: a bad flag, duration, key or --id, or flags that do not fit
+         together
   69     the lock server is unavailable (unreachable, or it did not answer
-         in time); not retried: the command did not run
-  70     run: the lock was lost while the command ran (it was stopped), or an
-         internal failure
-  75     the lock is held elsewhere: run skipped the command (--conflict-exit-code
-         changes the code); status: the key is held
+         in time); not retried: the command did not run (observe retries)
+  70     run, elect: the lock (leadership) was lost while the command ran (it
+         was stopped), or an internal failure
+  75     the lock is held elsewhere: run skipped the command, elect still was
+         not leading after --wait (--conflict-exit-code changes the code);
+         status: the key is held
   78     configuration: a bad URL, a scheme not in this build, --permits on a
-         backend without semaphores, data at the key that distlock did not write
-  126    run: the command could not be executed (not executable, ...)
-  127    run: the command was not found";
+         backend without semaphores, data at the key that distlock did not
+         write, observe on a backend without operator calls
+  126    run, elect: the command could not be executed (not executable, ...)
+  127    run, elect: the command was not found";
 
 /// The backend features of this CLI (each brings the facade's feature of
 /// the same name), whether or not this build has them: the backends

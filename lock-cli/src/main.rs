@@ -29,6 +29,8 @@ mod args;
 #[cfg(unix)]
 mod duration;
 #[cfg(unix)]
+mod elect;
+#[cfg(unix)]
 mod help;
 #[cfg(unix)]
 mod log;

@@ -7,6 +7,7 @@
 //! Tests of a backend the build leaves out (the CLI's `redis`, `etcd`,
 //! `postgres` and `tls` features) are left out with it.
 
+mod election;
 #[cfg(feature = "etcd")]
 mod etcd_cluster;
 #[cfg(all(feature = "etcd", feature = "tls"))]

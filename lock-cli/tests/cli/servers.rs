@@ -23,6 +23,8 @@ fn against(kind: impl ServerKind) {
     paused_holder_is_taken_over_and_its_command_stopped(&url);
     suspended_holder_keeps_renewing(&url);
     ten_processes_share_three_permits(&url);
+    crate::election::observe_shows_a_killed_leader_replaced(&url);
+    crate::election::status_shows_the_run_id(&url);
     drop(server);
 }
 

@@ -148,9 +148,20 @@ pub fn process_gone(pid: u32) -> bool {
 /// `distlock run --url URL --key KEY EXTRA... -- sh -c SCRIPT`, with `$DIR`
 /// set for the script, stdin empty and output piped.
 pub fn run_sh(url: &str, key: &str, extra: &[&str], dir: &Path, script: &str) -> Command {
+    sh_under(&["run", "--url", url, "--key", key], extra, dir, script)
+}
+
+/// `distlock elect --url URL KEY EXTRA... -- sh -c SCRIPT`, as [`run_sh`].
+pub fn elect_sh(url: &str, key: &str, extra: &[&str], dir: &Path, script: &str) -> Command {
+    sh_under(&["elect", "--url", url, key], extra, dir, script)
+}
+
+/// `distlock HEAD... EXTRA... -- sh -c SCRIPT`, with `$DIR` set for the
+/// script, stdin empty and output piped.
+fn sh_under(head: &[&str], extra: &[&str], dir: &Path, script: &str) -> Command {
     let mut command = distlock();
     command
-        .args(["run", "--url", url, "--key", key])
+        .args(head)
         .args(extra)
         .args(["--", "sh", "-c", script])
         .env("DIR", dir)
