@@ -167,7 +167,7 @@ pub async fn lost_stops_job(ctx: TestContext) -> CaseResult {
     let locker = Locker::new(recording.clone());
     let thief = ctx.client().await?;
     let key = ctx.key("run");
-    let ttl = ctx.short_ttl();
+    let ttl = ctx.steady_ttl();
     let (started_tx, started_rx) = oneshot::channel();
     let stealer = tokio::spawn(steal_when_started(
         recording.clone(),
@@ -259,7 +259,7 @@ pub async fn job_finishing_after_loss_is_not_completed(ctx: TestContext) -> Case
     let locker = Locker::new(recording.clone());
     let thief = ctx.client().await?;
     let key = ctx.key("run");
-    let ttl = ctx.short_ttl();
+    let ttl = ctx.steady_ttl();
     let (started_tx, started_rx) = oneshot::channel();
     let stealer = tokio::spawn(steal_when_started(
         recording.clone(),

@@ -84,8 +84,10 @@ async fn rows_nobody_holds_are_reclaimed_after_the_retention() {
         lock.release(&permit).await.unwrap();
     }
     let (table, semaphores) = (lock.table(), lock.semaphore_table());
-    assert_eq!(rows(&lock, &table, "job-").await, 121);
-    assert_eq!(rows(&lock, &semaphores, "sem-").await, 10);
+    // At most these: on a slow machine a sweep may already have taken the
+    // first ones (they are older than the retention), so not exactly.
+    assert!(rows(&lock, &table, "job-").await <= 121);
+    assert!(rows(&lock, &semaphores, "sem-").await <= 10);
     until(
         &lock,
         "the idle lock and semaphore rows were deleted",
