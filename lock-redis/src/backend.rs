@@ -28,7 +28,7 @@ use crate::waiters::{Line, Waiters};
 
 /// The most locks one extend script renews: a script blocks the server
 /// while it runs, so a batch stays short (about a millisecond).
-const EXTEND_BATCH: usize = 200;
+const EXTEND_BATCH: usize = 250;
 
 /// A lock server on Redis: one server, the primary of a Sentinel group, or
 /// a Redis Cluster.

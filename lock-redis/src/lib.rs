@@ -136,7 +136,7 @@
 //! - **Extend**: compares the stored value with the held lock's owner and
 //!   fencing token, then `PEXPIRE`; a missing key is never recreated.
 //!   Guards of one client that share a TTL renew together: one script
-//!   extends up to 200 locks, each compared and answered on its own (a
+//!   extends up to 250 locks, each compared and answered on its own (a
 //!   corrupted one alone is refused), on one server or Sentinel; in a
 //!   cluster, whose locks span slots, each renews alone.
 //! - **Release**: compares, `DEL`, wakes the next waiter (see Waiting), and leaves the
