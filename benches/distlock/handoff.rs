@@ -1,13 +1,16 @@
 //! Handoff: W waiters and one holder cycle through one key (a lock, then
-//! the one permit of a semaphore of 1); how long from a release returning
-//! to the next holder's acquire returning, and how much work each handoff
-//! costs the server and the clients.
+//! the one permit of a semaphore of 1, and, at W = 1, a leadership: a
+//! standby campaigning while the leader resigns); how long from a release
+//! (resign) returning to the next holder's acquire (campaign) returning,
+//! and how much work each handoff costs the server and the clients.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use distlock::{LockClient, LockKey, LockOptions, Locker, Renewal};
+use distlock::{
+    HolderId, Leadership, LockClient, LockGuard, LockKey, LockOptions, Locker, Renewal,
+};
 use distlock_conformance::fault::Link;
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -38,7 +41,11 @@ pub async fn rows(
     let mut probe = Probe::new(backend, &server.url, server.port().unwrap_or(0)).await?;
     let mut rows = Vec::new();
     for &w in &plan.waiters {
-        for through in [Through::Lock, Through::Permit] {
+        let mut kinds = vec![Through::Lock, Through::Permit];
+        if w == 1 {
+            kinds.push(Through::Leadership);
+        }
+        for through in kinds {
             rows.extend(w_rows(plan, server, clients, &mut probe, ping_p50, w, through).await?);
         }
         eprintln!("[{}] handoff W={w} done", backend.name());
@@ -53,6 +60,47 @@ enum Through {
     Lock,
     /// The one permit of a semaphore of limit 1.
     Permit,
+    /// Leadership of an election: the leader resigns, a standby that is
+    /// campaigning leads.
+    Leadership,
+}
+
+/// What a worker holds: a guard, or a leadership.
+enum Held {
+    Guard(LockGuard),
+    Leader(Leadership),
+}
+
+impl Held {
+    async fn acquire(
+        locker: &Locker,
+        key: &LockKey,
+        options: &LockOptions,
+        through: Through,
+        identity: &HolderId,
+    ) -> Result<Held, String> {
+        match through {
+            Through::Leadership => locker
+                .campaign(key, identity, options)
+                .await
+                .map(Held::Leader)
+                .map_err(|e| format!("handoff campaign: {e}")),
+            _ => locker
+                .acquire(key, options)
+                .await
+                .map_err(|e| format!("handoff acquire: {e}"))?
+                .map(Held::Guard)
+                .ok_or_else(|| "handoff acquire timed out".to_owned()),
+        }
+    }
+
+    async fn release(self) -> Result<(), String> {
+        match self {
+            Held::Guard(guard) => guard.release().await,
+            Held::Leader(leadership) => leadership.resign().await,
+        }
+        .map_err(|e| format!("handoff release: {e}"))
+    }
 }
 
 impl Through {
@@ -69,6 +117,11 @@ impl Through {
                 "permit_calls_per_handoff",
                 "permit_server_per_handoff",
             ],
+            Through::Leadership => [
+                "election_handover",
+                "election_calls_per_handover",
+                "election_server_per_handover",
+            ],
         }
     }
 
@@ -77,7 +130,7 @@ impl Through {
             .with_wait(Duration::from_secs(120))
             .with_renewal(Renewal::Off);
         match self {
-            Through::Lock => options,
+            Through::Lock | Through::Leadership => options,
             Through::Permit => options.with_permits(1),
         }
     }
@@ -199,7 +252,8 @@ async fn handoff(
     let target = WARMUP_HANDOFFS + plan.handoffs;
     let (probe_tx, mut probe_rx) = mpsc::channel::<oneshot::Sender<()>>(2);
     let mut handles = Vec::new();
-    for c in clients {
+    for (n, c) in clients.iter().enumerate() {
+        let identity = HolderId::new(format!("worker-{n}")).map_err(|e| e.to_string())?;
         let locker = Locker::new(c.clone());
         let key = key.clone();
         let options = options.clone();
@@ -211,11 +265,7 @@ async fn handoff(
         let hold = plan.hold;
         handles.push(tokio::spawn(async move {
             loop {
-                let guard = locker
-                    .acquire(&key, &options)
-                    .await
-                    .map_err(|e| format!("handoff acquire: {e}"))?
-                    .ok_or("handoff acquire timed out")?;
+                let held = Held::acquire(&locker, &key, &options, through, &identity).await?;
                 let now = Instant::now();
                 let n = {
                     let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
@@ -249,10 +299,7 @@ async fn handoff(
                 if !done {
                     tokio::time::sleep(hold).await;
                 }
-                guard
-                    .release()
-                    .await
-                    .map_err(|e| format!("handoff release: {e}"))?;
+                held.release().await?;
                 state.lock().unwrap_or_else(|e| e.into_inner()).released_at = Some(Instant::now());
                 gen_tx.send_replace(n);
                 if done {

@@ -10,7 +10,7 @@ import distlock
 
 
 # The backends known to store holder labels; the others may show none.
-LABELLED = {"memory", "redis"}
+LABELLED = {"memory", "redis", "etcd", "postgres"}
 
 
 def assert_label(backend, got, label):
