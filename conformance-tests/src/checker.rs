@@ -63,6 +63,15 @@ pub struct Section {
     pub stop_by: Option<Instant>,
 }
 
+impl Section {
+    /// Whether this section's job had been told to stop (its stop moment,
+    /// see [`SectionHandle::exit_by`]) before `later` started: then they
+    /// do not overlap, however late this one's exit was recorded.
+    fn stopped_before(&self, later: &Section) -> bool {
+        self.stop_by.is_some_and(|stop| later.started_at >= stop)
+    }
+}
+
 /// What [`ExclusionChecker::verify`] found when everything held.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckReport {
@@ -259,9 +268,7 @@ impl ExclusionChecker {
                 }
                 // Sequence numbers are unique, so `end < start` is "ended
                 // before"; a section past its stop moment had stopped.
-                open.retain(|s| {
-                    s.end > section.start && s.stop_by.is_none_or(|stop| section.started_at < stop)
-                });
+                open.retain(|s| s.end > section.start && !s.stopped_before(section));
                 open.push(section);
                 if open.len() > limit {
                     let held: Vec<String> = open
@@ -295,10 +302,7 @@ impl ExclusionChecker {
             let mut open: Vec<&Section> = Vec::new();
             for section in &sections {
                 open.retain(|s| s.end > section.start);
-                if let Some(prev) = open
-                    .iter()
-                    .find(|prev| prev.stop_by.is_none_or(|stop| section.started_at < stop))
-                {
+                if let Some(prev) = open.iter().find(|prev| !prev.stopped_before(section)) {
                     return Err(format!(
                         "key {key:?}: critical sections overlap: token {} ran from #{} to #{} and token {} started at #{}{}",
                         prev.token, prev.start, prev.end, section.token, section.start,

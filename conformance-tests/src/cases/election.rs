@@ -18,7 +18,7 @@ use distlock_core::{
     MAX_HOLDER_BYTES,
 };
 
-use crate::cases::support::{background_bound, expiry_bound, within};
+use crate::cases::support::{background_bound, expiry_bound, holder_id, within};
 use crate::checker::ExclusionChecker;
 use crate::context::{CaseError, CaseResult, TestContext};
 use crate::{check, check_eq};
@@ -29,10 +29,6 @@ const TERMS_EACH: usize = 4;
 const MAX_CRASHES: usize = 3;
 /// How often observers read where the backend does not notify them.
 const OBSERVER_POLL: Duration = Duration::from_millis(100);
-
-fn id(label: &str) -> Result<HolderId, CaseError> {
-    HolderId::new(label).map_err(|e| CaseError(format!("holder id {label:?}: {e}")))
-}
 
 /// A leader that stops renewing and never resigns: a crashed process.
 fn crash(leadership: Leadership) {
@@ -78,7 +74,7 @@ pub async fn one_leader_at_a_time(ctx: TestContext) -> CaseResult {
     let mut tasks = Vec::new();
     for n in 0..CANDIDATES {
         let locker = ctx.locker().await?;
-        let identity = id(&format!("candidate-{n}"))?;
+        let identity = holder_id(&format!("candidate-{n}"))?;
         let (key, checker, terms, crashes) =
             (key.clone(), checker.clone(), terms.clone(), crashes.clone());
         let steady = LockOptions::new(ctx.steady_ttl());
@@ -177,7 +173,7 @@ pub async fn observers_see_each_change(ctx: TestContext) -> CaseResult {
         ctx.locker().await?,
         ctx.locker().await?,
     );
-    let (id_a, id_b) = (id("observed-a")?, id("observed-b")?);
+    let (id_a, id_b) = (holder_id("observed-a")?, holder_id("observed-b")?);
     let mut watch = observer.observe(&key).with_poll_interval(OBSERVER_POLL);
     let bound = background_bound();
     check_eq!(
@@ -245,7 +241,7 @@ pub async fn resign_hands_over(ctx: TestContext) -> CaseResult {
     let key = ctx.key("election");
     let (a, b) = (ctx.locker().await?, ctx.locker().await?);
     let options = LockOptions::new(ctx.long_ttl());
-    let leading = a.campaign(&key, &id("resigning")?, &options).await?;
+    let leading = a.campaign(&key, &holder_id("resigning")?, &options).await?;
     let observer = ctx.locker().await?;
     let mut watch = observer.observe(&key).with_poll_interval(OBSERVER_POLL);
     let first = next_seen(
@@ -272,7 +268,7 @@ pub async fn resign_hands_over(ctx: TestContext) -> CaseResult {
         }
     });
     let standby = {
-        let (key, options, identity) = (key.clone(), options.clone(), id("standby")?);
+        let (key, options, identity) = (key.clone(), options.clone(), holder_id("standby")?);
         tokio::spawn(async move { b.campaign(&key, &identity, &options).await })
     };
     // Give the standby time to campaign (if it has not, it still must
@@ -305,14 +301,16 @@ pub async fn resign_hands_over(ctx: TestContext) -> CaseResult {
 pub async fn crash_hands_over_after_ttl(ctx: TestContext) -> CaseResult {
     let key = ctx.key("election");
     let (a, b) = (ctx.locker().await?, ctx.locker().await?);
-    let leading = a.campaign(&key, &id("crashing")?, &crashing(&ctx)).await?;
+    let leading = a
+        .campaign(&key, &holder_id("crashing")?, &crashing(&ctx))
+        .await?;
     let term = leading.term();
     crash(leading);
     let options = LockOptions::new(ctx.steady_ttl());
     let bound = expiry_bound(ctx.short_ttl()) + background_bound();
     let next = within(
         bound,
-        b.campaign(&key, &id("successor")?, &options),
+        b.campaign(&key, &holder_id("successor")?, &options),
         "the successor's leadership",
     )
     .await??;
@@ -324,7 +322,7 @@ pub async fn crash_hands_over_after_ttl(ctx: TestContext) -> CaseResult {
     check_eq!(
         b.leader(&key).await?,
         Some(Leader {
-            identity: Some(id("successor")?),
+            identity: Some(holder_id("successor")?),
             term: next.term()
         }),
         "leader() names the successor"
@@ -344,7 +342,7 @@ pub async fn vacancy_reported(ctx: TestContext) -> CaseResult {
         None,
         "nobody leads an unused election"
     );
-    let identity = id("vacancy")?;
+    let identity = holder_id("vacancy")?;
     let leading = a
         .campaign(&key, &identity, &LockOptions::new(ctx.long_ttl()))
         .await?;

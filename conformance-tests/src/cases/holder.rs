@@ -9,13 +9,9 @@ use distlock_core::{
     OwnerToken, ReleaseReply, Renewal,
 };
 
-use crate::cases::support::{acquire, expiry_bound, lock_free_key, within};
+use crate::cases::support::{acquire, expiry_bound, holder_id, lock_free_key, within};
 use crate::context::{CaseError, CaseResult, TestContext};
 use crate::{check, check_eq};
-
-fn id(label: &str) -> Result<HolderId, CaseError> {
-    HolderId::new(label).map_err(|e| CaseError(format!("holder id {label:?}: {e}")))
-}
 
 /// The label `inspect` shows for `key`, failing the case if the key is free.
 async fn shown(
@@ -41,8 +37,8 @@ pub async fn label_round_trips(ctx: TestContext) -> CaseResult {
     let key = ctx.key("holder");
     let ttl = ctx.long_ttl();
     let labelled = |label: &HolderId| LockOptions::new(ttl).with_holder(label.clone());
-    let a = id("worker-a:101 é/ü")?;
-    let longest = id(&"é".repeat(distlock_core::MAX_HOLDER_BYTES / 2))?;
+    let a = holder_id("worker-a:101 é/ü")?;
+    let longest = holder_id(&"é".repeat(distlock_core::MAX_HOLDER_BYTES / 2))?;
 
     let guard = lock_free_key(&first, &key, &labelled(&a)).await?;
     check_eq!(
@@ -115,7 +111,7 @@ pub async fn label_is_not_ownership(ctx: TestContext) -> CaseResult {
     let (holder, impostor) = (ctx.client().await?, ctx.client().await?);
     let key = ctx.key("holder");
     let ttl = ctx.capabilities().effective_ttl(ctx.long_ttl())?;
-    let label = id("same-label:1")?;
+    let label = holder_id("same-label:1")?;
     let owner = OwnerToken::random();
     let request = |owner| AcquireRequest {
         key: &key,

@@ -31,6 +31,11 @@ pub fn background_bound() -> Duration {
     Duration::from_secs(10)
 }
 
+/// A holder label, failing the case (naming the label) if it is invalid.
+pub fn holder_id(label: &str) -> Result<distlock_core::HolderId, CaseError> {
+    distlock_core::HolderId::new(label).map_err(|e| CaseError(format!("holder id {label:?}: {e}")))
+}
+
 /// A key `"{stem}{suffix}"`, failing the case if it is invalid.
 pub fn key_with(stem: &str, suffix: &str) -> Result<LockKey, CaseError> {
     LockKey::new(format!("{stem}{suffix}"))
