@@ -51,6 +51,13 @@ pub struct Capabilities {
     /// and shows it in [`LockState::Held`](crate::LockState::Held). The
     /// suite then checks it round-trips (`holder::`).
     pub holder_ids: bool,
+    /// The server tells observers when who holds a lock changes
+    /// ([`LockAdmin::watch_holder`](crate::LockAdmin::watch_holder)
+    /// returns a watch): [`Locker::observe`](crate::Locker::observe) is
+    /// woken by it rather than by reading every poll interval. The suite
+    /// then checks an observer is woken with no poll to fall back on
+    /// (`election::observers_woken_by_the_server`).
+    pub holder_watch: bool,
 }
 
 impl Default for Capabilities {
@@ -65,6 +72,7 @@ impl Default for Capabilities {
             durable: false,
             extend_batch: 1,
             holder_ids: false,
+            holder_watch: false,
         }
     }
 }

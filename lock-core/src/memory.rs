@@ -230,6 +230,7 @@ impl LockBackend for MemoryLock {
             wakes_one_waiter: true,
             extend_batch: MEMORY_EXTEND_BATCH,
             holder_ids: true,
+            holder_watch: true,
             ..Capabilities::default()
         }
     }

@@ -315,6 +315,7 @@ impl LockBackend for EtcdLock {
             wakes_one_waiter: true,
             durable: true,
             holder_ids: true,
+            holder_watch: true,
             ..Capabilities::default()
         }
     }

@@ -234,6 +234,70 @@ pub async fn observers_see_each_change(ctx: TestContext) -> CaseResult {
     Ok(())
 }
 
+/// Observers that never read by the clock (a poll interval of an hour,
+/// and leaders on the long TTL, so no expiry falls inside the case) still
+/// report each change: a's leadership, the vacancy after a resigns, b's
+/// leadership, the vacancy after an operator force-releases b. One
+/// observer is on a client of its own, one on the client a campaigns
+/// with; only the server's word can wake either.
+pub async fn observers_woken_by_the_server(ctx: TestContext) -> CaseResult {
+    let key = ctx.key("election");
+    let (a, b, apart, operator) = (
+        ctx.locker().await?,
+        ctx.locker().await?,
+        ctx.locker().await?,
+        ctx.client().await?,
+    );
+    let never = Duration::from_secs(3600);
+    let mut watches = [
+        apart.observe(&key).with_poll_interval(never),
+        a.observe(&key).with_poll_interval(never),
+    ];
+    let bound = background_bound();
+    for watch in &mut watches {
+        check_eq!(
+            next_seen(watch, bound, "first answer").await?,
+            None,
+            "an unused election is vacant"
+        );
+    }
+    let options = LockOptions::new(ctx.long_ttl());
+    let (id_a, id_b) = (holder_id("woken-a")?, holder_id("woken-b")?);
+    let leading = a.campaign(&key, &id_a, &options).await?;
+    let led_by_a = Some(Leader {
+        identity: Some(id_a),
+        term: leading.term(),
+    });
+    for watch in &mut watches {
+        let seen = next_seen(watch, bound, "a's leadership, woken by the server").await?;
+        check_eq!(seen, led_by_a, "a leads");
+    }
+    leading.resign().await?;
+    for watch in &mut watches {
+        let seen = next_seen(watch, bound, "a's resign, woken by the server").await?;
+        check_eq!(seen, None, "vacant after a resigned");
+    }
+    let leading = b.campaign(&key, &id_b, &options).await?;
+    let led_by_b = Some(Leader {
+        identity: Some(id_b),
+        term: leading.term(),
+    });
+    for watch in &mut watches {
+        let seen = next_seen(watch, bound, "b's leadership, woken by the server").await?;
+        check_eq!(seen, led_by_b, "b leads");
+    }
+    check!(
+        operator.force_release(&key).await?,
+        "b's leadership was there to force-release"
+    );
+    for watch in &mut watches {
+        let seen = next_seen(watch, bound, "the force release, woken by the server").await?;
+        check_eq!(seen, None, "vacant after the force release");
+    }
+    drop(leading);
+    Ok(())
+}
+
 /// A standby candidate leads as soon as the leader resigns, also while an
 /// observer follows (an observer never takes the standby's wake-up): the
 /// leader holds for the long TTL, so expiry cannot be what handed over.

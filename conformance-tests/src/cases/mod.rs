@@ -46,6 +46,9 @@ pub enum Needs {
     /// Holder labels stored with locks and shown by `inspect`
     /// (`Capabilities::holder_ids`, and the operator calls).
     HolderIds,
+    /// Observers woken by the server when the holder changes
+    /// (`Capabilities::holder_watch`), with holder labels.
+    HolderWatch,
     /// A lock server in another process, reachable by URL (a holder in a
     /// child process can share it; an in-process backend cannot).
     Server,
@@ -90,6 +93,11 @@ impl Needs {
             Needs::HolderIds => Needs::Admin.missing(context).or_else(|| {
                 (!caps.holder_ids).then(|| {
                     "backend declares it stores no holder labels (holder_ids = false)".into()
+                })
+            }),
+            Needs::HolderWatch => Needs::HolderIds.missing(context).or_else(|| {
+                (!caps.holder_watch).then(|| {
+                    "backend declares the server does not tell observers of a change of holder (holder_watch = false): observers poll".into()
                 })
             }),
             Needs::Durable => (!caps.durable)
@@ -212,6 +220,7 @@ pub fn all() -> Vec<Case> {
     all.extend(cases!(election:
         one_leader_at_a_time => Needs::HolderIds,
         observers_see_each_change => Needs::HolderIds,
+        observers_woken_by_the_server => Needs::HolderWatch,
         resign_hands_over => Needs::HolderIds,
         crash_hands_over_after_ttl => Needs::HolderIds,
         vacancy_reported => Needs::HolderIds,
