@@ -370,8 +370,11 @@ pub trait LockAdmin: Send + Sync {
     /// Subscribes to changes of who holds `key` (taken, released,
     /// force-released, expired where the server notices), for observers
     /// ([`Locker::observe`](crate::Locker::observe)); the watch fires at
-    /// least once after each change. An observer must never take a place
-    /// in a waiter line. `None` (the default): observers read
+    /// least once after each change. A backend may tell only changes that
+    /// involve a labelled holder (every election's leader is one), if it
+    /// says so; observers still read at the holder's expiry and every poll
+    /// interval. An observer must never take a place in a waiter line, nor
+    /// a waiter's wake-up. Declared by [`Capabilities::holder_watch`]. `None` (the default): observers read
     /// [`inspect`](Self::inspect) at the holder's expiry and every poll
     /// interval.
     async fn watch_holder(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {

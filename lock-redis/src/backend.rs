@@ -597,6 +597,8 @@ impl LockBackend for RedisLock {
             },
             // Beside the lock, bound to its owner (see `scripts`).
             holder_ids: true,
+            // Scripts publish a labelled holder's changes.
+            holder_watch: true,
             ..Capabilities::default()
         }
     }
@@ -605,15 +607,21 @@ impl LockBackend for RedisLock {
         let key = request.key;
         let keys = self.keys(key);
         let owner = request.owner.to_hex();
-        let args = [
+        let mut args = vec![
             owner.clone(),
             arg_millis(request.ttl),
             self.retention_ms(request.ttl),
             self.line_member(Line::Lock, key, request.owner, request.settling),
-            request
-                .holder
-                .map_or_else(String::new, |h| h.as_str().to_owned()),
         ];
+        match request.holder {
+            // A labelled holder is told to the key's observers.
+            Some(holder) => args.extend([
+                holder.as_str().to_owned(),
+                keys.channel.clone(),
+                self.channels.publish.to_owned(),
+            ]),
+            None => args.push(String::new()),
+        }
         // The give-back below shares this operation's timeout.
         let sent = Instant::now();
         let call = Call {
@@ -748,5 +756,24 @@ impl LockAdmin for RedisLock {
             })
             .await?;
         replies::force_release_reply(key, &reply)
+    }
+
+    /// A subscription to the key's observers channel, on the client's
+    /// pub/sub connection: the acquire script publishes there when a
+    /// labelled holder takes the lock, release and force release when they
+    /// delete a labelled lock (expiry is not told: observers read at the
+    /// holder's expiry). Unlabelled locks are not told, so an observer of
+    /// one reads every poll interval. Never a waiter-line entry, and a
+    /// waiter's single wake-up goes to its own client's channel, never
+    /// here.
+    async fn watch_holder(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        let channel = self.keys(key).observers_channel();
+        let watch = with_timeout(
+            connect_budget(self.config.client()),
+            "subscribing to holder changes",
+            self.listener.watch(channel),
+        )
+        .await?;
+        Ok(Some(watch))
     }
 }

@@ -10,7 +10,9 @@
 //! - `NS:{E}:waiters` — the waiter line, a sorted set of
 //!   `<client hex>:<owner hex>` scored by arrival: a release wakes its
 //!   first waiter alone, on that client's channel `NS:{E}:released:<client hex>`;
-//! - `NS:{E}:released` — the base of those channels;
+//! - `NS:{E}:released` — the base of those channels, and
+//!   `NS:{E}:released:observers` tells observers that a labelled holder
+//!   took or left the lock;
 //! - `NS:{E}:holder` — the holder label of the acquisition that stored it,
 //!   `<owner hex>:<label>` with the lock's PX expiry (shown only while that
 //!   owner holds the lock; written only when the holder gave a label);
@@ -92,6 +94,12 @@ impl RedisKeys {
     /// The channel of `client`'s waiters: the base channel and its id.
     pub(crate) fn client_channel(&self, client: &str) -> String {
         format!("{}:{client}", self.channel)
+    }
+
+    /// The channel on which scripts tell a key's observers that its
+    /// labelled holder changed (`observers` is no client's hex id).
+    pub(crate) fn observers_channel(&self) -> String {
+        self.client_channel("observers")
     }
 
     fn tagged(

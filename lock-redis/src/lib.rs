@@ -102,7 +102,9 @@
 //! Keys (see the table in `keys.rs`): for lock `K` in namespace `NS`,
 //! `NS:{K'}:lock`, `NS:{K'}:fence`, `NS:{K'}:gone`, the waiter line
 //! `NS:{K'}:waiters`, the holder label `NS:{K'}:holder` and the channels
-//! `NS:{K'}:released:<client id>`,
+//! `NS:{K'}:released:<client id>` (waiters) and `NS:{K'}:released:observers`
+//! (observers: scripts publish there when a labelled holder takes or
+//! leaves the lock; [`LockAdmin::watch_holder`](distlock_core::LockAdmin::watch_holder)),
 //! where `K'` is `K` with `%`, `{`, `}` percent-escaped — injective, and
 //! the hash tag `{K'}` puts them all in one Redis Cluster slot whatever `K`
 //! contains. The semaphore `K` has names of its own in the same slot:

@@ -93,10 +93,22 @@ local function holder_keep(key, owner, ms)
   if h ~= nil and h.owner == owner then redis.call('PEXPIRE', key, ms) end
 end
 -- After the lock was deleted: its label (any distlock label there is
--- stale once the lock is free) goes too.
+-- stale once the lock is free) goes too. Whether there was one.
 local function holder_drop(key)
   local h = holder_at(key)
-  if h ~= nil and h.owner ~= nil then redis.call('DEL', key) end
+  if h ~= nil and h.owner ~= nil then
+    redis.call('DEL', key)
+    return true
+  end
+  return false
+end
+-- Tells the key's observers that its labelled holder changed, on
+-- `<channel>:observers` (no client id is `observers`: they are hex). Only
+-- changes of a labelled holder are told (elections label every leader),
+-- so an unlabelled lock pays nothing. A refused publish must not fail a
+-- script that already wrote: observers fall back to reading.
+local function observed(publish, channel)
+  redis.pcall(publish, channel .. ':observers', '')
 end
 -- The released-by marker: a lock value and the id of the release that
 -- deleted it, `dl1:<owner>:<token>/<release id>`.
@@ -204,7 +216,8 @@ end
 
 /// KEYS: lock, fence, waiter line, holder label. ARGV: owner hex, ttl ms,
 /// fence retention ms, waiter member (empty for an attempt that does not
-/// wait), holder label (empty for none). Returns `{1, token}` when
+/// wait), holder label (empty for none), and with a label the key's
+/// channel and publish command (its observers are told). Returns `{1, token}` when
 /// acquired (`{1, token, 'foreign'}` if the label was not stored: data
 /// distlock did not write is at its key), `{0, pttl}` when held (a waiter
 /// then joins the line).
@@ -234,6 +247,7 @@ local function label(adopted)
   end
   if ARGV[5] ~= '' then
     redis.call('SET', KEYS[4], ARGV[1] .. ':' .. ARGV[5], 'PX', ARGV[2])
+    if ARGV[7] ~= nil then observed(ARGV[7], ARGV[6]) end
   elseif h.owner == ARGV[1] then
     redis.call('PEXPIRE', KEYS[4], ARGV[2])
   end
@@ -344,11 +358,13 @@ if lock.value ~= ARGV[1] then
   return 0
 end
 redis.call('DEL', KEYS[1])
-holder_drop(KEYS[4])
+local labelled = holder_drop(KEYS[4])
 local keep = math.min(lock.pttl, tonumber(ARGV[4]))
 if keep < 1 then keep = 1 end
 redis.call('SET', KEYS[2], mark, 'PX', string.format('%.0f', keep))
-return released(ARGV[3], ARGV[2], KEYS[3])
+local woke = released(ARGV[3], ARGV[2], KEYS[3])
+if labelled then observed(ARGV[3], ARGV[2]) end
+return woke
 "#;
 
 /// Helpers of the permit scripts, after [`PRELUDE`].
@@ -575,7 +591,7 @@ return {1, redis.call('PTTL', KEYS[1]), fence, label}
 "#;
 
 /// KEYS: lock, waiter line, holder label. ARGV: channel, publish command.
-/// Deletes the lock whoever holds it, and its label.
+/// Deletes the lock whoever holds it, and its label (telling observers).
 /// Returns as [`RELEASE`] (0 when free).
 const FORCE_RELEASE: &str = r#"
 local lt = kind(KEYS[1])
@@ -585,8 +601,10 @@ if not ours(redis.call('GET', KEYS[1])) then
   return corrupt('lock', 'holds a value in a format distlock does not write')
 end
 redis.call('DEL', KEYS[1])
-holder_drop(KEYS[3])
-return released(ARGV[2], ARGV[1], KEYS[2])
+local labelled = holder_drop(KEYS[3])
+local woke = released(ARGV[2], ARGV[1], KEYS[2])
+if labelled then observed(ARGV[2], ARGV[1]) end
+return woke
 "#;
 
 /// KEYS: lock, waiter line. ARGV: waiter member, channel, publish command.

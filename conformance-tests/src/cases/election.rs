@@ -14,9 +14,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use distlock_core::{
-    ErrorKind, FencingToken, HolderId, Leader, LeaderWatch, Leadership, LockOptions, Renewal,
-    MAX_HOLDER_BYTES,
+    ErrorKind, FencingToken, HolderId, Leader, LeaderWatch, Leadership, LockError, LockOptions,
+    Renewal, MAX_HOLDER_BYTES,
 };
+use tokio::sync::mpsc;
 
 use crate::cases::support::{background_bound, expiry_bound, holder_id, within};
 use crate::checker::ExclusionChecker;
@@ -237,9 +238,11 @@ pub async fn observers_see_each_change(ctx: TestContext) -> CaseResult {
 /// Observers that never read by the clock (a poll interval of an hour,
 /// and leaders on the long TTL, so no expiry falls inside the case) still
 /// report each change: a's leadership, the vacancy after a resigns, b's
-/// leadership, the vacancy after an operator force-releases b. One
-/// observer is on a client of its own, one on the client a campaigns
-/// with; only the server's word can wake either.
+/// leadership, the vacancy after an operator force-releases b. Each change
+/// is made while the observers wait inside `changed()` (they read once on
+/// entering it, so a change made before would be seen without the
+/// server's word). One observer is on a client of its own, one on the
+/// client a campaigns with.
 pub async fn observers_woken_by_the_server(ctx: TestContext) -> CaseResult {
     let key = ctx.key("election");
     let (a, b, apart, operator) = (
@@ -249,51 +252,66 @@ pub async fn observers_woken_by_the_server(ctx: TestContext) -> CaseResult {
         ctx.client().await?,
     );
     let never = Duration::from_secs(3600);
-    let mut watches = [
-        apart.observe(&key).with_poll_interval(never),
-        a.observe(&key).with_poll_interval(never),
-    ];
-    let bound = background_bound();
-    for watch in &mut watches {
-        check_eq!(
-            next_seen(watch, bound, "first answer").await?,
-            None,
-            "an unused election is vacant"
-        );
+    // Each observer reports into its own channel, from a task that waits
+    // in `changed()` between reports; dropping the receivers ends them.
+    let mut seen = Vec::new();
+    for locker in [&apart, &a] {
+        let mut watch = locker.observe(&key).with_poll_interval(never);
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            loop {
+                let change = watch.changed().await;
+                if tx.send(change).is_err() {
+                    return;
+                }
+            }
+        });
+        seen.push(rx);
     }
+    // The observers' next report, after `what` was done while they waited.
+    async fn next(
+        seen: &mut [mpsc::UnboundedReceiver<Result<Option<Leader>, LockError>>],
+        expected: &Option<Leader>,
+        what: &str,
+    ) -> CaseResult {
+        for (n, rx) in seen.iter_mut().enumerate() {
+            let change = within(background_bound(), rx.recv(), what)
+                .await?
+                .ok_or("an observer's task ended")??;
+            check_eq!(&change, expected, "observer {n} after {what}");
+        }
+        Ok(())
+    }
+    next(&mut seen, &None, "the first answer").await?;
+    // Time for the observers to read and wait again; one that has not yet
+    // read would see the change without being woken (a pass it did not
+    // earn, never a failure).
+    let settle = || tokio::time::sleep(Duration::from_millis(300));
     let options = LockOptions::new(ctx.long_ttl());
     let (id_a, id_b) = (holder_id("woken-a")?, holder_id("woken-b")?);
+    settle().await;
     let leading = a.campaign(&key, &id_a, &options).await?;
     let led_by_a = Some(Leader {
         identity: Some(id_a),
         term: leading.term(),
     });
-    for watch in &mut watches {
-        let seen = next_seen(watch, bound, "a's leadership, woken by the server").await?;
-        check_eq!(seen, led_by_a, "a leads");
-    }
+    next(&mut seen, &led_by_a, "a's campaign").await?;
+    settle().await;
     leading.resign().await?;
-    for watch in &mut watches {
-        let seen = next_seen(watch, bound, "a's resign, woken by the server").await?;
-        check_eq!(seen, None, "vacant after a resigned");
-    }
+    next(&mut seen, &None, "a's resign").await?;
+    settle().await;
     let leading = b.campaign(&key, &id_b, &options).await?;
     let led_by_b = Some(Leader {
         identity: Some(id_b),
         term: leading.term(),
     });
-    for watch in &mut watches {
-        let seen = next_seen(watch, bound, "b's leadership, woken by the server").await?;
-        check_eq!(seen, led_by_b, "b leads");
-    }
+    next(&mut seen, &led_by_b, "b's campaign").await?;
+    settle().await;
     check!(
         operator.force_release(&key).await?,
         "b's leadership was there to force-release"
     );
-    for watch in &mut watches {
-        let seen = next_seen(watch, bound, "the force release, woken by the server").await?;
-        check_eq!(seen, None, "vacant after the force release");
-    }
+    next(&mut seen, &None, "the force release").await?;
     drop(leading);
     Ok(())
 }

@@ -351,6 +351,7 @@ pub fn all() -> Vec<Case> {
     all.extend(cases!(fault:
         killed_holder_process_expires => Needs::Server,
         black_holed_holder_loses_first => Needs::Faults,
+        partitioned_leader_loses_first => Needs::All(&[Needs::Faults, Needs::HolderIds]),
         held_renewal_replies_lose_first => Needs::Faults,
         resets_during_operations => Needs::Faults,
         server_restart_with_holders_and_waiters => Needs::ServerProcess,

@@ -96,6 +96,9 @@ pub enum Defect {
     /// An observer's change notice is a place in the waiter line: a
     /// release wakes the observer instead of the next candidate.
     ObserverQueues,
+    /// Declares that the server tells observers of changes, but the watch
+    /// it gives them never fires: observers wait for their poll.
+    SilentObserver,
 }
 
 /// The last label given per server key, across every client of the
@@ -377,6 +380,12 @@ pub const CORPUS: &[MutantSpec] = &[
         defect: Defect::ObserverQueues,
         what: "an observer's change notice takes a place in the waiter line, so a resign wakes the observer, not the standby candidate",
         killers: &["election::resign_hands_over"],
+    },
+    MutantSpec {
+        name: "silent_observer",
+        defect: Defect::SilentObserver,
+        what: "the backend declares holder_watch, but an observer's watch never fires: a new leader or a vacancy is seen only at the next poll, which may be an hour away",
+        killers: &["election::observers_woken_by_the_server"],
     },
     MutantSpec {
         name: "refuses_own_owner",
@@ -1102,6 +1111,9 @@ impl LockAdmin for Mutant {
     }
 
     async fn watch_holder(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        if self.is(Defect::SilentObserver) {
+            return Ok(Some(ReleaseWatch::never()));
+        }
         if self.is(Defect::ObserverQueues) {
             // Joins the line as a waiter does: subscribed, then refused.
             let (key, owner) = (self.server_key(key), OwnerToken::random());

@@ -28,8 +28,8 @@ mod torture;
 mod unreachable;
 
 pub use self::partition::{
-    black_holed_holder_loses_first, held_renewal_replies_lose_first, resets_during_operations,
-    run_exclusive_lost_to_partition,
+    black_holed_holder_loses_first, held_renewal_replies_lose_first,
+    partitioned_leader_loses_first, resets_during_operations, run_exclusive_lost_to_partition,
 };
 pub use self::process::{
     killed_holder_process_expires, server_down_at_acquire, server_restart_with_holders_and_waiters,

@@ -3,21 +3,67 @@
 //! holder, connections reset mid-operation, and `run_exclusive` losing its
 //! lock to a partition.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use distlock_core::{AcquireAttempt, LockKey, LockOptions, Locker, LostReason, RunOptions};
+use distlock_core::{
+    AcquireAttempt, FencingToken, LockKey, LockOptions, Locker, LostReason, RunOptions,
+};
 use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
 
 use super::{fault_ttl, join, measure, ErrorTally, EXPIRY_SLACK};
 use crate::cases::support::{
-    background_bound, eventually_acquire, every_key_free_within, expect_stopped, within,
+    background_bound, eventually_acquire, every_key_free_within, expect_stopped, holder_id, within,
 };
 use crate::checker::ExclusionChecker;
 use crate::context::{CaseError, CaseResult, TestContext};
 use crate::fault::Direction;
 use crate::{check, check_eq};
+
+/// A critical section of `token` on `key` in `checker`, from now until
+/// `lost` fires: the task answers why, and when it fired.
+fn section_until_lost(
+    checker: &Arc<ExclusionChecker>,
+    key: &LockKey,
+    token: FencingToken,
+    lost: impl Future<Output = LostReason> + Send + 'static,
+) -> JoinHandle<Result<(LostReason, Instant), CaseError>> {
+    let (checker, key) = (checker.clone(), key.clone());
+    tokio::spawn(async move {
+        let section = checker.enter(&key, token);
+        let reason = lost.await;
+        let at = Instant::now();
+        section.exit();
+        Ok((reason, at))
+    })
+}
+
+/// Joins `section` (see [`section_until_lost`]) and checks that its
+/// holder, cut off, lost by expiry, and that both its `lost()` and the end
+/// of its lease (`valid_until`) came no later than `taken_at`, when
+/// another client took the key: when it fired.
+async fn lost_before_taken(
+    section: JoinHandle<Result<(LostReason, Instant), CaseError>>,
+    valid_until: Instant,
+    taken_at: Instant,
+    who: &str,
+) -> Result<Instant, CaseError> {
+    let (reason, lost_at) = join(section, background_bound(), &format!("{who}'s lost()")).await?;
+    check_eq!(reason, LostReason::Expired, "why {who} lost");
+    check!(
+        valid_until <= taken_at,
+        "{who}'s lease was still valid when another client took the key"
+    );
+    check!(
+        lost_at <= taken_at,
+        "{who}'s lost() fired {:?} after another client took the key",
+        lost_at - taken_at
+    );
+    Ok(lost_at)
+}
 
 /// The holder's connection is black-holed: its guard's `lost()` fires, and
 /// only after that (an ordering, not a duration) does a second client,
@@ -36,18 +82,7 @@ pub async fn black_holed_holder_loses_first(ctx: TestContext) -> CaseResult {
         .ok_or("the key should be free")?;
     let checker = ExclusionChecker::new();
     let holder_token = guard.fencing_token();
-    let holder_section = {
-        let checker = checker.clone();
-        let key = key.clone();
-        let lost = guard.lost();
-        tokio::spawn(async move {
-            let section = checker.enter(&key, holder_token);
-            let reason = lost.await;
-            let at = Instant::now();
-            section.exit();
-            Ok::<_, CaseError>((reason, at))
-        })
-    };
+    let holder_section = section_until_lost(&checker, &key, holder_token, guard.lost());
     tokio::time::sleep(Duration::from_millis(300)).await;
     proxy.black_hole();
     let cut_at = Instant::now();
@@ -55,21 +90,13 @@ pub async fn black_holed_holder_loses_first(ctx: TestContext) -> CaseResult {
     let lease = eventually_acquire(&direct, &key, ttl, bound, "the direct client").await?;
     let acquired_at = Instant::now();
     checker.critical_section(&key, lease.fencing_token()).await;
-    let (reason, lost_at) = join(holder_section, background_bound(), "the holder's lost()").await?;
-    check_eq!(
-        reason,
-        LostReason::Expired,
-        "why the black-holed holder lost"
-    );
-    check!(
-        guard.lease().valid_until() <= acquired_at,
-        "the holder's lease was still valid when the other client got the lock"
-    );
-    check!(
-        lost_at <= acquired_at,
-        "the holder's lost() fired {:?} after the other client acquired",
-        lost_at - acquired_at
-    );
+    let lost_at = lost_before_taken(
+        holder_section,
+        guard.lease().valid_until(),
+        acquired_at,
+        "the holder",
+    )
+    .await?;
     check!(
         lease.fencing_token() > holder_token,
         "the second client's token grows"
@@ -86,6 +113,87 @@ pub async fn black_holed_holder_loses_first(ctx: TestContext) -> CaseResult {
     );
     direct.release(&lease).await?;
     drop(guard);
+    drop(proxy);
+    Ok(())
+}
+
+/// A leader's connection is black-holed while a standby campaigns on
+/// another client, and an observer follows on a third: the leader's
+/// `lost()` fires, and only after that (an ordering, not a duration) does
+/// the standby lead, with a newer term; its leadership's lease outlives
+/// the old one's, and the observer reports the old leader's term and
+/// then the new one's, never an older term after a newer.
+pub async fn partitioned_leader_loses_first(ctx: TestContext) -> CaseResult {
+    let proxy = ctx.fault_path().await?;
+    let via_proxy = Locker::new(ctx.client_through(&proxy).await?);
+    let (standby, observer) = (ctx.locker().await?, ctx.locker().await?);
+    let key = ctx.key("fault-partitioned-leader");
+    let ttl = fault_ttl(&ctx, Duration::from_secs(2))?;
+    let options = LockOptions::new(ttl);
+    let leading = via_proxy
+        .campaign(&key, &holder_id("partitioned")?, &options)
+        .await?;
+    let old_term = leading.term();
+    let mut watch = observer
+        .observe(&key)
+        .with_poll_interval(Duration::from_millis(100));
+    let first = within(
+        background_bound(),
+        watch.changed(),
+        "the observer's first answer",
+    )
+    .await??;
+    check_eq!(
+        first.map(|l| l.term),
+        Some(old_term),
+        "the observer sees the leader"
+    );
+    let checker = ExclusionChecker::new();
+    let leader_section = section_until_lost(&checker, &key, old_term, leading.lost());
+    let campaign = {
+        let (key, options, identity) = (key.clone(), options.clone(), holder_id("standby")?);
+        tokio::spawn(async move { standby.campaign(&key, &identity, &options).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.black_hole();
+    let bound = ttl * 2 + EXPIRY_SLACK;
+    let next = within(bound, campaign, "the standby's leadership")
+        .await?
+        .map_err(|e| CaseError(format!("the standby panicked: {e}")))??;
+    let led_at = Instant::now();
+    checker.critical_section(&key, next.term()).await;
+    lost_before_taken(
+        leader_section,
+        leading.guard().lease().valid_until(),
+        led_at,
+        "the partitioned leader",
+    )
+    .await?;
+    check!(
+        next.term() > old_term,
+        "the new term {} is newer than {old_term}",
+        next.term()
+    );
+    // The observer: the new leader, possibly after a vacancy, and never
+    // the old term again.
+    loop {
+        let seen = within(
+            background_bound(),
+            watch.changed(),
+            "the observer's next answer",
+        )
+        .await??;
+        match seen {
+            None => continue,
+            Some(leader) => {
+                check_eq!(leader.term, next.term(), "the observer's next leader");
+                break;
+            }
+        }
+    }
+    checker.verify()?;
+    next.resign().await?;
+    drop(leading);
     drop(proxy);
     Ok(())
 }
