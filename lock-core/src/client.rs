@@ -16,7 +16,7 @@ use crate::renewal::{Renewals, Renewed};
 use crate::wait::{self, Attempt};
 use crate::{
     instrument, Capabilities, Lease, LockAdmin, LockBackend, LockError, LockKey, LockOptions,
-    LockState, OwnerToken, PermitReply, PermitRequest, SemaphoreBackend,
+    LockState, OwnerToken, PermitReply, PermitRequest, ReleaseWatch, SemaphoreBackend,
 };
 
 /// The result of one atomic acquisition attempt.
@@ -449,6 +449,20 @@ impl LockClient {
             None => Err(no_admin()),
         };
         self.finish("inspect", "inspect", key, result)
+    }
+
+    /// Subscribes to changes of who holds `key`, for observers: `None`
+    /// where the backend does not tell them (no operator calls, or
+    /// [`LockAdmin::watch_holder`](crate::LockAdmin::watch_holder) says so).
+    pub(crate) async fn watch_holder(
+        &self,
+        key: &LockKey,
+    ) -> Result<Option<ReleaseWatch>, LockError> {
+        let result = match self.admin() {
+            Some(admin) => admin.watch_holder(key).await,
+            None => Ok(None),
+        };
+        self.finish("watch_holder", "watch_holder", key, result)
     }
 
     /// Deletes the lock at `key` whoever holds it, waking waiters; returns

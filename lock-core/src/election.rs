@@ -47,6 +47,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use crate::lease::later;
+use crate::wait::{BACKOFF_MAX, BACKOFF_MIN};
 use crate::{
     FencingToken, HolderId, LockClient, LockError, LockGuard, LockKey, LockOptions, LockState,
     Locker, LostReason, LostSignal, ReleaseWatch,
@@ -133,13 +134,11 @@ impl Leadership {
         if matches!(&result, Err(e) if e.is_transient()) {
             let retrying = client.clone();
             client.spawn_background(async move {
-                let mut backoff = Duration::from_millis(50);
+                let mut backoff = BACKOFF_MIN;
                 while !lease.is_expired() {
                     tokio::time::sleep(backoff).await;
                     match retrying.release(&lease).await {
-                        Err(e) if e.is_transient() => {
-                            backoff = (backoff * 2).min(Duration::from_secs(2))
-                        }
+                        Err(e) if e.is_transient() => backoff = (backoff * 2).min(BACKOFF_MAX),
                         _ => return,
                     }
                 }
@@ -276,9 +275,7 @@ impl LeaderWatch {
         loop {
             if self.watch.is_none() {
                 // Before the read, so a change right after it is not missed.
-                if let Some(admin) = self.client.admin() {
-                    self.watch = admin.watch_holder(&self.key).await?;
-                }
+                self.watch = self.client.watch_holder(&self.key).await?;
             }
             let now = self.client.inspect(&self.key).await?;
             let expires_in = match &now {

@@ -17,9 +17,9 @@ use crate::{
 const EXPIRY_SLACK: Duration = Duration::from_millis(2);
 
 /// First and longest pause between attempts that failed transiently
-/// (a failover, a restarting server).
-const BACKOFF_MIN: Duration = Duration::from_millis(50);
-const BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// (a failover, a restarting server); also between a resign's resends.
+pub(crate) const BACKOFF_MIN: Duration = Duration::from_millis(50);
+pub(crate) const BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// Which acquisition the waiting loop makes.
 #[derive(Debug, Clone, PartialEq, Eq)]
