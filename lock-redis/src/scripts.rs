@@ -56,10 +56,10 @@ end
 -- {value, pttl}; {} if there is none; an error reply (a table with
 -- `err`) for anything else.
 local function string_at(which, key, noun, valid)
-  local t = kind(key)
-  if t == 'none' then return {} end
-  if t ~= 'string' then return corrupt(which, 'holds a ' .. t .. ', not ' .. noun) end
-  local v = redis.call('GET', key)
+  -- GET answers another type with an error: one command, not TYPE first.
+  local v = redis.pcall('GET', key)
+  if v == false then return {} end
+  if type(v) ~= 'string' then return corrupt(which, 'holds a ' .. kind(key) .. ', not ' .. noun) end
   if not valid(v) then return corrupt(which, 'holds a value in a format distlock does not write') end
   local pttl = redis.call('PTTL', key)
   if pttl < 0 then return corrupt(which, 'has no expiry, which distlock never leaves') end
@@ -122,10 +122,9 @@ end
 -- The fencing counter: {counter, pttl} (0 and -2 if there is none), or an
 -- error reply.
 local function fence_at(key)
-  local t = kind(key)
-  if t == 'none' then return {counter = 0, pttl = -2} end
-  if t ~= 'string' then return corrupt('fence', 'holds a ' .. t .. ', not a fencing counter') end
-  local c = redis.call('GET', key)
+  local c = redis.pcall('GET', key)
+  if c == false then return {counter = 0, pttl = -2} end
+  if type(c) ~= 'string' then return corrupt('fence', 'holds a ' .. kind(key) .. ', not a fencing counter') end
   if string.match(c, '^%d+$') == nil or #c > 16 or tonumber(c) >= 9007199254740000 then
     return corrupt('fence', 'holds a value that is not a distlock fencing counter')
   end
@@ -694,20 +693,77 @@ pub(crate) struct LuaScript {
 }
 
 impl LuaScript {
-    /// A permit script: `body` after the permit helpers.
-    fn permits(body: &str) -> Self {
-        Self::new(&format!("{PERMIT_PRELUDE}{body}"))
-    }
-
     fn new(body: &str) -> Self {
         // Redis < 5 needs effects replication for TIME before writes; newer
         // servers replicate effects anyway.
         let body = format!(
-            "if redis.replicate_commands then redis.replicate_commands() end\n{PRELUDE}{body}"
+            "if redis.replicate_commands then redis.replicate_commands() end\n{}{body}",
+            helpers_used(&format!("{PRELUDE}{PERMIT_PRELUDE}"), body)
         );
         let sha = Script::new(&body).get_hash().to_owned();
         Self { body, sha }
     }
+}
+
+/// The helpers of `prelude` that `body` names, directly or through
+/// another helper, in the prelude's order (a helper is defined before the
+/// helpers that call it). Redis runs a script's whole text at every call,
+/// defining each helper anew, so a script carries only the helpers it
+/// uses. A helper is a top-level `local function NAME` with the comment
+/// lines above it; it is used where NAME appears as a word (a call, or the
+/// function passed as a value). Any other top-level statement is kept.
+fn helpers_used(prelude: &str, body: &str) -> String {
+    struct Helper<'a> {
+        name: Option<&'a str>,
+        text: String,
+    }
+    let mut helpers: Vec<Helper<'_>> = Vec::new();
+    let mut comments = String::new();
+    for line in prelude.lines() {
+        if line.starts_with("--") {
+            comments.push_str(line);
+            comments.push('\n');
+            continue;
+        }
+        let starts = line.starts_with("local ") || helpers.is_empty();
+        if starts {
+            let name = line
+                .strip_prefix("local function ")
+                .and_then(|rest| rest.split('(').next());
+            helpers.push(Helper {
+                name,
+                text: std::mem::take(&mut comments),
+            });
+        }
+        if let Some(current) = helpers.last_mut() {
+            current.text.push_str(&std::mem::take(&mut comments));
+            current.text.push_str(line);
+            current.text.push('\n');
+        }
+    }
+    let names = |text: &str, name: &str| {
+        text.match_indices(name).any(|(at, _)| {
+            let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+            !text[..at].ends_with(word) && !text[at + name.len()..].starts_with(word)
+        })
+    };
+    let mut used = vec![false; helpers.len()];
+    let mut texts = vec![body];
+    while let Some(text) = texts.pop() {
+        for (i, helper) in helpers.iter().enumerate() {
+            let needed = helper.name.is_none_or(|name| names(text, name));
+            if needed && !used[i] {
+                used[i] = true;
+                texts.push(&helper.text);
+            }
+        }
+    }
+    helpers
+        .iter()
+        .zip(used)
+        .filter(|(_, used)| *used)
+        .map(|(helper, _)| helper.text.as_str())
+        .collect()
 }
 
 /// The acquire script.
@@ -722,18 +778,18 @@ pub(crate) static EXTEND_MANY_SCRIPT: LazyLock<LuaScript> =
 pub(crate) static RELEASE_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(RELEASE));
 /// The permit acquire script.
 pub(crate) static ACQUIRE_PERMIT_SCRIPT: LazyLock<LuaScript> =
-    LazyLock::new(|| LuaScript::permits(ACQUIRE_PERMIT));
+    LazyLock::new(|| LuaScript::new(ACQUIRE_PERMIT));
 /// The permit extend script.
 pub(crate) static EXTEND_PERMIT_SCRIPT: LazyLock<LuaScript> =
-    LazyLock::new(|| LuaScript::permits(EXTEND_PERMIT));
+    LazyLock::new(|| LuaScript::new(EXTEND_PERMIT));
 /// The permit release script.
 pub(crate) static RELEASE_PERMIT_SCRIPT: LazyLock<LuaScript> =
-    LazyLock::new(|| LuaScript::permits(RELEASE_PERMIT));
+    LazyLock::new(|| LuaScript::new(RELEASE_PERMIT));
 /// The leave script (a wait ended without the lock).
 pub(crate) static LEAVE_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(LEAVE));
 /// The permit leave script.
 pub(crate) static LEAVE_PERMIT_SCRIPT: LazyLock<LuaScript> =
-    LazyLock::new(|| LuaScript::permits(LEAVE_PERMIT));
+    LazyLock::new(|| LuaScript::new(LEAVE_PERMIT));
 /// The ACL probe, run at connect.
 pub(crate) static PROBE_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(PROBE));
 /// The format marker check, run at connect.
@@ -769,4 +825,64 @@ pub(crate) fn all() -> [&'static LuaScript; 9] {
         &LEAVE_SCRIPT,
         &LEAVE_PERMIT_SCRIPT,
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_script_carries_the_helpers_it_uses_and_theirs_in_order() {
+        let prelude = "
+-- One.
+local function one(x)
+  return x
+end
+-- Two, which calls one.
+local function two(x)
+  return one(x) + 1
+end
+local function unused()
+  return 0
+end
+local function passed(v)
+  return v
+end
+";
+        let text = helpers_used(prelude, "return two(1) + call(passed)");
+        assert_eq!(
+            text,
+            "\n-- One.\nlocal function one(x)\n  return x\nend\n-- Two, which calls one.\nlocal function two(x)\n  return one(x) + 1\nend\nlocal function passed(v)\n  return v\nend\n"
+        );
+        // A name inside another word is no use of it.
+        assert!(!helpers_used(prelude, "return someone(1)").contains("function one"));
+    }
+
+    #[test]
+    fn every_helper_a_script_names_is_defined_in_it() {
+        let prelude = format!("{PRELUDE}{PERMIT_PRELUDE}");
+        let helper_names: Vec<&str> = prelude
+            .lines()
+            .filter_map(|l| l.strip_prefix("local function "))
+            .filter_map(|rest| rest.split('(').next())
+            .collect();
+        for script in all()
+            .into_iter()
+            .chain([&*INSPECT_SCRIPT, &*FORCE_RELEASE_SCRIPT])
+        {
+            for name in &helper_names {
+                let call = format!("{name}(");
+                let calls = script.body.match_indices(&call).any(|(at, _)| {
+                    !script.body[..at]
+                        .ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+                });
+                if calls {
+                    assert!(
+                        script.body.contains(&format!("local function {name}(")),
+                        "a script calls {name} without defining it"
+                    );
+                }
+            }
+        }
+    }
 }
