@@ -61,6 +61,8 @@ return token
 const PG_CHANNEL: &str = "distlock_rawbench";
 /// Its channel of single wake-ups (unused: the raw acquires never wait).
 const PG_NEXT_CHANNEL: &str = "distlock_rawbench_next";
+/// Its observers' channel (unused: the raw acquires carry no label).
+const PG_HOLDER_CHANNEL: &str = "distlock_rawbench_holder";
 /// The listener pid of a raw PostgreSQL acquire: none, it does not wait.
 const NOT_WAITING: i64 = 0;
 
@@ -261,6 +263,7 @@ impl Raw {
                     .bind(NOT_WAITING)
                     // No holder label.
                     .bind("")
+                    .bind(PG_HOLDER_CHANNEL)
                     .fetch_optional(pool)
                     .await
                     .map_err(|e| e.to_string())?
@@ -279,6 +282,7 @@ impl Raw {
                     .bind(send)
                     .bind(DEFAULT_TABLE)
                     .bind(PG_NEXT_CHANNEL)
+                    .bind(PG_HOLDER_CHANNEL)
                     .fetch_one(pool)
                     .await
                     .map_err(|e| e.to_string())?;

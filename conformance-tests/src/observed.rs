@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ErrorKind, ExtendReply, FencingToken, Grant,
-    HeldLock, LockAdmin, LockBackend, LockClient, LockError, LockKey, OwnerToken, PermitReply,
-    PermitRequest, ReleaseReply, ReleaseWatch, SemaphoreBackend,
+    HeldLock, LockAdmin, LockBackend, LockClient, LockError, LockKey, LockState, OwnerToken,
+    PermitReply, PermitRequest, ReleaseReply, ReleaseWatch, SemaphoreBackend,
 };
 use tokio::sync::Notify;
 
@@ -123,6 +123,8 @@ pub struct ObservedLock {
     opened: Notify,
     /// The most locks one `extend_many` call carried.
     largest_extend_batch: AtomicUsize,
+    /// `inspect` calls the backend answered.
+    inspects: AtomicU64,
 }
 
 impl fmt::Debug for ObservedLock {
@@ -162,12 +164,19 @@ impl ObservedLock {
             faults: Mutex::new(Faults::default()),
             opened: Notify::new(),
             largest_extend_batch: AtomicUsize::new(0),
+            inspects: AtomicU64::new(0),
         }
     }
 
     /// Acquisition attempts so far (`try_acquire` and `try_acquire_renewing`).
     pub fn attempts(&self) -> u64 {
         self.attempts.load(Ordering::SeqCst)
+    }
+
+    /// `inspect` calls answered so far (counted once the backend replied,
+    /// so a change made after the count moved is one that read missed).
+    pub fn inspects(&self) -> u64 {
+        self.inspects.load(Ordering::SeqCst)
     }
 
     /// The most locks one batched renewal
@@ -398,13 +407,40 @@ impl LockBackend for ObservedLock {
     }
 
     fn admin(&self) -> Option<&dyn LockAdmin> {
-        self.inner.admin()
+        self.inner.admin().map(|_| self as &dyn LockAdmin)
     }
 
     fn semaphore(&self) -> Option<&dyn SemaphoreBackend> {
         self.inner
             .semaphore()
             .map(|_| self as &dyn SemaphoreBackend)
+    }
+}
+
+/// Counts inspects; the rest goes straight through.
+#[deny(clippy::missing_trait_methods)]
+#[distlock_core::async_trait]
+impl LockAdmin for ObservedLock {
+    async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
+        let state = self.inner.admin().ok_or_else(no_admin)?.inspect(key).await;
+        self.inspects.fetch_add(1, Ordering::SeqCst);
+        state
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
+        self.inner
+            .admin()
+            .ok_or_else(no_admin)?
+            .force_release(key)
+            .await
+    }
+
+    async fn watch_holder(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        self.inner
+            .admin()
+            .ok_or_else(no_admin)?
+            .watch_holder(key)
+            .await
     }
 }
 
@@ -461,6 +497,10 @@ impl SemaphoreBackend for ObservedLock {
             .watch_permits(key, limit, waiter)
             .await
     }
+}
+
+fn no_admin() -> LockError {
+    LockError::unsupported("the wrapped backend has no operator calls")
 }
 
 fn no_semaphore() -> LockError {

@@ -244,7 +244,7 @@ pub const DEFAULT_OBSERVE_POLL: Duration = Duration::from_secs(1);
 /// already reported is never reported (a stale read), and a change is
 /// never reported twice. Woken by the server where the backend notifies
 /// changes ([`LockAdmin::watch_holder`](crate::LockAdmin::watch_holder):
-/// memory, Redis, etcd); elsewhere by reading at the leader's expiry and every
+/// memory, Redis, etcd, PostgreSQL); elsewhere by reading at the leader's expiry and every
 /// [poll interval](Self::with_poll_interval). Changes between two reads
 /// may be skipped: it reports states, not every transition.
 #[derive(Debug)]

@@ -20,7 +20,7 @@ use tokio::sync::OnceCell;
 use crate::config::{PoolMode, PostgresConfig};
 use crate::errors;
 use crate::keys::{channel_name, qualified_table};
-use crate::listener::{next_channel, Releases};
+use crate::listener::{holder_channel, next_channel, Releases, Topic};
 use crate::probe;
 use crate::semaphore::Semaphores;
 use crate::sql::{self, Arg, Call, GiveBack, Protocol, Sql, Statements};
@@ -43,7 +43,7 @@ use crate::sweep::{SweepJob, Sweeper, SweptTable};
 /// No lock statement uses session state — no advisory locks, no `SET`.
 /// Behind a transaction pooler (`pool_mode=transaction`, or found at
 /// connect when the URL has no `pool_mode`) statements use the
-/// simple query protocol, and waiters are woken by `LISTEN`/`NOTIFY` on one
+/// simple query protocol, and waiters (and election observers) are woken by `LISTEN`/`NOTIFY` on one
 /// extra connection per client that reaches the server directly or through
 /// a session-mode pool (`listen_url`), or else poll. See the crate docs on
 /// poolers, TLS, the database clock and cancellation.
@@ -81,6 +81,8 @@ pub struct PostgresLock {
     listen_apart: bool,
     /// The LISTEN/NOTIFY channel of this namespace and table.
     channel: String,
+    /// The channel that wakes observers of this namespace's locks.
+    observers: String,
     table_ready: OnceCell<()>,
     /// The table of waiter lines exists: waits queue, a release wakes the
     /// first waiter alone.
@@ -202,7 +204,8 @@ impl PostgresLock {
         let semaphores = Semaphores::new(&config, listen.clone());
         let listener = listen.map(|listen| {
             let releases =
-                Releases::new(listen, channel.clone(), config.client().connect_timeout());
+                Releases::new(listen, channel.clone(), config.client().connect_timeout())
+                    .with_observers();
             Listener::new(releases, config.client())
         });
         let sql = Arc::new(Statements::new(config.schema(), config.table()));
@@ -220,6 +223,7 @@ impl PostgresLock {
             waits: Arc::default(),
             listen_apart: config.listen_options().is_some(),
             listener,
+            observers: holder_channel(&channel),
             channel,
             pool,
             config,
@@ -373,7 +377,9 @@ impl PostgresLock {
             channel,
         } = of;
         let name = waiter.to_hex();
-        let watch = listener.watch_as(key.clone(), &name).await?;
+        let watch = listener
+            .watch_as(Topic::Waiters(key.clone()), &name)
+            .await?;
         if !self.line_ready() {
             return Ok(watch);
         }
@@ -508,6 +514,7 @@ impl LockBackend for PostgresLock {
             // Known once the table was checked (at connect; for a client
             // made with `from_pool`, at its first call).
             holder_ids: self.holder_ready(),
+            holder_watch: self.can_listen() && self.holder_ready(),
             ..Capabilities::default()
         }
     }
@@ -519,6 +526,8 @@ impl LockBackend for PostgresLock {
         self.sweep_if_due();
         let owner = request.owner.to_hex();
         let send = next_send();
+        // Read once: the statement and its arguments must agree.
+        let labelled = self.holder_ready();
         // The statement's caller may leave (a timeout, a dropped future)
         // before its reply: then what it was granted is given back.
         let give_back = GiveBack {
@@ -529,6 +538,7 @@ impl LockBackend for PostgresLock {
             owner: owner.clone(),
             send,
             channel: self.channel.clone(),
+            observers: (labelled && request.holder.is_some()).then(|| self.observers.clone()),
         };
         let mut args = vec![
             Arg::text(self.namespace()),
@@ -540,7 +550,7 @@ impl LockBackend for PostgresLock {
         let waiting = (key, request.owner, request.settling);
         let line = self.listener.as_ref();
         let queued = self.line_args(WaitLine::Lock, line, self.config.table(), waiting);
-        let statement = match (queued, self.holder_ready()) {
+        let statement = match (queued, labelled) {
             (Some(line), labelled) => {
                 args.extend(line);
                 match labelled {
@@ -551,9 +561,10 @@ impl LockBackend for PostgresLock {
             (None, true) => &self.sql.acquire,
             (None, false) => &self.sql.unlabelled.acquire,
         };
-        if self.holder_ready() {
+        if labelled {
             // No label: '' (a HolderId is never empty), stored as NULL.
             args.push(Arg::text(request.holder.map_or("", |h| h.as_str())));
+            args.push(Arg::text(&self.observers));
         }
         let call = self.call(statement, args);
         let reply = self.fetch(IN_LOCK_CALL, call, Some(give_back)).await?;
@@ -701,15 +712,23 @@ impl LockBackend for PostgresLock {
             // Acquire sends up to this lease's are refused from now on.
             send_param(&lock),
         ];
-        let statement = if self.line_ready() {
+        // Each read once: the statement and its arguments must agree.
+        let (line, labelled) = (self.line_ready(), self.holder_ready());
+        if line {
             args.extend([
                 Arg::text(self.config.table()),
                 Arg::Text(next_channel(&self.channel)),
             ]);
-            &self.sql.release_next
-        } else {
-            &self.sql.release
+        }
+        let statement = match (line, labelled) {
+            (true, true) => &self.sql.release_next,
+            (false, true) => &self.sql.release,
+            (true, false) => &self.sql.unlabelled.release_next,
+            (false, false) => &self.sql.unlabelled.release,
         };
+        if labelled {
+            args.push(Arg::text(&self.observers));
+        }
         let call = self.call(statement, args);
         let reply = self.fetch_one(call).await?;
         // A resent release whose earlier attempt freed the row (its reply
@@ -797,6 +816,7 @@ impl LockAdmin for PostgresLock {
                 Arg::text(self.namespace()),
                 Arg::text(key.as_str()),
                 Arg::text(&self.channel),
+                Arg::text(&self.observers),
             ],
         );
         let row = self.fetch_one(call).await?.row;
@@ -805,5 +825,21 @@ impl LockAdmin for PostgresLock {
         let fencing: Option<i64> = self.column(&row, "fencing")?;
         self.check_row(owner.as_deref(), fencing, None)?;
         Ok(done > 0)
+    }
+
+    /// Observers hear the holder channel on the waiters' listener
+    /// connection, on local channels of their own (see `listener`): they
+    /// never take a waiter's wake-up nor a place in a line. Nothing wakes
+    /// them on a table without the holder columns, nor where nothing can
+    /// `LISTEN`: they poll there.
+    async fn watch_holder(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
+        // The table check tells whether it has the holder columns.
+        self.ensure_table().await?;
+        match &self.listener {
+            Some(listener) if self.can_listen() && self.holder_ready() => {
+                listener.watch(Topic::Holder(key.clone())).await.map(Some)
+            }
+            _ => Ok(None),
+        }
     }
 }

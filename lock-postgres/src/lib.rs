@@ -45,7 +45,8 @@
 //! `LISTEN`/`NOTIFY` on one shared connection per client (distlock-core's
 //! [`Listener`](distlock_core::Listener)), one waiter per release in
 //! arrival order (below), and by a timer set to the holder's remaining
-//! lease in case the holder crashed.
+//! lease in case the holder crashed; election observers hear changes of
+//! holder on the same connection ([Observers](#observers)).
 //!
 //! ## Waiting
 //!
@@ -101,6 +102,25 @@
 //! them only when no new client waits in line, else they wake at the
 //! released holder's expiry; an old client's release wakes every waiter
 //! of the key, new ones included, which then take turns as before.
+//!
+//! ## Observers
+//!
+//! Observers of an election ([`Locker::observe`](distlock_core::Locker::observe),
+//! through [`LockAdmin::watch_holder`](distlock_core::LockAdmin::watch_holder))
+//! are woken on the namespace's `_holder` channel, payload the key, heard
+//! on the waiters' listener connection: a labelled acquisition that takes
+//! the lock notifies it in its statement (an unlabelled one sends nothing
+//! more), as do the release of a lock its owner labelled (besides the
+//! waiter it wakes), a force release and the give-back of a labelled
+//! grant. Observers wait on local channels of their own, so they never
+//! take a waiter's wake-up nor a place in a line, and their notifications
+//! never wake a waiter (each release still costs one attempt). Expiry
+//! notifies nobody: observers read at the leader's expiry. Without the
+//! holder columns, or where nothing can `LISTEN` (a transaction pooler
+//! without `listen_url`), observers poll
+//! ([`Capabilities::holder_watch`](distlock_core::Capabilities::holder_watch)
+//! false); a client of an earlier version takes and releases without
+//! notifying them, so they see its changes when they next read.
 //!
 //! ## Semaphores
 //!

@@ -1,7 +1,7 @@
 //! Server-driven wake-up: `LISTEN` on one connection per client, through
 //! distlock-core's [`Listener`](distlock_core::Listener).
 //!
-//! A client listens on two channels of its namespace and table (see
+//! A client listens on the channels of its namespace and table (see
 //! [`channel_name`](crate::channel_name)): the connection sends `LISTEN`
 //! once when it opens, so subscribing a key needs no server round trip
 //! afterwards.
@@ -15,14 +15,23 @@
 //! - On the namespace's channel, payload the key, every waiter of the key
 //!   is woken: sent by force-release, by a given-back grant, by a release
 //!   that found no live waiter in line, and by clients of earlier versions.
+//! - On the *holder* channel (the namespace's channel and `_holder`, lock
+//!   table only), payload the key, the key's observers
+//!   ([`LockAdmin::watch_holder`](distlock_core::LockAdmin::watch_holder))
+//!   are woken, and never a waiter: sent by a labelled acquisition that
+//!   took the lock, by the release of a labelled lock, by force-release
+//!   and by the give-back of a labelled grant. Observers have local
+//!   channels of their own ([`Topic::Holder`]), so they take no waiter's
+//!   wake-up and no place in a line; a waiter's notifications never reach
+//!   them either.
 //!
-//! Each notification is sent in the statement that frees the row, so it is
-//! delivered when (and only if) that commits. A quiet connection is pinged
-//! with `SELECT 1`; every failure is the kit's one lost path (the
+//! Each notification is sent in the statement that changes the row, so it
+//! is delivered when (and only if) that commits. A quiet connection is
+//! pinged with `SELECT 1`; every failure is the kit's one lost path (the
 //! connection is dropped and waiters subscribe again, reconnecting, and
 //! join their lines again with the new pid). Holders that crash without
 //! releasing are covered by the waiters' timers set to the holder's
-//! remaining lease.
+//! remaining lease (and the observers' reads at its expiry).
 
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
@@ -36,6 +45,21 @@ use crate::errors;
 use crate::keys::is_owner_token;
 use crate::sql::Statement;
 
+/// What a watch on the listener follows.
+#[derive(Debug, Clone)]
+pub(crate) enum Topic {
+    /// Releases of a key, for its waiters.
+    Waiters(LockKey),
+    /// Changes of who holds a key, for its observers.
+    Holder(LockKey),
+}
+
+/// The local channel of `key`'s observers: NUL never is in a key, so it is
+/// never a waiter's channel (the key itself).
+fn observers_of(key: &str) -> String {
+    format!("\0holder:{key}")
+}
+
 /// The `LISTEN` connection of one client; see the [module](self) docs.
 pub(crate) struct Releases {
     /// Where the connection goes (the pool's server, or `listen_url`).
@@ -45,6 +69,9 @@ pub(crate) struct Releases {
     channel: String,
     /// The channel that wakes one waiter.
     next: String,
+    /// The channel that wakes a key's observers, if this client's table
+    /// has holders (locks, not permits).
+    holder: Option<String>,
     connect_timeout: Duration,
     /// The backend pid of the current connection (0: not connected yet).
     pid: Arc<AtomicI32>,
@@ -59,6 +86,7 @@ impl Releases {
         Self {
             connect,
             next: next_channel(&channel),
+            holder: None,
             channel,
             connect_timeout,
             pid: Arc::new(AtomicI32::new(0)),
@@ -72,6 +100,12 @@ impl Releases {
         Some(self.pid.load(Ordering::SeqCst)).filter(|pid| *pid != 0)
     }
 
+    /// Also listens on the channel that wakes observers.
+    pub(crate) fn with_observers(mut self) -> Self {
+        self.holder = Some(holder_channel(&self.channel));
+        self
+    }
+
     /// The channel on which a release wakes one waiter.
     pub(crate) fn next(&self) -> &str {
         &self.next
@@ -81,6 +115,12 @@ impl Releases {
 /// The channel that wakes one waiter, for the namespace channel `channel`.
 pub(crate) fn next_channel(channel: &str) -> String {
     format!("{channel}_next")
+}
+
+/// The channel that wakes a key's observers, for the namespace channel
+/// `channel`.
+pub(crate) fn holder_channel(channel: &str) -> String {
+    format!("{channel}_holder")
 }
 
 /// The backend pid of `listener`'s connection, asked with the simple
@@ -102,12 +142,15 @@ fn one_waiter(payload: &str) -> Option<Notification> {
 
 #[async_trait]
 impl NotificationSource for Releases {
-    type Topic = LockKey;
+    type Topic = Topic;
     type Sink = ();
     type Stream = PgListener;
 
-    fn channel(&self, key: &LockKey) -> String {
-        key.as_str().to_owned()
+    fn channel(&self, topic: &Topic) -> String {
+        match topic {
+            Topic::Waiters(key) => key.as_str().to_owned(),
+            Topic::Holder(key) => observers_of(key.as_str()),
+        }
     }
 
     async fn connect(&self) -> Result<((), PgListener), LockError> {
@@ -136,8 +179,9 @@ impl NotificationSource for Releases {
         let pid = backend_pid(&mut listener)
             .await
             .map_err(|e| errors::map(e, "reading the listener's backend pid"))?;
+        let channels = [Some(&self.channel), Some(&self.next), self.holder.as_ref()];
         listener
-            .listen_all([self.channel.as_str(), self.next.as_str()])
+            .listen_all(channels.into_iter().flatten().map(String::as_str))
             .await
             .map_err(|e| errors::map(e, "LISTEN"))?;
         self.pid.store(pid, Ordering::SeqCst);
@@ -147,7 +191,7 @@ impl NotificationSource for Releases {
 
     /// Nothing to send: the connection listens on the namespace's channel
     /// since it opened.
-    async fn subscribe(&self, _: &(), _: &[LockKey]) -> Result<(), LockError> {
+    async fn subscribe(&self, _: &(), _: &[Topic]) -> Result<(), LockError> {
         Ok(())
     }
 
@@ -165,7 +209,11 @@ impl NotificationSource for Releases {
                 payload,
                 "release notification"
             );
-            if notification.channel() != self.next {
+            let channel = notification.channel();
+            if self.holder.as_deref() == Some(channel) {
+                return Some(Ok(observers_of(payload).into()));
+            }
+            if channel != self.next {
                 return Some(Ok(payload.to_owned().into()));
             }
             // A payload in another form names no waiter (no client writes
@@ -202,5 +250,21 @@ mod tests {
         assert!(one_waiter("nope:key").is_none());
         assert!(one_waiter("key").is_none());
         assert_eq!(next_channel("distlock_00"), "distlock_00_next");
+        assert_eq!(holder_channel("distlock_00"), "distlock_00_holder");
+    }
+
+    #[test]
+    fn observers_never_share_a_waiters_channel() {
+        let source = Releases::new(
+            PgConnectOptions::new(),
+            "distlock_00".to_owned(),
+            Duration::from_secs(1),
+        );
+        let key = LockKey::new("jobs:a").unwrap();
+        let waiters = source.channel(&Topic::Waiters(key.clone()));
+        let observers = source.channel(&Topic::Holder(key));
+        assert_eq!(waiters, "jobs:a");
+        assert_ne!(observers, waiters);
+        assert!(LockKey::new(observers).is_err(), "no key names it");
     }
 }

@@ -229,7 +229,8 @@ class Locker:
         """Follows who leads the election `key`: iterate the `LeaderWatch`
         (``for`` or ``async for``) for each change, a `Leader` or ``None``
         (vacant). The first step answers at once; terms only grow. Woken by
-        the server where the backend notifies changes (memory, Redis, etcd), else
+        the server where the backend notifies changes (every backend; PostgreSQL
+        not behind a transaction pooler without listen_url), else
         by reading at the leader's expiry and every `poll_interval` seconds
         (default 1)."""
 

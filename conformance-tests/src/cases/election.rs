@@ -14,15 +14,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use distlock_core::{
-    ErrorKind, FencingToken, HolderId, Leader, LeaderWatch, Leadership, LockError, LockOptions,
-    Renewal, MAX_HOLDER_BYTES,
+    ErrorKind, FencingToken, HolderId, Leader, LeaderWatch, Leadership, LockClient, LockError,
+    LockKey, LockOptions, Locker, Renewal, MAX_HOLDER_BYTES,
 };
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 
 use crate::cases::support::{background_bound, expiry_bound, holder_id, within};
 use crate::checker::ExclusionChecker;
 use crate::context::{CaseError, CaseResult, TestContext};
-use crate::{check, check_eq};
+use crate::{check, check_eq, ObservedLock};
 
 const CANDIDATES: usize = 8;
 const TERMS_EACH: usize = 4;
@@ -235,83 +236,148 @@ pub async fn observers_see_each_change(ctx: TestContext) -> CaseResult {
     Ok(())
 }
 
+/// An observer on a task of its own that never reads by the clock (a poll
+/// interval of an hour), through a client that counts its reads: a change
+/// made once its read after its last answer returned can only reach it by
+/// the server's word.
+struct Follower {
+    reads: Arc<ObservedLock>,
+    answers: mpsc::UnboundedReceiver<(Result<Option<Leader>, LockError>, u64)>,
+    /// Reads done when it gave its last answer.
+    reads_then: u64,
+    task: JoinHandle<()>,
+}
+
+impl Follower {
+    fn new(client: &LockClient, key: &LockKey) -> Self {
+        let reads = Arc::new(ObservedLock::new(client.clone()));
+        let mut watch = Locker::new(LockClient::new(reads.clone()))
+            .observe(key)
+            .with_poll_interval(Duration::from_secs(3600));
+        let (tx, answers) = mpsc::unbounded_channel();
+        let counted = reads.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let answer = watch.changed().await;
+                if tx.send((answer, counted.inspects())).is_err() {
+                    return;
+                }
+            }
+        });
+        Self {
+            reads,
+            answers,
+            reads_then: 0,
+            task,
+        }
+    }
+
+    /// Returns once the observer read again after its last answer and found
+    /// nothing new: it now waits for a wake-up.
+    async fn waiting(&self, bound: Duration, what: &str) -> Result<(), CaseError> {
+        let read_again = async {
+            while self.reads.inspects() <= self.reads_then {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        within(bound, read_again, what).await
+    }
+
+    async fn next(&mut self, bound: Duration, what: &str) -> Result<Option<Leader>, CaseError> {
+        let (answer, reads) = within(bound, self.answers.recv(), what)
+            .await?
+            .ok_or_else(|| CaseError(format!("{what}: the observer's task ended")))?;
+        self.reads_then = reads;
+        Ok(answer?)
+    }
+}
+
+impl Drop for Follower {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// Observers that never read by the clock (a poll interval of an hour,
 /// and leaders on the long TTL, so no expiry falls inside the case) still
 /// report each change: a's leadership, the vacancy after a resigns, b's
 /// leadership, the vacancy after an operator force-releases b. Each change
-/// is made while the observers wait inside `changed()` (they read once on
-/// entering it, so a change made before would be seen without the
-/// server's word). One observer is on a client of its own, one on the
-/// client a campaigns with.
+/// is made only once both observers read and wait (see [`Follower`]). One
+/// observer is on a client of its own, one on the client a campaigns with;
+/// only the server's word can wake either.
 pub async fn observers_woken_by_the_server(ctx: TestContext) -> CaseResult {
     let key = ctx.key("election");
     let (a, b, apart, operator) = (
         ctx.locker().await?,
         ctx.locker().await?,
-        ctx.locker().await?,
+        ctx.client().await?,
         ctx.client().await?,
     );
-    let never = Duration::from_secs(3600);
-    // Each observer reports into its own channel, from a task that waits
-    // in `changed()` between reports; dropping the receivers ends them.
-    let mut seen = Vec::new();
-    for locker in [&apart, &a] {
-        let mut watch = locker.observe(&key).with_poll_interval(never);
-        let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(async move {
-            loop {
-                let change = watch.changed().await;
-                if tx.send(change).is_err() {
-                    return;
-                }
-            }
-        });
-        seen.push(rx);
+    let mut followers = [Follower::new(&apart, &key), Follower::new(a.client(), &key)];
+    let bound = background_bound();
+    for follower in &mut followers {
+        check_eq!(
+            follower.next(bound, "first answer").await?,
+            None,
+            "an unused election is vacant"
+        );
     }
-    // The observers' next report, after `what` was done while they waited.
-    async fn next(
-        seen: &mut [mpsc::UnboundedReceiver<Result<Option<Leader>, LockError>>],
-        expected: &Option<Leader>,
-        what: &str,
-    ) -> CaseResult {
-        for (n, rx) in seen.iter_mut().enumerate() {
-            let change = within(background_bound(), rx.recv(), what)
-                .await?
-                .ok_or("an observer's task ended")??;
-            check_eq!(&change, expected, "observer {n} after {what}");
+    let parked = async |followers: &[Follower], before: &str| {
+        for follower in followers {
+            follower
+                .waiting(
+                    bound,
+                    &format!("the observer reading again before {before}"),
+                )
+                .await?;
         }
-        Ok(())
-    }
-    next(&mut seen, &None, "the first answer").await?;
-    // Time for the observers to read and wait again; one that has not yet
-    // read would see the change without being woken (a pass it did not
-    // earn, never a failure).
-    let settle = || tokio::time::sleep(Duration::from_millis(300));
+        Ok::<_, CaseError>(())
+    };
     let options = LockOptions::new(ctx.long_ttl());
     let (id_a, id_b) = (holder_id("woken-a")?, holder_id("woken-b")?);
-    settle().await;
+    parked(&followers, "a campaigns").await?;
     let leading = a.campaign(&key, &id_a, &options).await?;
     let led_by_a = Some(Leader {
         identity: Some(id_a),
         term: leading.term(),
     });
-    next(&mut seen, &led_by_a, "a's campaign").await?;
-    settle().await;
+    for follower in &mut followers {
+        let seen = follower
+            .next(bound, "a's leadership, woken by the server")
+            .await?;
+        check_eq!(seen, led_by_a, "a leads");
+    }
+    parked(&followers, "a resigns").await?;
     leading.resign().await?;
-    next(&mut seen, &None, "a's resign").await?;
-    settle().await;
+    for follower in &mut followers {
+        let seen = follower
+            .next(bound, "a's resign, woken by the server")
+            .await?;
+        check_eq!(seen, None, "vacant after a resigned");
+    }
+    parked(&followers, "b campaigns").await?;
     let leading = b.campaign(&key, &id_b, &options).await?;
     let led_by_b = Some(Leader {
         identity: Some(id_b),
         term: leading.term(),
     });
-    next(&mut seen, &led_by_b, "b's campaign").await?;
-    settle().await;
+    for follower in &mut followers {
+        let seen = follower
+            .next(bound, "b's leadership, woken by the server")
+            .await?;
+        check_eq!(seen, led_by_b, "b leads");
+    }
+    parked(&followers, "the force release").await?;
     check!(
         operator.force_release(&key).await?,
         "b's leadership was there to force-release"
     );
-    next(&mut seen, &None, "the force release").await?;
+    for follower in &mut followers {
+        let seen = follower
+            .next(bound, "the force release, woken by the server")
+            .await?;
+        check_eq!(seen, None, "vacant after the force release");
+    }
     drop(leading);
     Ok(())
 }

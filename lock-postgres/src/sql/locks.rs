@@ -52,14 +52,19 @@ const ADD_HOLDER_COLUMNS: &str = "SET LOCAL lock_timeout = '2s';
 
 /// The statements that differ on a lock table without the holder columns
 /// (made by an earlier version, where this client may not add them): as
-/// [`Statements`]' of the same names, without the label parameter; the
-/// `holder` that `inspect` answers is always NULL.
+/// [`Statements`]' of the same names, without the label and observers'
+/// channel parameters (nothing wakes observers there); the `holder` that
+/// `inspect` answers is always NULL.
 #[derive(Debug, Clone)]
 pub(crate) struct Unlabelled {
-    /// [`Statements::acquire`] without `$6`.
+    /// [`Statements::acquire`] without `$6` and `$7`.
     pub acquire: Arc<Sql>,
-    /// [`Statements::acquire_queued`] without `$8`.
+    /// [`Statements::acquire_queued`] without `$8` and `$9`.
     pub acquire_queued: Arc<Sql>,
+    /// [`Statements::release`] without `$7`.
+    pub release: Arc<Sql>,
+    /// [`Statements::release_next`] without `$9`.
+    pub release_next: Arc<Sql>,
     /// [`Statements::inspect`], `holder` NULL.
     pub inspect: Arc<Sql>,
 }
@@ -89,7 +94,8 @@ pub(crate) struct Statements {
     /// snapshot (sent again, it sees it).
     pub format: Arc<Sql>,
     /// `$1` namespace, `$2` key, `$3` owner, `$4` TTL in ms, `$5` send
-    /// number, `$6` the holder label (`''` for none) -> `acquired bool, fencing bigint, owner text, expires_in_ms
+    /// number, `$6` the holder label (`''` for none), `$7` the observers'
+    /// channel -> `acquired bool, fencing bigint, owner text, expires_in_ms
     /// bigint, version text`: one row `acquired = true` with the fencing
     /// token and the version (`xmin`) of the row it wrote, or the holder's
     /// row (`acquired = false`), or no row (a concurrent first insert the
@@ -99,7 +105,9 @@ pub(crate) struct Statements {
     /// *adopts* a live lock held by `$3` itself (an earlier attempt of the
     /// same acquisition whose reply was lost): same fencing token, expiry
     /// reset to `$4` from now. The label is stored with the owner token
-    /// that wrote it (`holder`, `holder_owner`), also on adoption. A row
+    /// that wrote it (`holder`, `holder_owner`), also on adoption; a
+    /// labelled grant sends `NOTIFY $7, key` (a label is what observers
+    /// follow, so an unlabelled one costs nothing more). A row
     /// that `$3` gave up with a send number
     /// of at least `$5` is refused (see [`GIVEN_UP_BEFORE`]). Send numbers
     /// grow with every acquisition a process starts, so a later
@@ -108,7 +116,7 @@ pub(crate) struct Statements {
     /// [`acquire`](Self::acquire) with the waiter line: `$6` the lock
     /// table's name, `$7` the backend pid of the client's listener
     /// connection (0 for an attempt that does not wait), `$8` the holder
-    /// label (`''` for none). Refused, a waiting
+    /// label (`''` for none), `$9` the observers' channel. Refused, a waiting
     /// `$3` joins the lock's waiter line (keeping its place); granted, it
     /// leaves it.
     pub acquire_queued: Arc<Sql>,
@@ -122,13 +130,16 @@ pub(crate) struct Statements {
     /// answers for its lock.
     pub extend_many: Arc<Sql>,
     /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` channel,
-    /// `$6` the lease's send number -> `done bigint, owner text, fencing
-    /// bigint, given_up bool` (the row as it was before); marks the row
-    /// given up (see [`GIVEN_UP_BEFORE`]) and sends `NOTIFY channel, key`
-    /// when it released.
+    /// `$6` the lease's send number, `$7` the observers' channel -> `done
+    /// bigint, owner text, fencing bigint, given_up bool` (the row as it
+    /// was before); marks the row given up (see [`GIVEN_UP_BEFORE`]) and
+    /// sends `NOTIFY channel, key` when it released, and `NOTIFY $7, key`
+    /// if the lock was labelled by its owner.
     pub release: Arc<Sql>,
     /// [`release`](Self::release) that wakes one waiter, plus `$7` the
-    /// lock table's name and `$8` the channel of single wake-ups -> also
+    /// lock table's name, `$8` the channel of single wake-ups and `$9` the
+    /// observers' channel (which a labelled lock's release notifies,
+    /// whoever else it wakes) -> also
     /// `woken bigint, woke_all bigint`: when it released, takes the first
     /// live waiter off the lock's line and sends `NOTIFY $8, 'owner:key'`,
     /// or, with no live waiter, `NOTIFY $5, key` (see `line`).
@@ -150,14 +161,15 @@ pub(crate) struct Statements {
     /// read, add, change and delete its rows.
     pub table_writable: Arc<Sql>,
     /// `$1` namespace, `$2` key, `$3` owner, `$4` version, `$5` send
-    /// number, `$6` channel -> `done bigint`: for an acquire whose caller
+    /// number, `$6` channel, `$7` the observers' channel for a labelled
+    /// grant (`''`: none) -> `done bigint`: for an acquire whose caller
     /// left before the reply. Marks the row given up by `$3` up to send
     /// `$5` (see [`GIVEN_UP_BEFORE`]) if it is still exactly the version
     /// `$4` that acquire wrote (nothing adopted, extended or released it
     /// since), or if nobody holds it (so that an earlier send of the
     /// acquire that the server applies later is refused); creates it so
     /// marked if there is no row. Sends `NOTIFY channel, key` when it
-    /// wrote.
+    /// wrote, and `NOTIFY $7, key` too unless `$7` is `''`.
     pub give_back: Arc<Sql>,
     /// `$1` namespace, `$2` key -> `held bool, owner text, fencing bigint,
     /// expires_in_ms bigint, holder text`, or no row for a key never
@@ -173,9 +185,10 @@ pub(crate) struct Statements {
     /// Adds the holder columns to a table of an earlier version (simple
     /// protocol: two statements in one implicit transaction).
     pub add_holder_columns: Arc<Sql>,
-    /// `$1` namespace, `$2` key, `$3` channel -> `done bigint, owner text,
-    /// fencing bigint` (the row as it was before); frees a live lock of any
-    /// owner distlock wrote and sends `NOTIFY channel, key`.
+    /// `$1` namespace, `$2` key, `$3` channel, `$4` the observers' channel
+    /// -> `done bigint, owner text, fencing bigint` (the row as it was
+    /// before); frees a live lock of any owner distlock wrote and sends
+    /// `NOTIFY channel, key` and `NOTIFY $4, key`.
     pub force_release: Arc<Sql>,
     /// Deletes rows nobody has held for the fencing retention.
     pub sweep: Sweep,
@@ -190,21 +203,24 @@ impl Statements {
         let marker = |template: &str| Arc::new(Sql::new(template, &format_table));
         let clock = micros("clock_timestamp()");
         // The acquire: takes the lock (`taken`), or answers with the holder.
-        // With `label` (the number of its parameter), it also stores the
-        // holder label (NULL for `''`: a `HolderId` is never empty) and the
-        // owner token that wrote it: an older client's acquire leaves both
-        // as they were, so `inspect` shows a label only where
-        // `holder_owner` is the row's owner.
-        let taken = |label: Option<u32>| {
-            let (columns, values, set) = match label {
-                Some(n) => (
+        // With `label` (the numbers of its parameter and of the observers'
+        // channel), it also stores the holder label (NULL for `''`: a
+        // `HolderId` is never empty) and the owner token that wrote it: an
+        // older client's acquire leaves both as they were, so `inspect`
+        // shows a label only where `holder_owner` is the row's owner. A
+        // labelled grant notifies observers from RETURNING, evaluated only
+        // for the row it wrote.
+        let taken = |label: Option<(u32, u32)>| {
+            let (columns, values, set, observed) = match label {
+                Some((n, channel)) => (
                     ", holder, holder_owner",
                     format!(", nullif(${n}::text, ''), $3"),
                     ",
                             holder = excluded.holder,
                             holder_owner = excluded.holder_owner",
+                    format!(", CASE WHEN ${n}::text <> '' THEN pg_notify(${channel}, t.key) END AS observed"),
                 ),
-                None => ("", String::new(), ""),
+                None => ("", String::new(), "", String::new()),
             };
             format!("taken AS (
                     INSERT INTO {{t}} AS t (namespace, key, owner, fencing, expires_at{columns})
@@ -218,7 +234,7 @@ impl Statements {
                           AND t.fencing >= 0
                           AND (t.owner IS NULL OR t.expires_at <= clock_timestamp() OR t.owner = excluded.owner)
                           AND NOT coalesce({late}, false)
-                    RETURNING t.fencing, t.xmin::text AS version
+                    RETURNING t.fencing, t.xmin::text AS version{observed}
                 )
                 ",
                 late = late_send("t.owner = excluded.owner", "t.expires_at", 5)
@@ -241,14 +257,20 @@ impl Statements {
                        NULL::text
                 FROM {t} AS h
                 WHERE h.namespace = $1 AND h.key = $2 AND NOT EXISTS (SELECT 1 FROM taken)";
-        let release = |wake: &str, answer: &str| {
+        // The release; with `observers` (the number of the parameter of
+        // their channel), it notifies them when its owner labelled the lock
+        // (as the acquire did; RETURNING shows the released row).
+        let release = |wake: &str, answer: &str, observers: Option<u32>| {
+            let observed = observers
+                .map(|n| format!(", CASE WHEN holder IS NOT NULL AND holder_owner = owner THEN pg_notify(${n}, key) END AS observed"))
+                .unwrap_or_default();
             format!(
                 "WITH done AS (
                     UPDATE {{t}}
                     SET expires_at = {up_to}
                     WHERE namespace = $1 AND key = $2 AND owner = $3 AND fencing = $4
                       AND expires_at > clock_timestamp()
-                    RETURNING key
+                    RETURNING key{observed}
                 ){wake}
                 SELECT {answer},
                        h.owner AS owner, h.fencing AS fencing,
@@ -258,16 +280,13 @@ impl Statements {
                 up_to = given_up(6)
             )
         };
+        let release_all =
+            "(SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done";
+        let (wake, release_one) = line::release_next("$7", "$8");
         Self {
             sweep: Sweep::locks(schema, table),
-            release: sql(&release(
-                "",
-                "(SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done",
-            )),
-            release_next: {
-                let (wake, answer) = line::release_next("$7", "$8");
-                sql(&release(&wake, &answer))
-            },
+            release: sql(&release("", release_all, Some(7))),
+            release_next: sql(&release(&wake, &release_one, Some(9))),
             leave: sql(&line::leave(
                 "h.owner IS NULL OR h.expires_at <= clock_timestamp()",
             )),
@@ -319,11 +338,13 @@ impl Statements {
                 schema,
                 table,
             ),
-            acquire: sql(&format!("WITH {} {answer}", taken(Some(6)))),
-            acquire_queued: sql(&format!("WITH {}, {queued} {answer}", taken(Some(8)))),
+            acquire: sql(&format!("WITH {} {answer}", taken(Some((6, 7))))),
+            acquire_queued: sql(&format!("WITH {}, {queued} {answer}", taken(Some((8, 9))))),
             unlabelled: Unlabelled {
                 acquire: sql(&format!("WITH {} {answer}", taken(None))),
                 acquire_queued: sql(&format!("WITH {}, {queued} {answer}", taken(None))),
+                release: sql(&release("", release_all, None)),
+                release_next: sql(&release(&wake, &release_one, None)),
                 inspect: inspect("NULL::text"),
             },
             holder_columns: sql("SELECT count(*) = 2 AS exists FROM pg_catalog.pg_attribute
@@ -371,7 +392,10 @@ impl Statements {
                                AND t.fencing >= 0)
                     RETURNING t.key
                 )
-                SELECT count(*) AS done FROM (SELECT pg_notify($6, done.key) FROM done) AS n",
+                SELECT count(*) AS done FROM (
+                    SELECT pg_notify($6, done.key),
+                           CASE WHEN $7::text <> '' THEN pg_notify($7, done.key) END
+                    FROM done) AS n",
                 up_to = given_up(5),
                 clock = clock)),
             inspect: inspect("CASE WHEN holder_owner = owner THEN holder END"),
@@ -383,7 +407,7 @@ impl Statements {
                       AND expires_at > clock_timestamp()
                     RETURNING key
                 )
-                SELECT (SELECT count(*) FROM (SELECT pg_notify($3, done.key) FROM done) AS n) AS done,
+                SELECT (SELECT count(*) FROM (SELECT pg_notify($3, done.key), pg_notify($4, done.key) FROM done) AS n) AS done,
                        h.owner AS owner, h.fencing AS fencing
                 FROM (VALUES (1)) AS one (x)
                 LEFT JOIN {t} AS h ON h.namespace = $1 AND h.key = $2"),
@@ -402,11 +426,13 @@ pub struct StatementTexts {
     /// `$1` namespace, `$2` key, `$3` owner (32 lowercase hex digits), `$4`
     /// TTL in ms, `$5` send number, `$6` the lock table's name, `$7` the
     /// waiter's listener pid (0: not waiting), `$8` the holder label (`''`
-    /// for none) -> `acquired bool, fencing bigint, ...`.
+    /// for none), `$9` the observers' channel -> `acquired bool, fencing
+    /// bigint, ...`.
     pub acquire: String,
     /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` channel,
     /// `$6` the acquire's send number, `$7` the lock table's name, `$8` the
-    /// channel of single wake-ups -> `done bigint, ...`.
+    /// channel of single wake-ups, `$9` the observers' channel -> `done
+    /// bigint, ...`.
     pub release: String,
 }
 

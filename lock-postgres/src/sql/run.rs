@@ -138,6 +138,9 @@ pub(crate) struct GiveBack {
     /// The acquisition's send number.
     pub(crate) send: i64,
     pub(crate) channel: String,
+    /// The observers' channel, for a labelled acquisition (observers heard
+    /// of its grant).
+    pub(crate) observers: Option<String>,
 }
 
 /// How a statement sent with [`send`] ended, and the connection it ran on.
@@ -316,6 +319,8 @@ async fn abandon(mut done: Done, give_back: Option<GiveBack>, timeout: Duration)
             Arg::Text(version.unwrap_or_else(|| "0".to_owned())),
             Arg::Int(give_back.send),
             Arg::Text(give_back.channel),
+            // Only a grant changed who holds.
+            Arg::Text(give_back.observers.filter(|_| granted).unwrap_or_default()),
         ],
     );
     let key = give_back.key;

@@ -196,6 +196,21 @@ async fn a_role_that_may_not_add_the_columns_works_without_labels() {
     let label = HolderId::new("worker-1:42").unwrap();
     acquire_labelled(&lock, &k, OwnerToken::random(), Some(&label)).await;
     assert_eq!(shown(&lock, &k).await, None, "not stored");
+    // No label, nothing for observers to follow: they read.
+    assert!(!lock.backend.capabilities().holder_watch);
+    let watch = lock
+        .backend
+        .admin()
+        .unwrap()
+        .watch_holder(&k)
+        .await
+        .unwrap();
+    assert!(watch.is_none(), "no observers' watch without labels");
+    // The release statements name no holder column here.
+    let lease = take(&lock, &key("k-released"), Duration::from_secs(30), "free").await;
+    lock.release(&lease)
+        .await
+        .expect("released on the old table");
 
     // Once the table's owner adds them, the role's next client stores labels.
     admin(
@@ -209,6 +224,7 @@ async fn a_role_that_may_not_add_the_columns_works_without_labels() {
     ))
     .await;
     assert!(next.backend.capabilities().holder_ids);
+    assert!(next.backend.capabilities().holder_watch);
     let k = key("k2");
     acquire_labelled(&next, &k, OwnerToken::random(), Some(&label)).await;
     assert_eq!(shown(&next, &k).await, Some(label));

@@ -8,6 +8,7 @@ mod format;
 mod holder;
 mod line;
 mod listener;
+mod observers;
 mod outcomes;
 mod pooler;
 mod reclaim;

@@ -204,6 +204,10 @@ async fn waiters_behind_a_transaction_pooler_without_listen_url_poll() {
         .await
         .unwrap()
         .is_none());
+    // Nor an observer: it reads.
+    assert!(!waiter.backend.capabilities().holder_watch);
+    let admin = waiter.backend.admin().expect("operator calls");
+    assert!(admin.watch_holder(&key("x")).await.unwrap().is_none());
     let observed = Arc::new(ObservedLock::new(waiter.client.clone()));
     let waiting = LockClient::new(observed.clone());
     let k = key("polled");
@@ -239,6 +243,7 @@ async fn assert_mode_and_woken(clients: &[Pg], mode: PoolMode) {
     for lock in clients {
         assert_eq!(lock.backend.pool_mode(), mode);
         assert!(lock.backend.capabilities().native_wait);
+        assert!(lock.backend.capabilities().holder_watch);
     }
     assert_release_heard(
         &clients[0],
