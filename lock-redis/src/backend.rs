@@ -597,6 +597,8 @@ impl LockBackend for RedisLock {
             },
             // Beside the lock, bound to its owner (see `scripts`).
             holder_ids: true,
+            // Beside the permits, bound to each permit (see `scripts`).
+            permit_holder_ids: true,
             ..Capabilities::default()
         }
     }
@@ -748,5 +750,12 @@ impl LockAdmin for RedisLock {
             })
             .await?;
         replies::force_release_reply(key, &reply)
+    }
+
+    async fn inspect_permits(
+        &self,
+        key: &LockKey,
+    ) -> Result<Vec<distlock_core::PermitState>, LockError> {
+        self.list_permits(key).await
     }
 }
