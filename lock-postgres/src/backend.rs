@@ -508,6 +508,8 @@ impl LockBackend for PostgresLock {
             // Known once the table was checked (at connect; for a client
             // made with `from_pool`, at its first call).
             holder_ids: self.holder_ready(),
+            // Known once the semaphore table was checked (as above).
+            permit_holder_ids: self.semaphores().holders_ready(),
             ..Capabilities::default()
         }
     }
@@ -805,5 +807,12 @@ impl LockAdmin for PostgresLock {
         let fencing: Option<i64> = self.column(&row, "fencing")?;
         self.check_row(owner.as_deref(), fencing, None)?;
         Ok(done > 0)
+    }
+
+    async fn inspect_permits(
+        &self,
+        key: &LockKey,
+    ) -> Result<Vec<distlock_core::PermitState>, LockError> {
+        self.list_permits(key).await
     }
 }
