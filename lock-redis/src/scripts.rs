@@ -450,7 +450,7 @@ end
 local function labels_keep(key, set)
   if labels_ok(key) ~= true then return end
   local want = redis.call('PTTL', set)
-  if want > 0 and redis.call('PTTL', key) < want then redis.call('PEXPIRE', key, want) end
+  if want > 0 and redis.call('PTTL', key) < want then redis.pcall('PEXPIRE', key, want) end
 end
 -- The labels of the permits among `entries` that ran out by `now`, and of
 -- `released`: deleted with them (a label never outlives its permit's
@@ -516,7 +516,7 @@ local function label(field)
   if type(r) == 'table' and r['err'] then return 'foreign' end
   -- A hash it created has no expiry yet.
   local want = redis.call('PTTL', KEYS[1])
-  if redis.call('PTTL', KEYS[4]) < want then redis.call('PEXPIRE', KEYS[4], want) end
+  if redis.call('PTTL', KEYS[4]) < want then redis.pcall('PEXPIRE', KEYS[4], want) end
   return nil
 end
 local set = permits_at(KEYS[1])
