@@ -48,8 +48,8 @@ pub use distlock_core::{
     run_exclusive, AcquireAttempt, BackendDescriptor, Capabilities, ClientOptions, Connecting,
     ErrorKind, FencingToken, Fire, HolderId, JobContext, JobKey, Leader, LeaderWatch, Leadership,
     Lease, LockAdmin, LockBackend, LockClient, LockError, LockGuard, LockKey, LockOptions,
-    LockState, Locker, LostReason, LostSignal, MemoryLock, OnLost, OwnerToken, Renewal, RunOptions,
-    RunOutcome, ScheduledJob, ScheduledOutcome, SkipReason, DEFAULT_NAMESPACE,
+    LockState, Locker, LostReason, LostSignal, MemoryLock, OnLost, OwnerToken, PermitState,
+    Renewal, RunOptions, RunOutcome, ScheduledJob, ScheduledOutcome, SkipReason, DEFAULT_NAMESPACE,
     DEFAULT_OBSERVE_POLL, MAX_HOLDER_BYTES, MAX_KEY_BYTES,
 };
 

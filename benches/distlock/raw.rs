@@ -538,6 +538,8 @@ impl Raw {
                     .bind(send)
                     .bind(DEFAULT_SEMAPHORE_TABLE)
                     .bind(NOT_WAITING)
+                    // No holder label.
+                    .bind("")
                     .fetch_optional(pool)
                     .await
                     .map_err(|e| e.to_string())?

@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use distlock::{AcquireAttempt, ErrorKind, FencingToken, HolderId, LockClient, LockKey, LockState};
+use distlock::{
+    AcquireAttempt, ErrorKind, FencingToken, HolderId, LockClient, LockKey, LockState, PermitState,
+};
 
 use crate::app::{code, connect, lock_key, Failure};
 use crate::args::{ReleaseArgs, UrlArg};
@@ -138,12 +140,70 @@ fn render(key: &LockKey, seen: &Seen, backend: &str, json: bool) -> String {
     }
 }
 
-pub(crate) async fn status(url: UrlArg, key: &str, json: bool) -> Result<u8, Failure> {
+pub(crate) async fn status(
+    url: UrlArg,
+    key: &str,
+    json: bool,
+    semaphore: bool,
+) -> Result<u8, Failure> {
     let key = lock_key(key)?;
     let backend = connect(&url.url).await?;
+    if semaphore {
+        let permits = backend
+            .inspect_permits(&key)
+            .await
+            .map_err(|e| Failure::lock("cannot list the semaphore's permits", &e))?;
+        println!("{}", render_permits(&key, &permits, backend.name(), json));
+        let full = permits
+            .first()
+            .is_some_and(|p| permits.len() >= p.limit as usize);
+        return Ok(if full { code::TEMPFAIL } else { code::OK });
+    }
     let seen = look(&backend, &key).await?;
     println!("{}", render(&key, &seen, backend.name(), json));
     Ok(if seen.held { code::TEMPFAIL } else { code::OK })
+}
+
+/// What `status --semaphore` prints for the live `permits` of `key`: one
+/// JSON object (`json`), or a sentence and a line per permit.
+fn render_permits(key: &LockKey, permits: &[PermitState], backend: &str, json: bool) -> String {
+    let limit = permits.first().map(|p| p.limit);
+    if json {
+        // The field names are documented (status --help) and stable.
+        let listed: Vec<_> = permits
+            .iter()
+            .map(|p| {
+                serde_json::json!({
+                    "fencing_token": p.fencing_token.get(),
+                    "expires_in_ms": p.expires_in.map(millis),
+                    "holder": p.holder.as_ref().map(HolderId::as_str),
+                })
+            })
+            .collect();
+        let object = serde_json::json!({
+            "key": key.as_str(),
+            "semaphore": true,
+            "limit": limit,
+            "held": permits.len(),
+            "permits": listed,
+            "backend": backend,
+        });
+        return object.to_string();
+    }
+    let Some(limit) = limit else {
+        return format!("{key}: semaphore, no permit held");
+    };
+    let mut lines = vec![format!(
+        "{key}: semaphore, {} of {limit} permits held",
+        permits.len()
+    )];
+    lines.extend(permits.iter().map(|p| {
+        format!(
+            "  permit {}",
+            describe_holder(Some(p.fencing_token), p.holder.as_ref(), p.expires_in)
+        )
+    }));
+    lines.join("\n")
 }
 
 pub(crate) async fn release(args: ReleaseArgs) -> Result<u8, Failure> {
@@ -208,5 +268,73 @@ mod tests {
         let object: serde_json::Value =
             serde_json::from_str(&render(&key, &free, "memory", true)).unwrap();
         assert!(object["holder"].is_null(), "{object}");
+    }
+
+    /// `status --semaphore` lists each live permit with its token and
+    /// label (none for a permit taken without one), in both outputs.
+    #[tokio::test]
+    async fn status_shows_the_permit_labels() {
+        let server = MemoryLock::new();
+        let client = server.client();
+        let key = LockKey::new("exports").unwrap();
+        let listed = || client.inspect_permits(&key);
+        let none = listed().await.unwrap();
+        assert_eq!(
+            render_permits(&key, &none, "memory", false),
+            "exports: semaphore, no permit held"
+        );
+        let options = LockOptions::new(Duration::from_secs(30)).with_permits(3);
+        let locker = Locker::new(client.clone());
+        let labelled = options
+            .clone()
+            .with_holder(HolderId::new("web 1, pid 42").unwrap());
+        let first = locker
+            .try_lock(&key, &labelled)
+            .await
+            .unwrap()
+            .expect("free");
+        let second = locker
+            .try_lock(&key, &options)
+            .await
+            .unwrap()
+            .expect("free");
+        let permits = listed().await.unwrap();
+        let text = render_permits(&key, &permits, "memory", false);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines[0], "exports: semaphore, 2 of 3 permits held",
+            "{text}"
+        );
+        assert!(
+            lines[1].starts_with(&format!(
+                "  permit (fencing token {}, holder \"web 1, pid 42\", lease expires in ",
+                first.fencing_token()
+            )),
+            "{text}"
+        );
+        assert!(
+            lines[2].starts_with(&format!(
+                "  permit (fencing token {}, lease expires in ",
+                second.fencing_token()
+            )),
+            "{text}"
+        );
+        let object: serde_json::Value =
+            serde_json::from_str(&render_permits(&key, &permits, "memory", true)).unwrap();
+        assert_eq!(object["semaphore"], true);
+        assert_eq!(object["limit"], 3);
+        assert_eq!(object["held"], 2);
+        assert_eq!(object["permits"][0]["holder"], "web 1, pid 42");
+        assert_eq!(
+            object["permits"][0]["fencing_token"],
+            first.fencing_token().get()
+        );
+        assert!(object["permits"][1]["holder"].is_null(), "{object}");
+        first.release().await.unwrap();
+        second.release().await.unwrap();
+        let object: serde_json::Value =
+            serde_json::from_str(&render_permits(&key, &[], "memory", true)).unwrap();
+        assert!(object["limit"].is_null(), "{object}");
+        assert_eq!(object["permits"], serde_json::json!([]));
     }
 }

@@ -92,8 +92,12 @@ pub fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Run(args) => run::run(args).await,
-            Command::Status(args) => admin::status(args.url, &args.key, args.json).await,
-            Command::Inspect(args) => admin::status(args.url, &args.key, true).await,
+            Command::Status(args) => {
+                admin::status(args.url, &args.key, args.json, args.semaphore).await
+            }
+            Command::Inspect(args) => {
+                admin::status(args.url, &args.key, true, args.semaphore).await
+            }
             Command::Release(args) => admin::release(args).await,
             Command::Elect(args) => elect::elect(args).await,
             Command::Observe(args) => elect::observe(args).await,

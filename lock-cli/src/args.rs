@@ -71,6 +71,16 @@ pub(crate) enum Command {
     /// "holder": "web-1:4242", "backend": "redis"} (fencing_token,
     /// expires_in_ms and holder are null when free or unknown). These field
     /// names are stable; new ones may be added.
+    ///
+    /// With --semaphore, KEY names a semaphore (`run --permits N`): each
+    /// live permit is shown, oldest first, with its fencing token, its
+    /// holder's label (`run --id`) and its time left; exit 0 while a permit
+    /// is free, 75 when all are held. With --json: {"key": "exports",
+    /// "semaphore": true, "limit": 3, "held": 2, "permits":
+    /// [{"fencing_token": 42, "expires_in_ms": 27000, "holder":
+    /// "web-1:4242"}, ...], "backend": "redis"} (limit null when no permit
+    /// is held, holder null when none was given). Needs a backend that
+    /// lists permits (memory, Redis, etcd, PostgreSQL).
     Status(StatusArgs),
     /// Same as `status --json`: KEY's state as one JSON object on stdout
     /// (exit 0 free, 75 held).
@@ -255,6 +265,9 @@ pub(crate) struct StatusArgs {
     /// Print one JSON object instead of a sentence.
     #[arg(long)]
     pub(crate) json: bool,
+    /// KEY is a semaphore (`run --permits`): show its live permits.
+    #[arg(long)]
+    pub(crate) semaphore: bool,
     /// The lock name.
     #[arg(value_name = "KEY")]
     pub(crate) key: String,
@@ -264,6 +277,9 @@ pub(crate) struct StatusArgs {
 pub(crate) struct InspectArgs {
     #[command(flatten)]
     pub(crate) url: UrlArg,
+    /// KEY is a semaphore (`run --permits`): show its live permits.
+    #[arg(long)]
+    pub(crate) semaphore: bool,
     /// The lock name.
     #[arg(value_name = "KEY")]
     pub(crate) key: String,

@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
-use crate::{Capabilities, FencingToken, HolderId, LockError, LockKey, OwnerToken, ReleaseWatch};
+use crate::{
+    Capabilities, FencingToken, HolderId, LockError, LockKey, OwnerToken, PermitState, ReleaseWatch,
+};
 
 /// What the client asks a backend to take.
 ///
@@ -380,5 +382,18 @@ pub trait LockAdmin: Send + Sync {
     async fn watch_holder(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
         let _ = key;
         Ok(None)
+    }
+
+    /// Reads the live permits of `key`'s semaphore, oldest first (by
+    /// fencing token), without taking or changing anything; empty if none
+    /// is held. A backend that declares
+    /// [`Capabilities::permit_holder_ids`] answers it, with each permit's
+    /// label; the default is an [`ErrorKind::Unsupported`](crate::ErrorKind)
+    /// error.
+    async fn inspect_permits(&self, key: &LockKey) -> Result<Vec<PermitState>, LockError> {
+        let _ = key;
+        Err(LockError::unsupported(
+            "this backend cannot list a semaphore's permits; use a backend that declares permit_holder_ids",
+        ))
     }
 }

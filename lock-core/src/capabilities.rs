@@ -51,6 +51,12 @@ pub struct Capabilities {
     /// and shows it in [`LockState::Held`](crate::LockState::Held). The
     /// suite then checks it round-trips (`holder::`).
     pub holder_ids: bool,
+    /// The backend stores a permit's [`HolderId`](crate::HolderId) with it
+    /// and lists a semaphore's live permits with their labels
+    /// ([`LockAdmin::inspect_permits`](crate::LockAdmin::inspect_permits)).
+    /// The suite then checks they round-trip
+    /// (`holder::permit_labels_round_trip`).
+    pub permit_holder_ids: bool,
     /// The server tells observers when who holds a lock changes
     /// ([`LockAdmin::watch_holder`](crate::LockAdmin::watch_holder)
     /// returns a watch): [`Locker::observe`](crate::Locker::observe) is
@@ -72,6 +78,7 @@ impl Default for Capabilities {
             durable: false,
             extend_batch: 1,
             holder_ids: false,
+            permit_holder_ids: false,
             holder_watch: false,
         }
     }

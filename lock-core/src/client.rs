@@ -16,7 +16,7 @@ use crate::renewal::{Renewals, Renewed};
 use crate::wait::{self, Attempt};
 use crate::{
     instrument, Capabilities, Lease, LockAdmin, LockBackend, LockError, LockKey, LockOptions,
-    LockState, OwnerToken, PermitReply, PermitRequest, ReleaseWatch, SemaphoreBackend,
+    LockState, OwnerToken, PermitReply, PermitRequest, PermitState, ReleaseWatch, SemaphoreBackend,
 };
 
 /// The result of one atomic acquisition attempt.
@@ -463,6 +463,19 @@ impl LockClient {
             None => Ok(None),
         };
         self.finish("watch_holder", "watch_holder", key, result)
+    }
+
+    /// Reads the live permits of `key`'s semaphore, oldest first, with
+    /// their holders' labels (an operator call; see
+    /// [`LockAdmin::inspect_permits`]: [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported)
+    /// unless the backend declares
+    /// [`Capabilities::permit_holder_ids`]).
+    pub async fn inspect_permits(&self, key: &LockKey) -> Result<Vec<PermitState>, LockError> {
+        let result = match self.admin() {
+            Some(admin) => admin.inspect_permits(key).await,
+            None => Err(no_admin()),
+        };
+        self.finish("inspect_permits", "inspect the permits of", key, result)
     }
 
     /// Deletes the lock at `key` whoever holds it, waking waiters; returns

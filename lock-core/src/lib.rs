@@ -94,7 +94,7 @@ pub use notify::{ReleaseNotifier, ReleaseWatch};
 pub use options::{LockOptions, Renewal};
 pub use run::{run_exclusive, JobContext, OnLost, RunOptions, RunOutcome};
 pub use schedule::{Fire, ScheduledJob, ScheduledOutcome, SkipReason};
-pub use semaphore::{PermitReply, PermitRequest, SemaphoreBackend};
+pub use semaphore::{PermitReply, PermitRequest, PermitState, SemaphoreBackend};
 pub use tls::{TlsAdvice, TlsFailure, TlsFiles, TlsPem};
 pub use url::{LockUrl, UrlHost};
 pub use waits::{OpenWaits, WaitLine};

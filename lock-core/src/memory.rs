@@ -15,8 +15,8 @@ use crate::lease::later;
 use crate::{
     AcquireReply, AcquireRequest, BackendDescriptor, Capabilities, Connecting, ExtendReply,
     FencingToken, Grant, HeldLock, HolderId, LockAdmin, LockBackend, LockClient, LockError,
-    LockKey, LockState, OwnerToken, PermitReply, PermitRequest, ReleaseNotifier, ReleaseReply,
-    ReleaseWatch, SemaphoreBackend,
+    LockKey, LockState, OwnerToken, PermitReply, PermitRequest, PermitState, ReleaseNotifier,
+    ReleaseReply, ReleaseWatch, SemaphoreBackend,
 };
 use line::Lines;
 
@@ -230,6 +230,7 @@ impl LockBackend for MemoryLock {
             wakes_one_waiter: true,
             extend_batch: MEMORY_EXTEND_BATCH,
             holder_ids: true,
+            permit_holder_ids: true,
             holder_watch: true,
             ..Capabilities::default()
         }
@@ -472,6 +473,29 @@ impl LockAdmin for MemoryLock {
             .subscribe(key.as_str(), || async { Ok(()) })
             .await?;
         Ok(Some(watch))
+    }
+
+    async fn inspect_permits(&self, key: &LockKey) -> Result<Vec<PermitState>, LockError> {
+        let now = Instant::now();
+        let semaphores = self.store.semaphores();
+        let Some(semaphore) = semaphores.get(key) else {
+            return Ok(Vec::new());
+        };
+        // Each permit's label is its own acquisition's: it lives and goes
+        // with the permit.
+        let mut permits: Vec<PermitState> = semaphore
+            .permits
+            .iter()
+            .filter(|p| p.expires_at > now)
+            .map(|p| PermitState {
+                fencing_token: p.fencing,
+                expires_in: Some(p.expires_at - now),
+                limit: semaphore.limit,
+                holder: p.holder.clone(),
+            })
+            .collect();
+        permits.sort_by_key(|p| p.fencing_token);
+        Ok(permits)
     }
 }
 

@@ -138,8 +138,11 @@ impl LockOptions {
 
     /// Store `holder` with the lock (or permit) so others can read who holds
     /// it ([`LockState::Held`](crate::LockState::Held), `distlock status`).
+    /// A permit's label is read with
+    /// [`LockClient::inspect_permits`](crate::LockClient::inspect_permits).
     /// A label for people, never proof of ownership; ignored by a backend
-    /// that does not declare [`Capabilities::holder_ids`](crate::Capabilities::holder_ids).
+    /// that does not declare [`Capabilities::holder_ids`](crate::Capabilities::holder_ids)
+    /// (for permits, [`Capabilities::permit_holder_ids`](crate::Capabilities::permit_holder_ids)).
     pub fn with_holder(mut self, holder: HolderId) -> Self {
         self.holder = Some(holder);
         self

@@ -20,8 +20,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::{
-    ExtendReply, Grant, HeldLock, HolderId, LockError, LockKey, OwnerToken, ReleaseReply,
-    ReleaseWatch,
+    ExtendReply, FencingToken, Grant, HeldLock, HolderId, LockError, LockKey, OwnerToken,
+    ReleaseReply, ReleaseWatch,
 };
 
 /// What the client asks a backend to take: one permit of `key`'s semaphore.
@@ -46,8 +46,53 @@ pub struct PermitRequest<'a> {
     /// someone will use needs (waiting for replicas to acknowledge it), so
     /// the give-back is not held up by what delays the attempt it settles.
     pub settling: bool,
-    /// Who asks, as in [`AcquireRequest::holder`](crate::AcquireRequest::holder).
+    /// Who asks, as in [`AcquireRequest::holder`](crate::AcquireRequest::holder):
+    /// store it with this permit, bound to `owner`, where
+    /// [`Capabilities::permit_holder_ids`](crate::Capabilities::permit_holder_ids)
+    /// is declared. Never compare it for ownership.
     pub holder: Option<&'a HolderId>,
+}
+
+/// One live permit of a semaphore, read without taking or changing
+/// anything ([`LockAdmin::inspect_permits`](crate::LockAdmin::inspect_permits)).
+///
+/// ```
+/// use std::time::Duration;
+/// use distlock_core::{HolderId, LockKey, LockOptions, Locker, MemoryLock};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), distlock_core::LockError> {
+/// let locker = Locker::new(MemoryLock::new());
+/// let key = LockKey::new("exports")?;
+/// let options = LockOptions::new(Duration::from_secs(30))
+///     .with_permits(3)
+///     .with_holder(HolderId::new("worker-3:4242")?);
+/// let guard = locker.try_lock(&key, &options).await?.expect("a free permit");
+/// let permits = locker.client().inspect_permits(&key).await?;
+/// assert_eq!(permits.len(), 1);
+/// assert_eq!(permits[0].fencing_token, guard.fencing_token());
+/// assert_eq!(permits[0].holder.as_ref().map(HolderId::as_str), Some("worker-3:4242"));
+/// assert_eq!(permits[0].limit, 3);
+/// guard.release().await?;
+/// assert!(locker.client().inspect_permits(&key).await?.is_empty());
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PermitState {
+    /// The permit's fencing token.
+    pub fencing_token: FencingToken,
+    /// Time left on the permit's lease by the server's clock, if known
+    /// (renewal may extend it).
+    pub expires_in: Option<Duration>,
+    /// The limit the permit was granted under (every live permit of a
+    /// semaphore has the same one).
+    pub limit: u32,
+    /// The holder's label, if it gave one and the backend stores them
+    /// ([`Capabilities::permit_holder_ids`](crate::Capabilities::permit_holder_ids)).
+    /// Only the label stored by the acquisition that holds this permit is
+    /// shown, never one left by an earlier holder. For people: not proof
+    /// of anything (the owner token alone is).
+    pub holder: Option<HolderId>,
 }
 
 /// The server's answer to one permit attempt.

@@ -22,6 +22,21 @@ fn observers_channel(key: &LockKey) -> String {
 }
 
 impl EtcdLock {
+    /// The time to live of lease `lease_id`, by etcd's clock: `None` once
+    /// it expired (its keys go with it).
+    pub(crate) async fn time_left(&self, lease_id: i64) -> Result<Option<Duration>, LockError> {
+        let leases = &self.etcd().leases;
+        let ttl = self
+            .etcd()
+            .requests
+            .send("reading the lease's time to live", Repeat::Safe, || {
+                let mut leases = leases.clone();
+                async move { leases.time_to_live(lease_id, None).await }
+            })
+            .await?;
+        Ok(u64::try_from(ttl.ttl()).ok().map(Duration::from_secs))
+    }
+
     /// Reads the lock key and its holder-label key in one transaction:
     /// `None` if the lock is absent, else the lock's key-value (after
     /// checking distlock wrote it) and the label, if one is stored by the
@@ -62,19 +77,8 @@ impl LockAdmin for EtcdLock {
         let Some((found, holder)) = self.read_lock(key).await? else {
             return Ok(LockState::Free);
         };
-        let leases = &self.etcd().leases;
-        let lease_id = found.lease();
-        let ttl = self
-            .etcd()
-            .requests
-            .send("reading the lease's time to live", Repeat::Safe, || {
-                let mut leases = leases.clone();
-                async move { leases.time_to_live(lease_id, None).await }
-            })
-            .await?;
         Ok(LockState::Held {
-            // -1 once the lease expired (the key goes with it).
-            expires_in: u64::try_from(ttl.ttl()).ok().map(Duration::from_secs),
+            expires_in: self.time_left(found.lease()).await?,
             fencing_token: FencingToken::new(u64::try_from(found.create_revision()).unwrap_or(0)),
             holder,
         })
@@ -128,5 +132,12 @@ impl LockAdmin for EtcdLock {
             creations: true,
         };
         self.inner.queues.listener.watch(topic).await.map(Some)
+    }
+
+    async fn inspect_permits(
+        &self,
+        key: &LockKey,
+    ) -> Result<Vec<distlock_core::PermitState>, LockError> {
+        self.list_permits(key).await
     }
 }

@@ -315,6 +315,8 @@ impl LockBackend for EtcdLock {
             wakes_one_waiter: true,
             durable: true,
             holder_ids: true,
+            // Beside each permit, on its lease (see `keys`).
+            permit_holder_ids: true,
             holder_watch: true,
             ..Capabilities::default()
         }

@@ -39,6 +39,11 @@
 //!   an etcd lease of its own (or its client's session lease), value
 //!   `dl1:<owner hex>/<limit>` (the limit it was granted under; all live
 //!   permits carry the same one);
+//! - `<base>/holders/<32 hex digits of the owner token>`: the holder label
+//!   of that owner's permit, valued `dl1:<owner hex>/<label>` as a lock's,
+//!   on the permit's lease, written in the transaction that puts the
+//!   permit (only if its holder gave a label), moved and deleted with it;
+//!   outside the permits' range, so no permit count or watch sees it;
 //! - `<base>/waiters/<waiter id>`: its FIFO waiter queue, as a lock's;
 //! - `<base>/fences/...`: fences of its queue entries and of permit
 //!   attempts on a session lease, as a lock's (outside the permits, whose
@@ -74,6 +79,9 @@ const WAITERS: &[u8] = b"/waiters/";
 
 /// Under a lock key: its holder's label.
 const HOLDER: &[u8] = b"/holder";
+
+/// Under a semaphore's base: its permits' holder labels.
+const HOLDERS: &[u8] = b"/holders/";
 
 /// The etcd key layout of one namespace.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -142,6 +150,21 @@ impl KeyLayout {
     /// The permit of `owner` in the semaphore `key`.
     pub(crate) fn permit_key(&self, key: &LockKey, owner: OwnerToken) -> Vec<u8> {
         let mut out = self.permits_prefix(key);
+        out.extend_from_slice(owner.to_hex().as_bytes());
+        out
+    }
+
+    /// The prefix of the holder labels of the semaphore `key`'s permits
+    /// (ends with `/`).
+    pub(crate) fn permit_holders_prefix(&self, key: &LockKey) -> Vec<u8> {
+        let mut out = self.semaphore_base(key);
+        out.extend_from_slice(HOLDERS);
+        out
+    }
+
+    /// The holder label of `owner`'s permit of the semaphore `key`.
+    pub(crate) fn permit_holder_key(&self, key: &LockKey, owner: OwnerToken) -> Vec<u8> {
+        let mut out = self.permit_holders_prefix(key);
         out.extend_from_slice(owner.to_hex().as_bytes());
         out
     }

@@ -86,7 +86,13 @@
 //! it back at once (revoking its lease, or deleting it from the session
 //! lease) if `limit` older ones exist; attempts at once do not conflict.
 //! The fencing token is the permit's create revision; the limit is stored
-//! in every permit's value, so it goes with the last permit. Costs: 3
+//! in every permit's value, so it goes with the last permit. A permit's
+//! holder label is the sibling key `NS/lock/%sem/<escaped key>/holders/<owner
+//! token in hex>` (valued as a lock's label), put on the permit's lease in
+//! the permit's own transaction (none without a label), moved by extend
+//! and deleted by release with it;
+//! [`inspect_permits`](distlock_core::LockAdmin::inspect_permits) reads
+//! the permits and labels in one transaction. Costs: 3
 //! round trips to take a permit (read, lease grant, transaction; 2 for a
 //! renewed one: read, transaction), 1 read when every permit is taken;
 //! extend as a plain lock's (2; a renewed permit's with its TTL: 1

@@ -69,12 +69,12 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use distlock_core::{
     ExtendReply, FencingToken, Grant, HeldLock, LockError, LockKey, OwnerToken, PermitReply,
-    PermitRequest, ReleaseReply, ReleaseWatch, SemaphoreBackend, IN_LOCK_CALL,
+    PermitRequest, PermitState, ReleaseReply, ReleaseWatch, SemaphoreBackend, IN_LOCK_CALL,
 };
 use etcd_client::{GetOptions, KeyValue, SortOrder, SortTarget, TxnResponse};
 
 use crate::backend::EtcdLock;
-use crate::keys::{decode_permit, encode_permit};
+use crate::keys::{decode_holder, decode_permit, encode_permit};
 use crate::queue::Line;
 use crate::requests::Repeat;
 use crate::session::{Attached, Session, Sessions};
@@ -148,6 +148,60 @@ impl EtcdLock {
     }
 }
 
+impl EtcdLock {
+    /// The live permits of `key`, oldest first, each with its own label:
+    /// the permits and the labels read in one transaction, then each
+    /// distinct lease's time to live. A label key whose value does not
+    /// name its permit's owner (bad data) shows no label.
+    pub(crate) async fn list_permits(&self, key: &LockKey) -> Result<Vec<PermitState>, LockError> {
+        let layout = &self.etcd().layout;
+        let read = etcd_client::Txn::new().and_then([
+            txn::read_permits(&layout.permits_prefix(key)),
+            etcd_client::TxnOp::get(
+                layout.permit_holders_prefix(key),
+                Some(GetOptions::new().with_prefix()),
+            ),
+        ]);
+        let reply = self
+            .etcd()
+            .run_txn(IN_LOCK_CALL, Repeat::Safe, read)
+            .await?;
+        let mut found = reply.op_responses().into_iter().map(|op| match op {
+            etcd_client::TxnOpResponse::Get(get) => get.kvs().to_vec(),
+            _ => Vec::new(),
+        });
+        let (permits, labels) = (
+            found.next().unwrap_or_default(),
+            found.next().unwrap_or_default(),
+        );
+        let mut listed = Vec::new();
+        let mut time_left = std::collections::HashMap::new();
+        for permit in parse(self, key, &permits)? {
+            let holder = labels
+                .iter()
+                .filter(|kv| kv.key() == layout.permit_holder_key(key, permit.owner).as_slice())
+                .find_map(|kv| decode_holder(kv.value()))
+                .filter(|(owner, _)| *owner == permit.owner)
+                .map(|(_, holder)| holder);
+            let expires_in = match time_left.get(&permit.lease) {
+                Some(left) => *left,
+                None => {
+                    let left = self.time_left(permit.lease).await?;
+                    time_left.insert(permit.lease, left);
+                    left
+                }
+            };
+            listed.push(PermitState {
+                fencing_token: token(permit.created),
+                expires_in,
+                limit: permit.limit,
+                holder,
+            });
+        }
+        Ok(listed)
+    }
+}
+
 /// What a permit attempt is answered, from its place among the permits
 /// (`held`, oldest first): granted if fewer than `limit` come before it and
 /// none of those carries another limit. `place` is `held.len()` for an
@@ -188,12 +242,22 @@ impl EtcdLock {
         deadline: Instant,
     ) -> Result<(TxnResponse, OnLease), LockError> {
         let prefix = self.etcd().layout.permits_prefix(request.key);
+        let label = txn::Label::of_permit(&self.etcd().layout, request);
         if request.renewing {
             let sessions = &self.inner.sessions;
             let session = sessions.session(request.ttl, deadline).await?;
             let lease_id = session.lease_id();
             let joining = sessions.attach(&session, attached, deadline, |fence, raise| {
-                txn::join_permits(&attached.key, value, lease_id, &prefix, Some(fence), raise)
+                let fence = Some(fence);
+                txn::join_permits(
+                    &attached.key,
+                    value,
+                    &label,
+                    lease_id,
+                    &prefix,
+                    fence,
+                    raise,
+                )
             });
             return match joining.await {
                 Ok((reply, tracked_from)) => Ok((reply, OnLease::Session(session, tracked_from))),
@@ -206,7 +270,7 @@ impl EtcdLock {
             };
         }
         let (lease_id, granted) = self.etcd().grant(request.ttl, deadline).await?;
-        let join = txn::join_permits(&attached.key, value, lease_id, &prefix, None, &[]);
+        let join = txn::join_permits(&attached.key, value, &label, lease_id, &prefix, None, &[]);
         match self
             .etcd()
             .run_txn_until(deadline, IN_LOCK_CALL, Repeat::Safe, join)
@@ -320,18 +384,26 @@ impl SemaphoreBackend for EtcdLock {
         ttl: Duration,
     ) -> Result<ExtendReply, LockError> {
         let attached = Attached::permit(&self.etcd().layout, permit.key, permit.owner);
+        let label = self
+            .etcd()
+            .layout
+            .permit_holder_key(permit.key, permit.owner);
         let fencing = i64::try_from(permit.fencing.get()).unwrap_or(i64::MAX);
         self.renew(&attached, permit, ttl, |new_lease| {
-            txn::move_permit(&attached.key, fencing, new_lease)
+            txn::move_permit(&attached.key, &label, fencing, new_lease)
         })
         .await
     }
 
     async fn release_permit(&self, permit: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
         let attached = Attached::permit(&self.etcd().layout, permit.key, permit.owner);
+        let label = self
+            .etcd()
+            .layout
+            .permit_holder_key(permit.key, permit.owner);
         let fencing = i64::try_from(permit.fencing.get()).unwrap_or(i64::MAX);
         // The deletion wakes the first waiters (their watch).
-        let release = txn::release_permit(&attached.key, fencing);
+        let release = txn::release_permit(&attached.key, &label, fencing);
         self.release_with(&attached, permit.handle, release).await
     }
 
@@ -409,6 +481,14 @@ mod tests {
         (server, client)
     }
 
+    /// No label, for a permit at `permit`: these tests are about the
+    /// permit key.
+    fn unlabelled(permit: &[u8]) -> txn::Label {
+        let mut key = permit.to_vec();
+        key.extend_from_slice(b"-label");
+        txn::Label { key, value: None }
+    }
+
     /// The permits prefix of semaphore `name`, and `owner`'s permit key.
     fn permit_of(name: &str, owner: OwnerToken) -> (Vec<u8>, Vec<u8>) {
         let layout = crate::keys::KeyLayout::new("ns");
@@ -427,7 +507,7 @@ mod tests {
         let (permits, key) = permit_of("late", owner);
         let value = encode_permit(owner, 1);
         let lease = client.lease_grant(60, None).await.expect("lease").id();
-        let late = txn::join_permits(&key, &value, lease, &permits, None, &[]);
+        let late = txn::join_permits(&key, &value, &unlabelled(&key), lease, &permits, None, &[]);
         client.lease_revoke(lease).await.expect("the undo");
         let applied = client.txn(late).await;
         assert!(
@@ -438,7 +518,15 @@ mod tests {
         assert!(left.kvs().is_empty(), "a permit was left");
         let live = client.lease_grant(60, None).await.expect("lease").id();
         let control = client
-            .txn(txn::join_permits(&key, &value, live, &permits, None, &[]))
+            .txn(txn::join_permits(
+                &key,
+                &value,
+                &unlabelled(&key),
+                live,
+                &permits,
+                None,
+                &[],
+            ))
             .await
             .expect("control");
         let (put, found) = txn::joined_permits(&control);
@@ -465,7 +553,15 @@ mod tests {
         let session = client.lease_grant(60, None).await.expect("lease").id();
         let fence = attached.fence(session);
         let join = |fence: Option<&crate::fence::Fence>| {
-            txn::join_permits(&attached.key, &value, session, &permits, fence, &[])
+            txn::join_permits(
+                &attached.key,
+                &value,
+                &unlabelled(&attached.key),
+                session,
+                &permits,
+                fence,
+                &[],
+            )
         };
         let late = join(Some(&fence));
         let undo = txn::undo_session_lock(
@@ -502,12 +598,28 @@ mod tests {
         let first = client.lease_grant(60, None).await.expect("lease").id();
         let second = client.lease_grant(60, None).await.expect("lease").id();
         let reply = client
-            .txn(txn::join_permits(&key, &value, first, &permits, None, &[]))
+            .txn(txn::join_permits(
+                &key,
+                &value,
+                &unlabelled(&key),
+                first,
+                &permits,
+                None,
+                &[],
+            ))
             .await
             .expect("first attempt");
         let created = reply.header().expect("header").revision();
         let reply = client
-            .txn(txn::join_permits(&key, &value, second, &permits, None, &[]))
+            .txn(txn::join_permits(
+                &key,
+                &value,
+                &unlabelled(&key),
+                second,
+                &permits,
+                None,
+                &[],
+            ))
             .await
             .expect("second attempt");
         let (put, found) = txn::joined_permits(&reply);
@@ -517,7 +629,15 @@ mod tests {
         assert_eq!(found[0].lease(), second, "the TTL did not start again");
         let other = encode_permit(owner, 3);
         let reply = client
-            .txn(txn::join_permits(&key, &other, first, &permits, None, &[]))
+            .txn(txn::join_permits(
+                &key,
+                &other,
+                &unlabelled(&key),
+                first,
+                &permits,
+                None,
+                &[],
+            ))
             .await
             .expect("foreign value");
         let (put, found) = txn::joined_permits(&reply);

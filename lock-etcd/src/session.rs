@@ -72,7 +72,7 @@ pub(crate) struct Attached {
     /// whose key names its owner (its value holds the limit, which extend
     /// and release are not told).
     pub(crate) value: Option<Vec<u8>>,
-    /// A lock's holder-label key, which goes with it; none for a permit.
+    /// Its holder-label key, which goes with it.
     pub(crate) label_key: Option<Vec<u8>>,
     /// The key its requests' fences go below (see [`crate::keys`]): never
     /// in the range of a semaphore's permits.
@@ -103,7 +103,7 @@ impl Attached {
             id: etcd_key.clone(),
             key: etcd_key,
             value: None,
-            label_key: None,
+            label_key: Some(layout.permit_holder_key(key, owner)),
             fence_base: layout.semaphore_base(key),
             what: "permit",
         }

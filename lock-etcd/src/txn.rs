@@ -38,6 +38,11 @@
 //!   `if create_revision(permit) == fencing then put(permit, same value,
 //!   new_lease)`.
 //! - release: `if create_revision(permit) == fencing then delete(permit)`.
+//!
+//! A permit's holder label (its sibling key, named by its owner as the
+//! permit is) rides in the same transactions: join puts it on the permit's
+//! lease with the permit (a permit without a label writes none), move
+//! moves it, release and the session's undo delete it.
 
 use etcd_client::{
     Compare, CompareOp, GetOptions, KeyValue, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
@@ -45,7 +50,9 @@ use etcd_client::{
 };
 use std::time::Duration;
 
-use distlock_core::{AcquireReply, AcquireRequest, FencingToken, LockError, LockKey, OwnerToken};
+use distlock_core::{
+    AcquireReply, AcquireRequest, FencingToken, LockError, LockKey, OwnerToken, PermitRequest,
+};
 
 use crate::fence::Fence;
 use crate::keys::{decode_value, encode_holder, KeyLayout};
@@ -69,6 +76,27 @@ impl Label {
                 .holder
                 .map(|holder| encode_holder(request.owner, holder)),
         }
+    }
+
+    /// What `request` stores as its permit's holder label.
+    pub(crate) fn of_permit(layout: &KeyLayout, request: &PermitRequest<'_>) -> Self {
+        Self {
+            key: layout.permit_holder_key(request.key, request.owner),
+            value: request
+                .holder
+                .map(|holder| encode_holder(request.owner, holder)),
+        }
+    }
+
+    /// Stores a permit's label on `lease_id` with it; nothing without one
+    /// (the key is the permit owner's own: nobody else's label is there).
+    fn put_on(&self, lease_id: i64) -> Option<TxnOp> {
+        let value = self.value.as_ref()?;
+        Some(TxnOp::put(
+            self.key.clone(),
+            value.clone(),
+            Some(PutOptions::new().with_lease(lease_id)),
+        ))
     }
 
     /// Stores the label on `lease_id` with the lock; without one, deletes
@@ -215,21 +243,31 @@ pub(crate) fn extend(
     fencing: FencingToken,
     new_lease_id: i64,
 ) -> Txn {
-    let on_new_lease = || Some(PutOptions::new().with_lease(new_lease_id));
-    // A put that keeps the value fails the whole transaction on a missing
-    // key, hence the check. The label may be an earlier holder's, left by a
-    // client that did not remove it: moved, it just goes with our lease.
-    let move_label = Txn::new()
-        .when([Compare::version(label_key, CompareOp::Greater, 0)])
-        .and_then([TxnOp::put(
-            label_key,
-            Vec::new(),
-            on_new_lease().map(PutOptions::with_ignore_value),
-        )]);
+    // The label may be an earlier holder's, left by a client that did not
+    // remove it: moved, it just goes with our lease.
     Txn::new().when(ours(key, value, fencing)).and_then([
-        TxnOp::put(key, value, on_new_lease()),
-        TxnOp::txn(move_label),
+        TxnOp::put(key, value, Some(PutOptions::new().with_lease(new_lease_id))),
+        move_label(label_key, new_lease_id),
     ])
+}
+
+/// Moves `label_key`, if there is one, to `new_lease_id`, its value kept.
+/// A put that keeps the value fails the whole transaction on a missing
+/// key, hence the nested check.
+fn move_label(label_key: &[u8], new_lease_id: i64) -> TxnOp {
+    TxnOp::txn(
+        Txn::new()
+            .when([Compare::version(label_key, CompareOp::Greater, 0)])
+            .and_then([TxnOp::put(
+                label_key,
+                Vec::new(),
+                Some(
+                    PutOptions::new()
+                        .with_lease(new_lease_id)
+                        .with_ignore_value(),
+                ),
+            )]),
+    )
 }
 
 /// The confirm transaction for a lock or permit on a session lease:
@@ -277,7 +315,7 @@ fn permit_held(permit: &[u8], fencing: i64) -> Compare {
 }
 
 /// Reads every permit of a semaphore, oldest first.
-fn read_permits(permits: &[u8]) -> TxnOp {
+pub(crate) fn read_permits(permits: &[u8]) -> TxnOp {
     TxnOp::get(
         permits,
         Some(
@@ -298,21 +336,32 @@ fn read_permits(permits: &[u8]) -> TxnOp {
 pub(crate) fn join_permits(
     permit: &[u8],
     value: &[u8],
+    label: &Label,
     lease: i64,
     permits: &[u8],
     fence: Option<&Fence>,
     raise: &[Fence],
 ) -> Txn {
-    let put = || TxnOp::put(permit, value, Some(PutOptions::new().with_lease(lease)));
+    // The permit, its label (if any) on the same lease, and the read.
+    let put = || {
+        let mut ops = vec![TxnOp::put(
+            permit,
+            value,
+            Some(PutOptions::new().with_lease(lease)),
+        )];
+        ops.extend(label.put_on(lease));
+        ops.push(read_permits(permits));
+        ops
+    };
     let mut adopt_when = vec![Compare::value(permit, CompareOp::Equal, value)];
     adopt_when.extend(fence.map(Fence::down));
     let adopt = Txn::new()
         .when(adopt_when)
-        .and_then([put(), read_permits(permits)])
+        .and_then(put())
         .or_else([read_permits(permits)]);
     let mut when = vec![Compare::create_revision(permit, CompareOp::Equal, 0)];
     when.extend(fence.map(Fence::down));
-    let mut then = vec![put(), read_permits(permits)];
+    let mut then = put();
     let mut otherwise = vec![TxnOp::txn(adopt)];
     then.extend(raise.iter().map(Fence::raise));
     otherwise.extend(raise.iter().map(Fence::raise));
@@ -344,22 +393,23 @@ pub(crate) fn joined_permits(reply: &TxnResponse) -> (bool, Vec<KeyValue>) {
 }
 
 /// Moves the permit created at `fencing` to `lease` (its value kept), so
-/// its TTL starts again.
-pub(crate) fn move_permit(permit: &[u8], fencing: i64, lease: i64) -> Txn {
-    Txn::new()
-        .when([permit_held(permit, fencing)])
-        .and_then([TxnOp::put(
+/// its TTL starts again; its label (at `label_key`) moves with it.
+pub(crate) fn move_permit(permit: &[u8], label_key: &[u8], fencing: i64, lease: i64) -> Txn {
+    Txn::new().when([permit_held(permit, fencing)]).and_then([
+        TxnOp::put(
             permit,
             Vec::new(),
             Some(PutOptions::new().with_lease(lease).with_ignore_value()),
-        )])
+        ),
+        move_label(label_key, lease),
+    ])
 }
 
-/// Deletes the permit created at `fencing`.
-pub(crate) fn release_permit(permit: &[u8], fencing: i64) -> Txn {
+/// Deletes the permit created at `fencing`, and its label at `label_key`.
+pub(crate) fn release_permit(permit: &[u8], label_key: &[u8], fencing: i64) -> Txn {
     Txn::new()
         .when([permit_held(permit, fencing)])
-        .and_then([TxnOp::delete(permit, None)])
+        .and_then([TxnOp::delete(permit, None), TxnOp::delete(label_key, None)])
 }
 
 /// What the acquire transaction found.

@@ -346,3 +346,93 @@ async fn an_observer_takes_no_waiters_place_or_wake_up() {
     ));
     waiter.release(&lease).await.unwrap();
 }
+
+/// Takes a permit of `key` (limit 2) for `owner` with `holder`, on the
+/// session lease if `renewing`.
+async fn take_permit(
+    lock: &EtcdLock,
+    key: &LockKey,
+    owner: OwnerToken,
+    renewing: bool,
+    holder: Option<&HolderId>,
+) -> Grant {
+    let request = distlock_core::PermitRequest {
+        key,
+        owner,
+        ttl: Duration::from_secs(30),
+        limit: 2,
+        renewing,
+        settling: false,
+        holder,
+    };
+    match distlock_core::SemaphoreBackend::acquire_permit(lock, request)
+        .await
+        .expect("acquire a permit")
+    {
+        distlock_core::PermitReply::Granted(grant) => grant,
+        other => panic!("{key} has room, yet: {other:?}"),
+    }
+}
+
+/// The labels `inspect_permits` shows, oldest first.
+async fn permit_labels(lock: &EtcdLock, key: &LockKey) -> Vec<Option<HolderId>> {
+    let permits = lock.inspect_permits(key).await.expect("inspect_permits");
+    permits.into_iter().map(|p| p.holder).collect()
+}
+
+/// A permit's label is the sibling key `NS/lock/%sem/<key>/holders/<owner
+/// hex>` on the permit's lease: put there by the take (own lease or
+/// session lease), moved with the permit by an extend to another lease,
+/// deleted by a release; a permit without a label writes none, and
+/// whatever else is at its label key is not shown and breaks nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permits_label_goes_with_its_lease() {
+    use distlock_core::SemaphoreBackend;
+    let (lock, ns, mut raw, _server) = setup("permit-holder").await;
+    let k = unique_key("permit-lease");
+    let base = format!("{ns}/lock/%sem/{}", k.as_str());
+    let label_of = |owner: OwnerToken| format!("{base}/holders/{}", owner.to_hex());
+    let permit_of = |owner: OwnerToken| format!("{base}/permits/{}", owner.to_hex());
+
+    for renewing in [false, true] {
+        let owner = OwnerToken::random();
+        let grant = take_permit(&lock, &k, owner, renewing, Some(&id("p"))).await;
+        assert_eq!(permit_labels(&lock, &k).await, vec![Some(id("p"))]);
+        let permit_lease = lease_of(&mut raw, &permit_of(owner)).await;
+        assert!(permit_lease.is_some());
+        assert_eq!(lease_of(&mut raw, &label_of(owner)).await, permit_lease);
+        // An extend with another TTL moves both to a new lease.
+        let ExtendReply::Extended(moved) = lock
+            .extend_permit(held(&k, owner, &grant), Duration::from_secs(40))
+            .await
+            .unwrap()
+        else {
+            panic!("the permit is held");
+        };
+        let permit_lease = lease_of(&mut raw, &permit_of(owner)).await;
+        assert_eq!(lease_of(&mut raw, &label_of(owner)).await, permit_lease);
+        let released = lock.release_permit(held(&k, owner, &moved)).await.unwrap();
+        assert_eq!(released, ReleaseReply::Released);
+        assert_eq!(lease_of(&mut raw, &label_of(owner)).await, None, "released");
+    }
+
+    // Without a label: none written; garbage at its label key not shown.
+    let owner = OwnerToken::random();
+    let grant = take_permit(&lock, &k, owner, false, None).await;
+    assert_eq!(lease_of(&mut raw, &label_of(owner)).await, None);
+    let garbage: Vec<Vec<u8>> = vec![
+        b"hello".to_vec(),
+        vec![0xff, 0xfe],
+        format!("dl1:{}/someone", OwnerToken::random().to_hex()).into_bytes(),
+        format!("dl1:{}/two\nlines", owner.to_hex()).into_bytes(),
+    ];
+    for value in garbage {
+        leave(&mut raw, &label_of(owner), value.clone()).await;
+        assert_eq!(permit_labels(&lock, &k).await, vec![None], "{value:?}");
+    }
+    let released = lock.release_permit(held(&k, owner, &grant)).await.unwrap();
+    assert_eq!(released, ReleaseReply::Released);
+    assert!(keys_under(&mut raw, &format!("{base}/permits/"))
+        .await
+        .is_empty());
+}

@@ -515,6 +515,8 @@ impl LockBackend for PostgresLock {
             // made with `from_pool`, at its first call).
             holder_ids: self.holder_ready(),
             holder_watch: self.can_listen() && self.holder_ready(),
+            // Known once the semaphore table was checked (as above).
+            permit_holder_ids: self.semaphores().holders_ready(),
             ..Capabilities::default()
         }
     }
@@ -841,5 +843,12 @@ impl LockAdmin for PostgresLock {
             }
             _ => Ok(None),
         }
+    }
+
+    async fn inspect_permits(
+        &self,
+        key: &LockKey,
+    ) -> Result<Vec<distlock_core::PermitState>, LockError> {
+        self.list_permits(key).await
     }
 }

@@ -140,6 +140,7 @@
 //! | `fencing` | `bigint` | the last fencing token granted to any permit of the semaphore; the row stays, so tokens keep growing |
 //! | `owners`, `fencings`, `expires` | `text[]`, `bigint[]`, `timestamptz[]` | the permits, one index each, in the order granted: owner token (32 lowercase hex digits), fencing token, expiry by the database clock; a released permit stays given up, with an expiry in 1970 that encodes its attempt's send number (see [Unknown outcomes](#unknown-outcomes)); every write drops the permits that ran out, and all but the last `permit_limit` of the given-up ones |
 //! | `updated_at` | `timestamptz` | the database time of the last write |
+//! | `holders` | `jsonb` | the permits' holder labels, an object of owner token to label: an entry only for a permit whose holder gave a label, dropped when the permit is released or no longer live; NULL for none |
 //!
 //! Each permit call is one statement that writes that one row
 //! (`INSERT ... ON CONFLICT DO UPDATE`, or `UPDATE`): its row lock, and
@@ -187,6 +188,7 @@
 //!     fencings bigint[] NOT NULL,
 //!     expires timestamptz[] NOT NULL,
 //!     updated_at timestamptz NOT NULL,
+//!     holders jsonb,
 //!     PRIMARY KEY (namespace, key)
 //! );
 //! CREATE TABLE IF NOT EXISTS public.distlock_format (
@@ -245,6 +247,21 @@
 //! ```sql
 //! ALTER TABLE public.distlock_locks ADD COLUMN IF NOT EXISTS holder text,
 //!     ADD COLUMN IF NOT EXISTS holder_owner text;
+//! ```
+//!
+//! A permit's label (`holders` of the semaphore row, keyed by the permit's
+//! owner token) is shown by
+//! [`inspect_permits`](distlock_core::LockAdmin::inspect_permits) only for
+//! the live permit of that owner token; an entry an older client left
+//! behind, or anything else in the column (not an object, a value that is
+//! not a valid label), is never shown and stops no permit call. The column
+//! is added to a semaphore table of an earlier version the same way (a
+//! role that may not works without permit labels:
+//! [`Capabilities::permit_holder_ids`](distlock_core::Capabilities::permit_holder_ids)
+//! false), or by its owner:
+//!
+//! ```sql
+//! ALTER TABLE public.distlock_semaphores ADD COLUMN IF NOT EXISTS holders jsonb;
 //! ```
 //!
 //! ## Fencing tokens without a row per lock name forever

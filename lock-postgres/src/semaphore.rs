@@ -21,13 +21,15 @@
 //! number (the last `limit` of them per semaphore), so a send of that
 //! attempt the server applies after the release is refused, as a lock's.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use distlock_core::{
-    ExtendReply, Grant, HeldLock, Listener, LockError, LockKey, OwnerToken, PermitReply,
-    PermitRequest, ReleaseReply, ReleaseWatch, SemaphoreBackend, WaitLine, IN_LOCK_CALL,
+    ExtendReply, FencingToken, Grant, HeldLock, HolderId, Listener, LockError, LockKey, OwnerToken,
+    PermitReply, PermitRequest, PermitState, ReleaseReply, ReleaseWatch, SemaphoreBackend,
+    WaitLine, IN_LOCK_CALL,
 };
 use sqlx::postgres::{PgConnectOptions, PgRow};
 use tokio::sync::OnceCell;
@@ -51,6 +53,9 @@ pub(crate) struct Semaphores {
     /// `None` when nothing can `LISTEN` (as for the lock's listener).
     listener: Option<Listener<Releases>>,
     table_ready: OnceCell<()>,
+    /// The table has the `holders` column: permit labels are stored and
+    /// shown.
+    holders_ready: AtomicBool,
     /// The table, as the sweep deletes from it.
     swept: SweptTable,
 }
@@ -73,7 +78,14 @@ impl Semaphores {
             channel,
             listener,
             table_ready: OnceCell::new(),
+            holders_ready: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the table has the `holders` column (checked with the
+    /// table).
+    pub(crate) fn holders_ready(&self) -> bool {
+        self.holders_ready.load(Ordering::Relaxed)
     }
 
     /// The table, for the sweep, once it exists.
@@ -102,10 +114,67 @@ impl PostgresLock {
                 self.create_table(what, &semaphores.table, &semaphores.sql.create_table)
                     .await?;
                 self.prepare_sweep_index(&semaphores.sql.sweep).await;
+                self.prepare_holders_column().await;
                 Ok::<_, LockError>(())
             })
             .await
             .map(|_| ())
+    }
+
+    /// Adds the `holders` column to a semaphore table that has none (one
+    /// an earlier version or a DBA created), as the lock table's holder
+    /// columns are added: a role that may not works without permit labels
+    /// ([`Capabilities::permit_holder_ids`](distlock_core::Capabilities::permit_holder_ids)
+    /// false, labels not stored, none shown), logging a warning.
+    async fn prepare_holders_column(&self) {
+        let semaphores = self.semaphores();
+        let (check, add) = (
+            &semaphores.sql.holders_column,
+            &semaphores.sql.add_holders_column,
+        );
+        let what = "adding the holders column to the semaphore table";
+        match self.add_columns(what, &semaphores.table, check, add).await {
+            Ok(()) => semaphores.holders_ready.store(true, Ordering::Relaxed),
+            Err(e) => {
+                tracing::warn!(table = %semaphores.table, error = %e, "the semaphore table has no holders column (holders jsonb) and this role could not add it; permit holder labels are not stored (the table's owner can add it: see the distlock-postgres docs)");
+            }
+        }
+    }
+
+    /// The live permits of `key`'s semaphore with their labels
+    /// ([`distlock_core::LockAdmin::inspect_permits`]). A label that
+    /// [`HolderId`] refuses (edited by hand) is shown as none: labels are
+    /// for people, never a reason to fail.
+    pub(crate) async fn list_permits(&self, key: &LockKey) -> Result<Vec<PermitState>, LockError> {
+        self.ensure_semaphores().await?;
+        let semaphores = self.semaphores();
+        let sql = match semaphores.holders_ready() {
+            true => &semaphores.sql.inspect,
+            false => &semaphores.sql.unlabelled.inspect,
+        };
+        let args = vec![Arg::text(self.namespace()), Arg::text(key.as_str())];
+        let row = self.fetch_one(self.call(sql, args)).await?.row;
+        if !self.column::<bool>(&row, "well_formed")? {
+            return Err(self.foreign_row());
+        }
+        let fencings: Vec<i64> = self.column(&row, "fencings")?;
+        let expires: Vec<i64> = self.column(&row, "expires_in_ms")?;
+        let holders: Vec<Option<String>> = self.column(&row, "holders")?;
+        let limit = match self.column::<Option<i64>>(&row, "permit_limit")? {
+            Some(limit) => u32::try_from(limit).map_err(|_| self.foreign_row())?,
+            None => return Ok(Vec::new()),
+        };
+        Ok(fencings
+            .into_iter()
+            .zip(expires)
+            .zip(holders)
+            .map(|((fencing, ms), holder)| PermitState {
+                fencing_token: FencingToken::new(u64::try_from(fencing).unwrap_or(0)),
+                expires_in: Some(Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
+                limit,
+                holder: holder.and_then(|h| HolderId::new(h).ok()),
+            })
+            .collect())
     }
 
     /// The error for a semaphore row distlock did not write.
@@ -164,13 +233,24 @@ impl SemaphoreBackend for PostgresLock {
         ];
         let waiting = (key, request.owner, request.settling);
         let line = semaphores.listener.as_ref();
-        let statement = match self.line_args(WaitLine::Permits, line, &semaphores.name, waiting) {
-            Some(line) => {
+        let (sql, unlabelled) = (&semaphores.sql, &semaphores.sql.unlabelled);
+        let labelled = semaphores.holders_ready();
+        let queued = self.line_args(WaitLine::Permits, line, &semaphores.name, waiting);
+        let statement = match (queued, labelled) {
+            (Some(line), _) => {
                 args.extend(line);
-                &semaphores.sql.acquire_queued
+                match labelled {
+                    true => &sql.acquire_queued,
+                    false => &unlabelled.acquire_queued,
+                }
             }
-            None => &semaphores.sql.acquire,
+            (None, true) => &sql.acquire,
+            (None, false) => &unlabelled.acquire,
         };
+        if labelled {
+            // The last parameter (`$7`, or `$9` after the line's).
+            args.push(Arg::text(request.holder.map_or("", |h| h.as_str())));
+        }
         let call = self.call(statement, args);
         let Some(row) = self.fetch(IN_LOCK_CALL, call, None).await?.row else {
             // The semaphore's first row, inserted concurrently, is not in
@@ -227,15 +307,17 @@ impl SemaphoreBackend for PostgresLock {
         let channel = Arg::text(&semaphores.channel);
         // Permit sends up to this lease's are refused from now on.
         let send = send_param(&permit);
+        let (labelled, unlabelled) = (&semaphores.sql, &semaphores.sql.unlabelled);
+        let statements = match semaphores.holders_ready() {
+            true => (&labelled.release_next, &labelled.release),
+            false => (&unlabelled.release_next, &unlabelled.release),
+        };
         let (sql, last) = if self.line_ready() {
             let next = Arg::Text(next_channel(&semaphores.channel));
             let table = Arg::text(&semaphores.name);
-            (
-                &semaphores.sql.release_next,
-                vec![channel, send, table, next],
-            )
+            (statements.0, vec![channel, send, table, next])
         } else {
-            (&semaphores.sql.release, vec![channel, send])
+            (statements.1, vec![channel, send])
         };
         let (done, reply) = self.on_permit(&permit, sql, last).await?;
         // Sent again after a lost reply: an earlier send that released the

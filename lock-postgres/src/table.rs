@@ -97,31 +97,43 @@ impl PostgresLock {
     async fn prepare_holder_columns(&self, table: &str) {
         let what = "adding the holder columns to the lock table";
         let statements = self.statements();
-        let present = || {
-            let check = self.call(&statements.holder_columns, vec![Arg::text(table)]);
-            self.exists("checking the lock table's holder columns", check)
-        };
-        let ready = async {
-            if present().await? {
-                return Ok(true);
-            }
-            // Sent once: no statement to cache.
-            let add = Call::new(Protocol::Simple, &statements.add_holder_columns, Vec::new());
-            match self.fetch(what, add, None).await {
-                Ok(_) => Ok(true),
-                // Another client may have added them meanwhile.
-                Err(e) => match present().await {
-                    Ok(true) => Ok(true),
-                    _ => Err(e),
-                },
-            }
-        };
-        match self.config().client().timed(what, ready).await {
-            Ok(_) => self.set_holder_ready(),
+        let (check, add) = (&statements.holder_columns, &statements.add_holder_columns);
+        match self.add_columns(what, table, check, add).await {
+            Ok(()) => self.set_holder_ready(),
             Err(e) => {
                 tracing::warn!(table = %table, error = %e, "the lock table has no holder columns (holder text, holder_owner text) and this role could not add them; holder labels are not stored (the table's owner can add them: see the distlock-postgres docs)");
             }
         }
+    }
+
+    /// Adds columns to `table` unless `check` (`$1` the table -> `exists
+    /// bool`) finds them, with `add` (two statements, sent once), within
+    /// the operation timeout; errors say `what`. Another client adding
+    /// them at the same moment counts as added.
+    pub(crate) async fn add_columns(
+        &self,
+        what: &str,
+        table: &str,
+        check: &Arc<sql::Sql>,
+        add: &Arc<sql::Sql>,
+    ) -> Result<(), LockError> {
+        let present = || self.exists(what, self.call(check, vec![Arg::text(table)]));
+        let ready = async {
+            if present().await? {
+                return Ok(());
+            }
+            // Sent once: no statement to cache.
+            let add = Call::new(Protocol::Simple, add, Vec::new());
+            match self.fetch(what, add, None).await {
+                Ok(_) => Ok(()),
+                // Another client may have added them meanwhile.
+                Err(e) => match present().await {
+                    Ok(true) => Ok(()),
+                    _ => Err(e),
+                },
+            }
+        };
+        self.config().client().timed(what, ready).await
     }
 
     /// Stores the format marker of this lock table and namespace if there

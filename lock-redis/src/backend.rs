@@ -599,6 +599,8 @@ impl LockBackend for RedisLock {
             holder_ids: true,
             // Scripts publish a labelled holder's changes.
             holder_watch: true,
+            // Beside the permits, bound to each permit (see `scripts`).
+            permit_holder_ids: true,
             ..Capabilities::default()
         }
     }
@@ -775,5 +777,12 @@ impl LockAdmin for RedisLock {
         )
         .await?;
         Ok(Some(watch))
+    }
+
+    async fn inspect_permits(
+        &self,
+        key: &LockKey,
+    ) -> Result<Vec<distlock_core::PermitState>, LockError> {
+        self.list_permits(key).await
     }
 }

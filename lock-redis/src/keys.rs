@@ -28,7 +28,10 @@
 //!   `<owner hex>:<fencing token>/<release id>` scored by expiry;
 //! - `NS:{E}:sem:waiters` — the semaphore's waiter line, as the lock's;
 //! - `NS:{E}:sem:returned` — the base of its waiters' channels;
-//! - `NS:{E}:sem:holder` — reserved (permits store no label yet);
+//! - `NS:{E}:sem:holder` — the permits' holder labels, a hash of
+//!   `<owner hex>:<fencing token>` to label (a field only for a permit
+//!   whose holder gave one, deleted with the permit), with a PX expiry no
+//!   earlier than the permit set's;
 //!
 //! and the namespace has one format marker, `NS:format` ([`RedisKeys::format`]):
 //! the [`distlock_core::STORAGE_FORMAT`] number as a string, no expiry. It

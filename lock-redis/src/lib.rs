@@ -55,7 +55,10 @@
 //! - the commands `EVALSHA`, `EVAL`, `SUBSCRIBE`, `UNSUBSCRIBE`, `PING`, and
 //!   inside its scripts `TYPE`, `GET`, `SET`, `DEL`, `PTTL`, `PEXPIRE`,
 //!   `TIME`, `PUBLISH`, and for waiter lines and semaphores `ZRANGE`,
-//!   `ZADD`, `ZREM`, `ZREMRANGEBYSCORE`. `SCRIPT LOAD` is optional: without it a script the
+//!   `ZADD`, `ZREM`, `ZREMRANGEBYSCORE`. `HGET`, `HSET` and `HDEL` (inside
+//!   the scripts) are optional: without them permits' holder labels are
+//!   not stored (a labelled permit is granted, with a warning) and none is
+//!   shown. `SCRIPT LOAD` is optional: without it a script the
 //!   server does not have is sent with `EVAL` (which caches it). `CONFIG`
 //!   (`CONFIG GET maxmemory-policy`, see [Eviction](#eviction)) is optional
 //!   too: without it the policy is not checked, and a warning says so.
@@ -109,8 +112,9 @@
 //! the hash tag `{K'}` puts them all in one Redis Cluster slot whatever `K`
 //! contains. The semaphore `K` has names of its own in the same slot:
 //! `NS:{K'}:sem:permits`, `NS:{K'}:sem:fence`, `NS:{K'}:sem:gone`,
-//! `NS:{K'}:sem:waiters` and the channels `NS:{K'}:sem:returned:<client
-//! id>` (see [Semaphores](#semaphores)).
+//! `NS:{K'}:sem:waiters`, the permits' holder labels `NS:{K'}:sem:holder`
+//! and the channels `NS:{K'}:sem:returned:<client id>` (see
+//! [Semaphores](#semaphores)).
 //!
 //! - Every operation is one `EVALSHA` of a Lua script (the scripts are
 //!   loaded at connect; one the server lacks — after a restart, a failover,
@@ -207,6 +211,17 @@
 //!   `NS:{K'}:sem:gone` (scored by its expiry, twice the operation timeout
 //!   and at most the permit's remaining TTL) so that a resent release
 //!   reports `Released`, as the lock's does.
+//! - **Holder labels**: a permit acquired with a label stores it in the
+//!   hash `NS:{K'}:sem:holder`, field `<owner hex>:<fencing token>` (so it
+//!   is shown only for that permit, never for a later holder's), with a PX
+//!   expiry no earlier than the permit set's (extend pushes it); a permit
+//!   without a label writes nothing there. Release deletes the permit's
+//!   field, and a sweep the fields of the permits it removes (the hash goes
+//!   with its last field). The operator read
+//!   [`inspect_permits`](distlock_core::LockAdmin::inspect_permits) lists
+//!   the live permits with their labels. Anything distlock does not write
+//!   there (another type, a hash without expiry) stops nothing and is left
+//!   alone: no label is stored (acquire logs a warning) or shown.
 //!
 //! Every script checks the type, members, scores and expiry of the keys it
 //! reads before its first write, as the lock's do (`Corrupted` naming the

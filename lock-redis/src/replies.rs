@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use distlock_core::{
     AcquireReply, ExtendReply, FencingToken, Grant, HolderId, LockError, LockKey, LockState,
-    PermitReply, ReleaseReply,
+    PermitReply, PermitState, ReleaseReply,
 };
 use redis::Value;
 
@@ -47,15 +47,29 @@ pub(crate) fn acquire_reply(
     }
 }
 
-/// Reads the permit acquire script's reply for a request of `ttl`.
-pub(crate) fn acquire_permit_reply(ttl: Duration, reply: &Value) -> Result<PermitReply, LockError> {
+/// Reads the permit acquire script's reply for a request of `ttl` on the
+/// semaphore `key` (at `keys`).
+pub(crate) fn acquire_permit_reply(
+    key: &LockKey,
+    keys: &RedisKeys,
+    ttl: Duration,
+    reply: &Value,
+) -> Result<PermitReply, LockError> {
     let bad = || unexpected(reply);
     let Value::Array(items) = reply else {
         return Err(bad());
     };
     match items.as_slice() {
-        [flag, token] if as_int(flag) == Some(1) => {
+        [flag, token, foreign @ ..] if as_int(flag) == Some(1) && foreign.len() <= 1 => {
             let token = as_token(token).ok_or_else(bad)?;
+            if !foreign.is_empty() {
+                // The permit is ours; only its label, for people, is missing.
+                tracing::warn!(
+                    key = %key,
+                    redis_key = %keys.holder,
+                    "permit holder label not stored: the key holds data distlock did not write (left alone), or the ACL user may not run HSET there"
+                );
+            }
             Ok(PermitReply::Granted(Grant::new(token, ttl)))
         }
         [flag, ms] if as_int(flag) == Some(0) => Ok(PermitReply::Full {
@@ -143,17 +157,49 @@ pub(crate) fn inspect_reply(reply: &Value) -> Result<LockState, LockError> {
             Ok(LockState::Held {
                 expires_in: millis_left(as_int(pttl).ok_or_else(bad)?),
                 fencing_token: as_token(token).ok_or_else(bad)?,
-                // The script shows only a label in distlock's format; one
-                // HolderId would refuse is shown as none, never a panic.
-                holder: match label.first() {
-                    Some(Value::BulkString(b)) => std::str::from_utf8(b)
-                        .ok()
-                        .and_then(|s| HolderId::new(s).ok()),
-                    _ => None,
-                },
+                holder: label.first().and_then(holder_label),
             })
         }
         _ => Err(bad()),
+    }
+}
+
+/// Reads the permit inspect script's reply: the live permits, oldest
+/// first.
+pub(crate) fn inspect_permits_reply(reply: &Value) -> Result<Vec<PermitState>, LockError> {
+    let bad = || unexpected(reply);
+    let Value::Array(items) = reply else {
+        return Err(bad());
+    };
+    let mut permits = items
+        .iter()
+        .map(|item| match item {
+            Value::Array(fields) => match fields.as_slice() {
+                [token, pttl, limit, label] => Some(PermitState {
+                    fencing_token: as_token(token)?,
+                    expires_in: millis_left(as_int(pttl)?),
+                    limit: as_int(limit).and_then(|n| u32::try_from(n).ok())?,
+                    holder: holder_label(label),
+                }),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(bad)?;
+    permits.sort_by_key(|p| p.fencing_token);
+    Ok(permits)
+}
+
+/// A holder label a script showed. The scripts show only labels in
+/// distlock's format; one [`HolderId`] would refuse (or none, empty) is
+/// shown as none, never a panic.
+fn holder_label(value: &Value) -> Option<HolderId> {
+    match value {
+        Value::BulkString(b) => std::str::from_utf8(b)
+            .ok()
+            .and_then(|s| HolderId::new(s).ok()),
+        _ => None,
     }
 }
 

@@ -13,14 +13,19 @@
 //! set is a sorted set of `dl1:<owner>:<token>:<limit>` scored by the
 //! permit's expiry (server time in milliseconds), its released-by markers
 //! a sorted set of `<owner>:<token>/<hex id>` scored the same way; both with
-//! a PX expiry no earlier than their last member's. Anything else
+//! a PX expiry no earlier than their last member's; the permits' holder
+//! labels a hash of `<owner>:<token>` to label (written only for a permit
+//! whose holder gave one, deleted with the permit, with a PX expiry no
+//! earlier than the permit set's), shown only for the live permit of that
+//! owner and token. Anything else
 //! at a key a script reads (another type, another format, no expiry) is
 //! answered with a `DISTLOCK_CORRUPT lock|fence|gone <detail>` error reply
 //! (`lock` is a semaphore's permit set) and nothing is written; an argument
 //! out of range with `DISTLOCK_ARGS <detail>`, before anything is written.
-//! The holder label is for people, so anything else at its key does not
-//! stop a lock operation: no script writes, deletes or shows it (acquire
-//! then tells the client its label was not stored).
+//! The holder label is for people, so anything else at its key (a lock's
+//! or the permits') does not stop a lock or permit operation: no script
+//! writes, deletes or shows it (acquire then tells the client its label
+//! was not stored).
 
 mod run;
 
@@ -432,6 +437,45 @@ end
 local function sweep(key, now)
   redis.call('ZREMRANGEBYSCORE', key, '-inf', int(now))
 end
+-- The permits' holder labels: a hash of `<owner hex>:<token>` (one
+-- permit) to its label, with an expiry no earlier than the permit set's.
+-- true if the key is such a hash, 'none' if there is no key, false for
+-- anything else, which no script writes, deletes or shows: labels are for
+-- people, so nothing there may stop a permit operation (read with pcall:
+-- an ACL refusal counts as anything else).
+local function labels_ok(key)
+  local t = redis.pcall('TYPE', key)
+  if type(t) == 'table' then t = t['ok'] end
+  if t == 'none' then return 'none' end
+  if t ~= 'hash' then return false end
+  local pttl = redis.pcall('PTTL', key)
+  return type(pttl) == 'number' and pttl >= 0
+end
+local function label_field(p)
+  return p.owner .. ':' .. p.token
+end
+-- The label stored for permit `p` (its own owner and token), or nil.
+local function label_of(key, p)
+  local v = redis.pcall('HGET', key, label_field(p))
+  if type(v) == 'string' and label_ok(v) then return v end
+  return nil
+end
+-- Keeps the labels at least as long as the permit set `set` (after its
+-- expiry was pushed).
+local function labels_keep(key, set)
+  if labels_ok(key) ~= true then return end
+  local want = redis.call('PTTL', set)
+  if want > 0 and redis.call('PTTL', key) < want then redis.pcall('PEXPIRE', key, want) end
+end
+-- The labels of the permits among `entries` that ran out by `now`, and of
+-- `released`: deleted with them (a label never outlives its permit's
+-- member).
+local function labels_drop(key, entries, now, released)
+  if labels_ok(key) ~= true then return end
+  for _, p in ipairs(entries) do
+    if p.at <= now or p == released then redis.pcall('HDEL', key, label_field(p)) end
+  end
+end
 -- The live permits: how many, under which limit, and when the first
 -- runs out; or an error reply (two limits).
 local function live_permits(entries, now)
@@ -450,11 +494,17 @@ local function live_permits(entries, now)
 end
 "#;
 
-/// KEYS: permit set, fence, waiter line. ARGV: owner hex, ttl ms, fence
-/// retention ms, limit, waiter member (empty for an attempt that does not
-/// wait). Returns `{1, token}` when granted, `{0, ms}` when full (until the
-/// first live permit runs out; a waiter then joins the line), `{2, stored
-/// limit}` when live permits are held under another limit.
+/// KEYS: permit set, fence, waiter line, holder labels. ARGV: owner hex,
+/// ttl ms, fence retention ms, limit, waiter member (empty for an attempt
+/// that does not wait), holder label (empty for none). Returns `{1,
+/// token}` when granted (`{1, token, 'foreign'}` if the label was not
+/// stored: data distlock did not write is at its key), `{0, ms}` when full
+/// (until the first live permit runs out; a waiter then joins the line),
+/// `{2, stored limit}` when live permits are held under another limit.
+///
+/// The label is stored under the permit's owner and fencing token, so it
+/// is only ever shown for that permit; without one, nothing is written
+/// there. Labels of the permits the sweep removes go with them.
 ///
 /// The limit is stored in every permit; with no live permit the request's
 /// applies. The live permit of this same owner is adopted, as the lock is
@@ -465,6 +515,25 @@ if not millis_ok(ARGV[2], ARGV[3]) then
   return bad_args('ttl ' .. tostring(ARGV[2]) .. ' ms, fence retention ' .. tostring(ARGV[3]) .. ' ms')
 end
 if not limit_ok(ARGV[4]) then return bad_args('permit limit ' .. tostring(ARGV[4])) end
+if ARGV[6] ~= '' and not label_ok(ARGV[6]) then
+  return bad_args('holder label of ' .. #tostring(ARGV[6]) .. ' bytes or with a control character')
+end
+-- After the grant of the permit `field` names: its label, kept as long
+-- as the permit set; 'foreign' if it could not be stored.
+local function label(field)
+  local ok = labels_ok(KEYS[4])
+  if ARGV[6] == '' then
+    labels_keep(KEYS[4], KEYS[1])
+    return nil
+  end
+  if ok == false then return 'foreign' end
+  local r = redis.pcall('HSET', KEYS[4], field, ARGV[6])
+  if type(r) == 'table' and r['err'] then return 'foreign' end
+  -- A hash it created has no expiry yet.
+  local want = redis.call('PTTL', KEYS[1])
+  if redis.call('PTTL', KEYS[4]) < want then redis.pcall('PEXPIRE', KEYS[4], want) end
+  return nil
+end
 local set = permits_at(KEYS[1])
 if set.err then return set end
 local fence = fence_at(KEYS[2])
@@ -485,12 +554,13 @@ if own == nil and held.live >= limit then
 end
 local expires = int(now + tonumber(ARGV[2]))
 sweep(KEYS[1], now)
+labels_drop(KEYS[4], set.entries, now, nil)
 leave(KEYS[3], ARGV[5])
 if own ~= nil then
   redis.call('ZADD', KEYS[1], expires, own.member)
   keep_for(KEYS[1], ARGV[2])
   retain(KEYS[2], fence, ARGV[3])
-  return {1, own.token}
+  return {1, own.token, label(label_field(own))}
 end
 local token = us
 if fence.counter + 1 > token then token = fence.counter + 1 end
@@ -498,12 +568,13 @@ local text = int(token)
 redis.call('ZADD', KEYS[1], expires, 'dl1:' .. ARGV[1] .. ':' .. text .. ':' .. ARGV[4])
 keep_for(KEYS[1], ARGV[2])
 redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
-return {1, text}
+return {1, text, label(ARGV[1] .. ':' .. text)}
 "#;
 
-/// KEYS: permit set, fence. ARGV: owner hex, fencing token, ttl ms, fence
-/// retention ms. Returns 1 when extended, 0 when this owner and token hold
-/// no live permit. Never recreates a permit.
+/// KEYS: permit set, fence, holder labels. ARGV: owner hex, fencing
+/// token, ttl ms, fence retention ms. Returns 1 when extended (the labels
+/// kept as long as the permits), 0 when this owner and token hold no live
+/// permit. Never recreates a permit.
 const EXTEND_PERMIT: &str = r#"
 if not millis_ok(ARGV[3], ARGV[4]) then
   return bad_args('ttl ' .. tostring(ARGV[3]) .. ' ms, fence retention ' .. tostring(ARGV[4]) .. ' ms')
@@ -516,13 +587,16 @@ local now = clock()
 local mine = live_permit(set.entries, ARGV[1], ARGV[2], now)
 if mine == nil then return 0 end
 sweep(KEYS[1], now)
+labels_drop(KEYS[3], set.entries, now, nil)
 redis.call('ZADD', KEYS[1], 'XX', int(now + tonumber(ARGV[3])), mine.member)
 keep_for(KEYS[1], ARGV[3])
+labels_keep(KEYS[3], KEYS[1])
 retain(KEYS[2], fence, ARGV[4])
 return 1
 "#;
 
-/// KEYS: permit set, released-by markers, waiter line. ARGV: owner hex,
+/// KEYS: permit set, released-by markers, waiter line, holder labels (the
+/// permit's goes with it). ARGV: owner hex,
 /// fencing token, channel, publish command, marker life ms, release id.
 /// Returns as
 /// [`RELEASE`], whose resend rule it follows: a marker per released permit
@@ -550,6 +624,7 @@ if mine == nil then
 end
 sweep(KEYS[1], now)
 redis.call('ZREM', KEYS[1], mine.member)
+labels_drop(KEYS[4], set.entries, now, mine)
 local keep = math.min(mine.at - now, tonumber(ARGV[5]))
 if keep < 1 then keep = 1 end
 sweep(KEYS[2], now)
@@ -571,6 +646,25 @@ if held.err then return held end
 redis.call('ZREM', KEYS[2], ARGV[1])
 if held.limit ~= nil and held.live >= held.limit then return 1 end
 return released(ARGV[3], ARGV[2], KEYS[2])
+"#;
+
+/// KEYS: permit set, holder labels. Returns the live permits, each
+/// `{token, pttl, limit, label}` (`label` empty if none is stored for that
+/// permit's owner and token). Writes nothing.
+const INSPECT_PERMITS: &str = r#"
+local set = permits_at(KEYS[1])
+if set.err then return set end
+local now = clock()
+local labelled = labels_ok(KEYS[2]) == true
+local live = {}
+for _, p in ipairs(set.entries) do
+  if p.at > now then
+    local label = nil
+    if labelled then label = label_of(KEYS[2], p) end
+    table.insert(live, {p.token, p.at - now, p.limit, label or ''})
+  end
+end
+return live
 "#;
 
 /// KEYS: lock, holder label. Returns `{0}` when free, `{1, pttl, token}`
@@ -797,6 +891,9 @@ pub(crate) static FORMAT_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScrip
 
 /// The inspect script (operators only; not preloaded).
 pub(crate) static INSPECT_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(INSPECT));
+/// The permit inspect script (operators only; not preloaded).
+pub(crate) static INSPECT_PERMITS_SCRIPT: LazyLock<LuaScript> =
+    LazyLock::new(|| LuaScript::new(INSPECT_PERMITS));
 /// The force-release script (operators only; not preloaded).
 pub(crate) static FORCE_RELEASE_SCRIPT: LazyLock<LuaScript> =
     LazyLock::new(|| LuaScript::new(FORCE_RELEASE));
@@ -866,10 +963,11 @@ end
             .filter_map(|l| l.strip_prefix("local function "))
             .filter_map(|rest| rest.split('(').next())
             .collect();
-        for script in all()
-            .into_iter()
-            .chain([&*INSPECT_SCRIPT, &*FORCE_RELEASE_SCRIPT])
-        {
+        for script in all().into_iter().chain([
+            &*INSPECT_SCRIPT,
+            &*FORCE_RELEASE_SCRIPT,
+            &*INSPECT_PERMITS_SCRIPT,
+        ]) {
             for name in &helper_names {
                 let call = format!("{name}(");
                 let calls = script.body.match_indices(&call).any(|(at, _)| {

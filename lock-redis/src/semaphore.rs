@@ -2,7 +2,8 @@
 //!
 //! A semaphore is a sorted set of permits in its own names
 //! ([`RedisKeys::semaphore`]: the lock's hash tag, other suffixes), its
-//! own fencing counter and released-by markers, and its own channel. Each
+//! own fencing counter and released-by markers, its holder labels, and its
+//! own channel. Each
 //! operation is one script (see `scripts.rs`), run as the lock's are:
 //! under the operation timeout, waiting for `min_replicas` after an
 //! acquisition or an extension (not for a settling attempt), and a grant
@@ -13,13 +14,15 @@ use std::time::{Duration, Instant};
 
 use distlock_core::{
     async_trait, ExtendReply, HeldLock, LockError, LockKey, OwnerToken, PermitReply, PermitRequest,
-    ReleaseReply, ReleaseWatch, SemaphoreBackend,
+    PermitState, ReleaseReply, ReleaseWatch, SemaphoreBackend,
 };
 
 use crate::backend::{arg_millis, not_replicated, Call, RedisLock};
 use crate::keys::RedisKeys;
 use crate::replies;
-use crate::scripts::{ACQUIRE_PERMIT_SCRIPT, EXTEND_PERMIT_SCRIPT, RELEASE_PERMIT_SCRIPT};
+use crate::scripts::{
+    ACQUIRE_PERMIT_SCRIPT, EXTEND_PERMIT_SCRIPT, INSPECT_PERMITS_SCRIPT, RELEASE_PERMIT_SCRIPT,
+};
 use crate::waiters::Line;
 
 impl RedisLock {
@@ -45,11 +48,26 @@ impl RedisLock {
         let call = Call {
             keys,
             script: &RELEASE_PERMIT_SCRIPT,
-            redis_keys: &[&keys.lock, &keys.gone, &keys.waiters],
+            redis_keys: &[&keys.lock, &keys.gone, &keys.waiters, &keys.holder],
             args: &args,
         };
         let (reply, _) = self.execute(call, None, timeout).await?;
         replies::release_reply(key, &reply)
+    }
+
+    /// The live permits of `key`'s semaphore with their labels
+    /// ([`distlock_core::LockAdmin::inspect_permits`]).
+    pub(crate) async fn list_permits(&self, key: &LockKey) -> Result<Vec<PermitState>, LockError> {
+        let keys = self.semaphore_keys(key);
+        let reply = self
+            .run(Call {
+                keys: &keys,
+                script: &INSPECT_PERMITS_SCRIPT,
+                redis_keys: &[&keys.lock, &keys.holder],
+                args: &[],
+            })
+            .await?;
+        replies::inspect_permits_reply(&reply)
     }
 }
 
@@ -65,17 +83,20 @@ impl SemaphoreBackend for RedisLock {
             self.retention_ms(request.ttl),
             request.limit.to_string(),
             self.line_member(Line::Permits, key, request.owner, request.settling),
+            request
+                .holder
+                .map_or_else(String::new, |h| h.as_str().to_owned()),
         ];
         // The give-back below shares this operation's timeout.
         let sent = Instant::now();
         let call = Call {
             keys: &keys,
             script: &ACQUIRE_PERMIT_SCRIPT,
-            redis_keys: &[&keys.lock, &keys.fence, &keys.waiters],
+            redis_keys: &[&keys.lock, &keys.fence, &keys.waiters, &keys.holder],
             args: &args,
         };
         let (reply, replicated) = self.run_acquire(call, request.settling).await?;
-        let reply = replies::acquire_permit_reply(request.ttl, &reply)?;
+        let reply = replies::acquire_permit_reply(key, &keys, request.ttl, &reply)?;
         let PermitReply::Granted(grant) = &reply else {
             return Ok(reply);
         };
@@ -107,7 +128,7 @@ impl SemaphoreBackend for RedisLock {
         let call = Call {
             keys: &keys,
             script: &EXTEND_PERMIT_SCRIPT,
-            redis_keys: &[&keys.lock, &keys.fence],
+            redis_keys: &[&keys.lock, &keys.fence, &keys.holder],
             args: &args,
         };
         self.run_extend(call, permit, ttl).await

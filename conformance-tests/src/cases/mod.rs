@@ -49,6 +49,10 @@ pub enum Needs {
     /// Observers woken by the server when the holder changes
     /// (`Capabilities::holder_watch`), with holder labels.
     HolderWatch,
+    /// Semaphores whose permits store holder labels, listed by
+    /// `inspect_permits` (`Capabilities::permit_holder_ids`, semaphores and
+    /// the operator calls).
+    PermitHolderIds,
     /// A lock server in another process, reachable by URL (a holder in a
     /// child process can share it; an in-process backend cannot).
     Server,
@@ -100,6 +104,14 @@ impl Needs {
                     "backend declares the server does not tell observers of a change of holder (holder_watch = false): observers poll".into()
                 })
             }),
+            Needs::PermitHolderIds => Needs::Semaphore
+                .missing(context)
+                .or_else(|| Needs::Admin.missing(context))
+                .or_else(|| {
+                    (!caps.permit_holder_ids).then(|| {
+                        "backend declares it stores no permit holder labels (permit_holder_ids = false)".into()
+                    })
+                }),
             Needs::Durable => (!caps.durable)
                 .then(|| "backend declares its lock data does not survive a restart (durable = false)".into()),
             Needs::Server => context.server().is_none().then(|| {
@@ -216,6 +228,7 @@ pub fn all() -> Vec<Case> {
     all.extend(cases!(holder:
         label_round_trips => Needs::HolderIds,
         label_is_not_ownership => Needs::HolderIds,
+        permit_labels_round_trip => Needs::PermitHolderIds,
     ));
     all.extend(cases!(election:
         one_leader_at_a_time => Needs::HolderIds,

@@ -25,6 +25,7 @@ fn against(kind: impl ServerKind) {
     ten_processes_share_three_permits(&url);
     crate::election::observe_shows_a_killed_leader_replaced(&url);
     crate::election::status_shows_the_run_id(&url);
+    status_shows_the_permits_ids(&url);
     drop(server);
 }
 
@@ -520,4 +521,82 @@ fn foreign_data_at_the_key_is_a_configuration_error() {
         crate::support::redis_command(&addr, &["GET", &redis_key]),
         "someone else's value"
     );
+}
+
+/// `status --semaphore` lists the permits of running `distlock run
+/// --permits` with their `--id` (by default `<host>:<pid>` of that
+/// distlock), oldest first; exit 75 while all are held, 0 once one is
+/// free.
+fn status_shows_the_permits_ids(url: &str) {
+    let key = unique_name("permit-ids");
+    let script = r#"touch "$DIR/held"; while [ ! -e "$DIR/go" ]; do sleep 0.05; done"#;
+    let (first_dir, second_dir) = (
+        TempDir::new("distlock-cli-permit-a"),
+        TempDir::new("distlock-cli-permit-b"),
+    );
+    let flags = ["--ttl", "5s", "--permits", "2"];
+    let first = run_sh(
+        url,
+        &key,
+        &[&flags[..], &["--id", "job 7, host-a"]].concat(),
+        first_dir.path(),
+        script,
+    )
+    .spawn()
+    .expect("spawn");
+    wait_for_file(&first_dir.file("held"));
+    let second = run_sh(url, &key, &flags, second_dir.path(), script)
+        .spawn()
+        .expect("spawn");
+    wait_for_file(&second_dir.file("held"));
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_default();
+    let default_id = format!("{host}:{}", second.id());
+
+    let output = distlock()
+        .args(["status", "--semaphore", "--url", url, &key])
+        .output()
+        .expect("status");
+    assert_eq!(code(&output), 75, "{}", stderr(&output));
+    let text = stdout(&output);
+    assert!(
+        text.starts_with(&format!("{key}: semaphore, 2 of 2 permits held")),
+        "{text}"
+    );
+    assert!(text.contains("holder \"job 7, host-a\""), "{text}");
+    assert!(text.contains(&format!("holder {default_id:?}")), "{text}");
+    let output = distlock()
+        .args(["status", "--semaphore", "--json", "--url", url, &key])
+        .output()
+        .expect("status");
+    let object: serde_json::Value =
+        serde_json::from_str(stdout(&output).trim()).expect("one JSON object");
+    assert_eq!(object["limit"], 2, "{object}");
+    assert_eq!(object["permits"][0]["holder"], "job 7, host-a", "{object}");
+    assert_eq!(
+        object["permits"][1]["holder"],
+        default_id.as_str(),
+        "{object}"
+    );
+
+    std::fs::write(first_dir.file("go"), "").expect("go");
+    let done = finish(first);
+    assert_eq!(code(&done), 0, "{}", stderr(&done));
+    let output = distlock()
+        .args(["status", "--semaphore", "--json", "--url", url, &key])
+        .output()
+        .expect("status");
+    assert_eq!(code(&output), 0, "a permit is free: {}", stderr(&output));
+    let object: serde_json::Value =
+        serde_json::from_str(stdout(&output).trim()).expect("one JSON object");
+    assert_eq!(object["held"], 1, "{object}");
+    assert_eq!(
+        object["permits"][0]["holder"],
+        default_id.as_str(),
+        "{object}"
+    );
+    std::fs::write(second_dir.file("go"), "").expect("go");
+    let done = finish(second);
+    assert_eq!(code(&done), 0, "{}", stderr(&done));
 }

@@ -78,6 +78,49 @@ fn late_permit_send(n: u32) -> String {
     )
 }
 
+/// The holder labels of row `t` that stay: those of its permits live at
+/// `{now}`, except `$3`'s (a label goes with its permit). `t.holders`
+/// maps owner tokens to labels; anything else there (not an object) counts
+/// as no labels.
+fn labels_kept(now: &str) -> String {
+    format!(
+        "coalesce((SELECT jsonb_object_agg(h.k, h.v)
+                   FROM jsonb_each(CASE WHEN jsonb_typeof(t.holders) = 'object' THEN t.holders END) AS h (k, v)
+                   WHERE h.k <> $3::text
+                     AND EXISTS (SELECT 1 FROM unnest(t.owners, t.expires) AS l (o, e)
+                                 WHERE l.o = h.k AND l.e > {now})), '{{}}'::jsonb)"
+    )
+}
+
+/// `$3`'s label `{label}` (a text parameter, `''` for none) as an entry of
+/// `holders`.
+fn label_entry(label: &str, none: &str) -> String {
+    format!("CASE WHEN {label}::text = '' THEN {none} ELSE jsonb_build_object($3::text, {label}::text) END")
+}
+
+/// Adds the holder labels' column to a semaphore table `{t}` created
+/// without it, as the lock table's holder columns are added.
+const ADD_HOLDERS_COLUMN: &str = "SET LOCAL lock_timeout = '2s';
+    ALTER TABLE {t} ADD COLUMN IF NOT EXISTS holders jsonb";
+
+/// The statements that differ on a semaphore table without the `holders`
+/// column (made by an earlier version, where this client may not add it):
+/// as [`PermitStatements`]' of the same names, without the label
+/// parameter; the `holder` that `inspect` answers is always NULL.
+#[derive(Debug, Clone)]
+pub(crate) struct UnlabelledPermits {
+    /// [`PermitStatements::acquire`] without `$7`.
+    pub acquire: Arc<Sql>,
+    /// [`PermitStatements::acquire_queued`] without `$9`.
+    pub acquire_queued: Arc<Sql>,
+    /// [`PermitStatements::release`], labels untouched.
+    pub release: Arc<Sql>,
+    /// [`PermitStatements::release_next`], labels untouched.
+    pub release_next: Arc<Sql>,
+    /// [`PermitStatements::inspect`], `holder` NULL.
+    pub inspect: Arc<Sql>,
+}
+
 /// The statements for one semaphore table.
 ///
 /// A semaphore is one row `(namespace, key)` holding its limit, its fencing
@@ -111,7 +154,9 @@ pub(crate) struct PermitStatements {
     /// token, its expiry reset to `$4` from now) or fewer than `$5` are live
     /// (a new permit with the next fencing token). Refused if `$3` gave up
     /// a permit from a send numbered `$6` or later (see
-    /// [`GIVEN_UP_BEFORE`]), as the lock's acquire is.
+    /// [`GIVEN_UP_BEFORE`]), as the lock's acquire is. `$7` is the holder
+    /// label (`''` for none), stored in `holders` under `$3` (also on
+    /// adoption); the labels of permits no longer live go.
     pub acquire: Arc<Sql>,
     /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` TTL in ms ->
     /// `done bigint, well_formed bool`.
@@ -120,13 +165,13 @@ pub(crate) struct PermitStatements {
     /// `$6` the permit's send number -> `done bigint, well_formed bool,
     /// given_up bool` (`given_up`: the row as it was before has the permit
     /// given up, by an earlier send of this release). Keeps the permit
-    /// given up by sends up to `$6` (see [`GIVEN_UP_BEFORE`]), and sends
-    /// `NOTIFY channel, key` when it released.
+    /// given up by sends up to `$6` (see [`GIVEN_UP_BEFORE`]), drops its
+    /// label, and sends `NOTIFY channel, key` when it released.
     pub release: Arc<Sql>,
     /// [`acquire`](Self::acquire) with the waiter line, plus `$7` the
     /// semaphore table's name and `$8` the backend pid of the client's
     /// listener connection (0 for an attempt that does not wait): as the
-    /// lock's `acquire_queued`.
+    /// lock's `acquire_queued`; the holder label is `$9`.
     pub acquire_queued: Arc<Sql>,
     /// [`release`](Self::release) that wakes one waiter, plus `$7` the
     /// semaphore table's name and `$8` the channel of single wake-ups ->
@@ -138,6 +183,19 @@ pub(crate) struct PermitStatements {
     /// woken bigint, woke_all bigint`: as the lock's `leave`, the next
     /// waiter woken if a permit is free.
     pub leave: Arc<Sql>,
+    /// `$1` namespace, `$2` key -> one row, the live permits oldest first
+    /// in arrays: `fencings bigint[], expires_in_ms bigint[], holders
+    /// text[]` (each permit's own label: a string under its owner token in
+    /// `holders`, else NULL), `permit_limit bigint, well_formed bool`.
+    pub inspect: Arc<Sql>,
+    /// `$1` qualified table name -> `exists bool`: whether the table has
+    /// the `holders` column.
+    pub holders_column: Arc<Sql>,
+    /// Adds the `holders` column to a table of an earlier version (simple
+    /// protocol: two statements in one implicit transaction).
+    pub add_holders_column: Arc<Sql>,
+    /// The statements for a table without the `holders` column.
+    pub unlabelled: UnlabelledPermits,
     /// Deletes semaphore rows nobody has held a permit of for the fencing
     /// retention.
     pub sweep: Sweep,
@@ -159,15 +217,30 @@ impl PermitStatements {
         let keep = format!("p.e > clock_timestamp() OR p.e < {GIVEN_UP_BEFORE} OR {this}");
         let found = "FROM (VALUES (1)) AS one (x)
                 LEFT JOIN {t} AS h ON h.namespace = $1 AND h.key = $2";
-        let acquire = |line: &str| {
+        // `label`: the label's parameter, or none for a table without
+        // the `holders` column.
+        let acquire = |line: &str, label: Option<&str>| {
+            let (column, value, set) = match label {
+                Some(label) => (
+                    ", holders",
+                    format!(", {}", label_entry(label, "NULL")),
+                    format!(
+                        "holders = {} || {},",
+                        labels_kept(now),
+                        label_entry(label, "'{}'::jsonb")
+                    ),
+                ),
+                None => ("", String::new(), String::new()),
+            };
             format!(
                 "WITH now AS (SELECT clock_timestamp() AS at),
                 taken AS (
-                    INSERT INTO {{t}} AS t (namespace, key, permit_limit, fencing, owners, fencings, expires, updated_at)
-                    SELECT $1, $2, $5::bigint, {first}, ARRAY[$3::text], ARRAY[{first}], ARRAY[now.at + {ttl4}], now.at
+                    INSERT INTO {{t}} AS t (namespace, key, permit_limit, fencing, owners, fencings, expires, updated_at{column})
+                    SELECT $1, $2, $5::bigint, {first}, ARRAY[$3::text], ARRAY[{first}], ARRAY[now.at + {ttl4}], now.at{value}
                     FROM now
                     ON CONFLICT (namespace, key) DO UPDATE
-                        SET {permits},
+                        SET {set}
+                            {permits},
                             fencing = CASE WHEN {own} IS NULL THEN {next} ELSE t.fencing END,
                             permit_limit = excluded.permit_limit,
                             updated_at = {now}
@@ -211,11 +284,16 @@ impl PermitStatements {
                 line = line,
             )
         };
-        let release = |wake: &str, answer: &str| {
+        // `labelled`: the table has the `holders` column.
+        let release = |wake: &str, answer: &str, labelled: bool| {
+            let set = match labelled {
+                true => format!("holders = {},", labels_kept("clock_timestamp()")),
+                false => String::new(),
+            };
             format!(
                 "WITH done AS (
                     UPDATE {{t}} AS t
-                    SET {permits}, updated_at = clock_timestamp()
+                    SET {set} {permits}, updated_at = clock_timestamp()
                     WHERE t.namespace = $1 AND t.key = $2 AND {well_formed_t} AND {holds}
                     RETURNING t.key
                 ){wake}
@@ -239,6 +317,26 @@ impl PermitStatements {
                 answer = answer,
             )
         };
+        let queued = format!(", {}", line::join_or_leave("$7", "$8"));
+        let notify =
+            "(SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done";
+        let (wake, answer) = line::release_next("$7", "$8");
+        // The live permits of a row in arrays, oldest first; `holder` the
+        // label expression.
+        let inspect = |holder: &str| {
+            format!(
+                "WITH now AS (SELECT clock_timestamp() AS at)
+                 SELECT coalesce(array_agg(l.f ORDER BY l.f), '{{}}') AS fencings,
+                        coalesce(array_agg(greatest(0, ceil(extract(epoch FROM (l.e - now.at)) * 1000))::bigint
+                                           ORDER BY l.f), '{{}}') AS expires_in_ms,
+                        coalesce(array_agg({holder} ORDER BY l.f), '{{}}') AS holders,
+                        max(t.permit_limit) AS permit_limit,
+                        coalesce(bool_and({well_formed_t}), true) AS well_formed
+                 FROM now, {{t}} AS t, unnest(t.owners, t.fencings, t.expires) AS l (o, f, e)
+                 WHERE t.namespace = $1 AND t.key = $2 AND l.e > now.at",
+                well_formed_t = well_formed("t"),
+            )
+        };
         Self {
             sweep: Sweep::permits(schema, table, &well_formed("{a}")),
             create_table: create_table_with_index(
@@ -251,16 +349,14 @@ impl PermitStatements {
                     fencings bigint[] NOT NULL,
                     expires timestamptz[] NOT NULL,
                     updated_at timestamptz NOT NULL,
+                    holders jsonb,
                     PRIMARY KEY (namespace, key)
                 )",
                 schema,
                 table,
             ),
-            acquire: sql(&acquire("")),
-            acquire_queued: sql(&acquire(&format!(
-                ", {}",
-                line::join_or_leave("$7", "$8")
-            ))),
+            acquire: sql(&acquire("", Some("$7"))),
+            acquire_queued: sql(&acquire(&queued, Some("$9"))),
             extend: sql(&format!(
                 "WITH done AS (
                     UPDATE {{t}} AS t
@@ -284,13 +380,19 @@ impl PermitStatements {
                 well_formed_t = well_formed("t"),
                 well_formed_h = well_formed("h"),
             )),
-            release: sql(&release(
-                "",
-                "(SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done",
-            )),
-            release_next: {
-                let (wake, answer) = line::release_next("$7", "$8");
-                sql(&release(&wake, &answer))
+            release: sql(&release("", notify, true)),
+            release_next: sql(&release(&wake, &answer, true)),
+            inspect: sql(&inspect("CASE WHEN jsonb_typeof(t.holders -> l.o) = 'string' THEN t.holders ->> l.o END")),
+            holders_column: sql("SELECT count(*) = 1 AS exists FROM pg_catalog.pg_attribute
+                 WHERE attrelid = pg_catalog.to_regclass($1) AND NOT attisdropped
+                   AND attname = 'holders'"),
+            add_holders_column: sql(ADD_HOLDERS_COLUMN),
+            unlabelled: UnlabelledPermits {
+                acquire: sql(&acquire("", None)),
+                acquire_queued: sql(&acquire(&queued, None)),
+                release: sql(&release("", notify, false)),
+                release_next: sql(&release(&wake, &answer, false)),
+                inspect: sql(&inspect("NULL::text")),
             },
             leave: sql(&line::leave(&format!(
                 "{} < h.permit_limit",
@@ -308,7 +410,8 @@ impl PermitStatements {
 pub struct PermitStatementTexts {
     /// `$1` namespace, `$2` key, `$3` owner (32 lowercase hex digits), `$4`
     /// TTL in ms, `$5` limit, `$6` send number, `$7` the semaphore table's
-    /// name, `$8` the waiter's listener pid (0: not waiting) -> `granted
+    /// name, `$8` the waiter's listener pid (0: not waiting), `$9` the
+    /// holder label (`''` for none) -> `granted
     /// bool, fencing bigint, ...`.
     pub acquire: String,
     /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` channel,

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use distlock_core::{
     AcquireReply, AcquireRequest, HolderId, LockBackend, LockKey, LockState, OwnerToken,
+    PermitReply, PermitRequest, SemaphoreBackend,
 };
 
 use super::support::*;
@@ -228,4 +229,215 @@ async fn a_role_that_may_not_add_the_columns_works_without_labels() {
     let k = key("k2");
     acquire_labelled(&next, &k, OwnerToken::random(), Some(&label)).await;
     assert_eq!(shown(&next, &k).await, Some(label));
+}
+
+/// Takes a permit of `k` (limit 3) for `owner` with `label`, directly on
+/// the backend; returns its fencing token.
+async fn permit_labelled(
+    lock: &Pg,
+    k: &LockKey,
+    owner: OwnerToken,
+    label: Option<&HolderId>,
+) -> distlock_core::FencingToken {
+    let reply = lock
+        .backend
+        .acquire_permit(PermitRequest {
+            key: k,
+            owner,
+            ttl: Duration::from_secs(30),
+            limit: 3,
+            renewing: false,
+            settling: false,
+            holder: label,
+        })
+        .await
+        .unwrap();
+    match reply {
+        PermitReply::Granted(grant) => grant.fencing,
+        other => panic!("{k:?} has room, yet {other:?}"),
+    }
+}
+
+/// The labels `inspect_permits` shows for `k`, oldest first.
+async fn permit_labels(lock: &Pg, k: &LockKey) -> Vec<Option<HolderId>> {
+    let permits = lock.inspect_permits(k).await.unwrap();
+    permits.into_iter().map(|p| p.holder).collect()
+}
+
+/// The `holders` column of `k`'s semaphore row, as text.
+async fn holders_of(lock: &Pg, k: &LockKey) -> Option<String> {
+    sqlx::query_scalar(&format!(
+        "SELECT holders::text FROM {} WHERE namespace = $1 AND key = $2",
+        lock.semaphore_table()
+    ))
+    .bind(lock.backend.config().client().namespace())
+    .bind(k.as_str())
+    .fetch_one(lock.pool())
+    .await
+    .unwrap()
+}
+
+/// Creates `public.{table}` as semaphore tables were before permit labels.
+async fn create_old_semaphore_table(admin_client: &Pg, table: &str) {
+    admin(
+        admin_client,
+        &format!(
+            "CREATE TABLE public.{table} (namespace text NOT NULL, key text NOT NULL,
+                 permit_limit bigint NOT NULL, fencing bigint NOT NULL, owners text[] NOT NULL,
+                 fencings bigint[] NOT NULL, expires timestamptz[] NOT NULL,
+                 updated_at timestamptz NOT NULL, PRIMARY KEY (namespace, key))"
+        ),
+    )
+    .await;
+}
+
+/// A permit's label is stored under its owner token in the row's
+/// `holders`, dropped when the permit is released (and with permits no
+/// longer live), and shown only for that permit; a label an older client
+/// left behind, or anything else in `holders`, is never shown for another
+/// permit and stops nothing.
+#[tokio::test]
+async fn permit_labels_go_with_their_permits() {
+    let lock = client(&unique_name("permit_holder")).await;
+    assert!(lock.backend.capabilities().permit_holder_ids);
+    let k = key("permits");
+    let (a, b) = (
+        HolderId::new("worker-a:1").unwrap(),
+        HolderId::new("worker-b:2").unwrap(),
+    );
+    let owner_a = OwnerToken::random();
+    let token_a = permit_labelled(&lock, &k, owner_a, Some(&a)).await;
+    permit_labelled(&lock, &k, OwnerToken::random(), None).await;
+    assert_eq!(permit_labels(&lock, &k).await, vec![Some(a.clone()), None]);
+    let released = lock
+        .backend
+        .release_permit(distlock_core::HeldLock {
+            key: &k,
+            owner: owner_a,
+            fencing: token_a,
+            handle: 1,
+        })
+        .await
+        .unwrap();
+    assert_eq!(released, distlock_core::ReleaseReply::Released);
+    assert_eq!(
+        holders_of(&lock, &k).await.as_deref(),
+        Some("{}"),
+        "a's label dropped"
+    );
+    assert_eq!(permit_labels(&lock, &k).await, vec![None]);
+
+    // Left by an older client for an owner whose permit is gone, and
+    // garbage under a live permit's owner: never shown.
+    let owner_b = OwnerToken::random();
+    permit_labelled(&lock, &k, owner_b, Some(&b)).await;
+    let set = |holders: String| {
+        let lock = lock.clone();
+        let k = k.clone();
+        async move {
+            admin(
+                &lock,
+                &format!(
+                    "UPDATE {} SET holders = '{holders}'::jsonb WHERE namespace = '{}' AND key = '{}'",
+                    lock.semaphore_table(),
+                    lock.backend.config().client().namespace(),
+                    k.as_str()
+                ),
+            )
+            .await
+        }
+    };
+    let b_hex = owner_b.to_hex();
+    for holders in [
+        format!(r#"{{"{}": "ghost"}}"#, OwnerToken::random().to_hex()),
+        format!(r#"{{"{b_hex}": 7}}"#),
+        format!(r#"{{"{b_hex}": "two\nlines"}}"#),
+        r#"["not", "an", "object"]"#.to_owned(),
+        "42".to_owned(),
+    ] {
+        set(holders.clone()).await;
+        assert_eq!(
+            permit_labels(&lock, &k).await,
+            vec![None, None],
+            "{holders}"
+        );
+        // A labelled permit over it works, and shows its own label.
+        let owner = OwnerToken::random();
+        let token = permit_labelled(&lock, &k, owner, Some(&a)).await;
+        assert_eq!(
+            permit_labels(&lock, &k).await,
+            vec![None, None, Some(a.clone())],
+            "{holders}"
+        );
+        let released = lock
+            .backend
+            .release_permit(distlock_core::HeldLock {
+                key: &k,
+                owner,
+                fencing: token,
+                handle: 1,
+            })
+            .await
+            .unwrap();
+        assert_eq!(released, distlock_core::ReleaseReply::Released, "{holders}");
+    }
+}
+
+/// A semaphore table of the previous version gets the `holders` column;
+/// a role that may not add it works without permit labels (granted, not
+/// stored, none shown), and its next client stores them once the table's
+/// owner added it.
+#[tokio::test]
+async fn an_old_semaphore_table_gets_the_holders_column_or_works_without() {
+    let admin_client = client("permit-holder-admin").await;
+    let lock_table = unique_name("perm_locks");
+    let table = unique_name("old_sem");
+    let role = unique_name("distlock_noalter_sem");
+    // The lock table as this version makes it (the role may not alter it
+    // either, but it needs nothing added).
+    let owner = Pg::connect(&format!(
+        "{}?namespace=setup&table={lock_table}&semaphore_table={table}_unused",
+        server().url()
+    ))
+    .await;
+    drop(owner);
+    create_old_semaphore_table(&admin_client, &table).await;
+    for sql in [
+        format!("CREATE ROLE {role} LOGIN PASSWORD 'pw'"),
+        format!("GRANT USAGE ON SCHEMA public TO {role}"),
+        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON public.{lock_table} TO {role}"),
+        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON public.{table} TO {role}"),
+        format!("GRANT SELECT, INSERT ON public.distlock_format TO {role}"),
+    ] {
+        admin(&admin_client, &sql).await;
+    }
+    let url = format!(
+        "{}?namespace=ro&table={lock_table}&semaphore_table={table}",
+        url_with_user(&role, "pw")
+    );
+    let label = HolderId::new("worker-1:42").unwrap();
+    let lock = Pg::connect(&url).await;
+    assert!(
+        !lock.backend.capabilities().permit_holder_ids,
+        "no column, no labels"
+    );
+    let k = key("k");
+    permit_labelled(&lock, &k, OwnerToken::random(), Some(&label)).await;
+    assert_eq!(permit_labels(&lock, &k).await, vec![None], "not stored");
+
+    // The table's owner (here the superuser) connecting adds it.
+    let added = Pg::connect(&format!(
+        "{}?namespace=ro&table={lock_table}&semaphore_table={table}",
+        server().url()
+    ))
+    .await;
+    assert!(
+        added.backend.capabilities().permit_holder_ids,
+        "column added"
+    );
+    let next = Pg::connect(&url).await;
+    assert!(next.backend.capabilities().permit_holder_ids);
+    // The unlabelled client's permit is still there, without a label.
+    permit_labelled(&next, &k, OwnerToken::random(), Some(&label)).await;
+    assert_eq!(permit_labels(&next, &k).await, vec![None, Some(label)]);
 }

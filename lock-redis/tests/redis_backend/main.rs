@@ -11,6 +11,7 @@ mod foreign;
 mod format;
 mod holder;
 mod outcomes;
+mod permit_holder;
 mod pubsub;
 mod semaphore;
 mod sentinel;

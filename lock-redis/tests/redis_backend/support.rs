@@ -563,6 +563,11 @@ impl Warnings {
     pub fn take(&self) -> Vec<String> {
         std::mem::take(&mut *self.events.lock().unwrap())
     }
+
+    /// Whether a warning so far names `name`, emptying the list.
+    pub fn named(&self, name: &str) -> bool {
+        self.take().iter().any(|w| w.contains(name))
+    }
 }
 
 struct Capture {
@@ -594,6 +599,19 @@ impl tracing::Subscriber for Capture {
     }
     fn enter(&self, _: &tracing::span::Id) {}
     fn exit(&self, _: &tracing::span::Id) {}
+}
+
+/// Checks that what is at `name` is still `before` (a [`snapshot`]), its
+/// expiry kept or none, as it was.
+pub async fn left_alone(
+    conn: &mut MultiplexedConnection,
+    name: &str,
+    before: &(Vec<u8>, i64),
+    what: &str,
+) {
+    let after = snapshot(conn, name).await;
+    assert_eq!(after.0, before.0, "{what}: the garbage was changed");
+    assert_eq!(after.1 < 0, before.1 < 0, "{what}: its expiry changed");
 }
 
 /// What is at `name`: its serialized value and its PTTL.
