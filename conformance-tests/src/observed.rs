@@ -10,7 +10,7 @@ use std::time::Duration;
 use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ErrorKind, ExtendReply, FencingToken, Grant,
     HeldLock, LockAdmin, LockBackend, LockClient, LockError, LockKey, LockState, OwnerToken,
-    PermitReply, PermitRequest, ReleaseReply, ReleaseWatch, SemaphoreBackend,
+    PermitReply, PermitRequest, PermitState, ReleaseReply, ReleaseWatch, SemaphoreBackend,
 };
 use tokio::sync::Notify;
 
@@ -440,6 +440,14 @@ impl LockAdmin for ObservedLock {
             .admin()
             .ok_or_else(no_admin)?
             .watch_holder(key)
+            .await
+    }
+
+    async fn inspect_permits(&self, key: &LockKey) -> Result<Vec<PermitState>, LockError> {
+        self.inner
+            .admin()
+            .ok_or_else(no_admin)?
+            .inspect_permits(key)
             .await
     }
 }
