@@ -8,6 +8,7 @@ from typing import (
     Awaitable,
     Callable,
     Iterable,
+    List,
     Mapping,
     Optional,
     Sequence,
@@ -234,6 +235,12 @@ class Locker:
         by reading at the leader's expiry and every `poll_interval` seconds
         (default 1)."""
 
+    def inspect_permits(self, key: str) -> List[PermitInfo]:
+        """The live permits of the semaphore `key` (``lock(key, ttl,
+        permits=N)``), oldest first, each a `PermitInfo`; empty if none is
+        held. An operator call: the answer is stale as soon as it arrives.
+        Raises `Unsupported` on a backend without it."""
+
     def force_release(self, key: str) -> bool:
         """Deletes the lock at `key` whoever holds it, waking its waiters;
         returns whether one was held. The holder learns at its next renewal
@@ -252,6 +259,22 @@ class LockInfo:
     """The label the holder gave (`Locker.lock`'s ``holder``, a campaign's
     ``identity``), or ``None`` if it gave none or the backend stores no
     labels. For people: never proof of ownership."""
+
+@final
+class PermitInfo:
+    """One live permit of a semaphore, as `Locker.inspect_permits` read it."""
+
+    fencing_token: int
+    """The permit's fencing token."""
+    expires_in: Optional[float]
+    """Seconds left on the permit's lease by the server's clock (renewal
+    extends it), or ``None`` if the backend does not tell."""
+    limit: int
+    """The number of permits the semaphore is held under."""
+    holder: Optional[str]
+    """The label the holder gave (`Locker.lock`'s ``holder``), or ``None``
+    if it gave none or the backend stores no permit labels. For people:
+    never proof of ownership."""
 
 @final
 class LockGuard:

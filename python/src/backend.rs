@@ -94,6 +94,14 @@ pub struct Holder {
     pub holder: Option<String>,
 }
 
+/// One live permit of a semaphore, as the operator call read it.
+pub struct Permit {
+    /// Its holder, as a lock's.
+    pub holder: Holder,
+    /// The limit it was granted under.
+    pub limit: u32,
+}
+
 /// Who leads an election, as the server says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Leader {
@@ -184,6 +192,24 @@ impl Client {
             }),
             LockState::Free => None,
         })
+    }
+
+    /// The live permits of the semaphore `key`, oldest first, by the
+    /// operator call.
+    pub async fn inspect_permits(&self, key: &str) -> Result<Vec<Permit>, LockError> {
+        let key = LockKey::new(key)?;
+        let permits = self.locker.client().inspect_permits(&key).await?;
+        Ok(permits
+            .into_iter()
+            .map(|permit| Permit {
+                holder: Holder {
+                    fencing_token: permit.fencing_token.get(),
+                    expires_in: permit.expires_in,
+                    holder: permit.holder.map(|id| id.as_str().to_owned()),
+                },
+                limit: permit.limit,
+            })
+            .collect())
     }
 
     /// Campaigns for leadership of `key` as `identity` with leases of

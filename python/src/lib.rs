@@ -25,7 +25,7 @@ mod runtime;
 use election::{LeaderWatch, Leadership, PyLeader};
 use fire::FireOutcome;
 use guard::LockGuard;
-use locker::{_check_lock_options, _check_schedule, LockInfo, Locker};
+use locker::{_check_lock_options, _check_schedule, LockInfo, Locker, PermitInfo};
 
 use errors::{invalid_input, to_py};
 
@@ -139,6 +139,7 @@ fn _distlock(module: &Bound<'_, PyModule>) -> PyResult<()> {
     log::install(module.py())?;
     module.add_class::<Locker>()?;
     module.add_class::<LockInfo>()?;
+    module.add_class::<PermitInfo>()?;
     module.add_class::<LockGuard>()?;
     module.add_class::<FireOutcome>()?;
     module.add_class::<Leadership>()?;

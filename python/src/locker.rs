@@ -270,6 +270,29 @@ impl Locker {
         }))
     }
 
+    /// The live permits of the semaphore `key` (`lock(key, permits=N)`),
+    /// oldest first: a list of `PermitInfo`, empty if none is held. An
+    /// operator call, like `inspect`.
+    fn inspect_permits(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<PermitInfo>> {
+        let key = check::key(key, "key")?;
+        let client = self.client(py)?;
+        let permits = runtime::block_on(py, async move { client.inspect_permits(&key).await })?
+            .map_err(to_py)?;
+        Ok(permits
+            .into_iter()
+            .map(|permit| PermitInfo {
+                fencing_token: permit.holder.fencing_token,
+                expires_in: permit.holder.expires_in.map(|left| left.as_secs_f64()),
+                limit: permit.limit,
+                holder: permit.holder.holder,
+            })
+            .collect())
+    }
+
     /// Campaigns for leadership of the election `key` as `identity` (a
     /// label; `None`: this host's name and pid), with leases of `ttl`
     /// seconds renewed in the background; waits until this candidate leads
@@ -369,6 +392,38 @@ pub(crate) struct LockInfo {
 impl LockInfo {
     fn __repr__(&self) -> String {
         let mut repr = format!("LockInfo(fencing_token={}", self.fencing_token);
+        if let Some(left) = self.expires_in {
+            repr += &format!(", expires_in={left:.3}");
+        }
+        if let Some(holder) = &self.holder {
+            repr += &format!(", holder={holder:?}");
+        }
+        repr + ")"
+    }
+}
+
+/// One live permit of a semaphore, as `Locker.inspect_permits` read it.
+#[pyclass(module = "distlock", frozen, get_all)]
+pub(crate) struct PermitInfo {
+    /// The permit's fencing token.
+    fencing_token: u64,
+    /// Seconds left on the permit's lease by the server's clock (renewal
+    /// extends it), or `None` if the backend does not tell.
+    expires_in: Option<f64>,
+    /// The number of permits the semaphore was held under.
+    limit: u32,
+    /// The label the holder gave (`holder=`), or `None` if it gave none or
+    /// the backend stores no permit labels.
+    holder: Option<String>,
+}
+
+#[pymethods]
+impl PermitInfo {
+    fn __repr__(&self) -> String {
+        let mut repr = format!(
+            "PermitInfo(fencing_token={}, limit={}",
+            self.fencing_token, self.limit
+        );
         if let Some(left) = self.expires_in {
             repr += &format!(", expires_in={left:.3}");
         }

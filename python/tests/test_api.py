@@ -402,3 +402,27 @@ def test_max_hold_stops_renewal(backend):
     assert guard.wait_lost(timeout=30)
     # max_hold ends renewal, so the lease runs out (lost inside the stop margin).
     assert "run out" in guard.lost_reason
+
+
+def test_inspect_permits_shows_each_permit_and_its_label(backend):
+    a, b, operator = (distlock.connect(backend.url) for _ in range(3))
+    assert operator.inspect_permits("labelled-pool") == []
+    with a.lock("labelled-pool", ttl=10, permits=3, holder="worker-a:1") as first, b.lock(
+        "labelled-pool", ttl=10, permits=3
+    ) as second:
+        permits = operator.inspect_permits("labelled-pool")
+        assert sorted(p.fencing_token for p in permits) == sorted(
+            [first.fencing_token, second.fencing_token]
+        )
+        by_token = {p.fencing_token: p for p in permits}
+        # Every backend stores permit labels; a label is only ever shown
+        # for the permit whose holder gave it.
+        assert by_token[first.fencing_token].holder == "worker-a:1"
+        assert by_token[second.fencing_token].holder is None
+        for permit in permits:
+            assert permit.limit == 3
+            assert permit.expires_in is None or 0 < permit.expires_in <= 10
+        assert "PermitInfo(fencing_token=" in repr(permits[0])
+        # The lock of the same key is another thing: still free.
+        assert operator.inspect("labelled-pool") is None
+    assert operator.inspect_permits("labelled-pool") == []
