@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, HeldLock, LockAdmin, LockBackend,
-    LockClient, LockError, LockKey, LockState, OwnerToken, PermitReply, PermitRequest,
+    LockClient, LockError, LockKey, LockState, OwnerToken, PermitReply, PermitRequest, PermitState,
     ReleaseNotifier, ReleaseReply, ReleaseWatch, SemaphoreBackend,
 };
 use tokio::sync::watch;
@@ -516,6 +516,8 @@ impl SemaphoreBackend for LinkedLock {
     }
 }
 
+/// Every call, provided ones too, crosses the link.
+#[deny(clippy::missing_trait_methods)]
 #[distlock_core::async_trait]
 impl LockAdmin for LinkedLock {
     async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
@@ -531,6 +533,12 @@ impl LockAdmin for LinkedLock {
     async fn watch_holder(&self, key: &LockKey) -> Result<Option<ReleaseWatch>, LockError> {
         let admin = self.inner.admin().ok_or_else(no_admin)?;
         self.call("watch_holder", admin.watch_holder(key)).await
+    }
+
+    async fn inspect_permits(&self, key: &LockKey) -> Result<Vec<PermitState>, LockError> {
+        let admin = self.inner.admin().ok_or_else(no_admin)?;
+        self.call("inspect_permits", admin.inspect_permits(key))
+            .await
     }
 }
 

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
     LockAdmin, LockBackend, LockClient, LockError, LockKey, LockState, OwnerToken, PermitReply,
-    PermitRequest, ReleaseNotifier, ReleaseReply, ReleaseWatch, SemaphoreBackend,
+    PermitRequest, PermitState, ReleaseNotifier, ReleaseReply, ReleaseWatch, SemaphoreBackend,
 };
 
 /// The one thing a mutant does wrong.
@@ -1078,6 +1078,8 @@ impl SemaphoreBackend for Mutant {
     }
 }
 
+// Every call, provided ones too, reaches the inner backend.
+#[deny(clippy::missing_trait_methods)]
 #[distlock_core::async_trait]
 impl LockAdmin for Mutant {
     async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
@@ -1107,6 +1109,12 @@ impl LockAdmin for Mutant {
     async fn force_release(&self, key: &LockKey) -> Result<bool, LockError> {
         self.admin_of_inner()?
             .force_release(&self.server_key(key))
+            .await
+    }
+
+    async fn inspect_permits(&self, key: &LockKey) -> Result<Vec<PermitState>, LockError> {
+        self.admin_of_inner()?
+            .inspect_permits(&self.server_key(key))
             .await
     }
 
