@@ -273,11 +273,7 @@ impl Locker {
     /// The live permits of the semaphore `key` (`lock(key, permits=N)`),
     /// oldest first: a list of `PermitInfo`, empty if none is held. An
     /// operator call, like `inspect`.
-    fn inspect_permits(
-        &self,
-        py: Python<'_>,
-        key: &Bound<'_, PyAny>,
-    ) -> PyResult<Vec<PermitInfo>> {
+    fn inspect_permits(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Vec<PermitInfo>> {
         let key = check::key(key, "key")?;
         let client = self.client(py)?;
         let permits = runtime::block_on(py, async move { client.inspect_permits(&key).await })?
