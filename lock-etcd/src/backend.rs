@@ -18,7 +18,7 @@ use crate::connection::Etcd;
 use crate::keys::encode_value;
 use crate::queue::{Line, Queues};
 use crate::requests::Repeat;
-use crate::session::{self, Attached, Sessions};
+use crate::session::{self, Attached, Session, Sessions};
 use crate::txn::{self, AcquireOutcome};
 
 /// A distributed lock server on etcd v3, for
@@ -314,6 +314,9 @@ impl LockBackend for EtcdLock {
             native_wait: true,
             wakes_one_waiter: true,
             durable: true,
+            // Renewing guards' locks share the session lease: one
+            // transaction of reads confirms many.
+            extend_batch: txn::MAX_TXN_OPS,
             holder_ids: true,
             // Beside each permit, on its lease (see `keys`).
             permit_holder_ids: true,
@@ -338,6 +341,63 @@ impl LockBackend for EtcdLock {
             txn::extend(&attached.key, &value, &label_key, lock.fencing, new_lease)
         })
         .await
+    }
+
+    /// Locks on a live session lease of this TTL (renewing guards') are
+    /// confirmed together: one transaction reading every key, at most
+    /// [`txn::MAX_TXN_OPS`] a request, each lock checked on its own. The
+    /// others move to a new lease one by one, as `extend` does. A failed
+    /// transaction fails the call (a read: nothing was written).
+    async fn extend_many(
+        &self,
+        locks: &[HeldLock<'_>],
+        ttl: Duration,
+    ) -> Result<Vec<Result<ExtendReply, LockError>>, LockError> {
+        let layout = &self.etcd().layout;
+        let sessions = &self.inner.sessions;
+        let mut replies: Vec<Option<Result<ExtendReply, LockError>>> =
+            locks.iter().map(|_| None).collect();
+        // Grouped by session lease (one, unless a session was replaced).
+        let mut groups: Vec<(Arc<Session>, Vec<usize>)> = Vec::new();
+        for (at, lock) in locks.iter().enumerate() {
+            match sessions.renewable(lock.handle, ttl) {
+                Some(session) => {
+                    match groups
+                        .iter_mut()
+                        .find(|(s, _)| s.lease_id() == session.lease_id())
+                    {
+                        Some((_, members)) => members.push(at),
+                        None => groups.push((session, vec![at])),
+                    }
+                }
+                None => replies[at] = Some(self.extend(*lock, ttl).await),
+            }
+        }
+        for (session, members) in groups {
+            for chunk in members.chunks(txn::MAX_TXN_OPS) {
+                let attached: Vec<Attached> = chunk
+                    .iter()
+                    .map(|&at| Attached::lock(layout, locks[at].key, locks[at].owner))
+                    .collect();
+                let items: Vec<(&Attached, FencingToken)> = attached
+                    .iter()
+                    .zip(chunk)
+                    .map(|(attached, &at)| (attached, locks[at].fencing))
+                    .collect();
+                let answers = sessions.confirm_many(&items, &session).await?;
+                for (&at, answer) in chunk.iter().zip(answers) {
+                    replies[at] = Some(Ok(answer));
+                }
+            }
+        }
+        Ok(replies
+            .into_iter()
+            .map(|reply| {
+                reply.unwrap_or_else(|| {
+                    Err(LockError::unavailable("a lock of the batch got no answer"))
+                })
+            })
+            .collect())
     }
 
     async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {

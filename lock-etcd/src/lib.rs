@@ -68,8 +68,12 @@
 //! A lock whose guard renews it goes on a lease shared by the client's
 //! renewed locks (one per TTL, kept alive by one keep-alive stream), so
 //! taking it costs one round trip and renewing it one small confirming
-//! request; locks without renewal get a lease of their own, two round trips,
-//! so their TTL is exact. See [`EtcdLock`] for the costs of each operation.
+//! request, shared: the guards of one client and TTL renew together, and
+//! one transaction reads up to 128 of their keys (etcd's default
+//! `--max-txn-ops`), each checked on its own (created at its fencing
+//! token, holding its owner's value, still on the session lease); locks
+//! without renewal get a lease of their own, two round trips, so their TTL
+//! is exact. See [`EtcdLock`] for the costs of each operation.
 //!
 //! ## Semaphores
 //!

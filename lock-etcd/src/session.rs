@@ -31,7 +31,7 @@ use distlock_core::{
     AcquireReply, AcquireRequest, ExtendReply, FencingToken, Grant, LockError, LockKey, OwnerToken,
     IN_LOCK_CALL,
 };
-use etcd_client::{Txn, TxnResponse};
+use etcd_client::{Txn, TxnOpResponse, TxnResponse};
 use tokio::sync::watch;
 
 use crate::connection::Etcd;
@@ -373,6 +373,62 @@ impl Sessions {
                 Ok(ExtendReply::NotHeld)
             }
         }
+    }
+
+    /// [`confirm`](Self::confirm) for many locks or permits of `session`
+    /// in one transaction of reads (at most [`txn::MAX_TXN_OPS`]): one
+    /// answer per item, in order, each checked as `confirm`'s compares
+    /// check it (created at its fencing token, its value if it has one,
+    /// still on the session lease).
+    pub(crate) async fn confirm_many(
+        &self,
+        items: &[(&Attached, FencingToken)],
+        session: &Session,
+    ) -> Result<Vec<ExtendReply>, LockError> {
+        // After the client's send time, as in `acquire`.
+        let renewed_at = Instant::now();
+        let read = txn::read_many(items.iter().map(|(attached, _)| attached.key.as_slice()));
+        let reply = self.etcd.run_txn(IN_LOCK_CALL, Repeat::Safe, read).await?;
+        let reads = reply.op_responses();
+        if reads.len() != items.len() {
+            return Err(LockError::unavailable(format!(
+                "etcd answered a transaction of {} reads with {} responses; try again",
+                items.len(),
+                reads.len()
+            )));
+        }
+        let confirmed = session.confirmed_sent_at();
+        let mut answers = Vec::with_capacity(items.len());
+        for ((attached, fencing), read) in items.iter().zip(reads) {
+            let kv = match &read {
+                TxnOpResponse::Get(range) => range.kvs().first(),
+                _ => None,
+            };
+            let ours = kv.is_some_and(|kv| {
+                u64::try_from(kv.create_revision()).ok() == Some(fencing.get())
+                    && kv.lease() == session.lease_id()
+                    && attached
+                        .value
+                        .as_deref()
+                        .is_none_or(|value| kv.value() == value)
+            });
+            if !ours {
+                session.untrack(&attached.id);
+                answers.push(ExtendReply::NotHeld);
+                continue;
+            }
+            answers.push(match confirmed {
+                Some(confirmed) if session.renew(&attached.id, renewed_at) => {
+                    ExtendReply::Extended(
+                        Grant::new(*fencing, session.ttl())
+                            .with_handle(session_handle(session.lease_id()))
+                            .clock_started(confirmed),
+                    )
+                }
+                _ => ExtendReply::NotHeld,
+            });
+        }
+        Ok(answers)
     }
 
     /// Detaches a lock or permit on `handle` from its session's expiry

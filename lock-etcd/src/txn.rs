@@ -270,6 +270,22 @@ fn move_label(label_key: &[u8], new_lease_id: i64) -> TxnOp {
     )
 }
 
+/// The most operations etcd takes in one transaction by default
+/// (`--max-txn-ops`): a batched confirm reads at most this many keys.
+pub(crate) const MAX_TXN_OPS: usize = 128;
+
+/// The batched confirm (see [`confirm`]): one linearizable read of each
+/// key, no compare; the client checks each reply as `confirm`'s compares
+/// would. Every read is linearizable (the default), so the transaction is
+/// served by the leader's state, as `confirm` is.
+pub(crate) fn read_many<'a>(keys: impl IntoIterator<Item = &'a [u8]>) -> Txn {
+    Txn::new().and_then(
+        keys.into_iter()
+            .map(|key| TxnOp::get(key, None))
+            .collect::<Vec<_>>(),
+    )
+}
+
 /// The confirm transaction for a lock or permit on a session lease:
 /// succeeds, without writing anything, if the key is still this
 /// acquisition's (created at `fencing`, and holding `value` if given: a
