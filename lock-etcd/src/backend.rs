@@ -3,6 +3,7 @@
 //! the waiter queue ([`crate::queue`]); connecting is [`crate::connect`],
 //! the operator calls [`crate::admin`].
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -122,6 +123,9 @@ pub(crate) struct Inner {
     pub(crate) sessions: Arc<Sessions>,
     /// The waiter queues, woken through the watch stream.
     pub(crate) queues: Arc<Queues>,
+    /// The most reads a batched confirm puts in one transaction: etcd's
+    /// default `--max-txn-ops`, lowered if the server refuses that many.
+    pub(crate) txn_ops: AtomicUsize,
 }
 
 impl std::fmt::Debug for Inner {
@@ -374,7 +378,10 @@ impl LockBackend for EtcdLock {
             }
         }
         for (session, members) in groups {
-            for chunk in members.chunks(txn::MAX_TXN_OPS) {
+            let mut rest = members.as_slice();
+            while !rest.is_empty() {
+                let limit = self.inner.txn_ops.load(Ordering::Relaxed);
+                let (chunk, after) = rest.split_at(limit.clamp(1, rest.len()));
                 let attached: Vec<Attached> = chunk
                     .iter()
                     .map(|&at| Attached::lock(layout, locks[at].key, locks[at].owner))
@@ -384,9 +391,26 @@ impl LockBackend for EtcdLock {
                     .zip(chunk)
                     .map(|(attached, &at)| (attached, locks[at].fencing))
                     .collect();
-                let answers = sessions.confirm_many(&items, &session).await?;
-                for (&at, answer) in chunk.iter().zip(answers) {
-                    replies[at] = Some(Ok(answer));
+                match sessions.confirm_many(&items, &session).await {
+                    Ok(answers) => {
+                        for (&at, answer) in chunk.iter().zip(answers) {
+                            replies[at] = Some(Ok(answer));
+                        }
+                        rest = after;
+                    }
+                    // A server run with a lower --max-txn-ops: smaller
+                    // transactions from now on (a refused one read nothing).
+                    Err(e) if chunk.len() > 1 && too_many_ops(&e) => {
+                        let fewer = chunk.len() / 2;
+                        self.inner.txn_ops.store(fewer, Ordering::Relaxed);
+                        tracing::warn!(
+                            refused = chunk.len(),
+                            now = fewer,
+                            "etcd refused a transaction of {} reads (its --max-txn-ops is lower): renewals now read at most {fewer} keys a request",
+                            chunk.len()
+                        );
+                    }
+                    Err(e) => return Err(e),
                 }
             }
         }
@@ -427,6 +451,14 @@ impl LockBackend for EtcdLock {
     fn semaphore(&self) -> Option<&dyn SemaphoreBackend> {
         Some(self)
     }
+}
+
+/// Whether `error` is etcd refusing a transaction of more operations
+/// than its `--max-txn-ops`.
+fn too_many_ops(error: &LockError) -> bool {
+    error
+        .to_string()
+        .contains("too many operations in txn request")
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 //! of a cluster, and the first read that fails fast on an unreachable
 //! cluster, a refused certificate or a user without permission.
 
+use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -122,6 +123,7 @@ impl EtcdLock {
                 config,
                 sessions,
                 queues,
+                txn_ops: AtomicUsize::new(crate::txn::MAX_TXN_OPS),
             }),
         })
     }

@@ -148,6 +148,41 @@ impl ServerKind for Etcd {
     }
 }
 
+/// `etcd` as [`Etcd`], taking at most this many operations in one
+/// transaction (`--max-txn-ops`; etcd's default is 128): for a backend's
+/// handling of a server configured below the default.
+#[derive(Debug, Clone, Copy)]
+pub struct EtcdMaxTxnOps(pub u32);
+
+impl ServerKind for EtcdMaxTxnOps {
+    fn name(&self) -> &'static str {
+        "etcd-max-txn-ops"
+    }
+
+    fn url_env_var(&self) -> &'static str {
+        // Never an external server: the limit is this server's.
+        "DISTLOCK_ETCD_MAX_TXN_OPS_URL"
+    }
+
+    fn prepare(&self, dir: &Path) -> io::Result<()> {
+        Etcd.prepare(dir)
+    }
+
+    fn command(&self, dir: &Path, port: u16) -> Command {
+        let mut command = Etcd.command(dir, port);
+        command.arg("--max-txn-ops").arg(self.0.to_string());
+        command
+    }
+
+    fn url(&self, addr: SocketAddr) -> String {
+        Etcd.url(addr)
+    }
+
+    fn wait_ready(&self, dir: &Path, port: u16) -> io::Result<()> {
+        Etcd.wait_ready(dir, port)
+    }
+}
+
 /// Raft timing of a member, in milliseconds.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Timing {
