@@ -349,7 +349,8 @@ impl LockBackend for EtcdLock {
 
     /// Locks on a live session lease of this TTL (renewing guards') are
     /// confirmed together: one transaction reading every key, at most
-    /// [`txn::MAX_TXN_OPS`] a request, each lock checked on its own. The
+    /// 128 a request (etcd's default `--max-txn-ops`, halved while the server
+    /// refuses that many), each lock checked on its own. The
     /// others move to a new lease one by one, as `extend` does. A failed
     /// transaction fails the call (a read: nothing was written).
     async fn extend_many(
