@@ -16,6 +16,7 @@ use distlock_core::{
 
 use crate::config::{EtcdConfig, MAX_TTL, MIN_TTL};
 use crate::connection::Etcd;
+use crate::errors;
 use crate::keys::encode_value;
 use crate::queue::{Line, Queues};
 use crate::requests::Repeat;
@@ -455,11 +456,11 @@ impl LockBackend for EtcdLock {
 }
 
 /// Whether `error` is etcd refusing a transaction of more operations
-/// than its `--max-txn-ops`.
+/// than its `--max-txn-ops` (see `errors::map`).
 fn too_many_ops(error: &LockError) -> bool {
-    error
-        .to_string()
-        .contains("too many operations in txn request")
+    std::error::Error::source(error)
+        .and_then(|source| source.downcast_ref::<etcd_client::Error>())
+        .is_some_and(errors::is_too_many_ops)
 }
 
 #[cfg(test)]

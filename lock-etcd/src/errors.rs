@@ -9,6 +9,8 @@ use distlock_core::{request_message, LockError};
 const PERMISSION_DENIED: i32 = 7;
 /// gRPC status code `UNAUTHENTICATED`.
 const UNAUTHENTICATED: i32 = 16;
+/// gRPC status code `INVALID_ARGUMENT`.
+const INVALID_ARGUMENT: i32 = 3;
 
 /// Whether `error` says the user name or password was refused.
 pub(crate) fn is_auth_failure(error: &etcd_client::Error) -> bool {
@@ -173,6 +175,13 @@ pub(crate) fn map(error: etcd_client::Error, what: &str) -> LockError {
     if let Some(diagnosed) = diagnosis(what, &error) {
         return diagnosed.with_source(error);
     }
+    if is_too_many_ops(&error) {
+        // Final, not transient: the same transaction is refused again.
+        let message = format!(
+            "etcd refused a transaction with more operations than its --max-txn-ops allows; distlock needs at least {MIN_TXN_OPS} (etcd's default is 128): raise --max-txn-ops on the server ({error})"
+        );
+        return LockError::config(request_message(what, message)).with_source(error);
+    }
     let (kind, message): (fn(String) -> LockError, String) = match &error {
         etcd_client::Error::GRpcStatus(status) if status.code() as i32 == PERMISSION_DENIED => (
             LockError::config,
@@ -194,6 +203,18 @@ pub(crate) fn map(error: etcd_client::Error, what: &str) -> LockError {
     kind(request_message(what, message)).with_source(error)
 }
 
+/// The fewest operations per transaction (etcd's `--max-txn-ops`) that
+/// every distlock request fits in.
+pub(crate) const MIN_TXN_OPS: usize = 8;
+
+/// Whether `error` is etcd refusing a transaction of more operations than
+/// its `--max-txn-ops`.
+pub(crate) fn is_too_many_ops(error: &etcd_client::Error) -> bool {
+    matches!(error, etcd_client::Error::GRpcStatus(status)
+        if status.code() as i32 == INVALID_ARGUMENT
+            && status.message().contains("too many operations in txn request"))
+}
+
 /// A closure for `map_err` that maps errors of the request `what`.
 pub(crate) fn mapper(what: &'static str) -> impl Fn(etcd_client::Error) -> LockError {
     move |error| map(error, what)
@@ -203,6 +224,26 @@ pub(crate) fn mapper(what: &'static str) -> impl Fn(etcd_client::Error) -> LockE
 mod tests {
     use super::*;
     use distlock_core::{ErrorKind, IN_LOCK_CALL};
+
+    /// A transaction above the server's `--max-txn-ops` is a
+    /// configuration error (refused again if resent), naming the setting.
+    #[test]
+    fn too_many_operations_names_the_server_setting() {
+        let refused = etcd_client::Error::GRpcStatus(tonic::Status::new(
+            tonic::Code::InvalidArgument,
+            "etcdserver: too many operations in txn request",
+        ));
+        assert!(is_too_many_ops(&refused));
+        assert_eq!(failure(&refused), Failure::Final);
+        let mapped = map(refused, IN_LOCK_CALL);
+        assert_eq!(mapped.kind(), ErrorKind::Config);
+        assert!(mapped.message().contains("--max-txn-ops"), "{mapped}");
+        let other = etcd_client::Error::GRpcStatus(tonic::Status::new(
+            tonic::Code::InvalidArgument,
+            "etcdserver: key is not provided",
+        ));
+        assert!(!is_too_many_ops(&other));
+    }
 
     /// Inside a lock call the message is the failure alone (the client
     /// names the call); elsewhere it starts with the request.

@@ -71,7 +71,8 @@
 //! request, shared: the guards of one client and TTL renew together, and
 //! one transaction reads up to 128 of their keys (etcd's default
 //! `--max-txn-ops`; a server that refuses that many gets smaller
-//! transactions from then on), each checked on its own (created at its
+//! transactions from then on; distlock needs at least 8, and the
+//! conformance suite passes against a server with 8), each checked on its own (created at its
 //! fencing token, holding its owner's value, still on the session lease); locks
 //! without renewal get a lease of their own, two round trips, so their TTL
 //! is exact. See [`EtcdLock`] for the costs of each operation.

@@ -386,3 +386,19 @@ async fn renewal_batches_fit_a_server_with_fewer_txn_ops() {
         "refused twice, then split"
     );
 }
+
+/// On a server that takes fewer operations a transaction than a renewing
+/// acquire sends, the acquire fails at once with a configuration error
+/// that names the setting to raise (it was a transient "unavailable",
+/// which callers retry for as long as they wait).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_few_txn_ops_is_a_configuration_error() {
+    let server = ServerProcess::start(Arc::new(server::EtcdMaxTxnOps(2))).expect("etcd must start");
+    let client = connect(&server.url()).await;
+    let error = client
+        .try_acquire_renewing(&unique_key("few-ops"), Duration::from_secs(10))
+        .await
+        .expect_err("a transaction above the server's limit");
+    assert_eq!(error.kind(), ErrorKind::Config, "{error}");
+    assert!(error.to_string().contains("--max-txn-ops"), "{error}");
+}
