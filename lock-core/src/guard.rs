@@ -4,6 +4,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use tokio::task::AbortHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::lease::later;
@@ -52,11 +53,17 @@ impl fmt::Display for LostReason {
 #[derive(Debug, Clone, Default)]
 pub struct LostSignal {
     token: CancellationToken,
-    reason: Arc<Mutex<Option<LostReason>>>,
+    /// One allocation for both: a signal per held guard.
+    state: Arc<Mutex<LostState>>,
+}
+
+#[derive(Debug, Default)]
+struct LostState {
+    reason: Option<LostReason>,
     /// The current lease's stop moment. Moved only while not yet reached,
     /// so once lost by the clock, lost for good; cleared for good when the
     /// guard is given back.
-    stop_at: Arc<Mutex<StopMoment>>,
+    stop_at: StopMoment,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -77,11 +84,7 @@ impl LostSignal {
 
     /// Why the lock was lost, once it was.
     pub fn reason(&self) -> Option<LostReason> {
-        let reason = self
-            .reason
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let reason = self.state().reason.clone();
         reason.or_else(|| self.past_stop().then_some(LostReason::Expired))
     }
 
@@ -100,8 +103,12 @@ impl LostSignal {
         self.reason().unwrap_or(LostReason::Expired)
     }
 
+    fn state(&self) -> std::sync::MutexGuard<'_, LostState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn stop_at(&self) -> Option<Instant> {
-        match *self.stop_at.lock().unwrap_or_else(|e| e.into_inner()) {
+        match self.state().stop_at {
             StopMoment::At(at) => Some(at),
             StopMoment::Unset | StopMoment::Retired => None,
         }
@@ -114,33 +121,29 @@ impl LostSignal {
     /// The guard is given back: no stop moment any more (a released lock
     /// is not lost), unless it was already reached.
     fn retire(&self) {
-        let mut stop_at = self.stop_at.lock().unwrap_or_else(|e| e.into_inner());
-        match *stop_at {
+        let mut state = self.state();
+        match state.stop_at {
             StopMoment::At(at) if Instant::now() >= at => {}
-            _ => *stop_at = StopMoment::Retired,
+            _ => state.stop_at = StopMoment::Retired,
         }
     }
 
     /// Moves the stop moment to `at` (a renewed lease's); refused once
     /// the current one is reached: the lock was lost by then.
     fn move_stop(&self, at: Instant) -> bool {
-        let mut stop_at = self.stop_at.lock().unwrap_or_else(|e| e.into_inner());
-        match *stop_at {
+        let mut state = self.state();
+        match state.stop_at {
             StopMoment::At(reached) if Instant::now() >= reached => false,
             StopMoment::Retired => true,
             _ => {
-                *stop_at = StopMoment::At(at);
+                state.stop_at = StopMoment::At(at);
                 true
             }
         }
     }
 
     fn fire(&self, reason: LostReason) {
-        let mut slot = self.reason.lock().unwrap_or_else(|e| e.into_inner());
-        if slot.is_none() {
-            *slot = Some(reason);
-        }
-        drop(slot);
+        self.state().reason.get_or_insert(reason);
         self.token.cancel();
     }
 }
@@ -240,7 +243,9 @@ impl Shared {
 /// releases in the background on the current tokio runtime.
 pub struct LockGuard {
     shared: Arc<Shared>,
-    stop_renewal: CancellationToken,
+    /// The renewal task: aborted when the guard is given back (a token of
+    /// its own would cost an allocation per held guard).
+    renewal: AbortHandle,
     released: bool,
 }
 
@@ -281,16 +286,11 @@ impl LockGuard {
             // Fired before anyone can poll the job, not later from the task.
             shared.mark_lost(LostReason::Expired);
         }
-        let stop_renewal = CancellationToken::new();
-        tokio::spawn(keep_alive(
-            shared.clone(),
-            stop_renewal.clone(),
-            renew_period,
-            renew_until,
-        ));
+        let renewal =
+            tokio::spawn(keep_alive(shared.clone(), renew_period, renew_until)).abort_handle();
         Self {
             shared,
-            stop_renewal,
+            renewal,
             released: false,
         }
     }
@@ -373,7 +373,7 @@ impl LockGuard {
     }
 
     async fn release_with(mut self, now: bool) -> Result<(), LockError> {
-        self.stop_renewal.cancel();
+        self.renewal.abort();
         self.shared.lost.retire();
         let result = self.shared.release(now).await;
         // Only now: a drop before the answer must still release (Drop).
@@ -384,7 +384,7 @@ impl LockGuard {
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
-        self.stop_renewal.cancel();
+        self.renewal.abort();
         self.shared.lost.retire();
         if self.released {
             return;
@@ -407,12 +407,8 @@ const MIN_RENEW_GAP: Duration = Duration::from_millis(5);
 
 /// Renews `shared`'s lease every `period` until `renew_until`, and fires the
 /// lost signal when renewal is refused or the lease reaches its stop moment.
-async fn keep_alive(
-    shared: Arc<Shared>,
-    stop: CancellationToken,
-    period: Option<Duration>,
-    renew_until: Option<Instant>,
-) {
+/// Ends when aborted: the guard was given back.
+async fn keep_alive(shared: Arc<Shared>, period: Option<Duration>, renew_until: Option<Instant>) {
     if shared.lost.is_lost() {
         return;
     }
@@ -431,9 +427,12 @@ async fn keep_alive(
     let mut next_renewal = period.map(|p| due(shared.acquired_at, p));
     // When the current lease arrived.
     let mut got_at = Instant::now();
+    // One timer, reset for each wait: the task idles once per held guard,
+    // so its size is each guard's cost (a renewal in flight is boxed).
+    let sleep = tokio::time::sleep_until(got_at.into());
+    tokio::pin!(sleep);
     loop {
-        let lease = shared.lease();
-        let stop_at = shared.stop_moment(&lease);
+        let stop_at = shared.stop_moment(&shared.lease());
         // Renew every period, but at the latest halfway from the lease's
         // arrival to its stop moment, so a renewal always has time to be
         // retried. A lease may be valid for less than a period past its
@@ -444,28 +443,32 @@ async fn keep_alive(
         let renew_at = next_renewal
             .map(|at| at.min(halfway))
             .filter(|at| renew_until.is_none_or(|until| *at < until));
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep_until(stop_at.into()) => {
-                shared.mark_lost(LostReason::Expired);
-                return;
-            }
-            _ = sleep_until_opt(renew_at), if renew_at.is_some() => {}
+        sleep
+            .as_mut()
+            .reset(renew_at.map_or(stop_at, |at| at.min(stop_at)).into());
+        sleep.as_mut().await;
+        // Woken for a renewal after the stop moment (the runtime starved or
+        // froze): lost, as the stop moment's own wake-up would say.
+        if Instant::now() >= stop_at {
+            shared.mark_lost(LostReason::Expired);
+            return;
         }
         // Never extend beyond the max hold time.
+        let lease = shared.lease();
         let mut ttl = lease.ttl();
         if let Some(until) = renew_until {
             ttl = ttl.min(until.saturating_duration_since(Instant::now()));
         }
-        let extend = async {
+        let client = &shared.client;
+        let extend = Box::pin(async move {
             if ttl.is_zero() {
                 return Ok(None);
             }
-            shared.client.renew(&lease, ttl).await.map(Some)
-        };
+            client.renew(&lease, ttl).await.map(Some)
+        });
+        sleep.as_mut().reset(stop_at.into());
         let result = tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep_until(stop_at.into()) => {
+            _ = &mut sleep => {
                 if !ttl.is_zero() {
                     instrument::renewal(shared.client.name(), false);
                 }
@@ -498,6 +501,7 @@ async fn keep_alive(
             // guess (a misread transport failure is not a refusal).
             Err(e) if matches!(e.kind(), ErrorKind::NotHeld | ErrorKind::Corrupted) => {
                 if e.kind() != ErrorKind::NotHeld {
+                    let lease = shared.lease();
                     tracing::warn!(key = %lease.key(), fencing = %lease.fencing_token(), error = %e, kind = ?e.kind(), "lock renewal failed for good");
                 }
                 shared.mark_lost(LostReason::Refused);
@@ -507,6 +511,7 @@ async fn keep_alive(
                 // Transient: retry soon, well before the stop moment.
                 let left = stop_at.saturating_duration_since(Instant::now());
                 let retry = (left / 4).max(MIN_RENEW_GAP);
+                let lease = shared.lease();
                 tracing::warn!(key = %lease.key(), fencing = %lease.fencing_token(), error = %e, retry_in = ?retry, "lock renewal failed; retrying");
                 next_renewal = Some(later(Instant::now(), retry));
             }
