@@ -273,8 +273,9 @@ impl LeaderWatch {
     /// answered by the next one.
     pub async fn changed(&mut self) -> Result<Option<Leader>, LockError> {
         loop {
-            if self.watch.is_none() {
-                // Before the read, so a change right after it is not missed.
+            // Before the read, so a change right after it is not missed;
+            // only where the server notifies (else a call per poll).
+            if self.watch.is_none() && self.client.capabilities().holder_watch {
                 self.watch = self.client.watch_holder(&self.key).await?;
             }
             let now = self.client.inspect(&self.key).await?;
