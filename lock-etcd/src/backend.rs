@@ -321,7 +321,7 @@ impl LockBackend for EtcdLock {
             durable: true,
             // Renewing guards' locks share the session lease: one
             // transaction of reads confirms many.
-            extend_batch: txn::MAX_TXN_OPS,
+            extend_batch: txn::MAX_CONFIRM_BATCH,
             holder_ids: true,
             // Beside each permit, on its lease (see `keys`).
             permit_holder_ids: true,
@@ -349,11 +349,13 @@ impl LockBackend for EtcdLock {
     }
 
     /// Locks on a live session lease of this TTL (renewing guards') are
-    /// confirmed together: one transaction reading every key, at most
-    /// 128 a request (etcd's default `--max-txn-ops`, halved while the server
-    /// refuses that many), each lock checked on its own. The
-    /// others move to a new lease one by one, as `extend` does. A failed
-    /// transaction fails the call (a read: nothing was written).
+    /// confirmed together: one transaction of range reads over their sorted
+    /// keys, at most 1,024 locks and 128 ranges a request (etcd's default
+    /// `--max-txn-ops`, halved while the server refuses that many), each
+    /// lock checked on its own (a range cut short by others' keys is read
+    /// again key by key). The others move to a new lease one by one, as
+    /// `extend` does. A failed transaction fails the call (reads: nothing
+    /// was written).
     async fn extend_many(
         &self,
         locks: &[HeldLock<'_>],
@@ -361,8 +363,9 @@ impl LockBackend for EtcdLock {
     ) -> Result<Vec<Result<ExtendReply, LockError>>, LockError> {
         let layout = &self.etcd().layout;
         let sessions = &self.inner.sessions;
-        let mut replies: Vec<Option<Result<ExtendReply, LockError>>> =
-            locks.iter().map(|_| None).collect();
+        // (index in `locks`, its answer), put in order at the end.
+        let mut replies: Vec<(usize, Result<ExtendReply, LockError>)> =
+            Vec::with_capacity(locks.len());
         // Grouped by session lease (one, unless a session was replaced).
         let mut groups: Vec<(Arc<Session>, Vec<usize>)> = Vec::new();
         for (at, lock) in locks.iter().enumerate() {
@@ -376,14 +379,14 @@ impl LockBackend for EtcdLock {
                         None => groups.push((session, vec![at])),
                     }
                 }
-                None => replies[at] = Some(self.extend(*lock, ttl).await),
+                None => replies.push((at, self.extend(*lock, ttl).await)),
             }
         }
         for (session, members) in groups {
             let mut rest = members.as_slice();
             while !rest.is_empty() {
-                let limit = self.inner.txn_ops.load(Ordering::Relaxed);
-                let (chunk, after) = rest.split_at(limit.clamp(1, rest.len()));
+                let ranges = self.inner.txn_ops.load(Ordering::Relaxed);
+                let (chunk, after) = rest.split_at(txn::MAX_CONFIRM_BATCH.min(rest.len()));
                 let attached: Vec<Attached> = chunk
                     .iter()
                     .map(|&at| Attached::lock(layout, locks[at].key, locks[at].owner))
@@ -393,37 +396,29 @@ impl LockBackend for EtcdLock {
                     .zip(chunk)
                     .map(|(attached, &at)| (attached, locks[at].fencing))
                     .collect();
-                match sessions.confirm_many(&items, &session).await {
+                match sessions.confirm_many(&items, &session, ranges).await {
                     Ok(answers) => {
-                        for (&at, answer) in chunk.iter().zip(answers) {
-                            replies[at] = Some(Ok(answer));
-                        }
+                        replies.extend(chunk.iter().zip(answers).map(|(&at, a)| (at, Ok(a))));
                         rest = after;
                     }
                     // A server run with a lower --max-txn-ops: smaller
                     // transactions from now on (a refused one read nothing).
-                    Err(e) if chunk.len() > 1 && too_many_ops(&e) => {
-                        let fewer = chunk.len() / 2;
+                    Err(e) if txn::range_reads(chunk.len(), ranges) > 1 && too_many_ops(&e) => {
+                        let sent = txn::range_reads(chunk.len(), ranges);
+                        let fewer = sent / 2;
                         self.inner.txn_ops.store(fewer, Ordering::Relaxed);
                         tracing::warn!(
-                            refused = chunk.len(),
+                            refused = sent,
                             now = fewer,
-                            "etcd refused a transaction of {} reads (its --max-txn-ops is lower): renewals now read at most {fewer} keys a request",
-                            chunk.len()
+                            "etcd refused a transaction of {sent} reads (its --max-txn-ops is lower): renewals now send at most {fewer} reads a request"
                         );
                     }
                     Err(e) => return Err(e),
                 }
             }
         }
-        Ok(replies
-            .into_iter()
-            .map(|reply| {
-                reply.unwrap_or_else(|| {
-                    Err(LockError::unavailable("a lock of the batch got no answer"))
-                })
-            })
-            .collect())
+        replies.sort_by_key(|(at, _)| *at);
+        Ok(replies.into_iter().map(|(_, reply)| reply).collect())
     }
 
     async fn release(&self, lock: HeldLock<'_>) -> Result<ReleaseReply, LockError> {

@@ -31,7 +31,7 @@ use distlock_core::{
     AcquireReply, AcquireRequest, ExtendReply, FencingToken, Grant, LockError, LockKey, OwnerToken,
     IN_LOCK_CALL,
 };
-use etcd_client::{Txn, TxnOpResponse, TxnResponse};
+use etcd_client::{KeyValue, Txn, TxnOpResponse, TxnResponse};
 use tokio::sync::watch;
 
 use crate::connection::Etcd;
@@ -57,6 +57,13 @@ pub(crate) fn session_lease_of(handle: u64) -> Option<i64> {
     (handle & SESSION_BIT != 0)
         .then(|| i64::try_from(handle & !SESSION_BIT).ok())
         .flatten()
+}
+
+/// etcd answered a transaction of `sent` reads with `got` responses.
+fn answer_count(sent: usize, got: usize) -> LockError {
+    LockError::unavailable(format!(
+        "etcd answered a transaction of {sent} reads with {got} responses; try again"
+    ))
 }
 
 /// One acquisition's key on a session lease, a lock or a permit: what the
@@ -376,35 +383,76 @@ impl Sessions {
     }
 
     /// [`confirm`](Self::confirm) for many locks or permits of `session`
-    /// in one transaction of reads (at most [`txn::MAX_TXN_OPS`]): one
-    /// answer per item, in order, each checked as `confirm`'s compares
-    /// check it (created at its fencing token, its value if it has one,
-    /// still on the session lease).
+    /// (at most [`txn::MAX_CONFIRM_BATCH`]) in one transaction of at most
+    /// `ranges` range reads over their sorted keys (see
+    /// [`txn::read_ranges`]), and a second of single reads only for keys a
+    /// range cut short did not reach: one answer per item, in order, each
+    /// checked as `confirm`'s compares check it (created at its fencing
+    /// token, its value if it has one, still on the session lease). Reads
+    /// only: a resend is safe.
     pub(crate) async fn confirm_many(
         &self,
         items: &[(&Attached, FencingToken)],
         session: &Session,
+        ranges: usize,
     ) -> Result<Vec<ExtendReply>, LockError> {
         // After the client's send time, as in `acquire`.
         let renewed_at = Instant::now();
-        let read = txn::read_many(items.iter().map(|(attached, _)| attached.key.as_slice()));
+        let mut sorted: Vec<usize> = (0..items.len()).collect();
+        sorted.sort_by(|&a, &b| items[a].0.key.cmp(&items[b].0.key));
+        let keys: Vec<&[u8]> = sorted
+            .iter()
+            .map(|&at| items[at].0.key.as_slice())
+            .collect();
+        let (read, runs) = txn::read_ranges(&keys, ranges);
         let reply = self.etcd.run_txn(IN_LOCK_CALL, Repeat::Safe, read).await?;
         let reads = reply.op_responses();
-        if reads.len() != items.len() {
-            return Err(LockError::unavailable(format!(
-                "etcd answered a transaction of {} reads with {} responses; try again",
-                items.len(),
-                reads.len()
-            )));
+        if reads.len() != runs.len() {
+            return Err(answer_count(runs.len(), reads.len()));
+        }
+        // Each item's entry: `Some(None)` read and absent, `None` not
+        // reached by its range.
+        let mut entries: Vec<Option<Option<KeyValue>>> = vec![None; items.len()];
+        for (run, read) in runs.into_iter().zip(reads) {
+            let TxnOpResponse::Get(range) = read else {
+                return Err(LockError::unavailable(
+                    "etcd answered a range read with another kind of response; try again",
+                ));
+            };
+            let by_key: HashMap<&[u8], &KeyValue> =
+                range.kvs().iter().map(|kv| (kv.key(), kv)).collect();
+            // Past the last entry of a range cut short, nothing was read.
+            let reached = range.kvs().iter().map(KeyValue::key).max();
+            for at in run {
+                let key = keys[at];
+                entries[sorted[at]] = match by_key.get(key) {
+                    Some(kv) => Some(Some((*kv).clone())),
+                    None if !range.more() || reached.is_some_and(|last| key <= last) => Some(None),
+                    None => None,
+                };
+            }
+        }
+        let unread: Vec<usize> = (0..items.len())
+            .filter(|&at| entries[at].is_none())
+            .collect();
+        for chunk in unread.chunks(ranges.max(1)) {
+            let read = txn::read_many(chunk.iter().map(|&at| items[at].0.key.as_slice()));
+            let reply = self.etcd.run_txn(IN_LOCK_CALL, Repeat::Safe, read).await?;
+            let reads = reply.op_responses();
+            if reads.len() != chunk.len() {
+                return Err(answer_count(chunk.len(), reads.len()));
+            }
+            for (&at, read) in chunk.iter().zip(reads) {
+                entries[at] = Some(match read {
+                    TxnOpResponse::Get(range) => range.kvs().first().cloned(),
+                    _ => None,
+                });
+            }
         }
         let confirmed = session.confirmed_sent_at();
         let mut answers = Vec::with_capacity(items.len());
-        for ((attached, fencing), read) in items.iter().zip(reads) {
-            let kv = match &read {
-                TxnOpResponse::Get(range) => range.kvs().first(),
-                _ => None,
-            };
-            let ours = kv.is_some_and(|kv| {
+        for ((attached, fencing), entry) in items.iter().zip(entries) {
+            let ours = entry.flatten().is_some_and(|kv| {
                 u64::try_from(kv.create_revision()).ok() == Some(fencing.get())
                     && kv.lease() == session.lease_id()
                     && attached

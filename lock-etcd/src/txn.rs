@@ -271,13 +271,70 @@ fn move_label(label_key: &[u8], new_lease_id: i64) -> TxnOp {
 }
 
 /// The most operations etcd takes in one transaction by default
-/// (`--max-txn-ops`): a batched confirm reads at most this many keys.
+/// (`--max-txn-ops`): a batched confirm sends at most this many reads.
 pub(crate) const MAX_TXN_OPS: usize = 128;
 
-/// The batched confirm (see [`confirm`]): one linearizable read of each
-/// key, no compare; the client checks each reply as `confirm`'s compares
-/// would. Every read is linearizable (the default), so the transaction is
-/// served by the leader's state, as `confirm` is.
+/// The most locks one batched confirm answers: they are read as ranges
+/// over runs of their sorted keys, at most `--max-txn-ops` ranges a
+/// transaction.
+pub(crate) const MAX_CONFIRM_BATCH: usize = 1024;
+
+/// The batched confirm (see [`confirm`]), first read: `keys` (sorted) as at
+/// most `ranges` linearizable range reads, each over a run of consecutive
+/// keys, so one transaction reads more keys than `--max-txn-ops`. The
+/// client checks each key's entry as `confirm`'s compares would. A range
+/// also returns whatever else lies between its keys (holder labels, other
+/// clients' locks), at most [`range_limit`] entries; where that limit cuts
+/// it short (its reply says `more`), the keys past its last entry are read
+/// again alone ([`read_many`]). Returns the transaction and each range's
+/// run, as index ranges into `keys`. Every read is linearizable (the
+/// default), so the transaction is served by the leader's state, as
+/// `confirm` is.
+pub(crate) fn read_ranges(keys: &[&[u8]], ranges: usize) -> (Txn, Vec<std::ops::Range<usize>>) {
+    let runs = runs(keys.len(), ranges);
+    let reads = runs
+        .iter()
+        .map(|run| {
+            let first = keys[run.start];
+            // The smallest key after the run's last: the range includes it.
+            let mut end = keys[run.end - 1].to_vec();
+            end.push(0);
+            TxnOp::get(
+                first,
+                Some(
+                    GetOptions::new()
+                        .with_range(end)
+                        .with_limit(range_limit(run.len())),
+                ),
+            )
+        })
+        .collect::<Vec<_>>();
+    (Txn::new().and_then(reads), runs)
+}
+
+/// How many range reads [`read_ranges`] sends for `n` keys.
+pub(crate) fn range_reads(n: usize, ranges: usize) -> usize {
+    runs(n, ranges).len()
+}
+
+/// `n` items in at most `ranges` runs of nearly equal length (none empty).
+fn runs(n: usize, ranges: usize) -> Vec<std::ops::Range<usize>> {
+    let per = n.div_ceil(ranges.max(1)).max(1);
+    (0..n)
+        .step_by(per)
+        .map(|start| start..(start + per).min(n))
+        .collect()
+}
+
+/// The most entries a range over `keys` of ours returns: each key, its
+/// holder label and room for some foreign keys between them. A bound, so a
+/// namespace crowded with other keys cannot make one reply huge.
+fn range_limit(keys: usize) -> i64 {
+    i64::try_from(keys.saturating_mul(3).saturating_add(16)).unwrap_or(i64::MAX)
+}
+
+/// The batched confirm's second read (see [`read_ranges`]): one
+/// linearizable read of each key, for keys a cut-short range did not reach.
 pub(crate) fn read_many<'a>(keys: impl IntoIterator<Item = &'a [u8]>) -> Txn {
     Txn::new().and_then(
         keys.into_iter()
@@ -533,6 +590,27 @@ mod tests {
     use etcd_client::Client;
 
     use super::*;
+
+    /// Every item in exactly one run, in order, at most `ranges` runs.
+    #[test]
+    fn runs_cover_every_item_once() {
+        for (n, ranges) in [
+            (1, 128),
+            (10, 128),
+            (128, 128),
+            (129, 128),
+            (1024, 128),
+            (10, 3),
+            (10, 0),
+            (7, 1),
+        ] {
+            let runs = runs(n, ranges);
+            assert!(runs.len() <= ranges.max(1), "{n} in {ranges}: {runs:?}");
+            assert!(runs.iter().all(|r| !r.is_empty()), "{runs:?}");
+            let covered: Vec<usize> = runs.iter().flat_map(|r| r.clone()).collect();
+            assert_eq!(covered, (0..n).collect::<Vec<_>>(), "{n} in {ranges}");
+        }
+    }
 
     async fn etcd() -> (ServerProcess, Client, i64) {
         let server = ServerProcess::start(Arc::new(Etcd)).expect("an etcd server must start");

@@ -307,14 +307,26 @@ async fn ten_renewing_locks(lock: &EtcdLock) -> Vec<(LockKey, OwnerToken, u64, u
 }
 
 /// The batched renewal of 10 session locks whose 4th key was deleted
-/// behind the client's back: one answer per lock, only that one not held.
-async fn renew_ten_with_one_gone(url: &str) -> (Vec<ExtendReply>, BTreeMap<String, u64>) {
+/// behind the client's back, with `foreign` keys of someone else's right
+/// after each lock's key (inside any range read over two of them): one
+/// answer per lock, only that one not held.
+async fn renew_ten_with_one_gone(
+    url: &str,
+    foreign: usize,
+) -> (Vec<ExtendReply>, BTreeMap<String, u64>) {
     let ns = unique_name("batch");
     let lock = EtcdLock::connect(&format!("{url}?namespace={ns}"))
         .await
         .expect("connect");
     let taken = ten_renewing_locks(&lock).await;
     let mut raw = raw_client(url).await;
+    for (key, ..) in &taken {
+        for n in 0..foreign {
+            raw.put(format!("{ns}/lock/{key}/other-{n:03}"), "x", None)
+                .await
+                .expect("a foreign key");
+        }
+    }
     // Test keys need no escaping.
     let gone = format!("{ns}/lock/{}", taken[3].0);
     raw.delete(gone, None)
@@ -360,7 +372,7 @@ fn assert_only_the_fourth_gone(replies: &[ExtendReply]) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_locks_renew_in_one_request_each_answered_alone() {
     let server = own_server();
-    let (replies, requests) = renew_ten_with_one_gone(&server.url()).await;
+    let (replies, requests) = renew_ten_with_one_gone(&server.url(), 0).await;
     assert_only_the_fourth_gone(&replies);
     assert_eq!(
         requests,
@@ -377,13 +389,31 @@ async fn session_locks_renew_in_one_request_each_answered_alone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewal_batches_fit_a_server_with_fewer_txn_ops() {
     let server = ServerProcess::start(Arc::new(server::EtcdMaxTxnOps(8))).expect("etcd must start");
-    let (replies, requests) = renew_ten_with_one_gone(&server.url()).await;
+    let (replies, requests) = renew_ten_with_one_gone(&server.url(), 0).await;
     assert_only_the_fourth_gone(&replies);
-    // 10 refused, then two of 5.
+    // 10 reads refused, then 5 range reads of 2 keys each.
+    assert_eq!(
+        requests,
+        BTreeMap::from([("Txn".to_owned(), 2)]),
+        "refused once, then fewer reads"
+    );
+}
+
+/// Range reads cut short by someone else's keys between ours: each range
+/// over two locks (a server taking 8 operations a transaction) returns the
+/// first lock and its 30 neighbours up to the range's limit, not the
+/// second lock; the locks not reached are read again alone, never taken
+/// for gone. (A lock a range did not reach must not read as deleted.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranges_cut_short_are_read_again_key_by_key() {
+    let server = ServerProcess::start(Arc::new(server::EtcdMaxTxnOps(8))).expect("etcd must start");
+    let (replies, requests) = renew_ten_with_one_gone(&server.url(), 30).await;
+    assert_only_the_fourth_gone(&replies);
+    // Refused; 5 ranges, each cut short; the 5 second keys alone.
     assert_eq!(
         requests,
         BTreeMap::from([("Txn".to_owned(), 3)]),
-        "refused twice, then split"
+        "refused, ranges, then the keys not reached"
     );
 }
 
