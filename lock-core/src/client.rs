@@ -3,7 +3,9 @@
 
 use std::fmt;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
@@ -713,6 +715,54 @@ impl LockClient {
         }
     }
 
+    /// One attempt for a caller that does not wait, polled inline: no task,
+    /// no channel (a waiting acquisition's task costs a spawn and a hop per
+    /// call). `Ok(None)` if the lock is held. Cancel-safe as
+    /// [`acquire_until`](Self::acquire_until): if this future is dropped
+    /// while the attempt is in flight, a settling attempt with its owner
+    /// token gives back what it took at once, and the attempt itself is
+    /// finished on a task of its own, which releases a lock it is granted.
+    /// An attempt whose outcome is unknown (a transient error) is settled
+    /// in the background, as after a waiting acquisition's last attempt.
+    pub(crate) async fn try_once(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+        attempt: Attempt,
+    ) -> Result<Option<Lease>, LockError> {
+        let span = tracing::debug_span!("distlock.acquire", backend = self.name(), key = %key);
+        let started = Instant::now();
+        let owner = OwnerToken::random();
+        let (client, task_key, task_attempt) = (self.clone(), key.clone(), attempt.clone());
+        let in_flight = InFlight {
+            attempt: Some(Box::pin(async move {
+                client.attempt(&task_key, ttl, &task_attempt, owner).await
+            })),
+            client: self.clone(),
+            key: key.clone(),
+            ttl,
+            kind: attempt.clone(),
+            owner,
+        };
+        let result = match in_flight.instrument(span).await {
+            Ok(AcquireAttempt::Acquired(lease)) => Ok(Some(lease)),
+            Ok(AcquireAttempt::Held { .. }) => Ok(None),
+            Err(e) => {
+                if e.is_transient() {
+                    self.settle_in_background(key, ttl, &attempt, owner);
+                }
+                Err(e)
+            }
+        };
+        let outcome = match &result {
+            Ok(Some(_)) => "acquired",
+            Ok(None) => "timed_out",
+            Err(_) => "error",
+        };
+        instrument::waited(self.name(), outcome, started.elapsed());
+        result
+    }
+
     /// Releases a lease nobody will use, on its own task so that dropping
     /// the caller's future cannot abandon the release; waits for it.
     pub(crate) async fn release_unused(&self, lease: Lease) {
@@ -849,6 +899,54 @@ fn on_lease(lease: &Lease, lock: &'static str, permit: &'static str) -> &'static
 /// if the server's clock for it started before (a session lease).
 fn valid_from(sent_at: Instant, clock_started: Option<Instant>) -> Instant {
     clock_started.map_or(sent_at, |at| at.min(sent_at))
+}
+
+/// One acquisition attempt, owned (it can move to a background task).
+type AttemptFuture = Pin<Box<dyn Future<Output = Result<AcquireAttempt, LockError>> + Send>>;
+
+/// The attempt of [`LockClient::try_once`], polled by its caller. Dropped
+/// unfinished (its caller left while it was in flight), it is handed to a
+/// background task as the waiting loop hands over a cancelled attempt: a
+/// settling attempt beside it adopts and releases what it took, and a lock
+/// it is granted when its reply comes is released.
+struct InFlight {
+    attempt: Option<AttemptFuture>,
+    client: LockClient,
+    key: LockKey,
+    ttl: Duration,
+    kind: Attempt,
+    owner: OwnerToken,
+}
+
+impl Future for InFlight {
+    type Output = Result<AcquireAttempt, LockError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(attempt) = self.attempt.as_mut() else {
+            // Polled again after it answered: never by `try_once`.
+            return Poll::Pending;
+        };
+        let result = std::task::ready!(attempt.as_mut().poll(cx));
+        self.attempt = None;
+        Poll::Ready(result)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let Some(attempt) = self.attempt.take() else {
+            return;
+        };
+        tracing::debug!(key = %self.key, "try-acquire dropped with its attempt in flight; a lock it takes is given back in the background");
+        self.client
+            .settle_in_background(&self.key, self.ttl, &self.kind, self.owner);
+        let client = self.client.clone();
+        self.client.spawn_background(async move {
+            if let Ok(AcquireAttempt::Acquired(lease)) = attempt.await {
+                let _ = client.release(&lease).await;
+            }
+        });
+    }
 }
 
 /// The caller's end of a waiting acquisition. If the caller's future is

@@ -184,7 +184,7 @@ impl Locker {
     ) -> Result<Option<Leadership>, LockError> {
         let options = campaign_options(options, identity);
         let guard = self
-            .lock_until(key, &options, deadline, std::future::pending())
+            .lock_until(key, &options, Some(deadline), std::future::pending())
             .await?;
         Ok(guard.map(|guard| Leadership {
             guard,

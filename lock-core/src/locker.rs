@@ -56,7 +56,7 @@ impl Locker {
         key: &LockKey,
         options: &LockOptions,
     ) -> Result<Option<LockGuard>, LockError> {
-        self.lock_until(key, options, Instant::now(), std::future::pending())
+        self.lock_until(key, options, None, std::future::pending())
             .await
     }
 
@@ -105,14 +105,16 @@ impl Locker {
         C: Future<Output = ()>,
     {
         let deadline = later(Instant::now(), options.wait());
-        self.lock_until(key, options, deadline, cancel).await
+        self.lock_until(key, options, Some(deadline), cancel).await
     }
 
+    /// Acquires a guard for `key`: one inline attempt without a
+    /// `deadline` (`cancel` is then never polled), else waiting until it.
     pub(crate) async fn lock_until<C: Future<Output = ()>>(
         &self,
         key: &LockKey,
         options: &LockOptions,
-        deadline: Instant,
+        deadline: Option<Instant>,
         cancel: C,
     ) -> Result<Option<LockGuard>, LockError> {
         self.check(options)?;
@@ -123,17 +125,25 @@ impl Locker {
             .held_by(options.holder().cloned());
         tokio::pin!(cancel);
         let lease = loop {
-            let lease = self
-                .client
-                .acquire_until(
-                    key,
-                    options.request_ttl(),
-                    deadline,
-                    attempt.clone(),
-                    Some(options.clone()),
-                    &mut cancel,
-                )
-                .await?;
+            let lease = match deadline {
+                None => {
+                    self.client
+                        .try_once(key, options.request_ttl(), attempt.clone())
+                        .await?
+                }
+                Some(deadline) => {
+                    self.client
+                        .acquire_until(
+                            key,
+                            options.request_ttl(),
+                            deadline,
+                            attempt.clone(),
+                            Some(options.clone()),
+                            &mut cancel,
+                        )
+                        .await?
+                }
+            };
             let Some(lease) = lease else {
                 tracing::info!(key = %key, "lock held elsewhere; not acquired");
                 return Ok(None);
@@ -151,7 +161,7 @@ impl Locker {
             tracing::warn!(key = %key, fencing = %lease.fencing_token(), ?late, "lock granted inside its stop margin; releasing it unused");
             let ttl = lease.ttl();
             self.client.release_unused(lease).await;
-            if Instant::now() >= deadline {
+            if deadline.is_none_or(|deadline| Instant::now() >= deadline) {
                 return Err(LockError::timeout(format!(
                     "lock {key:?} was granted {late:?} after the request was sent, too late to use: less than the stop margin {margin:?} of its {ttl:?} TTL was left. It was released and nothing ran; the server or network is too slow for this TTL: retry, or use a longer TTL"
                 )));

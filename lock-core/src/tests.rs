@@ -143,18 +143,39 @@ async fn try_lock_with_a_lost_reply_leaves_nothing_held() {
     assert_eq!(backend.server.held_count(), 0, "the orphan was given back");
 }
 
-/// A waiting acquire cancelled while its attempt is in flight (applied,
-/// its reply held by the server) returns at once, and the lock that
-/// attempt took is given back without waiting for that reply: a settling
-/// attempt with the same owner token adopts it, and it is released.
-#[tokio::test]
-async fn cancel_gives_back_what_an_attempt_in_flight_took() {
+/// A backend whose attempts are applied and never answered (settling ones
+/// excepted), a client and a locker over it.
+fn stalling() -> (Arc<Faulty>, LockClient, Locker) {
     let backend = Arc::new(Faulty {
         stall_replies: true,
         ..Faulty::default()
     });
     let client = LockClient::new(backend.clone());
     let locker = Locker::new(client.clone());
+    (backend, client, locker)
+}
+
+/// Waits until the lock a stalled attempt took was given back, by one
+/// settling attempt (not by its reply, which never comes).
+async fn given_back_by_one_settling_attempt(backend: &Faulty) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while backend.server.held_count() != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the lock the stalled attempt took is still held: nothing gave it back while its reply was pending"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(backend.settling_attempts.load(Ordering::SeqCst), 1);
+}
+
+/// A waiting acquire cancelled while its attempt is in flight (applied,
+/// its reply held by the server) returns at once, and the lock that
+/// attempt took is given back without waiting for that reply: a settling
+/// attempt with the same owner token adopts it, and it is released.
+#[tokio::test]
+async fn cancel_gives_back_what_an_attempt_in_flight_took() {
+    let (backend, _client, locker) = stalling();
     let options = LockOptions::new(TTL).with_wait(Duration::from_secs(3600));
     let applied = backend.applied.notified();
     let acquired = tokio::time::timeout(
@@ -167,15 +188,33 @@ async fn cancel_gives_back_what_an_attempt_in_flight_took() {
         acquired.unwrap().is_none(),
         "a cancelled acquire gets no guard"
     );
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while backend.server.held_count() != 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the lock the stalled attempt took is still held: nothing gave it back while its reply was pending"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
+    given_back_by_one_settling_attempt(&backend).await;
+}
+
+/// A single try runs its attempt on the caller's task (no background task
+/// while it is in flight), and dropped while that attempt is in flight
+/// (applied, its reply held by the server) it still leaves nothing held: a
+/// settling attempt with the same owner token adopts the lock and
+/// releases it.
+#[tokio::test]
+async fn try_lock_runs_inline_and_dropped_in_flight_gives_back_what_it_took() {
+    let (backend, client, locker) = stalling();
+    let options = LockOptions::new(TTL);
+    let key = key();
+    let applied = backend.applied.notified();
+    {
+        let attempt = locker.try_lock(&key, &options);
+        tokio::pin!(attempt);
+        tokio::select! {
+            _ = &mut attempt => panic!("a stalled attempt answered"),
+            () = applied => {}
+        }
+        assert_eq!(backend.server.held_count(), 1);
+        tokio::time::timeout(Duration::from_secs(10), client.idle())
+            .await
+            .expect("no background task while a try is in flight: it runs inline");
     }
-    assert_eq!(backend.settling_attempts.load(Ordering::SeqCst), 1);
+    given_back_by_one_settling_attempt(&backend).await;
 }
 
 /// A renewal answered `Corrupted` (the lock was overwritten by a value

@@ -75,7 +75,10 @@ impl Commands {
                 Checkout::new(Conn::Cluster(conn), Origin::Cluster(cluster, generation))
             }
             Commands::Sentinel(primary) => {
-                let (conn, generation) = primary.connection().await?;
+                // Boxed: finding the primary is a future of several KB,
+                // which every request's future (and each move of it, a
+                // memcpy) would otherwise carry on every topology.
+                let (conn, generation) = Box::pin(primary.connection()).await?;
                 Checkout::new(Conn::Node(conn), Origin::Sentinel(primary, generation))
             }
         })

@@ -110,13 +110,23 @@ impl RedisKeys {
         tag: &str,
         [lock, fence, gone, waiters, channel, holder]: [&str; 6],
     ) -> Self {
+        // `NS:{tag}:suffix`, each in one allocation of its exact size
+        // (every operation builds these: `format!` grew each string in
+        // several reallocations).
+        let name = |suffix: &str| {
+            let mut name = String::with_capacity(namespace.len() + tag.len() + suffix.len() + 4);
+            for part in [namespace, ":{", tag, "}:", suffix] {
+                name.push_str(part);
+            }
+            name
+        };
         Self {
-            lock: format!("{namespace}:{{{tag}}}:{lock}"),
-            fence: format!("{namespace}:{{{tag}}}:{fence}"),
-            gone: format!("{namespace}:{{{tag}}}:{gone}"),
-            waiters: format!("{namespace}:{{{tag}}}:{waiters}"),
-            channel: format!("{namespace}:{{{tag}}}:{channel}"),
-            holder: format!("{namespace}:{{{tag}}}:{holder}"),
+            lock: name(lock),
+            fence: name(fence),
+            gone: name(gone),
+            waiters: name(waiters),
+            channel: name(channel),
+            holder: name(holder),
         }
     }
 }
@@ -255,6 +265,22 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The names servers hold are `NS:{escaped key}:suffix`, exactly.
+    #[test]
+    fn names_are_namespace_tag_and_suffix() {
+        let key = LockKey::new("a{b}").unwrap();
+        let lock = RedisKeys::new("ns", &key);
+        assert_eq!(lock.lock, "ns:{a%7Bb%7D}:lock");
+        assert_eq!(lock.fence, "ns:{a%7Bb%7D}:fence");
+        assert_eq!(lock.gone, "ns:{a%7Bb%7D}:gone");
+        assert_eq!(lock.waiters, "ns:{a%7Bb%7D}:waiters");
+        assert_eq!(lock.channel, "ns:{a%7Bb%7D}:released");
+        assert_eq!(lock.holder, "ns:{a%7Bb%7D}:holder");
+        let semaphore = RedisKeys::semaphore("ns", &key);
+        assert_eq!(semaphore.lock, "ns:{a%7Bb%7D}:sem:permits");
+        assert_eq!(semaphore.holder, "ns:{a%7Bb%7D}:sem:holder");
     }
 
     #[test]
