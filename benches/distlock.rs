@@ -15,12 +15,14 @@
 //! renewal cost of H held guards (each H in a child process, so resident
 //! memory is measured from a clean heap); for Redis, the job-facing pair
 //! beside the `rslock` crate's and a raw fenced pair; the state a namespace
-//! keeps after 10,000 distinct fired keys, and after a retention. Prints a
-//! table and writes `target/distlock-bench.json`.
+//! keeps after 10,000 distinct fired keys, and after a retention; crowds
+//! (256 tasks on one key, 512 over 64 keys, through `Locker::acquire` on a
+//! multi-thread runtime) beside the raw acquire write and a round trip of
+//! the same run. Prints a table and writes `target/distlock-bench.json`.
 //!
 //! `DISTLOCK_BENCH_ONLY=redis,etcd` runs only those backends,
 //! `DISTLOCK_BENCH_ROWS=peer,state` only those row groups (`uncontended`,
-//! `handoff`, `renewal`, `peer`, `state`).
+//! `handoff`, `renewal`, `peer`, `state`, `crowd`).
 //!
 //! Nothing wraps the library client while it is timed: the servers count
 //! their own work (Redis `INFO commandstats`, etcd's gRPC counters,
@@ -30,9 +32,12 @@
 //!
 //! Modules: `plan` (run sizes), `servers` (start, pin, /proc readings),
 //! `probe` (server counters and versions), `raw` (the driver baselines),
-//! `uncontended`, `handoff`, `renewal`, `peer`, `state` (the scenarios),
+//! `uncontended`, `handoff`, `renewal`, `peer`, `state`, `crowd` (the
+//! scenarios),
 //! `report` (table and JSON).
 
+#[path = "distlock/crowd.rs"]
+mod crowd;
 #[path = "distlock/handoff.rs"]
 mod handoff;
 #[path = "distlock/peer.rs"]
@@ -172,6 +177,13 @@ fn run(plan: Plan) -> BenchResult<()> {
             plan::PEER_BATCH
         );
     }
+    if plan.wants("crowd") {
+        let _ = writeln!(
+            header,
+            "crowd: a multi-thread runtime of {} workers per backend (pinned with the process), one client per scenario shared by all its tasks",
+            crowd::CROWD_WORKERS
+        );
+    }
     if !plan.only_rows.is_empty() {
         let _ = writeln!(header, "row groups: {}", plan.only_rows.join(", "));
     }
@@ -181,8 +193,12 @@ fn run(plan: Plan) -> BenchResult<()> {
     for server in &servers {
         let t = Instant::now();
         let backend_rows = runtime.block_on(bench_backend(&plan, server))?;
-        eprintln!("[{}] done in {:.1?}", server.backend.name(), t.elapsed());
         rows.extend(backend_rows);
+        // Its own multi-thread runtime, built outside the main one.
+        if plan.wants("crowd") {
+            rows.extend(crowd::rows(&plan, server)?);
+        }
+        eprintln!("[{}] done in {:.1?}", server.backend.name(), t.elapsed());
     }
     drop(runtime);
 

@@ -37,12 +37,21 @@ pub struct Plan {
     /// Pairs per contender of the Redis peer row, run in batches of
     /// [`PEER_BATCH`].
     pub peer_pairs: usize,
+    /// How long each crowd scenario runs (its acquires then drain).
+    pub crowd_duration: Duration,
     /// The row groups to run (`DISTLOCK_BENCH_ROWS`); empty for all.
     pub only_rows: Vec<String>,
 }
 
 /// The row groups `DISTLOCK_BENCH_ROWS` may name.
-pub const ROW_GROUPS: [&str; 5] = ["uncontended", "handoff", "renewal", "peer", "state"];
+pub const ROW_GROUPS: [&str; 6] = [
+    "uncontended",
+    "handoff",
+    "renewal",
+    "peer",
+    "state",
+    "crowd",
+];
 
 /// Pairs per batch of the Redis peer row: the three contenders alternate
 /// batch by batch.
@@ -69,6 +78,7 @@ impl Plan {
                 renewal_window: Duration::from_secs(4),
                 renewal_ttl: Duration::from_secs(3),
                 peer_pairs: 1_000,
+                crowd_duration: Duration::from_secs(5),
                 only_rows: Vec::new(),
             }
         } else {
@@ -84,6 +94,7 @@ impl Plan {
                 renewal_window: Duration::from_secs(30),
                 renewal_ttl: Duration::from_secs(15),
                 peer_pairs: 2_000,
+                crowd_duration: Duration::from_secs(15),
                 only_rows: Vec::new(),
             }
         }

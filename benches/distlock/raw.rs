@@ -3,7 +3,8 @@
 //! channel; PostgreSQL: a pool of 8 with no health-check ping), issuing the
 //! minimal commands of an acquire + release itself (PostgreSQL: the
 //! library's own two statements, `distlock_postgres::StatementTexts`, so the
-//! baseline cannot drift from what the backend sends).
+//! baseline cannot drift from what the backend sends). The acquire half
+//! alone can be timed (the crowd rows' baseline write).
 //!
 //! The same for a permit of a semaphore: Redis, one script that drops
 //! expired permits from a sorted set, counts, takes the next fencing token
@@ -20,7 +21,7 @@
 //! namespace left on a server (the state row's counts).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use distlock::etcd::etcd_client::{
     Client as EtcdClient, Compare, CompareOp, ConnectOptions, GetOptions, KvClient, LeaseClient,
@@ -65,6 +66,26 @@ const PG_NEXT_CHANNEL: &str = "distlock_rawbench_next";
 const PG_HOLDER_CHANNEL: &str = "distlock_rawbench_holder";
 /// The listener pid of a raw PostgreSQL acquire: none, it does not wait.
 const NOT_WAITING: i64 = 0;
+/// The send number of every raw PostgreSQL acquire and release: each
+/// acquisition has an owner of its own, so any will do.
+const RAW_SEND: i64 = 1;
+
+/// What a raw acquire took, for its release.
+pub enum RawHeld {
+    Redis {
+        key: String,
+        owner: String,
+    },
+    Etcd {
+        key: String,
+        owner: String,
+    },
+    Postgres {
+        key: String,
+        owner: String,
+        fencing: i64,
+    },
+}
 
 /// A raw client for one backend.
 #[derive(Clone)]
@@ -186,11 +207,27 @@ impl Raw {
 
     /// Acquire `key` for `ttl` and release it, with the minimal commands.
     pub async fn acquire_release(&self, key: &str, n: u64, ttl: Duration) -> Result<(), String> {
+        let (held, _) = self.acquire(key, n, ttl).await?;
+        self.release(held).await
+    }
+
+    /// Acquires fresh `key` for `ttl` with the minimal commands; what
+    /// [`release`](Self::release) needs, and how long the acquire write
+    /// alone took (Redis: the `SET NX PX`; etcd: the put transaction, its
+    /// lease granted before, untimed; PostgreSQL: the library's acquire
+    /// statement).
+    pub async fn acquire(
+        &self,
+        key: &str,
+        n: u64,
+        ttl: Duration,
+    ) -> Result<(RawHeld, Duration), String> {
         let owner = owner_hex(n);
         match self {
-            Raw::Redis { conn, release, .. } => {
+            Raw::Redis { conn, .. } => {
                 let mut conn = conn.clone();
                 let key = format!("rawbench:{{{key}}}:lock");
+                let started = Instant::now();
                 let ok: Option<String> = redis::cmd("SET")
                     .arg(&key)
                     .arg(&owner)
@@ -200,19 +237,11 @@ impl Raw {
                     .query_async(&mut conn)
                     .await
                     .map_err(|e| e.to_string())?;
+                let took = started.elapsed();
                 if ok.is_none() {
                     return Err(format!("raw SET NX refused on fresh key {key}"));
                 }
-                let deleted: i64 = release
-                    .key(&key)
-                    .arg(&owner)
-                    .invoke_async(&mut conn)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                if deleted != 1 {
-                    return Err(format!("raw release did not delete {key}"));
-                }
-                Ok(())
+                Ok((RawHeld::Redis { key, owner }, took))
             }
             Raw::Etcd { kv, leases } => {
                 let (mut kv, mut leases) = (KvClient::clone(kv), LeaseClient::clone(leases));
@@ -229,10 +258,72 @@ impl Raw {
                         Some(PutOptions::new().with_lease(lease.id())),
                     )])
                     .or_else([TxnOp::get(key.as_str(), None)]);
+                let started = Instant::now();
                 let reply = kv.txn(put).await.map_err(|e| e.to_string())?;
+                let took = started.elapsed();
                 if !reply.succeeded() {
                     return Err(format!("raw put txn refused on fresh key {key}"));
                 }
+                Ok((RawHeld::Etcd { key, owner }, took))
+            }
+            Raw::Postgres {
+                pool, statements, ..
+            } => {
+                use sqlx::Row;
+                let started = Instant::now();
+                let row = sqlx::query(&statements.acquire)
+                    .bind("rawbench")
+                    .bind(key)
+                    .bind(&owner)
+                    .bind(ttl.as_millis() as i64)
+                    .bind(RAW_SEND)
+                    .bind(DEFAULT_TABLE)
+                    .bind(NOT_WAITING)
+                    // No holder label.
+                    .bind("")
+                    .bind(PG_HOLDER_CHANNEL)
+                    .fetch_optional(pool)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .ok_or_else(|| format!("raw acquire returned no row for {key}"))?;
+                let took = started.elapsed();
+                let acquired: bool = row.try_get("acquired").map_err(|e| e.to_string())?;
+                let fencing: i64 = row.try_get("fencing").map_err(|e| e.to_string())?;
+                if !acquired {
+                    return Err(format!("raw acquire refused on fresh key {key}"));
+                }
+                let key = key.to_owned();
+                Ok((
+                    RawHeld::Postgres {
+                        key,
+                        owner,
+                        fencing,
+                    },
+                    took,
+                ))
+            }
+        }
+    }
+
+    /// Releases what [`acquire`](Self::acquire) took, with the minimal
+    /// command (compare-and-delete).
+    pub async fn release(&self, held: RawHeld) -> Result<(), String> {
+        match (self, held) {
+            (Raw::Redis { conn, release, .. }, RawHeld::Redis { key, owner }) => {
+                let mut conn = conn.clone();
+                let deleted: i64 = release
+                    .key(&key)
+                    .arg(&owner)
+                    .invoke_async(&mut conn)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if deleted != 1 {
+                    return Err(format!("raw release did not delete {key}"));
+                }
+                Ok(())
+            }
+            (Raw::Etcd { kv, .. }, RawHeld::Etcd { key, owner }) => {
+                let mut kv = KvClient::clone(kv);
                 let delete = Txn::new()
                     .when([Compare::value(
                         key.as_str(),
@@ -246,40 +337,24 @@ impl Raw {
                 }
                 Ok(())
             }
-            Raw::Postgres {
-                pool, statements, ..
-            } => {
+            (
+                Raw::Postgres {
+                    pool, statements, ..
+                },
+                RawHeld::Postgres {
+                    key,
+                    owner,
+                    fencing,
+                },
+            ) => {
                 use sqlx::Row;
-                // Each acquisition has an owner of its own, so any send
-                // number will do; release names the acquire's.
-                let send = 1_i64;
-                let row = sqlx::query(&statements.acquire)
-                    .bind("rawbench")
-                    .bind(key)
-                    .bind(&owner)
-                    .bind(ttl.as_millis() as i64)
-                    .bind(send)
-                    .bind(DEFAULT_TABLE)
-                    .bind(NOT_WAITING)
-                    // No holder label.
-                    .bind("")
-                    .bind(PG_HOLDER_CHANNEL)
-                    .fetch_optional(pool)
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .ok_or_else(|| format!("raw acquire returned no row for {key}"))?;
-                let acquired: bool = row.try_get("acquired").map_err(|e| e.to_string())?;
-                let fencing: i64 = row.try_get("fencing").map_err(|e| e.to_string())?;
-                if !acquired {
-                    return Err(format!("raw acquire refused on fresh key {key}"));
-                }
                 let row = sqlx::query(&statements.release)
                     .bind("rawbench")
-                    .bind(key)
+                    .bind(&key)
                     .bind(&owner)
                     .bind(fencing)
                     .bind(PG_CHANNEL)
-                    .bind(send)
+                    .bind(RAW_SEND)
                     .bind(DEFAULT_TABLE)
                     .bind(PG_NEXT_CHANNEL)
                     .bind(PG_HOLDER_CHANNEL)
@@ -292,6 +367,7 @@ impl Raw {
                 }
                 Ok(())
             }
+            _ => Err("raw release of another backend's lock".to_owned()),
         }
     }
 
@@ -305,7 +381,6 @@ impl Raw {
     ) -> Result<i64, String> {
         let Raw::Redis {
             conn,
-            release,
             acquire_fenced,
             ..
         } = self
@@ -329,15 +404,7 @@ impl Raw {
         if token == 0 {
             return Err(format!("raw fenced acquire refused on fresh key {lock}"));
         }
-        let deleted: i64 = release
-            .key(&lock)
-            .arg(&owner)
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| e.to_string())?;
-        if deleted != 1 {
-            return Err(format!("raw release did not delete {lock}"));
-        }
+        self.release(RawHeld::Redis { key: lock, owner }).await?;
         Ok(token)
     }
 
@@ -527,15 +594,13 @@ impl Raw {
             }
             Raw::Postgres { pool, permits, .. } => {
                 use sqlx::Row;
-                // As for locks: a fresh owner, so any send number will do.
-                let send = 1_i64;
                 let row = sqlx::query(&permits.acquire)
                     .bind("rawbench")
                     .bind(key)
                     .bind(&owner)
                     .bind(ttl.as_millis() as i64)
                     .bind(i64::from(limit))
-                    .bind(send)
+                    .bind(RAW_SEND)
                     .bind(DEFAULT_SEMAPHORE_TABLE)
                     .bind(NOT_WAITING)
                     // No holder label.
@@ -555,7 +620,7 @@ impl Raw {
                     .bind(&owner)
                     .bind(fencing)
                     .bind(PG_CHANNEL)
-                    .bind(send)
+                    .bind(RAW_SEND)
                     .bind(DEFAULT_SEMAPHORE_TABLE)
                     .bind(PG_NEXT_CHANNEL)
                     .fetch_one(pool)
