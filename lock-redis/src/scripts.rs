@@ -461,17 +461,18 @@ local function label_of(key, p)
   return nil
 end
 -- Keeps the labels at least as long as the permit set `set` (after its
--- expiry was pushed).
-local function labels_keep(key, set)
-  if labels_ok(key) ~= true then return end
+-- expiry was pushed). `ok`: what `labels_ok` said of `key` earlier in this
+-- script (read once: a deletion since leaves nothing to keep).
+local function labels_keep(key, set, ok)
+  if ok ~= true then return end
   local want = redis.call('PTTL', set)
   if want > 0 and redis.call('PTTL', key) < want then redis.pcall('PEXPIRE', key, want) end
 end
 -- The labels of the permits among `entries` that ran out by `now`, and of
 -- `released`: deleted with them (a label never outlives its permit's
--- member).
-local function labels_drop(key, entries, now, released)
-  if labels_ok(key) ~= true then return end
+-- member). `ok`: what `labels_ok` said of `key`.
+local function labels_drop(key, entries, now, released, ok)
+  if ok ~= true then return end
   for _, p in ipairs(entries) do
     if p.at <= now or p == released then redis.pcall('HDEL', key, label_field(p)) end
   end
@@ -519,11 +520,12 @@ if ARGV[6] ~= '' and not label_ok(ARGV[6]) then
   return bad_args('holder label of ' .. #tostring(ARGV[6]) .. ' bytes or with a control character')
 end
 -- After the grant of the permit `field` names: its label, kept as long
--- as the permit set; 'foreign' if it could not be stored.
-local function label(field)
-  local ok = labels_ok(KEYS[4])
+-- as the permit set; 'foreign' if it could not be stored. `ok`: what
+-- `labels_ok` said of the labels before the grant (the sweep's deletions
+-- since may have removed the hash: HSET then creates it).
+local function label(field, ok)
   if ARGV[6] == '' then
-    labels_keep(KEYS[4], KEYS[1])
+    labels_keep(KEYS[4], KEYS[1], ok)
     return nil
   end
   if ok == false then return 'foreign' end
@@ -554,13 +556,14 @@ if own == nil and held.live >= limit then
 end
 local expires = int(now + tonumber(ARGV[2]))
 sweep(KEYS[1], now)
-labels_drop(KEYS[4], set.entries, now, nil)
+local labels = labels_ok(KEYS[4])
+labels_drop(KEYS[4], set.entries, now, nil, labels)
 leave(KEYS[3], ARGV[5])
 if own ~= nil then
   redis.call('ZADD', KEYS[1], expires, own.member)
   keep_for(KEYS[1], ARGV[2])
   retain(KEYS[2], fence, ARGV[3])
-  return {1, own.token, label(label_field(own))}
+  return {1, own.token, label(label_field(own), labels)}
 end
 local token = us
 if fence.counter + 1 > token then token = fence.counter + 1 end
@@ -568,7 +571,7 @@ local text = int(token)
 redis.call('ZADD', KEYS[1], expires, 'dl1:' .. ARGV[1] .. ':' .. text .. ':' .. ARGV[4])
 keep_for(KEYS[1], ARGV[2])
 redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
-return {1, text, label(ARGV[1] .. ':' .. text)}
+return {1, text, label(ARGV[1] .. ':' .. text, labels)}
 "#;
 
 /// KEYS: permit set, fence, holder labels. ARGV: owner hex, fencing
@@ -587,10 +590,11 @@ local now = clock()
 local mine = live_permit(set.entries, ARGV[1], ARGV[2], now)
 if mine == nil then return 0 end
 sweep(KEYS[1], now)
-labels_drop(KEYS[3], set.entries, now, nil)
+local labels = labels_ok(KEYS[3])
+labels_drop(KEYS[3], set.entries, now, nil, labels)
 redis.call('ZADD', KEYS[1], 'XX', int(now + tonumber(ARGV[3])), mine.member)
 keep_for(KEYS[1], ARGV[3])
-labels_keep(KEYS[3], KEYS[1])
+labels_keep(KEYS[3], KEYS[1], labels)
 retain(KEYS[2], fence, ARGV[4])
 return 1
 "#;
@@ -624,7 +628,7 @@ if mine == nil then
 end
 sweep(KEYS[1], now)
 redis.call('ZREM', KEYS[1], mine.member)
-labels_drop(KEYS[4], set.entries, now, mine)
+labels_drop(KEYS[4], set.entries, now, mine, labels_ok(KEYS[4]))
 local keep = math.min(mine.at - now, tonumber(ARGV[5]))
 if keep < 1 then keep = 1 end
 sweep(KEYS[2], now)
