@@ -69,10 +69,11 @@
 //! renewed locks (one per TTL, kept alive by one keep-alive stream), so
 //! taking it costs one round trip and renewing it one small confirming
 //! request, shared: the guards of one client and TTL renew together, and
-//! one transaction reads up to 128 of their keys (etcd's default
-//! `--max-txn-ops`; a server that refuses that many gets smaller
-//! transactions from then on; distlock needs at least 8, and the
-//! conformance suite passes against a server with 8), each checked on its own (created at its
+//! one transaction reads up to 1,024 of their keys as at most 128 range
+//! reads over runs of the sorted keys (etcd's default `--max-txn-ops`; a
+//! server that refuses that many gets fewer ranges from then on; distlock
+//! needs at least 8, and the conformance suite passes against a server
+//! with 8), each checked on its own (created at its
 //! fencing token, holding its owner's value, still on the session lease); locks
 //! without renewal get a lease of their own, two round trips, so their TTL
 //! is exact. See [`EtcdLock`] for the costs of each operation.
