@@ -14,7 +14,7 @@ use distlock::{
 use distlock_conformance::fault::Link;
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::plan::{BenchResult, Plan, TTL, WARMUP_HANDOFFS};
+use crate::plan::{warmup_handoffs, BenchResult, Plan, TTL};
 use crate::probe::{self, Calls, Probe, ServerCount};
 use crate::report::{Row, Samples};
 use crate::servers::{Backend, Server};
@@ -249,7 +249,8 @@ async fn handoff(
     let state = Arc::new(Mutex::new(HandoffState::default()));
     let (gen_tx, gen_rx) = watch::channel(0usize);
     let gen_tx = Arc::new(gen_tx);
-    let target = WARMUP_HANDOFFS + plan.handoffs;
+    let warmup = warmup_handoffs(w);
+    let target = warmup + plan.handoffs;
     let (probe_tx, mut probe_rx) = mpsc::channel::<oneshot::Sender<()>>(2);
     let mut handles = Vec::new();
     for (n, c) in clients.iter().enumerate() {
@@ -272,7 +273,7 @@ async fn handoff(
                     s.acquisitions += 1;
                     let n = s.acquisitions;
                     let released = s.released_at.take();
-                    let measure = n > WARMUP_HANDOFFS + 1 && n <= target + 1;
+                    let measure = n > warmup + 1 && n <= target + 1;
                     if measure {
                         s.latency.push(
                             released
@@ -281,7 +282,7 @@ async fn handoff(
                         );
                     }
                     if let Some(link) = &link {
-                        if n == WARMUP_HANDOFFS + 1 {
+                        if n == warmup + 1 {
                             s.calls_at_start = Some(Calls::of(link));
                         }
                         if n == target + 1 {
@@ -290,7 +291,7 @@ async fn handoff(
                     }
                     n
                 };
-                if n == WARMUP_HANDOFFS + 1 || n == target + 1 {
+                if n == warmup + 1 || n == target + 1 {
                     let (tx, rx) = oneshot::channel();
                     let _ = probe_tx.send(tx).await;
                     let _ = rx.await;
