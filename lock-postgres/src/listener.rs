@@ -117,6 +117,24 @@ pub(crate) fn next_channel(channel: &str) -> String {
     format!("{channel}_next")
 }
 
+/// The wake-up channel of the listener with backend pid `pid`, for the
+/// channel of single wake-ups `next` (what a release notifies: see
+/// `sql::line::woken`).
+fn own_next_channel(next: &str, pid: i32) -> String {
+    format!("{next}_{pid}")
+}
+
+/// Whether `channel` wakes one waiter: the shared channel of single
+/// wake-ups `next`, or a listener's own.
+fn is_next_channel(next: &str, channel: &str) -> bool {
+    channel.strip_prefix(next).is_some_and(|rest| {
+        rest.is_empty()
+            || rest
+                .strip_prefix('_')
+                .is_some_and(|pid| pid.parse::<i32>().is_ok())
+    })
+}
+
 /// The channel that wakes a key's observers, for the namespace channel
 /// `channel`.
 pub(crate) fn holder_channel(channel: &str) -> String {
@@ -179,7 +197,16 @@ impl NotificationSource for Releases {
         let pid = backend_pid(&mut listener)
             .await
             .map_err(|e| errors::map(e, "reading the listener's backend pid"))?;
-        let channels = [Some(&self.channel), Some(&self.next), self.holder.as_ref()];
+        // Its own wake-up channel (a release notifies the first waiter's
+        // listener alone), and the shared one, on which releases by
+        // clients of earlier versions wake one waiter.
+        let own = own_next_channel(&self.next, pid);
+        let channels = [
+            Some(&self.channel),
+            Some(&self.next),
+            Some(&own),
+            self.holder.as_ref(),
+        ];
         listener
             .listen_all(channels.into_iter().flatten().map(String::as_str))
             .await
@@ -213,7 +240,7 @@ impl NotificationSource for Releases {
             if self.holder.as_deref() == Some(channel) {
                 return Some(Ok(observers_of(payload).into()));
             }
-            if channel != self.next {
+            if !is_next_channel(&self.next, channel) {
                 return Some(Ok(payload.to_owned().into()));
             }
             // A payload in another form names no waiter (no client writes
@@ -237,6 +264,18 @@ impl NotificationSource for Releases {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wake_up_channels_are_the_shared_one_and_a_listeners_own() {
+        let next = next_channel("distlock_00");
+        assert!(is_next_channel(&next, &next));
+        assert!(is_next_channel(&next, &own_next_channel(&next, 4242)));
+        assert!(!is_next_channel(&next, "distlock_00"));
+        assert!(!is_next_channel(&next, &holder_channel("distlock_00")));
+        assert!(!is_next_channel(&next, "distlock_00_nextx"));
+        // The longest stays within PostgreSQL's 63-byte channel names.
+        assert!(own_next_channel(&next_channel(&"d".repeat(25)), i32::MIN).len() <= 63);
+    }
 
     #[test]
     fn a_single_wake_up_names_owner_and_key() {

@@ -65,7 +65,7 @@ pub(super) fn wake_next(when: &str, table: &str, except: Option<&str>) -> String
         .unwrap_or_default();
     format!(
         "line AS MATERIALIZED (
-            SELECT w.member, w.arrival,
+            SELECT w.member, w.arrival, w.pid,
                    (w.pid > 0 AND EXISTS (SELECT 1 FROM pg_stat_get_activity(w.pid))) AS alive
             FROM {{w}} AS w
             WHERE w.lock_table = {table} AND w.namespace = $1 AND w.key = $2 {except} AND ({when})
@@ -74,7 +74,7 @@ pub(super) fn wake_next(when: &str, table: &str, except: Option<&str>) -> String
             FOR UPDATE SKIP LOCKED
         ),
         chosen AS MATERIALIZED (
-            SELECT member FROM line WHERE alive ORDER BY arrival, member LIMIT 1
+            SELECT member, pid FROM line WHERE alive ORDER BY arrival, member LIMIT 1
         ),
         popped AS (
             DELETE FROM {{w}} AS w USING line
@@ -87,11 +87,12 @@ pub(super) fn wake_next(when: &str, table: &str, except: Option<&str>) -> String
 }
 
 /// A column expression after [`wake_next`]: notifies the waiter taken off
-/// the line on channel `{one}` (payload: its owner, `:`, the key); how
-/// many (0 or 1).
+/// the line on channel `{one}_<pid>`, its client's listener's own (payload:
+/// its owner, `:`, the key), so no other client's listener (nor server
+/// backend) wakes for it; how many (0 or 1).
 pub(super) fn woken(one: &str) -> String {
     format!(
-        "(SELECT count(*) FROM (SELECT pg_notify({one}, f.member || ':' || $2) FROM chosen AS f) AS n)"
+        "(SELECT count(*) FROM (SELECT pg_notify({one} || '_' || f.pid::text, f.member || ':' || $2) FROM chosen AS f) AS n)"
     )
 }
 

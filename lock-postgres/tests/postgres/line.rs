@@ -287,8 +287,11 @@ async fn a_waiter_joining_while_the_release_waits_is_woken() {
     assert!(scene.line().await.is_empty());
 }
 
-/// A release wakes the first waiter on the namespace's `_next` channel
-/// (payload `owner:key`); with nobody in line it notifies the key on the
+/// A release wakes the first waiter on its listener's own channel (the
+/// namespace's `_next` channel and the listener's backend pid: payload
+/// `owner:key`), not on the shared `_next` channel, which every client's
+/// listener hears (with 64 waiting clients a wake-up there woke 64
+/// listeners for one); with nobody in line it notifies the key on the
 /// namespace's channel, as earlier versions did, whose waiters listen
 /// there.
 #[tokio::test]
@@ -304,21 +307,33 @@ async fn a_release_names_its_waiter_and_otherwise_wakes_the_key() {
         .listen_all([channel.as_str(), next.as_str()])
         .await
         .unwrap();
-    let mut hear = async || {
-        let n = tokio::time::timeout(BOUND, heard.recv())
-            .await
-            .expect("a notification")
-            .unwrap();
-        (n.channel().to_owned(), n.payload().to_owned())
-    };
     // Nobody in line.
     scene.holder.release(&scene.lease).await.unwrap();
     let k = scene.k.as_str().to_owned();
-    assert_eq!(hear().await, (channel, k.clone()));
+    let n = tokio::time::timeout(BOUND, heard.recv())
+        .await
+        .expect("a notification")
+        .unwrap();
+    assert_eq!((n.channel(), n.payload()), (channel.as_str(), k.as_str()));
     // A waiter in line.
     let lease = take(&scene.holder, &scene.k, LONG, "free").await;
     let (waiting, queued) = scene.queue(&waiter, 1, "the waiter").await;
+    let own = format!("{next}_{}", queued[0].2);
+    heard.listen(&own).await.unwrap();
     scene.holder.release(&lease).await.unwrap();
-    assert_eq!(hear().await, (next, format!("{}:{k}", queued[0].1)));
+    let n = tokio::time::timeout(BOUND, heard.recv())
+        .await
+        .expect("a notification")
+        .unwrap();
+    assert_eq!(
+        (n.channel(), n.payload()),
+        (own.as_str(), format!("{}:{k}", queued[0].1).as_str())
+    );
+    // Nothing on the shared channel: sent in the release's transaction,
+    // it would have come with the one above.
+    if let Ok(n) = tokio::time::timeout(Duration::from_millis(200), heard.recv()).await {
+        let n = n.unwrap();
+        panic!("also heard {:?} on {}", n.payload(), n.channel());
+    }
     served_then_released(waiting, &waiter, "the waiter").await;
 }
