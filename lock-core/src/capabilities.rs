@@ -38,6 +38,17 @@ pub struct Capabilities {
     /// not every waiter of the key: one attempt per release, whatever the
     /// crowd. The suite then checks it (`wait::one_attempt_per_release`).
     pub wakes_one_waiter: bool,
+    /// A released key goes to the first waiter of its line, never to
+    /// whoever asks first: while the line has a waiter, an attempt by
+    /// anyone else (a newcomer, a `try_lock`, the holder that just
+    /// released and came straight back) is refused, and joins the line's
+    /// end if it waits. The woken waiter keeps its place until it takes
+    /// the key, leaves the wait, or its turn runs out (a waiter that was
+    /// woken and never came: its client frozen or gone; each backend
+    /// bounds the turn and says how). With [`wakes_one_waiter`](Self::wakes_one_waiter),
+    /// waiters are served in arrival order even when others keep asking.
+    /// The suite then checks it (`handoff::no_cut_in`).
+    pub fair_handoff: bool,
     /// How often a waiter retries when the backend has no native wake-up.
     pub retry_interval: Duration,
     /// Lock data (and so fencing order) survives a server restart.
@@ -74,6 +85,7 @@ impl Default for Capabilities {
             max_ttl: Duration::from_secs(365 * 24 * 3600),
             native_wait: false,
             wakes_one_waiter: false,
+            fair_handoff: false,
             retry_interval: Duration::from_millis(50),
             durable: false,
             extend_batch: 1,

@@ -3,7 +3,8 @@
 //! attempt however many wait, waiters are served in arrival order, a
 //! waiter that leaves passes its turn on, a waiter whose client is gone is
 //! passed over, and permits returned together wake as many waiters as came
-//! back.
+//! back. A backend whose released key goes to the line's first waiter
+//! (`Capabilities::fair_handoff`) lets nobody cut in.
 //!
 //! Every holder here holds for the long TTL, so no waiter's timer fires
 //! during a case: what wakes a waiter is a release, or nothing.
@@ -33,25 +34,8 @@ async fn queue_waiters(
     served: &Arc<Mutex<Vec<usize>>>,
 ) -> Result<Waiters, CaseError> {
     let mut waiters = Waiters::default();
-    for i in 0..WAITERS {
-        let observed = Arc::new(ObservedLock::new(ctx.client().await?));
-        let locker = Locker::new(observed.clone());
-        let mut options = LockOptions::new(ctx.long_ttl()).with_wait(Duration::from_secs(120));
-        if let Some(limit) = permits {
-            options = options.with_permits(limit);
-        }
-        let (key, served) = (key.clone(), served.clone());
-        waiters.tasks.push(tokio::spawn(async move {
-            let Some(guard) = locker.acquire(&key, &options).await? else {
-                return Ok(Err(format!("waiter {i} gave up")));
-            };
-            served.lock().unwrap_or_else(|e| e.into_inner()).push(i);
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            guard.release().await?;
-            Ok::<_, distlock_core::LockError>(Ok(()))
-        }));
-        until_attempts(&observed, 1, &format!("waiter {i}")).await?;
-        waiters.observed.push(observed);
+    for _ in 0..WAITERS {
+        waiters.queue(ctx.client().await?, ctx, key, permits, served).await?;
     }
     Ok(waiters)
 }
@@ -64,6 +48,40 @@ struct Waiters {
 }
 
 impl Waiters {
+    /// Starts one more waiter on `key`, a client of its own, and waits
+    /// until its first attempt was refused (so it queued after every
+    /// earlier one). It records its number in `served` when it gets the
+    /// key, holds it a moment and releases it.
+    async fn queue(
+        &mut self,
+        client: LockClient,
+        ctx: &TestContext,
+        key: &LockKey,
+        permits: Option<u32>,
+        served: &Arc<Mutex<Vec<usize>>>,
+    ) -> Result<(), CaseError> {
+        let i = self.observed.len();
+        let observed = Arc::new(ObservedLock::new(client));
+        let locker = Locker::new(observed.clone());
+        let mut options = LockOptions::new(ctx.long_ttl()).with_wait(Duration::from_secs(120));
+        if let Some(limit) = permits {
+            options = options.with_permits(limit);
+        }
+        let (key, served) = (key.clone(), served.clone());
+        self.tasks.push(tokio::spawn(async move {
+            let Some(guard) = locker.acquire(&key, &options).await? else {
+                return Ok(Err(format!("waiter {i} gave up")));
+            };
+            served.lock().unwrap_or_else(|e| e.into_inner()).push(i);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            guard.release().await?;
+            Ok::<_, distlock_core::LockError>(Ok(()))
+        }));
+        until_attempts(&observed, 1, &format!("waiter {i}")).await?;
+        self.observed.push(observed);
+        Ok(())
+    }
+
     /// Waits for every waiter to be served; their attempts in all.
     async fn finish(self) -> Result<Vec<u64>, CaseError> {
         for task in self.tasks {
@@ -108,6 +126,52 @@ pub async fn one_attempt_per_release(ctx: TestContext) -> CaseResult {
 pub async fn arrival_order(ctx: TestContext) -> CaseResult {
     let (_, order) = served_behind_a_holder(&ctx).await?;
     check_eq!(order, (0..WAITERS).collect::<Vec<_>>(), "order served");
+    Ok(())
+}
+
+/// A released key goes to the line's first waiter, not to whoever asks
+/// first (`Capabilities::fair_handoff`): while the woken waiter's attempt
+/// is on its way, a newcomer's `try_acquire` and the releasing holder's
+/// own are refused, and a newcomer that waits is served after everyone
+/// who queued before it. A backend that gives a free key to the first
+/// attempt lets the holder take it straight back.
+pub async fn no_cut_in(ctx: TestContext) -> CaseResult {
+    let key = ctx.key("handoff");
+    let holder = ctx.client().await?;
+    let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
+    let served = Arc::new(Mutex::new(Vec::new()));
+    let mut waiters = queue_waiters(&ctx, &key, None, &served).await?;
+    // The first waiter's next attempt (the one its wake-up starts) waits
+    // before the server until the others have tried to cut in.
+    let first = waiters.observed[0].clone();
+    first.hold_requests(Call::Acquire);
+    // Connected beforehand: while the first waiter is held, only a few
+    // requests go by, far inside any backend's turn.
+    let (newcomer, late) = (ctx.client().await?, ctx.client().await?);
+    holder.release(&lease).await?;
+    within(
+        background_bound(),
+        first.until_waiting(Call::Acquire, 1),
+        "the first waiter woken by the release",
+    )
+    .await?;
+    for (who, client) in [("a newcomer", &newcomer), ("the holder that released it", &holder)] {
+        if let Some(taken) = client.try_acquire(&key, ctx.long_ttl()).await?.lease() {
+            client.release(&taken).await?;
+            return Err(format!(
+                "{who} took the key while the waiter it was released to was on its way"
+            )
+            .into());
+        }
+    }
+    waiters.queue(late, &ctx, &key, None, &served).await?;
+    first.open(Call::Acquire);
+    waiters.finish().await?;
+    check_eq!(
+        served.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+        (0..=WAITERS).collect::<Vec<_>>(),
+        "order served (the last came after the release, while the first was on its way)"
+    );
     Ok(())
 }
 

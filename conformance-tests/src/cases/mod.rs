@@ -41,6 +41,9 @@ pub enum Needs {
     NativeWait,
     /// One waiter woken per release (`Capabilities::wakes_one_waiter`).
     OneWake,
+    /// A released key goes to the line's first waiter alone
+    /// (`Capabilities::fair_handoff`).
+    FairHandoff,
     /// Lock data survives a server restart (`Capabilities::durable`).
     Durable,
     /// Holder labels stored with locks and shown by `inspect`
@@ -93,6 +96,9 @@ impl Needs {
                 .then(|| "backend declares no server-driven wake-up (native_wait = false)".into()),
             Needs::OneWake => (!caps.wakes_one_waiter).then(|| {
                 "backend declares that a release wakes every waiter (wakes_one_waiter = false)".into()
+            }),
+            Needs::FairHandoff => (!caps.fair_handoff).then(|| {
+                "backend declares that a free key goes to whoever asks first (fair_handoff = false)".into()
             }),
             Needs::HolderIds => Needs::Admin.missing(context).or_else(|| {
                 (!caps.holder_ids).then(|| {
@@ -275,6 +281,7 @@ pub fn all() -> Vec<Case> {
     all.extend(cases!(handoff:
         one_attempt_per_release => Needs::OneWake,
         arrival_order => Needs::OneWake,
+        no_cut_in => Needs::All(&[Needs::OneWake, Needs::FairHandoff]),
         cancelled_waiter_passes_the_turn_on => Needs::OneWake,
         permits_returned_together_wake_as_many => Needs::All(&[Needs::OneWake, Needs::Semaphore]),
         gone_waiter_is_passed_over => Needs::All(&[Needs::OneWake, Needs::ServerProcess, Needs::WholeClientCut]),
