@@ -35,7 +35,7 @@ struct Semaphore {
     permits: Vec<Held>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Store {
     locks: Mutex<HashMap<LockKey, Held>>,
     semaphores: Mutex<HashMap<LockKey, Semaphore>>,
@@ -48,6 +48,19 @@ struct Store {
     lock_lines: Lines,
     /// Observers of who holds a lock, told of every take and release.
     observers: ReleaseNotifier,
+}
+
+impl Default for Store {
+    fn default() -> Self {
+        Self {
+            locks: Mutex::default(),
+            semaphores: Mutex::default(),
+            permit_lines: Lines::default(),
+            fencing: AtomicU64::default(),
+            lock_lines: Lines::fair(),
+            observers: ReleaseNotifier::default(),
+        }
+    }
 }
 
 impl Store {
@@ -115,8 +128,10 @@ fn named_server(name: &str) -> MemoryLock {
 /// An in-memory lock server, shared by every clone.
 ///
 /// It is a product backend, not a test double: it passes the whole
-/// conformance suite. Time is the process's monotonic clock; waiters are
-/// woken on release; the map holds only live locks. An acquire (or permit
+/// conformance suite. Time is the process's monotonic clock; a release
+/// wakes the first waiter of the key alone, and a free key goes to that
+/// waiter, never to whoever asks first (it keeps its turn for 5 s, or
+/// until its wait ends); the map holds only live locks. An acquire (or permit
 /// attempt) by the owner token that holds the key adopts that lock, as
 /// the [`LockBackend`] contract asks. Each
 /// [`client`](MemoryLock::client) is a separate client of the same server,
@@ -228,6 +243,7 @@ impl LockBackend for MemoryLock {
         Capabilities {
             native_wait: true,
             wakes_one_waiter: true,
+            fair_handoff: true,
             extend_batch: MEMORY_EXTEND_BATCH,
             holder_ids: true,
             permit_holder_ids: true,
@@ -253,6 +269,13 @@ impl LockBackend for MemoryLock {
                     expires_in: Some(held.expires_at - now),
                 });
             }
+        }
+        // Free: it goes to the first waiter of its line alone.
+        if let Err(turn_left) = self.store.lock_lines.admits(request.key, request.owner) {
+            self.store.lock_lines.refused(request.key, request.owner);
+            return Ok(AcquireReply::Held {
+                expires_in: Some(turn_left),
+            });
         }
         // Keep the map to live locks: sweep expired entries when it has grown.
         if locks.len() >= 1024 && locks.len().is_power_of_two() {
@@ -543,5 +566,60 @@ mod tests {
             tokio::task::yield_now().await;
         }
         assert_eq!(server.store.lock_lines.queued(), 0);
+    }
+
+    /// A free key goes to the first waiter alone: woken, it keeps its place
+    /// while others ask, for its turn only if it never comes; then the next
+    /// waiter gets the key and the one that did not come queues again at
+    /// the end.
+    #[tokio::test]
+    async fn a_woken_waiter_keeps_the_key_for_its_turn() {
+        let server = MemoryLock::new();
+        let key = LockKey::new("k").unwrap();
+        let ttl = Duration::from_secs(30);
+        let request = |owner| AcquireRequest {
+            key: &key,
+            owner,
+            ttl,
+            renewing: false,
+            settling: false,
+            holder: None,
+        };
+        let [holder, stuck, next, newcomer] = [(); 4].map(|()| OwnerToken::random());
+        let AcquireReply::Granted(grant) = server.acquire(request(holder)).await.unwrap() else {
+            panic!("a free key with nobody waiting is granted");
+        };
+        let mut stuck_watch = server.watch(&key, stuck).await.unwrap().unwrap();
+        let _next_watch = server.watch(&key, next).await.unwrap().unwrap();
+        for waiter in [stuck, next] {
+            let reply = server.acquire(request(waiter)).await.unwrap();
+            assert!(matches!(reply, AcquireReply::Held { .. }), "{reply:?}");
+        }
+        let held = HeldLock {
+            key: &key,
+            owner: holder,
+            fencing: grant.fencing,
+            handle: grant.handle,
+        };
+        assert_eq!(server.release(held).await.unwrap(), ReleaseReply::Released);
+        stuck_watch.released().await.unwrap();
+        // The woken waiter never comes; everyone else is refused meanwhile,
+        // told when its turn ends at the latest.
+        let mut turn_left = Duration::ZERO;
+        for owner in [next, newcomer, holder] {
+            match server.acquire(request(owner)).await.unwrap() {
+                AcquireReply::Held {
+                    expires_in: Some(left),
+                } if left <= line::TURN => turn_left = turn_left.max(left),
+                reply => panic!("asked during the woken waiter's turn: {reply:?}"),
+            }
+        }
+        tokio::time::sleep(turn_left).await;
+        let reply = server.acquire(request(next)).await.unwrap();
+        assert!(matches!(reply, AcquireReply::Granted(_)), "{reply:?}");
+        // Late, it is refused and queues behind the others again.
+        let reply = server.acquire(request(stuck)).await.unwrap();
+        assert!(matches!(reply, AcquireReply::Held { .. }), "{reply:?}");
+        assert_eq!(server.store.lock_lines.queued(), 1);
     }
 }
