@@ -397,3 +397,31 @@ async fn a_woken_waiter_that_never_comes_loses_its_turn() {
     waiter.release(&lease).await.unwrap();
     drop(silent);
 }
+
+/// A waiter table of an earlier version (no `turn_until`) gets the turn
+/// column when a client starts, and its lines hand the key over fairly.
+#[tokio::test]
+async fn a_waiter_table_of_the_previous_version_gets_the_turn_column() {
+    let admin_client = client("line-admin").await;
+    let schema = unique_name("old_line");
+    admin(&admin_client, &format!("CREATE SCHEMA {schema}")).await;
+    // The table as it was: this version's, without the column.
+    for sql in [
+        format!("CREATE TABLE {schema}.{WAITER_TABLE} (LIKE public.{WAITER_TABLE} INCLUDING ALL)"),
+        format!("ALTER TABLE {schema}.{WAITER_TABLE} DROP COLUMN turn_until"),
+    ] {
+        admin(&admin_client, &sql).await;
+    }
+    let lock = Pg::connect(&format!("{}?schema={schema}&namespace=old", server().url())).await;
+    let (added,): (bool,) = sqlx::query_as(
+        "SELECT count(*) = 1 FROM pg_attribute
+         WHERE attrelid = to_regclass($1) AND NOT attisdropped AND attname = 'turn_until'",
+    )
+    .bind(format!("{schema}.{WAITER_TABLE}"))
+    .fetch_one(admin_client.pool())
+    .await
+    .unwrap();
+    assert!(added, "turn_until added");
+    let capabilities = distlock_core::LockBackend::capabilities(&*lock.backend);
+    assert!(capabilities.wakes_one_waiter && capabilities.fair_handoff);
+}
