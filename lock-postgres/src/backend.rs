@@ -508,6 +508,9 @@ impl LockBackend for PostgresLock {
             ttl_granularity: Duration::from_millis(1),
             native_wait: self.can_listen(),
             wakes_one_waiter: self.can_listen() && self.line_ready(),
+            // A free key goes to the line's head (see the crate docs,
+            // "Waiting").
+            fair_handoff: self.can_listen() && self.line_ready(),
             retry_interval: self.config.retry_interval(),
             durable: true,
             extend_batch: EXTEND_BATCH,
@@ -552,6 +555,7 @@ impl LockBackend for PostgresLock {
         let waiting = (key, request.owner, request.settling);
         let line = self.listener.as_ref();
         let queued = self.line_args(WaitLine::Lock, line, self.config.table(), waiting);
+        let queued_line = queued.is_some();
         let statement = match (queued, labelled) {
             (Some(line), labelled) => {
                 args.extend(line);
@@ -567,6 +571,9 @@ impl LockBackend for PostgresLock {
             // No label: '' (a HolderId is never empty), stored as NULL.
             args.push(Arg::text(request.holder.map_or("", |h| h.as_str())));
             args.push(Arg::text(&self.observers));
+        } else if queued_line {
+            // The labelled statement makes it of the observers' channel.
+            args.push(Arg::Text(next_channel(&self.channel)));
         }
         let call = self.call(statement, args);
         let reply = self.fetch(IN_LOCK_CALL, call, Some(give_back)).await?;
@@ -596,7 +603,13 @@ impl LockBackend for PostgresLock {
                 self.qualified_table()
             )));
         }
+        // Refused on a free key by the waiter line: retry when the head's
+        // turn is over (if nothing wakes this waiter first).
+        let turn_ms: Option<i64> = self.column(&row, "turn_ms")?;
         let expires_in = match holder {
+            _ if turn_ms.is_some() => {
+                turn_ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)))
+            }
             // The row changed after this statement's snapshot (or, for this
             // owner token, is one it gave up): retry soon.
             None => Some(Duration::ZERO),

@@ -54,25 +54,54 @@
 //! the table [`WAITER_TABLE`] (`distlock_waiters`, in the lock table's
 //! schema, created with the lock table), one per waiter, holding the lock
 //! or semaphore table's name, namespace, key, the waiter's owner token
-//! (`member`), the backend pid of its client's listener connection and
-//! its arrival time. So a release costs one acquire attempt, however many
+//! (`member`), the backend pid of its client's listener connection, its
+//! arrival time and, for a lock's waiter that was woken, the end of its
+//! turn (`turn_until`). So a release costs one acquire attempt, however many
 //! wait ([`Capabilities::wakes_one_waiter`](distlock_core::Capabilities)):
 //!
 //! - a *waiting* attempt (one whose wait subscribed, so its client
 //!   listens) that finds the key held joins the line in the acquire
 //!   statement itself, keeping its place if it has one; a granted attempt
 //!   leaves it in the same statement;
-//! - a release takes the first live waiter off the line and sends `NOTIFY`
-//!   on the namespace's `_next` channel with payload `owner:key`: every
-//!   client hears it, and the one whose waiter that is wakes it alone. A
-//!   waiter whose listener pid no longer is in `pg_stat_activity` (its
-//!   client is gone or reconnected) is deleted instead, up to 8 per
-//!   release; a reconnected client's waiters subscribe again and store
-//!   the new pid with their next attempt, keeping their place;
+//! - a release wakes the first live waiter: it sends `NOTIFY` on the
+//!   channel `<namespace's channel>_next_<pid>` (the waiter's listener's
+//!   own) with payload `owner:key`, and the client whose waiter that is
+//!   wakes it alone. A waiter whose listener pid no longer is in
+//!   `pg_stat_activity` (its client is gone or reconnected) is deleted
+//!   instead, up to 8 per release; a reconnected client's waiters
+//!   subscribe again and store the new pid with their next attempt,
+//!   keeping their place;
 //! - a wait that ends without the lock (cancelled, out of time, an error)
 //!   leaves the line with one more statement, run on a task when its watch
 //!   drops, which wakes the next waiter if the key is free (the one leaving
 //!   may have taken a wake-up with it).
+//!
+//! A lock's free key goes to its line's first waiter, not to whoever asks
+//! first ([`Capabilities::fair_handoff`](distlock_core::Capabilities)):
+//!
+//! - the woken waiter of a lock stays at the head of the line with a
+//!   *turn*: [`HANDOFF_TURN`] (5 s) by the database's clock
+//!   (`clock_timestamp()` when it is woken). It keeps first place until
+//!   it takes the key, its wait ends (it leaves, and the next waiter gets
+//!   the turn), or its turn is over;
+//! - an attempt on a free lock is granted only if no other waiter stands
+//!   at the head of its line: waiters that are dead (as above) or whose
+//!   turn is over are dropped from the line by it; a head never woken
+//!   (the key came free by its holder's expiry, not a release) is woken
+//!   and given its turn. Refused, the attempt's answer is the time left of
+//!   the head's turn, and a waiting attempt joins the end of the line
+//!   (keeping its place if it has one). Attempts that do not wait
+//!   (`try_acquire`) are refused the same way while a waiter stands;
+//! - an attempt by the owner who holds the lock (a retry whose earlier
+//!   reply was lost) is granted again whatever the line says.
+//!
+//! A turn's end is noticed by the next attempt on the key: a waiter
+//! refused during a turn retries when it is over, and a waiter refused
+//! while the key was held retries at the holder's expiry (so a woken
+//! waiter that never comes — its client frozen — keeps the key from the
+//! others for its turn, and at most until the released holder's expiry).
+//! Permit lines take the woken waiter off the line instead, as before:
+//! a permit goes to whoever asks first.
 //!
 //! Nothing locks a table: every statement that touches a line first locks
 //! the key's row (the lock's or the semaphore's), so they take turns per
@@ -83,10 +112,13 @@
 //! wake-up is lost. Force-release and the give-back of a grant whose caller
 //! left wake every waiter of the key the same way. Line rows are deleted
 //! when granted, left, woken or found dead; nothing stays once the waits
-//! are over. A woken waiter that loses the key to someone who did not wait
-//! joins again at the end of the line.
+//! are over, their turn's end kept with them.
 //!
-//! Limits: a waiter row of a client that died, whose listener pid another
+//! Limits: an attempt's statement reads the line as it was when the
+//! statement started; one that waited for the key's row while a release
+//! went by is refused and sent again at once (its lock row changed), but
+//! one that started before a waiter joined may take a key that came free
+//! by its holder's expiry (it asked before that waiter). A waiter row of a client that died, whose listener pid another
 //! backend took meanwhile (a session pooler on `listen_url` keeps server
 //! sessions and hands them on), takes one wake-up with it; the next waiter
 //! then waits for its timer (the released holder's expiry). Behind a
@@ -102,6 +134,10 @@
 //! them only when no new client waits in line, else they wake at the
 //! released holder's expiry; an old client's release wakes every waiter
 //! of the key, new ones included, which then take turns as before.
+//! Clients of the version before fair handoff (which queue, but take the
+//! woken waiter off the line and give a free key to whoever asks first)
+//! can still cut in, and a woken waiter loses its place when an old
+//! client's release wakes it; exclusion is never at stake.
 //!
 //! ## Observers
 //!
@@ -204,6 +240,7 @@
 //!     member text NOT NULL,
 //!     pid integer NOT NULL,
 //!     arrival timestamptz NOT NULL,
+//!     turn_until timestamptz,
 //!     PRIMARY KEY (lock_table, namespace, key, member)
 //! );
 //! CREATE INDEX IF NOT EXISTS distlock_locks_fencing ON public.distlock_locks (namespace, fencing);
@@ -262,6 +299,16 @@
 //!
 //! ```sql
 //! ALTER TABLE public.distlock_semaphores ADD COLUMN IF NOT EXISTS holders jsonb;
+//! ```
+//!
+//! The waiter table's `turn_until` is added to a table of an earlier
+//! version the same way; a role that may not works as if it could not
+//! write the table (every waiter of a key woken by each release, and no
+//! [`fair_handoff`](distlock_core::Capabilities::fair_handoff)), until
+//! the owner adds it:
+//!
+//! ```sql
+//! ALTER TABLE public.distlock_waiters ADD COLUMN IF NOT EXISTS turn_until timestamptz;
 //! ```
 //!
 //! ## Fencing tokens without a row per lock name forever
@@ -533,6 +580,11 @@ pub use keys::{channel_name, MAX_IDENTIFIER_BYTES};
 pub use sql::{PermitStatementTexts, StatementTexts};
 /// The driver, for building pools and connect options by hand.
 pub use sqlx;
+
+/// How long a lock's waiter that a release (or a leave, or an attempt on
+/// a free key) woke keeps first place in its line while the key is free,
+/// by the database's clock: see [Waiting](crate#waiting).
+pub const HANDOFF_TURN: std::time::Duration = std::time::Duration::from_secs(5);
 pub use sqlx::postgres::{PgConnectOptions, PgPool};
 
 /// The URL schemes of this backend.

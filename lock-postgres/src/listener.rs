@@ -112,9 +112,17 @@ impl Releases {
     }
 }
 
+/// What [`next_channel`] adds to the namespace channel.
+pub(crate) const NEXT_SUFFIX: &str = "_next";
+
+/// What [`holder_channel`] adds to the namespace channel (the lock
+/// acquire makes the channel of single wake-ups of it: see
+/// `Statements::acquire_queued`).
+pub(crate) const HOLDER_SUFFIX: &str = "_holder";
+
 /// The channel that wakes one waiter, for the namespace channel `channel`.
 pub(crate) fn next_channel(channel: &str) -> String {
-    format!("{channel}_next")
+    format!("{channel}{NEXT_SUFFIX}")
 }
 
 /// The wake-up channel of the listener with backend pid `pid`, for the
@@ -138,7 +146,7 @@ fn is_next_channel(next: &str, channel: &str) -> bool {
 /// The channel that wakes a key's observers, for the namespace channel
 /// `channel`.
 pub(crate) fn holder_channel(channel: &str) -> String {
-    format!("{channel}_holder")
+    format!("{channel}{HOLDER_SUFFIX}")
 }
 
 /// The backend pid of `listener`'s connection, asked with the simple

@@ -40,10 +40,12 @@ impl PostgresLock {
             .map(|_| ())
     }
 
-    /// Creates the table of waiter lines, and checks that this role may
-    /// write it. If not (a role that may not create tables, where a DBA
-    /// created only the others, or no grant on it), waiters are woken as
-    /// before this table existed: every waiter of a key at each release.
+    /// Creates the table of waiter lines (or adds the turn column to one
+    /// an earlier version made), and checks that this role may write it.
+    /// If not (a role that may not create tables, where a DBA created only
+    /// the others, no grant on it, or a role that may not alter it),
+    /// waiters are woken as before this table existed: every waiter of a
+    /// key at each release.
     async fn prepare_line(&self) {
         let (what, table) = (
             "creating the table of waiter lines",
@@ -52,6 +54,16 @@ impl PostgresLock {
         let ready = async {
             self.create_table(what, table, &self.statements().create_waiter_table)
                 .await?;
+            // A table of an earlier version lacks the turn column.
+            let statements = self.statements();
+            let (column, add) = (&statements.turn_column, &statements.add_turn_column);
+            self.add_columns(
+                "adding the turn column to the table of waiter lines",
+                table,
+                column,
+                add,
+            )
+            .await?;
             let check = self.call(&self.statements().table_writable, vec![Arg::text(table)]);
             self.exists(
                 "checking the privileges on the table of waiter lines",

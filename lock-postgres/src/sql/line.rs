@@ -12,6 +12,15 @@
 //! waited for that row lock) is covered by the fallback: a wake-up that
 //! finds no live waiter notifies the key on the channel that wakes every
 //! waiter of it.
+//!
+//! Lock lines hand the key over fairly (see the crate docs, "Waiting"): a
+//! release, or a leave that finds the key free, *wakes* the first live
+//! waiter and keeps it at the head with a turn (`turn_until`, the server's
+//! clock plus [`HANDOFF_TURN`]) instead of taking it off the line; an
+//! attempt on a free key is granted only to the line's head (or on an
+//! empty line). Permit lines keep taking the woken waiter off the line.
+
+use crate::HANDOFF_TURN;
 
 /// How many waiters a wake-up examines at most: the dead ones among them
 /// (no backend has their listener connection's pid; `pg_stat_get_activity`
@@ -27,8 +36,118 @@ pub(super) const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS {t} (
         member text NOT NULL,
         pid integer NOT NULL,
         arrival timestamptz NOT NULL,
+        turn_until timestamptz,
         PRIMARY KEY (lock_table, namespace, key, member)
     )";
+
+/// Adds the turn column to a waiter table `{t}` created without it (by
+/// an earlier version): only the catalog changes, but the table's
+/// strongest lock is taken, so `lock_timeout` bounds the wait for it.
+pub(super) const ADD_TURN_COLUMN: &str = "SET LOCAL lock_timeout = '2s';
+    ALTER TABLE {t} ADD COLUMN IF NOT EXISTS turn_until timestamptz";
+
+/// `$1` qualified waiter table -> `exists bool`: whether it has the turn
+/// column.
+pub(super) const TURN_COLUMN: &str = "SELECT count(*) = 1 AS exists FROM pg_catalog.pg_attribute
+    WHERE attrelid = pg_catalog.to_regclass($1) AND NOT attisdropped AND attname = 'turn_until'";
+
+/// A turn as an SQL interval.
+fn turn() -> String {
+    format!("interval '{} milliseconds'", HANDOFF_TURN.as_millis())
+}
+
+/// Whether the waiter row `w` is alive: a backend has its listener
+/// connection's pid (`pg_stat_get_activity` reads all backends for -1,
+/// hence `pid > 0`).
+const ALIVE: &str = "(w.pid > 0 AND EXISTS (SELECT 1 FROM pg_stat_get_activity(w.pid)))";
+
+/// CTEs before a lock acquire's `taken`: `clock` (the time the line is
+/// judged at, read once), `line` (the first waiters of table `{table}`'s
+/// line, as the statement's snapshot shows them, unlocked) and `head` (its
+/// first waiter that stands: alive and its turn, if woken, not over; the
+/// requester `$3` always stands, whatever pid its row names, since its
+/// attempt stores its current one).
+pub(super) fn fair_line(table: &str) -> String {
+    format!(
+        "clock AS MATERIALIZED (SELECT clock_timestamp() AS at),
+        line AS MATERIALIZED (
+            SELECT w.member, w.arrival, w.turn_until,
+                   (w.member = $3 OR {ALIVE}) AS alive,
+                   coalesce(w.member <> $3 AND w.turn_until <= (SELECT at FROM clock), false) AS over
+            FROM {{w}} AS w
+            WHERE w.lock_table = {table} AND w.namespace = $1 AND w.key = $2
+            ORDER BY w.arrival, w.member
+            LIMIT {EXAMINED}
+        ),
+        head AS MATERIALIZED (
+            SELECT member, turn_until FROM line WHERE alive AND NOT over
+            ORDER BY arrival, member LIMIT 1
+        )"
+    )
+}
+
+/// The condition (in `taken`, of the existing row `t` in the lock table
+/// `{t}`) on which a lock acquire may take a free key: the row is the
+/// version the statement's snapshot shows (else the line read from that
+/// snapshot may be out of date: a release since may have woken a waiter
+/// this snapshot misses; refused, the attempt is sent again at once), and
+/// the requester is the line's head, or no waiter stands among the first
+/// ones examined (all of them dropped: the next attempt reads the rest).
+pub(super) fn fair_turn() -> String {
+    format!(
+        "(t.xmin = (SELECT s.xmin FROM {{t}} AS s WHERE s.namespace = $1 AND s.key = $2)
+          AND coalesce((SELECT h.member = $3 FROM head AS h), (SELECT count(*) FROM line) < {EXAMINED}))"
+    )
+}
+
+/// CTEs after a lock acquire's `taken` and the column `turn_ms` for its
+/// refusal: `held` reads the lock row's newest version (locked by `taken`,
+/// so final) when refused; on a free key, unless the snapshot was out of
+/// date, the waiters of `line` that no longer stand (dead, or their turn
+/// over) are dropped (`dropped`, also when granted), and a head never
+/// woken is woken (`turned`: its turn begins, `NOTIFY {one}_<pid>,
+/// 'member:key'`). `turn_ms`, NULL when the key is held: the time left of
+/// the head's turn, or 0 (sent again at once) when no head stands or the
+/// snapshot was out of date.
+pub(super) fn fair_after_taken(table: &str, one: &str) -> (String, String) {
+    let free = "coalesce((SELECT free AND fresh FROM held), false)";
+    let ctes = format!(
+        "held AS MATERIALIZED (
+            SELECT (h.owner IS NULL OR h.expires_at <= clock_timestamp()) AS free,
+                   coalesce(h.xmin = (SELECT s.xmin FROM {{t}} AS s WHERE s.namespace = $1 AND s.key = $2), false)
+                       AS fresh
+            FROM {{t}} AS h
+            WHERE h.namespace = $1 AND h.key = $2 AND NOT EXISTS (SELECT 1 FROM taken)
+            FOR UPDATE
+        ),
+        dropped AS (
+            DELETE FROM {{w}} AS w USING line
+            WHERE w.lock_table = {table} AND w.namespace = $1 AND w.key = $2 AND w.member = line.member
+              AND (NOT line.alive OR (w.member <> $3 AND w.turn_until <= (SELECT at FROM clock)))
+              AND (EXISTS (SELECT 1 FROM taken) OR {free})
+            RETURNING 1
+        ),
+        turned AS (
+            UPDATE {{w}} AS w SET turn_until = clock_timestamp() + {turn}
+            FROM head
+            WHERE w.lock_table = {table} AND w.namespace = $1 AND w.key = $2 AND w.member = head.member
+              AND head.member <> $3 AND w.turn_until IS NULL AND {free}
+            RETURNING {notify}
+        )",
+        turn = turn(),
+        notify = notify_one(one),
+    );
+    let turn_ms = format!(
+        "CASE WHEN NOT coalesce((SELECT free FROM held), false) THEN NULL
+              WHEN NOT (SELECT fresh FROM held) THEN 0
+              WHEN EXISTS (SELECT 1 FROM turned) THEN {ms}
+              ELSE coalesce((SELECT greatest(0, ceil(extract(epoch FROM (h.turn_until - clock_timestamp())) * 1000))
+                             FROM head AS h WHERE h.member <> $3), 0)
+         END::bigint",
+        ms = HANDOFF_TURN.as_millis(),
+    );
+    (ctes, turn_ms)
+}
 
 /// CTEs after `taken` (the acquire's grant, empty when refused): a refused
 /// attempt of owner `$3` joins the line of table `{table}` (keeping its
@@ -54,19 +173,47 @@ pub(super) fn join_or_leave(table: &str, pid: &str) -> String {
     )
 }
 
-/// CTEs `line`, `chosen` and `popped`: when `when` holds (evaluated before
-/// the line is read), the first live waiter of table `{table}`'s line
-/// (other than `except`) is taken off it, with the dead waiters examined
-/// before and after it. Rows another statement is deleting are skipped
-/// (`SKIP LOCKED`), as are rows deleted since this statement's snapshot.
-pub(super) fn wake_next(when: &str, table: &str, except: Option<&str>) -> String {
+/// What a wake-up does with the waiter it wakes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Wake {
+    /// Takes it off the line (permit lines).
+    Pop,
+    /// Keeps it at the head and gives it a new turn, whatever its last (a
+    /// lock's release).
+    Renew,
+    /// Keeps it at the head, with its turn if it has one running, else a
+    /// new one; a waiter whose turn is over is dropped as a dead one is (a
+    /// lock's leave, which may find the woken head on its way).
+    Keep,
+}
+
+/// CTEs `line`, `chosen`, `popped` and `turned`: when `when` holds
+/// (evaluated before the line is read), the first live waiter of table
+/// `{table}`'s line (other than `except`) is chosen and woken as `wake`
+/// says (`turned`: those given a turn, none for [`Wake::Pop`]), and the
+/// dead waiters examined before and after it deleted. Rows another
+/// statement is deleting are skipped (`SKIP LOCKED`), as are rows deleted
+/// since this statement's snapshot.
+pub(super) fn wake_next(when: &str, table: &str, except: Option<&str>, wake: Wake) -> String {
     let except = except
         .map(|member| format!("AND w.member <> {member}"))
         .unwrap_or_default();
+    let (over, popped, unless_running) = match wake {
+        Wake::Pop => (
+            "false",
+            "line.member IN (SELECT member FROM chosen)",
+            "AND false",
+        ),
+        Wake::Renew => ("false", "false", ""),
+        Wake::Keep => (
+            "coalesce(w.turn_until <= clock_timestamp(), false)",
+            "line.over",
+            "AND w.turn_until IS NULL",
+        ),
+    };
     format!(
         "line AS MATERIALIZED (
-            SELECT w.member, w.arrival, w.pid,
-                   (w.pid > 0 AND EXISTS (SELECT 1 FROM pg_stat_get_activity(w.pid))) AS alive
+            SELECT w.member, w.arrival, w.pid, {ALIVE} AS alive, {over} AS over
             FROM {{w}} AS w
             WHERE w.lock_table = {table} AND w.namespace = $1 AND w.key = $2 {except} AND ({when})
             ORDER BY w.arrival, w.member
@@ -74,26 +221,50 @@ pub(super) fn wake_next(when: &str, table: &str, except: Option<&str>) -> String
             FOR UPDATE SKIP LOCKED
         ),
         chosen AS MATERIALIZED (
-            SELECT member, pid FROM line WHERE alive ORDER BY arrival, member LIMIT 1
+            SELECT member, pid FROM line WHERE alive AND NOT over ORDER BY arrival, member LIMIT 1
         ),
         popped AS (
             DELETE FROM {{w}} AS w USING line
             WHERE w.lock_table = {table} AND w.namespace = $1 AND w.key = $2
-              AND w.member = line.member
-              AND (NOT line.alive OR line.member IN (SELECT member FROM chosen))
+              AND w.member = line.member AND (NOT line.alive OR {popped})
             RETURNING 1
-        )"
+        ),
+        turned AS (
+            UPDATE {{w}} AS w SET turn_until = clock_timestamp() + {turn}
+            FROM chosen
+            WHERE w.lock_table = {table} AND w.namespace = $1 AND w.key = $2
+              AND w.member = chosen.member {unless_running}
+            RETURNING w.member, w.pid
+        )",
+        turn = turn(),
     )
 }
 
-/// A column expression after [`wake_next`]: notifies the waiter taken off
-/// the line on channel `{one}_<pid>`, its client's listener's own (payload:
-/// its owner, `:`, the key), so no other client's listener (nor server
-/// backend) wakes for it; how many (0 or 1).
-pub(super) fn woken(one: &str) -> String {
+/// The column expression that notifies the waiter [`wake_next`] woke (see
+/// [`woken_from`]): the one it took off the line, or gave a turn.
+fn woken_by(wake: Wake, one: &str) -> String {
+    match wake {
+        Wake::Pop => woken_from("chosen", one),
+        Wake::Renew | Wake::Keep => woken_from("turned", one),
+    }
+}
+
+/// A column expression after [`wake_next`]: notifies each waiter of CTE
+/// `source` (columns `member`, `pid`) on channel `{one}_<pid>`, its
+/// client's listener's own (payload: its owner, `:`, the key), so no
+/// other client's listener (nor server backend) wakes for it; how many
+/// (0 or 1).
+fn woken_from(source: &str, one: &str) -> String {
     format!(
-        "(SELECT count(*) FROM (SELECT pg_notify({one} || '_' || f.pid::text, f.member || ':' || $2) FROM chosen AS f) AS n)"
+        "(SELECT count(*) FROM (SELECT {notify} FROM {source} AS w) AS n)",
+        notify = notify_one(one)
     )
+}
+
+/// Notifies the waiter row `w` on its listener's own channel `{one}_<pid>`
+/// (payload: its owner, `:`, the key).
+fn notify_one(one: &str) -> String {
+    format!("pg_notify({one} || '_' || w.pid::text, w.member || ':' || $2)")
 }
 
 /// A column expression after [`wake_next`]: when `when` holds and no live
@@ -110,13 +281,13 @@ pub(super) fn woke_all(when: &str, all: &str) -> String {
 /// `done`, `woken` and `woke_all` — the line of table `{table}`, the
 /// channel of single wake-ups `{one}`, and `$5` the channel that wakes
 /// every waiter of a key.
-pub(super) fn release_next(table: &str, one: &str) -> (String, String) {
+pub(super) fn release_next(table: &str, one: &str, wake: Wake) -> (String, String) {
     let released = "EXISTS (SELECT 1 FROM done)";
     (
-        format!(", {}", wake_next(released, table, None)),
+        format!(", {}", wake_next(released, table, None, wake)),
         format!(
             "(SELECT count(*) FROM done) AS done, {} AS woken, {} AS woke_all",
-            woken(one),
+            woken_by(wake, one),
             woke_all(released, "$5")
         ),
     )
@@ -130,7 +301,10 @@ pub(super) fn release_next(table: &str, one: &str) -> (String, String) {
 /// again, on a new connection, whose next attempt stores the new pid in
 /// the row that kept its place (a row whose wait did end goes with the
 /// next release that finds its pid gone).
-pub(super) fn leave(free: &str) -> String {
+///
+/// `wake` says what becomes of the next waiter ([`Wake::Pop`] for permit
+/// lines, [`Wake::Keep`] for lock lines).
+pub(super) fn leave(free: &str, wake: Wake) -> String {
     let when = "coalesce((SELECT free FROM held), true)";
     format!(
         "WITH held AS MATERIALIZED (
@@ -146,8 +320,8 @@ pub(super) fn leave(free: &str) -> String {
         ),
         {line}
         SELECT (SELECT count(*) FROM gone) AS done, {woken} AS woken, {woke_all} AS woke_all",
-        line = wake_next(when, "$4", Some("$3")),
-        woken = woken("$6"),
+        line = wake_next(when, "$4", Some("$3"), wake),
+        woken = woken_by(wake, "$6"),
         woke_all = woke_all(when, "$5"),
     )
 }

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use super::{create_table_with_index, line, Sql, Sweep};
 use crate::config::{FORMAT_TABLE, WAITER_TABLE};
 use crate::keys::{qualified_table, quote_identifier};
+use crate::listener::{HOLDER_SUFFIX, NEXT_SUFFIX};
 
 /// Marks a row (or a permit, see [`super::PermitStatements`]) that an
 /// owner token gave up (released, or given back by a caller that left
@@ -59,7 +60,8 @@ const ADD_HOLDER_COLUMNS: &str = "SET LOCAL lock_timeout = '2s';
 pub(crate) struct Unlabelled {
     /// [`Statements::acquire`] without `$6` and `$7`.
     pub acquire: Arc<Sql>,
-    /// [`Statements::acquire_queued`] without `$8` and `$9`.
+    /// [`Statements::acquire_queued`] without `$8` and `$9`, but with `$8`
+    /// the channel of single wake-ups.
     pub acquire_queued: Arc<Sql>,
     /// [`Statements::release`] without `$7`.
     pub release: Arc<Sql>,
@@ -116,9 +118,15 @@ pub(crate) struct Statements {
     /// [`acquire`](Self::acquire) with the waiter line: `$6` the lock
     /// table's name, `$7` the backend pid of the client's listener
     /// connection (0 for an attempt that does not wait), `$8` the holder
-    /// label (`''` for none), `$9` the observers' channel. Refused, a waiting
-    /// `$3` joins the lock's waiter line (keeping its place); granted, it
-    /// leaves it.
+    /// label (`''` for none), `$9` the observers' channel -> also
+    /// `turn_ms bigint`. Refused, a waiting `$3` joins the lock's waiter
+    /// line (keeping its place); granted, it leaves it. A free key is
+    /// granted only to the line's head, or on an empty line (see
+    /// `line::fair_turn`); refused on a free key, the attempt drops the
+    /// waiters that no longer stand, wakes a head never woken (on the
+    /// channel of single wake-ups, made of `$9`: see `line`), and answers
+    /// `turn_ms`, the time left of the head's turn (NULL when the key is
+    /// held).
     pub acquire_queued: Arc<Sql>,
     /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` TTL in ms ->
     /// `done bigint, owner text, fencing bigint` (the row as it was before).
@@ -140,9 +148,10 @@ pub(crate) struct Statements {
     /// lock table's name, `$8` the channel of single wake-ups and `$9` the
     /// observers' channel (which a labelled lock's release notifies,
     /// whoever else it wakes) -> also
-    /// `woken bigint, woke_all bigint`: when it released, takes the first
-    /// live waiter off the lock's line and sends `NOTIFY $8, 'owner:key'`,
-    /// or, with no live waiter, `NOTIFY $5, key` (see `line`).
+    /// `woken bigint, woke_all bigint`: when it released, gives the first
+    /// live waiter of the lock's line its turn (it stays at the head) and
+    /// sends `NOTIFY $8_<pid>, 'owner:key'`, or, with no live waiter,
+    /// `NOTIFY $5, key` (see `line`).
     pub release_next: Arc<Sql>,
     /// `$1` namespace, `$2` key, `$3` the waiter's owner, `$4` the lock
     /// table's name, `$5` the channel that wakes every waiter of a key,
@@ -185,6 +194,12 @@ pub(crate) struct Statements {
     /// Adds the holder columns to a table of an earlier version (simple
     /// protocol: two statements in one implicit transaction).
     pub add_holder_columns: Arc<Sql>,
+    /// `$1` qualified waiter table -> `exists bool`: whether it has the
+    /// turn column.
+    pub turn_column: Arc<Sql>,
+    /// Adds the turn column to a waiter table of an earlier version
+    /// (simple protocol, as `add_holder_columns`).
+    pub add_turn_column: Arc<Sql>,
     /// `$1` namespace, `$2` key, `$3` channel, `$4` the observers' channel
     /// -> `done bigint, owner text, fencing bigint` (the row as it was
     /// before); frees a live lock of any owner distlock wrote and sends
@@ -210,7 +225,20 @@ impl Statements {
         // shows a label only where `holder_owner` is the row's owner. A
         // labelled grant notifies observers from RETURNING, evaluated only
         // for the row it wrote.
-        let taken = |label: Option<(u32, u32)>| {
+        // With `fair` (a statement with the waiter line, after
+        // `line::fair_line`), a free key is taken only on the line's turn
+        // (`line::fair_turn`); a live lock of the same owner is adopted
+        // whatever the line.
+        let taken = |label: Option<(u32, u32)>, fair: bool| {
+            let free = "(t.owner IS NULL OR t.expires_at <= clock_timestamp())";
+            let takeable = match fair {
+                true => format!(
+                    "((t.owner = excluded.owner AND t.expires_at > clock_timestamp())
+                      OR ({free} AND {}))",
+                    line::fair_turn()
+                ),
+                false => format!("({free} OR t.owner = excluded.owner)"),
+            };
             let (columns, values, set, observed) = match label {
                 Some((n, channel)) => (
                     ", holder, holder_owner",
@@ -232,7 +260,7 @@ impl Statements {
                             expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond'{set}
                         WHERE (t.owner IS NULL OR t.owner ~ '^[0-9a-f]{{32}}$')
                           AND t.fencing >= 0
-                          AND (t.owner IS NULL OR t.expires_at <= clock_timestamp() OR t.owner = excluded.owner)
+                          AND {takeable}
                           AND NOT coalesce({late}, false)
                     RETURNING t.fencing, t.xmin::text AS version{observed}
                 )
@@ -240,7 +268,39 @@ impl Statements {
                 late = late_send("t.owner = excluded.owner", "t.expires_at", 5)
             )
         };
+        // `turn_ms` (the expression for a refusal): the time left of the
+        // line's turn when refused on a free key, else NULL.
+        let answer = |turn_ms: &str| {
+            format!(
+                "SELECT true AS acquired, taken.fencing AS fencing, NULL::text AS owner,
+                       NULL::bigint AS expires_in_ms, taken.version AS version, NULL::bigint AS turn_ms
+                FROM taken
+                UNION ALL
+                SELECT false, h.fencing, h.owner,
+                       greatest(0, ceil(extract(epoch FROM (h.expires_at - clock_timestamp())) * 1000))::bigint,
+                       NULL::text, {turn_ms}
+                FROM {{t}} AS h
+                WHERE h.namespace = $1 AND h.key = $2 AND NOT EXISTS (SELECT 1 FROM taken)"
+            )
+        };
+        let plain = answer("NULL::bigint");
         let queued = line::join_or_leave("$6", "$7");
+        // The channel of single wake-ups: `$8` where the acquire has no
+        // label parameters, else made of the observers' channel `$9`
+        // (`<channel>_holder` -> `<channel>_next`, see `listener`), so that
+        // the statement keeps the parameters of earlier versions.
+        let queued_acquire = |taken: &str, one: &str| {
+            let (after, turn_ms) = line::fair_after_taken("$6", one);
+            format!(
+                "WITH {}, {taken}, {after}, {queued} {}",
+                line::fair_line("$6"),
+                answer(&turn_ms)
+            )
+        };
+        let derived_next = format!(
+            "(left($9::text, -{}) || '{NEXT_SUFFIX}')",
+            HOLDER_SUFFIX.len()
+        );
         let inspect = |holder: &str| {
             sql(&format!("SELECT (owner IS NOT NULL AND expires_at > clock_timestamp()) AS held, owner, fencing,
                         greatest(0, ceil(extract(epoch FROM (expires_at - clock_timestamp())) * 1000))::bigint
@@ -248,15 +308,6 @@ impl Statements {
                         {holder} AS holder
                  FROM {{t}} WHERE namespace = $1 AND key = $2"))
         };
-        let answer = "SELECT true AS acquired, taken.fencing AS fencing, NULL::text AS owner,
-                       NULL::bigint AS expires_in_ms, taken.version AS version
-                FROM taken
-                UNION ALL
-                SELECT false, h.fencing, h.owner,
-                       greatest(0, ceil(extract(epoch FROM (h.expires_at - clock_timestamp())) * 1000))::bigint,
-                       NULL::text
-                FROM {t} AS h
-                WHERE h.namespace = $1 AND h.key = $2 AND NOT EXISTS (SELECT 1 FROM taken)";
         // The release; with `observers` (the number of the parameter of
         // their channel), it notifies them when its owner labelled the lock
         // (as the acquire did; RETURNING shows the released row).
@@ -282,14 +333,17 @@ impl Statements {
         };
         let release_all =
             "(SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done";
-        let (wake, release_one) = line::release_next("$7", "$8");
+        let (wake, release_one) = line::release_next("$7", "$8", line::Wake::Renew);
         Self {
             sweep: Sweep::locks(schema, table),
             release: sql(&release("", release_all, Some(7))),
             release_next: sql(&release(&wake, &release_one, Some(9))),
             leave: sql(&line::leave(
                 "h.owner IS NULL OR h.expires_at <= clock_timestamp()",
+                line::Wake::Keep,
             )),
+            turn_column: sql(line::TURN_COLUMN),
+            add_turn_column: Arc::new(Sql::new(line::ADD_TURN_COLUMN, &w)),
             waiter_table: w.clone(),
             create_waiter_table: Arc::new(Sql::new(line::CREATE_TABLE, &w)),
             table_writable: sql("SELECT has_table_privilege($1, 'SELECT') AND has_table_privilege($1, 'INSERT')
@@ -338,11 +392,11 @@ impl Statements {
                 schema,
                 table,
             ),
-            acquire: sql(&format!("WITH {} {answer}", taken(Some((6, 7))))),
-            acquire_queued: sql(&format!("WITH {}, {queued} {answer}", taken(Some((8, 9))))),
+            acquire: sql(&format!("WITH {} {plain}", taken(Some((6, 7)), false))),
+            acquire_queued: sql(&queued_acquire(&taken(Some((8, 9)), true), &derived_next)),
             unlabelled: Unlabelled {
-                acquire: sql(&format!("WITH {} {answer}", taken(None))),
-                acquire_queued: sql(&format!("WITH {}, {queued} {answer}", taken(None))),
+                acquire: sql(&format!("WITH {} {plain}", taken(None, false))),
+                acquire_queued: sql(&queued_acquire(&taken(None, true), "$8")),
                 release: sql(&release("", release_all, None)),
                 release_next: sql(&release(&wake, &release_one, None)),
                 inspect: inspect("NULL::text"),

@@ -320,7 +320,7 @@ impl PermitStatements {
         let queued = format!(", {}", line::join_or_leave("$7", "$8"));
         let notify =
             "(SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done";
-        let (wake, answer) = line::release_next("$7", "$8");
+        let (wake, answer) = line::release_next("$7", "$8", line::Wake::Pop);
         // The live permits of a row in arrays, oldest first; `holder` the
         // label expression.
         let inspect = |holder: &str| {
@@ -394,10 +394,13 @@ impl PermitStatements {
                 release_next: sql(&release(&wake, &answer, false)),
                 inspect: sql(&inspect("NULL::text")),
             },
-            leave: sql(&line::leave(&format!(
-                "{} < h.permit_limit",
-                live_permits("h", "clock_timestamp()")
-            ))),
+            leave: sql(&line::leave(
+                &format!(
+                    "{} < h.permit_limit",
+                    live_permits("h", "clock_timestamp()")
+                ),
+                line::Wake::Pop,
+            )),
         }
     }
 }

@@ -337,3 +337,91 @@ async fn a_release_names_its_waiter_and_otherwise_wakes_the_key() {
     }
     served_then_released(waiting, &waiter, "the waiter").await;
 }
+
+/// A woken waiter that never comes keeps first place for its turn only
+/// (`HANDOFF_TURN`, by the database's clock): a waiter that queued behind
+/// it while its turn ran is refused until the turn is over, then its next
+/// attempt drops that head and takes the key.
+#[tokio::test]
+async fn a_woken_waiter_that_never_comes_loses_its_turn() {
+    use sqlx::Connection;
+    let scene = Scene::new(unique_name("line"), None).await;
+    // The head: a member whose listener lives (a connection of this test's
+    // own, which never asks for the key), arrived before everyone.
+    let mut silent = sqlx::postgres::PgConnection::connect(&server().url())
+        .await
+        .unwrap();
+    let (pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+        .fetch_one(&mut silent)
+        .await
+        .unwrap();
+    let head = OwnerToken::random().to_hex();
+    let an_hour_ago = "clock_timestamp() - interval '1 hour'";
+    let db = scene.admin.pool();
+    scene.put_in_line(db, &head, pid, an_hour_ago).await;
+    // The release wakes it and keeps it at the head with its turn.
+    scene.holder.release(&scene.lease).await.unwrap();
+    let turn_query = format!(
+        "SELECT floor(extract(epoch FROM turn_until) * 1000000)::bigint
+         FROM public.{WAITER_TABLE} WHERE namespace = $1 AND member = $2"
+    );
+    let (turn_until,): (Option<i64>,) = sqlx::query_as(&turn_query)
+        .bind(&scene.ns)
+        .bind(&head)
+        .fetch_one(db)
+        .await
+        .unwrap();
+    let turn_until = turn_until.expect("the woken head has a turn");
+    // Nobody else takes the key: a waiter that comes now queues behind it.
+    let waiter = client(&scene.ns).await;
+    let (waiting, queued) = scene.queue(&waiter, 2, "the next waiter").await;
+    assert_eq!(queued[0].1, head, "the woken head keeps first place");
+    // Its retry, at the end of the turn, takes the key.
+    let lease = tokio::time::timeout(BOUND, waiting)
+        .await
+        .expect("the next waiter served once the turn was over")
+        .unwrap()
+        .unwrap()
+        .expect("the next waiter gave up");
+    // Fencing tokens follow the database's clock (microseconds): the
+    // grant came after the turn's end.
+    let token = i64::try_from(lease.fencing_token().get()).unwrap();
+    assert!(
+        token >= turn_until,
+        "granted ({token}) before the head's turn ended ({turn_until})"
+    );
+    assert!(
+        scene.line().await.is_empty(),
+        "the head whose turn was over is dropped, the served waiter left"
+    );
+    waiter.release(&lease).await.unwrap();
+    drop(silent);
+}
+
+/// A waiter table of an earlier version (no `turn_until`) gets the turn
+/// column when a client starts, and its lines hand the key over fairly.
+#[tokio::test]
+async fn a_waiter_table_of_the_previous_version_gets_the_turn_column() {
+    let admin_client = client("line-admin").await;
+    let schema = unique_name("old_line");
+    admin(&admin_client, &format!("CREATE SCHEMA {schema}")).await;
+    // The table as it was: this version's, without the column.
+    for sql in [
+        format!("CREATE TABLE {schema}.{WAITER_TABLE} (LIKE public.{WAITER_TABLE} INCLUDING ALL)"),
+        format!("ALTER TABLE {schema}.{WAITER_TABLE} DROP COLUMN turn_until"),
+    ] {
+        admin(&admin_client, &sql).await;
+    }
+    let lock = Pg::connect(&format!("{}?schema={schema}&namespace=old", server().url())).await;
+    let (added,): (bool,) = sqlx::query_as(
+        "SELECT count(*) = 1 FROM pg_attribute
+         WHERE attrelid = to_regclass($1) AND NOT attisdropped AND attname = 'turn_until'",
+    )
+    .bind(format!("{schema}.{WAITER_TABLE}"))
+    .fetch_one(admin_client.pool())
+    .await
+    .unwrap();
+    assert!(added, "turn_until added");
+    let capabilities = distlock_core::LockBackend::capabilities(&*lock.backend);
+    assert!(capabilities.wakes_one_waiter && capabilities.fair_handoff);
+}

@@ -104,8 +104,9 @@ async fn line(lock: &Pg, ns: &str, k: &LockKey) -> Vec<String> {
 /// waiter's own client (same listener connection) and on another one: a
 /// labelled grant (here an adoption by the holder) wakes both observers
 /// and not the waiter, which keeps its place alone in line; the release
-/// wakes the waiter (its one wake-up) and both observers; a labelled take
-/// and a force release wake the observers.
+/// wakes the waiter (its one wake-up, which keeps its place) and both
+/// observers; once the waiter left, a labelled take and a force release
+/// wake the observers.
 #[tokio::test]
 async fn observers_are_woken_and_never_wake_a_waiter() {
     let ns = unique_name("observe");
@@ -157,11 +158,22 @@ async fn observers_are_woken_and_never_wake_a_waiter() {
     )
     .await;
     heard(&mut other, "the observer apart, at the release").await;
-    assert!(
-        line(&holder, &ns, &k).await.is_empty(),
-        "the waiter was taken off the line"
+    assert_eq!(
+        line(&holder, &ns, &k).await,
+        [w.to_hex()],
+        "the woken waiter keeps its place, with its turn"
     );
+    // Its wait ends without the lock: it leaves the line, and the key is
+    // free for anyone.
     drop(waiting);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !line(&holder, &ns, &k).await.is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the waiter whose wait ended left the line"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 
     // A labelled take, then an operator's force release.
     let label = HolderId::new("pod-2").unwrap();
