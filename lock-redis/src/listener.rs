@@ -22,9 +22,11 @@
 //!   moved), is the listener's one lost path.
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
-use distlock_core::{async_trait, ClientOptions, LockError, Notification, NotificationSource};
+use distlock_core::{
+    async_trait, ClientOptions, LockError, Notification, NotificationSource, ReleaseNotifier,
+};
 use futures_util::StreamExt;
 use redis::aio::{PubSubSink, PubSubStream};
 use redis::cluster_async::ClusterConnection;
@@ -127,6 +129,90 @@ impl ClusterPubSub {
             Sink::Cluster(conn, expected.clone()),
             Stream::Cluster(rx, expected),
         ))
+    }
+}
+
+/// The client's notification source: its pub/sub connections, and what
+/// becomes of a wake-up that reaches no waiter here.
+pub(crate) struct Source {
+    pubsub: PubSub,
+    unclaimed: Arc<OnceLock<Unclaimed>>,
+}
+
+/// A wake-up named a lock waiter of this client that no longer waits (its
+/// watch dropped: the wait ended, or the waiter never was this client's
+/// now). The release kept it first in the line with a turn, so unless
+/// something takes it off, every other waiter waits for that turn to run
+/// out. The wait's own leave script usually does (see
+/// `crate::backend`), but not if it failed, or if the waiter's attempt
+/// reached the server after it (a request whose outcome was unknown): so
+/// the listener leaves the line for it too (a second leave changes
+/// nothing).
+pub(crate) struct Unclaimed {
+    notifier: ReleaseNotifier,
+    /// Leaves the line for the waiter (channel, owner hex).
+    pass_on: Box<dyn Fn(&str, &str) + Send + Sync>,
+}
+
+impl Unclaimed {
+    pub(crate) fn new(
+        notifier: ReleaseNotifier,
+        pass_on: impl Fn(&str, &str) + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            notifier,
+            pass_on: Box::new(pass_on),
+        }
+    }
+}
+
+impl Source {
+    /// `pubsub`, passing unclaimed wake-ups on once `unclaimed` is set.
+    pub(crate) fn new(pubsub: PubSub, unclaimed: Arc<OnceLock<Unclaimed>>) -> Self {
+        Self { pubsub, unclaimed }
+    }
+}
+
+#[async_trait]
+impl NotificationSource for Source {
+    type Topic = String;
+    type Sink = Sink;
+    type Stream = Stream;
+
+    fn channel(&self, topic: &String) -> String {
+        self.pubsub.channel(topic)
+    }
+
+    async fn connect(&self) -> Result<(Sink, Stream), LockError> {
+        self.pubsub.connect().await
+    }
+
+    async fn subscribe(&self, sink: &Sink, topics: &[String]) -> Result<(), LockError> {
+        self.pubsub.subscribe(sink, topics).await
+    }
+
+    async fn unsubscribe(&self, sink: &Sink, topics: &[String]) -> Result<(), LockError> {
+        self.pubsub.unsubscribe(sink, topics).await
+    }
+
+    async fn next(&self, stream: &mut Stream) -> Option<Result<Notification, LockError>> {
+        let received = self.pubsub.next(stream).await;
+        if let Some(Ok(Notification {
+            channel,
+            waiter: Some(waiter),
+        })) = &received
+        {
+            if let Some(unclaimed) = self.unclaimed.get() {
+                if !unclaimed.notifier.is_waiting(channel, waiter) {
+                    (unclaimed.pass_on)(channel, waiter);
+                }
+            }
+        }
+        received
+    }
+
+    async fn ping(&self, sink: &Sink, stream: &mut Stream) -> Result<(), LockError> {
+        self.pubsub.ping(sink, stream).await
     }
 }
 
