@@ -192,8 +192,12 @@ impl RedisLock {
                 tokio::spawn(async move {
                     let left = leave_line(&commands, publish, timeout, Line::Lock, &keys, member);
                     match left.await {
-                        Ok(_) => tracing::debug!(line = %keys.waiters, "a wake-up for a waiter that no longer waits: passed on"),
-                        Err(e) => tracing::debug!(line = %keys.waiters, error = %e, "passing on a wake-up for a waiter that no longer waits failed; its turn runs out"),
+                        Ok(_) => {
+                            tracing::debug!(line = %keys.waiters, "a wake-up for a waiter that no longer waits: passed on")
+                        }
+                        Err(e) => {
+                            tracing::debug!(line = %keys.waiters, error = %e, "passing on a wake-up for a waiter that no longer waits failed; its turn runs out")
+                        }
                     }
                 });
             }

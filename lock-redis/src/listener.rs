@@ -150,9 +150,12 @@ pub(crate) struct Source {
 /// nothing).
 pub(crate) struct Unclaimed {
     notifier: ReleaseNotifier,
-    /// Leaves the line for the waiter (channel, owner hex).
-    pass_on: Box<dyn Fn(&str, &str) + Send + Sync>,
+    /// Leaves the line for the waiter.
+    pass_on: Box<PassOn>,
 }
+
+/// What passes a wake-up on: called with its channel and owner hex.
+type PassOn = dyn Fn(&str, &str) + Send + Sync;
 
 impl Unclaimed {
     pub(crate) fn new(
@@ -173,49 +176,6 @@ impl Source {
     }
 }
 
-#[async_trait]
-impl NotificationSource for Source {
-    type Topic = String;
-    type Sink = Sink;
-    type Stream = Stream;
-
-    fn channel(&self, topic: &String) -> String {
-        self.pubsub.channel(topic)
-    }
-
-    async fn connect(&self) -> Result<(Sink, Stream), LockError> {
-        self.pubsub.connect().await
-    }
-
-    async fn subscribe(&self, sink: &Sink, topics: &[String]) -> Result<(), LockError> {
-        self.pubsub.subscribe(sink, topics).await
-    }
-
-    async fn unsubscribe(&self, sink: &Sink, topics: &[String]) -> Result<(), LockError> {
-        self.pubsub.unsubscribe(sink, topics).await
-    }
-
-    async fn next(&self, stream: &mut Stream) -> Option<Result<Notification, LockError>> {
-        let received = self.pubsub.next(stream).await;
-        if let Some(Ok(Notification {
-            channel,
-            waiter: Some(waiter),
-        })) = &received
-        {
-            if let Some(unclaimed) = self.unclaimed.get() {
-                if !unclaimed.notifier.is_waiting(channel, waiter) {
-                    (unclaimed.pass_on)(channel, waiter);
-                }
-            }
-        }
-        received
-    }
-
-    async fn ping(&self, sink: &Sink, stream: &mut Stream) -> Result<(), LockError> {
-        self.pubsub.ping(sink, stream).await
-    }
-}
-
 /// What a message on `channel` wakes: the waiter whose owner token it
 /// carries (a release woke it alone), else every waiter of the channel.
 fn wake(channel: &str, payload: Option<String>) -> Notification {
@@ -226,7 +186,7 @@ fn wake(channel: &str, payload: Option<String>) -> Notification {
 }
 
 #[async_trait]
-impl NotificationSource for PubSub {
+impl NotificationSource for Source {
     /// A channel name.
     type Topic = String;
     type Sink = Sink;
@@ -237,15 +197,15 @@ impl NotificationSource for PubSub {
     }
 
     async fn connect(&self) -> Result<(Sink, Stream), LockError> {
-        match self {
-            PubSub::Node(client) => Self::open_node(client, None).await,
+        match &self.pubsub {
+            PubSub::Node(client) => PubSub::open_node(client, None).await,
             PubSub::Sentinel(primary) => {
                 let (client, generation) = primary.client().await?;
                 let primary = Primary {
                     primary: primary.clone(),
                     generation,
                 };
-                Self::open_node(&client, Some(primary)).await
+                PubSub::open_node(&client, Some(primary)).await
             }
             PubSub::Cluster(cluster) => cluster.open().await,
         }
@@ -295,55 +255,19 @@ impl NotificationSource for PubSub {
     }
 
     async fn next(&self, stream: &mut Stream) -> Option<Result<Notification, LockError>> {
-        match stream {
-            // `StreamExt::next` is cancel-safe: a message is either
-            // returned or left in the stream.
-            Stream::Node(stream, primary) => match stream.next().await {
-                Some(message) => Some(Ok(wake(
-                    message.get_channel_name(),
-                    message.get_payload::<String>().ok(),
-                ))),
-                None => {
-                    if let Some(primary) = primary {
-                        primary.gone();
-                    }
-                    None
+        let received = next(stream).await;
+        if let Some(Ok(Notification {
+            channel,
+            waiter: Some(waiter),
+        })) = &received
+        {
+            if let Some(unclaimed) = self.unclaimed.get() {
+                if !unclaimed.notifier.is_waiting(channel, waiter) {
+                    (unclaimed.pass_on)(channel, waiter);
                 }
-            },
-            // `recv` is cancel-safe too; pushes read and skipped carry
-            // nothing a waiter needs.
-            Stream::Cluster(pushes, expected) => loop {
-                let push = pushes.recv().await?;
-                let text = |at: usize| match push.data.get(at) {
-                    Some(Value::BulkString(name)) => {
-                        Some(String::from_utf8_lossy(name).into_owned())
-                    }
-                    _ => None,
-                };
-                let channel = || text(0).unwrap_or_default();
-                match push.kind {
-                    PushKind::SMessage => return Some(Ok(wake(&channel(), text(1)))),
-                    PushKind::Disconnection => {
-                        return Some(Err(LockError::unavailable(
-                            "a redis cluster node's pub/sub connection closed",
-                        )))
-                    }
-                    PushKind::SUnsubscribe => {
-                        let channel = channel();
-                        let ours = expected
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .remove(&channel);
-                        if !ours {
-                            return Some(Err(LockError::unavailable(format!(
-                                "the redis cluster ended the subscription to {channel} (its slot moved)"
-                            ))));
-                        }
-                    }
-                    _ => {}
-                }
-            },
+            }
         }
+        received
     }
 
     async fn ping(&self, sink: &Sink, _stream: &mut Stream) -> Result<(), LockError> {
@@ -367,5 +291,56 @@ impl NotificationSource for PubSub {
                 .map(drop)
                 .map_err(|e| errors::map(e, "redis cluster pub/sub PING")),
         }
+    }
+}
+
+/// The next message of `stream`, as a notification.
+async fn next(stream: &mut Stream) -> Option<Result<Notification, LockError>> {
+    match stream {
+        // `StreamExt::next` is cancel-safe: a message is either
+        // returned or left in the stream.
+        Stream::Node(stream, primary) => match stream.next().await {
+            Some(message) => Some(Ok(wake(
+                message.get_channel_name(),
+                message.get_payload::<String>().ok(),
+            ))),
+            None => {
+                if let Some(primary) = primary {
+                    primary.gone();
+                }
+                None
+            }
+        },
+        // `recv` is cancel-safe too; pushes read and skipped carry
+        // nothing a waiter needs.
+        Stream::Cluster(pushes, expected) => loop {
+            let push = pushes.recv().await?;
+            let text = |at: usize| match push.data.get(at) {
+                Some(Value::BulkString(name)) => Some(String::from_utf8_lossy(name).into_owned()),
+                _ => None,
+            };
+            let channel = || text(0).unwrap_or_default();
+            match push.kind {
+                PushKind::SMessage => return Some(Ok(wake(&channel(), text(1)))),
+                PushKind::Disconnection => {
+                    return Some(Err(LockError::unavailable(
+                        "a redis cluster node's pub/sub connection closed",
+                    )))
+                }
+                PushKind::SUnsubscribe => {
+                    let channel = channel();
+                    let ours = expected
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&channel);
+                    if !ours {
+                        return Some(Err(LockError::unavailable(format!(
+                                "the redis cluster ended the subscription to {channel} (its slot moved)"
+                            ))));
+                    }
+                }
+                _ => {}
+            }
+        },
     }
 }
