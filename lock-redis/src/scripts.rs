@@ -348,8 +348,12 @@ local lock = lock_at(KEYS[1])
 if lock.err then return lock end
 local fence = fence_at(KEYS[2])
 if fence.err then return fence end
-local bad_line = line_ok(KEYS[3])
-if bad_line then return bad_line end
+-- Read by a waiter (it joins or leaves the line) and on a free key (its
+-- head goes first); not by an attempt that does not wait on a held key.
+if ARGV[4] ~= '' or not lock.value then
+  local bad_line = line_ok(KEYS[3])
+  if bad_line then return bad_line end
+end
 if lock.value then
   local owner, token = parse(lock.value)
   if owner ~= ARGV[1] then
