@@ -1,7 +1,7 @@
 //! [`RedisLock`]: the client, its requests (scripts, replication waits) and the [`LockBackend`] and [`LockAdmin`] implementation; connecting lives in `connect`.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use distlock_core::{
@@ -17,14 +17,14 @@ use crate::connect::replaceable_manager;
 use crate::connection::{connect_budget, Commands};
 use crate::errors;
 use crate::keys::RedisKeys;
-use crate::listener::PubSub;
+use crate::listener::{PubSub, Source, Unclaimed};
 use crate::replies;
 use crate::scripts::{
     self, LuaScript, ACQUIRE_SCRIPT, EXTEND_MANY_SCRIPT, EXTEND_SCRIPT, FORCE_RELEASE_SCRIPT,
     INSPECT_SCRIPT, LEAVE_PERMIT_SCRIPT, LEAVE_SCRIPT, RELEASE_SCRIPT,
 };
 use crate::tls;
-use crate::waiters::{Line, Waiters};
+use crate::waiters::{Line, Waiters, TURN};
 
 /// The most locks one extend script renews: a script blocks the server
 /// while it runs, so a batch stays short (about a millisecond).
@@ -61,7 +61,7 @@ pub struct RedisLock {
     commands: Arc<Commands>,
     config: RedisConfig,
     channels: Channels,
-    listener: Listener<PubSub>,
+    listener: Listener<Source>,
     waiters: Arc<Waiters>,
 }
 
@@ -177,9 +177,35 @@ impl RedisLock {
     }
 
     fn new(commands: Commands, pubsub: PubSub, channels: Channels, config: RedisConfig) -> Self {
+        let commands = Arc::new(commands);
+        let unclaimed = Arc::new(OnceLock::new());
+        let listener = Listener::new(Source::new(pubsub, unclaimed.clone()), config.client());
+        let pass_on = {
+            let (commands, publish) = (commands.clone(), channels.publish);
+            let timeout = config.client().operation_timeout();
+            move |channel: &str, owner: &str| {
+                let Some((keys, client)) = RedisKeys::of_lock_channel(channel) else {
+                    return;
+                };
+                let member = format!("{client}:{owner}");
+                let commands = commands.clone();
+                tokio::spawn(async move {
+                    let left = leave_line(&commands, publish, timeout, Line::Lock, &keys, member);
+                    match left.await {
+                        Ok(_) => {
+                            tracing::debug!(line = %keys.waiters, "a wake-up for a waiter that no longer waits: passed on")
+                        }
+                        Err(e) => {
+                            tracing::debug!(line = %keys.waiters, error = %e, "passing on a wake-up for a waiter that no longer waits failed; its turn runs out")
+                        }
+                    }
+                });
+            }
+        };
+        let _ = unclaimed.set(Unclaimed::new(listener.notifier().clone(), pass_on));
         Self {
-            commands: Arc::new(commands),
-            listener: Listener::new(pubsub, config.client()),
+            commands,
+            listener,
             channels,
             config,
             waiters: Waiters::new(),
@@ -402,26 +428,19 @@ impl Leaving {
         if !waiters.closed(line, &key, waiter, registration) {
             return;
         }
-        let script = match line {
-            Line::Lock => &*LEAVE_SCRIPT,
-            Line::Permits => &*LEAVE_PERMIT_SCRIPT,
-        };
-        let args = [
+        let left = leave_line(
+            &commands,
+            publish,
+            timeout,
+            line,
+            &keys,
             waiters.member(waiter),
-            keys.channel.clone(),
-            publish.to_owned(),
-        ];
-        let call = Call {
-            keys: &keys,
-            script,
-            redis_keys: &[&keys.lock, &keys.waiters],
-            args: &args,
-        };
+        );
         // Best effort: a waiter left behind is dropped by a later release
         // once its client is gone, or with the line when it expires; until
         // then a wake-up it takes falls back to the others' timers.
-        match execute(&commands, call, None, timeout).await {
-            Ok((reply, _)) => {
+        match left.await {
+            Ok(reply) => {
                 if replies::deleted(&key, &reply).is_none() {
                     tracing::debug!(key = %key, ?reply, "unexpected reply to leaving the waiter line");
                 }
@@ -431,6 +450,43 @@ impl Leaving {
             }
         }
     }
+}
+
+/// Takes `member` out of `line` at `keys` (its leave script): a lock's
+/// line then serves its head if the lock is free, a semaphore's wakes the
+/// next waiter if a permit is. The script's reply.
+async fn leave_line(
+    commands: &Commands,
+    publish: &'static str,
+    timeout: Duration,
+    line: Line,
+    keys: &RedisKeys,
+    member: String,
+) -> Result<Value, LockError> {
+    let (script, redis_keys, args) = match line {
+        Line::Lock => (
+            &*LEAVE_SCRIPT,
+            vec![keys.lock.as_str(), &keys.waiters, &keys.turn],
+            vec![member, keys.channel.clone(), publish.to_owned(), turn_ms()],
+        ),
+        Line::Permits => (
+            &*LEAVE_PERMIT_SCRIPT,
+            vec![keys.lock.as_str(), &keys.waiters],
+            vec![member, keys.channel.clone(), publish.to_owned()],
+        ),
+    };
+    let call = Call {
+        keys,
+        script,
+        redis_keys: &redis_keys,
+        args: &args,
+    };
+    Ok(execute(commands, call, None, timeout).await?.0)
+}
+
+/// The turn a lock's woken waiter gets, as a script argument.
+fn turn_ms() -> String {
+    arg_millis(TURN)
 }
 
 /// Runs `call` on `commands` within `timeout`; see [`RedisLock::execute`].
@@ -493,11 +549,18 @@ impl RedisLock {
             // Identifies this release call: a resend of the same request
             // (by the driver) carries it, a second call does not.
             OwnerToken::random().to_hex(),
+            turn_ms(),
         ];
         let call = Call {
             keys,
             script: &RELEASE_SCRIPT,
-            redis_keys: &[&keys.lock, &keys.gone, &keys.waiters, &keys.holder],
+            redis_keys: &[
+                &keys.lock,
+                &keys.gone,
+                &keys.waiters,
+                &keys.holder,
+                &keys.turn,
+            ],
             args: &args,
         };
         let (reply, _) = self.execute(call, None, timeout).await?;
@@ -589,6 +652,7 @@ impl LockBackend for RedisLock {
             ttl_granularity: Duration::from_millis(1),
             native_wait: true,
             wakes_one_waiter: true,
+            fair_handoff: true,
             durable: false,
             // A cluster's keys span slots: one script cannot reach them.
             extend_batch: match self.channels.publish == Channels::SHARDED.publish {
@@ -615,21 +679,28 @@ impl LockBackend for RedisLock {
             self.retention_ms(request.ttl),
             self.line_member(Line::Lock, key, request.owner, request.settling),
         ];
-        match request.holder {
-            // A labelled holder is told to the key's observers.
-            Some(holder) => args.extend([
-                holder.as_str().to_owned(),
-                keys.channel.clone(),
-                self.channels.publish.to_owned(),
-            ]),
-            None => args.push(String::new()),
-        }
+        // A labelled holder is told to the key's observers; the channel
+        // also wakes a waiter whose turn it is.
+        args.extend([
+            request
+                .holder
+                .map_or_else(String::new, |holder| holder.as_str().to_owned()),
+            keys.channel.clone(),
+            self.channels.publish.to_owned(),
+            turn_ms(),
+        ]);
         // The give-back below shares this operation's timeout.
         let sent = Instant::now();
         let call = Call {
             keys: &keys,
             script: &ACQUIRE_SCRIPT,
-            redis_keys: &[&keys.lock, &keys.fence, &keys.waiters, &keys.holder],
+            redis_keys: &[
+                &keys.lock,
+                &keys.fence,
+                &keys.waiters,
+                &keys.holder,
+                &keys.turn,
+            ],
             args: &args,
         };
         let (reply, replicated) = self.run_acquire(call, request.settling).await?;
@@ -753,8 +824,12 @@ impl LockAdmin for RedisLock {
             .run(Call {
                 keys: &keys,
                 script: &FORCE_RELEASE_SCRIPT,
-                redis_keys: &[&keys.lock, &keys.waiters, &keys.holder],
-                args: &[keys.channel.clone(), self.channels.publish.to_owned()],
+                redis_keys: &[&keys.lock, &keys.waiters, &keys.holder, &keys.turn],
+                args: &[
+                    keys.channel.clone(),
+                    self.channels.publish.to_owned(),
+                    turn_ms(),
+                ],
             })
             .await?;
         replies::force_release_reply(key, &reply)

@@ -288,6 +288,7 @@ pub(crate) async fn check_permissions(
                         &probe.waiters,
                         &permits.waiters,
                         &probe.holder,
+                        &probe.turn,
                     ],
                     &[
                         // A client's channel: the base and a client id.

@@ -165,6 +165,7 @@ pub(crate) fn corrupt_detail(detail: &str, keys: &RedisKeys) -> LockError {
         "fence" => &keys.fence,
         "gone" => &keys.gone,
         "waiters" => &keys.waiters,
+        "turn" => &keys.turn,
         _ => &keys.lock,
     };
     corrupted(redis_key, rest)

@@ -16,9 +16,13 @@
 //! - `NS:{E}:holder` — the holder label of the acquisition that stored it,
 //!   `<owner hex>:<label>` with the lock's PX expiry (shown only while that
 //!   owner holds the lock; written only when the holder gave a label);
+//! - `NS:{E}:turn` — the turn of the line's woken head while the lock is
+//!   free, `<client hex>:<owner hex>/<deadline>` (server milliseconds) with
+//!   a PX expiry of two turns (see "Waiting" in the crate docs);
 //!
 //! and the semaphore of the same key `K` uses names of its own, in the same
-//! slot ([`RedisKeys::semaphore`], the same six roles):
+//! slot ([`RedisKeys::semaphore`], the same roles but the turn: a
+//! semaphore's line wakes its waiters as before, off the line):
 //!
 //! - `NS:{E}:sem:permits` — the permits, a sorted set of
 //!   `dl1:<owner hex>:<fencing token>:<limit>` scored by expiry (server
@@ -63,6 +67,9 @@ pub(crate) struct RedisKeys {
     pub(crate) channel: String,
     /// The holder label key.
     pub(crate) holder: String,
+    /// The woken head's turn (a lock's line only; a semaphore's name is
+    /// never written).
+    pub(crate) turn: String,
 }
 
 impl RedisKeys {
@@ -94,6 +101,20 @@ impl RedisKeys {
         format!("{namespace}:format")
     }
 
+    /// The lock's names, and the client id, of a lock waiter's channel
+    /// (`NS:{E}:released:<client hex>`, see [`client_channel`](Self::client_channel));
+    /// `None` for any other channel (a semaphore's, the observers').
+    pub(crate) fn of_lock_channel(channel: &str) -> Option<(Self, &str)> {
+        let (base, client) = channel.rsplit_once(':')?;
+        if client.is_empty() || !client.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
+        let (namespace, rest) = base.split_once(":{")?;
+        // The escaped key holds no brace: the first `}:` closes the tag.
+        let (tag, role) = rest.split_once("}:")?;
+        (role == LOCK[4]).then(|| (Self::tagged(namespace, tag, LOCK), client))
+    }
+
     /// The channel of `client`'s waiters: the base channel and its id.
     pub(crate) fn client_channel(&self, client: &str) -> String {
         format!("{}:{client}", self.channel)
@@ -108,7 +129,7 @@ impl RedisKeys {
     fn tagged(
         namespace: &str,
         tag: &str,
-        [lock, fence, gone, waiters, channel, holder]: [&str; 6],
+        [lock, fence, gone, waiters, channel, holder, turn]: [&str; 7],
     ) -> Self {
         // `NS:{tag}:suffix`, each in one allocation of its exact size
         // (every operation builds these: `format!` grew each string in
@@ -127,21 +148,25 @@ impl RedisKeys {
             waiters: name(waiters),
             channel: name(channel),
             holder: name(holder),
+            turn: name(turn),
         }
     }
 }
 
 /// A lock's suffixes: lock, fence, released-by marker, waiter line,
-/// channel, holder label.
-const LOCK: [&str; 6] = ["lock", "fence", "gone", "waiters", "released", "holder"];
+/// channel, holder label, turn.
+const LOCK: [&str; 7] = [
+    "lock", "fence", "gone", "waiters", "released", "holder", "turn",
+];
 /// A semaphore's, in the same roles.
-const SEMAPHORE: [&str; 6] = [
+const SEMAPHORE: [&str; 7] = [
     "sem:permits",
     "sem:fence",
     "sem:gone",
     "sem:waiters",
     "sem:returned",
     "sem:holder",
+    "sem:turn",
 ];
 
 /// Percent-escapes `%`, `{` and `}`.
@@ -213,6 +238,7 @@ mod tests {
                 assert!(seen.insert(keys.gone.clone()));
                 assert!(seen.insert(keys.channel.clone()));
                 assert!(seen.insert(keys.holder.clone()));
+                assert!(seen.insert(keys.turn.clone()));
             }
         }
     }
@@ -228,6 +254,7 @@ mod tests {
                 assert_eq!(hash_part(&keys.channel), tag);
                 assert_eq!(hash_part(&keys.waiters), tag);
                 assert_eq!(hash_part(&keys.holder), tag);
+                assert_eq!(hash_part(&keys.turn), tag);
                 assert!(keys.lock.starts_with("ns:{"));
             }
         }
@@ -260,6 +287,7 @@ mod tests {
                     &keys.waiters,
                     &keys.channel,
                     &keys.holder,
+                    &keys.turn,
                 ] {
                     assert_ne!(name, &marker);
                 }
@@ -278,9 +306,29 @@ mod tests {
         assert_eq!(lock.waiters, "ns:{a%7Bb%7D}:waiters");
         assert_eq!(lock.channel, "ns:{a%7Bb%7D}:released");
         assert_eq!(lock.holder, "ns:{a%7Bb%7D}:holder");
+        assert_eq!(lock.turn, "ns:{a%7Bb%7D}:turn");
         let semaphore = RedisKeys::semaphore("ns", &key);
         assert_eq!(semaphore.lock, "ns:{a%7Bb%7D}:sem:permits");
         assert_eq!(semaphore.holder, "ns:{a%7Bb%7D}:sem:holder");
+    }
+
+    #[test]
+    fn a_lock_waiter_channel_names_its_lock() {
+        for key in LOOKALIKES {
+            let [lock, semaphore] = both(key);
+            let channel = lock.client_channel("0a1b");
+            assert_eq!(
+                RedisKeys::of_lock_channel(&channel),
+                Some((lock.clone(), "0a1b"))
+            );
+            for other in [
+                semaphore.client_channel("0a1b"),
+                lock.observers_channel(),
+                lock.channel.clone(),
+            ] {
+                assert_eq!(RedisKeys::of_lock_channel(&other), None, "{other}");
+            }
+        }
     }
 
     #[test]

@@ -104,7 +104,8 @@
 //!
 //! Keys (see the table in `keys.rs`): for lock `K` in namespace `NS`,
 //! `NS:{K'}:lock`, `NS:{K'}:fence`, `NS:{K'}:gone`, the waiter line
-//! `NS:{K'}:waiters`, the holder label `NS:{K'}:holder` and the channels
+//! `NS:{K'}:waiters`, the holder label `NS:{K'}:holder`, the woken
+//! waiter's turn `NS:{K'}:turn` and the channels
 //! `NS:{K'}:released:<client id>` (waiters) and `NS:{K'}:released:observers`
 //! (observers: scripts publish there when a labelled holder takes or
 //! leaves the lock; [`LockAdmin::watch_holder`](distlock_core::LockAdmin::watch_holder)),
@@ -154,24 +155,47 @@
 //!   reports `NotHeld`.
 //! - Every script checks its arguments, and the type and shape of every
 //!   key it reads, before its first write (a script is not rolled back).
-//! - **Waiting**: one wake-up per release, in arrival order. Each key has
+//! - **Waiting**: one wake-up per release, in arrival order, and nobody
+//!   cuts in (fair handoff,
+//!   [`Capabilities::fair_handoff`](distlock_core::Capabilities)). Each key has
 //!   a waiter line, the sorted set `NS:{K'}:waiters` of `<client id>:<owner
 //!   hex>` scored by arrival (server microseconds). A waiting attempt that
-//!   finds the key held joins it in the acquire script (keeping its place
-//!   if it has one); a granted one leaves it. A release takes the first
-//!   waiter off the line and publishes its owner token on its client's
-//!   channel `NS:{K'}:released:<client id>`, where that client wakes that
-//!   waiter alone: one attempt per release, however many wait. A waiter
-//!   whose client is gone (the publish reaches nobody) is dropped and the
-//!   next one tried. A wait that ends without the lock (cancelled, out of
-//!   time, failed) leaves the line with one more script, which wakes the
-//!   next waiter if the key is free (it may have taken a wake-up with it).
+//!   is refused joins it in the acquire script (keeping its place if it
+//!   has one); a granted one leaves it. A release publishes the first
+//!   waiter's owner token on its client's channel
+//!   `NS:{K'}:released:<client id>`, where that client wakes that waiter
+//!   alone: one attempt per release, however many wait. The woken waiter
+//!   stays first in the line with a **turn of 5 seconds**, measured by the
+//!   server's clock: `NS:{K'}:turn` holds its member and the turn's end
+//!   (server milliseconds, from `TIME`), with a `PX` of two turns so it
+//!   never outlives its use. While the line has a waiter, a free key goes
+//!   to its first waiter alone: anyone else's attempt (a newcomer, a
+//!   `try_lock`, the holder that just released and came straight back) is
+//!   refused, told the turn's time left
+//!   ([`AcquireReply::Held::expires_in`](distlock_core::AcquireReply)), and
+//!   joins the line's end if it waits. An attempt on a free key that finds
+//!   the first waiter's turn over drops it from the line and serves the
+//!   next; one that finds a first waiter never woken (the key came free by
+//!   its holder's expiry) wakes it and gives it its turn. So a waiter woken
+//!   whose client froze, or whose wake-up was lost, holds the free key up
+//!   for one turn at most. A waiter whose client is gone (the publish
+//!   reaches nobody) is dropped and the next one tried. A wait that ends
+//!   without the lock (cancelled, out of time, failed) leaves the line with
+//!   one more script, which passes the turn on to the next waiter if the
+//!   key is free; and a client whose listener receives a wake-up for a
+//!   waiter of its own that no longer waits runs that script for it too
+//!   (a waiter's attempt that reached the server after its wait ended puts
+//!   it back in the line). An attempt of an owner that already holds the
+//!   lock (an earlier attempt's reply was lost) adopts it whatever the
+//!   line holds. A semaphore's line wakes its waiters as before: taken off
+//!   the line as they are woken, without a turn.
 //!   The line expires with the last wait that joined it. One pub/sub
 //!   connection per client, shared by all waiters and run by
 //!   [`distlock_core::Listener`], subscribes the client's channel of a key
 //!   before its first waiter's first attempt. A holder that crashed is
-//!   covered by a timer set to its `PTTL`, and so is a wake-up lost with a
-//!   frozen client. No polling. If the pub/sub connection fails (closed, a
+//!   covered by a timer set to its `PTTL`, and a wake-up lost with a
+//!   frozen client by the other waiters' timers, set to the turn's end.
+//!   No polling. If the pub/sub connection fails (closed, a
 //!   SUBSCRIBE, UNSUBSCRIBE or PING that errs or times out), it is dropped
 //!   and every waiter subscribes again before its next attempt.
 //! - A value distlock did not write (another type, another format, a lock,

@@ -22,9 +22,11 @@
 //!   moved), is the listener's one lost path.
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
-use distlock_core::{async_trait, ClientOptions, LockError, Notification, NotificationSource};
+use distlock_core::{
+    async_trait, ClientOptions, LockError, Notification, NotificationSource, ReleaseNotifier,
+};
 use futures_util::StreamExt;
 use redis::aio::{PubSubSink, PubSubStream};
 use redis::cluster_async::ClusterConnection;
@@ -130,6 +132,50 @@ impl ClusterPubSub {
     }
 }
 
+/// The client's notification source: its pub/sub connections, and what
+/// becomes of a wake-up that reaches no waiter here.
+pub(crate) struct Source {
+    pubsub: PubSub,
+    unclaimed: Arc<OnceLock<Unclaimed>>,
+}
+
+/// A wake-up named a lock waiter of this client that no longer waits (its
+/// watch dropped: the wait ended, or the waiter never was this client's
+/// now). The release kept it first in the line with a turn, so unless
+/// something takes it off, every other waiter waits for that turn to run
+/// out. The wait's own leave script usually does (see
+/// `crate::backend`), but not if it failed, or if the waiter's attempt
+/// reached the server after it (a request whose outcome was unknown): so
+/// the listener leaves the line for it too (a second leave changes
+/// nothing).
+pub(crate) struct Unclaimed {
+    notifier: ReleaseNotifier,
+    /// Leaves the line for the waiter.
+    pass_on: Box<PassOn>,
+}
+
+/// What passes a wake-up on: called with its channel and owner hex.
+type PassOn = dyn Fn(&str, &str) + Send + Sync;
+
+impl Unclaimed {
+    pub(crate) fn new(
+        notifier: ReleaseNotifier,
+        pass_on: impl Fn(&str, &str) + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            notifier,
+            pass_on: Box::new(pass_on),
+        }
+    }
+}
+
+impl Source {
+    /// `pubsub`, passing unclaimed wake-ups on once `unclaimed` is set.
+    pub(crate) fn new(pubsub: PubSub, unclaimed: Arc<OnceLock<Unclaimed>>) -> Self {
+        Self { pubsub, unclaimed }
+    }
+}
+
 /// What a message on `channel` wakes: the waiter whose owner token it
 /// carries (a release woke it alone), else every waiter of the channel.
 fn wake(channel: &str, payload: Option<String>) -> Notification {
@@ -140,7 +186,7 @@ fn wake(channel: &str, payload: Option<String>) -> Notification {
 }
 
 #[async_trait]
-impl NotificationSource for PubSub {
+impl NotificationSource for Source {
     /// A channel name.
     type Topic = String;
     type Sink = Sink;
@@ -151,15 +197,15 @@ impl NotificationSource for PubSub {
     }
 
     async fn connect(&self) -> Result<(Sink, Stream), LockError> {
-        match self {
-            PubSub::Node(client) => Self::open_node(client, None).await,
+        match &self.pubsub {
+            PubSub::Node(client) => PubSub::open_node(client, None).await,
             PubSub::Sentinel(primary) => {
                 let (client, generation) = primary.client().await?;
                 let primary = Primary {
                     primary: primary.clone(),
                     generation,
                 };
-                Self::open_node(&client, Some(primary)).await
+                PubSub::open_node(&client, Some(primary)).await
             }
             PubSub::Cluster(cluster) => cluster.open().await,
         }
@@ -209,55 +255,19 @@ impl NotificationSource for PubSub {
     }
 
     async fn next(&self, stream: &mut Stream) -> Option<Result<Notification, LockError>> {
-        match stream {
-            // `StreamExt::next` is cancel-safe: a message is either
-            // returned or left in the stream.
-            Stream::Node(stream, primary) => match stream.next().await {
-                Some(message) => Some(Ok(wake(
-                    message.get_channel_name(),
-                    message.get_payload::<String>().ok(),
-                ))),
-                None => {
-                    if let Some(primary) = primary {
-                        primary.gone();
-                    }
-                    None
+        let received = next(stream).await;
+        if let Some(Ok(Notification {
+            channel,
+            waiter: Some(waiter),
+        })) = &received
+        {
+            if let Some(unclaimed) = self.unclaimed.get() {
+                if !unclaimed.notifier.is_waiting(channel, waiter) {
+                    (unclaimed.pass_on)(channel, waiter);
                 }
-            },
-            // `recv` is cancel-safe too; pushes read and skipped carry
-            // nothing a waiter needs.
-            Stream::Cluster(pushes, expected) => loop {
-                let push = pushes.recv().await?;
-                let text = |at: usize| match push.data.get(at) {
-                    Some(Value::BulkString(name)) => {
-                        Some(String::from_utf8_lossy(name).into_owned())
-                    }
-                    _ => None,
-                };
-                let channel = || text(0).unwrap_or_default();
-                match push.kind {
-                    PushKind::SMessage => return Some(Ok(wake(&channel(), text(1)))),
-                    PushKind::Disconnection => {
-                        return Some(Err(LockError::unavailable(
-                            "a redis cluster node's pub/sub connection closed",
-                        )))
-                    }
-                    PushKind::SUnsubscribe => {
-                        let channel = channel();
-                        let ours = expected
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .remove(&channel);
-                        if !ours {
-                            return Some(Err(LockError::unavailable(format!(
-                                "the redis cluster ended the subscription to {channel} (its slot moved)"
-                            ))));
-                        }
-                    }
-                    _ => {}
-                }
-            },
+            }
         }
+        received
     }
 
     async fn ping(&self, sink: &Sink, _stream: &mut Stream) -> Result<(), LockError> {
@@ -281,5 +291,56 @@ impl NotificationSource for PubSub {
                 .map(drop)
                 .map_err(|e| errors::map(e, "redis cluster pub/sub PING")),
         }
+    }
+}
+
+/// The next message of `stream`, as a notification.
+async fn next(stream: &mut Stream) -> Option<Result<Notification, LockError>> {
+    match stream {
+        // `StreamExt::next` is cancel-safe: a message is either
+        // returned or left in the stream.
+        Stream::Node(stream, primary) => match stream.next().await {
+            Some(message) => Some(Ok(wake(
+                message.get_channel_name(),
+                message.get_payload::<String>().ok(),
+            ))),
+            None => {
+                if let Some(primary) = primary {
+                    primary.gone();
+                }
+                None
+            }
+        },
+        // `recv` is cancel-safe too; pushes read and skipped carry
+        // nothing a waiter needs.
+        Stream::Cluster(pushes, expected) => loop {
+            let push = pushes.recv().await?;
+            let text = |at: usize| match push.data.get(at) {
+                Some(Value::BulkString(name)) => Some(String::from_utf8_lossy(name).into_owned()),
+                _ => None,
+            };
+            let channel = || text(0).unwrap_or_default();
+            match push.kind {
+                PushKind::SMessage => return Some(Ok(wake(&channel(), text(1)))),
+                PushKind::Disconnection => {
+                    return Some(Err(LockError::unavailable(
+                        "a redis cluster node's pub/sub connection closed",
+                    )))
+                }
+                PushKind::SUnsubscribe => {
+                    let channel = channel();
+                    let ours = expected
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&channel);
+                    if !ours {
+                        return Some(Err(LockError::unavailable(format!(
+                                "the redis cluster ended the subscription to {channel} (its slot moved)"
+                            ))));
+                    }
+                }
+                _ => {}
+            }
+        },
     }
 }

@@ -186,15 +186,91 @@ end
 local function leave(key, member)
   if member ~= nil and member ~= '' then redis.call('ZREM', key, member) end
 end
--- After a DEL: wake the first waiter of the line alone, by publishing its
--- owner on its client's channel (`<channel>:<client>`; `publish` is
--- PUBLISH, or SPUBLISH in a cluster). It leaves the line as it is woken
--- (if its attempt fails it joins again). A waiter nobody receives for
--- (its client gone) is dropped and the next one tried, a few at most; a
--- frozen client's waiter takes the wake-up with it, and the others fall
--- back to their timers. A refused publish (no ACL channel permission)
--- must not fail the script after its DEL: the lock is released either
--- way; the error text goes back for the client to log.
+-- A lock's line is served in order (fair handoff): the free key goes to
+-- the line's head. A head that was woken has a turn, the string
+-- `<member>/<deadline>` (server milliseconds) at the turn key, with a PX
+-- expiry of two turns: it stays first until it takes the key, leaves the
+-- line, or its turn is over. {member, at} of the turn; {} if there is
+-- none; an error reply for anything else.
+local function turn_ok(v)
+  local client, owner, at = string.match(v, '^(%x+):(%x+)/(%d+)$')
+  return client ~= nil and #client <= 32 and #owner == 32 and #at <= 15
+end
+local function turn_at(key)
+  local t = string_at('turn', key, 'a distlock waiter turn', turn_ok)
+  if t.value then
+    local member, at = string.match(t.value, '^(.+)/(%d+)$')
+    t.member, t.at = member, tonumber(at)
+  end
+  return t
+end
+-- Serves the line `line` of a free lock for `requester` (a member, or ''
+-- for none), `turn` being what `turn_at` read at `tkey`: {} if the
+-- requester may take the key (the line is empty, or it is the head);
+-- else {wait = ms}, what the head's turn has left. A head whose turn is
+-- over leaves the line; a head never woken (the key came free by expiry,
+-- or its turn was dropped) is woken by publishing its owner on its
+-- client's channel (`<channel>:<client>`; `publish` is PUBLISH, or
+-- SPUBLISH in a cluster) and given a turn of `turn_ms`; one nobody
+-- receives for (its client gone) leaves the line and the next is tried,
+-- a few at most (then {wait = 1}: the next attempt goes on). A refused
+-- publish (no ACL channel permission) still gives the turn, and its error
+-- text comes back as `note`. A member distlock does not write at the head:
+-- an error reply (the heads dropped before it are dropped either way).
+local function serve(publish, channel, line, tkey, turn, now, turn_ms, requester)
+  for _ = 1, 8 do
+    local first = redis.pcall('ZRANGE', line, 0, 0)
+    if first['err'] then return corrupt('waiters', 'holds a ' .. kind(line) .. ', not a distlock waiter line') end
+    local head = first[1]
+    if head == nil or head == requester then return {} end
+    local client, owner = string.match(head, '^(%x+):(%x+)$')
+    if client == nil or #client > 32 or #owner ~= 32 then
+      return corrupt('waiters', 'holds a member in a format distlock does not write')
+    end
+    if turn.member == head then
+      if turn.at > now then return {wait = turn.at - now} end
+      -- Woken, and it never came: its turn is over.
+      redis.call('DEL', tkey)
+      turn = {}
+    else
+      local r = redis.pcall(publish, channel .. ':' .. client, owner)
+      local refused = type(r) == 'table' and r['err']
+      if refused or r > 0 then
+        local ms = tonumber(turn_ms)
+        redis.call('SET', tkey, head .. '/' .. int(now + ms), 'PX', int(2 * ms))
+        return {wait = ms, note = refused or nil}
+      end
+    end
+    redis.call('ZREM', line, head)
+  end
+  return {wait = 1}
+end
+-- After the lock was deleted (release, force-release) or a waiter left a
+-- free lock's line: the head is woken with a fresh turn (`fresh`), or
+-- served as `serve` does (one on its way keeps its turn). Returns 1, or
+-- `{1, error}` when the wake-up failed (a line or turn distlock did not
+-- write, a refused publish): the lock is released either way.
+local function hand_on(publish, channel, line, tkey, turn_ms, fresh)
+  local turn = turn_at(tkey)
+  if turn.err then return {1, turn.err} end
+  if fresh and turn.value then
+    redis.call('DEL', tkey)
+    turn = {}
+  end
+  local served = serve(publish, channel, line, tkey, turn, clock(), turn_ms, '')
+  if served.err then return {1, served.err} end
+  if served.note then return {1, served.note} end
+  return 1
+end
+-- A semaphore's line (permits keep this): after a permit came free, wake
+-- the first waiter of the line alone, by publishing its owner on its
+-- client's channel. It leaves the line as it is woken (if its attempt
+-- fails it joins again). A waiter nobody receives for (its client gone) is
+-- dropped and the next one tried, a few at most; a frozen client's waiter
+-- takes the wake-up with it, and the others fall back to their timers. A
+-- refused publish (no ACL channel permission) must not fail the script
+-- after its write: the permit is released either way; the error text goes
+-- back for the client to log.
 local function released(publish, channel, line)
   for _ = 1, 8 do
     -- Read, not checked before the DEL: a line that is not a sorted set
@@ -218,13 +294,15 @@ local function released(publish, channel, line)
 end
 "#;
 
-/// KEYS: lock, fence, waiter line, holder label. ARGV: owner hex, ttl ms,
-/// fence retention ms, waiter member (empty for an attempt that does not
-/// wait), holder label (empty for none), and with a label the key's
-/// channel and publish command (its observers are told). Returns `{1, token}` when
-/// acquired (`{1, token, 'foreign'}` if the label was not stored: data
-/// distlock did not write is at its key), `{0, pttl}` when held (a waiter
-/// then joins the line).
+/// KEYS: lock, fence, waiter line, holder label, turn. ARGV: owner hex,
+/// ttl ms, fence retention ms, waiter member (empty for an attempt that
+/// does not wait), holder label (empty for none), the key's channel and
+/// publish command (a waiter is woken there; with a label its observers
+/// are told), turn ms. Returns `{1, token}` when acquired (`{1, token,
+/// 'foreign'}` if the label was not stored: data distlock did not write is
+/// at its key), `{0, ms}` when held (`ms`: the holder's PTTL) or when the
+/// free key is another waiter's turn (`ms`: what that turn has left); a
+/// waiter then joins the line.
 ///
 /// The lock held by this same owner is *adopted*: an earlier attempt of
 /// the same acquisition took it but its reply was lost (a timeout, a
@@ -232,13 +310,22 @@ end
 /// to `ttl` from now and its own fencing token returned; its label is set
 /// again, or the one it stored kept as long. Without a label a fresh
 /// acquisition never touches the label key: a label left there by another
-/// owner is never shown.
+/// owner is never shown. Adoption comes first, whatever the line holds.
+///
+/// A free lock goes to the head of its line (`serve` in [`PRELUDE`]): to the
+/// requester if the line is empty or it is the head; anyone else (an
+/// attempt that does not wait too) is refused, and a waiter joins the
+/// line's end (keeping its place if it has one).
 const ACQUIRE: &str = r#"
-if not millis_ok(ARGV[2], ARGV[3]) then
-  return bad_args('ttl ' .. tostring(ARGV[2]) .. ' ms, fence retention ' .. tostring(ARGV[3]) .. ' ms')
+if not millis_ok(ARGV[2], ARGV[3], ARGV[8]) then
+  return bad_args('ttl ' .. tostring(ARGV[2]) .. ' ms, fence retention ' .. tostring(ARGV[3])
+    .. ' ms, turn ' .. tostring(ARGV[8]) .. ' ms')
 end
 if ARGV[5] ~= '' and not label_ok(ARGV[5]) then
   return bad_args('holder label of ' .. #tostring(ARGV[5]) .. ' bytes or with a control character')
+end
+if ARGV[7] ~= 'PUBLISH' and ARGV[7] ~= 'SPUBLISH' then
+  return bad_args('publish command ' .. tostring(ARGV[7]))
 end
 -- After a grant: stores the label (or keeps an adopted one as long as the
 -- lock); 'foreign' if data distlock did not write is at its key.
@@ -251,7 +338,7 @@ local function label(adopted)
   end
   if ARGV[5] ~= '' then
     redis.call('SET', KEYS[4], ARGV[1] .. ':' .. ARGV[5], 'PX', ARGV[2])
-    if ARGV[7] ~= nil then observed(ARGV[7], ARGV[6]) end
+    observed(ARGV[7], ARGV[6])
   elseif h.owner == ARGV[1] then
     redis.call('PEXPIRE', KEYS[4], ARGV[2])
   end
@@ -261,7 +348,9 @@ local lock = lock_at(KEYS[1])
 if lock.err then return lock end
 local fence = fence_at(KEYS[2])
 if fence.err then return fence end
-if ARGV[4] ~= '' then
+-- Read by a waiter (it joins or leaves the line) and on a free key (its
+-- head goes first); not by an attempt that does not wait on a held key.
+if ARGV[4] ~= '' or not lock.value then
   local bad_line = line_ok(KEYS[3])
   if bad_line then return bad_line end
 end
@@ -276,12 +365,22 @@ if lock.value then
   leave(KEYS[3], ARGV[4])
   return {1, token, label(true)}
 end
-local _, token = clock()
+local turn = turn_at(KEYS[5])
+if turn.err then return turn end
+local now, us = clock()
+local served = serve(ARGV[7], ARGV[6], KEYS[3], KEYS[5], turn, now, ARGV[8], ARGV[4])
+if served.err then return served end
+if served.wait then
+  join(KEYS[3], ARGV[4], served.wait + tonumber(ARGV[2]))
+  return {0, served.wait}
+end
+local token = us
 if fence.counter + 1 > token then token = fence.counter + 1 end
 local text = int(token)
 redis.call('SET', KEYS[1], 'dl1:' .. ARGV[1] .. ':' .. text, 'PX', ARGV[2])
 redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
 leave(KEYS[3], ARGV[4])
+if turn.value then redis.call('DEL', KEYS[5]) end
 return {1, text, label(false)}
 "#;
 
@@ -336,18 +435,19 @@ return answers
 "#;
 
 /// KEYS: lock, released-by marker, waiter line, holder label (deleted with
-/// the lock). ARGV: expected value,
+/// the lock), turn. ARGV: expected value,
 /// channel, publish command, marker life ms, release id (fresh hex per
-/// release call). Returns 1 when released (and the next waiter woken),
-/// `{1, error}` when released but the wake-up failed, 0 when not held.
+/// release call), turn ms. Returns 1 when released (and the line's head
+/// woken, keeping its place with a fresh turn), `{1, error}` when released
+/// but the wake-up failed, 0 when not held.
 ///
 /// A release leaves its value and id in the marker for the marker life (at
 /// most the lock's remaining TTL): the same request sent again (a driver
 /// resending it after a dropped connection) answers 1, as the first did;
 /// another release of the same lock (another id) answers 0.
 const RELEASE: &str = r#"
-if not millis_ok(ARGV[4]) then
-  return bad_args('released-marker life ' .. tostring(ARGV[4]) .. ' ms')
+if not millis_ok(ARGV[4], ARGV[6]) then
+  return bad_args('released-marker life ' .. tostring(ARGV[4]) .. ' ms, turn ' .. tostring(ARGV[6]) .. ' ms')
 end
 if type(ARGV[5]) ~= 'string' or string.match(ARGV[5], '^%x+$') == nil or #ARGV[5] > 32 then
   return bad_args('release id ' .. tostring(ARGV[5]))
@@ -366,7 +466,7 @@ local labelled = holder_drop(KEYS[4])
 local keep = math.min(lock.pttl, tonumber(ARGV[4]))
 if keep < 1 then keep = 1 end
 redis.call('SET', KEYS[2], mark, 'PX', string.format('%.0f', keep))
-local woke = released(ARGV[3], ARGV[2], KEYS[3])
+local woke = hand_on(ARGV[3], ARGV[2], KEYS[3], KEYS[5], ARGV[6], true)
 if labelled then observed(ARGV[3], ARGV[2]) end
 return woke
 "#;
@@ -687,10 +787,12 @@ if h ~= nil and h.owner == owner then label = h.label end
 return {1, redis.call('PTTL', KEYS[1]), fence, label}
 "#;
 
-/// KEYS: lock, waiter line, holder label. ARGV: channel, publish command.
-/// Deletes the lock whoever holds it, and its label (telling observers).
+/// KEYS: lock, waiter line, holder label, turn. ARGV: channel, publish
+/// command, turn ms. Deletes the lock whoever holds it, and its label
+/// (telling observers); wakes the line's head as [`RELEASE`] does.
 /// Returns as [`RELEASE`] (0 when free).
 const FORCE_RELEASE: &str = r#"
+if not millis_ok(ARGV[3]) then return bad_args('turn ' .. tostring(ARGV[3]) .. ' ms') end
 local lt = kind(KEYS[1])
 if lt == 'none' then return 0 end
 if lt ~= 'string' then return corrupt('lock', 'holds a ' .. lt .. ', not a distlock lock') end
@@ -699,26 +801,33 @@ if not ours(redis.call('GET', KEYS[1])) then
 end
 redis.call('DEL', KEYS[1])
 local labelled = holder_drop(KEYS[3])
-local woke = released(ARGV[2], ARGV[1], KEYS[2])
+local woke = hand_on(ARGV[2], ARGV[1], KEYS[2], KEYS[4], ARGV[3], true)
 if labelled then observed(ARGV[2], ARGV[1]) end
 return woke
 "#;
 
-/// KEYS: lock, waiter line. ARGV: waiter member, channel, publish command.
-/// A waiter whose wait ended without the lock leaves the line; if the lock
-/// is free, the next waiter is woken (the one leaving may have taken a
-/// wake-up with it). Returns as [`RELEASE`].
+/// KEYS: lock, waiter line, turn. ARGV: waiter member, channel, publish
+/// command, turn ms. A waiter whose wait ended without the lock leaves the
+/// line (and its turn, if it was woken); if the lock is free, the line's
+/// head is served as an attempt would serve it: the next waiter is woken
+/// with a turn unless the head already has one. Leaving twice (or a member
+/// not in the line) changes nothing. Returns as [`RELEASE`].
 const LEAVE: &str = r#"
+if not millis_ok(ARGV[4]) then return bad_args('turn ' .. tostring(ARGV[4]) .. ' ms') end
 local bad_line = line_ok(KEYS[2])
 if bad_line then return bad_line end
+local turn = turn_at(KEYS[3])
+if turn.err then return turn end
 redis.call('ZREM', KEYS[2], ARGV[1])
+if turn.member == ARGV[1] then redis.call('DEL', KEYS[3]) end
 if kind(KEYS[1]) ~= 'none' then return 1 end
-return released(ARGV[3], ARGV[2], KEYS[2])
+return hand_on(ARGV[3], ARGV[2], KEYS[2], KEYS[3], ARGV[4], false)
 "#;
 
 /// KEYS: a lock's lock, fence and released-by marker keys, then a
 /// semaphore's permit set, fence and released-by markers, then the lock's
-/// and the semaphore's waiter lines, then the lock's holder label. ARGV: a lock's
+/// and the semaphore's waiter lines, then the lock's holder label and
+/// turn. ARGV: a lock's
 /// channel, the publish, subscribe and unsubscribe commands (sharded in a
 /// cluster), a semaphore's channel, the format marker (an argument, not a
 /// key: it lies in another cluster slot, and the probe touches no key);
@@ -754,6 +863,7 @@ if redis.acl_check_cmd then
   check('keys', 'SET', ARGV[6], '1')
   check('keys', 'DEL', KEYS[1])
   check('keys', 'DEL', KEYS[9])
+  check('keys', 'DEL', KEYS[10])
   check('', 'TIME')
   for _, channel in ipairs({ARGV[1], ARGV[5]}) do
     check('channels', ARGV[2], channel, 'released')

@@ -6,19 +6,31 @@
 //! a granted one leaves it. A release wakes the first waiter alone: it
 //! publishes the waiter's owner token on its client's channel
 //! (`<channel>:<client hex>`), where this client's listener wakes only that
-//! waiter. A waiter whose wait ends without the lock (cancelled, out of
+//! waiter. A lock's woken waiter stays first in the line with a turn
+//! ([`TURN`]): the free key is refused to everyone else until it comes,
+//! leaves, or its turn is over (a semaphore's is taken off its line as it
+//! is woken). A waiter whose wait ends without the lock (cancelled, out of
 //! time) leaves the line with one more script, which passes a wake-up it
-//! may have taken on to the next waiter while the key is free.
+//! may have taken on to the next waiter while the key is free; so does a
+//! wake-up the listener receives for a lock waiter of this client that no
+//! longer waits.
 //!
 //! What this client knows: which waits are open (a watch registered them
 //! under their owner token), so that their attempts join the line, and
 //! whether each may still be in it.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use distlock_core::{LockKey, OpenWaits, OwnerToken};
 
 use crate::keys::RedisKeys;
+
+/// How long a lock's woken waiter keeps the free key from everyone else
+/// (its turn, measured by the server's clock): a waiter woken and never
+/// coming (its client frozen, or its wake-up lost) holds the line up this
+/// long at most. See "Waiting" in the crate docs.
+pub(crate) const TURN: Duration = Duration::from_secs(5);
 
 /// Lock or semaphore: the two lines a key has.
 pub(crate) use distlock_core::WaitLine as Line;

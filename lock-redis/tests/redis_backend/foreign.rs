@@ -258,37 +258,67 @@ async fn foreign_data_in_a_batched_renewal_concerns_its_lock_alone() {
 }
 
 /// A foreign value at a key's waiter line: an attempt that does not wait
-/// never reads it; a waiting attempt is refused as `Corrupted` before it
-/// writes; a release still releases (only its wake-up fails). The value
-/// is left as it was.
+/// on a held key never reads it; a waiting attempt, and any attempt on a
+/// free key (whose line's head goes first), are refused as `Corrupted`
+/// before they write; a release still releases (only its wake-up fails).
+/// The value is left as it was.
 #[tokio::test]
 async fn foreign_data_at_the_waiter_line_is_reported_and_left_alone() {
+    foreign_data_beside_the_lock("waiters", "not a line", true).await;
+}
+
+/// A foreign value at a key's turn (the woken waiter's): an attempt on
+/// the free key is refused as `Corrupted` naming it, before it writes; a
+/// release still releases (only its wake-up fails). The value is left as
+/// it was.
+#[tokio::test]
+async fn foreign_data_at_the_turn_is_reported_and_left_alone() {
+    foreign_data_beside_the_lock("turn", "not a turn", false).await;
+}
+
+/// Plants `value` (with an expiry) at the lock's Redis key of `suffix`
+/// while the lock is held, and checks what each operation makes of it
+/// (see the tests above); `waiting_reads`: whether a waiting attempt on
+/// the held key reads it.
+async fn foreign_data_beside_the_lock(suffix: &str, value: &str, waiting_reads: bool) {
     let server = start(server::Redis::default());
     let url = server.url();
     let lock = connect(&format!("{url}/?namespace={NS}")).await.unwrap();
+    let other = connect(&format!("{url}/?namespace={NS}")).await.unwrap();
     let mut conn = raw(&url).await;
-    let key = unique_key("foreign-line");
-    let line = format!("{NS}:{{{}}}:waiters", key.as_str());
-    let _: () = conn.set(&line, "not a line").await.unwrap();
+    let key = unique_key("foreign-beside");
+    let name = format!("{NS}:{{{}}}:{suffix}", key.as_str());
     let ttl = Duration::from_secs(30);
+    let lease = acquired(lock.try_acquire(&key, ttl).await.unwrap());
+    let _: () = conn.set_ex(&name, value, 60).await.unwrap();
 
-    let lease = lock
-        .try_acquire(&key, ttl)
-        .await
-        .unwrap()
-        .lease()
-        .expect("an attempt that does not wait never reads the line");
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    let err = lock
-        .acquire(&key, ttl, deadline)
-        .await
-        .expect_err("a waiting attempt reads the line");
-    assert_eq!(err.kind(), ErrorKind::Corrupted, "{err}");
-    assert!(err.message().contains("waiters"), "{err}");
+    let refused = other.try_acquire(&key, ttl).await;
+    assert!(
+        matches!(refused, Ok(distlock_core::AcquireAttempt::Held { .. })),
+        "an attempt that does not wait on a held key never reads {suffix}: {refused:?}"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(1);
+    let waited = other.acquire(&key, ttl, deadline).await;
+    match (waited, waiting_reads) {
+        (Err(e), true) => {
+            assert_eq!(e.kind(), ErrorKind::Corrupted, "{e}");
+            assert!(e.message().contains(&name), "{e}");
+        }
+        (Ok(None), false) => {}
+        (other, _) => panic!("a waiting attempt on the held key: {other:?}"),
+    }
     lock.release(&lease)
         .await
         .expect("the release still releases");
-    let kept: String = conn.get(&line).await.unwrap();
-    assert_eq!(kept, "not a line", "the foreign value is left alone");
-    let _: () = conn.del(&line).await.unwrap();
+    let err = other
+        .try_acquire(&key, ttl)
+        .await
+        .expect_err("an attempt on the free key reads it");
+    assert_eq!(err.kind(), ErrorKind::Corrupted, "{err}");
+    assert!(err.message().contains(&name), "{err}");
+    let kept: String = conn.get(&name).await.unwrap();
+    assert_eq!(kept, value, "the foreign value is left alone");
+    let pttl: i64 = conn.pttl(&name).await.unwrap();
+    assert!((0..=60_000).contains(&pttl), "its expiry is kept: {pttl}");
+    let _: () = conn.del(&name).await.unwrap();
 }

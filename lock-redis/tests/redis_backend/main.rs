@@ -18,3 +18,4 @@ mod sentinel;
 mod support;
 #[cfg(feature = "tls")]
 mod tls;
+mod turns;
