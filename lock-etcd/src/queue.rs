@@ -170,7 +170,9 @@ impl Queues {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&owner)
-            .filter(|seat| seat.key == *key)
+            // A waiter whose grant took its entry (and gave the lock back,
+            // too late to use) is no longer in line.
+            .filter(|seat| seat.key == *key && !seat.taken.load(Ordering::Acquire))
             .cloned();
         let turn = Turn {
             line: self.etcd.layout.queue_prefix(key),

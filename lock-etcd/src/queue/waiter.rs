@@ -118,7 +118,9 @@ impl Waiter {
             let Some(queues) = self.queues() else {
                 return;
             };
-            if retry.is_none() && !self.stale && self.is_first(&queues) {
+            // A waiter whose grant took its entry out of line, yet still
+            // waits (it gave a grant back, too late to use), queues again.
+            if retry.is_none() && !self.stale && self.is_first(&queues) && !self.taken() {
                 // The lock key was deleted: try now.
                 tracing::trace!(key = %self.line.key(), place = self.place, "etcd lock released; waking the first waiter");
                 self.wake_caller(&queues);
@@ -185,11 +187,6 @@ impl Waiter {
             held: self.line.held(ranges.get(1)),
             queued: ranges.get(2).is_some_and(|kvs| !kvs.is_empty()),
         };
-        if !position.queued && self.taken() {
-            // Our acquire took the lock and the entry with it: the wait is
-            // over.
-            return Ok(());
-        }
         if !position.queued {
             // Our entry is gone (our session lease was lost): queue again,
             // at the end of the line.
@@ -210,6 +207,7 @@ impl Waiter {
             self.place = place;
             if let Some((_, seat)) = &self.seat {
                 seat.place.store(place, Ordering::Release);
+                seat.taken.store(false, Ordering::Release);
             }
             position = again;
         }
