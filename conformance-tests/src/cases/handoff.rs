@@ -35,9 +35,7 @@ async fn queue_waiters(
 ) -> Result<Waiters, CaseError> {
     let mut waiters = Waiters::default();
     for _ in 0..WAITERS {
-        waiters
-            .queue(ctx.client().await?, ctx, key, permits, served)
-            .await?;
+        waiters.queue(ctx.client().await?, ctx, key, permits, served).await?;
     }
     Ok(waiters)
 }
@@ -157,10 +155,7 @@ pub async fn no_cut_in(ctx: TestContext) -> CaseResult {
         "the first waiter woken by the release",
     )
     .await?;
-    for (who, client) in [
-        ("a newcomer", &newcomer),
-        ("the holder that released it", &holder),
-    ] {
+    for (who, client) in [("a newcomer", &newcomer), ("the holder that released it", &holder)] {
         if let Some(taken) = client.try_acquire(&key, ctx.long_ttl()).await?.lease() {
             client.release(&taken).await?;
             return Err(format!(
