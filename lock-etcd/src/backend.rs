@@ -18,7 +18,7 @@ use crate::config::{EtcdConfig, MAX_TTL, MIN_TTL};
 use crate::connection::Etcd;
 use crate::errors;
 use crate::keys::encode_value;
-use crate::queue::{Line, Queues};
+use crate::queue::{Line, Queues, Seat};
 use crate::requests::Repeat;
 use crate::session::{self, Attached, Session, Sessions};
 use crate::txn::{self, AcquireOutcome};
@@ -56,8 +56,11 @@ use crate::txn::{self, AcquireOutcome};
 /// - session keep-alive: 1 message on the keep-alive stream per third of
 ///   the TTL, per client and TTL in use, whatever the number of locks.
 /// - plain acquire: 2 (grant a lease, then one transaction that creates the
-///   key only if absent); on refusal the unused lease is revoked in the
-///   background (not waited for).
+///   key only if absent and nobody is ahead in line); on refusal the unused
+///   lease is revoked in the background (not waited for). A waiter that
+///   expects a refusal (someone ahead of it, or the lock held, by its queue
+///   task's last look) sends a read-only transaction first: 1 if refused,
+///   3 if not.
 /// - `extend` of a lock on its own lease, or with another TTL (max hold,
 ///   hold-at-least): 2 (grant a lease with the new TTL, then one
 ///   transaction that moves the key to it only if the value and create
@@ -74,8 +77,12 @@ use crate::txn::{self, AcquireOutcome};
 /// expiring) wakes exactly that waiter. A handoff costs the same few
 /// requests however many wait (release, acquire, the leaving waiter's
 /// queue-entry delete, one look-up by its successor); all watches share one
-/// watch stream per client. Acquiring without
-/// waiting never queues, so it may overtake waiters.
+/// watch stream per client. Nobody overtakes the line: a free lock is
+/// granted only to the first waiter, or to anyone while none waits; a
+/// `try_lock` does not queue, and is refused while anyone waits (see the
+/// crate docs, [Waiting](crate#waiting)). A waiter that takes the lock
+/// leaves its line in the acquire transaction, so a handoff costs the
+/// release, the next waiter's acquire and its successor's look-up.
 ///
 /// A renewing acquire whose session is lost while the request is in flight
 /// (no keep-alive answered within the TTL) is refused with an
@@ -160,37 +167,62 @@ impl EtcdLock {
     }
 
     /// A plain acquire: grants a lease of exactly the TTL, then creates the
-    /// key on it if absent.
+    /// key on it if absent and nobody is ahead in line (`turn`). A waiter
+    /// whose `seat` expects a refusal reads first, so a refusal costs one
+    /// request and no lease.
     async fn acquire_on_own_lease(
         &self,
         request: AcquireRequest<'_>,
+        mut turn: txn::Turn,
+        seat: Option<&Seat>,
     ) -> Result<AcquireReply, LockError> {
         let key = request.key;
         let etcd_key = self.etcd().layout.lock_key(key);
         let value = encode_value(request.owner);
         let label = txn::Label::of(&self.etcd().layout, &request);
-        // The grant and the transaction share one operation timeout.
+        // The probe, grant and transaction share one operation timeout.
         let deadline = self.etcd().requests.deadline();
+        if seat.is_some_and(Seat::expects_refusal) {
+            let reply = self
+                .etcd()
+                .run_txn_until(
+                    deadline,
+                    IN_LOCK_CALL,
+                    Repeat::Safe,
+                    txn::probe(&etcd_key, &turn),
+                )
+                .await?;
+            if let Some(refused) = txn::probed(key, request.owner, &turn, &reply)? {
+                return Ok(refused);
+            }
+        }
         let (lease_id, granted) = self.etcd().grant(request.ttl, deadline).await?;
-        let reply = match self
-            .etcd()
-            .run_txn_until(
-                deadline,
-                IN_LOCK_CALL,
-                Repeat::Safe,
-                txn::acquire(&etcd_key, &value, &label, lease_id, None, &[]),
-            )
-            .await
-        {
-            Ok(reply) => reply,
-            Err(e) => {
-                // Unknown outcome: the lease bounds the lock's life either
-                // way; revoking it frees a lock we may have taken.
-                self.etcd().revoke_later(lease_id);
-                return Err(e);
+        let outcome = loop {
+            let reply = match self
+                .etcd()
+                .run_txn_until(
+                    deadline,
+                    IN_LOCK_CALL,
+                    Repeat::Safe,
+                    txn::acquire(&etcd_key, &value, &label, lease_id, &turn, None, &[]),
+                )
+                .await
+            {
+                Ok(reply) => reply,
+                Err(e) => {
+                    // Unknown outcome: the lease bounds the lock's life
+                    // either way; revoking it frees a lock we may have taken.
+                    self.etcd().revoke_later(lease_id);
+                    return Err(e);
+                }
+            };
+            match txn::acquire_outcome(key, request.owner, &turn, &reply) {
+                // Our entry is gone and the line empty: once more, as an
+                // attempt not in line.
+                Ok(AcquireOutcome::OutOfLine) if turn.place.is_some() => turn.place = None,
+                outcome => break outcome,
             }
         };
-        let outcome = txn::acquire_outcome(key, request.owner, &reply);
         if !matches!(outcome, Ok(AcquireOutcome::Created(_))) {
             // Not ours: the unused lease goes.
             self.etcd().revoke_later(lease_id);
@@ -200,6 +232,7 @@ impl EtcdLock {
                 Grant::new(fencing, granted).with_handle(u64::try_from(lease_id).unwrap_or(0)),
             ),
             AcquireOutcome::Refused(refused) => refused,
+            AcquireOutcome::OutOfLine => try_again(),
         })
     }
 
@@ -296,6 +329,13 @@ impl EtcdLock {
     }
 }
 
+/// An attempt refused for a reason gone by now: try again at once.
+pub(crate) fn try_again() -> AcquireReply {
+    AcquireReply::Held {
+        expires_in: Some(Duration::ZERO),
+    }
+}
+
 /// The lock's own etcd lease in a handle; `None` for a session lease (shared,
 /// never revoked for one lock) or no lease.
 fn own_lease_of(handle: u64) -> Option<i64> {
@@ -318,6 +358,7 @@ impl LockBackend for EtcdLock {
             max_ttl: MAX_TTL,
             native_wait: true,
             wakes_one_waiter: true,
+            fair_handoff: true,
             durable: true,
             // Renewing guards' locks share the session lease: one
             // transaction of reads confirms many.
@@ -331,11 +372,20 @@ impl LockBackend for EtcdLock {
     }
 
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError> {
-        if request.renewing {
-            self.inner.sessions.acquire(request).await
+        // The line the attempt must not cut into, and its place in it if it
+        // waits (see `crate::queue`).
+        let (turn, seat) = self.inner.queues.turn(request.key, request.owner);
+        let reply = if request.renewing {
+            self.inner.sessions.acquire(request, turn).await
         } else {
-            self.acquire_on_own_lease(request).await
+            self.acquire_on_own_lease(request, turn, seat.as_deref())
+                .await
+        };
+        if let (Ok(AcquireReply::Granted(_)), Some(seat)) = (&reply, &seat) {
+            // Its entry went with the grant (or was gone already).
+            seat.took();
         }
+        reply
     }
 
     async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError> {
@@ -432,11 +482,11 @@ impl LockBackend for EtcdLock {
     async fn watch(
         &self,
         key: &LockKey,
-        _waiter: OwnerToken,
+        waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
         self.inner
             .queues
-            .enqueue(Line::Lock(key.clone()))
+            .enqueue(Line::Lock(key.clone()), Some(waiter))
             .await
             .map(Some)
     }

@@ -55,6 +55,29 @@
 //! global, durable revision counter. Waiters are woken by an etcd watch on
 //! the holder's key, not by polling, in FIFO order (see [`EtcdLock`]).
 //!
+//! ## Waiting
+//!
+//! Handoff is fair ([`Capabilities::fair_handoff`](distlock_core::Capabilities::fair_handoff)):
+//! a free lock goes to the first waiter in its line, never to whoever asks
+//! first. The acquire transaction takes a free key only if no waiter's
+//! queue entry (`NS/lock/<escaped key>/waiters/<id>`) was created before
+//! the requester's own, or, for an attempt that is not in line (a
+//! `try_lock`, or a holder that released and asks again), only if the line
+//! is empty; one compare over the queue's key range does it (etcd 3.3 or
+//! later). A refused attempt on a free key reports no expiry: the first
+//! waiter is woken by its own watch, the others by theirs when they become
+//! first. The woken first waiter keeps its place until it takes the lock
+//! (leaving the line in the same transaction) or its wait ends (its entry
+//! is deleted at once, and the next waiter moves up). Its turn has no
+//! timer of its own: the queue entry lives on its client's session lease
+//! of the shortest TTL (one second, or the server's minimum lease TTL if
+//! larger; kept alive every third of it), so a client that froze or
+//! died loses its entry, and its place, when etcd expires that lease, and
+//! the next waiter is woken then. A plain lock's waiter that expects to be
+//! refused reads first (one request, no lease granted). Semaphore permits
+//! are served in their line's order among waiters, but a permit attempt
+//! does not look at the line.
+//!
 //! A holder's label ([`HolderId`](distlock_core::HolderId)) is a sibling
 //! key, `NS/lock/<escaped key>/holder`, valued `dl1:<owner token in
 //! hex>/<label>`, written in the lock's own transactions (no extra round

@@ -39,19 +39,42 @@
 //! When the waiting call ends (acquired, deadline, or its future dropped)
 //! its [`ReleaseWatch`] is dropped; the task learns it at once
 //! ([`ReleaseNotifier::closed`]) and deletes the queue entry in the
-//! background, so the successor moves up. A woken first waiter that finds
-//! the lock taken (another client acquired without queueing) stays first
-//! and keeps watching the lock key.
+//! background, so the successor moves up. A waiter that takes the lock
+//! leaves the line in the acquire transaction itself (its task then sends
+//! no delete). A woken first waiter that finds the lock taken (an earlier
+//! attempt of its holder's acquisition adopted it) stays first and keeps
+//! watching the lock key.
+//!
+//! Fair handoff (no cut-in): a lock's line decides who takes a free key.
+//! Each waiting call's entry is registered by its owner token (a
+//! [`Seat`]), and its acquire attempts claim that place
+//! ([`crate::txn::Turn`]): the transaction takes a free key only if no
+//! entry under the line's prefix was created before the waiter's own. An
+//! attempt that is not in line (a `try_lock`, the holder that released and
+//! comes straight back before it queued) takes it only if the line is
+//! empty. A refused attempt on a free key gets no expiry to wait for: the
+//! head is woken by its own watch of the lock key, and every other waiter
+//! by its own when it becomes first. The head's turn needs no timer of its
+//! own: its entry lives on its client's session lease of [`MIN_TTL`], so
+//! the entry of a client that froze or died vanishes with that lease and
+//! the next waiter moves up; an entry whose wait ended is deleted at once.
+//! A waiter that expects to be refused (someone ahead, or the lock held,
+//! by its task's last look) checks first with a read-only transaction
+//! ([`crate::txn::probe`]), so a plain lock's refused attempt costs one
+//! request and no lease. Semaphore lines keep first-come order only among
+//! waiters: a permit attempt does not look at the line.
 
 mod entries;
 mod line;
 mod waiter;
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use distlock_core::{Listener, LockError, ReleaseNotifier, ReleaseWatch};
+use distlock_core::{Listener, LockError, LockKey, OwnerToken, ReleaseNotifier, ReleaseWatch};
+use etcd_client::KeyValue;
 use tokio::sync::oneshot;
 
 use crate::config::MIN_TTL;
@@ -60,7 +83,8 @@ use crate::fence::Fence;
 use crate::keys::KeyLayout;
 use crate::listener::{EtcdWatches, Topic};
 use crate::session::Sessions;
-use entries::{delete_later, put_entry};
+use crate::txn::Turn;
+use entries::{delete_later, is_foreign, put_entry};
 pub(crate) use line::Line;
 use waiter::Waiter;
 
@@ -79,6 +103,8 @@ pub(crate) struct Queues {
     pub(crate) waiting: ReleaseNotifier,
     /// Numbers this client's waiting calls.
     next_waiter: AtomicU64,
+    /// The places of this client's lock waiters, by their owner tokens.
+    seats: Mutex<HashMap<OwnerToken, Arc<Seat>>>,
     /// Queue entries go on the client's session lease of [`MIN_TTL`].
     sessions: Arc<Sessions>,
     etcd: Etcd,
@@ -94,6 +120,7 @@ impl Queues {
             listener,
             waiting: ReleaseNotifier::new(),
             next_waiter: AtomicU64::new(0),
+            seats: Mutex::new(HashMap::new()),
             sessions,
             etcd,
         }
@@ -109,7 +136,14 @@ impl Queues {
     /// the fence up in the same transaction, so the put, applied after it,
     /// writes nothing (a plain delete could be applied first and leave the
     /// entry on the session lease for as long as the client lives).
-    pub(crate) async fn enqueue(self: &Arc<Self>, line: Line) -> Result<ReleaseWatch, LockError> {
+    ///
+    /// A lock waiter's entry is registered under `owner`, the token of its
+    /// acquire attempts, so they claim its place ([`Queues::turn`]).
+    pub(crate) async fn enqueue(
+        self: &Arc<Self>,
+        line: Line,
+        owner: Option<OwnerToken>,
+    ) -> Result<ReleaseWatch, LockError> {
         let waiter = self.next_waiter.fetch_add(1, Ordering::Relaxed);
         let channel = format!("{}#{waiter}", line.key().as_str());
         // Registered first: whatever the task notifies from now on is kept.
@@ -118,7 +152,7 @@ impl Queues {
             .subscribe(&channel, || async { Ok(()) })
             .await?;
         let (joined, on_joined) = oneshot::channel();
-        tokio::spawn(join(self.clone(), line, channel, waiter, joined));
+        tokio::spawn(join(self.clone(), line, channel, waiter, owner, joined));
         match on_joined.await {
             Ok(result) => result.map(|()| caller),
             Err(_) => Err(LockError::unavailable(
@@ -126,6 +160,83 @@ impl Queues {
             )),
         }
     }
+
+    /// What an acquire attempt of `owner` on `key` claims: the key's line,
+    /// and the place of `owner`'s waiting call in it if it waits; with
+    /// that waiter's seat.
+    pub(crate) fn turn(&self, key: &LockKey, owner: OwnerToken) -> (Turn, Option<Arc<Seat>>) {
+        let seat = self
+            .seats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&owner)
+            // A waiter whose grant took its entry (and gave the lock back,
+            // too late to use) is no longer in line.
+            .filter(|seat| seat.key == *key && !seat.taken.load(Ordering::Acquire))
+            .cloned();
+        let turn = Turn {
+            line: self.etcd.layout.queue_prefix(key),
+            place: seat
+                .as_ref()
+                .map(|seat| (seat.entry.clone(), seat.place.load(Ordering::Acquire))),
+        };
+        (turn, seat)
+    }
+
+    fn seat(&self, owner: OwnerToken, seat: &Arc<Seat>) {
+        self.seats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(owner, seat.clone());
+    }
+
+    fn unseat(&self, owner: OwnerToken, seat: &Arc<Seat>) {
+        let mut seats = self.seats.lock().unwrap_or_else(|e| e.into_inner());
+        if seats.get(&owner).is_some_and(|s| Arc::ptr_eq(s, seat)) {
+            seats.remove(&owner);
+        }
+    }
+}
+
+/// A lock waiter's place in its line, as its acquire attempts claim it
+/// (see the module docs): registered by the waiting call's owner token
+/// while its task runs.
+#[derive(Debug)]
+pub(crate) struct Seat {
+    key: LockKey,
+    /// The waiter's queue entry.
+    entry: Vec<u8>,
+    /// Its create revision (it changes if the entry is put again).
+    place: AtomicI64,
+    /// The task's last look found someone ahead, or the lock held: an
+    /// attempt now is likely refused, so it reads first.
+    expects_refusal: AtomicBool,
+    /// An acquire took the lock and deleted the entry with it.
+    taken: AtomicBool,
+}
+
+impl Seat {
+    /// Whether an attempt now is likely refused (see the field).
+    pub(crate) fn expects_refusal(&self) -> bool {
+        self.expects_refusal.load(Ordering::Acquire)
+    }
+
+    /// An attempt that claimed this seat took the lock (and left the line).
+    pub(crate) fn took(&self) {
+        self.taken.store(true, Ordering::Release);
+    }
+}
+
+/// Refuses a queue entry distlock did not write at the head of `line` (a
+/// waiter queue prefix): obeyed, it would keep the key from everyone.
+pub(crate) fn check_entry(line: &[u8], kv: &KeyValue) -> Result<(), LockError> {
+    if is_foreign(line, kv) {
+        return Err(LockError::corrupted(format!(
+            "the lock's etcd waiter queue holds a key distlock did not write ({:?}); it was left untouched — remove it or use another namespace",
+            String::from_utf8_lossy(kv.key())
+        )));
+    }
+    Ok(())
 }
 
 /// What one queue transaction read, at revision `revision`.
@@ -148,6 +259,7 @@ async fn join(
     line: Line,
     channel: String,
     waiter: u64,
+    owner: Option<OwnerToken>,
     joined: oneshot::Sender<Result<(), LockError>>,
 ) {
     let etcd = &queues.etcd;
@@ -186,6 +298,21 @@ async fn join(
             return;
         }
     };
+    // A lock waiter's attempts claim its place from now on.
+    let seat = match (&line, owner) {
+        (Line::Lock(key), Some(owner)) => {
+            let seat = Arc::new(Seat {
+                key: key.clone(),
+                entry: entry.clone(),
+                place: AtomicI64::new(place),
+                expects_refusal: AtomicBool::new(position.predecessor.is_some() || position.held),
+                taken: AtomicBool::new(false),
+            });
+            queues.seat(owner, &seat);
+            Some((owner, seat))
+        }
+        _ => None,
+    };
     tracing::trace!(key = %line.key(), place, first = position.predecessor.is_none(), "etcd waiter queued");
     let waiter = Waiter {
         client: Arc::downgrade(&queues),
@@ -198,6 +325,8 @@ async fn join(
         watch,
         stale: false,
         fences: Vec::new(),
+        seat,
+        requeued: false,
     };
     drop(queues);
     // The caller tries right after this, so a free lock needs no wake-up

@@ -415,7 +415,7 @@ impl SemaphoreBackend for EtcdLock {
     ) -> Result<Option<ReleaseWatch>, LockError> {
         self.inner
             .queues
-            .enqueue(Line::Permits(key.clone(), limit))
+            .enqueue(Line::Permits(key.clone(), limit), None)
             .await
             .map(Some)
     }

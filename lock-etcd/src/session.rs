@@ -271,9 +271,11 @@ impl Sessions {
 
     /// A renewing acquire: one transaction creates the key on the session
     /// lease of the request's TTL.
+    /// It takes a free key only if nobody is ahead in line (`turn`).
     pub(crate) async fn acquire(
         &self,
         request: AcquireRequest<'_>,
+        mut turn: txn::Turn,
     ) -> Result<AcquireReply, LockError> {
         let key = request.key;
         // A first acquire grants the session lease: both share one
@@ -283,43 +285,59 @@ impl Sessions {
         let attached = Attached::lock(&self.etcd.layout, key, request.owner);
         let value = encode_value(request.owner);
         let label = txn::Label::of(&self.etcd.layout, &request);
-        // The transaction puts up the fences of this acquisition's earlier
-        // requests whose outcome is unknown.
-        let attaching = self.attach(&session, &attached, deadline, |fence, raise| {
-            txn::acquire(
-                &attached.key,
-                &value,
-                &label,
-                session.lease_id(),
-                Some(fence),
-                raise,
-            )
-        });
-        let (reply, tracked_from) = match attaching.await {
-            Ok(answered) => answered,
-            Err(e) => {
-                // Unknown outcome, and the session lease cannot be revoked
-                // for one lock: make it due now, so the session undoes it
-                // at its next tick, fence first (see `crate::fence`): the
-                // request, applied after that, writes nothing.
-                let now = Instant::now();
-                let due = now.checked_sub(session.ttl()).unwrap_or(now);
-                session.track(&attached, None, due);
-                return Err(e);
-            }
-        };
-        let fencing = match txn::acquire_outcome(key, request.owner, &reply) {
-            Ok(AcquireOutcome::Created(fencing)) => fencing,
-            Ok(AcquireOutcome::Refused(refused)) => {
-                session.untrack(&attached.id);
-                return Ok(refused);
-            }
-            Err(e) => {
-                session.untrack(&attached.id);
-                return Err(e);
-            }
-        };
-        Self::granted(&session, &attached, fencing, tracked_from).map(AcquireReply::Granted)
+        loop {
+            // The transaction puts up the fences of this acquisition's
+            // earlier requests whose outcome is unknown.
+            let attaching = self.attach(&session, &attached, deadline, |fence, raise| {
+                txn::acquire(
+                    &attached.key,
+                    &value,
+                    &label,
+                    session.lease_id(),
+                    &turn,
+                    Some(fence),
+                    raise,
+                )
+            });
+            let (reply, tracked_from) = match attaching.await {
+                Ok(answered) => answered,
+                Err(e) => {
+                    // Unknown outcome, and the session lease cannot be
+                    // revoked for one lock: make it due now, so the session
+                    // undoes it at its next tick, fence first (see
+                    // `crate::fence`): the request, applied after that,
+                    // writes nothing.
+                    let now = Instant::now();
+                    let due = now.checked_sub(session.ttl()).unwrap_or(now);
+                    session.track(&attached, None, due);
+                    return Err(e);
+                }
+            };
+            let fencing = match txn::acquire_outcome(key, request.owner, &turn, &reply) {
+                Ok(AcquireOutcome::Created(fencing)) => fencing,
+                Ok(AcquireOutcome::OutOfLine) if turn.place.is_some() => {
+                    // Our entry is gone and the line empty: once more, as
+                    // an attempt not in line.
+                    session.untrack(&attached.id);
+                    turn.place = None;
+                    continue;
+                }
+                Ok(AcquireOutcome::OutOfLine) => {
+                    session.untrack(&attached.id);
+                    return Ok(crate::backend::try_again());
+                }
+                Ok(AcquireOutcome::Refused(refused)) => {
+                    session.untrack(&attached.id);
+                    return Ok(refused);
+                }
+                Err(e) => {
+                    session.untrack(&attached.id);
+                    return Err(e);
+                }
+            };
+            return Self::granted(&session, &attached, fencing, tracked_from)
+                .map(AcquireReply::Granted);
+        }
     }
 
     /// Undoes `attached` (created at `fencing`, if known) at once, in the

@@ -3,9 +3,19 @@
 //! Each is one `Txn` request, so the comparison and the write happen
 //! atomically on the server:
 //!
-//! - acquire: `if create_revision(key) == 0 then put(key, value, lease)
-//!   else (if value(key) == ours then put(key, value, lease); get(key) else get(key))`
-//!   (a renewing one also only while its fence is down, see [`crate::fence`]);
+//! - acquire: `if create_revision(key) == 0 and <no waiter ahead> then
+//!   put(key, value, lease); delete(own queue entry) else (if value(key) ==
+//!   ours then put(key, value, lease); get(key) else get(key)); get(line's
+//!   head)` (a renewing one also only while its fence is down, see
+//!   [`crate::fence`]). "No waiter ahead" ([`Turn`]) is one compare over the
+//!   key's waiter queue prefix: for an attempt without a queue entry (a
+//!   `try_lock`), `create_revision == 0` over the whole range, which etcd
+//!   evaluates on an empty range as on one missing key (create revision 0,
+//!   true) and otherwise on every entry (false); for a waiter whose entry
+//!   was created at revision `R`, `create_revision > R - 1` over the range:
+//!   every entry, its own included, is at `R` or later. The refused
+//!   branch reads the line's head, so a refusal on a free key is told from
+//!   a vanished key in the same request;
 //!   the put's revision (the transaction's header revision) is the key's
 //!   `create_revision` and becomes the fencing token. The nested branch
 //!   adopts a lock an earlier attempt of the same acquisition took: its TTL
@@ -118,18 +128,26 @@ impl Label {
 /// is up; either branch puts the fences in `raise` up (earlier requests of
 /// the same acquisition whose outcome is unknown; see [`crate::fence`]).
 /// Whatever takes or adopts the lock also writes its `label`.
+/// The `turn` the attempt claims: it takes a free key only if no waiter
+/// queued before it ([`Turn`]); a waiter that takes it leaves its line in
+/// the same transaction.
 pub(crate) fn acquire(
     key: &[u8],
     value: &[u8],
     label: &Label,
     lease_id: i64,
+    turn: &Turn,
     fence: Option<&Fence>,
     raise: &[Fence],
 ) -> Txn {
     let put = || TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease_id)));
-    let mut when = vec![Compare::create_revision(key, CompareOp::Equal, 0)];
+    let mut when = vec![
+        Compare::create_revision(key, CompareOp::Equal, 0),
+        turn.no_one_ahead(),
+    ];
     when.extend(fence.map(Fence::down));
     let mut then = vec![put(), label.write(lease_id)];
+    then.extend(turn.leave());
     // Adoption: a key that holds this acquisition's value was taken by an
     // earlier attempt whose reply was lost. Putting it again on this
     // attempt's lease resets its TTL from now (a put keeps the key's
@@ -139,14 +157,138 @@ pub(crate) fn acquire(
     let mut adopt_when = vec![Compare::value(key, CompareOp::Equal, value)];
     adopt_when.extend(fence.map(Fence::down));
     // The label moves to this lease too, or would go with the revoked one.
+    // A waiter leaves its line here too (its entry may be a newer one than
+    // the attempt that took the key claimed).
+    let mut adopted = vec![put(), label.write(lease_id), TxnOp::get(key, None)];
+    adopted.extend(turn.leave());
     let adopt = Txn::new()
         .when(adopt_when)
-        .and_then([put(), label.write(lease_id), TxnOp::get(key, None)])
+        .and_then(adopted)
         .or_else([TxnOp::get(key, None)]);
-    let mut otherwise = vec![TxnOp::txn(adopt)];
+    let mut otherwise = vec![TxnOp::txn(adopt), turn.read_head()];
     then.extend(raise.iter().map(Fence::raise));
     otherwise.extend(raise.iter().map(Fence::raise));
     Txn::new().when(when).and_then(then).or_else(otherwise)
+}
+
+/// The line an acquire attempt must not cut into, and the requester's
+/// place in it (see [`crate::queue`]): rule one of fair handoff, no
+/// cut-in. A free key is granted only if no queue entry of another waiter
+/// is ahead of the requester's.
+#[derive(Debug, Clone)]
+pub(crate) struct Turn {
+    /// The key's waiter queue prefix, `NS/lock/<escaped key>/waiters/`.
+    pub(crate) line: Vec<u8>,
+    /// The requester's queue entry and its create revision (its place);
+    /// `None`: an attempt that is not in line (a `try_lock`), which only
+    /// an empty line lets through.
+    pub(crate) place: Option<(Vec<u8>, i64)>,
+}
+
+impl Turn {
+    /// Nobody is ahead: an empty line (no place), or no entry created
+    /// before ours. An empty range compares as one missing key (create
+    /// revision 0): true for `== 0`, false for `> R - 1`, so a waiter
+    /// whose own entry is gone is refused, and tries again without a
+    /// place ([`AcquireOutcome::OutOfLine`]).
+    fn no_one_ahead(&self) -> Compare {
+        let (op, revision) = match &self.place {
+            None => (CompareOp::Equal, 0),
+            Some((_, place)) => (CompareOp::Greater, place.saturating_sub(1)),
+        };
+        Compare::create_revision(self.line.clone(), op, revision).with_prefix()
+    }
+
+    /// A waiter that takes the key leaves the line with it: its successor
+    /// moves up at once, and nobody finds a holder's entry ahead of them.
+    fn leave(&self) -> Option<TxnOp> {
+        self.place
+            .as_ref()
+            .map(|(entry, _)| TxnOp::delete(entry.clone(), None))
+    }
+
+    /// The line's first entry (the oldest), read where the attempt is
+    /// refused.
+    fn read_head(&self) -> TxnOp {
+        TxnOp::get(
+            self.line.clone(),
+            Some(
+                GetOptions::new()
+                    .with_prefix()
+                    .with_sort(SortTarget::Create, SortOrder::Ascend)
+                    .with_limit(1),
+            ),
+        )
+    }
+
+    /// Whether `head` (the line's first entry) is someone else's.
+    fn ahead(&self, head: &KeyValue) -> bool {
+        self.place
+            .as_ref()
+            .is_none_or(|(entry, place)| head.key() != entry && head.create_revision() < *place)
+    }
+}
+
+/// A read-only look at whether an acquire with `turn` would take `key`:
+/// the acquire's compares, with a (linearizable) read of the key in either
+/// branch and the line's head where refused. Sent before a lease is granted
+/// by a waiter that expects to be refused, so a refusal costs one request.
+pub(crate) fn probe(key: &[u8], turn: &Turn) -> Txn {
+    Txn::new()
+        .when([
+            Compare::create_revision(key, CompareOp::Equal, 0),
+            turn.no_one_ahead(),
+        ])
+        .and_then([TxnOp::get(key, Some(GetOptions::new().with_count_only()))])
+        .or_else([TxnOp::get(key, None), turn.read_head()])
+}
+
+/// What a [`probe`] found: `Some(refusal)` if the acquire would surely be
+/// refused (held by another owner, or someone ahead in line); `None` if it
+/// may be granted or adopted (then the acquire itself goes).
+pub(crate) fn probed(
+    key: &LockKey,
+    owner: OwnerToken,
+    turn: &Turn,
+    reply: &TxnResponse,
+) -> Result<Option<AcquireReply>, LockError> {
+    if reply.succeeded() {
+        return Ok(None);
+    }
+    let mut gets = reply.op_responses().into_iter().filter_map(|op| match op {
+        TxnOpResponse::Get(get) => Some(get.kvs().first().cloned()),
+        _ => None,
+    });
+    let (found, head) = (gets.next().flatten(), gets.next().flatten());
+    if let Some(kv) = found {
+        if check_found(kv.value(), kv.lease())? == owner {
+            return Ok(None);
+        }
+        return Ok(Some(held_by_another(key, &kv)));
+    }
+    Ok(match head {
+        Some(head) if turn.ahead(&head) => Some(behind(key, turn, &head)?),
+        _ => None,
+    })
+}
+
+/// The refusal of an attempt on a key held by another owner.
+fn held_by_another(key: &LockKey, kv: &KeyValue) -> AcquireReply {
+    tracing::trace!(key = %key, holder_lease = kv.lease(), "etcd lock held by another owner");
+    // The holder's lease may be a session lease, renewed for as long as
+    // its holder wants: no expiry to predict.
+    AcquireReply::Held { expires_in: None }
+}
+
+/// The refusal of an attempt on a free key whose line's `head` is another
+/// waiter's. No expiry to wait for: the head is woken by its own watch, and
+/// a refused waiter by its own when it becomes first (its turn ends with
+/// the head's, whose entry goes when its wait ends or with its client's
+/// session lease). A head distlock did not write is reported.
+fn behind(key: &LockKey, turn: &Turn, head: &KeyValue) -> Result<AcquireReply, LockError> {
+    crate::queue::check_entry(&turn.line, head)?;
+    tracing::trace!(key = %key, head = %String::from_utf8_lossy(head.key()), "etcd lock free, but another waiter is first in line");
+    Ok(AcquireReply::Held { expires_in: None })
 }
 
 /// The session's undo of a lock or permit attached to `session_lease`
@@ -490,10 +632,14 @@ pub(crate) fn release_permit(permit: &[u8], label_key: &[u8], fencing: i64) -> T
 pub(crate) enum AcquireOutcome {
     /// We created the key; its create revision.
     Created(FencingToken),
-    /// Someone else holds it (or, impossible in one transaction but
-    /// answered as "try again at once", the key vanished between compare
-    /// and get).
+    /// Someone else holds it, or another waiter is ahead in line (or,
+    /// impossible in one transaction but answered as "try again at once",
+    /// the key vanished between compare and get).
     Refused(AcquireReply),
+    /// The key is free and the line empty, but the attempt claimed a place
+    /// whose entry is gone (its session lease was lost, or an earlier grant
+    /// of this wait took it out): try again without a place.
+    OutOfLine,
 }
 
 /// Reads the acquire transaction's reply. A value we did not write, or a
@@ -503,6 +649,7 @@ pub(crate) enum AcquireOutcome {
 pub(crate) fn acquire_outcome(
     key: &LockKey,
     owner: OwnerToken,
+    turn: &Turn,
     reply: &TxnResponse,
 ) -> Result<AcquireOutcome, LockError> {
     if reply.succeeded() {
@@ -528,10 +675,22 @@ pub(crate) fn acquire_outcome(
             "etcd answered without the adoption step's reply",
         ));
     };
+    // The line's head, read in the refused branch.
+    let head = reply.op_responses().into_iter().find_map(|op| match op {
+        TxnOpResponse::Get(get) => Some(get.kvs().first().cloned()),
+        _ => None,
+    });
     for op in nested.op_responses() {
         if let TxnOpResponse::Get(get) = op {
             let Some(kv) = get.kvs().first() else {
-                return Ok(gone);
+                // Free: refused for the line (or by a fence).
+                return match head {
+                    Some(Some(head)) if turn.ahead(&head) => {
+                        behind(key, turn, &head).map(AcquireOutcome::Refused)
+                    }
+                    Some(None) if turn.place.is_some() => Ok(AcquireOutcome::OutOfLine),
+                    _ => Ok(gone),
+                };
             };
             if check_found(kv.value(), kv.lease())? == owner {
                 if !nested.succeeded() {
@@ -548,12 +707,7 @@ pub(crate) fn acquire_outcome(
                         LockError::unavailable("etcd returned the lock without a create revision")
                     });
             }
-            tracing::trace!(key = %key, holder_lease = kv.lease(), "etcd lock held by another owner");
-            // The holder's lease may be a session lease, renewed for as
-            // long as its holder wants: no expiry to predict.
-            return Ok(AcquireOutcome::Refused(AcquireReply::Held {
-                expires_in: None,
-            }));
+            return Ok(AcquireOutcome::Refused(held_by_another(key, kv)));
         }
     }
     Ok(gone)
@@ -629,6 +783,14 @@ mod tests {
         }
     }
 
+    /// An attempt not in line, on a key nobody waits for.
+    fn no_line() -> Turn {
+        Turn {
+            line: b"ns/lock/unlabelled/waiters/".to_vec(),
+            place: None,
+        }
+    }
+
     async fn exists(client: &mut Client, key: &[u8]) -> bool {
         !client.get(key, None).await.expect("get").kvs().is_empty()
     }
@@ -639,7 +801,15 @@ mod tests {
         let (_server, mut client, session) = etcd().await;
         let (key, value) = (b"ns/lock/late".to_vec(), b"owner".to_vec());
         let fence = Fence::new(&key, session);
-        let late = acquire(&key, &value, &unlabelled(), session, Some(&fence), &[]);
+        let late = acquire(
+            &key,
+            &value,
+            &unlabelled(),
+            session,
+            &no_line(),
+            Some(&fence),
+            &[],
+        );
         let undo_fence = Fence::new(&key, session);
         let undo = undo_session_lock(
             &key,
@@ -654,7 +824,7 @@ mod tests {
         let reply = client.txn(late).await.expect("late acquire");
         assert!(!reply.succeeded(), "the late acquire took the lock");
         assert!(!exists(&mut client, &key).await, "a lock was left");
-        let unfenced = acquire(&key, &value, &unlabelled(), session, None, &[]);
+        let unfenced = acquire(&key, &value, &unlabelled(), session, &no_line(), None, &[]);
         assert!(
             client.txn(unfenced).await.expect("control").succeeded(),
             "control: the same acquire without its fence takes the free lock"
@@ -671,7 +841,15 @@ mod tests {
         let (_server, mut client, session) = etcd().await;
         let (key, value) = (b"ns/lock/confirmed".to_vec(), b"owner".to_vec());
         let created = client
-            .txn(acquire(&key, &value, &unlabelled(), session, None, &[]))
+            .txn(acquire(
+                &key,
+                &value,
+                &unlabelled(),
+                session,
+                &no_line(),
+                None,
+                &[],
+            ))
             .await
             .expect("acquire");
         let fencing = FencingToken::new(created.header().expect("header").revision() as u64);
@@ -698,6 +876,100 @@ mod tests {
                 "the confirm (held: {held}) carries no read, so a cluster member may answer it from stale state"
             );
         }
+    }
+
+    /// No cut-in, on a real etcd (range compares, etcd >= 3.3): an attempt
+    /// not in line takes a free key only while its line is empty (an empty
+    /// range compares as a missing key); a waiter only while no entry is
+    /// older than its own, and it leaves the line with the key; a waiter
+    /// whose entry is gone is refused as out of line.
+    #[tokio::test]
+    async fn a_free_key_goes_to_the_head_of_its_line() {
+        let (_server, mut client, lease) = etcd().await;
+        let layout = KeyLayout::new("ns");
+        let lock_key = LockKey::new("fair").unwrap();
+        let key = layout.lock_key(&lock_key);
+        let line = layout.queue_prefix(&lock_key);
+        let label = Label {
+            key: layout.holder_key(&lock_key),
+            value: None,
+        };
+        let place = |id: &str| {
+            let entry = layout.queue_entry(&lock_key, id);
+            let mut client = client.clone();
+            async move {
+                let put = client
+                    .put(
+                        entry.clone(),
+                        b"dl1-waiter".to_vec(),
+                        Some(PutOptions::new().with_lease(lease)),
+                    )
+                    .await
+                    .expect("put entry");
+                (entry, put.header().expect("header").revision())
+            }
+        };
+        let (first, second) = (place("1-1").await, place("1-2").await);
+        let turn = |place: Option<(Vec<u8>, i64)>| Turn {
+            line: line.clone(),
+            place,
+        };
+        let owner = OwnerToken::random();
+        let value = crate::keys::encode_value(owner);
+        let attempt = |turn: Turn| acquire(&key, &value, &label, lease, &turn, None, &[]);
+        let outcome = |turn: &Turn, reply: &TxnResponse| {
+            acquire_outcome(&lock_key, owner, turn, reply).expect("outcome")
+        };
+        for claim in [None, Some(second.clone())] {
+            let reply = client.txn(attempt(turn(claim.clone()))).await.expect("txn");
+            assert!(!reply.succeeded(), "{claim:?} cut in before the head");
+            assert!(
+                matches!(
+                    outcome(&turn(claim.clone()), &reply),
+                    AcquireOutcome::Refused(AcquireReply::Held { expires_in: None })
+                ),
+                "{claim:?}: refused with no expiry to wait for"
+            );
+            let reply = client
+                .txn(probe(&key, &turn(claim.clone())))
+                .await
+                .expect("probe");
+            assert!(
+                probed(&lock_key, owner, &turn(claim.clone()), &reply)
+                    .expect("probed")
+                    .is_some(),
+                "{claim:?}: the probe foresees the refusal"
+            );
+        }
+        let head = turn(Some(first.clone()));
+        let reply = client.txn(probe(&key, &head)).await.expect("probe");
+        assert!(probed(&lock_key, owner, &head, &reply)
+            .expect("probed")
+            .is_none());
+        let reply = client.txn(attempt(head.clone())).await.expect("txn");
+        assert!(reply.succeeded(), "the head is refused");
+        assert!(
+            !exists(&mut client, &first.0).await,
+            "the head stayed in line"
+        );
+        client.delete(key.clone(), None).await.expect("release");
+        // The second is first now: a waiter whose entry (after it) is gone
+        // is refused behind it, then out of line once the line is empty.
+        let gone = turn(Some((layout.queue_entry(&lock_key, "1-0"), second.1 + 1)));
+        let reply = client.txn(attempt(gone.clone())).await.expect("txn");
+        assert!(!reply.succeeded(), "a waiter cut in before the head");
+        assert!(matches!(outcome(&gone, &reply), AcquireOutcome::Refused(_)));
+        client
+            .delete(second.0.clone(), None)
+            .await
+            .expect("dequeue");
+        let reply = client.txn(attempt(gone.clone())).await.expect("txn");
+        assert!(matches!(outcome(&gone, &reply), AcquireOutcome::OutOfLine));
+        let reply = client.txn(attempt(turn(None))).await.expect("txn");
+        assert!(
+            reply.succeeded(),
+            "an empty line lets an attempt not in line take the key"
+        );
     }
 
     /// A waiter's queue entry whose dequeue ran first.

@@ -17,8 +17,9 @@ use distlock_core::ErrorKind;
 
 /// A key under a lock's waiter queue that distlock did not write makes a
 /// waiting acquire fail with `Corrupted` once the lock is freed at the
-/// latest (it never waits on the foreign key until its deadline), and the
-/// key is left in place.
+/// latest (it never waits on the foreign key until its deadline), a
+/// `try_acquire` of the free lock reports it too (it is in the line the
+/// attempt must not cut into), and the key is left in place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_foreign_key_in_a_waiter_queue_is_reported_not_obeyed() {
     let server = any_server();
@@ -29,10 +30,12 @@ async fn a_foreign_key_in_a_waiter_queue_is_reported_not_obeyed() {
     let waiter = connect(&url).await;
     let k = unique_key("foreign-queue");
     let foreign = format!("{ns}/lock/{}/waiters/not-ours", k.as_str());
+    // Put there while the lock is held: a free lock's attempts look at
+    // the line too (no cut-in), and report it (checked at the end).
+    let held = acquire(&holder, &k, Duration::from_secs(30)).await;
     raw.put(foreign.clone(), "hello", None)
         .await
         .expect("raw put");
-    let held = acquire(&holder, &k, Duration::from_secs(30)).await;
     let deadline = Instant::now() + Duration::from_secs(60);
     let waiting = {
         let waiter = waiter.clone();
@@ -49,6 +52,11 @@ async fn a_foreign_key_in_a_waiter_queue_is_reported_not_obeyed() {
         Ok(other) => panic!("the waiter obeyed or ignored the foreign queue key: {other:?}"),
         Err(_) => panic!("the waiter was still waiting 30 s after the release (stalled behind the foreign queue key)"),
     }
+    let attempt = holder.try_acquire(&k, Duration::from_secs(30)).await;
+    assert!(
+        matches!(&attempt, Err(e) if e.kind() == ErrorKind::Corrupted),
+        "a try_acquire of the free lock obeyed or ignored the foreign queue key: {attempt:?}"
+    );
     let left = raw.get(foreign.clone(), None).await.expect("raw get");
     assert_eq!(left.kvs().len(), 1, "the foreign key was deleted");
 }

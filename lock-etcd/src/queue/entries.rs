@@ -17,7 +17,7 @@ use crate::session::Session;
 use crate::txn;
 
 /// The value of a queue entry (only its key and revisions matter).
-pub(super) const ENTRY_VALUE: &[u8] = b"dl1-waiter";
+const ENTRY_VALUE: &[u8] = b"dl1-waiter";
 
 /// Reads of the predecessor of a waiter at create revision below `below`
 /// (0: any), of what the line waits for, and (a semaphore's line) of how
@@ -142,8 +142,7 @@ pub(super) fn check_entries(
 ) -> Result<(), LockError> {
     let prefix = line.queue_prefix(layout);
     for kv in kvs.into_iter().flatten() {
-        let id = kv.key().strip_prefix(prefix.as_slice()).unwrap_or_default();
-        if kv.value() != ENTRY_VALUE || kv.lease() == 0 || !is_waiter_id(id) {
+        if is_foreign(&prefix, kv) {
             return Err(LockError::corrupted(format!(
                 "the {}'s etcd waiter queue holds a key distlock did not write ({:?}); it was left untouched — remove it or use another namespace",
                 line.what(),
@@ -152,6 +151,13 @@ pub(super) fn check_entries(
         }
     }
     Ok(())
+}
+
+/// Whether `kv`, found below the queue prefix `prefix`, is not an entry
+/// distlock wrote.
+pub(super) fn is_foreign(prefix: &[u8], kv: &KeyValue) -> bool {
+    let id = kv.key().strip_prefix(prefix).unwrap_or_default();
+    kv.value() != ENTRY_VALUE || kv.lease() == 0 || !is_waiter_id(id)
 }
 
 /// Whether `id` is `<hex>-<hex>`, as the waiter ids distlock writes.

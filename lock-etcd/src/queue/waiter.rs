@@ -2,16 +2,17 @@
 //! before it leave, wakes the caller when it is first and what the line
 //! waits for is free, and deletes its entry when the call ends.
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use distlock_core::{ErrorKind, LockError, ReleaseWatch};
+use distlock_core::{ErrorKind, LockError, OwnerToken, ReleaseWatch};
 use etcd_client::{GetOptions, Txn, TxnOp};
 
 use super::entries::{
     check_entries, count_at, delete_entry, put_entry, ranges, reads, revision_of,
 };
-use super::{target_of, watch_target, Line, Position, Queues, RETRY_MAX, RETRY_MIN};
+use super::{target_of, watch_target, Line, Position, Queues, Seat, RETRY_MAX, RETRY_MIN};
 use crate::config::MIN_TTL;
 use crate::fence::Fence;
 use crate::requests::Repeat;
@@ -38,6 +39,12 @@ pub(super) struct Waiter {
     /// Fences of re-queueing puts whose outcome is unknown: put up with
     /// the entry's final delete.
     pub(super) fences: Vec<Fence>,
+    /// A lock waiter's place, as its attempts claim it (registered by its
+    /// owner token until the task ends).
+    pub(super) seat: Option<(OwnerToken, Arc<Seat>)>,
+    /// The entry was put again (its first one lost): it is deleted at the
+    /// end even if an acquire took the lock out of line.
+    pub(super) requeued: bool,
 }
 
 impl Waiter {
@@ -57,7 +64,24 @@ impl Waiter {
     }
 
     fn wake_caller(&self, queues: &Queues) {
+        self.expect_refusal(false);
         queues.waiting.notify(&self.channel);
+    }
+
+    /// Tells the waiter's attempts whether they are likely refused (read
+    /// first) or may take the lock now.
+    fn expect_refusal(&self, refused: bool) {
+        if let Some((_, seat)) = &self.seat {
+            seat.expects_refusal.store(refused, Ordering::Release);
+        }
+    }
+
+    /// An acquire that claimed our place took the lock, and deleted our
+    /// entry with it.
+    fn taken(&self) -> bool {
+        self.seat
+            .as_ref()
+            .is_some_and(|(_, seat)| seat.taken.load(Ordering::Acquire))
     }
 
     pub(super) async fn run(mut self) {
@@ -94,7 +118,9 @@ impl Waiter {
             let Some(queues) = self.queues() else {
                 return;
             };
-            if retry.is_none() && !self.stale && self.is_first(&queues) {
+            // A waiter whose grant took its entry out of line, yet still
+            // waits (it gave a grant back, too late to use), queues again.
+            if retry.is_none() && !self.stale && self.is_first(&queues) && !self.taken() {
                 // The lock key was deleted: try now.
                 tracing::trace!(key = %self.line.key(), place = self.place, "etcd lock released; waking the first waiter");
                 self.wake_caller(&queues);
@@ -120,6 +146,13 @@ impl Waiter {
             }
         }
         tracing::trace!(key = %self.line.key(), place = self.place, "etcd waiter left the queue");
+        if let (Some((owner, seat)), Some(queues)) = (&self.seat, self.queues()) {
+            queues.unseat(*owner, seat);
+        }
+        if self.taken() && !self.requeued && self.fences.is_empty() {
+            // The acquire that took the lock deleted the entry.
+            return;
+        }
         delete_entry(self.client.clone(), self.entry.clone(), self.fences).await;
     }
 
@@ -160,6 +193,7 @@ impl Waiter {
             let deadline = etcd.requests.deadline();
             let session = queues.sessions.session(MIN_TTL, deadline).await?;
             let fence = Fence::new(&self.line.base(&etcd.layout), session.lease_id());
+            self.requeued = true;
             let (place, again) =
                 match put_entry(etcd, &self.line, &self.entry, &session, &fence, deadline).await {
                     Ok(placed) => placed,
@@ -171,6 +205,10 @@ impl Waiter {
                 };
             tracing::debug!(key = %self.line.key(), place, "etcd queue entry lost; queued again");
             self.place = place;
+            if let Some((_, seat)) = &self.seat {
+                seat.place.store(place, Ordering::Release);
+                seat.taken.store(false, Ordering::Release);
+            }
             position = again;
         }
         let (target, start) = target_of(&etcd.layout, &self.line, &position);
@@ -185,6 +223,8 @@ impl Waiter {
         tracing::trace!(key = %self.line.key(), place = self.place, first, "etcd waiter moved up");
         if first && !position.held {
             self.wake_caller(queues);
+        } else {
+            self.expect_refusal(true);
         }
         Ok(())
     }
