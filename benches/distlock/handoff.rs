@@ -4,6 +4,7 @@
 //! (resign) returning to the next holder's acquire (campaign) returning,
 //! and how much work each handoff costs the server and the clients.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -163,8 +164,9 @@ async fn w_rows(
     row.p99_us = timed.latency.pct(0.99);
     row.round_trips = ping_p50.zip(row.p50_us).map(|(p, l)| l / p);
     row.note = Some(format!(
-        "{} handoffs, hold {:?}, p99 {}",
+        "{} handoffs ({} acquired before the release returned: 0), hold {:?}, p99 {}",
         timed.latency.us.len(),
+        timed.early,
         plan.hold,
         ping_p50
             .zip(row.p99_us)
@@ -214,6 +216,8 @@ async fn w_rows(
 
 struct HandoffOutcome {
     latency: Samples,
+    /// Handoffs acquired before the release returned (counted as 0).
+    early: usize,
     handoffs: usize,
     calls: Calls,
     server: ServerCount,
@@ -221,7 +225,16 @@ struct HandoffOutcome {
 
 #[derive(Default)]
 struct HandoffState {
-    released_at: Option<Instant>,
+    /// When the release of the holder of acquisition k returned, until
+    /// acquisition k + 1 (the handoff it starts) returns.
+    released_at: HashMap<usize, Instant>,
+    /// Handoffs k -> k + 1 whose acquisition returned before the release
+    /// did (the wake-up outran the release's own reply): the release, once
+    /// it returns, records a handoff of 0. Pairing by number keeps such a
+    /// handoff from being measured against the next cycle's release.
+    acquired_first: HashSet<usize>,
+    /// How many measured handoffs were acquired before the release returned.
+    early: usize,
     acquisitions: usize,
     latency: Samples,
     calls_at_start: Option<Calls>,
@@ -272,14 +285,13 @@ async fn handoff(
                     let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
                     s.acquisitions += 1;
                     let n = s.acquisitions;
-                    let released = s.released_at.take();
                     let measure = n > warmup + 1 && n <= target + 1;
-                    if measure {
-                        s.latency.push(
-                            released
-                                .map(|r| now.saturating_duration_since(r))
-                                .unwrap_or_default(),
-                        );
+                    match s.released_at.remove(&(n - 1)) {
+                        Some(r) if measure => s.latency.push(now.saturating_duration_since(r)),
+                        Some(_) => {}
+                        None => {
+                            s.acquired_first.insert(n - 1);
+                        }
                     }
                     if let Some(link) = &link {
                         if n == warmup + 1 {
@@ -301,7 +313,20 @@ async fn handoff(
                     tokio::time::sleep(hold).await;
                 }
                 held.release().await?;
-                state.lock().unwrap_or_else(|e| e.into_inner()).released_at = Some(Instant::now());
+                {
+                    let now = Instant::now();
+                    let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
+                    if s.acquired_first.remove(&n) {
+                        // The next holder already has it: a handoff of 0
+                        // after this release returned.
+                        if n + 1 > warmup + 1 && n < target + 1 {
+                            s.latency.push(Duration::ZERO);
+                            s.early += 1;
+                        }
+                    } else {
+                        s.released_at.insert(n, now);
+                    }
+                }
                 gen_tx.send_replace(n);
                 if done {
                     return Ok::<(), String>(());
@@ -342,6 +367,7 @@ async fn handoff(
     };
     Ok(HandoffOutcome {
         handoffs: plan.handoffs,
+        early: s.early,
         latency: s.latency,
         calls,
         server,
