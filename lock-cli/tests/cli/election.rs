@@ -196,7 +196,7 @@ pub fn observe_shows_a_killed_leader_replaced(url: &str) {
         &key,
         &["--id", "A", "--ttl", "1s"],
         dir.path(),
-        r#"echo $$ > "$DIR/a.pid"; exec sleep 600"#,
+        r#"echo $$ > "$DIR/a.pid"; touch "$DIR/a.started"; exec sleep 600"#,
     )
     .stdout(Stdio::null())
     .stderr(Stdio::null())
@@ -207,7 +207,8 @@ pub fn observe_shows_a_killed_leader_replaced(url: &str) {
         leader_of(line).is_some_and(|(_, leader)| leader == a_leader)
     });
     let (t1, _) = leader_of(&line).expect("parsed");
-    wait_for_file(&dir.file("a.pid"));
+    // Not a.pid itself: it exists (empty) before the shell writes to it.
+    wait_for_file(&dir.file("a.started"));
     a.kill().expect("SIGKILL A");
     a.wait().expect("reap A");
     // Its watchdog kills the command at once.
