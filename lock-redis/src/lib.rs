@@ -168,7 +168,9 @@
 //!   stays first in the line with a **turn of 5 seconds**, measured by the
 //!   server's clock: `NS:{K'}:turn` holds its member and the turn's end
 //!   (server milliseconds, from `TIME`), with a `PX` of two turns so it
-//!   never outlives its use. While the line has a waiter, a free key goes
+//!   never outlives its use; it is read only while the line has a waiter
+//!   (an attempt on a free key with nobody in line reads the line alone).
+//!   While the line has a waiter, a free key goes
 //!   to its first waiter alone: anyone else's attempt (a newcomer, a
 //!   `try_lock`, the holder that just released and came straight back) is
 //!   refused, told the turn's time left

@@ -205,9 +205,13 @@ local function turn_at(key)
   return t
 end
 -- Serves the line `line` of a free lock for `requester` (a member, or ''
--- for none), `turn` being what `turn_at` read at `tkey`: {} if the
--- requester may take the key (the line is empty, or it is the head);
--- else {wait = ms}, what the head's turn has left. A head whose turn is
+-- for none): {} if the requester may take the key (the line is empty, or
+-- it is the head; `turn` then holds what `turn_at` read at `tkey` for the
+-- head, for the grant to delete); else {wait = ms}, what the head's turn
+-- has left. The turn is read only when the line has a head: a turn left
+-- with no line behind it (its line ran out) is stale, and a new turn
+-- replaces it. `fresh`: the head's turn is over (a release just freed
+-- the lock), so it is woken again with a new one. A head whose turn is
 -- over leaves the line; a head never woken (the key came free by expiry,
 -- or its turn was dropped) is woken by publishing its owner on its
 -- client's channel (`<channel>:<client>`; `publish` is PUBLISH, or
@@ -215,18 +219,31 @@ end
 -- receives for (its client gone) leaves the line and the next is tried,
 -- a few at most (then {wait = 1}: the next attempt goes on). A refused
 -- publish (no ACL channel permission) still gives the turn, and its error
--- text comes back as `note`. A member distlock does not write at the head:
--- an error reply (the heads dropped before it are dropped either way).
-local function serve(publish, channel, line, tkey, turn, now, turn_ms, requester)
+-- text comes back as `note`. A member distlock does not write at the head,
+-- or a turn it does not write: an error reply (the heads dropped before it
+-- are dropped either way). `now`: the server's clock in ms, or nil (read
+-- here if needed).
+local function serve(publish, channel, line, tkey, now, turn_ms, requester, fresh)
+  local turn = nil
   for _ = 1, 8 do
     local first = redis.pcall('ZRANGE', line, 0, 0)
     if first['err'] then return corrupt('waiters', 'holds a ' .. kind(line) .. ', not a distlock waiter line') end
     local head = first[1]
-    if head == nil or head == requester then return {} end
+    if head == nil then return {} end
+    if turn == nil then
+      turn = turn_at(tkey)
+      if turn.err then return turn end
+      if fresh and turn.value then
+        redis.call('DEL', tkey)
+        turn = {}
+      end
+    end
+    if head == requester then return {turn = turn} end
     local client, owner = string.match(head, '^(%x+):(%x+)$')
     if client == nil or #client > 32 or #owner ~= 32 then
       return corrupt('waiters', 'holds a member in a format distlock does not write')
     end
+    if now == nil then now = clock() end
     if turn.member == head then
       if turn.at > now then return {wait = turn.at - now} end
       -- Woken, and it never came: its turn is over.
@@ -251,13 +268,7 @@ end
 -- `{1, error}` when the wake-up failed (a line or turn distlock did not
 -- write, a refused publish): the lock is released either way.
 local function hand_on(publish, channel, line, tkey, turn_ms, fresh)
-  local turn = turn_at(tkey)
-  if turn.err then return {1, turn.err} end
-  if fresh and turn.value then
-    redis.call('DEL', tkey)
-    turn = {}
-  end
-  local served = serve(publish, channel, line, tkey, turn, clock(), turn_ms, '')
+  local served = serve(publish, channel, line, tkey, nil, turn_ms, '', fresh)
   if served.err then return {1, served.err} end
   if served.note then return {1, served.note} end
   return 1
@@ -348,13 +359,13 @@ local lock = lock_at(KEYS[1])
 if lock.err then return lock end
 local fence = fence_at(KEYS[2])
 if fence.err then return fence end
--- Read by a waiter (it joins or leaves the line) and on a free key (its
--- head goes first); not by an attempt that does not wait on a held key.
-if ARGV[4] ~= '' or not lock.value then
-  local bad_line = line_ok(KEYS[3])
-  if bad_line then return bad_line end
-end
 if lock.value then
+  -- Read by a waiter (it joins or leaves the line); not by an attempt
+  -- that does not wait. On a free key `serve` reads it.
+  if ARGV[4] ~= '' then
+    local bad_line = line_ok(KEYS[3])
+    if bad_line then return bad_line end
+  end
   local owner, token = parse(lock.value)
   if owner ~= ARGV[1] then
     join(KEYS[3], ARGV[4], lock.pttl + tonumber(ARGV[2]))
@@ -365,10 +376,8 @@ if lock.value then
   leave(KEYS[3], ARGV[4])
   return {1, token, label(true)}
 end
-local turn = turn_at(KEYS[5])
-if turn.err then return turn end
 local now, us = clock()
-local served = serve(ARGV[7], ARGV[6], KEYS[3], KEYS[5], turn, now, ARGV[8], ARGV[4])
+local served = serve(ARGV[7], ARGV[6], KEYS[3], KEYS[5], now, ARGV[8], ARGV[4], false)
 if served.err then return served end
 if served.wait then
   join(KEYS[3], ARGV[4], served.wait + tonumber(ARGV[2]))
@@ -380,7 +389,7 @@ local text = int(token)
 redis.call('SET', KEYS[1], 'dl1:' .. ARGV[1] .. ':' .. text, 'PX', ARGV[2])
 redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
 leave(KEYS[3], ARGV[4])
-if turn.value then redis.call('DEL', KEYS[5]) end
+if served.turn and served.turn.value then redis.call('DEL', KEYS[5]) end
 return {1, text, label(false)}
 "#;
 
@@ -978,11 +987,10 @@ fn helpers_used(prelude: &str, body: &str) -> String {
 pub(crate) static ACQUIRE_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(ACQUIRE));
 /// The extend script.
 pub(crate) static EXTEND_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(EXTEND));
-/// The release script.
 /// The extend script for many locks.
 pub(crate) static EXTEND_MANY_SCRIPT: LazyLock<LuaScript> =
     LazyLock::new(|| LuaScript::new(EXTEND_MANY));
-
+/// The release script.
 pub(crate) static RELEASE_SCRIPT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(RELEASE));
 /// The permit acquire script.
 pub(crate) static ACQUIRE_PERMIT_SCRIPT: LazyLock<LuaScript> =

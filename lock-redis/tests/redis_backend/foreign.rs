@@ -268,9 +268,10 @@ async fn foreign_data_at_the_waiter_line_is_reported_and_left_alone() {
 }
 
 /// A foreign value at a key's turn (the woken waiter's): an attempt on
-/// the free key is refused as `Corrupted` naming it, before it writes; a
-/// release still releases (only its wake-up fails). The value is left as
-/// it was.
+/// the free key whose line has a head is refused as `Corrupted` naming
+/// it, before it writes; with nobody in line the turn is not read (the
+/// key is taken and released); a release still releases (only its
+/// wake-up fails). The value is left as it was.
 #[tokio::test]
 async fn foreign_data_at_the_turn_is_reported_and_left_alone() {
     foreign_data_beside_the_lock("turn", "not a turn", false).await;
@@ -310,6 +311,18 @@ async fn foreign_data_beside_the_lock(suffix: &str, value: &str, waiting_reads: 
     lock.release(&lease)
         .await
         .expect("the release still releases");
+    if suffix == "turn" {
+        // A turn is read only for a line's head: with nobody in line (the
+        // waiter above could not leave it: its leave read the turn) the key
+        // is free to take, and the value there is not read.
+        let line = format!("{NS}:{{{}}}:waiters", key.as_str());
+        let _: () = conn.del(&line).await.unwrap();
+        let lease = acquired(other.try_acquire(&key, ttl).await.unwrap());
+        other.release(&lease).await.expect("released");
+        let member = format!("{:032x}:{:032x}", 1, 2);
+        let _: () = conn.zadd(&line, &member, 1).await.unwrap();
+        let _: () = conn.pexpire(&line, 60_000).await.unwrap();
+    }
     let err = other
         .try_acquire(&key, ttl)
         .await
