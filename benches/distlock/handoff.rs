@@ -242,9 +242,11 @@ struct HandoffState {
 }
 
 /// W waiters (each its own client, so its own connections) and one holder
-/// cycle through one key (`through`: its lock, or its semaphore of 1). After releasing, a worker waits until someone else
-/// acquired before it queues again, so every handoff goes to a waiter that
-/// was already waiting. The counters (`probe`, `link`) are read at the
+/// cycle through one key (`through`: its lock, or its semaphore of 1).
+/// After releasing, a worker waits until someone else acquired before it
+/// queues again, so every handoff goes to a waiter that was already
+/// waiting, and a holder always has W waiters behind it (each cycle's
+/// work includes the refused attempt of the worker that queues again). The counters (`probe`, `link`) are read at the
 /// first and the last measured acquisition, by the acquirer, while it holds
 /// the lock.
 async fn handoff(
@@ -303,6 +305,8 @@ async fn handoff(
                     }
                     n
                 };
+                // Whoever released before this acquisition may queue again.
+                gen_tx.send_replace(n);
                 if n == warmup + 1 || n == target + 1 {
                     let (tx, rx) = oneshot::channel();
                     let _ = probe_tx.send(tx).await;
@@ -327,14 +331,14 @@ async fn handoff(
                         s.released_at.insert(n, now);
                     }
                 }
-                gen_tx.send_replace(n);
                 if done {
                     return Ok::<(), String>(());
                 }
-                // Queue again only once someone else took the lock (or the run ended).
+                // Queue again only once someone else took the lock, so the
+                // next release finds this worker waiting (at W = 1 too).
                 let mine = n;
                 loop {
-                    if *gen_rx.borrow_and_update() != mine {
+                    if *gen_rx.borrow_and_update() > mine {
                         break;
                     }
                     if gen_rx.changed().await.is_err() {
