@@ -10,8 +10,9 @@
 //! CPU 0 (`taskset`), and measures for memory, Redis, etcd and PostgreSQL:
 //! uncontended try-acquire + release of a lock, and of a permit of a
 //! semaphore of 3, beside the raw commands and a plain round trip; handoff
-//! latency with W waiters, of a lock and of a semaphore of 1; server work
-//! per handoff;
+//! latency with W waiters, of a lock and of a semaphore of 1, beside the
+//! raw handoff (the release telling one waiter, its acquire write); server
+//! work per handoff;
 //! renewal cost of H held guards (each H in a child process, so resident
 //! memory is measured from a clean heap); for Redis, the job-facing pair
 //! beside the `rslock` crate's and a raw fenced pair; the state a namespace
@@ -32,6 +33,7 @@
 //!
 //! Modules: `plan` (run sizes), `servers` (start, pin, /proc readings),
 //! `probe` (server counters and versions), `raw` (the driver baselines),
+//! `raw_handoff` (the driver's handoff floor),
 //! `uncontended`, `handoff`, `renewal`, `peer`, `state`, `crowd` (the
 //! scenarios),
 //! `report` (table and JSON).
@@ -48,6 +50,8 @@ mod plan;
 mod probe;
 #[path = "distlock/raw.rs"]
 mod raw;
+#[path = "distlock/raw_handoff.rs"]
+mod raw_handoff;
 #[path = "distlock/renewal.rs"]
 mod renewal;
 #[path = "distlock/report.rs"]

@@ -17,6 +17,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::plan::{warmup_handoffs, BenchResult, Plan, TTL};
 use crate::probe::{self, Calls, Probe, ServerCount};
+use crate::raw_handoff;
 use crate::report::{Row, Samples};
 use crate::servers::{Backend, Server};
 
@@ -41,13 +42,34 @@ pub async fn rows(
     let backend = server.backend;
     let mut probe = Probe::new(backend, &server.url, server.port().unwrap_or(0)).await?;
     let mut rows = Vec::new();
+    // The floor every W is compared with: the driver's own wake-up and
+    // acquire write (one waiter; the server tells one waiter at any W).
+    let raw = raw_handoff::samples(plan, server).await?;
+    if let Some(raw) = &raw {
+        let mut row = Row::new(backend, "raw_handoff", "W=1");
+        row.p50_us = raw.pct(0.5);
+        row.p99_us = raw.pct(0.99);
+        row.round_trips = ping_p50.zip(row.p50_us).map(|(p, l)| l / p);
+        row.note = Some(format!(
+            "{} handoffs through the raw driver: the release tells the one waiter, which sends the acquire write alone; hold {:?}",
+            raw.us.len(),
+            plan.hold
+        ));
+        rows.push(row);
+    }
+    let raw_p50 = raw.as_ref().and_then(|r| r.pct(0.5));
     for &w in &plan.waiters {
         let mut kinds = vec![Through::Lock, Through::Permit];
         if w == 1 {
             kinds.push(Through::Leadership);
         }
         for through in kinds {
-            rows.extend(w_rows(plan, server, clients, &mut probe, ping_p50, w, through).await?);
+            let mut w_rows =
+                w_rows(plan, server, clients, &mut probe, ping_p50, w, through).await?;
+            if let (Some(latency), Some(raw)) = (w_rows.first_mut(), raw_p50) {
+                latency.ratio_vs_raw = latency.p50_us.map(|l| l / raw);
+            }
+            rows.extend(w_rows);
         }
         eprintln!("[{}] handoff W={w} done", backend.name());
     }

@@ -59,7 +59,9 @@ return token
 "#;
 
 /// The channel the raw PostgreSQL releases notify.
-const PG_CHANNEL: &str = "distlock_rawbench";
+pub const PG_CHANNEL: &str = "distlock_rawbench";
+/// The channel of raw PostgreSQL releases nobody listens for.
+const PG_QUIET_CHANNEL: &str = "distlock_rawbench_quiet";
 /// Its channel of single wake-ups (unused: the raw acquires never wait).
 const PG_NEXT_CHANNEL: &str = "distlock_rawbench_next";
 /// Its observers' channel (unused: the raw acquires carry no label).
@@ -308,6 +310,16 @@ impl Raw {
     /// Releases what [`acquire`](Self::acquire) took, with the minimal
     /// command (compare-and-delete).
     pub async fn release(&self, held: RawHeld) -> Result<(), String> {
+        self.release_telling(held, PG_CHANNEL).await
+    }
+
+    /// [`release`](Self::release), a PostgreSQL release notifying a
+    /// channel nobody listens on (the raw handoff's waiter gives back).
+    pub async fn release_quietly(&self, held: RawHeld) -> Result<(), String> {
+        self.release_telling(held, PG_QUIET_CHANNEL).await
+    }
+
+    async fn release_telling(&self, held: RawHeld, pg_channel: &str) -> Result<(), String> {
         match (self, held) {
             (Raw::Redis { conn, release, .. }, RawHeld::Redis { key, owner }) => {
                 let mut conn = conn.clone();
@@ -353,7 +365,7 @@ impl Raw {
                     .bind(&key)
                     .bind(&owner)
                     .bind(fencing)
-                    .bind(PG_CHANNEL)
+                    .bind(pg_channel)
                     .bind(RAW_SEND)
                     .bind(DEFAULT_TABLE)
                     .bind(PG_NEXT_CHANNEL)
