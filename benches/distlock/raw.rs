@@ -1,7 +1,9 @@
 //! The raw baselines: the same driver, the same kind of connection the
 //! backend uses (Redis: one multiplexed ConnectionManager; etcd: one gRPC
 //! channel; PostgreSQL: a pool of 8 with no health-check ping), issuing the
-//! minimal commands of an acquire + release itself (PostgreSQL: the
+//! minimal commands of an acquire + release itself (etcd: a lease grant, the
+//! put transaction, the delete transaction, and the lease's revoke in the
+//! background, as the library's plain locks do) (PostgreSQL: the
 //! library's own two statements, `distlock_postgres::StatementTexts`, so the
 //! baseline cannot drift from what the backend sends). The acquire half
 //! alone can be timed (the crowd rows' baseline write).
@@ -81,6 +83,8 @@ pub enum RawHeld {
     Etcd {
         key: String,
         owner: String,
+        /// The lock's own lease, revoked after the release.
+        lease: i64,
     },
     Postgres {
         key: String,
@@ -266,7 +270,14 @@ impl Raw {
                 if !reply.succeeded() {
                     return Err(format!("raw put txn refused on fresh key {key}"));
                 }
-                Ok((RawHeld::Etcd { key, owner }, took))
+                Ok((
+                    RawHeld::Etcd {
+                        key,
+                        owner,
+                        lease: lease.id(),
+                    },
+                    took,
+                ))
             }
             Raw::Postgres {
                 pool, statements, ..
@@ -334,7 +345,7 @@ impl Raw {
                 }
                 Ok(())
             }
-            (Raw::Etcd { kv, .. }, RawHeld::Etcd { key, owner }) => {
+            (Raw::Etcd { kv, leases }, RawHeld::Etcd { key, owner, lease }) => {
                 let mut kv = KvClient::clone(kv);
                 let delete = Txn::new()
                     .when([Compare::value(
@@ -347,6 +358,14 @@ impl Raw {
                 if !reply.succeeded() {
                     return Err(format!("raw delete txn refused for {key}"));
                 }
+                // Revoked in the background, as the library revokes a
+                // plain lock's lease (and as this file's permits are): a
+                // lease left to expire costs the same Raft write later,
+                // when the leader revokes it, outside a short run's window.
+                let mut leases = LeaseClient::clone(leases);
+                tokio::spawn(async move {
+                    let _ = leases.revoke(lease).await;
+                });
                 Ok(())
             }
             (
