@@ -113,8 +113,8 @@ impl Renewals {
 
     /// Takes guard `id`'s slot at `at` out of the queue.
     pub(crate) fn remove(&self, id: u64, at: Instant) {
-        // Dropped after the lock: the last owner of a guard's state may
-        // release nothing heavy, but never under the queue's lock.
+        // Dropped once the queue is unlocked, as every guard state the
+        // queue lets go of.
         let removed = self.queue().guards.remove(&(at, id));
         drop(removed);
     }
