@@ -14,7 +14,7 @@ use tracing::Instrument;
 
 use crate::backend::{AcquireReply, AcquireRequest, ExtendReply, ReleaseReply};
 use crate::lease::LeaseIssuer;
-use crate::renewal::{Renewals, Renewed};
+use crate::renewal::Renewals;
 use crate::wait::{self, Attempt};
 use crate::{
     instrument, Capabilities, Lease, LockAdmin, LockBackend, LockError, LockKey, LockOptions,
@@ -80,8 +80,8 @@ struct Inner {
     issuer: LeaseIssuer,
     /// How many of the client's background tasks run (see [`LockClient::idle`]).
     background: tokio::sync::watch::Sender<usize>,
-    /// Guards' renewals, sent together where the backend batches them.
-    renewals: Renewals,
+    /// The held guards' renewal queue and its driver.
+    renewals: Arc<Renewals>,
 }
 
 impl fmt::Debug for LockClient {
@@ -113,7 +113,7 @@ impl LockClient {
                 capabilities: backend.capabilities(),
                 issuer: LeaseIssuer::random(),
                 background: tokio::sync::watch::Sender::new(0),
-                renewals: Renewals::default(),
+                renewals: Arc::default(),
                 backend,
             }),
         }
@@ -343,29 +343,19 @@ impl LockClient {
         }
     }
 
-    /// A guard's renewal of `lease` for `ttl`: sent with this client's
-    /// other renewals of the same TTL where the backend batches extends
-    /// (see [`Capabilities::extend_batch`]), alone otherwise. Answers as
-    /// [`extend`](Self::extend) does.
-    pub(crate) async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<Lease, LockError> {
-        let limit = self.capabilities().extend_batch;
-        if limit > 1 && lease.permit_limit().is_none() && lease.issuer() == self.inner.issuer {
-            let client = self.clone();
-            let send = move |leases: Vec<Lease>, ttl| {
-                let client = client.clone();
-                async move { client.extend_together(&leases, ttl).await }
-            };
-            if let Some(renewed) = self.inner.renewals.renew(lease, ttl, limit, send).await {
-                return renewed;
-            }
-        }
-        self.extend(lease, ttl).await
+    /// The held guards' renewal queue.
+    pub(crate) fn renewals(&self) -> &Arc<Renewals> {
+        &self.inner.renewals
     }
 
     /// [`extend`](Self::extend) for each of `leases` (this client's locks)
     /// in one backend call: each answered alone, each dated from the
     /// call's send time.
-    async fn extend_together(&self, leases: &[Lease], ttl: Duration) -> Vec<Renewed> {
+    pub(crate) async fn extend_together(
+        &self,
+        leases: &[Lease],
+        ttl: Duration,
+    ) -> Vec<Result<Lease, LockError>> {
         let span = tracing::debug_span!(
             "distlock.extend_many",
             backend = self.name(),

@@ -4,8 +4,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::task::AbortHandle;
-use tokio_util::sync::CancellationToken;
+use tokio::sync::Notify;
 
 use crate::lease::later;
 use crate::renewal;
@@ -47,18 +46,25 @@ impl fmt::Display for LostReason {
 /// hand it to the job so it can stop writing.
 ///
 /// Past the current lease's stop moment it reads as lost by the clock
-/// alone, also before the guard's renewal task has run: a job whose
+/// alone, also before the guard's renewal driver has run: a job whose
 /// runtime was starved or frozen past that moment sees `lost` first when
 /// it runs again, never a late renewal's success.
 #[derive(Debug, Clone, Default)]
 pub struct LostSignal {
-    token: CancellationToken,
-    /// One allocation for both: a signal per held guard.
-    state: Arc<Mutex<LostState>>,
+    /// One allocation per held guard.
+    inner: Arc<LostInner>,
+}
+
+#[derive(Debug, Default)]
+struct LostInner {
+    /// Woken when the signal fires (a reason is set).
+    fired: Notify,
+    state: Mutex<LostState>,
 }
 
 #[derive(Debug, Default)]
 struct LostState {
+    /// Set when the signal fires, for good.
     reason: Option<LostReason>,
     /// The current lease's stop moment. Moved only while not yet reached,
     /// so once lost by the clock, lost for good; cleared for good when the
@@ -79,7 +85,7 @@ enum StopMoment {
 impl LostSignal {
     /// Whether the lock is known or assumed lost.
     pub fn is_lost(&self) -> bool {
-        self.token.is_cancelled() || self.past_stop()
+        self.is_fired() || self.past_stop()
     }
 
     /// Why the lock was lost, once it was.
@@ -92,11 +98,18 @@ impl LostSignal {
     pub async fn wait(&self) -> LostReason {
         // Checked before waiting: a timer already due fires only at the
         // timer driver's next turn, after the job's next step.
-        while !self.is_lost() {
+        loop {
+            // Registered before the check, so a fire in between wakes it.
+            let fired = self.inner.fired.notified();
+            tokio::pin!(fired);
+            fired.as_mut().enable();
+            if self.is_lost() {
+                break;
+            }
             let stop_at = self.stop_at();
             tokio::select! {
                 biased;
-                () = self.token.cancelled() => break,
+                () = fired => {}
                 () = sleep_until_opt(stop_at) => {}
             }
         }
@@ -104,7 +117,12 @@ impl LostSignal {
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, LostState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the signal fired (not only the clock's say).
+    fn is_fired(&self) -> bool {
+        self.state().reason.is_some()
     }
 
     fn stop_at(&self) -> Option<Instant> {
@@ -144,18 +162,15 @@ impl LostSignal {
 
     fn fire(&self, reason: LostReason) {
         self.state().reason.get_or_insert(reason);
-        self.token.cancel();
+        self.inner.fired.notify_waiters();
     }
 }
 
 #[derive(Debug)]
-struct Shared {
+pub(crate) struct Shared {
     client: LockClient,
     lease: Mutex<Lease>,
     lost: LostSignal,
-    /// The lease's conservative start (see [`Lease::sent_at`]): what bounds
-    /// its expiry, the max hold and the renewal schedule are dated from.
-    acquired_at: Instant,
     /// When the guard learnt it holds the lock: a minimum hold is dated
     /// from here. The lease's start can be much earlier (a lock on an etcd
     /// session lease is dated from the session's last keep-alive), which
@@ -166,6 +181,71 @@ struct Shared {
     /// This guard in the held-locks gauge: ended on release or loss, and at
     /// the latest when the last owner of `Shared` drops it.
     holding: instrument::Holding,
+    /// Its number in its client's renewal queue.
+    id: u64,
+    /// When and how it renews (see [`crate::renewal`]).
+    schedule: Mutex<Schedule>,
+}
+
+/// A guard's renewal schedule. A held guard is no task of its own (a
+/// tokio task per guard cost about 640 bytes each): its client's renewal
+/// driver ([`crate::renewal`]) steps it by this.
+#[derive(Debug)]
+struct Schedule {
+    /// How often to renew; `None`: never (renewal off).
+    period: Option<Duration>,
+    /// No renewal from then on (the max hold time).
+    renew_until: Option<Instant>,
+    /// When the next renewal is due.
+    next_renewal: Option<Instant>,
+    /// When the current lease arrived.
+    got_at: Instant,
+    /// Whether renewals are sent together on this client (see [`due`]).
+    batched: bool,
+    /// Where the guard waits in its client's queue, if it does.
+    queued: Option<Instant>,
+    /// A renewal was sent and not answered yet.
+    in_flight: bool,
+    /// The guard was given back or lost: no more renewals.
+    done: bool,
+}
+
+impl Schedule {
+    /// When a renewal on the grid is due, `period` after `from`.
+    fn due(&self, from: Instant, period: Duration) -> Instant {
+        // Where the client renews guards together, each renews on the
+        // shared grid (a little early), so guards acquired apart still
+        // meet in a batch.
+        let at = later(from, period);
+        let moment = renewal::on_grid(at, period);
+        match self.batched && moment > later(Instant::now(), MIN_RENEW_GAP) {
+            true => moment,
+            false => at,
+        }
+    }
+
+    /// When the next renewal is due, if one is: every period, but at the
+    /// latest halfway from the lease's arrival to its stop moment, so a
+    /// renewal always has time to be retried. A lease may be valid for
+    /// less than a period past its arrival: etcd dates a session lock
+    /// from the session's last keep-alive, up to a third of the TTL back.
+    fn renew_at(&self, stop_at: Instant) -> Option<Instant> {
+        let got_at = self.got_at;
+        let halfway = later(got_at, stop_at.saturating_duration_since(got_at) / 2)
+            .max(later(got_at, MIN_RENEW_GAP));
+        self.next_renewal
+            .map(|at| at.min(halfway))
+            .filter(|at| self.renew_until.is_none_or(|until| *at < until))
+    }
+
+    /// When the guard must next step: its renewal, or its stop moment
+    /// (while a renewal is in flight, only that).
+    fn wake_at(&self, stop_at: Instant) -> Instant {
+        match self.in_flight {
+            true => stop_at,
+            false => self.renew_at(stop_at).map_or(stop_at, |at| at.min(stop_at)),
+        }
+    }
 }
 
 impl Shared {
@@ -173,9 +253,145 @@ impl Shared {
         self.lease.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// The client that holds the lock.
+    pub(crate) fn client(&self) -> &LockClient {
+        &self.client
+    }
+
+    fn schedule(&self) -> std::sync::MutexGuard<'_, Schedule> {
+        self.schedule.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues the guard in its client's renewal queue for its next step.
+    fn queue(self: &Arc<Self>, schedule: &mut Schedule) {
+        let at = schedule.wake_at(self.stop_moment(&self.lease()));
+        if let Some(old) = schedule.queued.replace(at) {
+            self.client.renewals().remove(self.id, old);
+        }
+        self.client.renewals().insert(self, self.id, at);
+    }
+
+    /// No more renewals: the guard was given back or lost. Its slot in the
+    /// queue goes; a renewal in flight is answered into the void.
+    fn stop_renewal(&self, schedule: &mut Schedule) {
+        schedule.done = true;
+        if let Some(at) = schedule.queued.take() {
+            self.client.renewals().remove(self.id, at);
+        }
+    }
+
+    /// Whether the guard still renews (not given back, not lost).
+    pub(crate) fn renewing(&self) -> bool {
+        !self.schedule().done
+    }
+
+    /// One step, when the guard's wake-up came (the driver took it out of
+    /// the queue): fires the lost signal at the stop moment, else returns
+    /// the renewal to send if one is due, and queues the guard again.
+    pub(crate) fn step(self: &Arc<Self>, now: Instant) -> Option<renewal::Due> {
+        let mut schedule = self.schedule();
+        if schedule.done {
+            return None;
+        }
+        schedule.queued = None;
+        let lease = self.lease();
+        let stop_at = self.stop_moment(&lease);
+        // At the stop moment, or woken for a renewal after it (the runtime
+        // starved or froze): lost, as the stop moment's own wake-up would
+        // say.
+        if now >= stop_at {
+            if schedule.in_flight {
+                instrument::renewal(self.client.name(), false);
+            }
+            self.stop_renewal(&mut schedule);
+            drop(schedule);
+            self.mark_lost(LostReason::Expired);
+            return None;
+        }
+        let due = !schedule.in_flight && schedule.renew_at(stop_at).is_some_and(|at| now >= at);
+        if !due {
+            self.queue(&mut schedule);
+            return None;
+        }
+        // Never extend beyond the max hold time.
+        let mut ttl = lease.ttl();
+        if let Some(until) = schedule.renew_until {
+            ttl = ttl.min(until.saturating_duration_since(now));
+        }
+        if ttl.is_zero() {
+            schedule.next_renewal = None;
+            self.queue(&mut schedule);
+            return None;
+        }
+        schedule.in_flight = true;
+        self.queue(&mut schedule);
+        Some(renewal::Due {
+            guard: self.clone(),
+            lease,
+            ttl,
+        })
+    }
+
+    /// The answer to the renewal [`step`](Self::step) returned.
+    pub(crate) fn renewed(self: &Arc<Self>, result: Result<Lease, LockError>) {
+        let mut schedule = self.schedule();
+        if schedule.done || !schedule.in_flight {
+            return;
+        }
+        schedule.in_flight = false;
+        instrument::renewal(self.client.name(), result.is_ok());
+        let lost = match result {
+            Ok(renewed) => {
+                tracing::trace!(key = %renewed.key(), fencing = %renewed.fencing_token(), "lock renewed");
+                if self.lost.move_stop(self.stop_moment(&renewed)) {
+                    *self.lease.lock().unwrap_or_else(|e| e.into_inner()) = renewed;
+                    schedule.got_at = Instant::now();
+                    schedule.next_renewal =
+                        schedule.period.map(|p| schedule.due(schedule.got_at, p));
+                    None
+                } else {
+                    // Renewed, but only after the stop moment: the job was
+                    // told to stop already.
+                    Some(LostReason::Expired)
+                }
+            }
+            // A refusal, or data at the key that distlock did not write
+            // (the lock was overwritten), means the lock is gone now. Any
+            // other failure is retried until the stop moment: a renewal
+            // that cannot be confirmed is lost by the clock, never on a
+            // guess (a misread transport failure is not a refusal).
+            Err(e) if matches!(e.kind(), ErrorKind::NotHeld | ErrorKind::Corrupted) => {
+                if e.kind() != ErrorKind::NotHeld {
+                    let lease = self.lease();
+                    tracing::warn!(key = %lease.key(), fencing = %lease.fencing_token(), error = %e, kind = ?e.kind(), "lock renewal failed for good");
+                }
+                Some(LostReason::Refused)
+            }
+            Err(e) => {
+                // Transient: retry soon, well before the stop moment.
+                let lease = self.lease();
+                let left = self
+                    .stop_moment(&lease)
+                    .saturating_duration_since(Instant::now());
+                let retry = (left / 4).max(MIN_RENEW_GAP);
+                tracing::warn!(key = %lease.key(), fencing = %lease.fencing_token(), error = %e, retry_in = ?retry, "lock renewal failed; retrying");
+                schedule.next_renewal = Some(later(Instant::now(), retry));
+                None
+            }
+        };
+        match lost {
+            None => self.queue(&mut schedule),
+            Some(reason) => {
+                self.stop_renewal(&mut schedule);
+                drop(schedule);
+                self.mark_lost(reason);
+            }
+        }
+    }
+
     fn mark_lost(&self, reason: LostReason) {
-        // The token, not `is_lost`: a loss by the clock is logged here too.
-        if !self.lost.token.is_cancelled() {
+        // Fired, not `is_lost`: a loss by the clock is logged here too.
+        if !self.lost.is_fired() {
             let lease = self.lease();
             tracing::warn!(backend = self.client.name(), key = %lease.key(), fencing = %lease.fencing_token(), %reason, "lock lost");
             instrument::lost(
@@ -233,7 +449,8 @@ impl Shared {
 
 /// A held lock.
 ///
-/// While it lives, a background task renews the lease (by default every third
+/// While it lives, its client's renewal driver (one task per client, not
+/// one per guard) renews the lease (by default every third
 /// of the TTL) until the optional max hold time. [`lost`](Self::lost)
 /// resolves as soon as the guard knows or must assume it no longer holds the
 /// lock — renewal refused — and at the latest at the stop moment: the stop
@@ -243,9 +460,6 @@ impl Shared {
 /// releases in the background on the current tokio runtime.
 pub struct LockGuard {
     shared: Arc<Shared>,
-    /// The renewal task: aborted when the guard is given back (a token of
-    /// its own would cost an allocation per held guard).
-    renewal: AbortHandle,
     released: bool,
 }
 
@@ -271,26 +485,40 @@ impl LockGuard {
             .max_hold()
             .and_then(|max| acquired_at.checked_add(max));
         let stop_margin = options.stop_margin_for(lease.ttl());
+        // Where the client renews guards together, each renews on the
+        // shared grid (see [`Schedule::due`]).
+        let batched = client.capabilities().extend_batch > 1 && lease.permit_limit().is_none();
+        let mut schedule = Schedule {
+            period: renew_period,
+            renew_until,
+            next_renewal: None,
+            got_at: Instant::now(),
+            batched,
+            queued: None,
+            in_flight: false,
+            done: false,
+        };
+        schedule.next_renewal = renew_period.map(|p| schedule.due(acquired_at, p));
         let shared = Arc::new(Shared {
             holding: instrument::Holding::start(client.name(), acquired_at),
+            id: client.renewals().next_id(),
             client,
             lease: Mutex::new(lease),
             lost: LostSignal::default(),
-            acquired_at,
             granted_at: Instant::now(),
             hold_at_least: options.hold_at_least(),
             stop_margin,
+            schedule: Mutex::new(schedule),
         });
         shared.lost.move_stop(shared.stop_moment(&shared.lease()));
         if Instant::now() >= shared.stop_moment(&shared.lease()) {
-            // Fired before anyone can poll the job, not later from the task.
+            // Fired before anyone can poll the job, not later from the driver.
             shared.mark_lost(LostReason::Expired);
+        } else {
+            shared.queue(&mut shared.schedule());
         }
-        let renewal =
-            tokio::spawn(keep_alive(shared.clone(), renew_period, renew_until)).abort_handle();
         Self {
             shared,
-            renewal,
             released: false,
         }
     }
@@ -373,7 +601,7 @@ impl LockGuard {
     }
 
     async fn release_with(mut self, now: bool) -> Result<(), LockError> {
-        self.renewal.abort();
+        self.shared.stop_renewal(&mut self.shared.schedule());
         self.shared.lost.retire();
         let result = self.shared.release(now).await;
         // Only now: a drop before the answer must still release (Drop).
@@ -384,7 +612,7 @@ impl LockGuard {
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
-        self.renewal.abort();
+        self.shared.stop_renewal(&mut self.shared.schedule());
         self.shared.lost.retire();
         if self.released {
             return;
@@ -404,120 +632,6 @@ impl Drop for LockGuard {
 
 /// The shortest time between two renewal attempts of one guard.
 const MIN_RENEW_GAP: Duration = Duration::from_millis(5);
-
-/// Renews `shared`'s lease every `period` until `renew_until`, and fires the
-/// lost signal when renewal is refused or the lease reaches its stop moment.
-/// Ends when aborted: the guard was given back.
-async fn keep_alive(shared: Arc<Shared>, period: Option<Duration>, renew_until: Option<Instant>) {
-    if shared.lost.is_lost() {
-        return;
-    }
-    // Where the client renews guards together, each renews on the shared
-    // grid (a little early), so guards acquired apart still meet in a batch.
-    let batched =
-        shared.client.capabilities().extend_batch > 1 && shared.lease().permit_limit().is_none();
-    let due = |from: Instant, period: Duration| {
-        let at = later(from, period);
-        let moment = renewal::on_grid(at, period);
-        match batched && moment > later(Instant::now(), MIN_RENEW_GAP) {
-            true => moment,
-            false => at,
-        }
-    };
-    let mut next_renewal = period.map(|p| due(shared.acquired_at, p));
-    // When the current lease arrived.
-    let mut got_at = Instant::now();
-    // One timer, reset for each wait: the task idles once per held guard,
-    // so its size is each guard's cost (a renewal in flight is boxed).
-    let sleep = tokio::time::sleep_until(got_at.into());
-    tokio::pin!(sleep);
-    loop {
-        let stop_at = shared.stop_moment(&shared.lease());
-        // Renew every period, but at the latest halfway from the lease's
-        // arrival to its stop moment, so a renewal always has time to be
-        // retried. A lease may be valid for less than a period past its
-        // arrival: etcd dates a session lock from the session's last
-        // keep-alive, up to a third of the TTL back.
-        let halfway = later(got_at, stop_at.saturating_duration_since(got_at) / 2)
-            .max(later(got_at, MIN_RENEW_GAP));
-        let renew_at = next_renewal
-            .map(|at| at.min(halfway))
-            .filter(|at| renew_until.is_none_or(|until| *at < until));
-        sleep
-            .as_mut()
-            .reset(renew_at.map_or(stop_at, |at| at.min(stop_at)).into());
-        sleep.as_mut().await;
-        // Woken for a renewal after the stop moment (the runtime starved or
-        // froze): lost, as the stop moment's own wake-up would say.
-        if Instant::now() >= stop_at {
-            shared.mark_lost(LostReason::Expired);
-            return;
-        }
-        // Never extend beyond the max hold time.
-        let lease = shared.lease();
-        let mut ttl = lease.ttl();
-        if let Some(until) = renew_until {
-            ttl = ttl.min(until.saturating_duration_since(Instant::now()));
-        }
-        let client = &shared.client;
-        let extend = Box::pin(async move {
-            if ttl.is_zero() {
-                return Ok(None);
-            }
-            client.renew(&lease, ttl).await.map(Some)
-        });
-        sleep.as_mut().reset(stop_at.into());
-        let result = tokio::select! {
-            _ = &mut sleep => {
-                if !ttl.is_zero() {
-                    instrument::renewal(shared.client.name(), false);
-                }
-                shared.mark_lost(LostReason::Expired);
-                return;
-            }
-            result = extend => result,
-        };
-        if !matches!(result, Ok(None)) {
-            instrument::renewal(shared.client.name(), result.is_ok());
-        }
-        match result {
-            Ok(Some(renewed)) => {
-                tracing::trace!(key = %renewed.key(), fencing = %renewed.fencing_token(), "lock renewed");
-                if !shared.lost.move_stop(shared.stop_moment(&renewed)) {
-                    // Renewed, but only after the stop moment: the job was
-                    // told to stop already.
-                    shared.mark_lost(LostReason::Expired);
-                    return;
-                }
-                *shared.lease.lock().unwrap_or_else(|e| e.into_inner()) = renewed;
-                got_at = Instant::now();
-                next_renewal = period.map(|p| due(got_at, p));
-            }
-            Ok(None) => next_renewal = None,
-            // A refusal, or data at the key that distlock did not write
-            // (the lock was overwritten), means the lock is gone now. Any
-            // other failure is retried until the stop moment: a renewal
-            // that cannot be confirmed is lost by the clock, never on a
-            // guess (a misread transport failure is not a refusal).
-            Err(e) if matches!(e.kind(), ErrorKind::NotHeld | ErrorKind::Corrupted) => {
-                if e.kind() != ErrorKind::NotHeld {
-                    let lease = shared.lease();
-                    tracing::warn!(key = %lease.key(), fencing = %lease.fencing_token(), error = %e, kind = ?e.kind(), "lock renewal failed for good");
-                }
-                shared.mark_lost(LostReason::Refused);
-                return;
-            }
-            Err(e) => {
-                // Transient: retry soon, well before the stop moment.
-                let left = stop_at.saturating_duration_since(Instant::now());
-                let retry = (left / 4).max(MIN_RENEW_GAP);
-                let lease = shared.lease();
-                tracing::warn!(key = %lease.key(), fencing = %lease.fencing_token(), error = %e, retry_in = ?retry, "lock renewal failed; retrying");
-                next_renewal = Some(later(Instant::now(), retry));
-            }
-        }
-    }
-}
 
 async fn sleep_until_opt(at: Option<Instant>) {
     match at {

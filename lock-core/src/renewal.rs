@@ -1,134 +1,238 @@
-//! Renewing many guards in few requests.
+//! Renewing many guards with one task per client, in few requests.
 //!
-//! Where a client's backend batches extends (its
-//! [`Capabilities::extend_batch`](crate::Capabilities::extend_batch) is
-//! above one), guards queue their renewals instead of sending them alone.
-//! The first renewal into an empty queue starts a short task that gathers
-//! what arrives within one timer tick, groups it by TTL and sends each
-//! group in calls of at most `extend_batch` locks
-//! ([`LockBackend::extend_many`](crate::LockBackend::extend_many)); every
-//! guard gets its own answer, dated from its batch's send time. No task
-//! outlives its batch, and each runs on the runtime of a guard that renews.
-//! Guards renew at moments on a shared grid (see [`on_grid`]), so those
-//! acquired at different times still meet in one batch.
+//! A held guard is no task of its own: its small schedule lives in the
+//! guard, and its client's [`Renewals`] queue holds it by its next wake-up
+//! (its renewal moment, or its stop moment while a renewal is in flight).
+//! One driver task per client sleeps until the earliest of them, takes
+//! every guard due and has each one step ([`Shared::step`]): renew, or be
+//! lost by the clock. The driver starts with the first queued guard (on
+//! the runtime of the guard that queues it) and ends when the queue is
+//! empty, so no task outlives the guards it serves.
+//!
+//! Renewals due together are sent together where the backend batches
+//! extends (its [`Capabilities::extend_batch`](crate::Capabilities::extend_batch)
+//! is above one): grouped by TTL, in calls of at most `extend_batch`
+//! locks ([`LockBackend::extend_many`](crate::LockBackend::extend_many)),
+//! one short task per call; every guard gets its own answer, dated from
+//! its batch's send time. Other renewals (permits; backends without
+//! batching) are one short task each. Guards renew at moments on a shared
+//! grid (see [`on_grid`]), so those acquired at different times still
+//! meet in one batch.
 
-use std::future::Future;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use tokio::sync::oneshot;
+use tokio::sync::Notify;
 
-use crate::{Lease, LockError};
+use crate::guard::Shared;
+use crate::lease::later;
+use crate::Lease;
 
-/// How long renewals are gathered after the first one arrives, for the
-/// others due at the same moment: one tick of tokio's timer.
+/// How long renewals are gathered after the first one falls due, for the
+/// others due about then; also the shortest grid step. One tick of
+/// tokio's timer.
 const GATHER: Duration = Duration::from_millis(1);
 
 /// Grid steps per renewal period: a guard renews at most this fraction of
 /// its period early.
 const GRID_STEPS: u32 = 8;
 
-/// The answer to one renewal.
-pub(crate) type Renewed = Result<Lease, LockError>;
+/// One queued guard: its wake-up moment and its number (unique per client).
+type Slot = (Instant, u64);
 
-/// One guard's renewal, waiting for its batch.
-struct Renewal {
-    lease: Lease,
-    ttl: Duration,
-    answer: oneshot::Sender<Renewed>,
-}
-
-/// A client's renewals waiting to be sent together.
+/// A client's held guards, by next wake-up, and its driver.
 #[derive(Default)]
 pub(crate) struct Renewals {
-    due: Arc<Mutex<Vec<Renewal>>>,
+    queue: Mutex<Queue>,
+    /// Wakes the driver when a guard is queued before its planned wake-up.
+    wake: Notify,
+}
+
+#[derive(Default)]
+struct Queue {
+    guards: BTreeMap<Slot, Arc<Shared>>,
+    /// The number of the driver task that runs (or is about to), if one
+    /// does.
+    running: Option<u64>,
+    /// Drivers started so far.
+    drivers: u64,
+    /// When the running driver sleeps until; `None` while it is awake.
+    planned: Option<Instant>,
+    next_id: u64,
+}
+
+/// A renewal the driver sends: the guard, its lease and the TTL asked.
+pub(crate) struct Due {
+    pub(crate) guard: Arc<Shared>,
+    pub(crate) lease: Lease,
+    pub(crate) ttl: Duration,
 }
 
 impl Renewals {
-    /// Queues `lease`'s renewal for `ttl` and waits for its answer. The
-    /// first renewal into an empty queue spawns a short task (on the
-    /// current runtime) that waits one tick, takes the queue and has `send`
-    /// renew each group (one TTL, at most `limit` leases) in one call.
-    /// `None` if it could not be sent together (no runtime; the task was
-    /// dropped with its runtime): the caller then extends alone.
-    /// Cancel-safe: dropped, the renewal is still sent with its batch, and
-    /// its answer is dropped.
-    pub(crate) async fn renew<F, Fut>(
-        &self,
-        lease: &Lease,
-        ttl: Duration,
-        limit: usize,
-        send: F,
-    ) -> Option<Renewed>
-    where
-        F: Fn(Vec<Lease>, Duration) -> Fut + Send + 'static,
-        Fut: Future<Output = Vec<Renewed>> + Send + 'static,
-    {
-        let runtime = tokio::runtime::Handle::try_current().ok()?;
-        let (answer, answered) = oneshot::channel();
-        let first = {
-            let mut due = self.due.lock().unwrap_or_else(|e| e.into_inner());
-            due.push(Renewal {
-                lease: lease.clone(),
-                ttl,
-                answer,
-            });
-            due.len() == 1
-        };
-        if first {
-            let taken = TakeOnDrop(self.due.clone());
-            runtime.spawn(async move {
-                tokio::time::sleep(GATHER).await;
-                for (leases, ttl, answers) in batches(taken.take(), limit) {
-                    let call = send(leases, ttl);
-                    // Batches run side by side: a slow one holds up no other.
-                    tokio::spawn(async move {
-                        for (answer, result) in answers.into_iter().zip(call.await) {
-                            let _ = answer.send(result);
-                        }
-                    });
+    fn queue(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A number for a new guard, unique in this client's queue.
+    pub(crate) fn next_id(&self) -> u64 {
+        let mut queue = self.queue();
+        queue.next_id += 1;
+        queue.next_id
+    }
+
+    /// Queues `guard` (number `id`) to step at `at`, starting the driver on
+    /// the current runtime if none runs (outside a runtime nothing runs:
+    /// the guard is then lost by the clock alone). Called with the
+    /// guard's schedule locked (locks are taken guard first, queue
+    /// second, never the other way).
+    pub(crate) fn insert(self: &Arc<Self>, guard: &Arc<Shared>, id: u64, at: Instant) {
+        let start = {
+            let mut queue = self.queue();
+            queue.guards.insert((at, id), guard.clone());
+            if queue.running.is_none() {
+                let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                    return;
+                };
+                queue.drivers += 1;
+                queue.running = Some(queue.drivers);
+                queue.planned = None;
+                Some((runtime, queue.drivers))
+            } else {
+                if queue.planned.is_some_and(|planned| at < planned) {
+                    self.wake.notify_one();
                 }
-            });
+                None
+            }
+        };
+        // Outside the lock: a runtime shutting down drops the task at once.
+        if let Some((runtime, number)) = start {
+            runtime.spawn(drive(Running(self.clone(), number)));
         }
-        answered.await.ok()
+    }
+
+    /// Takes guard `id`'s slot at `at` out of the queue.
+    pub(crate) fn remove(&self, id: u64, at: Instant) {
+        // Dropped once the queue is unlocked, as every guard state the
+        // queue lets go of.
+        let removed = self.queue().guards.remove(&(at, id));
+        drop(removed);
+    }
+
+    /// The guards due by `now` (taken out of the queue), and the next
+    /// wake-up; `None` (and the driver marked stopped) if the queue is
+    /// empty.
+    fn take_due(&self, now: Instant) -> Option<(Vec<Arc<Shared>>, Option<Instant>)> {
+        let mut queue = self.queue();
+        let mut due = Vec::new();
+        while let Some(entry) = queue.guards.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            due.push(entry.remove());
+        }
+        let next = queue.guards.first_key_value().map(|(slot, _)| slot.0);
+        if due.is_empty() && next.is_none() {
+            queue.running = None;
+            queue.planned = None;
+            return None;
+        }
+        queue.planned = if due.is_empty() { next } else { None };
+        Some((due, next))
     }
 }
 
-/// The queue, taken by the gathering task; taken on its drop too (its
-/// runtime shut down), so no renewal waits for a task that is gone (their
-/// answers are dropped, and their guards extend alone).
-struct TakeOnDrop(Arc<Mutex<Vec<Renewal>>>);
+/// The running driver (and its number); marks the queue driverless when
+/// the task ends, also when it is dropped with its runtime (the next
+/// queued guard then starts another).
+struct Running(Arc<Renewals>, u64);
 
-impl TakeOnDrop {
-    fn take(&self) -> Vec<Renewal> {
-        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
-    }
-}
-
-impl Drop for TakeOnDrop {
+impl Drop for Running {
     fn drop(&mut self) {
-        drop(self.take());
+        let mut queue = self.0.queue();
+        // Unless a driver started since this one found the queue empty.
+        if queue.running == Some(self.1) {
+            queue.running = None;
+            queue.planned = None;
+        }
     }
 }
 
-/// `due` as calls: each of one TTL and at most `limit` leases, with the
-/// answers to send back. Renewals whose guard stopped meanwhile are left
-/// out.
-fn batches(
-    mut due: Vec<Renewal>,
-    limit: usize,
-) -> Vec<(Vec<Lease>, Duration, Vec<oneshot::Sender<Renewed>>)> {
-    due.retain(|r| !r.answer.is_closed());
-    due.sort_by_key(|r| r.ttl);
-    let mut calls = Vec::new();
-    while !due.is_empty() {
-        let ttl = due[0].ttl;
-        let same = due.iter().take_while(|r| r.ttl == ttl).count();
-        let batch: Vec<Renewal> = due.drain(..same.min(limit.max(1))).collect();
-        let (leases, answers) = batch.into_iter().map(|r| (r.lease, r.answer)).unzip();
-        calls.push((leases, ttl, answers));
+/// The driver: steps every guard when it is due, until none is queued.
+/// Renewals that fall due are gathered for one timer tick after the
+/// first, for the others due about then (guards whose lease arrived at
+/// slightly different moments), and sent together.
+async fn drive(running: Running) {
+    let renewals = &running.0;
+    let sleep = tokio::time::sleep_until(Instant::now().into());
+    tokio::pin!(sleep);
+    let mut gathered: Vec<Due> = Vec::new();
+    let mut send_at: Option<Instant> = None;
+    loop {
+        let now = Instant::now();
+        let Some((due, next)) = renewals.take_due(now) else {
+            send(gathered);
+            return;
+        };
+        if !due.is_empty() {
+            let before = gathered.len();
+            gathered.extend(due.into_iter().filter_map(|guard| guard.step(now)));
+            if gathered.len() > before && send_at.is_none() {
+                send_at = Some(later(now, GATHER));
+            }
+            continue;
+        }
+        if send_at.is_some_and(|at| now >= at) {
+            send(std::mem::take(&mut gathered));
+            send_at = None;
+            continue;
+        }
+        let Some(wake) = [next, send_at].into_iter().flatten().min() else {
+            return;
+        };
+        sleep.as_mut().reset(wake.into());
+        tokio::select! {
+            () = &mut sleep => {}
+            () = renewals.wake.notified() => {}
+        }
     }
-    calls
+}
+
+/// Sends `renew`: together where the backend batches extends (one call
+/// per TTL and at most `extend_batch` locks), one call each otherwise.
+/// Renewals of guards given back meanwhile are left out.
+fn send(mut renew: Vec<Due>) {
+    renew.retain(|r| r.guard.renewing());
+    let Some(first) = renew.first() else {
+        return;
+    };
+    let client = first.guard.client().clone();
+    let limit = client.capabilities().extend_batch;
+    let (mut together, alone): (Vec<Due>, Vec<Due>) = renew
+        .into_iter()
+        .partition(|r| limit > 1 && r.lease.permit_limit().is_none());
+    for r in alone {
+        let client = client.clone();
+        tokio::spawn(async move {
+            let result = client.extend(&r.lease, r.ttl).await;
+            r.guard.renewed(result);
+        });
+    }
+    together.sort_by_key(|r| r.ttl);
+    while !together.is_empty() {
+        let ttl = together[0].ttl;
+        let same = together.iter().take_while(|r| r.ttl == ttl).count();
+        let batch: Vec<Due> = together.drain(..same.min(limit)).collect();
+        let client = client.clone();
+        // Batches run side by side: a slow one holds up no other.
+        tokio::spawn(async move {
+            let leases: Vec<Lease> = batch.iter().map(|r| r.lease.clone()).collect();
+            let results = client.extend_together(&leases, ttl).await;
+            for (r, result) in batch.into_iter().zip(results) {
+                r.guard.renewed(result);
+            }
+        });
+    }
 }
 
 /// The latest moment on the renewal grid of `period` that is not after

@@ -393,7 +393,7 @@ impl LockBackend for EtcdLock {
         let value = encode_value(lock.owner);
         let label_key = self.etcd().layout.holder_key(lock.key);
         self.renew(&attached, lock, ttl, |new_lease| {
-            txn::extend(&attached.key, &value, &label_key, lock.fencing, new_lease)
+            txn::extend(attached.key(), &value, &label_key, lock.fencing, new_lease)
         })
         .await
     }
@@ -475,7 +475,7 @@ impl LockBackend for EtcdLock {
         let attached = Attached::lock(&self.etcd().layout, lock.key, lock.owner);
         let value = encode_value(lock.owner);
         let label_key = self.etcd().layout.holder_key(lock.key);
-        let release = txn::release(&attached.key, &value, &label_key, lock.fencing);
+        let release = txn::release(attached.key(), &value, &label_key, lock.fencing);
         self.release_with(&attached, lock.handle, release).await
     }
 

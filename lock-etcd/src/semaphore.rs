@@ -250,7 +250,7 @@ impl EtcdLock {
             let joining = sessions.attach(&session, attached, deadline, |fence, raise| {
                 let fence = Some(fence);
                 txn::join_permits(
-                    &attached.key,
+                    attached.key(),
                     value,
                     &label,
                     lease_id,
@@ -270,7 +270,7 @@ impl EtcdLock {
             };
         }
         let (lease_id, granted) = self.etcd().grant(request.ttl, deadline).await?;
-        let join = txn::join_permits(&attached.key, value, &label, lease_id, &prefix, None, &[]);
+        let join = txn::join_permits(attached.key(), value, &label, lease_id, &prefix, None, &[]);
         match self
             .etcd()
             .run_txn_until(deadline, IN_LOCK_CALL, Repeat::Safe, join)
@@ -302,7 +302,7 @@ impl EtcdLock {
     fn unused(&self, on: &OnLease, attached: &Attached) {
         match on {
             OnLease::Own(lease_id, _) => self.etcd().revoke_later(*lease_id),
-            OnLease::Session(session, _) => session.untrack(&attached.id),
+            OnLease::Session(session, _) => session.untrack(attached.id()),
         }
     }
 }
@@ -390,7 +390,7 @@ impl SemaphoreBackend for EtcdLock {
             .permit_holder_key(permit.key, permit.owner);
         let fencing = i64::try_from(permit.fencing.get()).unwrap_or(i64::MAX);
         self.renew(&attached, permit, ttl, |new_lease| {
-            txn::move_permit(&attached.key, &label, fencing, new_lease)
+            txn::move_permit(attached.key(), &label, fencing, new_lease)
         })
         .await
     }
@@ -403,7 +403,7 @@ impl SemaphoreBackend for EtcdLock {
             .permit_holder_key(permit.key, permit.owner);
         let fencing = i64::try_from(permit.fencing.get()).unwrap_or(i64::MAX);
         // The deletion wakes the first waiters (their watch).
-        let release = txn::release_permit(&attached.key, &label, fencing);
+        let release = txn::release_permit(attached.key(), &label, fencing);
         self.release_with(&attached, permit.handle, release).await
     }
 
@@ -554,9 +554,9 @@ mod tests {
         let fence = attached.fence(session);
         let join = |fence: Option<&crate::fence::Fence>| {
             txn::join_permits(
-                &attached.key,
+                attached.key(),
                 &value,
-                &unlabelled(&attached.key),
+                &unlabelled(attached.key()),
                 session,
                 &permits,
                 fence,
@@ -565,7 +565,7 @@ mod tests {
         };
         let late = join(Some(&fence));
         let undo = txn::undo_session_lock(
-            &attached.key,
+            attached.key(),
             None,
             None,
             session,

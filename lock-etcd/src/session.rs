@@ -68,24 +68,59 @@ fn answer_count(sent: usize, got: usize) -> LockError {
 
 /// One acquisition's key on a session lease, a lock or a permit: what the
 /// session tracks, confirms and undoes.
+///
+/// A session keeps one per held lock, so its byte strings share one
+/// allocation (a string that begins another is not stored twice: a lock's
+/// key begins its label key and is its fence base); a clone costs no
+/// allocation.
 #[derive(Debug, Clone)]
 pub(crate) struct Attached {
+    bytes: Arc<[u8]>,
     /// What the session tracks it by, unique per acquisition: a lock's
     /// value, a permit's key (each names the owner token).
-    pub(crate) id: Vec<u8>,
+    id: Span,
     /// Its etcd key.
-    pub(crate) key: Vec<u8>,
+    key: Span,
     /// The value a confirm or undo compares: a lock's; none for a permit,
     /// whose key names its owner (its value holds the limit, which extend
     /// and release are not told).
-    pub(crate) value: Option<Vec<u8>>,
+    value: Option<Span>,
     /// Its holder-label key, which goes with it.
-    pub(crate) label_key: Option<Vec<u8>>,
+    label_key: Option<Span>,
     /// The key its requests' fences go below (see [`crate::keys`]): never
     /// in the range of a semaphore's permits.
-    pub(crate) fence_base: Vec<u8>,
+    fence_base: Span,
     /// "lock" or "permit", for messages.
     pub(crate) what: &'static str,
+}
+
+/// Where one byte string lies in [`Attached::bytes`].
+#[derive(Debug, Clone, Copy)]
+struct Span(u32, u32);
+
+/// `parts` end to end, each stored once: a part that begins one stored
+/// already is found there. With the spans of `parts`, in order.
+fn pack<const N: usize>(parts: [&[u8]; N]) -> (Arc<[u8]>, [Span; N]) {
+    let mut order: [usize; N] = std::array::from_fn(|i| i);
+    // Longest first, so a prefix finds what it begins.
+    order.sort_by_key(|&i| std::cmp::Reverse(parts[i].len()));
+    let mut bytes = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
+    let mut spans = [Span(0, 0); N];
+    let mut stored: Vec<usize> = Vec::with_capacity(N);
+    for i in order {
+        let part = parts[i];
+        let start = match stored.iter().find(|&&j| parts[j].starts_with(part)) {
+            Some(&j) => spans[j].0 as usize,
+            None => {
+                bytes.extend_from_slice(part);
+                stored.push(i);
+                bytes.len() - part.len()
+            }
+        };
+        let at = |n: usize| u32::try_from(n).expect("etcd keys are far below 4 GiB");
+        spans[i] = Span(at(start), at(start + part.len()));
+    }
+    (bytes.into(), spans)
 }
 
 impl Attached {
@@ -93,12 +128,15 @@ impl Attached {
     pub(crate) fn lock(layout: &KeyLayout, key: &LockKey, owner: OwnerToken) -> Self {
         let etcd_key = layout.lock_key(key);
         let value = encode_value(owner);
+        let label_key = layout.holder_key(key);
+        let (bytes, [key, value, label_key]) = pack([&etcd_key, &value, &label_key]);
         Self {
-            id: value.clone(),
-            key: etcd_key.clone(),
+            bytes,
+            id: value,
+            key,
             value: Some(value),
-            label_key: Some(layout.holder_key(key)),
-            fence_base: etcd_key,
+            label_key: Some(label_key),
+            fence_base: key,
             what: "lock",
         }
     }
@@ -106,19 +144,47 @@ impl Attached {
     /// `owner`'s permit of the semaphore `key`.
     pub(crate) fn permit(layout: &KeyLayout, key: &LockKey, owner: OwnerToken) -> Self {
         let etcd_key = layout.permit_key(key, owner);
+        let label_key = layout.permit_holder_key(key, owner);
+        let base = layout.semaphore_base(key);
+        let (bytes, [key, label_key, fence_base]) = pack([&etcd_key, &label_key, &base]);
         Self {
-            id: etcd_key.clone(),
-            key: etcd_key,
+            bytes,
+            id: key,
+            key,
             value: None,
-            label_key: Some(layout.permit_holder_key(key, owner)),
-            fence_base: layout.semaphore_base(key),
+            label_key: Some(label_key),
+            fence_base,
             what: "permit",
         }
     }
 
+    fn get(&self, span: Span) -> &[u8] {
+        &self.bytes[span.0 as usize..span.1 as usize]
+    }
+
+    /// What the session tracks it by (see [`Attached`]).
+    pub(crate) fn id(&self) -> &[u8] {
+        self.get(self.id)
+    }
+
+    /// Its etcd key.
+    pub(crate) fn key(&self) -> &[u8] {
+        self.get(self.key)
+    }
+
+    /// The value a confirm or undo compares, if it has one.
+    pub(crate) fn value(&self) -> Option<&[u8]> {
+        self.value.map(|span| self.get(span))
+    }
+
+    /// Its holder-label key, if it has one.
+    pub(crate) fn label_key(&self) -> Option<&[u8]> {
+        self.label_key.map(|span| self.get(span))
+    }
+
     /// A fresh fence for a request on this key attached to `lease_id`.
     pub(crate) fn fence(&self, lease_id: i64) -> Fence {
-        Fence::new(&self.fence_base, lease_id)
+        Fence::new(self.get(self.fence_base), lease_id)
     }
 }
 
@@ -239,7 +305,7 @@ impl Sessions {
             .etcd
             .run_txn_until(deadline, IN_LOCK_CALL, Repeat::Safe, write(&fence, &raise))
             .await?;
-        session.settled(&attached.id, &raise, &fence);
+        session.settled(attached.id(), &raise, &fence);
         Ok((reply, tracked_from))
     }
 
@@ -258,7 +324,7 @@ impl Sessions {
         // request was in flight is being revoked (or expires on the
         // server), taking the new key with it: no lease can be dated from it.
         let Some(confirmed) = session.confirmed_sent_at() else {
-            tracing::debug!(key = %String::from_utf8_lossy(&attached.key), fencing = %fencing, "etcd session lost while acquiring; the key goes with it");
+            tracing::debug!(key = %String::from_utf8_lossy(attached.key()), fencing = %fencing, "etcd session lost while acquiring; the key goes with it");
             return Err(LockError::unavailable(format!(
                 "the {} was taken on an etcd session lease that was lost while the request was in flight (no keep-alive answered within its TTL), so it is gone again; try again",
                 attached.what
@@ -290,7 +356,7 @@ impl Sessions {
             // earlier requests whose outcome is unknown.
             let attaching = self.attach(&session, &attached, deadline, |fence, raise| {
                 txn::acquire(
-                    &attached.key,
+                    attached.key(),
                     &value,
                     &label,
                     session.lease_id(),
@@ -318,20 +384,20 @@ impl Sessions {
                 Ok(AcquireOutcome::OutOfLine) if turn.place.is_some() => {
                     // Our entry is gone and the line empty: once more, as
                     // an attempt not in line.
-                    session.untrack(&attached.id);
+                    session.untrack(attached.id());
                     turn.place = None;
                     continue;
                 }
                 Ok(AcquireOutcome::OutOfLine) => {
-                    session.untrack(&attached.id);
+                    session.untrack(attached.id());
                     return Ok(crate::backend::try_again());
                 }
                 Ok(AcquireOutcome::Refused(refused)) => {
-                    session.untrack(&attached.id);
+                    session.untrack(attached.id());
                     return Ok(refused);
                 }
                 Err(e) => {
-                    session.untrack(&attached.id);
+                    session.untrack(attached.id());
                     return Err(e);
                 }
             };
@@ -374,19 +440,19 @@ impl Sessions {
                 IN_LOCK_CALL,
                 Repeat::Safe,
                 txn::confirm(
-                    &attached.key,
-                    attached.value.as_deref(),
+                    attached.key(),
+                    attached.value(),
                     fencing,
                     session.lease_id(),
                 ),
             )
             .await?;
         if !reply.succeeded() {
-            session.untrack(&attached.id);
+            session.untrack(attached.id());
             return Ok(ExtendReply::NotHeld);
         }
         match session.confirmed_sent_at() {
-            Some(confirmed) if session.renew(&attached.id, renewed_at) => {
+            Some(confirmed) if session.renew(attached.id(), renewed_at) => {
                 Ok(ExtendReply::Extended(
                     Grant::new(fencing, session.ttl())
                         .with_handle(session_handle(session.lease_id()))
@@ -394,7 +460,7 @@ impl Sessions {
                 ))
             }
             _ => {
-                tracing::debug!(key = %String::from_utf8_lossy(&attached.key), fencing = %fencing, "etcd session {} expired or its session was lost", attached.what);
+                tracing::debug!(key = %String::from_utf8_lossy(attached.key()), fencing = %fencing, "etcd session {} expired or its session was lost", attached.what);
                 Ok(ExtendReply::NotHeld)
             }
         }
@@ -417,11 +483,8 @@ impl Sessions {
         // After the client's send time, as in `acquire`.
         let renewed_at = Instant::now();
         let mut sorted: Vec<usize> = (0..items.len()).collect();
-        sorted.sort_by(|&a, &b| items[a].0.key.cmp(&items[b].0.key));
-        let keys: Vec<&[u8]> = sorted
-            .iter()
-            .map(|&at| items[at].0.key.as_slice())
-            .collect();
+        sorted.sort_by(|&a, &b| items[a].0.key().cmp(items[b].0.key()));
+        let keys: Vec<&[u8]> = sorted.iter().map(|&at| items[at].0.key()).collect();
         let (read, runs) = txn::read_ranges(&keys, ranges);
         let reply = self.etcd.run_txn(IN_LOCK_CALL, Repeat::Safe, read).await?;
         let reads = reply.op_responses();
@@ -454,7 +517,7 @@ impl Sessions {
             .filter(|&at| entries[at].is_none())
             .collect();
         for chunk in unread.chunks(ranges.max(1)) {
-            let read = txn::read_many(chunk.iter().map(|&at| items[at].0.key.as_slice()));
+            let read = txn::read_many(chunk.iter().map(|&at| items[at].0.key()));
             let reply = self.etcd.run_txn(IN_LOCK_CALL, Repeat::Safe, read).await?;
             let reads = reply.op_responses();
             if reads.len() != chunk.len() {
@@ -473,18 +536,15 @@ impl Sessions {
             let ours = entry.flatten().is_some_and(|kv| {
                 u64::try_from(kv.create_revision()).ok() == Some(fencing.get())
                     && kv.lease() == session.lease_id()
-                    && attached
-                        .value
-                        .as_deref()
-                        .is_none_or(|value| kv.value() == value)
+                    && attached.value().is_none_or(|value| kv.value() == value)
             });
             if !ours {
-                session.untrack(&attached.id);
+                session.untrack(attached.id());
                 answers.push(ExtendReply::NotHeld);
                 continue;
             }
             answers.push(match confirmed {
-                Some(confirmed) if session.renew(&attached.id, renewed_at) => {
+                Some(confirmed) if session.renew(attached.id(), renewed_at) => {
                     ExtendReply::Extended(
                         Grant::new(*fencing, session.ttl())
                             .with_handle(session_handle(session.lease_id()))
@@ -502,7 +562,7 @@ impl Sessions {
     pub(crate) fn untrack(&self, handle: u64, attached: &Attached) {
         if let Some(id) = session_lease_of(handle) {
             if let Some(session) = self.by_lease(id) {
-                session.untrack(&attached.id);
+                session.untrack(attached.id());
             }
         }
     }
@@ -530,10 +590,10 @@ mod tests {
         assert!(fence.key().starts_with(&layout.semaphore_base(&key)));
         assert!(!fence.key().starts_with(&layout.permits_prefix(&key)));
         assert!(!fence.key().starts_with(&layout.permit_queue_prefix(&key)));
-        assert_eq!(permit.id, layout.permit_key(&key, owner));
+        assert_eq!(permit.id(), layout.permit_key(&key, owner));
         let lock = Attached::lock(&layout, &key, owner);
         assert!(lock.fence(42).key().starts_with(&layout.lock_key(&key)));
-        assert_ne!(lock.id, permit.id, "a lock and a permit of one owner");
+        assert_ne!(lock.id(), permit.id(), "a lock and a permit of one owner");
     }
 
     #[test]

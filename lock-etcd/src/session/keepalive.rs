@@ -234,9 +234,9 @@ pub(crate) fn undo_later(etcd: &Etcd, session: &Arc<Session>, undo: Undo) {
         } = undo;
         let attached = &tracked.attached;
         let txn = txn::undo_session_lock(
-            &attached.key,
-            attached.value.as_deref(),
-            attached.label_key.as_deref(),
+            attached.key(),
+            attached.value(),
+            attached.label_key(),
             session.lease_id(),
             tracked.fencing,
             &fence,
@@ -251,7 +251,7 @@ pub(crate) fn undo_later(etcd: &Etcd, session: &Arc<Session>, undo: Undo) {
             .await;
         match result {
             Ok(reply) => {
-                session.settled(&attached.id, &raise, &fence);
+                session.settled(attached.id(), &raise, &fence);
                 tracing::debug!(
                     fencing = ?tracked.fencing,
                     deleted = reply.succeeded(),

@@ -4,7 +4,9 @@
 //! [`super::keepalive`]), and the fences of requests whose outcome is
 //! unknown.
 
+use std::borrow::Borrow;
 use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -27,11 +29,55 @@ struct State {
     /// from then.
     confirmed_sent_at: Instant,
     /// Attached locks and permits by [`Attached::id`] (unique per
-    /// acquisition).
-    locks: HashMap<Vec<u8>, Tracked>,
+    /// acquisition): one entry per held lock, so the key is the only copy
+    /// of its `Attached`.
+    locks: HashMap<ById, Entry>,
     /// By [`Attached::id`]: the fences of requests (acquires, undos) whose
     /// outcome is unknown; the next request for that owner puts them up.
-    pending: HashMap<Vec<u8>, Vec<Fence>>,
+    pending: HashMap<ById, Vec<Fence>>,
+}
+
+/// An [`Attached`] as a map key: hashed and compared by its id, and
+/// looked up by it.
+#[derive(Clone)]
+struct ById(Attached);
+
+impl PartialEq for ById {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.id() == other.0.id()
+    }
+}
+
+impl Eq for ById {}
+
+impl Hash for ById {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // As the `[u8]` it borrows as hashes.
+        self.0.id().hash(state);
+    }
+}
+
+impl Borrow<[u8]> for ById {
+    fn borrow(&self) -> &[u8] {
+        self.0.id()
+    }
+}
+
+/// What the session knows of an attached lock or permit besides itself.
+#[derive(Clone, Copy)]
+struct Entry {
+    fencing: Option<FencingToken>,
+    renewed_at: Instant,
+}
+
+impl Entry {
+    fn of(self, attached: Attached) -> Tracked {
+        Tracked {
+            attached,
+            fencing: self.fencing,
+            renewed_at: self.renewed_at,
+        }
+    }
 }
 
 /// A lock or permit the session undoes (its holder stopped renewing it,
@@ -101,9 +147,8 @@ impl Session {
         let mut state = self.state();
         if state.alive {
             state.locks.insert(
-                attached.id.clone(),
-                Tracked {
-                    attached: attached.clone(),
+                ById(attached.clone()),
+                Entry {
                     fencing,
                     renewed_at,
                 },
@@ -119,8 +164,8 @@ impl Session {
             return false;
         }
         match state.locks.get_mut(id) {
-            Some(tracked) => {
-                tracked.renewed_at = tracked.renewed_at.max(at);
+            Some(entry) => {
+                entry.renewed_at = entry.renewed_at.max(at);
                 true
             }
             None => false,
@@ -136,14 +181,13 @@ impl Session {
             return Vec::new();
         }
         state.locks.insert(
-            attached.id.clone(),
-            Tracked {
-                attached: attached.clone(),
+            ById(attached.clone()),
+            Entry {
                 fencing: None,
                 renewed_at: at,
             },
         );
-        let pending = state.pending.entry(attached.id.clone()).or_default();
+        let pending = state.pending.entry(ById(attached.clone())).or_default();
         let raise = pending.clone();
         pending.push(fence.clone());
         raise
@@ -166,19 +210,18 @@ impl Session {
     /// due for an undo, which puts that request's fence up.
     pub(crate) fn untrack(&self, id: &[u8]) {
         let mut state = self.state();
-        let removed = state.locks.remove(id);
-        if let Some(tracked) = removed {
+        let removed = state.locks.remove_entry(id);
+        if let Some((attached, entry)) = removed {
             if state.pending.contains_key(id) {
-                let due = tracked
+                let due = entry
                     .renewed_at
                     .checked_sub(self.ttl)
-                    .unwrap_or(tracked.renewed_at);
+                    .unwrap_or(entry.renewed_at);
                 state.locks.insert(
-                    id.to_vec(),
-                    Tracked {
+                    attached,
+                    Entry {
                         fencing: None,
                         renewed_at: due,
-                        ..tracked
                     },
                 );
             }
@@ -198,7 +241,7 @@ impl Session {
     pub(crate) fn take_expired(&self, now: Instant) -> (Vec<Undo>, Option<Instant>) {
         let mut state = self.state();
         let ttl = self.ttl;
-        let expired: Vec<Vec<u8>> = state
+        let expired: Vec<ById> = state
             .locks
             .iter()
             .filter(|(_, t)| t.renewed_at + ttl <= now)
@@ -206,8 +249,8 @@ impl Session {
             .collect();
         let mut taken = Vec::with_capacity(expired.len());
         for id in expired {
-            if let Some(tracked) = state.locks.remove(&id) {
-                taken.push(self.undo(&mut state, tracked));
+            if let Some((attached, entry)) = state.locks.remove_entry(&id) {
+                taken.push(self.undo(&mut state, entry.of(attached.0)));
             }
         }
         let next = state.locks.values().map(|t| t.renewed_at + ttl).min();
@@ -223,7 +266,7 @@ impl Session {
         if !state.alive {
             return None;
         }
-        state.locks.remove(&attached.id);
+        state.locks.remove(attached.id());
         let now = Instant::now();
         // Due already, should the undo fail and the key be put back.
         let tracked = Tracked {
@@ -240,7 +283,7 @@ impl Session {
         let fence = tracked.attached.fence(self.lease_id);
         let pending = state
             .pending
-            .entry(tracked.attached.id.clone())
+            .entry(ById(tracked.attached.clone()))
             .or_default();
         let raise = pending.clone();
         pending.push(fence.clone());
@@ -256,10 +299,11 @@ impl Session {
     pub(crate) fn put_back(&self, tracked: Tracked) {
         let mut state = self.state();
         if state.alive {
-            state
-                .locks
-                .entry(tracked.attached.id.clone())
-                .or_insert(tracked);
+            let entry = Entry {
+                fencing: tracked.fencing,
+                renewed_at: tracked.renewed_at,
+            };
+            state.locks.entry(ById(tracked.attached)).or_insert(entry);
         }
     }
 
@@ -295,20 +339,24 @@ mod tests {
                 pending: HashMap::new(),
             }),
         };
-        let attached = |id: &[u8]| Attached {
-            id: id.to_vec(),
-            key: id.to_vec(),
-            value: None,
-            label_key: None,
-            fence_base: id.to_vec(),
-            what: "lock",
+        let attached = |id: &[u8]| {
+            let (bytes, [span]) = super::super::pack([id]);
+            Attached {
+                bytes,
+                id: span,
+                key: span,
+                value: None,
+                label_key: None,
+                fence_base: span,
+                what: "lock",
+            }
         };
         session.track(&attached(b"v1"), Some(FencingToken::new(3)), start);
         session.track(&attached(b"v2"), None, start);
         assert!(session.renew(b"v2", start + Duration::from_secs(1)));
         let (expired, next) = session.take_expired(start + Duration::from_secs(2));
         assert_eq!(expired.len(), 1);
-        assert_eq!(expired[0].tracked.attached.id, b"v1".to_vec());
+        assert_eq!(expired[0].tracked.attached.id(), b"v1");
         assert_eq!(next, Some(start + Duration::from_secs(3)));
         assert!(!session.renew(b"v1", start + Duration::from_secs(2)));
         session.untrack(b"v2");
