@@ -6,7 +6,7 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use distlock::{LockKey, LockOptions, Locker};
+use distlock::{LockGuard, LockKey, LockOptions, Locker};
 use distlock_conformance::fault::Link;
 use serde_json::{json, Value};
 
@@ -148,40 +148,15 @@ async fn renewal(spec: &str) -> BenchResult<Value> {
     let locker = Locker::new(link.wrap(client, Duration::from_secs(30)));
     let options = LockOptions::new(ttl);
     let mut probe = Probe::new(backend, url, port).await?;
-    // Warm up the client, then measure from here.
-    let warm = LockKey::new("renew-warm").map_err(|e| e.to_string())?;
-    if let Some(g) = locker
-        .try_lock(&warm, &options)
-        .await
-        .map_err(|e| e.to_string())?
-    {
-        g.release().await.map_err(|e| e.to_string())?;
-    }
+    // Warm up the client with one chunk of concurrent acquisitions and
+    // releases, then measure from here: the buffers of CHUNK requests in
+    // flight are the client's, not any guard's.
+    let run = std::process::id();
+    let warm = acquire_all(&locker, &options, &format!("renew-warm-{run}"), CHUNK).await?;
+    release_all(warm).await;
     let rss0 = servers::rss_bytes();
     let started = Instant::now();
-    let mut guards = Vec::with_capacity(h);
-    let run = std::process::id();
-    let mut next = 0;
-    while next < h {
-        let chunk = (h - next).min(256);
-        let mut handles = Vec::with_capacity(chunk);
-        for i in next..next + chunk {
-            let locker = locker.clone();
-            let options = options.clone();
-            handles.push(tokio::spawn(async move {
-                let key = LockKey::new(format!("renew-{run}-{i}")).map_err(|e| e.to_string())?;
-                locker
-                    .try_lock(&key, &options)
-                    .await
-                    .map_err(|e| format!("renewal acquire: {e}"))?
-                    .ok_or_else(|| format!("fresh key {key} was held"))
-            }));
-        }
-        for handle in handles {
-            guards.push(handle.await.map_err(|e| e.to_string())??);
-        }
-        next += chunk;
-    }
+    let guards = acquire_all(&locker, &options, &format!("renew-{run}"), h).await?;
     let acquire_secs = started.elapsed().as_secs_f64();
     let rss1 = servers::rss_bytes();
     let c0 = Calls::of(&link);
@@ -207,20 +182,7 @@ async fn renewal(spec: &str) -> BenchResult<Value> {
             .to_owned(),
         ),
     };
-    // Release concurrently.
-    let mut handles = Vec::new();
-    while !guards.is_empty() {
-        let take = guards.len().min(256);
-        let batch: Vec<_> = guards.drain(..take).collect();
-        for g in batch {
-            handles.push(tokio::spawn(async move {
-                let _ = g.release().await;
-            }));
-        }
-        for handle in handles.drain(..) {
-            let _ = handle.await;
-        }
-    }
+    release_all(guards).await;
     Ok(json!({
         "h": h,
         "server_per_period": server_total / periods,
@@ -231,4 +193,58 @@ async fn renewal(spec: &str) -> BenchResult<Value> {
         "source": source,
         "detail": server.detail,
     }))
+}
+
+/// Acquisitions in flight at once.
+const CHUNK: usize = 256;
+
+/// `n` guards on keys `<prefix>-<i>`, acquired [`CHUNK`] at a time.
+async fn acquire_all(
+    locker: &Locker,
+    options: &LockOptions,
+    prefix: &str,
+    n: usize,
+) -> BenchResult<Vec<LockGuard>> {
+    let mut guards = Vec::with_capacity(n);
+    let mut next = 0;
+    while next < n {
+        let chunk = (n - next).min(CHUNK);
+        let mut handles = Vec::with_capacity(chunk);
+        for i in next..next + chunk {
+            let locker = locker.clone();
+            let options = options.clone();
+            let key = format!("{prefix}-{i}");
+            handles.push(tokio::spawn(async move {
+                let key = LockKey::new(key).map_err(|e| e.to_string())?;
+                locker
+                    .try_lock(&key, &options)
+                    .await
+                    .map_err(|e| format!("renewal acquire: {e}"))?
+                    .ok_or_else(|| format!("fresh key {key} was held"))
+            }));
+        }
+        for handle in handles {
+            guards.push(handle.await.map_err(|e| e.to_string())??);
+        }
+        next += chunk;
+    }
+    Ok(guards)
+}
+
+/// Releases `guards`, [`CHUNK`] at a time.
+async fn release_all(mut guards: Vec<LockGuard>) {
+    while !guards.is_empty() {
+        let take = guards.len().min(CHUNK);
+        let handles: Vec<_> = guards
+            .drain(..take)
+            .map(|g| {
+                tokio::spawn(async move {
+                    let _ = g.release().await;
+                })
+            })
+            .collect();
+        for handle in handles {
+            let _ = handle.await;
+        }
+    }
 }
