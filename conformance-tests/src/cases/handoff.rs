@@ -62,8 +62,21 @@ impl Waiters {
         permits: Option<u32>,
         served: &Arc<Mutex<Vec<usize>>>,
     ) -> Result<(), CaseError> {
-        let i = self.observed.len();
         let observed = Arc::new(ObservedLock::new(client));
+        self.queue_observed(observed, ctx, key, permits, served)
+            .await
+    }
+
+    /// [`queue`](Self::queue) through `observed` (faults set beforehand).
+    async fn queue_observed(
+        &mut self,
+        observed: Arc<ObservedLock>,
+        ctx: &TestContext,
+        key: &LockKey,
+        permits: Option<u32>,
+        served: &Arc<Mutex<Vec<usize>>>,
+    ) -> Result<(), CaseError> {
+        let i = self.observed.len();
         let locker = Locker::new(observed.clone());
         let mut options = LockOptions::new(ctx.long_ttl()).with_wait(Duration::from_secs(120));
         if let Some(limit) = permits {
@@ -176,6 +189,51 @@ pub async fn no_cut_in(ctx: TestContext) -> CaseResult {
         served.lock().unwrap_or_else(|e| e.into_inner()).clone(),
         (0..=WAITERS).collect::<Vec<_>>(),
         "order served (the last came after the release, while the first was on its way)"
+    );
+    Ok(())
+}
+
+/// Applied, reply held: a waiter's refused first attempt joined the line,
+/// but its reply is held (it does not know it is queued); a second waiter
+/// queues behind it, and the holder releases while the reply is still
+/// held, so the release's wake-up reaches the first waiter while its
+/// attempt is in flight. It keeps the place the server gave it and is
+/// served first: its wake-up is not lost because it came before the
+/// attempt's answer, and its late answer does not put it in line again
+/// behind the second. A backend that drops such a wake-up leaves the
+/// first waiter asleep until the holder's TTL, and the second is served
+/// once the first's turn is over.
+pub async fn wake_up_during_a_held_reply_is_kept(ctx: TestContext) -> CaseResult {
+    let key = ctx.key("handoff");
+    let holder = ctx.client().await?;
+    let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
+    let served = Arc::new(Mutex::new(Vec::new()));
+    let mut waiters = Waiters::default();
+    let first = Arc::new(ObservedLock::new(ctx.client().await?));
+    first.hold_replies(Call::Acquire);
+    waiters
+        .queue_observed(first.clone(), &ctx, &key, None, &served)
+        .await?;
+    within(
+        background_bound(),
+        first.until_waiting(Call::Acquire, 1),
+        "the first waiter's refusal held",
+    )
+    .await?;
+    waiters
+        .queue(ctx.client().await?, &ctx, &key, None, &served)
+        .await?;
+    holder.release(&lease).await?;
+    // Not a synchronisation: time for the wake-up to reach the first
+    // waiter's client before its answer does (either order must work;
+    // this makes the harder one likely).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    first.open(Call::Acquire);
+    waiters.finish().await?;
+    check_eq!(
+        served.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+        vec![0, 1],
+        "order served (the first waiter's refusal came back after the release)"
     );
     Ok(())
 }
