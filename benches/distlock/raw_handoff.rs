@@ -11,10 +11,11 @@
 //! rows are: from the release returning to the waiter's acquire returning,
 //! 0 when the acquire returned first.
 //!
-//! This is the wake notice plus one write, with everything the machine
-//! adds to it after an idle hold (a process woken from a 10 ms sleep runs
-//! its first requests with cold caches: on these VMs an in-process
-//! handoff takes about 2 µs back to back and about 50 µs after the hold).
+//! This is the wake notice plus one write, with whatever the machine adds
+//! to it after an idle hold. Run it on a quiet machine: a process woken
+//! from the hold's sleep waits for its CPU when other work runs there (an
+//! in-process handoff through the memory backend took 4 µs p50 after a
+//! 10 ms hold on an idle machine, about 50 µs with a test run beside it).
 
 use std::time::{Duration, Instant};
 
