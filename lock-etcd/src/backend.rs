@@ -5,7 +5,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use distlock_core::{
@@ -167,35 +167,18 @@ impl EtcdLock {
     }
 
     /// A plain acquire: grants a lease of exactly the TTL, then creates the
-    /// key on it if absent and nobody is ahead in line (`turn`). A waiter
-    /// whose `seat` expects a refusal reads first, so a refusal costs one
-    /// request and no lease.
+    /// key on it if absent and nobody is ahead in line (`turn`), both by
+    /// `deadline`.
     async fn acquire_on_own_lease(
         &self,
         request: AcquireRequest<'_>,
         mut turn: txn::Turn,
-        seat: Option<&Seat>,
+        deadline: Instant,
     ) -> Result<AcquireReply, LockError> {
         let key = request.key;
         let etcd_key = self.etcd().layout.lock_key(key);
         let value = encode_value(request.owner);
         let label = txn::Label::of(&self.etcd().layout, &request);
-        // The probe, grant and transaction share one operation timeout.
-        let deadline = self.etcd().requests.deadline();
-        if seat.is_some_and(Seat::expects_refusal) {
-            let reply = self
-                .etcd()
-                .run_txn_until(
-                    deadline,
-                    IN_LOCK_CALL,
-                    Repeat::Safe,
-                    txn::probe(&etcd_key, &turn),
-                )
-                .await?;
-            if let Some(refused) = txn::probed(key, request.owner, &turn, &reply)? {
-                return Ok(refused);
-            }
-        }
         let (lease_id, granted) = self.etcd().grant(request.ttl, deadline).await?;
         let outcome = loop {
             let reply = match self
@@ -375,11 +358,30 @@ impl LockBackend for EtcdLock {
         // The line the attempt must not cut into, and its place in it if it
         // waits (see `crate::queue`).
         let (turn, seat) = self.inner.queues.turn(request.key, request.owner);
+        // A waiter whose seat expects a refusal reads first: a refusal then
+        // costs one read, not a write through Raft (an etcd transaction
+        // that could write is logged and committed even when its compare
+        // fails) nor a lease.
+        // The probe and the acquire share one operation timeout.
+        let deadline = self.etcd().requests.deadline();
+        if seat.as_deref().is_some_and(Seat::expects_refusal) {
+            let reply = self
+                .etcd()
+                .run_txn_until(
+                    deadline,
+                    IN_LOCK_CALL,
+                    Repeat::Safe,
+                    txn::probe(&self.etcd().layout.lock_key(request.key), &turn),
+                )
+                .await?;
+            if let Some(refused) = txn::probed(request.key, request.owner, &turn, &reply)? {
+                return Ok(refused);
+            }
+        }
         let reply = if request.renewing {
-            self.inner.sessions.acquire(request, turn).await
+            self.inner.sessions.acquire(request, turn, deadline).await
         } else {
-            self.acquire_on_own_lease(request, turn, seat.as_deref())
-                .await
+            self.acquire_on_own_lease(request, turn, deadline).await
         };
         if let (Ok(AcquireReply::Granted(_)), Some(seat)) = (&reply, &seat) {
             // Its entry went with the grant (or was gone already).

@@ -73,8 +73,9 @@
 //! of the shortest TTL (one second, or the server's minimum lease TTL if
 //! larger; kept alive every third of it), so a client that froze or
 //! died loses its entry, and its place, when etcd expires that lease, and
-//! the next waiter is woken then. A plain lock's waiter that expects to be
-//! refused reads first (one request, no lease granted). Semaphore permits
+//! the next waiter is woken then. A waiter that expects to be refused
+//! reads first (one read-only request: no lease granted, nothing written
+//! through Raft). Semaphore permits
 //! are served in their line's order among waiters, but a permit attempt
 //! does not look at the line.
 //!

@@ -60,8 +60,10 @@
 //! the next waiter moves up; an entry whose wait ended is deleted at once.
 //! A waiter that expects to be refused (someone ahead, or the lock held,
 //! by its task's last look) checks first with a read-only transaction
-//! ([`crate::txn::probe`]), so a plain lock's refused attempt costs one
-//! request and no lease. Semaphore lines keep first-come order only among
+//! ([`crate::txn::probe`]), so a refused attempt costs one read: no lease
+//! (a plain lock's) and no write through Raft (a lock on the session
+//! lease: etcd logs and commits a transaction that could write even when
+//! its compare fails). Semaphore lines keep first-come order only among
 //! waiters: a permit attempt does not look at the line.
 
 mod entries;

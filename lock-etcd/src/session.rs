@@ -336,17 +336,16 @@ impl Sessions {
     }
 
     /// A renewing acquire: one transaction creates the key on the session
-    /// lease of the request's TTL.
+    /// lease of the request's TTL, by `deadline`.
     /// It takes a free key only if nobody is ahead in line (`turn`).
     pub(crate) async fn acquire(
         &self,
         request: AcquireRequest<'_>,
         mut turn: txn::Turn,
+        deadline: Instant,
     ) -> Result<AcquireReply, LockError> {
         let key = request.key;
-        // A first acquire grants the session lease: both share one
-        // operation timeout.
-        let deadline = self.etcd.requests.deadline();
+        // A first acquire grants the session lease: both by `deadline`.
         let session = self.session(request.ttl, deadline).await?;
         let attached = Attached::lock(&self.etcd.layout, key, request.owner);
         let value = encode_value(request.owner);

@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 
 use common::{
     acquire, any_server, assert_queue_empties, connect, grpc_started, keys_under, observed,
-    own_server, raw_client, requests_between, unique_key,
+    own_server, proposals_committed, raw_client, requests_between, unique_key,
 };
 use distlock_conformance::naming::unique_name;
 use distlock_conformance::server::ServerProcess;
-use distlock_core::LockKey;
+use distlock_core::{LockKey, LockOptions, Locker};
 
 /// A waiter blocked for 2 s makes at most 2 attempts: it is woken by the
 /// watch, not by polling. The operation timeout is shorter than the wait,
@@ -126,6 +126,102 @@ async fn requests_per_handoff(server: &ServerProcess, waiters: usize) -> BTreeMa
         .into_iter()
         .map(|(method, n)| (method, n as f64 / waiters as f64))
         .collect()
+}
+
+/// A waiter whose guard renews its lock (the default), queued behind a
+/// holder, reads before it attempts, as a plain one does: its refused
+/// attempt writes nothing through Raft (an etcd transaction that could
+/// write is proposed and committed even when its compare fails, an fsync
+/// per refusal in a crowd). While it waits, the client's only write is its
+/// queue entry; then it takes the lock once the holder releases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewing_waiters_refused_attempt_writes_nothing() {
+    // A server of its own: every proposal counted is this test's.
+    let server = own_server();
+    let holder = connect(&server.url()).await;
+    let (attempts, client) = observed(&server.url()).await;
+    let locker = Locker::new(client);
+    let ttl = Duration::from_secs(30);
+    // Warm-up: the client's session leases (the lock TTL's, and the
+    // queue's) are granted before the count.
+    let warm = unique_key("renewing-refusal-warm");
+    let guard = locker
+        .try_lock(&warm, &LockOptions::new(ttl))
+        .await
+        .expect("warm-up try_lock")
+        .expect("the warm-up key is free");
+    guard.release().await.expect("warm-up release");
+    let held_warm = acquire(&holder, &warm, ttl).await;
+    let gave_up = locker
+        .acquire(
+            &warm,
+            &LockOptions::new(ttl).with_wait(Duration::from_millis(300)),
+        )
+        .await
+        .expect("warm-up wait");
+    assert!(gave_up.is_none(), "the warm-up key is held");
+    holder.release(&held_warm).await.expect("warm-up release");
+    // The warm-up waiter's entry is deleted in the background.
+    let mut raw = raw_client(&server.url()).await;
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while keys_under(&mut raw, "")
+        .await
+        .iter()
+        .any(|k| k.contains("/waiters/"))
+    {
+        assert!(Instant::now() < give_up, "the warm-up queue entry stayed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let k = unique_key("renewing-refusal");
+    let held = acquire(&holder, &k, ttl).await;
+    // Background revokes and deletes of the warm-up are done.
+    let before = settled_proposals(server.addr()).await;
+    let before_attempts = attempts.attempts();
+    let waiter = {
+        let locker = locker.clone();
+        let k = k.clone();
+        tokio::spawn(async move {
+            locker
+                .acquire(
+                    &k,
+                    &LockOptions::new(ttl).with_wait(Duration::from_secs(60)),
+                )
+                .await
+        })
+    };
+    while attempts.attempts() == before_attempts {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let after = settled_proposals(server.addr()).await;
+    assert_eq!(
+        after - before,
+        1.0,
+        "proposals while a renewing waiter queued and was refused (its queue entry alone is 1)"
+    );
+    holder.release(&held).await.expect("release the holder");
+    let guard = waiter
+        .await
+        .expect("waiter task")
+        .expect("acquire")
+        .expect("acquired once the holder released");
+    guard.release().await.expect("release");
+}
+
+/// The proposals etcd committed, once two readings 300 ms apart agree
+/// (what was in flight is done); panics if they still move after 20 s.
+async fn settled_proposals(addr: std::net::SocketAddr) -> f64 {
+    let give_up = Instant::now() + Duration::from_secs(20);
+    let mut last = proposals_committed(addr).await;
+    loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let now = proposals_committed(addr).await;
+        if now == last {
+            return now;
+        }
+        assert!(Instant::now() < give_up, "etcd's proposals never settled");
+        last = now;
+    }
 }
 
 /// FIFO wake-up: each waiter watches only its predecessor in the queue, so

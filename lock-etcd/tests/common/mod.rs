@@ -212,6 +212,18 @@ pub async fn grpc_started(addr: SocketAddr) -> BTreeMap<String, u64> {
     counts
 }
 
+/// The Raft proposals etcd committed so far (`etcd_server_proposals_committed_total`):
+/// every write, and every transaction that could write, even one whose
+/// compare failed; reads and lease keep-alives are none.
+pub async fn proposals_committed(addr: SocketAddr) -> f64 {
+    tokio::task::spawn_blocking(move || {
+        server::etcd_metric(addr.port(), "etcd_server_proposals_committed_total")
+    })
+    .await
+    .expect("the metrics reader ran")
+    .expect("etcd's metrics endpoint answers")
+}
+
 /// The gRPC requests started between two counter readings, by method,
 /// without the keep-alive stream (its messages are not requests).
 pub fn requests_between(
