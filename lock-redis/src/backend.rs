@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use distlock_core::{
     async_trait, with_timeout, AcquireReply, AcquireRequest, Capabilities, ExtendReply, HeldLock,
-    Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, OwnerToken, ReleaseReply,
-    ReleaseWatch, SemaphoreBackend, IN_LOCK_CALL,
+    HolderId, Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, OwnerToken,
+    ReleaseReply, ReleaseWatch, SemaphoreBackend, IN_LOCK_CALL,
 };
 use redis::aio::ConnectionManager;
 use redis::{Client, Value};
@@ -375,8 +375,10 @@ impl RedisLock {
         ttl: Duration,
     ) -> Result<ExtendReply, LockError> {
         let (reply, replicated) = self.run_replicated(call).await?;
-        let reply = replies::extend_reply(held.fencing, ttl, &reply)?;
-        if let ExtendReply::Extended(_) = reply {
+        let mut reply = replies::extend_reply(held.fencing, ttl, &reply)?;
+        if let ExtendReply::Extended(grant) = &mut reply {
+            // The lease keeps what its grant told (see `Labels`).
+            grant.handle = held.handle;
             // The primary extended it, but a promoted replica might still
             // expire it at the old time: the lease keeps its old deadline.
             if let Some(shortfall) = replicated.shortfall("the lease keeps its previous expiry") {
@@ -484,6 +486,54 @@ async fn leave_line(
     Ok(execute(commands, call, None, timeout).await?.0)
 }
 
+/// Whether a lock's acquisition may have stored a holder label: a lock
+/// taken without one has none of its own, so its release and extend skip
+/// the label key (one command less each). Carried in the grant's handle;
+/// a lease from elsewhere (handle 0) is treated as possibly labelled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Labels {
+    /// A label may be stored: read the label key as before.
+    Maybe,
+    /// Acquired without a label: none of this owner's is there.
+    None,
+}
+
+impl Labels {
+    /// The grant handle's bit for [`Labels::None`].
+    const NONE_BIT: u64 = 1;
+
+    fn of(holder: Option<&HolderId>) -> Self {
+        if holder.is_some() {
+            Labels::Maybe
+        } else {
+            Labels::None
+        }
+    }
+
+    fn of_handle(handle: u64) -> Self {
+        if handle & Self::NONE_BIT != 0 {
+            Labels::None
+        } else {
+            Labels::Maybe
+        }
+    }
+
+    fn handle(self) -> u64 {
+        match self {
+            Labels::Maybe => 0,
+            Labels::None => Self::NONE_BIT,
+        }
+    }
+
+    /// The scripts' argument: `1` when there is no label to look at.
+    fn arg(self) -> &'static str {
+        match self {
+            Labels::Maybe => "",
+            Labels::None => "1",
+        }
+    }
+}
+
 /// The turn a lock's woken waiter gets, as a script argument.
 fn turn_ms() -> String {
     arg_millis(TURN)
@@ -533,12 +583,14 @@ async fn execute(
 }
 
 impl RedisLock {
-    /// Releases the lock at `keys` if it holds `value`, within `timeout`.
+    /// Releases the lock at `keys` if it holds `value`, within `timeout`;
+    /// `labels` says whether its acquisition may have stored a holder label.
     async fn release_value(
         &self,
         key: &LockKey,
         keys: &RedisKeys,
         value: String,
+        labels: Labels,
         timeout: Duration,
     ) -> Result<ReleaseReply, LockError> {
         let args = [
@@ -550,6 +602,7 @@ impl RedisLock {
             // (by the driver) carries it, a second call does not.
             OwnerToken::random().to_hex(),
             turn_ms(),
+            labels.arg().to_owned(),
         ];
         let call = Call {
             keys,
@@ -704,10 +757,11 @@ impl LockBackend for RedisLock {
             args: &args,
         };
         let (reply, replicated) = self.run_acquire(call, request.settling).await?;
-        let reply = replies::acquire_reply(key, &keys, request.ttl, &reply)?;
-        let AcquireReply::Granted(grant) = &reply else {
+        let mut reply = replies::acquire_reply(key, &keys, request.ttl, &reply)?;
+        let AcquireReply::Granted(grant) = &mut reply else {
             return Ok(reply);
         };
+        grant.handle = Labels::of(request.holder).handle();
         self.waiters.granted(Line::Lock, key, request.owner);
         let value = scripts::lock_value(&owner, grant.fencing.get());
         let Some(shortfall) = replicated.shortfall("it was released again") else {
@@ -717,7 +771,9 @@ impl LockBackend for RedisLock {
         // than hand out a lock a promoted replica would not know. (Its
         // outcome is known: the primary granted it.)
         let left = self.time_left(sent);
-        let given_back = self.release_value(key, &keys, value, left).await;
+        let given_back = self
+            .release_value(key, &keys, value, Labels::of(request.holder), left)
+            .await;
         Err(not_replicated(shortfall, given_back))
     }
 
@@ -727,6 +783,7 @@ impl LockBackend for RedisLock {
             scripts::lock_value(&lock.owner.to_hex(), lock.fencing.get()),
             arg_millis(ttl),
             self.retention_ms(ttl),
+            Labels::of_handle(lock.handle).arg().to_owned(),
         ];
         let call = Call {
             keys: &keys,
@@ -765,10 +822,11 @@ impl LockBackend for RedisLock {
         let (reply, replicated) = self.run_replicated(call).await?;
         let held: Vec<_> = locks.iter().map(|l| l.fencing).zip(&keys).collect();
         let mut replies = replies::extend_many_reply(&held, ttl, &reply)?;
-        for reply in &mut replies {
+        for (reply, lock) in replies.iter_mut().zip(locks) {
             // As for one extend: a lock a promoted replica might still
             // expire at the old time keeps its old deadline.
-            if let Ok(ExtendReply::Extended(_)) = reply {
+            if let Ok(ExtendReply::Extended(grant)) = reply {
+                grant.handle = lock.handle;
                 if let Some(shortfall) = replicated.shortfall("the lease keeps its previous expiry")
                 {
                     *reply = Err(shortfall);
@@ -782,7 +840,9 @@ impl LockBackend for RedisLock {
         let keys = self.keys(lock.key);
         let value = scripts::lock_value(&lock.owner.to_hex(), lock.fencing.get());
         let timeout = self.config.client().operation_timeout();
-        self.release_value(lock.key, &keys, value, timeout).await
+        let labels = Labels::of_handle(lock.handle);
+        self.release_value(lock.key, &keys, value, labels, timeout)
+            .await
     }
 
     async fn watch(

@@ -394,7 +394,8 @@ return {1, text, label(false)}
 "#;
 
 /// KEYS: lock, fence, holder label. ARGV: expected value, ttl ms, fence
-/// retention ms. Returns 1 when extended (the owner's label with it), 0
+/// retention ms, `1` if the lock was taken without a label (its label key
+/// is not read). Returns 1 when extended (the owner's label with it), 0
 /// when not held. Never recreates the lock.
 const EXTEND: &str = r#"
 if not millis_ok(ARGV[2], ARGV[3]) then
@@ -407,7 +408,7 @@ local fence = fence_at(KEYS[2])
 if fence.err then return fence end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 retain(KEYS[2], fence, ARGV[3])
-holder_keep(KEYS[3], (parse(ARGV[1])), ARGV[2])
+if ARGV[4] ~= '1' then holder_keep(KEYS[3], (parse(ARGV[1])), ARGV[2]) end
 return 1
 "#;
 
@@ -446,7 +447,9 @@ return answers
 /// KEYS: lock, released-by marker, waiter line, holder label (deleted with
 /// the lock), turn. ARGV: expected value,
 /// channel, publish command, marker life ms, release id (fresh hex per
-/// release call), turn ms. Returns 1 when released (and the line's head
+/// release call), turn ms, `1` if the lock was taken without a label (its
+/// label key is not read: any label there is another owner's, stale, never
+/// shown, and expires with that owner's lock). Returns 1 when released (and the line's head
 /// woken, keeping its place with a fresh turn), `{1, error}` when released
 /// but the wake-up failed, 0 when not held.
 ///
@@ -471,7 +474,7 @@ if lock.value ~= ARGV[1] then
   return 0
 end
 redis.call('DEL', KEYS[1])
-local labelled = holder_drop(KEYS[4])
+local labelled = ARGV[7] ~= '1' and holder_drop(KEYS[4])
 local keep = math.min(lock.pttl, tonumber(ARGV[4]))
 if keep < 1 then keep = 1 end
 redis.call('SET', KEYS[2], mark, 'PX', string.format('%.0f', keep))

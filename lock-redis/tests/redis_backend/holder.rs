@@ -185,3 +185,42 @@ async fn garbage_at_the_label_key_stops_nothing_and_is_left_alone() {
         let _: () = conn.del(&name).await.unwrap();
     }
 }
+
+/// A lock taken without a label has no label of its own: its extend and
+/// release leave the label key unread (one command less each), while a
+/// labelled lock's extend and release still move and delete its label.
+#[tokio::test]
+async fn an_unlabelled_lock_leaves_the_label_key_unread() {
+    let server = start(server::Redis::default());
+    let lock = RedisLock::connect(&server.url()).await.unwrap();
+    let ttl = Duration::from_secs(30);
+    let label = HolderId::new("worker-a:1").unwrap();
+    let mut monitor = Monitor::start(&server.url()).await;
+    for labelled in [false, true] {
+        let key = unique_key("holder-unread");
+        let name = holder_key_of(&key);
+        let held = take(
+            &lock,
+            &key,
+            OwnerToken::random(),
+            ttl,
+            labelled.then_some(&label),
+        )
+        .await;
+        monitor.mark_scripted().await;
+        assert!(matches!(
+            lock.extend(held, ttl).await.unwrap(),
+            ExtendReply::Extended(_)
+        ));
+        let extend = monitor.mark_scripted().await;
+        assert_eq!(lock.release(held).await.unwrap(), ReleaseReply::Released);
+        let release = monitor.mark_scripted().await;
+        for (what, commands) in [("extend", &extend), ("release", &release)] {
+            let touched = commands.iter().any(|(_, arg)| *arg == name);
+            assert_eq!(
+                touched, labelled,
+                "labelled {labelled}: {what} ran {commands:?}"
+            );
+        }
+    }
+}

@@ -267,6 +267,19 @@ impl Monitor {
     /// The commands clients sent since the previous mark (commands run by
     /// scripts excluded), as (name, first argument) pairs.
     pub async fn mark(&mut self) -> Vec<(String, String)> {
+        let phase = self.phase().await;
+        phase.iter().filter_map(|l| parse_monitor_line(l)).collect()
+    }
+
+    /// The commands scripts ran since the previous mark, as (name, first
+    /// argument) pairs.
+    pub async fn mark_scripted(&mut self) -> Vec<(String, String)> {
+        let phase = self.phase().await;
+        phase.iter().filter_map(|l| parse_script_line(l)).collect()
+    }
+
+    /// The MONITOR lines since the previous mark.
+    async fn phase(&mut self) -> Vec<String> {
         self.marks += 1;
         let marker = format!("distlock-test-mark-{}", self.marks);
         let _: String = redis::cmd("ECHO")
@@ -279,11 +292,9 @@ impl Monitor {
             {
                 let mut lines = self.lines.lock().unwrap();
                 if let Some(at) = lines.iter().position(|l| l.contains(&marker)) {
-                    let phase: Vec<String> = lines.drain(..=at).collect();
-                    return phase
-                        .iter()
+                    return lines
+                        .drain(..=at)
                         .filter(|l| !l.contains("distlock-test-mark-"))
-                        .filter_map(|l| parse_monitor_line(l))
                         .collect();
                 }
             }
@@ -304,6 +315,15 @@ pub fn parse_monitor_line(line: &str) -> Option<(String, String)> {
     let name = quoted.next()?.to_ascii_lowercase();
     let arg = quoted.next().unwrap_or("").to_owned();
     Some((name, arg))
+}
+
+/// As [`parse_monitor_line`], for the commands a script ran only.
+pub fn parse_script_line(line: &str) -> Option<(String, String)> {
+    let (client, _) = line.split_once('[')?.1.split_once(']')?;
+    if !client.ends_with("lua") {
+        return None;
+    }
+    parse_monitor_line(&line.replacen("lua]", "script]", 1))
 }
 
 pub fn names(commands: &[(String, String)]) -> Vec<&str> {
