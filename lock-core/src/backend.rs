@@ -264,7 +264,13 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     /// `waiter` is the owner token every attempt of this wait uses, so a
     /// backend can queue the waiter on the server and wake it alone
     /// ([`Capabilities::wakes_one_waiter`]); the watch's drop says the wait
-    /// ended.
+    /// ended. A backend that then takes the waiter out of its line on the
+    /// server, in a task of its own, holds the watch's
+    /// [`departure`](ReleaseWatch::departure) in that task until it is
+    /// done: a wait that ends at its deadline returns only after that (at
+    /// most 2 s more), so the caller's next attempt does not meet the
+    /// ended wait's place or turn (suite case
+    /// `handoff::a_timed_out_wait_gives_up_its_place`).
     async fn watch(
         &self,
         key: &LockKey,

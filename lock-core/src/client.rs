@@ -248,8 +248,9 @@ impl LockClient {
     }
 
     /// Waits for `key` until `deadline` (`Ok(None)` if it is still held
-    /// then), woken by the server's release notifications or the holder's
-    /// expiry. Transient errors (`Unavailable`, `Timeout`) are retried with
+    /// then, returned once the wait's place in the server's line is given
+    /// up: at most 2 s after the deadline, usually one request), woken by
+    /// the server's release notifications or the holder's expiry. Transient errors (`Unavailable`, `Timeout`) are retried with
     /// backoff until the deadline, then the last one is returned; a deadline
     /// in the past means one attempt.
     ///

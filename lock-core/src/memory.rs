@@ -334,8 +334,9 @@ impl LockBackend for MemoryLock {
         key: &LockKey,
         waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
-        let (watch, closed) = self.store.lock_lines.watch(key, waiter).await?;
+        let (mut watch, closed) = self.store.lock_lines.watch(key, waiter).await?;
         let (store, key) = (self.store.clone(), key.clone());
+        let departure = watch.departure();
         // A waiter that leaves may have taken a wake-up with it: passed on
         // while the key is free. Ends with the watch.
         tokio::spawn(async move {
@@ -344,6 +345,7 @@ impl LockBackend for MemoryLock {
             if store.lock_free(&key) {
                 store.lock_lines.wake_next(&key);
             }
+            drop(departure);
         });
         Ok(Some(watch))
     }
@@ -448,8 +450,9 @@ impl SemaphoreBackend for MemoryLock {
         _limit: u32,
         waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
-        let (watch, closed) = self.store.permit_lines.watch(key, waiter).await?;
+        let (mut watch, closed) = self.store.permit_lines.watch(key, waiter).await?;
         let (store, key) = (self.store.clone(), key.clone());
+        let departure = watch.departure();
         // As for the lock's waiters.
         tokio::spawn(async move {
             closed.await;
@@ -457,6 +460,7 @@ impl SemaphoreBackend for MemoryLock {
             if store.permit_free(&key) {
                 store.permit_lines.wake_next(&key);
             }
+            drop(departure);
         });
         Ok(Some(watch))
     }

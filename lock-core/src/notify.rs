@@ -10,8 +10,9 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
-use tokio::sync::{watch, OnceCell};
+use tokio::sync::{oneshot, watch, OnceCell};
 
 use crate::LockError;
 
@@ -122,6 +123,7 @@ impl ReleaseNotifier {
                 channel: channel.to_owned(),
                 waiter: waiter.map(str::to_owned),
                 registry: Arc::downgrade(&self.channels),
+                departures: Vec::new(),
             };
             (watch, entry.ready.clone())
         };
@@ -242,6 +244,17 @@ pub struct ReleaseWatch {
     /// The name it was registered under, if any.
     waiter: Option<String>,
     registry: Weak<Registry>,
+    /// Ends of the backend's work after the drop (see [`Departure`]).
+    departures: Vec<oneshot::Receiver<()>>,
+}
+
+/// The backend's work after a [`ReleaseWatch`] drops (taking its waiter
+/// out of the server's line), held by the task that does it and dropped
+/// when done: [`ReleaseWatch::close`] waits for it. Made by
+/// [`ReleaseWatch::departure`].
+#[derive(Debug)]
+pub struct Departure {
+    _done: oneshot::Sender<()>,
 }
 
 impl ReleaseWatch {
@@ -254,7 +267,55 @@ impl ReleaseWatch {
             channel: String::new(),
             waiter: None,
             registry: Weak::new(),
+            departures: Vec::new(),
         }
+    }
+
+    /// A [`Departure`] for the work a backend does once this watch drops
+    /// (a waiter leaving its line on the server, in a task of its own):
+    /// the task holds it until that work is done, and [`close`](Self::close)
+    /// waits for that. Without one, `close` is a drop.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock_core::LockError> {
+    /// use std::time::Duration;
+    /// use distlock_core::ReleaseNotifier;
+    ///
+    /// let notifier = ReleaseNotifier::new();
+    /// let mut watch = notifier.subscribe_as("k", Some("waiter"), || async { Ok(()) }).await?;
+    /// let closed = notifier.waiter_closed("k", "waiter");
+    /// let departure = watch.departure();
+    /// tokio::spawn(async move {
+    ///     closed.await;
+    ///     // ... take the waiter out of the server's line ...
+    ///     drop(departure);
+    /// });
+    /// watch.close(Duration::from_secs(1)).await; // returns once the task is done
+    /// # Ok(()) }
+    /// ```
+    pub fn departure(&mut self) -> Departure {
+        let (done, ended) = oneshot::channel();
+        self.departures.push(ended);
+        Departure { _done: done }
+    }
+
+    /// Drops the watch, then waits until the backend's work after the drop
+    /// (its [`departure`](Self::departure)s) is done, at most `bound`: a
+    /// wait that ended without the lock returns once its place in the
+    /// server's line is given up, so the caller's next attempt does not
+    /// meet its own departed turn. Cancel-safe: dropped, the work goes on
+    /// in the background, as after a plain drop.
+    pub async fn close(mut self, bound: Duration) {
+        let departures = std::mem::take(&mut self.departures);
+        drop(self);
+        let all_done = async {
+            for ended in departures {
+                // An error is the departure's drop: what this waits for.
+                let _ = ended.await;
+            }
+        };
+        let _ = tokio::time::timeout(bound, all_done).await;
     }
 
     /// Resolves at the first notification after this watch was created, or
@@ -300,14 +361,45 @@ impl Drop for ReleaseWatch {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
 
     async fn woken(watch: &mut ReleaseWatch) -> bool {
         tokio::time::timeout(Duration::from_millis(20), watch.released())
             .await
             .is_ok()
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn close_returns_once_the_departures_are_done() {
+        let notifier = ReleaseNotifier::new();
+        let ok = || async { Ok(()) };
+        let mut watch = notifier.subscribe_as("k", Some("a"), ok).await.unwrap();
+        let closed = notifier.waiter_closed("k", "a");
+        let departure = watch.departure();
+        let left = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let done = left.clone();
+        tokio::spawn(async move {
+            closed.await;
+            // The backend's leave: a request, then the departure goes.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            done.store(true, std::sync::atomic::Ordering::SeqCst);
+            drop(departure);
+        });
+        watch.close(Duration::from_secs(10)).await;
+        assert!(
+            left.load(std::sync::atomic::Ordering::SeqCst),
+            "close returned before the departure was done"
+        );
+        assert!(!notifier.is_waiting("k", "a"), "the watch is gone");
+
+        // Bounded: a departure that never ends holds close up `bound` only.
+        let mut watch = notifier.subscribe_as("k", Some("b"), ok).await.unwrap();
+        let stuck = watch.departure();
+        let started = tokio::time::Instant::now();
+        tokio::time::pause();
+        watch.close(Duration::from_secs(2)).await;
+        assert!(started.elapsed() >= Duration::from_secs(2));
+        drop(stuck);
     }
 
     #[tokio::test]

@@ -20,6 +20,11 @@ const EXPIRY_SLACK: Duration = Duration::from_millis(2);
 /// (a failover, a restarting server); also between a resign's resends.
 pub(crate) const BACKOFF_MIN: Duration = Duration::from_millis(50);
 pub(crate) const BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// How long a wait that ended without the lock waits, past its deadline,
+/// for its backend to take it out of the server's line
+/// ([`ReleaseWatch::close`]): about one request, more only when the server
+/// is slow or gone.
+const DEPARTURE_MAX: Duration = Duration::from_secs(2);
 
 /// Which acquisition the waiting loop makes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -190,6 +195,11 @@ pub(crate) async fn acquire_until_cancelled(
             Ok(AcquireAttempt::Held { expires_in }) => {
                 if now >= deadline {
                     tracing::debug!(key = %key, attempts, "lock still held at deadline");
+                    // Out of the line before returning: the caller's next
+                    // attempt must not meet this wait's turn.
+                    if let Some(watch) = watch.take() {
+                        watch.close(DEPARTURE_MAX).await;
+                    }
                     return Ok(None);
                 }
                 backoff = BACKOFF_MIN;

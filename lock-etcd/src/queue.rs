@@ -75,7 +75,9 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use distlock_core::{Listener, LockError, LockKey, OwnerToken, ReleaseNotifier, ReleaseWatch};
+use distlock_core::{
+    Departure, Listener, LockError, LockKey, OwnerToken, ReleaseNotifier, ReleaseWatch,
+};
 use etcd_client::KeyValue;
 use tokio::sync::oneshot;
 
@@ -149,12 +151,22 @@ impl Queues {
         let waiter = self.next_waiter.fetch_add(1, Ordering::Relaxed);
         let channel = format!("{}#{waiter}", line.key().as_str());
         // Registered first: whatever the task notifies from now on is kept.
-        let caller = self
+        let mut caller = self
             .waiting
             .subscribe(&channel, || async { Ok(()) })
             .await?;
+        // Held by the waiter's task until its entry is deleted.
+        let departure = caller.departure();
         let (joined, on_joined) = oneshot::channel();
-        tokio::spawn(join(self.clone(), line, channel, waiter, owner, joined));
+        tokio::spawn(join(
+            self.clone(),
+            line,
+            channel,
+            waiter,
+            owner,
+            joined,
+            departure,
+        ));
         match on_joined.await {
             Ok(result) => result.map(|()| caller),
             Err(_) => Err(LockError::unavailable(
@@ -263,6 +275,7 @@ async fn join(
     waiter: u64,
     owner: Option<OwnerToken>,
     joined: oneshot::Sender<Result<(), LockError>>,
+    departure: Departure,
 ) {
     let etcd = &queues.etcd;
     // Unique in the cluster: the entry lives on this session lease, whose
@@ -329,6 +342,7 @@ async fn join(
         fences: Vec::new(),
         seat,
         requeued: false,
+        _departure: departure,
     };
     drop(queues);
     // The caller tries right after this, so a free lock needs no wake-up

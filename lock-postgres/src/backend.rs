@@ -377,12 +377,13 @@ impl PostgresLock {
             channel,
         } = of;
         let name = waiter.to_hex();
-        let watch = listener
+        let mut watch = listener
             .watch_as(Topic::Waiters(key.clone()), &name)
             .await?;
         if !self.line_ready() {
             return Ok(watch);
         }
+        let departure = watch.departure();
         let registration = self.waits.register(line, key, waiter);
         let closed = listener.notifier().waiter_closed(key.as_str(), &name);
         let leaving = Leaving {
@@ -405,10 +406,12 @@ impl PostgresLock {
                 Arg::Int(listener.source().pid().unwrap_or(0).into()),
             ],
         };
-        // Ends when the watch drops (the wait ended), at the latest.
+        // Ends when the watch drops (the wait ended), at the latest; the
+        // departure tells a waiting `close` that the line was left.
         tokio::spawn(async move {
             closed.await;
             leaving.leave().await;
+            drop(departure);
         });
         Ok(watch)
     }

@@ -291,12 +291,13 @@ impl RedisLock {
         let name = waiter.to_hex();
         // Connecting (the first waiter) and subscribing, however long other
         // waiters' subscriptions hold the connection: one bound in all.
-        let watch = with_timeout(
+        let mut watch = with_timeout(
             connect_budget(self.config.client()),
             "subscribing to release notifications",
             self.listener.watch_as(channel.clone(), &name),
         )
         .await?;
+        let departure = watch.departure();
         let registration = self.waiters.opened(line, key, waiter);
         let closed = self.listener.notifier().waiter_closed(&channel, &name);
         let leaving = Leaving {
@@ -310,10 +311,12 @@ impl RedisLock {
             waiter,
             registration,
         };
-        // Ends when the watch drops (the wait ended), at the latest.
+        // Ends when the watch drops (the wait ended), at the latest; the
+        // departure tells a waiting `close` that the line was left.
         tokio::spawn(async move {
             closed.await;
             leaving.leave().await;
+            drop(departure);
         });
         Ok(watch)
     }

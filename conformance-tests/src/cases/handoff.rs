@@ -193,6 +193,36 @@ pub async fn no_cut_in(ctx: TestContext) -> CaseResult {
     Ok(())
 }
 
+/// A wait that ended at its deadline gave its place in line up before it
+/// returned: the holder releases right after, and the same client's
+/// `try_acquire` gets the key. A backend that takes a departed waiter out
+/// of its line only in the background, after the call returned, hands the
+/// freed key to that waiter's turn, and the try is refused for a wait that
+/// is over (the Python bindings' `campaign(timeout=0)` after a timed-out
+/// campaign failed this way).
+pub async fn a_timed_out_wait_gives_up_its_place(ctx: TestContext) -> CaseResult {
+    let key = ctx.key("handoff");
+    let holder = ctx.client().await?;
+    let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
+    let waiter = ctx.client().await?;
+    let deadline = Instant::now() + Duration::from_millis(300);
+    if let Some(taken) = waiter.acquire(&key, ctx.long_ttl(), deadline).await? {
+        waiter.release(&taken).await?;
+        return Err("a waiter took a key its holder still held".into());
+    }
+    holder.release(&lease).await?;
+    match waiter.try_acquire(&key, ctx.long_ttl()).await?.lease() {
+        Some(taken) => {
+            waiter.release(&taken).await?;
+            Ok(())
+        }
+        None => Err(
+            "refused a free key right after its own wait ended: the wait's place in line outlived the call"
+                .into(),
+        ),
+    }
+}
+
 /// Applied, reply held: a waiter's refused first attempt joined the line,
 /// but its reply is held (it does not know it is queued); a second waiter
 /// queues behind it, and the holder releases while the reply is still

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use distlock_core::{ErrorKind, LockError, OwnerToken, ReleaseWatch};
+use distlock_core::{Departure, ErrorKind, LockError, OwnerToken, ReleaseWatch};
 use etcd_client::{GetOptions, Txn, TxnOp};
 
 use super::entries::{
@@ -45,6 +45,9 @@ pub(super) struct Waiter {
     /// The entry was put again (its first one lost): it is deleted at the
     /// end even if an acquire took the lock out of line.
     pub(super) requeued: bool,
+    /// Dropped with the task, once the entry is deleted: the caller's
+    /// [`ReleaseWatch::close`] waits for it.
+    pub(super) _departure: Departure,
 }
 
 impl Waiter {
