@@ -1,6 +1,7 @@
 //! Handoff: W waiters and one holder cycle through one key (a lock, then
-//! the one permit of a semaphore of 1, and, at W = 1, a leadership: a
-//! standby campaigning while the leader resigns); how long from a release
+//! the one permit of a semaphore of 1, and, at W = 1, a lock whose guard
+//! does not renew it and a leadership: a standby campaigning while the
+//! leader resigns), with the default options otherwise; how long from a release
 //! (resign) returning to the next holder's acquire (campaign) returning,
 //! and how much work each handoff costs the server and the clients.
 
@@ -61,7 +62,7 @@ pub async fn rows(
     for &w in &plan.waiters {
         let mut kinds = vec![Through::Lock, Through::Permit];
         if w == 1 {
-            kinds.push(Through::Leadership);
+            kinds.extend([Through::PlainLock, Through::Leadership]);
         }
         for through in kinds {
             let mut w_rows =
@@ -79,8 +80,11 @@ pub async fn rows(
 /// What the holders hand off.
 #[derive(Debug, Clone, Copy)]
 enum Through {
-    /// A lock.
+    /// A lock, with the default options (its guard renews it).
     Lock,
+    /// A lock whose guard does not renew it ([`Renewal::Off`]): on etcd it
+    /// takes a lease of its own, granted at each acquisition.
+    PlainLock,
     /// The one permit of a semaphore of limit 1.
     Permit,
     /// Leadership of an election: the leader resigns, a standby that is
@@ -135,6 +139,11 @@ impl Through {
                 "client_calls_per_handoff",
                 "server_work_per_handoff",
             ],
+            Through::PlainLock => [
+                "plain_handoff",
+                "plain_calls_per_handoff",
+                "plain_server_per_handoff",
+            ],
             Through::Permit => [
                 "permit_handoff",
                 "permit_calls_per_handoff",
@@ -149,11 +158,12 @@ impl Through {
     }
 
     fn options(self) -> LockOptions {
-        let options = LockOptions::new(TTL)
-            .with_wait(Duration::from_secs(120))
-            .with_renewal(Renewal::Off);
+        // The default renewal: no guard is held for a third of the TTL, so
+        // none renews inside a run.
+        let options = LockOptions::new(TTL).with_wait(Duration::from_secs(120));
         match self {
             Through::Lock | Through::Leadership => options,
+            Through::PlainLock => options.with_renewal(Renewal::Off),
             Through::Permit => options.with_permits(1),
         }
     }
