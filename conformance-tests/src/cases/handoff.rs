@@ -16,6 +16,7 @@ use distlock_core::{ErrorKind, LockClient, LockKey, LockOptions, Locker};
 
 use super::support::{acquire, background_bound, until_attempts, within};
 use crate::context::{CaseError, CaseResult, TestContext};
+use crate::fault::Direction;
 use crate::Call;
 use crate::{check, check_eq, ObservedLock};
 
@@ -194,30 +195,50 @@ pub async fn no_cut_in(ctx: TestContext) -> CaseResult {
 }
 
 /// A wait that ended at its deadline gave its place in line up before it
-/// returned: the holder releases right after, and the same client's
-/// `try_acquire` gets the key. A backend that takes a departed waiter out
-/// of its line only in the background, after the call returned, hands the
-/// freed key to that waiter's turn, and the try is refused for a wait that
-/// is over (the Python bindings' `campaign(timeout=0)` after a timed-out
-/// campaign failed this way).
+/// returned. After the waiter's first refused attempt, everything it sends
+/// takes 300 ms to reach the server, so the request that takes it out of
+/// the server's line (sent as the wait ends) arrives late; the holder
+/// releases as soon as the wait returns, and another client's
+/// `try_acquire` must get the key. A backend whose wait returns before its
+/// leave is done lets the release hand the freed key to the ended wait's
+/// turn, and the try is refused (the Python bindings' `campaign(timeout=0)`
+/// after a timed-out campaign failed this way).
 pub async fn a_timed_out_wait_gives_up_its_place(ctx: TestContext) -> CaseResult {
     let key = ctx.key("handoff");
     let holder = ctx.client().await?;
     let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
-    let waiter = ctx.client().await?;
+    let path = ctx.fault_path().await?;
+    // Far longer than the delay: no delayed request times out.
+    let observed = Arc::new(ObservedLock::new(
+        ctx.client_through_with(&path, Duration::from_secs(5))
+            .await?,
+    ));
+    let waiter = LockClient::new(observed.clone());
     let deadline = Instant::now() + Duration::from_millis(300);
-    if let Some(taken) = waiter.acquire(&key, ctx.long_ttl(), deadline).await? {
-        waiter.release(&taken).await?;
+    let waiting = {
+        let (key, ttl) = (key.clone(), ctx.long_ttl());
+        tokio::spawn(async move { waiter.acquire(&key, ttl, deadline).await })
+    };
+    // Subscribed, refused once: in line.
+    until_attempts(&observed, 1, "the waiter").await?;
+    path.delay(Direction::ToServer, Duration::from_millis(300));
+    let waited = within(background_bound(), waiting, "the waiter's deadline")
+        .await?
+        .map_err(|e| CaseError(format!("the waiter panicked: {e}")))??;
+    if waited.is_some() {
         return Err("a waiter took a key its holder still held".into());
     }
     holder.release(&lease).await?;
-    match waiter.try_acquire(&key, ctx.long_ttl()).await?.lease() {
+    let other = ctx.client().await?;
+    let tried = other.try_acquire(&key, ctx.long_ttl()).await?;
+    path.delay(Direction::ToServer, Duration::ZERO);
+    match tried.lease() {
         Some(taken) => {
-            waiter.release(&taken).await?;
+            other.release(&taken).await?;
             Ok(())
         }
         None => Err(
-            "refused a free key right after its own wait ended: the wait's place in line outlived the call"
+            "refused a free key right after a wait on it ended: the ended wait's place in line outlived the call"
                 .into(),
         ),
     }

@@ -283,7 +283,7 @@ pub fn all() -> Vec<Case> {
         arrival_order => Needs::OneWake,
         no_cut_in => Needs::All(&[Needs::OneWake, Needs::FairHandoff]),
         wake_up_during_a_held_reply_is_kept => Needs::OneWake,
-        a_timed_out_wait_gives_up_its_place => Needs::All(&[Needs::OneWake, Needs::FairHandoff]),
+        a_timed_out_wait_gives_up_its_place => Needs::All(&[Needs::OneWake, Needs::FairHandoff, Needs::Faults]),
         cancelled_waiter_passes_the_turn_on => Needs::OneWake,
         permits_returned_together_wake_as_many => Needs::All(&[Needs::OneWake, Needs::Semaphore]),
         gone_waiter_is_passed_over => Needs::All(&[Needs::OneWake, Needs::ServerProcess, Needs::WholeClientCut]),
