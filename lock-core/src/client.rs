@@ -250,9 +250,10 @@ impl LockClient {
     /// Waits for `key` until `deadline` (`Ok(None)` if it is still held
     /// then, returned once the wait's place in the server's line is given
     /// up: at most 2 s after the deadline, usually one request), woken by
-    /// the server's release notifications or the holder's expiry. Transient errors (`Unavailable`, `Timeout`) are retried with
-    /// backoff until the deadline, then the last one is returned; a deadline
-    /// in the past means one attempt.
+    /// the server's release notifications or the holder's expiry.
+    /// Transient errors (`Unavailable`, `Timeout`) are retried with backoff
+    /// until the deadline, then the last one is returned; a deadline in the
+    /// past means one attempt.
     ///
     /// Every attempt of one call uses the same owner token, so an attempt
     /// that timed out but was applied by the server is recognised by the

@@ -334,18 +334,15 @@ impl LockBackend for MemoryLock {
         key: &LockKey,
         waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
-        let (mut watch, closed) = self.store.lock_lines.watch(key, waiter).await?;
+        let mut watch = self.store.lock_lines.watch(key, waiter).await?;
         let (store, key) = (self.store.clone(), key.clone());
-        let departure = watch.departure();
         // A waiter that leaves may have taken a wake-up with it: passed on
-        // while the key is free. Ends with the watch.
-        tokio::spawn(async move {
-            closed.await;
+        // while the key is free.
+        watch.leave_with(async move {
             store.lock_lines.leave(&key, waiter);
             if store.lock_free(&key) {
                 store.lock_lines.wake_next(&key);
             }
-            drop(departure);
         });
         Ok(Some(watch))
     }
@@ -450,17 +447,14 @@ impl SemaphoreBackend for MemoryLock {
         _limit: u32,
         waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
-        let (mut watch, closed) = self.store.permit_lines.watch(key, waiter).await?;
+        let mut watch = self.store.permit_lines.watch(key, waiter).await?;
         let (store, key) = (self.store.clone(), key.clone());
-        let departure = watch.departure();
         // As for the lock's waiters.
-        tokio::spawn(async move {
-            closed.await;
+        watch.leave_with(async move {
             store.permit_lines.leave(&key, waiter);
             if store.permit_free(&key) {
                 store.permit_lines.wake_next(&key);
             }
-            drop(departure);
         });
         Ok(Some(watch))
     }

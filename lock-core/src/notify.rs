@@ -124,6 +124,7 @@ impl ReleaseNotifier {
                 waiter: waiter.map(str::to_owned),
                 registry: Arc::downgrade(&self.channels),
                 departures: Vec::new(),
+                dropped: Vec::new(),
             };
             (watch, entry.ready.clone())
         };
@@ -246,6 +247,9 @@ pub struct ReleaseWatch {
     registry: Weak<Registry>,
     /// Ends of the backend's work after the drop (see [`Departure`]).
     departures: Vec<oneshot::Receiver<()>>,
+    /// Dropped with the watch: starts the work given to
+    /// [`leave_with`](Self::leave_with).
+    dropped: Vec<oneshot::Sender<()>>,
 }
 
 /// The backend's work after a [`ReleaseWatch`] drops (taking its waiter
@@ -268,7 +272,42 @@ impl ReleaseWatch {
             waiter: None,
             registry: Weak::new(),
             departures: Vec::new(),
+            dropped: Vec::new(),
         }
+    }
+
+    /// Runs `leave` in a task of its own once this watch drops: the
+    /// backend's work to take its waiter out of the server's line. The task
+    /// holds a [`Departure`] until `leave` is done, so [`close`](Self::close)
+    /// waits for it; a plain drop leaves it running in the background.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock_core::LockError> {
+    /// use std::time::Duration;
+    /// use distlock_core::ReleaseNotifier;
+    ///
+    /// let notifier = ReleaseNotifier::new();
+    /// let mut watch = notifier.subscribe_as("k", Some("waiter"), || async { Ok(()) }).await?;
+    /// watch.leave_with(async {
+    ///     // ... take the waiter out of the server's line ...
+    /// });
+    /// watch.close(Duration::from_secs(1)).await; // returns once it is done
+    /// # Ok(()) }
+    /// ```
+    pub fn leave_with<F>(&mut self, leave: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let (dropped, watch_gone) = oneshot::channel();
+        self.dropped.push(dropped);
+        let departure = self.departure();
+        tokio::spawn(async move {
+            // An error is the sender's drop, with the watch: what this waits for.
+            let _ = watch_gone.await;
+            leave.await;
+            drop(departure);
+        });
     }
 
     /// A [`Departure`] for the work a backend does once this watch drops
@@ -400,6 +439,47 @@ mod tests {
         watch.close(Duration::from_secs(2)).await;
         assert!(started.elapsed() >= Duration::from_secs(2));
         drop(stuck);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn leave_with_runs_after_the_drop_and_close_waits_for_it() {
+        use std::sync::atomic::{AtomicU8, Ordering::SeqCst};
+        let notifier = ReleaseNotifier::new();
+        let ok = || async { Ok(()) };
+        let mut watch = notifier.subscribe_as("k", Some("a"), ok).await.unwrap();
+        // 0: not started, 1: started, 2: done.
+        let step = Arc::new(AtomicU8::new(0));
+        let seen = step.clone();
+        let waiting = notifier.is_waiting("k", "a");
+        let registry = Arc::downgrade(&notifier.channels);
+        watch.leave_with(async move {
+            seen.store(1, SeqCst);
+            // The watch is unregistered before its leave starts.
+            let gone = registry
+                .upgrade()
+                .is_none_or(|channels| !channels.lock().unwrap().contains_key("k"));
+            assert!(gone, "leave started while the watch was still registered");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            seen.store(2, SeqCst);
+        });
+        assert!(waiting);
+        tokio::task::yield_now().await;
+        assert_eq!(step.load(SeqCst), 0, "leave ran before the watch dropped");
+        watch.close(Duration::from_secs(10)).await;
+        assert_eq!(
+            step.load(SeqCst),
+            2,
+            "close returned before the leave was done"
+        );
+
+        // A plain drop: the leave still runs, in the background.
+        let mut watch = notifier.subscribe_as("k", Some("b"), ok).await.unwrap();
+        let (done, left) = oneshot::channel();
+        watch.leave_with(async move {
+            let _ = done.send(());
+        });
+        drop(watch);
+        left.await.expect("the leave ran after a plain drop");
     }
 
     #[tokio::test]

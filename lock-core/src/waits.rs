@@ -32,7 +32,7 @@ struct Open {
 /// A wait opens when its watch is registered under its owner token (see
 /// [`LockBackend::watch`](crate::LockBackend::watch)); from then on its
 /// attempts join the line when refused. When the watch drops
-/// ([`ReleaseNotifier::waiter_closed`](crate::ReleaseNotifier::waiter_closed)),
+/// ([`ReleaseWatch::leave_with`](crate::ReleaseWatch::leave_with)),
 /// the wait leaves the line — unless it never joined, was granted (the
 /// grant left the line), or subscribed again meanwhile (after a lost
 /// notification connection: the newer registration owns its place).

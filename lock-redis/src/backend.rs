@@ -297,9 +297,7 @@ impl RedisLock {
             self.listener.watch_as(channel.clone(), &name),
         )
         .await?;
-        let departure = watch.departure();
         let registration = self.waiters.opened(line, key, waiter);
-        let closed = self.listener.notifier().waiter_closed(&channel, &name);
         let leaving = Leaving {
             commands: self.commands.clone(),
             waiters: self.waiters.clone(),
@@ -311,13 +309,7 @@ impl RedisLock {
             waiter,
             registration,
         };
-        // Ends when the watch drops (the wait ended), at the latest; the
-        // departure tells a waiting `close` that the line was left.
-        tokio::spawn(async move {
-            closed.await;
-            leaving.leave().await;
-            drop(departure);
-        });
+        watch.leave_with(leaving.leave());
         Ok(watch)
     }
 

@@ -10,7 +10,7 @@ import redis
 from celery import Celery, current_task, signals
 
 import distlock
-from distlock.celery import fire_time, once_per_fire
+from distlock.celery import fire_time, once_per_fire, task_skipped
 
 app = Celery("beat_app", broker=os.environ["BEAT_TEST_BROKER"])
 app.conf.distlock_url = os.environ["BEAT_TEST_LOCK_URL"]
@@ -32,6 +32,14 @@ _record = redis.Redis.from_url(os.environ["BEAT_TEST_RECORD"])
 def _delivered(sender=None, task=None, **_):
     # Every message a worker starts, before any lock: one per Beat fire.
     _record.rpush(f"delivered:{task.name}", repr(fire_time(task.request)))
+
+
+@task_skipped.connect
+def _skipped(sender=None, reason=None, **_):
+    # Every skip by a worker, with its reason: a fire that did not run must
+    # say why.
+    if reason != "queued":
+        _record.rpush(f"skipped:{sender.name}", f"{fire_time(sender.request)!r} {reason}")
 
 
 def _ran(name):

@@ -114,20 +114,11 @@ impl Lines {
         &self,
         key: &LockKey,
         waiter: OwnerToken,
-    ) -> Result<
-        (
-            ReleaseWatch,
-            impl std::future::Future<Output = ()> + Send + 'static,
-        ),
-        LockError,
-    > {
+    ) -> Result<ReleaseWatch, LockError> {
         let name = waiter.to_hex();
-        let watch = self
-            .notifier
+        self.notifier
             .subscribe_as(key.as_str(), Some(&name), || async { Ok(()) })
-            .await?;
-        let closed = self.notifier.waiter_closed(key.as_str(), &name);
-        Ok((watch, closed))
+            .await
     }
 
     /// An attempt of `owner` found `key` taken: a waiter joins the line
