@@ -17,7 +17,7 @@ use distlock_core::{
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use tokio::sync::OnceCell;
 
-use crate::config::{PoolMode, PostgresConfig};
+use crate::config::{PoolMode, PostgresConfig, TlsSettings};
 use crate::errors;
 use crate::keys::{channel_name, qualified_table};
 use crate::listener::{holder_channel, next_channel, Releases, Topic};
@@ -98,6 +98,8 @@ pub struct PostgresLock {
     semaphores: Semaphores,
     /// When the sweep of idle rows runs; it ends with the client.
     sweeper: Sweeper,
+    /// The TLS files of the pool's options, read by the sweep's connect.
+    pool_tls: TlsSettings,
     /// The lock table, as the sweep deletes from it.
     swept: SweptTable,
 }
@@ -162,7 +164,8 @@ impl PostgresLock {
             PoolMode::Auto => probe::detect(&pool, timeout).await?,
             mode => mode,
         };
-        let lock = Self::build(pool, config, mode);
+        let pool_tls = config.tls().clone();
+        let lock = Self::build(pool, config, mode, pool_tls);
         lock.ensure_table().await?;
         lock.prepare_semaphores().await;
         Ok(lock)
@@ -181,37 +184,46 @@ impl PostgresLock {
     pub fn from_pool(pool: PgPool, config: PostgresConfig) -> Result<Self, LockError> {
         config.validate()?;
         let mode = config.pool_mode();
-        Ok(Self::build(pool, config, mode))
+        // The pool's options are the caller's, with their own TLS settings.
+        Ok(Self::build(pool, config, mode, TlsSettings::default()))
     }
 
-    /// A backend on `pool` working in `mode` (`Auto` meaning `Session`).
-    fn build(pool: PgPool, config: PostgresConfig, mode: PoolMode) -> Self {
+    /// A backend on `pool` working in `mode` (`Auto` meaning `Session`);
+    /// `pool_tls`: the TLS settings of the pool's options, if they came
+    /// from the config's URL.
+    fn build(pool: PgPool, config: PostgresConfig, mode: PoolMode, pool_tls: TlsSettings) -> Self {
         let channel = channel_name(config.schema(), config.table(), config.client().namespace());
+        let listen_apart = config
+            .listen_options()
+            .map(|listen| (listen.clone(), config.listen_tls().clone()));
         let (protocol, listen) = match mode {
             PoolMode::Session | PoolMode::Auto => (
                 Protocol::Extended,
                 Some(
-                    config
-                        .listen_options()
-                        .cloned()
-                        .unwrap_or_else(|| (*pool.connect_options()).clone()),
+                    listen_apart
+                        .unwrap_or_else(|| ((*pool.connect_options()).clone(), pool_tls.clone())),
                 ),
             ),
             // A LISTEN through the pooler would stay on a shared server
             // session: only listen_url can wake waiters.
-            PoolMode::Transaction => (Protocol::Simple, config.listen_options().cloned()),
+            PoolMode::Transaction => (Protocol::Simple, listen_apart),
         };
         let semaphores = Semaphores::new(&config, listen.clone());
-        let listener = listen.map(|listen| {
-            let releases =
-                Releases::new(listen, channel.clone(), config.client().connect_timeout())
-                    .with_observers();
+        let listener = listen.map(|(listen, tls)| {
+            let releases = Releases::new(
+                listen,
+                tls,
+                channel.clone(),
+                config.client().connect_timeout(),
+            )
+            .with_observers();
             Listener::new(releases, config.client())
         });
         let sql = Arc::new(Statements::new(config.schema(), config.table()));
         Self {
             semaphores,
             sweeper: Sweeper::new(config.fence_retention()),
+            pool_tls,
             swept: SweptTable::new(
                 qualified_table(config.schema(), config.table()),
                 &sql.sweep.delete,
@@ -301,6 +313,7 @@ impl PostgresLock {
     pub(crate) fn sweep_if_due(&self) {
         self.sweeper.maybe_start(|| SweepJob {
             connect: (*self.pool.connect_options()).clone(),
+            tls: self.pool_tls.clone(),
             simple: self.simple.clone(),
             namespace: self.namespace().to_owned(),
             retention: self.config.fence_retention(),
@@ -383,9 +396,7 @@ impl PostgresLock {
         if !self.line_ready() {
             return Ok(watch);
         }
-        let departure = watch.departure();
         let registration = self.waits.register(line, key, waiter);
-        let closed = listener.notifier().waiter_closed(key.as_str(), &name);
         let leaving = Leaving {
             pool: self.pool.clone(),
             simple: self.simple.clone(),
@@ -406,13 +417,7 @@ impl PostgresLock {
                 Arg::Int(listener.source().pid().unwrap_or(0).into()),
             ],
         };
-        // Ends when the watch drops (the wait ended), at the latest; the
-        // departure tells a waiting `close` that the line was left.
-        tokio::spawn(async move {
-            closed.await;
-            leaving.leave().await;
-            drop(departure);
-        });
+        watch.leave_with(leaving.leave());
         Ok(watch)
     }
 }

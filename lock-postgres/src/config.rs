@@ -304,6 +304,8 @@ impl PostgresConfig {
     /// poll (see [`retry_interval`](Self::retry_interval)).
     pub fn with_listen_options(mut self, listen: PgConnectOptions) -> Self {
         self.listen = Some(listen);
+        // These options carry their own TLS settings.
+        self.listen_tls = TlsSettings::default();
         self
     }
 
@@ -400,6 +402,16 @@ impl PostgresConfig {
         self.listen.as_ref()
     }
 
+    /// The main URL's TLS settings (none for [`PostgresConfig::new`]).
+    pub(crate) fn tls(&self) -> &TlsSettings {
+        &self.tls
+    }
+
+    /// The TLS settings of `listen_url` (its own, else the main URL's).
+    pub(crate) fn listen_tls(&self) -> &TlsSettings {
+        &self.listen_tls
+    }
+
     /// The schema of the lock table (default [`DEFAULT_SCHEMA`], `public`).
     pub fn schema(&self) -> &str {
         &self.schema
@@ -460,6 +472,7 @@ impl PostgresConfig {
 
 #[cfg(test)]
 mod tests {
+    #[cfg(feature = "tls")]
     use super::server::encode;
     use distlock_core::ErrorKind;
     use sqlx::postgres::PgSslMode;

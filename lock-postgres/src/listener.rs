@@ -41,6 +41,7 @@ use distlock_core::{async_trait, LockError, LockKey, Notification, NotificationS
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::{Executor, Row};
 
+use crate::config::TlsSettings;
 use crate::errors;
 use crate::keys::is_owner_token;
 use crate::sql::Statement;
@@ -64,6 +65,9 @@ fn observers_of(key: &str) -> String {
 pub(crate) struct Releases {
     /// Where the connection goes (the pool's server, or `listen_url`).
     connect: PgConnectOptions,
+    /// The TLS files `connect` names, read at each connect (see
+    /// `TlsSettings::loaded`).
+    tls: TlsSettings,
     /// The channel of this client's namespace and table: wakes every
     /// waiter of the key it names.
     channel: String,
@@ -80,11 +84,13 @@ pub(crate) struct Releases {
 impl Releases {
     pub(crate) fn new(
         connect: PgConnectOptions,
+        tls: TlsSettings,
         channel: String,
         connect_timeout: Duration,
     ) -> Self {
         Self {
             connect,
+            tls,
             next: next_channel(&channel),
             holder: None,
             channel,
@@ -190,7 +196,7 @@ impl NotificationSource for Releases {
             .acquire_timeout(self.connect_timeout)
             .idle_timeout(None)
             .max_lifetime(None)
-            .connect_lazy_with(self.connect.clone());
+            .connect_lazy_with(self.tls.loaded(self.connect.clone()).await?);
         let mut listener = PgListener::connect_with(&pool)
             .await
             .map_err(|e| errors::map(e, "connecting the listener"))?;
@@ -304,6 +310,7 @@ mod tests {
     fn observers_never_share_a_waiters_channel() {
         let source = Releases::new(
             PgConnectOptions::new(),
+            TlsSettings::default(),
             "distlock_00".to_owned(),
             Duration::from_secs(1),
         );

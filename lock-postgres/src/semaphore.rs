@@ -35,7 +35,7 @@ use sqlx::postgres::{PgConnectOptions, PgRow};
 use tokio::sync::OnceCell;
 
 use crate::backend::{fencing_param, next_send, send_param, ttl_millis, Lines, PostgresLock};
-use crate::config::PostgresConfig;
+use crate::config::{PostgresConfig, TlsSettings};
 use crate::keys::{channel_name, qualified_table};
 use crate::listener::{next_channel, Releases};
 use crate::sql::{Arg, PermitStatements, Reply, Sql};
@@ -62,11 +62,19 @@ pub(crate) struct Semaphores {
 
 impl Semaphores {
     /// The semaphores of `config`, their waiters listening with `listen`.
-    pub(crate) fn new(config: &PostgresConfig, listen: Option<PgConnectOptions>) -> Self {
+    pub(crate) fn new(
+        config: &PostgresConfig,
+        listen: Option<(PgConnectOptions, TlsSettings)>,
+    ) -> Self {
         let (schema, table) = (config.schema(), config.semaphore_table());
         let channel = channel_name(schema, table, config.client().namespace());
-        let listener = listen.map(|listen| {
-            let returns = Releases::new(listen, channel.clone(), config.client().connect_timeout());
+        let listener = listen.map(|(listen, tls)| {
+            let returns = Releases::new(
+                listen,
+                tls,
+                channel.clone(),
+                config.client().connect_timeout(),
+            );
             Listener::new(returns, config.client())
         });
         let sql = Arc::new(PermitStatements::new(schema, table));

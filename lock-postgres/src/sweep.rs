@@ -18,6 +18,7 @@ use sqlx::Row;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::config::TlsSettings;
 use crate::errors;
 use crate::sql::{self, Arg, Call, Protocol, Sql, BATCH};
 
@@ -55,6 +56,8 @@ pub(crate) struct SweepJob {
     /// its own, so it never holds one a lock call is waiting for (which
     /// would then open another, a round trip more, or wait).
     pub(crate) connect: PgConnectOptions,
+    /// The TLS files `connect` names, read by the sweep itself.
+    pub(crate) tls: TlsSettings,
     /// The client's protocol switch (see `PostgresLock::protocol`).
     pub(crate) simple: Arc<AtomicBool>,
     pub(crate) namespace: String,
@@ -137,8 +140,13 @@ impl Drop for Sweeper {
 
 impl SweepJob {
     async fn run(self) {
-        let connected =
-            tokio::time::timeout(self.timeout, PgConnection::connect_with(&self.connect)).await;
+        let connected = tokio::time::timeout(self.timeout, async {
+            let connect = self.tls.loaded(self.connect.clone()).await?;
+            PgConnection::connect_with(&connect)
+                .await
+                .map_err(|e| errors::map(e, "connecting the sweep"))
+        })
+        .await;
         let mut conn = match connected {
             Ok(Ok(conn)) => conn,
             Ok(Err(e)) => {

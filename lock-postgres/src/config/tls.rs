@@ -234,6 +234,31 @@ impl TlsSettings {
         }
         Ok(())
     }
+
+    /// `options` with these settings' files read now, held in memory, for a
+    /// connection one of distlock's own tasks opens (the sweep, the
+    /// listener). Given a path, sqlx reads the file on a blocking thread
+    /// and panics if the runtime shuts down meanwhile (its join handle
+    /// `expect`s); read here, that is an error. Read at every connect, so
+    /// renewed certificates are still picked up.
+    pub(crate) async fn loaded(
+        &self,
+        mut options: PgConnectOptions,
+    ) -> Result<PgConnectOptions, LockError> {
+        if let Some(Root::File(file)) = &self.root {
+            let pem = TlsFiles::read_file(&file.parameter, &file.path, "CERTIFICATE").await?;
+            options = options.ssl_root_cert_from_pem(pem);
+        }
+        if let Some(cert) = &self.cert {
+            let pem = TlsFiles::read_file(&cert.parameter, &cert.path, "CERTIFICATE").await?;
+            options = options.ssl_client_cert_from_pem(pem);
+        }
+        if let Some(key) = &self.key {
+            let pem = TlsFiles::read_file(&key.parameter, &key.path, "PRIVATE KEY").await?;
+            options = options.ssl_client_key_from_pem(pem);
+        }
+        Ok(options)
+    }
 }
 
 #[cfg(test)]
@@ -314,5 +339,29 @@ mod tests {
         config_error("sslmode=verify-full", &["`tls` cargo feature"]);
         config_error("tls_ca_file=/a", &["`tls` cargo feature"]);
         assert!(settings("sslmode=prefer").is_ok());
+    }
+
+    #[cfg(feature = "tls")]
+    #[tokio::test]
+    async fn loaded_reads_the_files_at_each_call() {
+        let dir = std::env::temp_dir().join(format!("distlock-pg-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ca = dir.join("ca.pem");
+        let pem = "-----BEGIN CERTIFICATE-----\nAA==\n-----END CERTIFICATE-----\n";
+        std::fs::write(&ca, pem).unwrap();
+        let tls = settings(&format!("sslrootcert={}", ca.display())).unwrap();
+        assert!(tls.loaded(PgConnectOptions::new()).await.is_ok());
+        // Read again, not remembered: a file gone since is an error
+        // naming its parameter.
+        std::fs::remove_file(&ca).unwrap();
+        let err = tls.loaded(PgConnectOptions::new()).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+        assert!(err.to_string().contains("sslrootcert"), "{err}");
+        let _ = std::fs::remove_dir(&dir);
+        // No files named: nothing read.
+        assert!(TlsSettings::default()
+            .loaded(PgConnectOptions::new())
+            .await
+            .is_ok());
     }
 }
