@@ -313,7 +313,9 @@ impl ReleaseWatch {
     /// A [`Departure`] for the work a backend does once this watch drops
     /// (a waiter leaving its line on the server, in a task of its own):
     /// the task holds it until that work is done, and [`close`](Self::close)
-    /// waits for that. Without one, `close` is a drop.
+    /// waits for that. Without one, `close` is a drop. Most backends want
+    /// [`leave_with`](Self::leave_with), which holds one for its leave; this
+    /// is for a task that holds its departure in state of its own.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]

@@ -229,10 +229,8 @@ impl TlsSettings {
     /// connection is tried. The driver reads them again for each new
     /// connection (so renewed certificates are picked up).
     pub(crate) async fn check_files(&self) -> Result<(), LockError> {
-        for (file, label) in self.files() {
-            TlsFiles::read_file(&file.parameter, &file.path, label).await?;
-        }
-        Ok(())
+        // The same reads and checks as a connect of distlock's own.
+        self.loaded(PgConnectOptions::new()).await.map(drop)
     }
 
     /// `options` with these settings' files read now, held in memory, for a
