@@ -128,7 +128,7 @@ impl LockAdmin for EtcdLock {
             channel: observers_channel(key),
             key: self.etcd().layout.lock_key(key),
             prefix: false,
-            start_revision: 0,
+            confirmed_at: Default::default(),
             creations: true,
         };
         self.inner.queues.listener.watch(topic).await.map(Some)

@@ -6,13 +6,16 @@
 //! each subscribes again (see the kit's docs). This file only says how to
 //! talk to etcd:
 //!
-//! - A topic is one etcd watch: a waiter's own channel name, the etcd key it
-//!   waits on (its predecessor's queue entry, the lock key, or the prefix
-//!   of a semaphore's permits) and the
-//!   revision to watch from, just after the revision its look-up read, so a
-//!   deletion in between is delivered too. The waiter queue
-//!   ([`crate::queue`]) gives every watch a channel of its own, so one
-//!   deletion wakes exactly one waiter.
+//! - A topic is one etcd watch: a waiter's own channel name and the etcd
+//!   key it waits on (its predecessor's queue entry, the lock key, or the
+//!   prefix of a semaphore's permits). Every watch starts at the store's
+//!   current revision, which etcd reports when it confirms the watch
+//!   ([`Topic::confirmed_at`]). A watch from an older revision would be
+//!   *unsynced*: etcd serves those from a catch-up loop that runs every
+//!   100 ms, so a deletion would reach its waiter up to 100 ms late. The
+//!   waiter queue ([`crate::queue`]) reads what changed between its
+//!   look-up and that revision itself, and gives every watch a channel of
+//!   its own, so one deletion wakes exactly one waiter.
 //! - Watch ids are chosen by the client (fresh per stream), so a `created`
 //!   confirmation is matched to its subscribe, which returns only once etcd
 //!   confirmed the watch.
@@ -20,8 +23,8 @@
 //!   renewed under the same key) do not, except, for a topic that asks
 //!   ([`Topic::creations`]: an observer of who holds a lock), a `PUT` that
 //!   created its key.
-//! - etcd cancelling a live watch (its start revision compacted while it
-//!   lagged behind) is reported as a lost stream: the kit's one lost path
+//! - etcd cancelling a live watch (the revision it lagged behind at was
+//!   compacted) is reported as a lost stream: the kit's one lost path
 //!   makes every waiter look up its place again and watch from a fresh
 //!   revision. A watch refused before it was confirmed (no permission)
 //!   fails its subscribe with the reason.
@@ -33,6 +36,7 @@
 //! (the kit's quiet-connection ping is left at its default).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
@@ -46,7 +50,7 @@ use crate::errors;
 const OPENING_WATCH: i64 = 1;
 
 /// One etcd watch a waiter subscribes to.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub(crate) struct Topic {
     /// The local channel its deletions wake (unique per watch).
     pub(crate) channel: String,
@@ -54,8 +58,10 @@ pub(crate) struct Topic {
     pub(crate) key: Vec<u8>,
     /// Watch every key below `key` instead (a semaphore's permits).
     pub(crate) prefix: bool,
-    /// The revision to watch from (0: from now).
-    pub(crate) start_revision: i64,
+    /// The store revision etcd confirmed the watch at (set when the
+    /// subscribe returns; 0 before): the watch reports what happens after
+    /// it.
+    pub(crate) confirmed_at: Arc<AtomicI64>,
     /// Wake on the key's creation too, not only its deletion.
     pub(crate) creations: bool,
 }
@@ -95,8 +101,9 @@ struct Watch {
     channel: String,
     /// See [`Topic::creations`].
     creations: bool,
-    /// The subscribe waiting for etcd's `created`; `None` once confirmed.
-    confirm: Option<oneshot::Sender<Result<(), LockError>>>,
+    /// The subscribe waiting for etcd's `created` (and the revision it
+    /// reports); `None` once confirmed.
+    confirm: Option<oneshot::Sender<Result<i64, LockError>>>,
 }
 
 impl Conn {
@@ -146,7 +153,8 @@ impl Conn {
         let watch = watches.by_id.get_mut(&id)?;
         if response.created() {
             if let Some(confirm) = watch.confirm.take() {
-                let _ = confirm.send(Ok(()));
+                let revision = response.header().map_or(0, |h| h.revision());
+                let _ = confirm.send(Ok(revision));
             }
         }
         let wakes = |event: &etcd_client::Event| match event.event_type() {
@@ -174,13 +182,11 @@ pub(crate) struct Stream {
     conn: Arc<Conn>,
 }
 
-fn watch_options(id: i64, start_revision: i64, prefix: bool) -> WatchOptions {
-    let mut options = WatchOptions::new().with_watch_id(id);
+/// A watch from the current revision (see the module docs).
+fn watch_options(id: i64, prefix: bool) -> WatchOptions {
+    let options = WatchOptions::new().with_watch_id(id);
     if prefix {
-        options = options.with_prefix();
-    }
-    if start_revision > 0 {
-        options.with_start_revision(start_revision)
+        options.with_prefix()
     } else {
         options
     }
@@ -201,7 +207,7 @@ impl NotificationSource for EtcdWatches {
         let stream = client
             .watch(
                 self.opening_key.clone(),
-                Some(watch_options(OPENING_WATCH, 0, false)),
+                Some(watch_options(OPENING_WATCH, false)),
             )
             .await
             .map_err(errors::mapper("etcd watch"))?;
@@ -247,18 +253,16 @@ impl NotificationSource for EtcdWatches {
             conn.requests
                 .lock()
                 .await
-                .watch(
-                    topic.key.clone(),
-                    Some(watch_options(id, topic.start_revision, topic.prefix)),
-                )
+                .watch(topic.key.clone(), Some(watch_options(id, topic.prefix)))
                 .await
                 .map_err(errors::mapper("etcd watch"))?;
-            confirmations.push(confirmed);
+            confirmations.push((confirmed, &topic.confirmed_at));
         }
-        for confirmed in confirmations {
-            confirmed.await.map_err(|_| {
+        for (confirmed, confirmed_at) in confirmations {
+            let revision = confirmed.await.map_err(|_| {
                 LockError::unavailable("the etcd watch stream ended before etcd confirmed a watch")
             })??;
+            confirmed_at.store(revision, Ordering::Release);
         }
         Ok(())
     }

@@ -16,8 +16,12 @@
 //! predecessor — and whether the lock key exists. A waiter with a
 //! predecessor watches only that entry's deletion; the first in line
 //! watches the lock key's deletion (a release, a force release, or the
-//! holder's lease expiring). Every watch starts just after the revision the
-//! transaction read, so nothing in between is missed.
+//! holder's lease expiring). Every watch starts at the store's current
+//! revision, so etcd delivers its deletions at once (a watch from an older
+//! revision would wait for etcd's catch-up loop, up to 100 ms); if the
+//! store moved on between the transaction and the watch, the waiter reads
+//! its target again and, if what it saw was deleted meanwhile, fires its
+//! own watch: nothing in between is missed.
 //!
 //! A background task per waiter moves it up the line: when its predecessor
 //! leaves, one transaction finds the next predecessor (or none: it is first
@@ -78,7 +82,7 @@ use std::time::Duration;
 use distlock_core::{
     Departure, Listener, LockError, LockKey, OwnerToken, ReleaseNotifier, ReleaseWatch,
 };
-use etcd_client::KeyValue;
+use etcd_client::{GetOptions, KeyValue};
 use tokio::sync::oneshot;
 
 use crate::config::MIN_TTL;
@@ -86,6 +90,7 @@ use crate::connection::Etcd;
 use crate::fence::Fence;
 use crate::keys::KeyLayout;
 use crate::listener::{EtcdWatches, Topic};
+use crate::requests::Repeat;
 use crate::session::Sessions;
 use crate::txn::Turn;
 use entries::{delete_later, is_foreign, put_entry};
@@ -257,13 +262,48 @@ pub(crate) fn check_entry(line: &[u8], kv: &KeyValue) -> Result<(), LockError> {
 struct Position {
     /// The header revision: the state the reads saw.
     revision: i64,
-    /// The queue entry just before ours, if any.
+    /// The queue entry to watch before ours, if any (see [`Line::to_watch`]).
     predecessor: Option<Vec<u8>>,
     /// Whether what the line waits for is taken (the lock key exists, or
     /// every permit is).
     held: bool,
     /// Whether our own entry exists.
     queued: bool,
+    /// What the reads saw of the target the waiter watches (that
+    /// predecessor, else the lock key or the permits): each key and its
+    /// create revision.
+    seen: Vec<(Vec<u8>, i64)>,
+}
+
+impl Position {
+    /// A position from the reads of one transaction at `revision`: the
+    /// newest entry before ours, how many wait ahead (a semaphore's line)
+    /// and what the line waits for.
+    fn read(
+        line: &Line,
+        revision: i64,
+        before: Option<&KeyValue>,
+        ahead: Option<i64>,
+        held: Option<&Vec<KeyValue>>,
+        queued: bool,
+    ) -> Self {
+        let predecessor = line.to_watch(before.map(|kv| kv.key().to_vec()), ahead, held);
+        let seen = match (&predecessor, before) {
+            (Some(_), Some(kv)) => vec![(kv.key().to_vec(), kv.create_revision())],
+            _ => held
+                .into_iter()
+                .flatten()
+                .map(|kv| (kv.key().to_vec(), kv.create_revision()))
+                .collect(),
+        };
+        Position {
+            revision,
+            predecessor,
+            held: line.held(held),
+            queued,
+            seen,
+        }
+    }
 }
 
 /// Writes the queue entry, watches the predecessor (or the lock), reports
@@ -303,9 +343,9 @@ async fn join(
         }
     };
     let (place, position) = placed;
-    let (target, start) = target_of(&etcd.layout, &line, &position);
+    let target = target_of(&etcd.layout, &line, &position);
     let first_watch = format!("{channel}#0");
-    let watch = match watch_target(&queues, &line, first_watch, &target, start).await {
+    let watch = match watch_target(&queues, &line, first_watch, &target, &position).await {
         Ok(watch) => watch,
         Err(e) => {
             delete_later(Arc::downgrade(&queues), entry, Vec::new());
@@ -352,36 +392,85 @@ async fn join(
     waiter.run().await;
 }
 
-/// Watches deletions of `target` from revision `start` on channel
-/// `channel` (every key below it if it is the permits prefix the first in
-/// a semaphore's line watches); the etcd watch is confirmed when this
-/// returns.
+/// Watches deletions of `target` on channel `channel` (every key below it
+/// if it is the permits prefix the first in a semaphore's line watches);
+/// the etcd watch is confirmed when this returns. A deletion of what
+/// `position` saw of it, after its look-up but before the watch, fires the
+/// watch too.
 async fn watch_target(
     queues: &Queues,
     line: &Line,
     channel: String,
     target: &[u8],
-    start: i64,
+    position: &Position,
 ) -> Result<ReleaseWatch, LockError> {
     let prefix =
         matches!(line, Line::Permits(..)) && line.is_held_target(&queues.etcd.layout, target);
-    queues
-        .listener
-        .watch(Topic {
-            channel,
-            key: target.to_vec(),
-            prefix,
-            start_revision: start,
-            creations: false,
-        })
-        .await
+    let topic = Topic {
+        channel: channel.clone(),
+        key: target.to_vec(),
+        prefix,
+        confirmed_at: Default::default(),
+        creations: false,
+    };
+    let confirmed_at = topic.confirmed_at.clone();
+    let watch = queues.listener.watch(topic).await?;
+    // The watch reports what happens after the revision etcd confirmed it
+    // at; if the store moved on since the look-up, see whether what it saw
+    // is still there.
+    let from = confirmed_at.load(Ordering::Acquire);
+    if !position.seen.is_empty()
+        && (from == 0 || from > position.revision)
+        && !still_there(queues, target, prefix, &position.seen).await
+    {
+        queues.listener.notifier().notify(&channel);
+    }
+    Ok(watch)
 }
 
-/// The etcd key to watch from `position`, and the revision to watch from.
-fn target_of(layout: &KeyLayout, line: &Line, position: &Position) -> (Vec<u8>, i64) {
-    let target = position
+/// Whether every key of `seen` still exists with its create revision: a
+/// read of `target` (every key below it if `prefix`). A failed read
+/// answers no: the waiter then looks its place up again, or its caller
+/// tries once more.
+async fn still_there(
+    queues: &Queues,
+    target: &[u8],
+    prefix: bool,
+    seen: &[(Vec<u8>, i64)],
+) -> bool {
+    let etcd = &queues.etcd;
+    let options = GetOptions::new().with_keys_only();
+    let options = if prefix {
+        options.with_prefix()
+    } else {
+        options
+    };
+    let reply = etcd
+        .requests
+        .send("etcd queue watch check", Repeat::Safe, || {
+            let mut kv = etcd.kv.clone();
+            let options = options.clone();
+            async move { kv.get(target, Some(options)).await }
+        })
+        .await;
+    match reply {
+        Ok(reply) => seen.iter().all(|(key, created)| {
+            reply
+                .kvs()
+                .iter()
+                .any(|kv| kv.key() == key.as_slice() && kv.create_revision() == *created)
+        }),
+        Err(e) => {
+            tracing::debug!(error = %e, "could not check an etcd queue watch's target");
+            false
+        }
+    }
+}
+
+/// The etcd key to watch from `position`.
+fn target_of(layout: &KeyLayout, line: &Line, position: &Position) -> Vec<u8> {
+    position
         .predecessor
         .clone()
-        .unwrap_or_else(|| line.held_target(layout));
-    (target, position.revision.saturating_add(1))
+        .unwrap_or_else(|| line.held_target(layout))
 }

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use common::{
     acquire, any_server, assert_queue_empties, connect, grpc_started, keys_under, observed,
-    own_server, proposals_committed, raw_client, requests_between, unique_key,
+    own_server, proposals_committed, proxy_for, raw_client, requests_between, through, unique_key,
 };
+use distlock_conformance::fault::Direction;
 use distlock_conformance::naming::unique_name;
 use distlock_conformance::server::ServerProcess;
 use distlock_core::{LockKey, LockOptions, Locker};
@@ -390,4 +391,97 @@ async fn waiters_on_look_alike_keys_are_independent() {
     assert_eq!(ab_attempts.attempts(), 2);
     on_ab.release(&got_ab).await.unwrap();
     common::delete_prefix(&mut raw, &ns).await;
+}
+
+/// Waits until `queue` holds `n` entries; panics after 10 s.
+async fn until_queued(raw: &mut distlock_etcd::etcd_client::Client, queue: &str, n: usize) {
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while keys_under(raw, queue).await.len() != n {
+        assert!(Instant::now() < give_up, "{queue} never held {n} entries");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A waiter's queue transaction and its watch are two requests, and its
+/// watch starts at the revision etcd confirms it at (a watch from an older
+/// revision would be served by etcd's 100 ms catch-up loop). A predecessor
+/// that leaves in between, its deletion older than the watch, must still
+/// move the waiter up, so the release after it reaches the waiter. The
+/// waiter's replies are held while the predecessor leaves: its
+/// transaction is applied, its watch not yet asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_predecessor_that_leaves_before_the_watch_starts_still_moves_the_waiter_up() {
+    let server = any_server();
+    let ns = unique_name("gap");
+    let query = format!("namespace={ns}");
+    let url = format!("{}?{query}", server.url());
+    let proxy = proxy_for(&server).await;
+    let mut raw = raw_client(&server.url()).await;
+    let holder = connect(&url).await;
+    let ahead = connect(&url).await;
+    let (attempts, waiter) = observed(&through(&proxy, &query)).await;
+    let k = LockKey::new("gap").unwrap();
+    let queue = format!("{ns}/lock/gap/waiters/");
+    let ttl = Duration::from_secs(60);
+    let held = acquire(&holder, &k, ttl).await;
+    // The waiter's session lease (its queue entries' lease) is granted
+    // before its replies are held.
+    let warm = waiter
+        .acquire(&k, ttl, Instant::now() + Duration::from_millis(200))
+        .await
+        .expect("a short wait");
+    assert!(warm.is_none(), "the key is held");
+    assert_queue_empties(&mut raw, &queue).await;
+
+    // The client outlives the wait, so its entry is deleted at once (a
+    // dropped client's entries go with its session lease).
+    let first = {
+        let ahead = ahead.clone();
+        let k = k.clone();
+        tokio::spawn(async move {
+            ahead
+                .acquire(&k, ttl, Instant::now() + Duration::from_secs(60))
+                .await
+        })
+    };
+    until_queued(&mut raw, &queue, 1).await;
+    let first_entry = keys_under(&mut raw, &queue).await;
+    proxy.hold(Direction::ToClient);
+    let tried = attempts.attempts();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let second = {
+        let waiter = waiter.clone();
+        let k = k.clone();
+        tokio::spawn(async move { waiter.acquire(&k, ttl, deadline).await })
+    };
+    // The waiter's transaction read the first one as its predecessor.
+    until_queued(&mut raw, &queue, 2).await;
+    let mut second_entry = keys_under(&mut raw, &queue).await;
+    second_entry.retain(|entry| !first_entry.contains(entry));
+    first.abort();
+    until_queued(&mut raw, &queue, 1).await;
+    assert_eq!(
+        keys_under(&mut raw, &queue).await,
+        second_entry,
+        "the first waiter left, the second is still queued"
+    );
+    proxy.pass(Direction::ToClient);
+    // In line now, its first attempt refused (the holder still holds).
+    while attempts.attempts() == tried {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    holder.release(&held).await.expect("release");
+    let lease = second
+        .await
+        .expect("waiting task")
+        .expect("acquire")
+        .expect("acquired");
+    // Its last attempt at the deadline would take the free key too.
+    assert!(
+        Instant::now() < deadline,
+        "the waiter was left watching a deleted predecessor: its deadline woke it, not the release"
+    );
+    assert!(lease.fencing_token() > held.fencing_token());
+    waiter.release(&lease).await.expect("release");
+    assert_queue_empties(&mut raw, &queue).await;
 }

@@ -109,25 +109,15 @@ pub(super) async fn put_entry(
     let ranges = ranges(&reply);
     check_entries(&etcd.layout, line, ranges.first())?;
     // Newest first; skip our own entry (whether or not the read saw it).
-    let predecessor = ranges
-        .first()
-        .and_then(|kvs| {
-            kvs.iter()
-                .find(|kv| kv.key() != entry && kv.create_revision() < place)
-        })
-        .map(|kv| kv.key().to_vec());
+    let before = ranges.first().and_then(|kvs| {
+        kvs.iter()
+            .find(|kv| kv.key() != entry && kv.create_revision() < place)
+    });
     // The count saw our own entry too.
     let ahead = count_at(&reply, 2).map(|count| count - 1);
-    let predecessor = line.to_watch(predecessor, ahead, ranges.get(1));
-    let held = line.held(ranges.get(1));
     Ok((
         place,
-        Position {
-            revision,
-            predecessor,
-            held,
-            queued: true,
-        },
+        Position::read(line, revision, before, ahead, ranges.get(1), true),
     ))
 }
 

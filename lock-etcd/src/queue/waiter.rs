@@ -177,19 +177,14 @@ impl Waiter {
         let revision = revision_of(&reply)?;
         let ranges = ranges(&reply);
         check_entries(&etcd.layout, &self.line, ranges.first())?;
-        let mut position = Position {
+        let mut position = Position::read(
+            &self.line,
             revision,
-            predecessor: self.line.to_watch(
-                ranges
-                    .first()
-                    .and_then(|kvs| kvs.first())
-                    .map(|kv| kv.key().to_vec()),
-                count_at(&reply, 3),
-                ranges.get(1),
-            ),
-            held: self.line.held(ranges.get(1)),
-            queued: ranges.get(2).is_some_and(|kvs| !kvs.is_empty()),
-        };
+            ranges.first().and_then(|kvs| kvs.first()),
+            count_at(&reply, 3),
+            ranges.get(1),
+            ranges.get(2).is_some_and(|kvs| !kvs.is_empty()),
+        );
         if !position.queued {
             // Our entry is gone (our session lease was lost): queue again,
             // at the end of the line.
@@ -214,11 +209,11 @@ impl Waiter {
             }
             position = again;
         }
-        let (target, start) = target_of(&etcd.layout, &self.line, &position);
+        let target = target_of(&etcd.layout, &self.line, &position);
         if self.stale || target != self.target {
             let channel = format!("{}#{}", self.channel, self.watches);
             self.watches += 1;
-            self.watch = watch_target(queues, &self.line, channel, &target, start).await?;
+            self.watch = watch_target(queues, &self.line, channel, &target, &position).await?;
             self.target = target;
             self.stale = false;
         }
