@@ -15,7 +15,7 @@ use common::{
 use distlock_conformance::fault::Direction;
 use distlock_conformance::naming::unique_name;
 use distlock_conformance::server::ServerProcess;
-use distlock_core::{LockKey, LockOptions, Locker};
+use distlock_core::{AcquireAttempt, LockKey, LockOptions, Locker};
 
 /// A waiter blocked for 2 s makes at most 2 attempts: it is woken by the
 /// watch, not by polling. The operation timeout is shorter than the wait,
@@ -484,4 +484,74 @@ async fn a_predecessor_that_leaves_before_the_watch_starts_still_moves_the_waite
     assert!(lease.fencing_token() > held.fencing_token());
     waiter.release(&lease).await.expect("release");
     assert_queue_empties(&mut raw, &queue).await;
+}
+
+/// A semaphore's first `limit` waiters all watch its permits, so a release
+/// wakes one of them at once; a waiter that moves into those first `limit`
+/// (one ahead of it left) watches the permits too, not the waiter still
+/// ahead of it. Two waiters ahead of it are queue entries written as
+/// distlock writes them, on a lease of their own: they never try, and
+/// never leave unless told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_that_moves_into_a_semaphores_first_limit_watches_its_permits() {
+    use distlock_etcd::etcd_client::PutOptions;
+
+    let server = any_server();
+    let ns = unique_name("window");
+    let url = format!("{}?namespace={ns}", server.url());
+    let mut raw = raw_client(&server.url()).await;
+    let k = LockKey::new("sem").unwrap();
+    let queue = format!("{ns}/lock/%sem/sem/waiters/");
+    let ttl = Duration::from_secs(60);
+    let holders = connect(&url).await;
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        match holders
+            .try_acquire_permit(&k, 2, ttl)
+            .await
+            .expect("permit")
+        {
+            AcquireAttempt::Acquired(lease) => held.push(lease),
+            AcquireAttempt::Held { .. } => panic!("a free semaphore refused a permit"),
+        }
+    }
+    let lease = raw.lease_grant(60, None).await.expect("lease").id();
+    for id in ["1-1", "1-2"] {
+        raw.put(
+            format!("{queue}{id}"),
+            "dl1-waiter",
+            Some(PutOptions::new().with_lease(lease)),
+        )
+        .await
+        .expect("queue entry");
+    }
+    let (attempts, waiter) = observed(&url).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let waiting = {
+        let waiter = waiter.clone();
+        let k = k.clone();
+        tokio::spawn(async move { waiter.acquire_permit(&k, 2, ttl, deadline).await })
+    };
+    // Queued, two ahead (it watches the second), its first attempt refused.
+    while attempts.attempts() == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    raw.delete(format!("{queue}1-2"), None)
+        .await
+        .expect("the second leaves");
+    // One waiter ahead now: the waiter is among the first two, and the
+    // release of a permit must wake it.
+    holders.release(&held[0]).await.expect("release");
+    let permit = waiting
+        .await
+        .expect("waiting task")
+        .expect("acquire_permit")
+        .expect("acquired");
+    assert!(
+        Instant::now() < deadline,
+        "the waiter kept watching the waiter ahead of it: its deadline woke it, not the release"
+    );
+    waiter.release(&permit).await.expect("release");
+    holders.release(&held[1]).await.expect("release");
+    raw.lease_revoke(lease).await.expect("revoke");
 }

@@ -19,42 +19,49 @@ use crate::txn;
 /// The value of a queue entry (only its key and revisions matter).
 const ENTRY_VALUE: &[u8] = b"dl1-waiter";
 
-/// Reads of the predecessor of a waiter at create revision below `below`
-/// (0: any), of what the line waits for, and (a semaphore's line) of how
-/// many wait before it (with `below` 0: every waiter, itself included).
+/// Reads of the waiters before a waiter at create revision below `below`
+/// (0: any), newest first, and of what the line waits for. The first
+/// read returns up to `limit` entries; a semaphore's, up to its waiter's
+/// own limit (plus itself, with `below` 0) at least, so [`ahead`] can tell
+/// whether the waiter is among the first `limit` of its line. (A count
+/// would be cheaper, but etcd counts a whole range, ignoring its create
+/// revision bound.)
 pub(super) fn reads(layout: &KeyLayout, line: &Line, below: i64, limit: i64) -> Vec<TxnOp> {
-    let before = |options: GetOptions| {
-        if below > 0 {
-            options.with_max_create_revision(below - 1)
-        } else {
-            options
-        }
+    let limit = match line {
+        Line::Permits(_, own) => limit.max(i64::from(*own) + i64::from(below == 0)),
+        Line::Lock(_) => limit,
     };
-    let queue = GetOptions::new()
+    let mut queue = GetOptions::new()
         .with_prefix()
         .with_sort(SortTarget::Create, SortOrder::Descend)
         .with_limit(limit);
-    let mut reads = vec![
-        TxnOp::get(line.queue_prefix(layout), Some(before(queue))),
-        line.read_held(layout),
-    ];
-    if matches!(line, Line::Permits(..)) {
-        let count = GetOptions::new().with_prefix().with_count_only();
-        reads.push(TxnOp::get(line.queue_prefix(layout), Some(before(count))));
+    if below > 0 {
+        queue = queue.with_max_create_revision(below - 1);
     }
-    reads
+    vec![
+        TxnOp::get(line.queue_prefix(layout), Some(queue)),
+        line.read_held(layout),
+    ]
 }
 
-/// The count the `index`th read of a reply found.
-pub(super) fn count_at(reply: &TxnResponse, index: usize) -> Option<i64> {
-    reply
-        .op_responses()
+/// How many of the entries a [`reads`] found wait before `entry` (at
+/// create revision `place`), for a semaphore's line (at most its waiter's
+/// own limit: as many as matter); `None` for a lock's.
+pub(super) fn ahead(
+    line: &Line,
+    found: Option<&Vec<KeyValue>>,
+    entry: &[u8],
+    place: i64,
+) -> Option<i64> {
+    let Line::Permits(..) = line else {
+        return None;
+    };
+    let before = found
         .into_iter()
-        .filter_map(|op| match op {
-            TxnOpResponse::Get(get) => Some(get.count()),
-            _ => None,
-        })
-        .nth(index)
+        .flatten()
+        .filter(|kv| kv.key() != entry && kv.create_revision() < place)
+        .count();
+    Some(i64::try_from(before).unwrap_or(i64::MAX))
 }
 
 pub(super) fn ranges(reply: &TxnResponse) -> Vec<Vec<KeyValue>> {
@@ -113,8 +120,7 @@ pub(super) async fn put_entry(
         kvs.iter()
             .find(|kv| kv.key() != entry && kv.create_revision() < place)
     });
-    // The count saw our own entry too.
-    let ahead = count_at(&reply, 2).map(|count| count - 1);
+    let ahead = ahead(line, ranges.first(), entry, place);
     Ok((
         place,
         Position::read(line, revision, before, ahead, ranges.get(1), true),

@@ -9,9 +9,7 @@ use std::time::Duration;
 use distlock_core::{Departure, ErrorKind, LockError, OwnerToken, ReleaseWatch};
 use etcd_client::{GetOptions, Txn, TxnOp};
 
-use super::entries::{
-    check_entries, count_at, delete_entry, put_entry, ranges, reads, revision_of,
-};
+use super::entries::{ahead, check_entries, delete_entry, put_entry, ranges, reads, revision_of};
 use super::{target_of, watch_target, Line, Position, Queues, Seat, RETRY_MAX, RETRY_MIN};
 use crate::config::MIN_TTL;
 use crate::fence::Fence;
@@ -165,11 +163,11 @@ impl Waiter {
     async fn move_up(&mut self, queues: &Queues) -> Result<(), LockError> {
         let etcd = &queues.etcd;
         let mut ops = reads(&etcd.layout, &self.line, self.place, 1);
-        // Our own entry, before the count (read last, if at all).
-        ops.insert(
-            2,
-            TxnOp::get(self.entry.clone(), Some(GetOptions::new().with_keys_only())),
-        );
+        // Our own entry.
+        ops.push(TxnOp::get(
+            self.entry.clone(),
+            Some(GetOptions::new().with_keys_only()),
+        ));
         let txn = Txn::new().and_then(ops);
         let reply = etcd
             .run_txn("etcd queue look-up", Repeat::Safe, txn)
@@ -181,7 +179,7 @@ impl Waiter {
             &self.line,
             revision,
             ranges.first().and_then(|kvs| kvs.first()),
-            count_at(&reply, 3),
+            ahead(&self.line, ranges.first(), &self.entry, self.place),
             ranges.get(1),
             ranges.get(2).is_some_and(|kvs| !kvs.is_empty()),
         );
