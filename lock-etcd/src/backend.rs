@@ -18,7 +18,7 @@ use crate::config::{EtcdConfig, MAX_TTL, MIN_TTL};
 use crate::connection::Etcd;
 use crate::errors;
 use crate::keys::encode_value;
-use crate::queue::{Line, Queues, Seat};
+use crate::queue::{Line, Queues};
 use crate::requests::Repeat;
 use crate::session::{self, Attached, Session, Sessions};
 use crate::txn::{self, AcquireOutcome};
@@ -364,15 +364,14 @@ impl LockBackend for EtcdLock {
         // fails) nor a lease.
         // The probe and the acquire share one operation timeout.
         let deadline = self.etcd().requests.deadline();
-        if seat.as_deref().is_some_and(Seat::expects_refusal) {
+        if let Some(seat) = seat.as_deref().filter(|seat| seat.expects_refusal()) {
+            let probe = txn::probe(
+                &self.etcd().layout.lock_key(request.key),
+                seat.ahead().as_deref(),
+            );
             let reply = self
                 .etcd()
-                .run_txn_until(
-                    deadline,
-                    IN_LOCK_CALL,
-                    Repeat::Safe,
-                    txn::probe(&self.etcd().layout.lock_key(request.key), &turn),
-                )
+                .run_txn_until(deadline, IN_LOCK_CALL, Repeat::Safe, probe)
                 .await?;
             if let Some(refused) = txn::probed(request.key, request.owner, &turn, &reply)? {
                 return Ok(refused);

@@ -63,7 +63,8 @@
 //! the entry of a client that froze or died vanishes with that lease and
 //! the next waiter moves up; an entry whose wait ended is deleted at once.
 //! A waiter that expects to be refused (someone ahead, or the lock held,
-//! by its task's last look) checks first with a read-only transaction
+//! by its task's last look) checks first with a read-only transaction of
+//! two point reads, the lock key and the entry ahead that its task watches
 //! ([`crate::txn::probe`]), so a refused attempt costs one read: no lease
 //! (a plain lock's) and no write through Raft (a lock on the session
 //! lease: etcd logs and commits a transaction that could write even when
@@ -230,6 +231,10 @@ pub(crate) struct Seat {
     /// The task's last look found someone ahead, or the lock held: an
     /// attempt now is likely refused, so it reads first.
     expects_refusal: AtomicBool,
+    /// The queue entry ahead of the waiter that its task watches, if any:
+    /// while it exists, someone is ahead, which a read of that one key
+    /// tells (a look at the whole line reads every entry in it).
+    ahead: Mutex<Option<Vec<u8>>>,
     /// An acquire took the lock and deleted the entry with it.
     taken: AtomicBool,
 }
@@ -238,6 +243,12 @@ impl Seat {
     /// Whether an attempt now is likely refused (see the field).
     pub(crate) fn expects_refusal(&self) -> bool {
         self.expects_refusal.load(Ordering::Acquire)
+    }
+
+    /// The entry ahead of the waiter, by its task's last look (see the
+    /// field).
+    pub(crate) fn ahead(&self) -> Option<Vec<u8>> {
+        self.ahead.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// An attempt that claimed this seat took the lock (and left the line).
@@ -361,6 +372,7 @@ async fn join(
                 entry: entry.clone(),
                 place: AtomicI64::new(place),
                 expects_refusal: AtomicBool::new(position.predecessor.is_some() || position.held),
+                ahead: Mutex::new(position.predecessor.clone()),
                 taken: AtomicBool::new(false),
             });
             queues.seat(owner, &seat);

@@ -229,47 +229,49 @@ impl Turn {
     }
 }
 
-/// A read-only look at whether an acquire with `turn` would take `key`:
-/// the acquire's compares, with a (linearizable) read of the key in either
-/// branch and the line's head where refused. Sent before a lease is granted
-/// by a waiter that expects to be refused, so a refusal costs one request.
-pub(crate) fn probe(key: &[u8], turn: &Turn) -> Txn {
-    Txn::new()
-        .when([
-            Compare::create_revision(key, CompareOp::Equal, 0),
-            turn.no_one_ahead(),
-        ])
-        .and_then([TxnOp::get(key, Some(GetOptions::new().with_count_only()))])
-        .or_else([TxnOp::get(key, None), turn.read_head()])
+/// A read-only look at whether an acquire would take `key`, sent before a
+/// lease is granted by a waiter that expects to be refused (so a refusal
+/// costs one read): the key, and the queue entry `ahead` of the waiter
+/// that its task watches, if any. Two point reads: the acquire's own
+/// compare over the line reads every entry in it, and a waiter's task
+/// knows who is ahead (entries only leave the line before it; none joins
+/// there).
+pub(crate) fn probe(key: &[u8], ahead: Option<&[u8]>) -> Txn {
+    let mut reads = vec![TxnOp::get(key, None)];
+    if let Some(entry) = ahead {
+        reads.push(TxnOp::get(entry, Some(GetOptions::new().with_keys_only())));
+    }
+    Txn::new().and_then(reads)
 }
 
-/// What a [`probe`] found: `Some(refusal)` if the acquire would surely be
-/// refused (held by another owner, or someone ahead in line); `None` if it
-/// may be granted or adopted (then the acquire itself goes).
+/// What a [`probe`] found: `Some(refusal)` if the key is held by another
+/// owner or the entry ahead is still there, before `turn`'s place (an
+/// entry put again after its lease was lost is behind); `None` if the
+/// acquire may be granted or adopted (then it goes, and its compares
+/// decide).
 pub(crate) fn probed(
     key: &LockKey,
     owner: OwnerToken,
     turn: &Turn,
     reply: &TxnResponse,
 ) -> Result<Option<AcquireReply>, LockError> {
-    if reply.succeeded() {
-        return Ok(None);
-    }
     let mut gets = reply.op_responses().into_iter().filter_map(|op| match op {
         TxnOpResponse::Get(get) => Some(get.kvs().first().cloned()),
         _ => None,
     });
-    let (found, head) = (gets.next().flatten(), gets.next().flatten());
+    let (found, ahead) = (gets.next().flatten(), gets.next().flatten());
     if let Some(kv) = found {
         if check_found(kv.value(), kv.lease())? == owner {
             return Ok(None);
         }
         return Ok(Some(held_by_another(key, &kv)));
     }
-    Ok(match head {
-        Some(head) if turn.ahead(&head) => Some(behind(key, turn, &head)?),
-        _ => None,
-    })
+    let place = turn.place.as_ref().map_or(0, |(_, place)| *place);
+    Ok(ahead.filter(|entry| entry.create_revision() < place).map(|entry| {
+        tracing::trace!(key = %key, ahead = %String::from_utf8_lossy(entry.key()), "etcd lock free, but a waiter is ahead in line");
+        // Woken by its task's watch once that one leaves, as in `behind`.
+        AcquireReply::Held { expires_in: None }
+    }))
 }
 
 /// The refusal of an attempt on a key held by another owner.
@@ -930,19 +932,29 @@ mod tests {
                 ),
                 "{claim:?}: refused with no expiry to wait for"
             );
-            let reply = client
-                .txn(probe(&key, &turn(claim.clone())))
-                .await
-                .expect("probe");
-            assert!(
-                probed(&lock_key, owner, &turn(claim.clone()), &reply)
-                    .expect("probed")
-                    .is_some(),
-                "{claim:?}: the probe foresees the refusal"
-            );
         }
+        // The second waiter's probe reads the entry ahead of it: refused.
+        let reply = client
+            .txn(probe(&key, Some(&first.0)))
+            .await
+            .expect("probe");
+        assert!(
+            probed(&lock_key, owner, &turn(Some(second.clone())), &reply)
+                .expect("probed")
+                .is_some(),
+            "the probe of a waiter behind another foresees the refusal"
+        );
         let head = turn(Some(first.clone()));
-        let reply = client.txn(probe(&key, &head)).await.expect("probe");
+        let reply = client.txn(probe(&key, None)).await.expect("probe");
+        assert!(probed(&lock_key, owner, &head, &reply)
+            .expect("probed")
+            .is_none());
+        // An entry "ahead" created after the waiter's own refuses nothing
+        // (an entry put again after its lease was lost is behind).
+        let reply = client
+            .txn(probe(&key, Some(&second.0)))
+            .await
+            .expect("probe");
         assert!(probed(&lock_key, owner, &head, &reply)
             .expect("probed")
             .is_none());

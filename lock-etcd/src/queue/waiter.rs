@@ -215,6 +215,9 @@ impl Waiter {
             self.target = target;
             self.stale = false;
         }
+        if let Some((_, seat)) = &self.seat {
+            *seat.ahead.lock().unwrap_or_else(|e| e.into_inner()) = position.predecessor.clone();
+        }
         let first = position.predecessor.is_none();
         tracing::trace!(key = %self.line.key(), place = self.place, first, "etcd waiter moved up");
         if first && !position.held {
