@@ -38,6 +38,9 @@ pub const FORMAT_TABLE: &str = "distlock_format";
 /// so that a release wakes the first one alone (see the crate docs).
 pub const WAITER_TABLE: &str = "distlock_waiters";
 
+/// The index of [`WAITER_TABLE`] by arrival (beside it, in its schema).
+pub const WAITER_INDEX: &str = "distlock_waiters_line";
+
 /// How often a waiter tries again when it cannot be woken by `NOTIFY`
 /// (behind a transaction pooler without `listen_url`), unless configured.
 pub const DEFAULT_RETRY_INTERVAL: Duration = Duration::from_millis(100);
@@ -453,6 +456,7 @@ impl PostgresConfig {
         for (name, what) in [
             (FORMAT_TABLE, "table of format markers"),
             (WAITER_TABLE, "table of waiter lines"),
+            (WAITER_INDEX, "index of waiter lines"),
         ] {
             if self.table == name || self.semaphore_table == name {
                 return Err(LockError::config(format!(

@@ -52,7 +52,8 @@
 //!
 //! Each lock and each semaphore has a waiter line on the server: rows of
 //! the table [`WAITER_TABLE`] (`distlock_waiters`, in the lock table's
-//! schema, created with the lock table), one per waiter, holding the lock
+//! schema, created with the lock table, with its index by arrival
+//! [`WAITER_INDEX`]), one per waiter, holding the lock
 //! or semaphore table's name, namespace, key, the waiter's owner token
 //! (`member`), the backend pid of its client's listener connection, its
 //! arrival time and, for a lock's waiter that was woken, the end of its
@@ -579,7 +580,8 @@ mod table;
 pub use backend::PostgresLock;
 pub use config::{
     PoolMode, PostgresConfig, DEFAULT_FENCE_RETENTION, DEFAULT_RETRY_INTERVAL, DEFAULT_SCHEMA,
-    DEFAULT_SEMAPHORE_TABLE, DEFAULT_TABLE, FORMAT_TABLE, MAX_FENCE_RETENTION, WAITER_TABLE,
+    DEFAULT_SEMAPHORE_TABLE, DEFAULT_TABLE, FORMAT_TABLE, MAX_FENCE_RETENTION, WAITER_INDEX,
+    WAITER_TABLE,
 };
 pub use keys::{channel_name, MAX_IDENTIFIER_BYTES};
 #[doc(hidden)]

@@ -64,6 +64,7 @@ impl PostgresLock {
                 add,
             )
             .await?;
+            self.prepare_waiter_index().await;
             let check = self.call(&self.statements().table_writable, vec![Arg::text(table)]);
             self.exists(
                 "checking the privileges on the table of waiter lines",
@@ -79,6 +80,19 @@ impl PostgresLock {
             Err(e) => {
                 tracing::warn!(table = %table, error = %e, "the table of waiter lines could not be created; a release wakes every waiter of its key");
             }
+        }
+    }
+
+    /// Creates the waiter table's index by arrival on a table that has
+    /// none (an earlier version made it), without blocking writes to it.
+    /// Without it (a role that may not create it) a statement reads every
+    /// waiter of its key to find the first ones.
+    async fn prepare_waiter_index(&self) {
+        let what = "creating the index of waiter lines";
+        let statements = self.statements();
+        let (index, create) = (&statements.waiter_index, &statements.create_waiter_index);
+        if let Err(e) = self.create_table(what, index, create).await {
+            tracing::warn!(index = %index, error = %e, "the index of waiter lines could not be created; each wake-up reads every waiter of its key");
         }
     }
 

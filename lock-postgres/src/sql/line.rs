@@ -19,6 +19,13 @@
 //! clock plus [`HANDOFF_TURN`]) instead of taking it off the line; an
 //! attempt on a free key is granted only to the line's head (or on an
 //! empty line). Permit lines keep taking the woken waiter off the line.
+//!
+//! A statement writes the waiter rows it picked (`line`, `head`, `chosen`)
+//! by joining them, and names the picked members once more as an array or
+//! a scalar (`w.member = ANY (ARRAY(SELECT member FROM line))`): that is
+//! what the planner uses as an index condition on the primary key, so the
+//! write reads the picked rows only. With the join alone it scanned every
+//! waiter of the key (a crowd of 256: three scans of 255 rows a release).
 
 use crate::HANDOFF_TURN;
 
@@ -39,6 +46,12 @@ pub(super) const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS {t} (
         turn_until timestamptz,
         PRIMARY KEY (lock_table, namespace, key, member)
     )";
+
+/// The index of waiter table `{t}` named `{w}` that the statements read a
+/// line's first waiters by, in arrival order (its first rows, not every
+/// waiter of the key sorted).
+pub(super) const CREATE_INDEX: &str =
+    "CREATE INDEX IF NOT EXISTS {w} ON {t} (lock_table, namespace, key, arrival, member)";
 
 /// Adds the turn column to a waiter table `{t}` created without it (by
 /// an earlier version): only the catalog changes, but the table's
@@ -129,6 +142,7 @@ pub(super) fn fair_after_taken(table: &str, one: &str) -> (String, String) {
         dropped AS (
             DELETE FROM {{w}} AS w USING line
             WHERE w.lock_table = {table} AND w.namespace = $1 AND w.key = $2 AND w.member = line.member
+              AND w.member = ANY (ARRAY(SELECT member FROM line))
               AND (NOT line.alive OR (w.member <> $3 AND w.turn_until <= (SELECT at FROM clock)))
               AND (EXISTS (SELECT 1 FROM taken) OR {free})
             RETURNING 1
@@ -137,6 +151,7 @@ pub(super) fn fair_after_taken(table: &str, one: &str) -> (String, String) {
             UPDATE {{w}} AS w SET turn_until = clock_timestamp() + {turn}
             FROM head
             WHERE w.lock_table = {table} AND w.namespace = $1 AND w.key = $2 AND w.member = head.member
+              AND w.member = (SELECT member FROM head)
               AND head.member <> $3 AND w.turn_until IS NULL AND {free}
             RETURNING {notify}
         )",
@@ -235,6 +250,7 @@ pub(super) fn wake_next(when: &str, table: &str, except: Option<&str>, wake: Wak
         popped AS (
             DELETE FROM {{w}} AS w USING line
             WHERE w.lock_table = {table} AND w.namespace = $1 AND w.key = $2
+              AND w.member = ANY (ARRAY(SELECT member FROM line))
               AND w.member = line.member AND (NOT line.alive OR {popped})
             RETURNING 1
         ),
@@ -242,6 +258,7 @@ pub(super) fn wake_next(when: &str, table: &str, except: Option<&str>, wake: Wak
             UPDATE {{w}} AS w SET turn_until = clock_timestamp() + {turn}
             FROM chosen
             WHERE w.lock_table = {table} AND w.namespace = $1 AND w.key = $2
+              AND w.member = (SELECT member FROM chosen)
               AND w.member = chosen.member {unless_running}
             RETURNING w.member, w.pid
         )",

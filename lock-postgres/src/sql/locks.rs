@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use super::{create_table_with_index, line, Sql, Sweep};
-use crate::config::{FORMAT_TABLE, WAITER_TABLE};
+use crate::config::{FORMAT_TABLE, WAITER_INDEX, WAITER_TABLE};
 use crate::keys::{qualified_table, quote_identifier};
 use crate::listener::{HOLDER_SUFFIX, NEXT_SUFFIX};
 
@@ -164,8 +164,13 @@ pub(crate) struct Statements {
     pub leave: Arc<Sql>,
     /// The quoted, qualified table of waiter lines.
     pub waiter_table: String,
-    /// Creates the table of waiter lines.
+    /// Creates the table of waiter lines, with its index by arrival.
     pub create_waiter_table: Arc<Sql>,
+    /// The quoted, qualified index of the waiter table by arrival.
+    pub waiter_index: String,
+    /// Creates that index on a waiter table that exists without it (made by
+    /// an earlier version), without blocking writes to it.
+    pub create_waiter_index: Arc<Sql>,
     /// `$1` qualified table name -> `exists bool`: whether this role may
     /// read, add, change and delete its rows.
     pub table_writable: Arc<Sql>,
@@ -345,7 +350,17 @@ impl Statements {
             turn_column: sql(line::TURN_COLUMN),
             add_turn_column: Arc::new(Sql::new(line::ADD_TURN_COLUMN, &w)),
             waiter_table: w.clone(),
-            create_waiter_table: Arc::new(Sql::new(line::CREATE_TABLE, &w)),
+            create_waiter_table: Arc::new(Sql::with_tables(
+                &format!("{}; {}", line::CREATE_TABLE, line::CREATE_INDEX),
+                &w,
+                &quote_identifier(WAITER_INDEX),
+            )),
+            waiter_index: qualified_table(schema, WAITER_INDEX),
+            create_waiter_index: Arc::new(Sql::with_tables(
+                &line::CREATE_INDEX.replace("INDEX", "INDEX CONCURRENTLY"),
+                &w,
+                &quote_identifier(WAITER_INDEX),
+            )),
             table_writable: sql("SELECT has_table_privilege($1, 'SELECT') AND has_table_privilege($1, 'INSERT')
                     AND has_table_privilege($1, 'UPDATE') AND has_table_privilege($1, 'DELETE') AS exists"),
             create_format_table: marker(

@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use distlock_core::{Lease, LockError, LockKey, OwnerToken};
-use distlock_postgres::{channel_name, PgPool, WAITER_TABLE};
+use distlock_postgres::{channel_name, PgPool, WAITER_INDEX, WAITER_TABLE};
 use tokio::task::JoinHandle;
 
 use super::support::*;
@@ -424,4 +424,46 @@ async fn a_waiter_table_of_the_previous_version_gets_the_turn_column() {
     assert!(added, "turn_until added");
     let capabilities = distlock_core::LockBackend::capabilities(&*lock.backend);
     assert!(capabilities.wakes_one_waiter && capabilities.fair_handoff);
+}
+
+/// The definition of index `index` in `schema`, if there is one.
+async fn index_def(pool: &PgPool, schema: &str, index: &str) -> Option<String> {
+    sqlx::query_scalar("SELECT indexdef FROM pg_indexes WHERE schemaname = $1 AND indexname = $2")
+        .bind(schema)
+        .bind(index)
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+}
+
+/// The waiter table has an index by arrival, so a statement reads a line's
+/// first waiters, not every waiter of the key: a new table gets it with
+/// the table, and a table of an earlier version (without it) when a
+/// client starts.
+#[tokio::test]
+async fn the_waiter_table_gets_its_index_by_arrival() {
+    let admin_client = client("line-admin").await;
+    let (fresh, old) = (unique_name("new_line"), unique_name("old_line"));
+    admin(&admin_client, &format!("CREATE SCHEMA {old}")).await;
+    // The table as earlier versions created it: no index but its key.
+    admin(
+        &admin_client,
+        &format!(
+            "CREATE TABLE {old}.{WAITER_TABLE} (lock_table text NOT NULL, namespace text NOT NULL,
+                 key text NOT NULL, member text NOT NULL, pid integer NOT NULL,
+                 arrival timestamptz NOT NULL, turn_until timestamptz,
+                 PRIMARY KEY (lock_table, namespace, key, member))"
+        ),
+    )
+    .await;
+    for schema in [&fresh, &old] {
+        let _lock = Pg::connect(&format!("{}?schema={schema}&namespace=ix", server().url())).await;
+        let index = index_def(admin_client.pool(), schema, WAITER_INDEX)
+            .await
+            .unwrap_or_else(|| panic!("no index {WAITER_INDEX} in schema {schema}"));
+        assert!(
+            index.contains("(lock_table, namespace, key, arrival, member)"),
+            "{index}"
+        );
+    }
 }
