@@ -84,30 +84,41 @@ impl PostgresLock {
     }
 
     /// Creates the waiter table's index by arrival on a table that has
-    /// none (an earlier version made it), without blocking writes to it.
-    /// Without it (a role that may not create it) a statement reads every
-    /// waiter of its key to find the first ones.
+    /// none (an earlier version made it). Without it (a role that may not
+    /// create it) a statement reads every waiter of its key to find the
+    /// first ones.
     async fn prepare_waiter_index(&self) {
-        let what = "creating the index of waiter lines";
         let statements = self.statements();
-        let (index, create) = (&statements.waiter_index, &statements.create_waiter_index);
-        if let Err(e) = self.create_table(what, index, create).await {
-            tracing::warn!(index = %index, error = %e, "the index of waiter lines could not be created; each wake-up reads every waiter of its key");
-        }
+        self.prepare_index(
+            "creating the index of waiter lines",
+            &statements.waiter_index,
+            &statements.create_waiter_index,
+            "each wake-up reads every waiter of its key",
+        )
+        .await;
     }
 
     /// Creates the index the sweep of idle rows reads on a table that has
-    /// none (one an earlier version or a DBA created; a table this client
-    /// created got it with the table), without blocking writes to it. A
-    /// role that may not create it works without: the sweep then reads
-    /// the namespace's rows through the primary key.
+    /// none (one an earlier version or a DBA created). A role that may not
+    /// create it works without: the sweep then reads the namespace's rows
+    /// through the primary key.
     pub(crate) async fn prepare_sweep_index(&self, sweep: &Sweep) {
-        let what = "creating the index of idle rows";
-        if let Err(e) = self
-            .create_table(what, &sweep.index, &sweep.create_index)
-            .await
-        {
-            tracing::warn!(index = %sweep.index, error = %e, "the index the sweep of idle rows reads could not be created; the sweep reads more of the table without it");
+        self.prepare_index(
+            "creating the index of idle rows",
+            &sweep.index,
+            &sweep.create_index,
+            "the sweep reads more of the table without it",
+        )
+        .await;
+    }
+
+    /// Creates the index `index` with `create` (`CREATE INDEX CONCURRENTLY`:
+    /// writes to the table go on meanwhile) unless it exists (a table this
+    /// client created got it with the table); if it cannot, logs a warning
+    /// that says what happens `without` it, and the client works on.
+    async fn prepare_index(&self, what: &str, index: &str, create: &Arc<sql::Sql>, without: &str) {
+        if let Err(e) = self.create_table(what, index, create).await {
+            tracing::warn!(index = %index, error = %e, "{what} failed; {without}");
         }
     }
 
