@@ -267,7 +267,12 @@
 //! creates them with its tables, or on a table of an earlier version with
 //! `CREATE INDEX CONCURRENTLY` (writes go on meanwhile), and works without
 //! them if it may not (logging a warning), as it works without `DELETE`
-//! (rows are then never reclaimed by that client; a warning says so).
+//! (rows are then never reclaimed by that client; a warning says so). So
+//! does [`WAITER_INDEX`] on `distlock_waiters`. A concurrent build that
+//! failed or was cut off by the operation timeout leaves an invalid index
+//! (kept up to date, never read): the next client to start drops it
+//! (`DROP INDEX CONCURRENTLY`) and builds it again, unless a build is
+//! working on it.
 //!
 //! `holder` is the label an acquisition gave
 //! ([`HolderId`](distlock_core::HolderId), `LockOptions::with_holder`),

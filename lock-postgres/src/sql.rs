@@ -46,6 +46,7 @@
 //! statement is run (resent after a notification, a conflict or a lost
 //! connection; cancelled safely) is in [`run`].
 
+mod index;
 mod line;
 mod locks;
 mod permits;
@@ -60,12 +61,12 @@ use sqlx::postgres::PgArguments;
 use sqlx::query::Query;
 use sqlx::{Execute, Postgres};
 
+pub(crate) use index::Index;
 pub use locks::StatementTexts;
 pub(crate) use locks::Statements;
 pub use permits::PermitStatementTexts;
 pub(crate) use permits::PermitStatements;
 pub(crate) use run::{send, send_alone, GiveBack, Reply};
-use sweep::create_table_with_index;
 pub(crate) use sweep::{Sweep, BATCH};
 
 /// How statements and their values are sent to the server.

@@ -11,6 +11,17 @@ use crate::backend::PostgresLock;
 use crate::errors;
 use crate::sql::{self, Arg, Call, Protocol, Sweep};
 
+/// An index's state in the catalog (`index::STATE`).
+enum IndexState {
+    Missing,
+    Valid,
+    /// Invalid while a concurrent build may be working on it.
+    Building,
+    /// Invalid, and no build is working on it: a failed or cancelled one
+    /// left it.
+    Invalid,
+}
+
 impl PostgresLock {
     /// Whether the catalog query `call` answers `exists = true`.
     pub(crate) async fn exists(&self, what: &str, call: Call) -> Result<bool, LockError> {
@@ -92,7 +103,6 @@ impl PostgresLock {
         self.prepare_index(
             "creating the index of waiter lines",
             &statements.waiter_index,
-            &statements.create_waiter_index,
             "each wake-up reads every waiter of its key",
         )
         .await;
@@ -106,19 +116,62 @@ impl PostgresLock {
         self.prepare_index(
             "creating the index of idle rows",
             &sweep.index,
-            &sweep.create_index,
             "the sweep reads more of the table without it",
         )
         .await;
     }
 
-    /// Creates the index `index` with `create` (`CREATE INDEX CONCURRENTLY`:
-    /// writes to the table go on meanwhile) unless it exists (a table this
-    /// client created got it with the table); if it cannot, logs a warning
-    /// that says what happens `without` it, and the client works on.
-    async fn prepare_index(&self, what: &str, index: &str, create: &Arc<sql::Sql>, without: &str) {
-        if let Err(e) = self.create_table(what, index, create).await {
-            tracing::warn!(index = %index, error = %e, "{what} failed; {without}");
+    /// Builds `index` on its table (`CREATE INDEX CONCURRENTLY`: writes to
+    /// the table go on meanwhile) unless it is valid or being built (a
+    /// table this client created got it with the table); one a failed or
+    /// cancelled build left invalid is dropped and built again. If it
+    /// cannot, logs a warning that says what happens `without` it, and the
+    /// client works on (the next client to start tries again).
+    async fn prepare_index(&self, what: &str, index: &sql::Index, without: &str) {
+        let ready = async {
+            match self.index_state(what, index).await? {
+                IndexState::Valid | IndexState::Building => return Ok(()),
+                IndexState::Invalid => {
+                    tracing::info!(index = %index.name, "{what}: dropping the index a failed build left invalid, to build it again");
+                    self.fetch(
+                        what,
+                        Call::new(Protocol::Simple, &index.drop, Vec::new()),
+                        None,
+                    )
+                    .await?;
+                }
+                IndexState::Missing => {}
+            }
+            let create = Call::new(Protocol::Simple, &index.create, Vec::new());
+            match self.fetch(what, create, None).await {
+                Ok(_) => Ok(()),
+                // Another client may have built it meanwhile.
+                Err(e) => match self.index_state(what, index).await {
+                    Ok(IndexState::Valid | IndexState::Building) => Ok(()),
+                    _ => Err(e),
+                },
+            }
+        };
+        if let Err(e) = self.config().client().timed(what, ready).await {
+            tracing::warn!(index = %index.name, error = %e, "{what} failed; {without}");
+        }
+    }
+
+    /// What the catalog says of `index`.
+    async fn index_state(&self, what: &str, index: &sql::Index) -> Result<IndexState, LockError> {
+        let call = self.call(&self.statements().index_state, vec![Arg::text(&index.name)]);
+        let row = self.fetch(what, call, None).await?.row.ok_or_else(|| {
+            LockError::corrupted(format!("{what}: the catalog query returned no row"))
+        })?;
+        let state: String = row.try_get("state").map_err(|e| errors::map(e, what))?;
+        match state.as_str() {
+            "missing" => Ok(IndexState::Missing),
+            "valid" => Ok(IndexState::Valid),
+            "building" => Ok(IndexState::Building),
+            "invalid" => Ok(IndexState::Invalid),
+            other => Err(LockError::corrupted(format!(
+                "{what}: the catalog query answered the index state {other:?}"
+            ))),
         }
     }
 

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use super::{create_table_with_index, line, Sql, Sweep};
+use super::{index, line, Index, Sql, Sweep};
 use crate::config::{FORMAT_TABLE, WAITER_INDEX, WAITER_TABLE};
 use crate::keys::{qualified_table, quote_identifier};
 use crate::listener::{HOLDER_SUFFIX, NEXT_SUFFIX};
@@ -166,11 +166,11 @@ pub(crate) struct Statements {
     pub waiter_table: String,
     /// Creates the table of waiter lines, with its index by arrival.
     pub create_waiter_table: Arc<Sql>,
-    /// The quoted, qualified index of the waiter table by arrival.
-    pub waiter_index: String,
-    /// Creates that index on a waiter table that exists without it (made by
-    /// an earlier version), without blocking writes to it.
-    pub create_waiter_index: Arc<Sql>,
+    /// The waiter table's index by arrival.
+    pub waiter_index: Index,
+    /// `$1` an index's quoted, qualified name -> `state text` (see
+    /// `index::STATE`).
+    pub index_state: Arc<Sql>,
     /// `$1` qualified table name -> `exists bool`: whether this role may
     /// read, add, change and delete its rows.
     pub table_writable: Arc<Sql>,
@@ -218,6 +218,7 @@ impl Statements {
     pub(crate) fn new(schema: &str, table: &str) -> Self {
         let t = qualified_table(schema, table);
         let w = qualified_table(schema, WAITER_TABLE);
+        let waiter_index = Index::new(line::CREATE_INDEX, schema, WAITER_TABLE, WAITER_INDEX);
         let sql = |template: &str| Arc::new(Sql::with_tables(template, &t, &w));
         let format_table = qualified_table(schema, FORMAT_TABLE);
         let marker = |template: &str| Arc::new(Sql::new(template, &format_table));
@@ -339,8 +340,8 @@ impl Statements {
         let release_all =
             "(SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done";
         let (wake, release_one) = line::release_next("$7", "$8", line::Wake::Renew);
+        let sweep = Sweep::locks(schema, table);
         Self {
-            sweep: Sweep::locks(schema, table),
             release: sql(&release("", release_all, Some(7))),
             release_next: sql(&release(&wake, &release_one, Some(9))),
             leave: sql(&line::leave(
@@ -350,17 +351,9 @@ impl Statements {
             turn_column: sql(line::TURN_COLUMN),
             add_turn_column: Arc::new(Sql::new(line::ADD_TURN_COLUMN, &w)),
             waiter_table: w.clone(),
-            create_waiter_table: Arc::new(Sql::with_tables(
-                &format!("{}; {}", line::CREATE_TABLE, line::CREATE_INDEX),
-                &w,
-                &quote_identifier(WAITER_INDEX),
-            )),
-            waiter_index: qualified_table(schema, WAITER_INDEX),
-            create_waiter_index: Arc::new(Sql::with_tables(
-                &line::CREATE_INDEX.replace("INDEX", "INDEX CONCURRENTLY"),
-                &w,
-                &quote_identifier(WAITER_INDEX),
-            )),
+            create_waiter_table: waiter_index.with_table(line::CREATE_TABLE),
+            waiter_index,
+            index_state: sql(index::STATE),
             table_writable: sql("SELECT has_table_privilege($1, 'SELECT') AND has_table_privilege($1, 'INSERT')
                     AND has_table_privilege($1, 'UPDATE') AND has_table_privilege($1, 'DELETE') AS exists"),
             create_format_table: marker(
@@ -393,7 +386,7 @@ impl Statements {
                 &quote_identifier(schema),
             )),
             table_exists: sql("SELECT pg_catalog.to_regclass($1) IS NOT NULL AS exists"),
-            create_table: create_table_with_index(
+            create_table: sweep.index.with_table(
                 "CREATE TABLE IF NOT EXISTS {t} (
                     namespace text NOT NULL,
                     key text NOT NULL,
@@ -404,8 +397,6 @@ impl Statements {
                     holder_owner text,
                     PRIMARY KEY (namespace, key)
                 )",
-                schema,
-                table,
             ),
             acquire: sql(&format!("WITH {} {plain}", taken(Some((6, 7)), false))),
             acquire_queued: sql(&queued_acquire(&taken(Some((8, 9)), true), &derived_next)),
@@ -480,6 +471,7 @@ impl Statements {
                        h.owner AS owner, h.fencing AS fencing
                 FROM (VALUES (1)) AS one (x)
                 LEFT JOIN {t} AS h ON h.namespace = $1 AND h.key = $2"),
+            sweep,
         }
     }
 }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::locks::{given_up, late_send, micros, GIVEN_UP_BEFORE};
-use super::{create_table_with_index, line, Sql, Sweep};
+use super::{line, Sql, Sweep};
 use crate::config::WAITER_TABLE;
 use crate::keys::qualified_table;
 
@@ -337,9 +337,9 @@ impl PermitStatements {
                 well_formed_t = well_formed("t"),
             )
         };
+        let sweep = Sweep::permits(schema, table, &well_formed("{a}"));
         Self {
-            sweep: Sweep::permits(schema, table, &well_formed("{a}")),
-            create_table: create_table_with_index(
+            create_table: sweep.index.with_table(
                 "CREATE TABLE IF NOT EXISTS {t} (
                     namespace text NOT NULL,
                     key text NOT NULL,
@@ -352,8 +352,6 @@ impl PermitStatements {
                     holders jsonb,
                     PRIMARY KEY (namespace, key)
                 )",
-                schema,
-                table,
             ),
             acquire: sql(&acquire("", Some("$7"))),
             acquire_queued: sql(&acquire(&queued, Some("$9"))),
@@ -401,6 +399,7 @@ impl PermitStatements {
                 ),
                 line::Wake::Pop,
             )),
+            sweep,
         }
     }
 }

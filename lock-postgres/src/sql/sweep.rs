@@ -26,22 +26,11 @@
 use std::sync::Arc;
 
 use super::locks::micros;
-use super::Sql;
-use crate::keys::{fencing_index_name, qualified_table, quote_identifier};
+use super::{Index, Sql};
+use crate::keys::{fencing_index_name, qualified_table};
 
-/// Creates the index of table `{t}` named `{w}` that the sweep reads.
+/// The index of table `{t}` named `{w}` that the sweep reads.
 const CREATE_INDEX: &str = "CREATE INDEX IF NOT EXISTS {w} ON {t} (namespace, fencing)";
-
-/// `create_table` (a `CREATE TABLE IF NOT EXISTS` of table `{t}`) followed
-/// by the creation of its sweep index, in one implicit transaction: on a
-/// table it has just created, a plain `CREATE INDEX` is instant.
-pub(crate) fn create_table_with_index(create_table: &str, schema: &str, table: &str) -> Arc<Sql> {
-    Arc::new(Sql::with_tables(
-        &format!("{create_table}; {CREATE_INDEX}"),
-        &qualified_table(schema, table),
-        &quote_identifier(&fencing_index_name(table)),
-    ))
-}
 
 /// How many rows one sweep statement deletes at most.
 pub(crate) const BATCH: i64 = 100;
@@ -49,12 +38,8 @@ pub(crate) const BATCH: i64 = 100;
 /// The sweep's statements for one table (of locks or of semaphores).
 #[derive(Debug, Clone)]
 pub(crate) struct Sweep {
-    /// The quoted, qualified name of the table's index on `(namespace,
-    /// fencing)`.
-    pub index: String,
-    /// Creates that index on a table that exists without it (made by an
-    /// earlier version, or by a DBA), without blocking writes to it.
-    pub create_index: Arc<Sql>,
+    /// The table's index on `(namespace, fencing)`.
+    pub index: Index,
     /// `$1` namespace, `$2` retention in ms, `$3` batch size -> `done
     /// bigint`: deletes up to `$3` rows of namespace `$1` nobody has held
     /// for `$2` (see the module docs).
@@ -92,7 +77,6 @@ impl Sweep {
     /// enough.
     fn new(schema: &str, table: &str, idle: &str) -> Self {
         let t = qualified_table(schema, table);
-        let index = fencing_index_name(table);
         let cut = format!("{} - $2::bigint * 1000", micros("statement_timestamp()"));
         let reclaimable = |a: &str| {
             format!(
@@ -101,12 +85,7 @@ impl Sweep {
             )
         };
         Self {
-            create_index: Arc::new(Sql::with_tables(
-                &CREATE_INDEX.replace("INDEX", "INDEX CONCURRENTLY"),
-                &t,
-                &quote_identifier(&index),
-            )),
-            index: qualified_table(schema, &index),
+            index: Index::new(CREATE_INDEX, schema, table, &fencing_index_name(table)),
             delete: Arc::new(Sql::new(
                 &format!(
                     "WITH doomed AS (

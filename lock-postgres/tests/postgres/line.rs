@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use distlock_core::{Lease, LockError, LockKey, OwnerToken};
-use distlock_postgres::{channel_name, PgPool, WAITER_INDEX, WAITER_TABLE};
+use distlock_postgres::{channel_name, PgPool, DEFAULT_TABLE, WAITER_INDEX, WAITER_TABLE};
 use tokio::task::JoinHandle;
 
 use super::support::*;
@@ -464,6 +464,58 @@ async fn the_waiter_table_gets_its_index_by_arrival() {
         assert!(
             index.contains("(lock_table, namespace, key, arrival, member)"),
             "{index}"
+        );
+    }
+}
+
+/// A `CREATE INDEX CONCURRENTLY` that fails or is cancelled (the
+/// operation timeout cancels it) leaves its index in the catalog marked
+/// invalid: kept up to date, never read. A client that starts finds it
+/// invalid with no build working on it, drops it and builds it again;
+/// its name alone does not pass for done.
+#[tokio::test]
+async fn an_index_a_failed_build_left_invalid_is_built_again() {
+    let admin_client = client("index-admin").await;
+    let schema = unique_name("invalid_ix");
+    let url = format!("{}?schema={schema}&namespace=ix", server().url());
+    drop(Pg::connect(&url).await);
+    let indexes = [WAITER_INDEX.to_owned(), format!("{DEFAULT_TABLE}_fencing")];
+    let valid = |index: String| {
+        let (pool, schema) = (admin_client.pool().clone(), schema.clone());
+        async move {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT i.indisvalid FROM pg_index AS i
+                 WHERE i.indexrelid = pg_catalog.to_regclass(quote_ident($1) || '.' || quote_ident($2))",
+            )
+            .bind(schema)
+            .bind(index)
+            .fetch_optional(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    for index in &indexes {
+        assert_eq!(
+            valid(index.clone()).await,
+            Some(true),
+            "{index} after the first start"
+        );
+        // As a failed concurrent build leaves it.
+        admin(
+            &admin_client,
+            &format!(
+                "UPDATE pg_catalog.pg_index SET indisvalid = false
+                 WHERE indexrelid = '{schema}.{index}'::regclass"
+            ),
+        )
+        .await;
+    }
+    let _lock = Pg::connect(&url).await;
+    for index in &indexes {
+        assert_eq!(
+            valid(index.clone()).await,
+            Some(true),
+            "{index} was left invalid by the next client's start"
         );
     }
 }
