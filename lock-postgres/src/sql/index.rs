@@ -69,13 +69,15 @@ impl Index {
 
 /// `$1` the quoted, qualified index name -> `state text`: `missing`,
 /// `valid`, `building` (invalid while a build may be working on it:
-/// another client's `CREATE INDEX CONCURRENTLY`; a build this role may
-/// not see counts), or `invalid` (a build failed or was cancelled).
+/// another client's `CREATE INDEX CONCURRENTLY`; in this database, as
+/// OIDs are per database; a build whose table this role may not see
+/// counts), or `invalid` (a build failed or was cancelled).
 pub(crate) const STATE: &str = "SELECT CASE
         WHEN i.indexrelid IS NULL THEN 'missing'
         WHEN i.indisvalid THEN 'valid'
         WHEN EXISTS (SELECT 1 FROM pg_catalog.pg_stat_progress_create_index AS p
-                     WHERE p.index_relid = i.indexrelid OR p.relid IS NULL) THEN 'building'
+                     WHERE p.datname = pg_catalog.current_database()
+                       AND (p.index_relid = i.indexrelid OR p.relid IS NULL)) THEN 'building'
         ELSE 'invalid'
     END AS state
     FROM (VALUES (1)) AS one (x)
