@@ -11,9 +11,9 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use distlock_core::{
-    AcquireReply, AcquireRequest, Capabilities, ExtendReply, HeldLock, LockAdmin, LockBackend,
-    LockClient, LockError, LockKey, LockState, OwnerToken, PermitReply, PermitRequest, PermitState,
-    ReleaseNotifier, ReleaseReply, ReleaseWatch, SemaphoreBackend,
+    AcquireReply, AcquireRequest, Capabilities, Departure, ExtendReply, HeldLock, LockAdmin,
+    LockBackend, LockClient, LockError, LockKey, LockState, OwnerToken, PermitReply, PermitRequest,
+    PermitState, ReleaseNotifier, ReleaseReply, ReleaseWatch, SemaphoreBackend,
 };
 use tokio::sync::watch;
 
@@ -346,41 +346,65 @@ async fn travel(link: &Shared, index: usize, direction: Direction, epoch: u64) -
     until_passing(&mut state, epoch, direction).await
 }
 
-/// Passes the inner client's release notifications for `key` across the
-/// link (delayed, held back by black holes and while down, never lost)
-/// until the key has no local waiters.
-async fn forward(
+/// How long the leave of a closed watch may take to cross the link (a
+/// hold or black hole that outlasts it counts as a cut connection, which
+/// the server notices: the waiter leaves its line then).
+const LEAVE_BOUND: Duration = DEFAULT_OPERATION_TIMEOUT;
+
+/// One waiter's watch across the link.
+struct Forwarding {
     link: Arc<Shared>,
     index: usize,
     notifier: ReleaseNotifier,
+    /// The waiter's local channel.
     key: String,
-    mut inner: ReleaseWatch,
-    closed: impl Future<Output = ()>,
-) {
-    tokio::pin!(closed);
-    loop {
-        tokio::select! {
-            _ = &mut closed => return,
-            woke = inner.released() => if woke.is_err() { return },
-        }
+}
+
+impl Forwarding {
+    /// Passes the inner client's release notifications for the waiter
+    /// across the link (delayed, held back by black holes and while down,
+    /// never lost) until it has no local watch; then its leave crosses
+    /// the link (as a request does: delayed, held back, at most
+    /// [`LEAVE_BOUND`]), the inner watch closes, and `departure` ends.
+    async fn run(
+        self,
+        mut inner: ReleaseWatch,
+        closed: impl Future<Output = ()>,
+        departure: Departure,
+    ) {
+        tokio::pin!(closed);
         loop {
-            let epoch = {
-                let state = link.state.borrow();
-                (!state.down).then_some(state.epoch)
-            };
-            let delivered = match epoch {
-                Some(epoch) => travel(&link, index, Direction::ToClient, epoch).await,
-                None => {
-                    let mut state = link.state.subscribe();
-                    let _ = state.wait_for(|s| !s.down).await;
-                    false
-                }
-            };
-            if delivered {
-                break;
+            tokio::select! {
+                _ = &mut closed => break,
+                woke = inner.released() => if woke.is_err() { break },
             }
+            loop {
+                let delivered = match self.epoch() {
+                    Some(epoch) => travel(&self.link, self.index, Direction::ToClient, epoch).await,
+                    None => {
+                        let mut state = self.link.state.subscribe();
+                        let _ = state.wait_for(|s| !s.down).await;
+                        false
+                    }
+                };
+                if delivered {
+                    break;
+                }
+            }
+            self.notifier.notify(&self.key);
         }
-        notifier.notify(&key);
+        if let Some(epoch) = self.epoch() {
+            let leave = travel(&self.link, self.index, Direction::ToServer, epoch);
+            let _ = tokio::time::timeout(LEAVE_BOUND, leave).await;
+        }
+        inner.close(LEAVE_BOUND).await;
+        drop(departure);
+    }
+
+    /// The link's connection epoch, or `None` while it is down.
+    fn epoch(&self) -> Option<u64> {
+        let state = self.link.state.borrow();
+        (!state.down).then_some(state.epoch)
     }
 }
 
@@ -455,17 +479,29 @@ impl LinkedLock {
         let Some(inner) = inner else {
             return Ok(None);
         };
-        let (link, index, fan_out) = (self.link.clone(), self.index, notifier.clone());
         let channel = format!("{}/{}", key.as_str(), waiter.to_hex());
-        let watch = notifier
-            .subscribe(&channel.clone(), move || async move {
-                // The channel is this waiter's alone: its inner watch is
-                // dropped with it (the backend learns the wait ended).
-                let closed = fan_out.closed(&channel);
-                tokio::spawn(forward(link, index, fan_out, channel, inner, closed));
-                Ok(())
+        let mut created = false;
+        let mut watch = notifier
+            .subscribe(&channel, || {
+                created = true;
+                async { Ok(()) }
             })
             .await?;
+        if created {
+            // The channel is this waiter's alone: its inner watch is
+            // dropped with it (the backend learns the wait ended), after
+            // the leave crossed the link; a closing wait waits for that,
+            // as for a real backend's leave request.
+            let departure = watch.departure();
+            let closed = notifier.closed(&channel);
+            let forwarding = Forwarding {
+                link: self.link.clone(),
+                index: self.index,
+                notifier: notifier.clone(),
+                key: channel,
+            };
+            tokio::spawn(forwarding.run(inner, closed, departure));
+        }
         Ok(Some(watch))
     }
 
@@ -588,5 +624,63 @@ mod tests {
         assert!(Link::attach("", server.client()).is_ok());
         let stale = Link::attach("link://0", server.client()).unwrap_err();
         assert_eq!(stale.kind(), ErrorKind::Config);
+    }
+
+    /// A waiter's leave is a request like any other: it crosses the link
+    /// (here held back on its way), the waiter keeps its place in the
+    /// server's line until it arrives, and closing the watch returns only
+    /// then. The link used to drop the inner watch in-process as soon as
+    /// its forwarder ran, whatever the link did to requests, so a wait
+    /// could return before its leave was done (or, on a loaded machine,
+    /// long before the forwarder ran: the suite's
+    /// `handoff::a_timed_out_wait_gives_up_its_place` then failed on the
+    /// in-process control).
+    #[tokio::test]
+    async fn a_closed_watchs_leave_crosses_the_link() {
+        let server = MemoryLock::new();
+        let link = Link::new();
+        let waiter = Link::attach(&link.url(), server.client()).unwrap();
+        let (holder, other) = (server.client(), server.client());
+        let key = LockKey::new("link-leave").unwrap();
+        let ttl = Duration::from_secs(60);
+        let lease = holder.try_acquire(&key, ttl).await.unwrap();
+        let lease = lease.lease().expect("a free key").clone();
+        let owner = OwnerToken::random();
+        let watch = waiter.backend().watch(&key, owner).await.unwrap();
+        let watch = watch.expect("the memory backend wakes waiters");
+        let request = AcquireRequest {
+            key: &key,
+            owner,
+            ttl,
+            renewing: false,
+            settling: false,
+            holder: None,
+        };
+        let refused = waiter.backend().acquire(request).await.unwrap();
+        assert!(matches!(refused, AcquireReply::Held { .. }), "{refused:?}");
+
+        link.hold(Direction::ToServer);
+        let closing = tokio::spawn(watch.close(Duration::from_secs(3600)));
+        // Not a synchronisation: time for the forwarder to run, so that a
+        // leave that ignores the link is done by now.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        holder.release(&lease).await.unwrap();
+        let cut_in = other.try_acquire(&key, ttl).await.unwrap();
+        assert!(
+            cut_in.lease().is_none(),
+            "the waiter left its line before its leave crossed the link"
+        );
+        assert!(
+            !closing.is_finished(),
+            "the close returned before the leave arrived"
+        );
+
+        link.pass(Direction::ToServer);
+        closing.await.unwrap();
+        let taken = other.try_acquire(&key, ttl).await.unwrap();
+        assert!(
+            taken.lease().is_some(),
+            "the key stayed with the departed waiter's turn"
+        );
     }
 }
