@@ -25,8 +25,16 @@ enum IndexState {
 impl PostgresLock {
     /// Whether the catalog query `call` answers `exists = true`.
     pub(crate) async fn exists(&self, what: &str, call: Call) -> Result<bool, LockError> {
+        self.catalog(what, call, "exists").await
+    }
+
+    /// The `column` of the one row the catalog query `call` answers.
+    async fn catalog<T>(&self, what: &str, call: Call, column: &str) -> Result<T, LockError>
+    where
+        T: for<'r> sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
+    {
         match self.fetch(what, call, None).await?.row {
-            Some(row) => row.try_get("exists").map_err(|e| errors::map(e, what)),
+            Some(row) => row.try_get(column).map_err(|e| errors::map(e, what)),
             None => Err(LockError::corrupted(format!(
                 "{what}: the catalog query returned no row"
             ))),
@@ -160,10 +168,7 @@ impl PostgresLock {
     /// What the catalog says of `index`.
     async fn index_state(&self, what: &str, index: &sql::Index) -> Result<IndexState, LockError> {
         let call = self.call(&self.statements().index_state, vec![Arg::text(&index.name)]);
-        let row = self.fetch(what, call, None).await?.row.ok_or_else(|| {
-            LockError::corrupted(format!("{what}: the catalog query returned no row"))
-        })?;
-        let state: String = row.try_get("state").map_err(|e| errors::map(e, what))?;
+        let state: String = self.catalog(what, call, "state").await?;
         match state.as_str() {
             "missing" => Ok(IndexState::Missing),
             "valid" => Ok(IndexState::Valid),

@@ -426,14 +426,18 @@ async fn a_waiter_table_of_the_previous_version_gets_the_turn_column() {
     assert!(capabilities.wakes_one_waiter && capabilities.fair_handoff);
 }
 
-/// The definition of index `index` in `schema`, if there is one.
-async fn index_def(pool: &PgPool, schema: &str, index: &str) -> Option<String> {
-    sqlx::query_scalar("SELECT indexdef FROM pg_indexes WHERE schemaname = $1 AND indexname = $2")
-        .bind(schema)
-        .bind(index)
-        .fetch_optional(pool)
-        .await
-        .unwrap()
+/// The definition of index `index` in `schema` and whether it is valid,
+/// if there is one.
+async fn index_of(pool: &PgPool, schema: &str, index: &str) -> Option<(String, bool)> {
+    sqlx::query_as(
+        "SELECT pg_catalog.pg_get_indexdef(i.indexrelid), i.indisvalid FROM pg_catalog.pg_index AS i
+         WHERE i.indexrelid = pg_catalog.to_regclass(quote_ident($1) || '.' || quote_ident($2))",
+    )
+    .bind(schema)
+    .bind(index)
+    .fetch_optional(pool)
+    .await
+    .unwrap()
 }
 
 /// The waiter table has an index by arrival, so a statement reads a line's
@@ -458,7 +462,7 @@ async fn the_waiter_table_gets_its_index_by_arrival() {
     .await;
     for schema in [&fresh, &old] {
         let _lock = Pg::connect(&format!("{}?schema={schema}&namespace=ix", server().url())).await;
-        let index = index_def(admin_client.pool(), schema, WAITER_INDEX)
+        let (index, _) = index_of(admin_client.pool(), schema, WAITER_INDEX)
             .await
             .unwrap_or_else(|| panic!("no index {WAITER_INDEX} in schema {schema}"));
         assert!(
@@ -480,23 +484,10 @@ async fn an_index_a_failed_build_left_invalid_is_built_again() {
     let url = format!("{}?schema={schema}&namespace=ix", server().url());
     drop(Pg::connect(&url).await);
     let indexes = [WAITER_INDEX.to_owned(), format!("{DEFAULT_TABLE}_fencing")];
-    let valid = |index: String| {
-        let (pool, schema) = (admin_client.pool().clone(), schema.clone());
-        async move {
-            sqlx::query_scalar::<_, bool>(
-                "SELECT i.indisvalid FROM pg_index AS i
-                 WHERE i.indexrelid = pg_catalog.to_regclass(quote_ident($1) || '.' || quote_ident($2))",
-            )
-            .bind(schema)
-            .bind(index)
-            .fetch_optional(&pool)
-            .await
-            .unwrap()
-        }
-    };
+    let pool = admin_client.pool();
     for index in &indexes {
         assert_eq!(
-            valid(index.clone()).await,
+            index_of(pool, &schema, index).await.map(|(_, valid)| valid),
             Some(true),
             "{index} after the first start"
         );
@@ -513,7 +504,7 @@ async fn an_index_a_failed_build_left_invalid_is_built_again() {
     let _lock = Pg::connect(&url).await;
     for index in &indexes {
         assert_eq!(
-            valid(index.clone()).await,
+            index_of(pool, &schema, index).await.map(|(_, valid)| valid),
             Some(true),
             "{index} was left invalid by the next client's start"
         );
