@@ -1,7 +1,7 @@
 //! A backend wrapper that lets a test see what went through it, and bend it:
 //! late replies, held requests, injected errors.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,6 +24,9 @@ pub enum Call {
     Extend,
     /// `release`.
     Release,
+    /// `watch` and `watch_permits` (a waiter's registration; only requests
+    /// are held).
+    Watch,
 }
 
 /// Where a held call waits: before the request reaches the backend, or
@@ -32,6 +35,8 @@ pub enum Call {
 enum Point {
     Request,
     Reply,
+    /// The reply of an attempt in line ([`ObservedLock::attempts_in_line`]).
+    InLineReply,
 }
 
 #[derive(Default)]
@@ -118,6 +123,9 @@ impl Granted {
 pub struct ObservedLock {
     inner: Arc<dyn LockBackend>,
     attempts: AtomicU64,
+    attempts_in_line: AtomicU64,
+    /// Owner tokens a watch (of the lock or of permits) was registered for.
+    watched: Mutex<HashSet<OwnerToken>>,
     granted: Mutex<Vec<Granted>>,
     faults: Mutex<Faults>,
     opened: Notify,
@@ -160,6 +168,8 @@ impl ObservedLock {
         Self {
             inner: client.into().backend().clone(),
             attempts: AtomicU64::new(0),
+            attempts_in_line: AtomicU64::new(0),
+            watched: Mutex::new(HashSet::new()),
             granted: Mutex::new(Vec::new()),
             faults: Mutex::new(Faults::default()),
             opened: Notify::new(),
@@ -171,6 +181,54 @@ impl ObservedLock {
     /// Acquisition attempts so far (`try_acquire` and `try_acquire_renewing`).
     pub fn attempts(&self) -> u64 {
         self.attempts.load(Ordering::SeqCst)
+    }
+
+    /// Acquisition attempts that may join a waiter line: all of them,
+    /// except, where the backend declares
+    /// [`attempt_before_watch`](Capabilities::attempt_before_watch), those
+    /// made before their owner registered a watch (a waiting acquire's
+    /// first attempt, which never joins a line). A waiter whose first such
+    /// attempt was refused is in line.
+    pub fn attempts_in_line(&self) -> u64 {
+        self.attempts_in_line.load(Ordering::SeqCst)
+    }
+
+    /// Holds the replies of the attempts in line
+    /// ([`attempts_in_line`](Self::attempts_in_line)) until
+    /// [`open`](Self::open)`(Call::Acquire)`, as
+    /// [`hold_replies`](Self::hold_replies) holds every reply.
+    pub fn hold_replies_in_line(&self) {
+        self.faults()
+            .holds
+            .insert((Call::Acquire, Point::InLineReply), 0);
+    }
+
+    /// Whether an attempt of `owner` now may join a line (see
+    /// [`attempts_in_line`](Self::attempts_in_line)).
+    fn in_line(&self, owner: OwnerToken) -> bool {
+        !self.inner.capabilities().attempt_before_watch
+            || self
+                .watched
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(&owner)
+    }
+
+    fn watched(&self, owner: OwnerToken) {
+        self.watched
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(owner);
+    }
+
+    /// Counts one attempt (`in_line`: see [`in_line`](Self::in_line)), and
+    /// holds the reply of one in line while told to.
+    async fn attempted(&self, in_line: bool) {
+        self.attempts.fetch_add(1, Ordering::SeqCst);
+        if in_line {
+            self.attempts_in_line.fetch_add(1, Ordering::SeqCst);
+            self.gate(Call::Acquire, Point::InLineReply).await;
+        }
     }
 
     /// `inspect` calls answered so far (counted once the backend replied,
@@ -331,13 +389,11 @@ impl ObservedLock {
     ) -> Result<AcquireReply, LockError> {
         if let Ok(AcquireReply::Granted(grant)) = &reply {
             self.record(request.key, request.owner, *grant, false);
-        } else {
-            self.attempts.fetch_add(1, Ordering::SeqCst);
         }
         reply
     }
 
-    /// Counts one attempt that was granted `grant`.
+    /// Records one attempt that was granted `grant`.
     fn record(&self, key: &LockKey, owner: OwnerToken, grant: Grant, permit: bool) {
         self.granted
             .lock()
@@ -348,7 +404,6 @@ impl ObservedLock {
                 grant,
                 permit,
             });
-        self.attempts.fetch_add(1, Ordering::SeqCst);
     }
 }
 
@@ -364,8 +419,11 @@ impl LockBackend for ObservedLock {
     }
 
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError> {
+        let in_line = self.in_line(request.owner);
         self.around(Call::Acquire, request.key, async {
-            self.observe(&request, self.inner.acquire(request).await)
+            let reply = self.observe(&request, self.inner.acquire(request).await);
+            self.attempted(in_line).await;
+            reply
         })
         .await
     }
@@ -403,6 +461,8 @@ impl LockBackend for ObservedLock {
         key: &LockKey,
         waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
+        self.gate(Call::Watch, Point::Request).await;
+        self.watched(waiter);
         self.inner.watch(key, waiter).await
     }
 
@@ -458,16 +518,13 @@ impl LockAdmin for ObservedLock {
 impl SemaphoreBackend for ObservedLock {
     async fn acquire_permit(&self, request: PermitRequest<'_>) -> Result<PermitReply, LockError> {
         let semaphore = self.inner.semaphore().ok_or_else(no_semaphore)?;
+        let in_line = self.in_line(request.owner);
         self.around(Call::Acquire, request.key, async {
             let reply = semaphore.acquire_permit(request).await;
-            match &reply {
-                Ok(PermitReply::Granted(grant)) => {
-                    self.record(request.key, request.owner, *grant, true)
-                }
-                _ => {
-                    self.attempts.fetch_add(1, Ordering::SeqCst);
-                }
+            if let Ok(PermitReply::Granted(grant)) = &reply {
+                self.record(request.key, request.owner, *grant, true);
             }
+            self.attempted(in_line).await;
             reply
         })
         .await
@@ -499,6 +556,8 @@ impl SemaphoreBackend for ObservedLock {
         limit: u32,
         waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
+        self.gate(Call::Watch, Point::Request).await;
+        self.watched(waiter);
         self.inner
             .semaphore()
             .ok_or_else(no_semaphore)?

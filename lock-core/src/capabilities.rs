@@ -75,6 +75,15 @@ pub struct Capabilities {
     /// then checks an observer is woken with no poll to fall back on
     /// (`election::observers_woken_by_the_server`).
     pub holder_watch: bool,
+    /// Registering a waiter ([`LockBackend::watch`](crate::LockBackend::watch))
+    /// costs the server a request of its own (a subscription, a queue
+    /// entry written through consensus), which an attempt on a free key
+    /// does not need: a waiting acquire then makes its first attempt
+    /// before registering, and registers (and attempts again at once)
+    /// only when refused. Off (the default): it registers first, so its
+    /// first refused attempt already joins the line. Either way no release
+    /// is missed: every registration is followed by an attempt.
+    pub attempt_before_watch: bool,
 }
 
 impl Default for Capabilities {
@@ -92,6 +101,7 @@ impl Default for Capabilities {
             holder_ids: false,
             permit_holder_ids: false,
             holder_watch: false,
+            attempt_before_watch: false,
         }
     }
 }

@@ -21,7 +21,10 @@ use crate::{
 /// missing replica); with `corrupt_extends` every extend answers
 /// `Corrupted` (foreign data at the key); with `resent_releases` every
 /// release is applied and then answered `NotHeldAfterResend` (its first
-/// send's reply was lost, and the resend found the lock gone).
+/// send's reply was lost, and the resend found the lock gone). With
+/// `attempt_before_watch` it declares that capability, and a registration
+/// first releases `released_on_watch` (a release landing between a refused
+/// attempt and the waiter's registration).
 #[derive(Debug, Default)]
 struct Faulty {
     server: MemoryLock,
@@ -33,6 +36,9 @@ struct Faulty {
     settling_attempts: AtomicUsize,
     /// Signalled when a stalled attempt has been applied.
     applied: tokio::sync::Notify,
+    attempt_before_watch: bool,
+    watches: AtomicUsize,
+    released_on_watch: std::sync::Mutex<Option<(LockClient, crate::Lease)>>,
 }
 
 #[async_trait]
@@ -42,7 +48,10 @@ impl LockBackend for Faulty {
     }
 
     fn capabilities(&self) -> Capabilities {
-        self.server.capabilities()
+        Capabilities {
+            attempt_before_watch: self.attempt_before_watch,
+            ..self.server.capabilities()
+        }
     }
 
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError> {
@@ -87,6 +96,11 @@ impl LockBackend for Faulty {
         key: &LockKey,
         waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
+        self.watches.fetch_add(1, Ordering::SeqCst);
+        let release = self.released_on_watch.lock().unwrap().take();
+        if let Some((client, lease)) = release {
+            client.release(&lease).await?;
+        }
         self.server.watch(key, waiter).await
     }
 }
@@ -337,4 +351,61 @@ async fn frozen_runtime_sees_lost_first() {
     assert_eq!(guard.lost_signal().reason(), Some(LostReason::Expired));
     assert!(guard.while_held(async { "the job ran" }).await.is_err());
     assert_eq!(guard.lost().await, LostReason::Expired);
+}
+
+/// A backend whose watch costs a request: a waiting acquire of a free key
+/// takes it with one attempt and no registration; one that registers
+/// first (the default) registers even then.
+#[tokio::test]
+async fn a_free_key_is_taken_without_a_watch_where_watching_costs_a_request() {
+    for attempt_before_watch in [true, false] {
+        let backend = Arc::new(Faulty {
+            attempt_before_watch,
+            ..Faulty::default()
+        });
+        let client = LockClient::new(backend.clone());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let lease = client.acquire(&key(), TTL, deadline).await.unwrap();
+        assert!(lease.is_some(), "a free key is taken");
+        assert_eq!(backend.attempts.load(Ordering::SeqCst), 1);
+        let watches = backend.watches.load(Ordering::SeqCst);
+        assert_eq!(
+            watches,
+            usize::from(!attempt_before_watch),
+            "with attempt_before_watch = {attempt_before_watch}"
+        );
+    }
+}
+
+/// Refused before registering, a waiting acquire registers and attempts
+/// again at once: a release that lands between the refusal and the
+/// registration (which no watch registered after it can report) is seen
+/// by that attempt, not at the holder's expiry, long after the wait ends.
+#[tokio::test]
+async fn a_release_before_the_watch_of_a_refused_first_attempt_is_not_missed() {
+    let backend = Arc::new(Faulty {
+        attempt_before_watch: true,
+        ..Faulty::default()
+    });
+    let holder = backend.server.client();
+    let held = holder
+        .try_acquire(&key(), TTL)
+        .await
+        .unwrap()
+        .lease()
+        .unwrap();
+    *backend.released_on_watch.lock().unwrap() = Some((holder, held));
+    let client = LockClient::new(backend.clone());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let lease = client.acquire(&key(), TTL, deadline).await.unwrap();
+    assert!(
+        lease.is_some(),
+        "the release before the watch was missed: the wait ran out while the key was free"
+    );
+    assert_eq!(backend.watches.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        backend.attempts.load(Ordering::SeqCst),
+        2,
+        "refused, then granted after registering"
+    );
 }

@@ -130,6 +130,11 @@ pub(crate) async fn acquire_until_cancelled(
     let mut owner = OwnerToken::random();
     // Whether the last attempt failed after it may have reached the server.
     let mut unknown = false;
+    // Where registering costs a request, attempts go unregistered until
+    // the first refusal (a free key needs no watch, nor does the retry of
+    // an attempt whose outcome is unknown); then the loop registers and
+    // attempts again at once.
+    let mut unregistered = caps.native_wait && caps.attempt_before_watch;
     loop {
         if cancel.is_cancelled() {
             return Ok(settle(client, key, ttl, attempt, owner, unknown).await);
@@ -139,7 +144,7 @@ pub(crate) async fn acquire_until_cancelled(
         // names this waiter by its owner token (a server that wakes one
         // waiter per release queues it by that token).
         let mut watch_error = None;
-        if watch.is_none() && caps.native_wait && Instant::now() < deadline {
+        if watch.is_none() && caps.native_wait && !unregistered && Instant::now() < deadline {
             let subscribed = match attempt.permits {
                 None => client.raw().watch(key, owner).await,
                 Some(limit) => client.watch_permits(key, limit, owner).await,
@@ -203,6 +208,12 @@ pub(crate) async fn acquire_until_cancelled(
                     return Ok(None);
                 }
                 backoff = BACKOFF_MIN;
+                if unregistered {
+                    // Refused before registering: register, then attempt
+                    // again (a release since is seen by that attempt).
+                    unregistered = false;
+                    continue;
+                }
                 let mut wake_at = deadline;
                 if let Some(expires_in) = expires_in {
                     wake_at = wake_at.min(later(now, expires_in.saturating_add(EXPIRY_SLACK)));

@@ -350,6 +350,9 @@ impl LockBackend for EtcdLock {
             // Beside each permit, on its lease (see `keys`).
             permit_holder_ids: true,
             holder_watch: true,
+            // A watch writes a queue entry through Raft (and its delete
+            // after): a free key needs neither.
+            attempt_before_watch: true,
             ..Capabilities::default()
         }
     }
@@ -363,12 +366,16 @@ impl LockBackend for EtcdLock {
         // that could write is logged and committed even when its compare
         // fails) nor a lease.
         // The probe and the acquire share one operation timeout.
+        // So does an attempt not in line while one of this client's waiters
+        // is (a crowd of one process: a holder that released and asks
+        // again); the entry read is that waiter's.
         let deadline = self.etcd().requests.deadline();
-        if let Some(seat) = seat.as_deref().filter(|seat| seat.expects_refusal()) {
-            let probe = txn::probe(
-                &self.etcd().layout.lock_key(request.key),
-                seat.ahead().as_deref(),
-            );
+        let probe_ahead = match seat.as_deref() {
+            Some(seat) => seat.expects_refusal().then(|| seat.ahead()),
+            None => self.inner.queues.entry_in_line(request.key).map(Some),
+        };
+        if let Some(ahead) = probe_ahead {
+            let probe = txn::probe(&self.etcd().layout.lock_key(request.key), ahead.as_deref());
             let reply = self
                 .etcd()
                 .run_txn_until(deadline, IN_LOCK_CALL, Repeat::Safe, probe)

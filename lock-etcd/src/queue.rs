@@ -203,6 +203,19 @@ impl Queues {
         (turn, seat)
     }
 
+    /// The queue entry of one of this client's waiters in `key`'s lock
+    /// line, if any: while it exists, an attempt that is not in line (a
+    /// `try_lock`, a waiting acquire's first attempt before it queues) is
+    /// refused, which a read of that one key tells.
+    pub(crate) fn entry_in_line(&self, key: &LockKey) -> Option<Vec<u8>> {
+        self.seats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .find(|seat| seat.key == *key && !seat.taken.load(Ordering::Acquire))
+            .map(|seat| seat.entry.clone())
+    }
+
     fn seat(&self, owner: OwnerToken, seat: &Arc<Seat>) {
         self.seats
             .lock()

@@ -246,7 +246,8 @@ pub(crate) fn probe(key: &[u8], ahead: Option<&[u8]>) -> Txn {
 
 /// What a [`probe`] found: `Some(refusal)` if the key is held by another
 /// owner or the entry ahead is still there, before `turn`'s place (an
-/// entry put again after its lease was lost is behind); `None` if the
+/// entry put again after its lease was lost is behind; every entry is
+/// ahead of an attempt not in line); `None` if the
 /// acquire may be granted or adopted (then it goes, and its compares
 /// decide).
 pub(crate) fn probed(
@@ -266,7 +267,8 @@ pub(crate) fn probed(
         }
         return Ok(Some(held_by_another(key, &kv)));
     }
-    let place = turn.place.as_ref().map_or(0, |(_, place)| *place);
+    // Not in line: any entry is ahead.
+    let place = turn.place.as_ref().map_or(i64::MAX, |(_, place)| *place);
     Ok(ahead.filter(|entry| entry.create_revision() < place).map(|entry| {
         tracing::trace!(key = %key, ahead = %String::from_utf8_lossy(entry.key()), "etcd lock free, but a waiter is ahead in line");
         // Woken by its task's watch once that one leaves, as in `behind`.

@@ -225,7 +225,7 @@ async fn authentication_through_the_url() {
     let (got, released) = tokio::join!(waiter, releaser);
     released.expect("release");
     let got = got.expect("waiter under auth").expect("acquired");
-    assert!(b_attempts.attempts() <= 2);
+    assert!(b_attempts.attempts_in_line() <= 2);
     b.release(&got).await.unwrap();
 
     let wrong = format!("etcd://locker:nope@{addr}?namespace={ns}");

@@ -15,6 +15,7 @@ use common::{
 use distlock_conformance::fault::Direction;
 use distlock_conformance::naming::unique_name;
 use distlock_conformance::server::ServerProcess;
+use distlock_conformance::Call;
 use distlock_core::{AcquireAttempt, LockKey, LockOptions, Locker};
 
 /// A waiter blocked for 2 s makes at most 2 attempts: it is woken by the
@@ -38,7 +39,7 @@ async fn waiter_is_woken_by_the_server_not_polling() {
         })
     };
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(attempts.attempts(), 1, "no polling while held");
+    assert_eq!(attempts.attempts_in_line(), 1, "no polling while held");
     holder.release(&held).await.expect("release");
     let lease = task
         .await
@@ -46,7 +47,7 @@ async fn waiter_is_woken_by_the_server_not_polling() {
         .expect("acquire")
         .expect("acquired before the deadline");
     assert!(lease.fencing_token() > held.fencing_token());
-    let n = attempts.attempts();
+    let n = attempts.attempts_in_line();
     assert!(n <= 2, "{n} attempts");
     waiter.release(&lease).await.unwrap();
 }
@@ -68,7 +69,7 @@ async fn waiter_is_woken_by_lease_expiry() {
         .expect("acquire")
         .expect("acquired after expiry");
     assert!(lease.fencing_token() > held.fencing_token());
-    assert!(attempts.attempts() <= 2);
+    assert!(attempts.attempts_in_line() <= 2);
 }
 
 /// gRPC requests per handoff with `waiters` waiters, each in its own client:
@@ -103,7 +104,7 @@ async fn requests_per_handoff(server: &ServerProcess, waiters: usize) -> BTreeMa
         })
         .collect();
     // Every waiter has made its first attempt (so it is subscribed and queued).
-    while clients.iter().any(|(c, _)| c.attempts() == 0) {
+    while clients.iter().any(|(c, _)| c.attempts_in_line() == 0) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -120,7 +121,7 @@ async fn requests_per_handoff(server: &ServerProcess, waiters: usize) -> BTreeMa
     tokens.dedup();
     assert_eq!(tokens.len(), waiters, "every waiter acquired once");
     for (client, _) in &clients {
-        let attempts = client.attempts();
+        let attempts = client.attempts_in_line();
         assert!(attempts <= 3, "a waiter made {attempts} attempts");
     }
     requests_between(&before, &after)
@@ -133,8 +134,12 @@ async fn requests_per_handoff(server: &ServerProcess, waiters: usize) -> BTreeMa
 /// holder, reads before it attempts, as a plain one does: its refused
 /// attempt writes nothing through Raft (an etcd transaction that could
 /// write is proposed and committed even when its compare fails, an fsync
-/// per refusal in a crowd). While it waits, the client's only write is its
-/// queue entry; then it takes the lock once the holder releases.
+/// per refusal in a crowd). Its first attempt, before it queues, is a
+/// `try_lock`'s transaction (etcd declares `attempt_before_watch`: a free
+/// key needs no queue entry); while it waits, the client's only write is
+/// its queue entry, and a `try_lock` of the same client, not in line while
+/// its waiter is, reads too. Then it takes the lock once the holder
+/// releases.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_renewing_waiters_refused_attempt_writes_nothing() {
     // A server of its own: every proposal counted is this test's.
@@ -178,7 +183,7 @@ async fn a_renewing_waiters_refused_attempt_writes_nothing() {
     let held = acquire(&holder, &k, ttl).await;
     // Background revokes and deletes of the warm-up are done.
     let before = settled_proposals(server.addr()).await;
-    let before_attempts = attempts.attempts();
+    let before_attempts = attempts.attempts_in_line();
     let waiter = {
         let locker = locker.clone();
         let k = k.clone();
@@ -191,14 +196,28 @@ async fn a_renewing_waiters_refused_attempt_writes_nothing() {
                 .await
         })
     };
-    while attempts.attempts() == before_attempts {
+    while attempts.attempts_in_line() == before_attempts {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let after = settled_proposals(server.addr()).await;
+    // etcd declares `attempt_before_watch`: the waiter's first attempt,
+    // not yet in line, is a transaction etcd commits through Raft although
+    // its compare fails (a `try_lock`'s cost); then its queue entry; its
+    // attempt in line reads first and writes nothing.
     assert_eq!(
         after - before,
-        1.0,
-        "proposals while a renewing waiter queued and was refused (its queue entry alone is 1)"
+        2.0,
+        "proposals while a renewing waiter tried, queued and was refused (its first try and its queue entry: 2)"
+    );
+    let tried = locker
+        .try_lock(&k, &LockOptions::new(ttl))
+        .await
+        .expect("try_lock");
+    assert!(tried.is_none(), "the key is held");
+    assert_eq!(
+        settled_proposals(server.addr()).await,
+        after,
+        "proposals of a try_lock refused while the same client's waiter is in line"
     );
     holder.release(&held).await.expect("release the holder");
     let guard = waiter
@@ -288,11 +307,11 @@ async fn waiters_acquire_in_fifo_order_and_leave_no_queue_entries() {
                 order.lock().unwrap().push(i);
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 client.release(&lease).await.expect("release");
-                attempts.attempts()
+                attempts.attempts_in_line()
             })
         };
         // Queued (its first attempt made) before the next one starts.
-        while attempts.attempts() == 0 {
+        while attempts.attempts_in_line() == 0 {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         tasks.push(task);
@@ -353,7 +372,7 @@ async fn waiters_on_look_alike_keys_are_independent() {
                         .await
                 })
             };
-            while attempts.attempts() == 0 {
+            while attempts.attempts_in_line() == 0 {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
             (attempts, client, task)
@@ -380,7 +399,7 @@ async fn waiters_on_look_alike_keys_are_independent() {
         .expect("acquire a")
         .expect("acquired a");
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(ab_attempts.attempts(), 1, "a/b waiter woken by a");
+    assert_eq!(ab_attempts.attempts_in_line(), 1, "a/b waiter woken by a");
     on_a.release(&got_a).await.unwrap();
     holder.release(&held_ab).await.expect("release a/b");
     let got_ab = task_ab
@@ -388,7 +407,7 @@ async fn waiters_on_look_alike_keys_are_independent() {
         .unwrap()
         .expect("acquire a/b")
         .expect("acquired a/b");
-    assert_eq!(ab_attempts.attempts(), 2);
+    assert_eq!(ab_attempts.attempts_in_line(), 2);
     on_ab.release(&got_ab).await.unwrap();
     common::delete_prefix(&mut raw, &ns).await;
 }
@@ -446,14 +465,26 @@ async fn a_predecessor_that_leaves_before_the_watch_starts_still_moves_the_waite
     };
     until_queued(&mut raw, &queue, 1).await;
     let first_entry = keys_under(&mut raw, &queue).await;
-    proxy.hold(Direction::ToClient);
-    let tried = attempts.attempts();
+    // etcd attempts before it watches: the replies are held once the
+    // waiter's first attempt was refused and its watch is on its way.
+    attempts.hold_requests(Call::Watch);
+    let tried = attempts.attempts_in_line();
     let deadline = Instant::now() + Duration::from_secs(20);
     let second = {
         let waiter = waiter.clone();
         let k = k.clone();
         tokio::spawn(async move { waiter.acquire(&k, ttl, deadline).await })
     };
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while attempts.waiting(Call::Watch) == 0 {
+        assert!(
+            Instant::now() < give_up,
+            "the waiter never came to its watch"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    proxy.hold(Direction::ToClient);
+    attempts.open(Call::Watch);
     // The waiter's transaction read the first one as its predecessor.
     until_queued(&mut raw, &queue, 2).await;
     let mut second_entry = keys_under(&mut raw, &queue).await;
@@ -467,7 +498,7 @@ async fn a_predecessor_that_leaves_before_the_watch_starts_still_moves_the_waite
     );
     proxy.pass(Direction::ToClient);
     // In line now, its first attempt refused (the holder still holds).
-    while attempts.attempts() == tried {
+    while attempts.attempts_in_line() == tried {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     holder.release(&held).await.expect("release");
@@ -533,7 +564,7 @@ async fn a_waiter_that_moves_into_a_semaphores_first_limit_watches_its_permits()
         tokio::spawn(async move { waiter.acquire_permit(&k, 2, ttl, deadline).await })
     };
     // Queued, two ahead (it watches the second), its first attempt refused.
-    while attempts.attempts() == 0 {
+    while attempts.attempts_in_line() == 0 {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     raw.delete(format!("{queue}1-2"), None)

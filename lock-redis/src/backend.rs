@@ -713,6 +713,9 @@ impl LockBackend for RedisLock {
             holder_watch: true,
             // Beside the permits, bound to each permit (see `scripts`).
             permit_holder_ids: true,
+            // A watch subscribes to the key's channel: a round trip (and
+            // an unsubscribe after) that a free key does not need.
+            attempt_before_watch: true,
             ..Capabilities::default()
         }
     }

@@ -105,7 +105,7 @@ impl Waiters {
                 .await?
                 .map_err(|e| format!("waiter task panicked: {e}"))???;
         }
-        Ok(self.observed.iter().map(|o| o.attempts()).collect())
+        Ok(self.observed.iter().map(|o| o.attempts_in_line()).collect())
     }
 }
 
@@ -261,7 +261,7 @@ pub async fn wake_up_during_a_held_reply_is_kept(ctx: TestContext) -> CaseResult
     let served = Arc::new(Mutex::new(Vec::new()));
     let mut waiters = Waiters::default();
     let first = Arc::new(ObservedLock::new(ctx.client().await?));
-    first.hold_replies(Call::Acquire);
+    first.hold_replies_in_line();
     waiters
         .queue_observed(first.clone(), &ctx, &key, None, &served)
         .await?;

@@ -217,15 +217,16 @@ pub async fn clients(ctx: &TestContext, n: usize) -> Result<Vec<LockClient>, Cas
     Ok(all)
 }
 
-/// Waits until `observed` has made at least `n` acquisition attempts: a
-/// waiter counted there subscribed to release notifications before its
-/// first attempt, so once that attempt was refused it is blocked, and a
-/// release now must wake it. Polls; `background_bound` is the hang bound.
+/// Waits until `observed` has made at least `n` acquisition attempts in
+/// line ([`ObservedLock::attempts_in_line`]): a waiter counted there
+/// subscribed to release notifications before that attempt, so once it
+/// was refused the waiter is in line and blocked, and a release now must
+/// wake it. Polls; `background_bound` is the hang bound.
 pub async fn until_attempts(observed: &ObservedLock, n: u64, what: &str) -> Result<(), CaseError> {
     within(
         background_bound(),
         async {
-            while observed.attempts() < n {
+            while observed.attempts_in_line() < n {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
         },

@@ -507,7 +507,8 @@ async fn late_waiting_round(
     } else {
         "a waiting acquire"
     };
-    // The first attempt waits at the wrapper, after the subscription.
+    // The first attempt waits at the wrapper (after the subscription, or
+    // before it where the backend declares `attempt_before_watch`).
     observed.hold_requests(Call::Acquire);
     let waiting = {
         let (locker, key) = (locker.clone(), key.clone());
@@ -910,7 +911,8 @@ pub async fn late_reply_campaign_and_resign(ctx: TestContext) -> CaseResult {
     let key = ctx.key("late-campaign");
     let identity = HolderId::new("late-candidate")?;
     let options = LockOptions::new(ctx.long_ttl());
-    // The first attempt waits at the wrapper, after the subscription.
+    // The first attempt waits at the wrapper (after the subscription, or
+    // before it where the backend declares `attempt_before_watch`).
     observed.hold_requests(Call::Acquire);
     let campaign = {
         let (candidate, key, identity, options) = (

@@ -279,7 +279,7 @@ pub async fn cancel_at_grant_leaves_nothing_held(ctx: TestContext) -> CaseResult
     for round in 0..100 {
         let key = ctx.key("wait-race");
         let lease = acquire(&holder, &key, ctx.long_ttl(), "holder").await?;
-        let attempts_before = observed.attempts();
+        let attempts_before = observed.attempts_in_line();
         let stop = Arc::new(tokio::sync::Notify::new());
         let waiter = {
             let locker = locker.clone();

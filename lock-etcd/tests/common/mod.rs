@@ -125,7 +125,7 @@ impl Waiting {
     /// once it made its first attempt (so it is queued and its watch is
     /// live).
     pub async fn start(observed: &ObservedLock, client: &LockClient, key: &LockKey) -> Self {
-        let before = observed.attempts();
+        let before = observed.attempts_in_line();
         let deadline = Instant::now() + Duration::from_secs(20);
         let task = {
             let client = client.clone();
@@ -136,7 +136,7 @@ impl Waiting {
                     .await
             })
         };
-        while observed.attempts() == before {
+        while observed.attempts_in_line() == before {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         Self { task, deadline }
