@@ -368,19 +368,30 @@ impl LockBackend for EtcdLock {
         // The probe and the acquire share one operation timeout.
         // So does an attempt not in line while one of this client's waiters
         // is (a crowd of one process: a holder that released and asks
-        // again); the entry read is that waiter's.
+        // again; the entry read is that waiter's), or on a key this client
+        // found taken lately (a crowd of many: the line's first key is
+        // read).
         let deadline = self.etcd().requests.deadline();
+        let queues = &self.inner.queues;
         let probe_ahead = match seat.as_deref() {
-            Some(seat) => seat.expects_refusal().then(|| seat.ahead()),
-            None => self.inner.queues.entry_in_line(request.key).map(Some),
+            Some(seat) => seat
+                .expects_refusal()
+                .then(|| seat.ahead().map_or(txn::Ahead::Nobody, txn::Ahead::Entry)),
+            None => match queues.entry_in_line(request.key) {
+                Some(entry) => Some(txn::Ahead::Entry(entry)),
+                None => queues
+                    .contended(request.key)
+                    .then(|| txn::Ahead::AnyOf(turn.line.clone())),
+            },
         };
         if let Some(ahead) = probe_ahead {
-            let probe = txn::probe(&self.etcd().layout.lock_key(request.key), ahead.as_deref());
+            let probe = txn::probe(&self.etcd().layout.lock_key(request.key), &ahead);
             let reply = self
                 .etcd()
                 .run_txn_until(deadline, IN_LOCK_CALL, Repeat::Safe, probe)
                 .await?;
             if let Some(refused) = txn::probed(request.key, request.owner, &turn, &reply)? {
+                queues.taken(request.key);
                 return Ok(refused);
             }
         }
@@ -392,6 +403,9 @@ impl LockBackend for EtcdLock {
         if let (Ok(AcquireReply::Granted(_)), Some(seat)) = (&reply, &seat) {
             // Its entry went with the grant (or was gone already).
             seat.took();
+        }
+        if let Ok(AcquireReply::Held { .. }) = &reply {
+            queues.taken(request.key);
         }
         reply
     }

@@ -229,17 +229,36 @@ impl Turn {
     }
 }
 
-/// A read-only look at whether an acquire would take `key`, sent before a
-/// lease is granted by a waiter that expects to be refused (so a refusal
-/// costs one read): the key, and the queue entry `ahead` of the waiter
-/// that its task watches, if any. Two point reads: the acquire's own
-/// compare over the line reads every entry in it, and a waiter's task
-/// knows who is ahead (entries only leave the line before it; none joins
-/// there).
-pub(crate) fn probe(key: &[u8], ahead: Option<&[u8]>) -> Txn {
+/// What a [`probe`] reads of the line besides the key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Ahead {
+    /// Nothing (a waiter first in line).
+    Nobody,
+    /// One queue entry: the one a waiter's task watches, or one of this
+    /// client's own waiters (ahead of an attempt not in line).
+    Entry(Vec<u8>),
+    /// The line's first key in key order (`limit 1`, no sort: etcd reads
+    /// that one key), for an attempt not in line.
+    AnyOf(Vec<u8>),
+}
+
+/// A read-only look at whether an acquire would take `key`, sent first by
+/// an attempt that expects to be refused (so a refusal costs one read, no
+/// lease and no Raft proposal): the key, and what `ahead` names. Point
+/// reads: the acquire's own compare over the line reads every entry in
+/// it, and a waiter's task knows who is ahead (entries only leave the line
+/// before it; none joins there).
+pub(crate) fn probe(key: &[u8], ahead: &Ahead) -> Txn {
     let mut reads = vec![TxnOp::get(key, None)];
-    if let Some(entry) = ahead {
-        reads.push(TxnOp::get(entry, Some(GetOptions::new().with_keys_only())));
+    match ahead {
+        Ahead::Nobody => {}
+        // With its value (a few bytes): an entry is checked for foreign
+        // data as the acquire checks the line.
+        Ahead::Entry(entry) => reads.push(TxnOp::get(entry.as_slice(), None)),
+        Ahead::AnyOf(line) => reads.push(TxnOp::get(
+            line.as_slice(),
+            Some(GetOptions::new().with_prefix().with_limit(1)),
+        )),
     }
     Txn::new().and_then(reads)
 }
@@ -269,11 +288,14 @@ pub(crate) fn probed(
     }
     // Not in line: any entry is ahead.
     let place = turn.place.as_ref().map_or(i64::MAX, |(_, place)| *place);
-    Ok(ahead.filter(|entry| entry.create_revision() < place).map(|entry| {
-        tracing::trace!(key = %key, ahead = %String::from_utf8_lossy(entry.key()), "etcd lock free, but a waiter is ahead in line");
-        // Woken by its task's watch once that one leaves, as in `behind`.
-        AcquireReply::Held { expires_in: None }
-    }))
+    let Some(entry) = ahead.filter(|entry| entry.create_revision() < place) else {
+        return Ok(None);
+    };
+    // A key distlock did not write is reported, as the acquire would.
+    crate::queue::check_entry(&turn.line, &entry)?;
+    tracing::trace!(key = %key, ahead = %String::from_utf8_lossy(entry.key()), "etcd lock free, but a waiter is ahead in line");
+    // Woken by its task's watch once that one leaves, as in `behind`.
+    Ok(Some(AcquireReply::Held { expires_in: None }))
 }
 
 /// The refusal of an attempt on a key held by another owner.
@@ -937,7 +959,7 @@ mod tests {
         }
         // The second waiter's probe reads the entry ahead of it: refused.
         let reply = client
-            .txn(probe(&key, Some(&first.0)))
+            .txn(probe(&key, &Ahead::Entry(first.0.clone())))
             .await
             .expect("probe");
         assert!(
@@ -946,15 +968,28 @@ mod tests {
                 .is_some(),
             "the probe of a waiter behind another foresees the refusal"
         );
+        // An attempt not in line reads the line's first key: refused while
+        // anyone waits.
+        let any = Ahead::AnyOf(line.clone());
+        let reply = client.txn(probe(&key, &any)).await.expect("probe");
+        assert!(
+            probed(&lock_key, owner, &turn(None), &reply)
+                .expect("probed")
+                .is_some(),
+            "the probe of an attempt not in line foresees the refusal"
+        );
         let head = turn(Some(first.clone()));
-        let reply = client.txn(probe(&key, None)).await.expect("probe");
+        let reply = client
+            .txn(probe(&key, &Ahead::Nobody))
+            .await
+            .expect("probe");
         assert!(probed(&lock_key, owner, &head, &reply)
             .expect("probed")
             .is_none());
         // An entry "ahead" created after the waiter's own refuses nothing
         // (an entry put again after its lease was lost is behind).
         let reply = client
-            .txn(probe(&key, Some(&second.0)))
+            .txn(probe(&key, &Ahead::Entry(second.0.clone())))
             .await
             .expect("probe");
         assert!(probed(&lock_key, owner, &head, &reply)
@@ -979,6 +1014,13 @@ mod tests {
             .expect("dequeue");
         let reply = client.txn(attempt(gone.clone())).await.expect("txn");
         assert!(matches!(outcome(&gone, &reply), AcquireOutcome::OutOfLine));
+        let reply = client.txn(probe(&key, &any)).await.expect("probe");
+        assert!(
+            probed(&lock_key, owner, &turn(None), &reply)
+                .expect("probed")
+                .is_none(),
+            "an empty line: the attempt not in line goes"
+        );
         let reply = client.txn(attempt(turn(None))).await.expect("txn");
         assert!(
             reply.succeeded(),

@@ -228,6 +228,47 @@ async fn a_renewing_waiters_refused_attempt_writes_nothing() {
     guard.release().await.expect("release");
 }
 
+/// A client whose attempt found a key taken reads before it writes on that
+/// key for a while: its next attempt not in line, refused again, commits
+/// no Raft proposal (a crowd of many processes: the holder that released
+/// and queues again tries first). Once the key is free, the read lets the
+/// attempt through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_clients_next_attempt_on_the_key_reads_first() {
+    // A server of its own: every proposal counted is this test's.
+    let server = own_server();
+    let holder = connect(&server.url()).await;
+    let locker = Locker::new(connect(&server.url()).await);
+    let options = LockOptions::new(Duration::from_secs(30));
+    // Warm-up: the client's session lease is granted before the count.
+    let warm = unique_key("contended-warm");
+    let guard = locker
+        .try_lock(&warm, &options)
+        .await
+        .expect("warm-up try_lock")
+        .expect("the warm-up key is free");
+    guard.release().await.expect("warm-up release");
+    let k = unique_key("contended");
+    let held = acquire(&holder, &k, Duration::from_secs(30)).await;
+    let refused = locker.try_lock(&k, &options).await.expect("try_lock");
+    assert!(refused.is_none(), "the key is held");
+    let before = settled_proposals(server.addr()).await;
+    let refused = locker.try_lock(&k, &options).await.expect("try_lock");
+    assert!(refused.is_none(), "the key is held");
+    assert_eq!(
+        settled_proposals(server.addr()).await,
+        before,
+        "proposals of a try_lock refused again on a key the client found held"
+    );
+    holder.release(&held).await.expect("release");
+    let guard = locker
+        .try_lock(&k, &options)
+        .await
+        .expect("try_lock")
+        .expect("a free key is taken after the read");
+    guard.release().await.expect("release");
+}
+
 /// The proposals etcd committed, once two readings 300 ms apart agree
 /// (what was in flight is done); panics if they still move after 20 s.
 async fn settled_proposals(addr: std::net::SocketAddr) -> f64 {
