@@ -130,6 +130,7 @@ impl LockAdmin for EtcdLock {
             prefix: false,
             confirmed_at: Default::default(),
             creations: true,
+            deleted_at: Default::default(),
         };
         self.inner.queues.listener.watch(topic).await.map(Some)
     }

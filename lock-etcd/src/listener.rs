@@ -64,6 +64,10 @@ pub(crate) struct Topic {
     pub(crate) confirmed_at: Arc<AtomicI64>,
     /// Wake on the key's creation too, not only its deletion.
     pub(crate) creations: bool,
+    /// The revision of the last deletion the watch reported (0: none): a
+    /// waiter whose predecessor's entry went in the revision that created
+    /// the lock key knows that predecessor took the lock.
+    pub(crate) deleted_at: Arc<AtomicI64>,
 }
 
 /// How the listener talks to etcd's watch service.
@@ -101,6 +105,8 @@ struct Watch {
     channel: String,
     /// See [`Topic::creations`].
     creations: bool,
+    /// See [`Topic::deleted_at`].
+    deleted_at: Arc<AtomicI64>,
     /// The subscribe waiting for etcd's `created` (and the revision it
     /// reports); `None` once confirmed.
     confirm: Option<oneshot::Sender<Result<i64, LockError>>>,
@@ -168,6 +174,15 @@ impl Conn {
                         .is_some_and(|kv| kv.create_revision() == kv.mod_revision())
             }
         };
+        let deleted = response
+            .events()
+            .iter()
+            .filter(|event| matches!(event.event_type(), EventType::Delete))
+            .filter_map(|event| event.kv().map(|kv| kv.mod_revision()))
+            .max();
+        if let Some(revision) = deleted {
+            watch.deleted_at.fetch_max(revision, Ordering::AcqRel);
+        }
         response
             .events()
             .iter()
@@ -244,6 +259,7 @@ impl NotificationSource for EtcdWatches {
                     Watch {
                         channel: topic.channel.clone(),
                         creations: topic.creations,
+                        deleted_at: topic.deleted_at.clone(),
                         confirm: Some(confirm),
                     },
                 );

@@ -30,7 +30,11 @@
 //! and the lock key was deleted, or when it just became first and the lock
 //! is free. A handoff therefore costs a constant number of requests however
 //! many wait: the release, the next waiter's acquire, the leaving waiter's
-//! queue-entry delete and its successor's look-up.
+//! queue-entry delete and its successor's look-up. Nor do their reads grow
+//! with the line where it is long: a waiter known first claims its place
+//! without the acquire's compare over the line ([`Turn::known_first`]),
+//! and a successor whose predecessor took the lock knows it is first from
+//! the lock key's create revision (`entries::look_up`).
 //!
 //! The caller's channel lives in a [`ReleaseNotifier`] of the queue's own,
 //! not in the watch listener's: when the watch stream is lost, the listener
@@ -208,11 +212,17 @@ impl Queues {
             // too late to use) is no longer in line.
             .filter(|seat| seat.key == *key && !seat.taken.load(Ordering::Acquire))
             .cloned();
+        let place = seat
+            .as_ref()
+            .map(|seat| (seat.entry.clone(), seat.place.load(Ordering::Acquire)));
+        let known_first = match (&seat, &place) {
+            (Some(seat), Some((_, place))) => seat.first_at.load(Ordering::Acquire) == *place,
+            _ => false,
+        };
         let turn = Turn {
             line: self.etcd.layout.queue_prefix(key),
-            place: seat
-                .as_ref()
-                .map(|seat| (seat.entry.clone(), seat.place.load(Ordering::Acquire))),
+            place,
+            known_first,
         };
         (turn, seat)
     }
@@ -280,6 +290,12 @@ pub(crate) struct Seat {
     entry: Vec<u8>,
     /// Its create revision (it changes if the entry is put again).
     place: AtomicI64,
+    /// The place at which the waiter's task found nobody ahead (0: not
+    /// found yet), so an attempt that claims that place is first for good
+    /// ([`Turn::known_first`]). A place, not a flag: an entry put again
+    /// has a new place, behind others, and is not first until its task
+    /// looks again.
+    first_at: AtomicI64,
     /// The task's last look found someone ahead, or the lock held: an
     /// attempt now is likely refused, so it reads first.
     expects_refusal: AtomicBool,
@@ -408,14 +424,15 @@ async fn join(
     let (place, position) = placed;
     let target = target_of(&etcd.layout, &line, &position);
     let first_watch = format!("{channel}#0");
-    let watch = match watch_target(&queues, &line, first_watch, &target, &position).await {
-        Ok(watch) => watch,
-        Err(e) => {
-            delete_later(Arc::downgrade(&queues), entry, Vec::new());
-            let _ = joined.send(Err(e));
-            return;
-        }
-    };
+    let (watch, deleted_at) =
+        match watch_target(&queues, &line, first_watch, &target, &position).await {
+            Ok(watched) => watched,
+            Err(e) => {
+                delete_later(Arc::downgrade(&queues), entry, Vec::new());
+                let _ = joined.send(Err(e));
+                return;
+            }
+        };
     // A lock waiter's attempts claim its place from now on.
     let seat = match (&line, owner) {
         (Line::Lock(key), Some(owner)) => {
@@ -423,6 +440,11 @@ async fn join(
                 key: key.clone(),
                 entry: entry.clone(),
                 place: AtomicI64::new(place),
+                first_at: AtomicI64::new(if position.predecessor.is_none() {
+                    place
+                } else {
+                    0
+                }),
                 expects_refusal: AtomicBool::new(position.predecessor.is_some() || position.held),
                 ahead: Mutex::new(position.predecessor.clone()),
                 taken: AtomicBool::new(false),
@@ -442,6 +464,7 @@ async fn join(
         watches: 1,
         target,
         watch,
+        deleted_at,
         stale: false,
         fences: Vec::new(),
         seat,
@@ -467,7 +490,7 @@ async fn watch_target(
     channel: String,
     target: &[u8],
     position: &Position,
-) -> Result<ReleaseWatch, LockError> {
+) -> Result<(ReleaseWatch, Arc<AtomicI64>), LockError> {
     let prefix =
         matches!(line, Line::Permits(..)) && line.is_held_target(&queues.etcd.layout, target);
     let topic = Topic {
@@ -476,8 +499,10 @@ async fn watch_target(
         prefix,
         confirmed_at: Default::default(),
         creations: false,
+        deleted_at: Default::default(),
     };
     let confirmed_at = topic.confirmed_at.clone();
+    let deleted_at = topic.deleted_at.clone();
     let watch = queues.listener.watch(topic).await?;
     // The watch reports what happens after the revision etcd confirmed it
     // at; if the store moved on since the look-up, see whether what it saw
@@ -489,7 +514,7 @@ async fn watch_target(
     {
         queues.listener.notifier().notify(&channel);
     }
-    Ok(watch)
+    Ok((watch, deleted_at))
 }
 
 /// Whether every key of `seen` still exists with its create revision: a

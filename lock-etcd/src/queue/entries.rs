@@ -5,7 +5,7 @@
 use std::sync::Weak;
 
 use distlock_core::LockError;
-use etcd_client::{GetOptions, KeyValue, SortOrder, SortTarget, TxnOp};
+use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, SortOrder, SortTarget, Txn, TxnOp};
 use etcd_client::{TxnOpResponse, TxnResponse};
 
 use super::{Line, Position, Queues, RETRY_MAX, RETRY_MIN};
@@ -62,6 +62,77 @@ pub(super) fn ahead(
         .filter(|kv| kv.key() != entry && kv.create_revision() < place)
         .count();
     Some(i64::try_from(before).unwrap_or(i64::MAX))
+}
+
+/// The look-up of a waiter at `place` (its entry `entry`): the newest
+/// entry before it (etcd finds it by reading every entry in the line: it
+/// sorts a range by create revision only after reading all of it), what
+/// the line waits for, and its own entry.
+///
+/// `predecessor_gone_at`: the revision in which the lock waiter's watched
+/// predecessor entry was deleted. If the lock key was created in that same
+/// revision, the predecessor took the lock (only a grant deletes an entry
+/// and creates the key at once; an adoption rewrites the key), so nobody
+/// was ahead of it, and nobody can be ahead of the waiter now: an entry's
+/// place is its create revision, and later entries are behind. The
+/// transaction compares that and then reads the lock key and the entry
+/// alone. Read-only either way.
+pub(super) fn look_up(
+    layout: &KeyLayout,
+    line: &Line,
+    entry: &[u8],
+    place: i64,
+    predecessor_gone_at: Option<i64>,
+) -> Txn {
+    let own = || TxnOp::get(entry, Some(GetOptions::new().with_keys_only()));
+    let mut full = reads(layout, line, place, 1);
+    full.push(own());
+    match predecessor_gone_at {
+        Some(revision) => Txn::new()
+            .when([Compare::create_revision(
+                layout.lock_key(line.key()),
+                CompareOp::Equal,
+                revision,
+            )])
+            .and_then([line.read_held(layout), own()])
+            .or_else(full),
+        None => Txn::new().and_then(full),
+    }
+}
+
+/// The position a [`look_up`] found (`compared`: it was given the
+/// predecessor's deletion revision).
+pub(super) fn looked_up(
+    layout: &KeyLayout,
+    line: &Line,
+    entry: &[u8],
+    place: i64,
+    compared: bool,
+    reply: &TxnResponse,
+) -> Result<Position, LockError> {
+    let revision = revision_of(reply)?;
+    let ranges = ranges(reply);
+    if compared && reply.succeeded() {
+        tracing::trace!(key = %line.key(), place, "etcd waiter's predecessor took the lock: first");
+        let queued = ranges.get(1).is_some_and(|kvs| !kvs.is_empty());
+        return Ok(Position::read(
+            line,
+            revision,
+            None,
+            None,
+            ranges.first(),
+            queued,
+        ));
+    }
+    check_entries(layout, line, ranges.first())?;
+    Ok(Position::read(
+        line,
+        revision,
+        ranges.first().and_then(|kvs| kvs.first()),
+        ahead(line, ranges.first(), entry, place),
+        ranges.get(1),
+        ranges.get(2).is_some_and(|kvs| !kvs.is_empty()),
+    ))
 }
 
 pub(super) fn ranges(reply: &TxnResponse) -> Vec<Vec<KeyValue>> {
@@ -205,6 +276,87 @@ pub(super) async fn delete_entry(client: Weak<Queues>, entry: Vec<u8>, fences: V
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(RETRY_MAX);
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use distlock_conformance::server::{Etcd as EtcdServer, ServerProcess};
+    use distlock_core::LockKey;
+    use etcd_client::{Client, PutOptions};
+
+    use super::*;
+
+    /// A waiter whose predecessor took the lock (its entry deleted in the
+    /// revision that created the lock key) finds itself first from the
+    /// lock key and its own entry: here, in a state the line never reaches
+    /// (an entry left ahead of the one that took the key), it reports no
+    /// predecessor, which shows the line is not read. A predecessor that
+    /// left without the key (or a look-up not given a deletion) reads the
+    /// line and finds who is still ahead.
+    #[tokio::test]
+    async fn a_waiter_whose_predecessor_took_the_lock_is_first_without_reading_the_line() {
+        let server = ServerProcess::start(Arc::new(EtcdServer)).expect("an etcd server must start");
+        let mut client = Client::connect([server.addr().to_string()], None)
+            .await
+            .expect("connect");
+        let lease = client.lease_grant(60, None).await.expect("lease").id();
+        let layout = KeyLayout::new("ns");
+        let key = LockKey::new("moved").unwrap();
+        let line = Line::Lock(key.clone());
+        let put = |id: &str| {
+            let entry = layout.queue_entry(&key, id);
+            let mut client = client.clone();
+            async move {
+                let reply = client
+                    .put(
+                        entry.clone(),
+                        ENTRY_VALUE.to_vec(),
+                        Some(PutOptions::new().with_lease(lease)),
+                    )
+                    .await
+                    .expect("put entry");
+                (entry, reply.header().expect("header").revision())
+            }
+        };
+        let (early, _) = put("1-0").await;
+        let (predecessor, _) = put("1-1").await;
+        let (waiter, place) = put("1-2").await;
+        // The predecessor's grant: its entry goes as the lock key comes.
+        let grant = Txn::new().and_then([
+            TxnOp::put(
+                layout.lock_key(&key),
+                b"granted".to_vec(),
+                Some(PutOptions::new().with_lease(lease)),
+            ),
+            TxnOp::delete(predecessor.clone(), None),
+        ]);
+        let granted = client.txn(grant).await.expect("grant");
+        let granted_at = granted.header().expect("header").revision();
+        let position = |gone_at: Option<i64>| {
+            let mut client = client.clone();
+            let (layout, line, waiter) = (layout.clone(), line.clone(), waiter.clone());
+            async move {
+                let txn = look_up(&layout, &line, &waiter, place, gone_at);
+                let reply = client.txn(txn).await.expect("look-up");
+                looked_up(&layout, &line, &waiter, place, gone_at.is_some(), &reply)
+                    .expect("position")
+            }
+        };
+        let first = position(Some(granted_at)).await;
+        assert_eq!(first.predecessor, None, "the line was read");
+        assert!(first.held && first.queued);
+        for gone_at in [None, Some(granted_at - 1)] {
+            let full = position(gone_at).await;
+            assert_eq!(
+                full.predecessor.as_deref(),
+                Some(early.as_slice()),
+                "{gone_at:?}"
+            );
+            assert!(full.held && full.queued);
         }
     }
 }

@@ -2,14 +2,13 @@
 //! before it leave, wakes the caller when it is first and what the line
 //! waits for is free, and deletes its entry when the call ends.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use distlock_core::{Departure, ErrorKind, LockError, OwnerToken, ReleaseWatch};
-use etcd_client::{GetOptions, Txn, TxnOp};
 
-use super::entries::{ahead, check_entries, delete_entry, put_entry, ranges, reads, revision_of};
+use super::entries::{delete_entry, look_up, looked_up, put_entry};
 use super::{target_of, watch_target, Line, Position, Queues, Seat, RETRY_MAX, RETRY_MIN};
 use crate::config::MIN_TTL;
 use crate::fence::Fence;
@@ -32,6 +31,9 @@ pub(super) struct Waiter {
     /// subscription.
     pub(super) target: Vec<u8>,
     pub(super) watch: ReleaseWatch,
+    /// The revision of the last deletion of `target` the watch reported
+    /// (0: none yet; see [`crate::listener::Topic::deleted_at`]).
+    pub(super) deleted_at: Arc<AtomicI64>,
     /// The watch was lost with its stream: replace it at the next look-up.
     pub(super) stale: bool,
     /// Fences of re-queueing puts whose outcome is unknown: put up with
@@ -160,29 +162,33 @@ impl Waiter {
     /// Reads our predecessor and the lock key; watches the new predecessor,
     /// or the lock key if we are first now (waking the caller if the lock
     /// is free). A lost watch is replaced even if its target is unchanged.
+    /// One read-only transaction ([`look_up`]).
     async fn move_up(&mut self, queues: &Queues) -> Result<(), LockError> {
         let etcd = &queues.etcd;
-        let mut ops = reads(&etcd.layout, &self.line, self.place, 1);
-        // Our own entry.
-        ops.push(TxnOp::get(
-            self.entry.clone(),
-            Some(GetOptions::new().with_keys_only()),
-        ));
-        let txn = Txn::new().and_then(ops);
+        let deleted_at = self.deleted_at.load(Ordering::Acquire);
+        let predecessor_gone_at = (matches!(self.line, Line::Lock(_))
+            && !self.stale
+            && deleted_at > 0
+            && !self.is_first(queues))
+        .then_some(deleted_at);
+        let txn = look_up(
+            &etcd.layout,
+            &self.line,
+            &self.entry,
+            self.place,
+            predecessor_gone_at,
+        );
         let reply = etcd
             .run_txn("etcd queue look-up", Repeat::Safe, txn)
             .await?;
-        let revision = revision_of(&reply)?;
-        let ranges = ranges(&reply);
-        check_entries(&etcd.layout, &self.line, ranges.first())?;
-        let mut position = Position::read(
+        let mut position = looked_up(
+            &etcd.layout,
             &self.line,
-            revision,
-            ranges.first().and_then(|kvs| kvs.first()),
-            ahead(&self.line, ranges.first(), &self.entry, self.place),
-            ranges.get(1),
-            ranges.get(2).is_some_and(|kvs| !kvs.is_empty()),
-        );
+            &self.entry,
+            self.place,
+            predecessor_gone_at.is_some(),
+            &reply,
+        )?;
         if !position.queued {
             // Our entry is gone (our session lease was lost): queue again,
             // at the end of the line.
@@ -207,16 +213,30 @@ impl Waiter {
             }
             position = again;
         }
+        self.moved_up(queues, position).await
+    }
+
+    /// Watches what `position` says to watch and tells the seat and the
+    /// caller.
+    async fn moved_up(&mut self, queues: &Queues, position: Position) -> Result<(), LockError> {
+        let etcd = &queues.etcd;
         let target = target_of(&etcd.layout, &self.line, &position);
         if self.stale || target != self.target {
             let channel = format!("{}#{}", self.channel, self.watches);
             self.watches += 1;
-            self.watch = watch_target(queues, &self.line, channel, &target, &position).await?;
+            (self.watch, self.deleted_at) =
+                watch_target(queues, &self.line, channel, &target, &position).await?;
             self.target = target;
             self.stale = false;
         }
         if let Some((_, seat)) = &self.seat {
             *seat.ahead.lock().unwrap_or_else(|e| e.into_inner()) = position.predecessor.clone();
+            let first_at = if position.predecessor.is_none() {
+                self.place
+            } else {
+                0
+            };
+            seat.first_at.store(first_at, Ordering::Release);
         }
         let first = position.predecessor.is_none();
         tracing::trace!(key = %self.line.key(), place = self.place, first, "etcd waiter moved up");
