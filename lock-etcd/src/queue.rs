@@ -355,6 +355,16 @@ struct Position {
 }
 
 impl Position {
+    /// What a seat at `place` records as [`Seat::first_at`] from this
+    /// look: `place` if nobody was ahead, else 0.
+    fn first_at(&self, place: i64) -> i64 {
+        if self.predecessor.is_none() {
+            place
+        } else {
+            0
+        }
+    }
+
     /// A position from the reads of one transaction at `revision`: the
     /// newest entry before ours, how many wait ahead (a semaphore's line)
     /// and what the line waits for.
@@ -440,11 +450,7 @@ async fn join(
                 key: key.clone(),
                 entry: entry.clone(),
                 place: AtomicI64::new(place),
-                first_at: AtomicI64::new(if position.predecessor.is_none() {
-                    place
-                } else {
-                    0
-                }),
+                first_at: AtomicI64::new(position.first_at(place)),
                 expects_refusal: AtomicBool::new(position.predecessor.is_some() || position.held),
                 ahead: Mutex::new(position.predecessor.clone()),
                 taken: AtomicBool::new(false),

@@ -231,12 +231,8 @@ impl Waiter {
         }
         if let Some((_, seat)) = &self.seat {
             *seat.ahead.lock().unwrap_or_else(|e| e.into_inner()) = position.predecessor.clone();
-            let first_at = if position.predecessor.is_none() {
-                self.place
-            } else {
-                0
-            };
-            seat.first_at.store(first_at, Ordering::Release);
+            seat.first_at
+                .store(position.first_at(self.place), Ordering::Release);
         }
         let first = position.predecessor.is_none();
         tracing::trace!(key = %self.line.key(), place = self.place, first, "etcd waiter moved up");
