@@ -26,6 +26,7 @@ use distlock::{ErrorKind, LockClient, LockKey, LockOptions, Locker, MemoryLock};
 use serde_json::json;
 
 use crate::plan::{BenchResult, Plan, TTL};
+use crate::probe::{self, Probe, ServerCount};
 use crate::raw::Raw;
 use crate::report::{Row, Samples};
 use crate::servers::{self, Backend, Server};
@@ -121,6 +122,7 @@ async fn crowd_rows(plan: &Plan, server: &Server) -> BenchResult<Vec<Row>> {
         rows.push(row);
     }
     let memory = MemoryLock::new();
+    let mut probe = Probe::new(backend, &server.url, server.port().unwrap_or(0)).await?;
     for scenario in SCENARIOS {
         let client = match backend {
             Backend::Memory => memory.client(),
@@ -130,7 +132,9 @@ async fn crowd_rows(plan: &Plan, server: &Server) -> BenchResult<Vec<Row>> {
         };
         let client0 = servers::proc_cpu_ns(std::process::id());
         let server0 = server.cpu_ns().unwrap_or(0);
+        let count0 = probe.count().await?;
         let outcome = crowd(&client, &scenario, plan.crowd_duration).await?;
+        let work = probe.count().await?.since(&count0);
         let cpu = (
             servers::proc_cpu_ns(std::process::id()).saturating_sub(client0),
             server.cpu_ns().unwrap_or(0).saturating_sub(server0),
@@ -142,6 +146,7 @@ async fn crowd_rows(plan: &Plan, server: &Server) -> BenchResult<Vec<Row>> {
             &outcome,
             baseline.as_ref(),
             cpu,
+            &work,
         ));
         eprintln!("[{}] crowd {} done", backend.name(), scenario.param);
     }
@@ -366,6 +371,7 @@ fn scenario_row(
     outcome: &Outcome,
     baseline: Option<&Baseline>,
     (client_ns, server_ns): (u64, u64),
+    work: &ServerCount,
 ) -> Row {
     let waits = &outcome.waits;
     let rate = outcome.handoffs as f64 / duration.as_secs_f64();
@@ -454,6 +460,17 @@ fn scenario_row(
     }
     let safe = outcome.errors == 0 && outcome.overlaps == 0;
     targets.insert("no_errors_no_overlaps".into(), json!(safe));
+    // The server's own count (read before and after, so it includes the
+    // warm-up and the drain): what a handoff costs it, and where.
+    let per_handoff = outcome.handoffs.max(1) as f64;
+    if let Some(total) = work.total {
+        note.push_str(&format!(
+            "; server work per handoff {:.2} ({}; {})",
+            total as f64 / per_handoff,
+            probe::source(backend, work, per_handoff),
+            work.top(per_handoff, 4)
+        ));
+    }
     if let Some(e) = &outcome.first_error {
         note.push_str(&format!("; first error: {e}"));
     }
@@ -494,6 +511,10 @@ fn scenario_row(
         ),
         ("client_cpu_s", json!(client_ns as f64 / 1e9)),
         ("server_cpu_s", json!(server_ns as f64 / 1e9)),
+        (
+            "server_work_per_handoff",
+            json!(work.total.map(|t| t as f64 / per_handoff)),
+        ),
         ("targets", serde_json::Value::Object(targets)),
     ];
     row

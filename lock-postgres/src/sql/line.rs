@@ -81,6 +81,22 @@ fn turn() -> String {
 /// paid 256 function scans per statement).
 const ALIVE: &str = "(w.pid > 0 AND EXISTS (SELECT 1 FROM pg_stat_get_activity(w.pid)))";
 
+/// The condition that picks, in the waiter table (`w`), the one waiter
+/// that CTE `source` names (at most one row, with its `member` and
+/// `arrival` as this statement read them from the line of table
+/// `{table}`). By both, because both indexes then find it at once: by
+/// member alone the planner, its statistics rating the two indexes alike,
+/// walked every waiter of the key in the arrival index (a crowd of 256:
+/// 255 index entries a look-up). Not by `ctid`: a row changed since the
+/// statement's snapshot has a new one, and the write must reach it.
+fn picked(table: &str, source: &str) -> String {
+    format!(
+        "w.lock_table = {table} AND w.namespace = $1 AND w.key = $2
+              AND w.member = (SELECT member FROM {source})
+              AND w.arrival = (SELECT arrival FROM {source})"
+    )
+}
+
 /// CTEs before a lock acquire's `taken`: `clock` (the time the line is
 /// judged at, read once), `line` (the first waiters of table `{table}`'s
 /// line, as the statement's snapshot shows them, unlocked) and `head` (its
@@ -103,7 +119,7 @@ pub(super) fn fair_line(table: &str) -> String {
             ) AS w
         ),
         head AS MATERIALIZED (
-            SELECT member, turn_until FROM line WHERE alive AND NOT over
+            SELECT member, arrival, turn_until FROM line WHERE alive AND NOT over
             ORDER BY arrival, member LIMIT 1
         )"
     )
@@ -149,16 +165,16 @@ pub(super) fn fair_after_taken(table: &str, one: &str) -> (String, String) {
               AND w.member = ANY (ARRAY(SELECT member FROM line))
               AND (NOT line.alive OR (w.member <> $3 AND w.turn_until <= (SELECT at FROM clock)))
               AND (EXISTS (SELECT 1 FROM taken) OR {free})
+              AND EXISTS (SELECT 1 FROM line WHERE NOT alive OR over)
             RETURNING 1
         ),
         turned AS (
             UPDATE {{w}} AS w SET turn_until = clock_timestamp() + {turn}
-            FROM head
-            WHERE w.lock_table = {table} AND w.namespace = $1 AND w.key = $2 AND w.member = head.member
-              AND w.member = (SELECT member FROM head)
-              AND head.member <> $3 AND w.turn_until IS NULL AND {free}
+            WHERE {head}
+              AND (SELECT member FROM head) <> $3 AND w.turn_until IS NULL AND {free}
             RETURNING {notify}
         )",
+        head = picked(table, "head"),
         turn = turn(),
         notify = notify_one(one),
     );
@@ -180,7 +196,28 @@ pub(super) fn fair_after_taken(table: &str, one: &str) -> (String, String) {
 /// listener connection; pid 0: an attempt that does not wait, which never
 /// joins), a granted one leaves it. One statement for both, so that the
 /// acquire a client prepares (and a test warms up) is the one it sends.
-pub(super) fn join_or_leave(table: &str, pid: &str) -> String {
+///
+/// `examined`: the statement read the line's first waiters (CTE `line`,
+/// [`fair_line`]). A granted requester among them (the head taking its
+/// turn) leaves by its place (see [`picked`]); one beyond them (an
+/// adoption) or on a statement without `line` is looked up by member.
+pub(super) fn join_or_leave(table: &str, pid: &str, examined: bool) -> String {
+    let (by_place, unless_examined) = match examined {
+        true => (
+            format!(
+                "
+        left_head AS (
+            DELETE FROM {{w}} AS w
+            WHERE {}
+              AND EXISTS (SELECT 1 FROM taken)
+            RETURNING 1
+        ),",
+                picked(table, "line WHERE member = $3")
+            ),
+            "AND NOT EXISTS (SELECT 1 FROM line WHERE member = $3)",
+        ),
+        false => (String::new(), ""),
+    };
     format!(
         "joined AS (
             INSERT INTO {{w}} AS w (lock_table, namespace, key, member, pid, arrival)
@@ -188,11 +225,11 @@ pub(super) fn join_or_leave(table: &str, pid: &str) -> String {
             WHERE NOT EXISTS (SELECT 1 FROM taken) AND {pid}::integer <> 0
             ON CONFLICT (lock_table, namespace, key, member) DO UPDATE SET pid = excluded.pid
             RETURNING 1
-        ),
+        ),{by_place}
         left_line AS (
             DELETE FROM {{w}}
             WHERE lock_table = {table} AND namespace = $1 AND key = $2 AND member = $3
-              AND EXISTS (SELECT 1 FROM taken)
+              AND EXISTS (SELECT 1 FROM taken) {unless_examined}
             RETURNING 1
         )"
     )
@@ -249,24 +286,23 @@ pub(super) fn wake_next(when: &str, table: &str, except: Option<&str>, wake: Wak
             ) AS w
         ),
         chosen AS MATERIALIZED (
-            SELECT member, pid FROM line WHERE alive AND NOT over ORDER BY arrival, member LIMIT 1
+            SELECT member, arrival, pid FROM line WHERE alive AND NOT over ORDER BY arrival, member LIMIT 1
         ),
         popped AS (
             DELETE FROM {{w}} AS w USING line
             WHERE w.lock_table = {table} AND w.namespace = $1 AND w.key = $2
               AND w.member = ANY (ARRAY(SELECT member FROM line))
               AND w.member = line.member AND (NOT line.alive OR {popped})
+              AND EXISTS (SELECT 1 FROM line WHERE NOT alive OR {popped})
             RETURNING 1
         ),
         turned AS (
             UPDATE {{w}} AS w SET turn_until = clock_timestamp() + {turn}
-            FROM chosen
-            WHERE w.lock_table = {table} AND w.namespace = $1 AND w.key = $2
-              AND w.member = (SELECT member FROM chosen)
-              AND w.member = chosen.member {unless_running}
+            WHERE {chosen} {unless_running}
             RETURNING w.member, w.pid
         )",
         turn = turn(),
+        chosen = picked(table, "chosen"),
     )
 }
 

@@ -290,7 +290,7 @@ impl Statements {
             )
         };
         let plain = answer("NULL::bigint");
-        let queued = line::join_or_leave("$6", "$7");
+        let queued = line::join_or_leave("$6", "$7", true);
         // The channel of single wake-ups: `$8` where the acquire has no
         // label parameters, else made of the observers' channel `$9`
         // (`<channel>_holder` -> `<channel>_next`, see `listener`), so that
