@@ -199,24 +199,19 @@ pub(super) fn fair_after_taken(table: &str, one: &str) -> (String, String) {
 ///
 /// `examined`: the statement read the line's first waiters (CTE `line`,
 /// [`fair_line`]). A granted requester among them (the head taking its
-/// turn) leaves by its place (see [`picked`]); one beyond them (an
-/// adoption) or on a statement without `line` is looked up by member.
+/// turn) is found by member and arrival (see [`picked`]); one beyond them
+/// (an adoption) by member alone, among every arrival. One statement
+/// without `line` looks it up by member.
 pub(super) fn join_or_leave(table: &str, pid: &str, examined: bool) -> String {
-    let (by_place, unless_examined) = match examined {
-        true => (
-            format!(
-                "
-        left_head AS (
-            DELETE FROM {{w}} AS w
-            WHERE {}
-              AND EXISTS (SELECT 1 FROM taken)
-            RETURNING 1
-        ),",
-                picked(table, "line WHERE member = $3")
-            ),
-            "AND NOT EXISTS (SELECT 1 FROM line WHERE member = $3)",
-        ),
-        false => (String::new(), ""),
+    // The requester's arrival as `line` read it, or every arrival: a range
+    // (not an equality) so that the leave stays one write, which the
+    // executor sets up at every call, run or not.
+    let place = match examined {
+        true => {
+            "AND arrival BETWEEN coalesce((SELECT arrival FROM line WHERE member = $3), '-infinity')
+                              AND coalesce((SELECT arrival FROM line WHERE member = $3), 'infinity')"
+        }
+        false => "",
     };
     format!(
         "joined AS (
@@ -225,11 +220,12 @@ pub(super) fn join_or_leave(table: &str, pid: &str, examined: bool) -> String {
             WHERE NOT EXISTS (SELECT 1 FROM taken) AND {pid}::integer <> 0
             ON CONFLICT (lock_table, namespace, key, member) DO UPDATE SET pid = excluded.pid
             RETURNING 1
-        ),{by_place}
+        ),
         left_line AS (
             DELETE FROM {{w}}
             WHERE lock_table = {table} AND namespace = $1 AND key = $2 AND member = $3
-              AND EXISTS (SELECT 1 FROM taken) {unless_examined}
+              {place}
+              AND EXISTS (SELECT 1 FROM taken)
             RETURNING 1
         )"
     )
