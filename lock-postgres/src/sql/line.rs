@@ -145,7 +145,7 @@ pub(super) fn fair_turn() -> String {
 
 /// CTEs after a lock acquire's `taken` and the column `turn_ms` for its
 /// refusal: `held` reads the lock row's newest version (locked by `taken`,
-/// so final) when refused; on a free key, unless the snapshot was out of
+/// so final) when refused, with the holder the refusal answers; on a free key, unless the snapshot was out of
 /// date, the waiters of `line` that no longer stand (dead, or their turn
 /// over) are dropped (`dropped`, also when granted), and a head never
 /// woken is woken (`turned`: its turn begins, `NOTIFY {one}_<pid>,
@@ -158,7 +158,8 @@ pub(super) fn fair_after_taken(table: &str, one: &str) -> (String, String) {
         "held AS MATERIALIZED (
             SELECT (h.owner IS NULL OR h.expires_at <= clock_timestamp()) AS free,
                    coalesce(h.xmin = (SELECT s.xmin FROM {{t}} AS s WHERE s.namespace = $1 AND s.key = $2), false)
-                       AS fresh
+                       AS fresh,
+                   h.owner, h.fencing, h.expires_at
             FROM {{t}} AS h
             WHERE h.namespace = $1 AND h.key = $2 AND NOT EXISTS (SELECT 1 FROM taken)
             FOR UPDATE

@@ -275,8 +275,10 @@ impl Statements {
             )
         };
         // `turn_ms` (the expression for a refusal): the time left of the
-        // line's turn when refused on a free key, else NULL.
-        let answer = |turn_ms: &str| {
+        // line's turn when refused on a free key, else NULL. `holder`: the
+        // rows a refusal reads the holder's (`h`) from, and the start of
+        // their condition.
+        let answer = |turn_ms: &str, holder: &str| {
             format!(
                 "SELECT true AS acquired, taken.fencing AS fencing, NULL::text AS owner,
                        NULL::bigint AS expires_in_ms, taken.version AS version, NULL::bigint AS turn_ms
@@ -285,11 +287,13 @@ impl Statements {
                 SELECT false, h.fencing, h.owner,
                        greatest(0, ceil(extract(epoch FROM (h.expires_at - clock_timestamp())) * 1000))::bigint,
                        NULL::text, {turn_ms}
-                FROM {{t}} AS h
-                WHERE h.namespace = $1 AND h.key = $2 AND NOT EXISTS (SELECT 1 FROM taken)"
+                FROM {holder} NOT EXISTS (SELECT 1 FROM taken)"
             )
         };
-        let plain = answer("NULL::bigint");
+        let plain = answer(
+            "NULL::bigint",
+            "{t} AS h WHERE h.namespace = $1 AND h.key = $2 AND",
+        );
         let queued = line::join_or_leave("$6", "$7", true);
         // The channel of single wake-ups: `$8` where the acquire has no
         // label parameters, else made of the observers' channel `$9`
@@ -297,10 +301,14 @@ impl Statements {
         // the statement keeps the parameters of earlier versions.
         let queued_acquire = |taken: &str, one: &str| {
             let (after, turn_ms) = line::fair_after_taken("$6", one);
+            // The holder as `held` locked it, its newest version: a row
+            // this statement's snapshot shows as it was before a grant that
+            // committed while the statement waited for it would show the
+            // lock expired (the refused attempt sent again at once).
             format!(
                 "WITH {}, {taken}, {after}, {queued} {}",
                 line::fair_line("$6"),
-                answer(&turn_ms)
+                answer(&turn_ms, "held AS h WHERE")
             )
         };
         let derived_next = format!(

@@ -654,3 +654,94 @@ async fn a_handoff_reads_the_head_of_a_long_line_not_all_of_it() {
     .await
     .unwrap();
 }
+
+/// A refused attempt that waited for the lock row while a grant to someone
+/// else committed answers that grant: its holder and its expiry. Its
+/// snapshot predates the grant, and showed the lock as released: read
+/// from there, the answer was an expired lock of the old holder, and the
+/// refused attempt was sent again at once (in the 256-task crowd, about
+/// one statement in ten).
+#[tokio::test]
+async fn a_refusal_that_waited_for_a_grant_answers_the_new_holder() {
+    let scene = Scene::new(unique_name("waitedgrant"), None).await;
+    scene.holder.release(&scene.lease).await.unwrap();
+    let (ns, k) = (scene.ns.clone(), scene.k.as_str().to_owned());
+    let pool = scene.admin.pool();
+    let new_holder = format!("{:032x}", 7u128 << 64);
+    let newcomer = format!("{:032x}", 9u128 << 64);
+
+    // A grant in flight: the row written and locked, not committed.
+    let mut grant = pool.begin().await.unwrap();
+    sqlx::query(&format!(
+        "UPDATE public.{DEFAULT_TABLE} SET owner = $3, fencing = fencing + 1,
+                expires_at = clock_timestamp() + interval '60 seconds'
+         WHERE namespace = $1 AND key = $2"
+    ))
+    .bind(&ns)
+    .bind(&k)
+    .bind(&new_holder)
+    .execute(&mut *grant)
+    .await
+    .unwrap();
+
+    // The newcomer's attempt takes its snapshot, then waits for the row.
+    let mut attempt_conn = pool.acquire().await.unwrap();
+    let attempt_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *attempt_conn)
+        .await
+        .unwrap();
+    let acquire = distlock_postgres::StatementTexts::new("public", DEFAULT_TABLE).acquire;
+    let (task_ns, task_k, task_newcomer) = (ns.clone(), k.clone(), newcomer.clone());
+    let attempt = tokio::spawn(async move {
+        use sqlx::Row as _;
+        let row = sqlx::query(&acquire)
+            .bind(&task_ns)
+            .bind(&task_k)
+            .bind(&task_newcomer)
+            .bind(10_000i64)
+            .bind(1i64)
+            .bind(DEFAULT_TABLE)
+            .bind(0i32)
+            .bind("")
+            .bind("dl_holder")
+            .fetch_one(&mut *attempt_conn)
+            .await
+            .unwrap();
+        let answer: (bool, Option<String>, Option<i64>) = (
+            row.get("acquired"),
+            row.get("owner"),
+            row.get("expires_in_ms"),
+        );
+        answer
+    });
+    let deadline = Instant::now() + BOUND;
+    loop {
+        let waiting: Option<String> =
+            sqlx::query_scalar("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1")
+                .bind(attempt_pid)
+                .fetch_one(pool)
+                .await
+                .unwrap();
+        if waiting.as_deref() == Some("Lock") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the attempt never waited for the row"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    grant.commit().await.unwrap();
+
+    let (acquired, owner, expires_in_ms) = tokio::time::timeout(BOUND, attempt)
+        .await
+        .expect("the attempt never returned")
+        .unwrap();
+    assert!(!acquired, "the key was granted to someone else");
+    assert_eq!(owner.as_deref(), Some(new_holder.as_str()));
+    let expires_in_ms = expires_in_ms.unwrap();
+    assert!(
+        expires_in_ms > 30_000,
+        "the refusal answers the new holder's 60 s, not {expires_in_ms} ms"
+    );
+}
