@@ -659,8 +659,7 @@ async fn a_handoff_reads_the_head_of_a_long_line_not_all_of_it() {
 /// else committed answers that grant: its holder and its expiry. Its
 /// snapshot predates the grant, and showed the lock as released: read
 /// from there, the answer was an expired lock of the old holder, and the
-/// refused attempt was sent again at once (in the 256-task crowd, about
-/// one statement in ten).
+/// refused attempt was sent again at once.
 #[tokio::test]
 async fn a_refusal_that_waited_for_a_grant_answers_the_new_holder() {
     let scene = Scene::new(unique_name("waitedgrant"), None).await;
