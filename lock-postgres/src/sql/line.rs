@@ -145,13 +145,13 @@ pub(super) fn fair_turn() -> String {
 
 /// CTEs after a lock acquire's `taken` and the column `turn_ms` for its
 /// refusal: `held` reads the lock row's newest version (locked by `taken`,
-/// so final) when refused, with the holder the refusal answers; on a free key, unless the snapshot was out of
-/// date, the waiters of `line` that no longer stand (dead, or their turn
-/// over) are dropped (`dropped`, also when granted), and a head never
-/// woken is woken (`turned`: its turn begins, `NOTIFY {one}_<pid>,
-/// 'member:key'`). `turn_ms`, NULL when the key is held: the time left of
-/// the head's turn, or 0 (sent again at once) when no head stands or the
-/// snapshot was out of date.
+/// so final) when refused, with the holder the refusal answers; on a free
+/// key, unless the snapshot was out of date, the waiters of `line` that no
+/// longer stand (dead, or their turn over) are dropped (`dropped`, also
+/// when granted), and a head never woken is woken (`turned`: its turn
+/// begins, `NOTIFY {one}_<pid>, 'member:key'`). `turn_ms`, NULL when the
+/// key is held: the time left of the head's turn, or 0 (sent again at
+/// once) when no head stands or the snapshot was out of date.
 pub(super) fn fair_after_taken(table: &str, one: &str) -> (String, String) {
     let free = "coalesce((SELECT free AND fresh FROM held), false)";
     let ctes = format!(
