@@ -516,9 +516,9 @@ async fn an_index_a_failed_build_left_invalid_is_built_again() {
 const EXAMINED: u64 = 8;
 
 /// The line of [`a_handoff_reads_the_head_of_a_long_line_not_all_of_it`]:
-/// the crowd on one key. (A table of a page or two the planner
-/// reads whole rather than fetch one row by its `ctid`, which is as cheap
-/// there.)
+/// the crowd on one key. (A table of a page or so the planner
+/// reads whole rather than look one row up in an index, which is as cheap
+/// there: with 64 waiters each statement reads the table's 72 rows.)
 const LONG_LINE: u32 = 256;
 
 /// The rows of the waiter table the statement whose plan is `plan` read:
