@@ -126,21 +126,26 @@ pub async fn rows(
         // (INFO commandstats cannot tell them apart; the probe's own INFO
         // reads are left out).
         let per_pair = sent.all_calls.map(|t| t as f64 / per);
+        // The server's own time running the pair's scripts, inner
+        // commands included (rslock's lock is a plain SET, outside it).
+        let script_us = sent.script_usec.map(|t| t as f64 / per);
         let fmt = |v: Option<f64>, unit: &str| {
             v.map(|v| format!("{v:.1}{unit}"))
                 .unwrap_or_else(|| "-".to_owned())
         };
         row.note = Some(format!(
-            "mean {}; server calls/pair incl. inside scripts {} ({}); {}",
+            "mean {}; server calls/pair incl. inside scripts {} ({}); server time in scripts/pair {} (INFO commandstats usec of EVALSHA); {}",
             fmt(mean, " µs"),
             fmt(per_pair, ""),
             sent.top(per, 6),
+            fmt(script_us, " µs"),
             c.what()
         ));
         row.extra = vec![
             ("mean_us", json!(mean.map(|m| (m * 10.0).round() / 10.0))),
             ("server_calls_per_pair", json!(per_pair)),
             ("server_calls_detail", json!(sent.top(per, 12))),
+            ("server_script_us_per_pair", json!(script_us)),
             (
                 "pinning",
                 json!("bench process on CPU 0, redis-server on CPU 1 (see the header)"),

@@ -23,6 +23,9 @@ pub struct ServerCount {
     pub total: Option<u64>,
     /// Redis: every command including those run inside scripts.
     pub all_calls: Option<u64>,
+    /// Redis: µs the server spent running scripts (`EVALSHA` and `EVAL`,
+    /// the commands they ran included), by `INFO commandstats`.
+    pub script_usec: Option<u64>,
     pub detail: BTreeMap<String, u64>,
 }
 
@@ -44,6 +47,10 @@ impl ServerCount {
             all_calls: self
                 .all_calls
                 .zip(earlier.all_calls)
+                .map(|(a, b)| a.saturating_sub(b)),
+            script_usec: self
+                .script_usec
+                .zip(earlier.script_usec)
                 .map(|(a, b)| a.saturating_sub(b)),
             detail,
         }
@@ -155,9 +162,15 @@ impl Probe {
                     .map(|(_, v)| *v)
                     .sum();
                 let all: u64 = detail.values().sum();
+                let usec = servers::parse_commandstats_usec(&info);
+                let script_usec = ["evalsha", "eval"]
+                    .iter()
+                    .filter_map(|c| usec.get(*c))
+                    .sum();
                 Ok(ServerCount {
                     total: Some(all - inner),
                     all_calls: Some(all),
+                    script_usec: Some(script_usec),
                     detail,
                 })
             }
@@ -170,6 +183,7 @@ impl Probe {
                 Ok(ServerCount {
                     total: Some(detail.values().sum()),
                     all_calls: None,
+                    script_usec: None,
                     detail,
                 })
             }
@@ -190,6 +204,7 @@ impl Probe {
                 Ok(ServerCount {
                     total: Some(detail.values().sum()),
                     all_calls: None,
+                    script_usec: None,
                     detail,
                 })
             }

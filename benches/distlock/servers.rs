@@ -338,6 +338,17 @@ fn dechunk(body: &str) -> String {
 
 /// Parses `INFO commandstats` into command -> calls.
 pub fn parse_commandstats(info: &str) -> BTreeMap<String, u64> {
+    commandstats_field(info, "calls=")
+}
+
+/// Parses `INFO commandstats` into command -> `usec` (the server's time
+/// running it; a script's includes the commands it ran).
+pub fn parse_commandstats_usec(info: &str) -> BTreeMap<String, u64> {
+    commandstats_field(info, "usec=")
+}
+
+/// One numeric field of each `cmdstat_<command>:` line.
+fn commandstats_field(info: &str, field: &str) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
     for line in info.lines() {
         let Some(rest) = line.strip_prefix("cmdstat_") else {
@@ -346,12 +357,12 @@ pub fn parse_commandstats(info: &str) -> BTreeMap<String, u64> {
         let Some((name, fields)) = rest.split_once(':') else {
             continue;
         };
-        let calls = fields
+        let value = fields
             .split(',')
-            .find_map(|f| f.strip_prefix("calls="))
+            .find_map(|f| f.strip_prefix(field))
             .and_then(|c| c.trim().parse().ok())
             .unwrap_or(0);
-        out.insert(name.to_owned(), calls);
+        out.insert(name.to_owned(), value);
     }
     out
 }
