@@ -133,24 +133,35 @@ async fn crowd_rows(plan: &Plan, server: &Server) -> BenchResult<Vec<Row>> {
         let client0 = servers::proc_cpu_ns(std::process::id());
         let server0 = server.cpu_ns().unwrap_or(0);
         let count0 = probe.count().await?;
-        let outcome = crowd(&client, &scenario, plan.crowd_duration).await?;
+        let outcome = crowd(&client, &scenario, plan.crowd_duration, server.cpu).await?;
         let work = probe.count().await?.since(&count0);
-        let cpu = (
-            servers::proc_cpu_ns(std::process::id()).saturating_sub(client0),
-            server.cpu_ns().unwrap_or(0).saturating_sub(server0),
-        );
+        let cpu = Cpu {
+            client_ns: servers::proc_cpu_ns(std::process::id()).saturating_sub(client0),
+            server_ns: server.cpu_ns().unwrap_or(0).saturating_sub(server0),
+            server_busy: outcome.server_busy,
+        };
         rows.push(scenario_row(
             backend,
             &scenario,
             plan.crowd_duration,
             &outcome,
             baseline.as_ref(),
-            cpu,
+            &cpu,
             &work,
         ));
         eprintln!("[{}] crowd {} done", backend.name(), scenario.param);
     }
     Ok(rows)
+}
+
+/// CPU used during a scenario.
+struct Cpu {
+    /// By this process, and by the server's processes.
+    client_ns: u64,
+    server_ns: u64,
+    /// The busy share of the server's CPU until the deadline
+    /// ([`Outcome::server_busy`]).
+    server_busy: Option<f64>,
 }
 
 /// The raw acquire write alone and a plain round trip, 1 task.
@@ -216,6 +227,10 @@ struct Outcome {
     /// deadline).
     gaps: Samples,
     first_error: Option<String>,
+    /// The busy share of the CPU the server is pinned to
+    /// ([`servers::cpu_ticks`]), from the tasks' start to the deadline
+    /// (warm-up and drain left out).
+    server_busy: Option<f64>,
 }
 
 /// What a key remembers of its last turn.
@@ -250,6 +265,7 @@ async fn crowd(
     client: &LockClient,
     scenario: &Scenario,
     duration: Duration,
+    server_cpu: Option<usize>,
 ) -> BenchResult<Outcome> {
     static RUN: AtomicU64 = AtomicU64::new(0);
     let run = RUN.fetch_add(1, Ordering::Relaxed);
@@ -277,6 +293,11 @@ async fn crowd(
         Arc::new((0..scenario.keys).map(|_| Mutex::default()).collect());
     let hold_clock = Arc::new(HoldClock::default());
     let deadline = Instant::now() + duration;
+    let busy_from = server_cpu.and_then(servers::cpu_ticks);
+    let busy_until = tokio::spawn(async move {
+        tokio::time::sleep_until(deadline.into()).await;
+        server_cpu.and_then(servers::cpu_ticks)
+    });
     let mut handles = Vec::new();
     for task in 0..scenario.tasks {
         let slot = task % scenario.keys;
@@ -335,6 +356,10 @@ async fn crowd(
     for h in handles {
         all.merge(h.await.map_err(|e| e.to_string())?);
     }
+    let busy_until = busy_until.await.map_err(|e| e.to_string())?;
+    all.server_busy = busy_from.zip(busy_until).and_then(|((b0, t0), (b1, t1))| {
+        (t1 > t0).then(|| b1.saturating_sub(b0) as f64 / (t1 - t0) as f64)
+    });
     Ok(all)
 }
 
@@ -394,7 +419,7 @@ fn scenario_row(
     duration: Duration,
     outcome: &Outcome,
     baseline: Option<&Baseline>,
-    (client_ns, server_ns): (u64, u64),
+    cpu: &Cpu,
     work: &ServerCount,
 ) -> Row {
     let waits = &outcome.waits;
@@ -426,7 +451,7 @@ fn scenario_row(
     row.p99_us = waits.pct(0.99);
     row.ops_per_s = Some(rate);
     let mut note = format!(
-        "{} tasks on {} key(s), 1 client, hold {:?} (measured mean {:.2} ms), {:?}; {} handoffs, wait longest {}, gave up {}, errors {}, overlaps {}; re-takes by the last holder {:.0}%, handoff gap p50 {:.2} ms, max {:.1} ms; CPU s client {:.1}, server {:.1}; targets: ",
+        "{} tasks on {} key(s), 1 client, hold {:?} (measured mean {:.2} ms), {:?}; {} handoffs, wait longest {}, gave up {}, errors {}, overlaps {}; re-takes by the last holder {:.0}%, handoff gap p50 {:.2} ms, max {:.1} ms; CPU s client {:.1}, server {:.1}; server's CPU busy {} until the deadline (/proc/stat, its kernel work included); targets: ",
         scenario.tasks,
         scenario.keys,
         scenario.hold,
@@ -440,8 +465,11 @@ fn scenario_row(
         100.0 * outcome.retakes as f64 / outcome.handoffs.max(1) as f64,
         outcome.gaps.pct(0.5).unwrap_or(0.0) / 1e3,
         outcome.gaps.pct(1.0).unwrap_or(0.0) / 1e3,
-        client_ns as f64 / 1e9,
-        server_ns as f64 / 1e9,
+        cpu.client_ns as f64 / 1e9,
+        cpu.server_ns as f64 / 1e9,
+        cpu.server_busy
+            .map(|b| format!("{:.0}%", b * 100.0))
+            .unwrap_or_else(|| "-".to_owned()),
     );
     let mut targets = serde_json::Map::new();
     if one_key {
@@ -533,8 +561,9 @@ fn scenario_row(
             "handoff_rate_bound_measured_hold_per_s",
             json!(measured_bound.map(f64::round)),
         ),
-        ("client_cpu_s", json!(client_ns as f64 / 1e9)),
-        ("server_cpu_s", json!(server_ns as f64 / 1e9)),
+        ("client_cpu_s", json!(cpu.client_ns as f64 / 1e9)),
+        ("server_cpu_s", json!(cpu.server_ns as f64 / 1e9)),
+        ("server_cpu_busy", json!(cpu.server_busy)),
         (
             "server_work_per_handoff",
             json!(work.total.map(|t| t as f64 / per_handoff)),

@@ -94,6 +94,8 @@ pub struct Server {
     pub url: String,
     /// How the server was pinned, for the header.
     pub pinning: String,
+    /// The CPU it was pinned to, if pinned.
+    pub cpu: Option<usize>,
     /// The process(es) listening on the server's port.
     pub pids: Vec<u32>,
 }
@@ -106,6 +108,7 @@ impl Server {
                 process: None,
                 url: "memory://bench".to_owned(),
                 pinning: "in-process".to_owned(),
+                cpu: None,
                 pids: Vec::new(),
             });
         };
@@ -122,6 +125,7 @@ impl Server {
             process: Some(process),
             url,
             pinning,
+            cpu: server_cpu,
             pids,
         })
     }
@@ -261,6 +265,26 @@ pub fn proc_cpu_ns(pid: u32) -> u64 {
         .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
         .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
         .sum()
+}
+
+/// One CPU's time so far from `/proc/stat` (its `cpuN` line), in clock
+/// ticks: (busy, total). Busy is everything but idle and iowait, so it
+/// includes the kernel's work there (interrupts, softirqs: the network
+/// stack's receive path) that no process's CPU time shows.
+pub fn cpu_ticks(cpu: usize) -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let name = format!("cpu{cpu}");
+    let line = stat
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(&name))?;
+    let ticks: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|t| t.parse().ok())
+        .collect();
+    let total: u64 = ticks.iter().sum();
+    let idle = ticks.get(3).copied().unwrap_or(0) + ticks.get(4).copied().unwrap_or(0);
+    Some((total.saturating_sub(idle), total))
 }
 
 /// `Cpus_allowed_list` of this process.
