@@ -215,7 +215,7 @@ async fn a_cancelled_statement_never_keeps_its_pool_slot() {
 #[tokio::test]
 async fn a_cancelled_acquire_that_the_server_granted_is_undone() {
     let ns = unique_name("cancel_grant");
-    // Its own table, so the blocked statement is easy to find.
+    // Its own table: no other test touches its rows.
     let table = unique_name("cancel_locks");
     let url = format!("{}?namespace={ns}&table={table}", server().url());
     let lock = Pg::connect(&url).await;
@@ -226,6 +226,10 @@ async fn a_cancelled_acquire_that_the_server_granted_is_undone() {
 
     // A transaction locks the (free) row, so the next acquire blocks on it.
     let mut tx = other.pool().begin().await.unwrap();
+    let tx_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
     sqlx::query(&format!(
         "SELECT 1 FROM {} WHERE namespace = $1 AND key = $2 FOR UPDATE",
         other.table()
@@ -239,11 +243,13 @@ async fn a_cancelled_acquire_that_the_server_granted_is_undone() {
     let stats = sqlx::PgPool::connect(&server().url()).await.unwrap();
     let blocked = async {
         loop {
+            // Found by what it waits for: its text is cut short in
+            // pg_stat_activity (track_activity_query_size).
             let waiting: i64 = sqlx::query_scalar(
                 "SELECT count(*) FROM pg_stat_activity
-                 WHERE wait_event_type = 'Lock' AND query LIKE '%' || $1 || '%'",
+                 WHERE wait_event_type = 'Lock' AND $1 = ANY (pg_blocking_pids(pid))",
             )
-            .bind(&table)
+            .bind(tx_pid)
             .fetch_one(&stats)
             .await
             .unwrap();
