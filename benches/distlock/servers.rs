@@ -268,9 +268,11 @@ pub fn proc_cpu_ns(pid: u32) -> u64 {
 }
 
 /// One CPU's time so far from `/proc/stat` (its `cpuN` line), in clock
-/// ticks: (busy, total). Busy is everything but idle and iowait, so it
-/// includes the kernel's work there (interrupts, softirqs: the network
-/// stack's receive path) that no process's CPU time shows.
+/// ticks: (busy, total). Busy is user, nice, system, irq and softirq, so it
+/// includes the kernel's work there (the network stack's receive path)
+/// that no process's CPU time shows; total adds idle and iowait. Steal
+/// (the hypervisor running something else) counts as neither, and guest
+/// time is already in user.
 pub fn cpu_ticks(cpu: usize) -> Option<(u64, u64)> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let name = format!("cpu{cpu}");
@@ -282,9 +284,10 @@ pub fn cpu_ticks(cpu: usize) -> Option<(u64, u64)> {
         .skip(1)
         .filter_map(|t| t.parse().ok())
         .collect();
-    let total: u64 = ticks.iter().sum();
-    let idle = ticks.get(3).copied().unwrap_or(0) + ticks.get(4).copied().unwrap_or(0);
-    Some((total.saturating_sub(idle), total))
+    let field = |i: usize| ticks.get(i).copied().unwrap_or(0);
+    // user nice system idle iowait irq softirq steal guest guest_nice
+    let busy = field(0) + field(1) + field(2) + field(5) + field(6);
+    Some((busy, busy + field(3) + field(4)))
 }
 
 /// `Cpus_allowed_list` of this process.
