@@ -135,33 +135,22 @@ async fn crowd_rows(plan: &Plan, server: &Server) -> BenchResult<Vec<Row>> {
         let count0 = probe.count().await?;
         let outcome = crowd(&client, &scenario, plan.crowd_duration, server.cpu).await?;
         let work = probe.count().await?.since(&count0);
-        let cpu = Cpu {
-            client_ns: servers::proc_cpu_ns(std::process::id()).saturating_sub(client0),
-            server_ns: server.cpu_ns().unwrap_or(0).saturating_sub(server0),
-            server_busy: outcome.server_busy,
-        };
+        let cpu = (
+            servers::proc_cpu_ns(std::process::id()).saturating_sub(client0),
+            server.cpu_ns().unwrap_or(0).saturating_sub(server0),
+        );
         rows.push(scenario_row(
             backend,
             &scenario,
             plan.crowd_duration,
             &outcome,
             baseline.as_ref(),
-            &cpu,
+            cpu,
             &work,
         ));
         eprintln!("[{}] crowd {} done", backend.name(), scenario.param);
     }
     Ok(rows)
-}
-
-/// CPU used during a scenario.
-struct Cpu {
-    /// By this process, and by the server's processes.
-    client_ns: u64,
-    server_ns: u64,
-    /// The busy share of the server's CPU until the deadline
-    /// ([`Outcome::server_busy`]).
-    server_busy: Option<f64>,
 }
 
 /// The raw acquire write alone and a plain round trip, 1 task.
@@ -419,7 +408,7 @@ fn scenario_row(
     duration: Duration,
     outcome: &Outcome,
     baseline: Option<&Baseline>,
-    cpu: &Cpu,
+    (client_ns, server_ns): (u64, u64),
     work: &ServerCount,
 ) -> Row {
     let waits = &outcome.waits;
@@ -465,9 +454,10 @@ fn scenario_row(
         100.0 * outcome.retakes as f64 / outcome.handoffs.max(1) as f64,
         outcome.gaps.pct(0.5).unwrap_or(0.0) / 1e3,
         outcome.gaps.pct(1.0).unwrap_or(0.0) / 1e3,
-        cpu.client_ns as f64 / 1e9,
-        cpu.server_ns as f64 / 1e9,
-        cpu.server_busy
+        client_ns as f64 / 1e9,
+        server_ns as f64 / 1e9,
+        outcome
+            .server_busy
             .map(|b| format!("{:.0}%", b * 100.0))
             .unwrap_or_else(|| "-".to_owned()),
     );
@@ -561,9 +551,9 @@ fn scenario_row(
             "handoff_rate_bound_measured_hold_per_s",
             json!(measured_bound.map(f64::round)),
         ),
-        ("client_cpu_s", json!(cpu.client_ns as f64 / 1e9)),
-        ("server_cpu_s", json!(cpu.server_ns as f64 / 1e9)),
-        ("server_cpu_busy", json!(cpu.server_busy)),
+        ("client_cpu_s", json!(client_ns as f64 / 1e9)),
+        ("server_cpu_s", json!(server_ns as f64 / 1e9)),
+        ("server_cpu_busy", json!(outcome.server_busy)),
         (
             "server_work_per_handoff",
             json!(work.total.map(|t| t as f64 / per_handoff)),
