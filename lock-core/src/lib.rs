@@ -40,6 +40,7 @@ mod backend;
 mod capabilities;
 mod client;
 mod client_options;
+mod contended;
 mod descriptor;
 mod election;
 mod error;
@@ -74,6 +75,7 @@ pub use backend::{
 pub use capabilities::Capabilities;
 pub use client::{AcquireAttempt, LockClient};
 pub use client_options::{with_timeout, ClientOptions, DEFAULT_NAMESPACE, MAX_TIMEOUT};
+pub use contended::{ContendedKeys, CONTENDED_FOR};
 pub use descriptor::{BackendDescriptor, Connecting};
 pub use election::{Leader, LeaderWatch, Leadership, DEFAULT_OBSERVE_POLL};
 pub use error::{request_message, ErrorKind, LockError, IN_LOCK_CALL};
@@ -97,7 +99,7 @@ pub use schedule::{Fire, ScheduledJob, ScheduledOutcome, SkipReason};
 pub use semaphore::{PermitReply, PermitRequest, PermitState, SemaphoreBackend};
 pub use tls::{TlsAdvice, TlsFailure, TlsFiles, TlsPem};
 pub use url::{LockUrl, UrlHost};
-pub use waits::{OpenWaits, WaitLine};
+pub use waits::{OpenWaits, WaitLine, WaitPlace};
 
 /// Re-exported so backends implement [`LockBackend`] with the same
 /// `async_trait` version.

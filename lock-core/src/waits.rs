@@ -18,6 +18,26 @@ pub enum WaitLine {
 
 type WaitId = (WaitLine, LockKey, OwnerToken);
 
+/// A line: whose, and of which key.
+type LineId = (WaitLine, LockKey);
+
+/// Where a wait stands before its next attempt ([`OpenWaits::place`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitPlace {
+    /// No open wait: the attempt does not join a line.
+    NotWaiting,
+    /// An earlier attempt of the wait joined its line (it may be there).
+    InLine,
+    /// The attempt is the wait's first that joins the line. `behind_others`:
+    /// another wait of this client may be in that line, so the attempt is
+    /// most likely refused (a crowd in one process: a holder that released
+    /// and asks again queues behind the waiter its release woke).
+    Joining {
+        /// Another wait of this client may be in the line.
+        behind_others: bool,
+    },
+}
+
 /// One open wait: its registration and whether it may be in its line.
 #[derive(Debug, Clone, Copy)]
 struct Open {
@@ -50,12 +70,41 @@ struct Open {
 /// ```
 #[derive(Debug, Default)]
 pub struct OpenWaits {
-    waits: Mutex<HashMap<WaitId, Open>>,
+    waits: Mutex<Waits>,
     registrations: AtomicU64,
 }
 
+/// The open waits, and how many of them may be in each line.
+#[derive(Debug, Default)]
+struct Waits {
+    open: HashMap<WaitId, Open>,
+    in_line: HashMap<LineId, usize>,
+}
+
+impl Waits {
+    /// Sets whether the wait `id` may be in its line, keeping the count.
+    fn set_in_line(&mut self, id: &WaitId, in_line: bool) {
+        let Some(wait) = self.open.get_mut(id) else {
+            return;
+        };
+        if wait.in_line == in_line {
+            return;
+        }
+        wait.in_line = in_line;
+        let line = (id.0, id.1.clone());
+        if in_line {
+            *self.in_line.entry(line).or_default() += 1;
+        } else if let Some(count) = self.in_line.get_mut(&line) {
+            *count -= 1;
+            if *count == 0 {
+                self.in_line.remove(&line);
+            }
+        }
+    }
+}
+
 impl OpenWaits {
-    fn waits(&self) -> MutexGuard<'_, HashMap<WaitId, Open>> {
+    fn waits(&self) -> MutexGuard<'_, Waits> {
         self.waits.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -65,10 +114,13 @@ impl OpenWaits {
     pub fn register(&self, line: WaitLine, key: &LockKey, owner: OwnerToken) -> u64 {
         let registration = self.registrations.fetch_add(1, Ordering::Relaxed);
         let mut waits = self.waits();
-        let wait = waits.entry((line, key.clone(), owner)).or_insert(Open {
-            registration,
-            in_line: false,
-        });
+        let wait = waits
+            .open
+            .entry((line, key.clone(), owner))
+            .or_insert(Open {
+                registration,
+                in_line: false,
+            });
         wait.registration = registration;
         registration
     }
@@ -77,18 +129,31 @@ impl OpenWaits {
     /// joins the line if refused, and so may be in it from now on).
     pub fn joins(&self, line: WaitLine, key: &LockKey, owner: OwnerToken) -> bool {
         let mut waits = self.waits();
-        let Some(wait) = waits.get_mut(&(line, key.clone(), owner)) else {
+        let id = (line, key.clone(), owner);
+        if !waits.open.contains_key(&id) {
             return false;
-        };
-        wait.in_line = true;
+        }
+        waits.set_in_line(&id, true);
         true
+    }
+
+    /// Where `owner`'s wait on `key` stands before its next attempt (ask
+    /// before [`joins`](Self::joins), which puts it in line).
+    pub fn place(&self, line: WaitLine, key: &LockKey, owner: OwnerToken) -> WaitPlace {
+        let waits = self.waits();
+        match waits.open.get(&(line, key.clone(), owner)) {
+            None => WaitPlace::NotWaiting,
+            Some(wait) if wait.in_line => WaitPlace::InLine,
+            // Counts of 0 are removed.
+            Some(_) => WaitPlace::Joining {
+                behind_others: waits.in_line.contains_key(&(line, key.clone())),
+            },
+        }
     }
 
     /// `owner`'s attempt was granted: its statement left the line.
     pub fn granted(&self, line: WaitLine, key: &LockKey, owner: OwnerToken) {
-        if let Some(wait) = self.waits().get_mut(&(line, key.clone(), owner)) {
-            wait.in_line = false;
-        }
+        self.waits().set_in_line(&(line, key.clone(), owner), false);
     }
 
     /// The watch of `registration` dropped: the wait is over unless it
@@ -102,15 +167,20 @@ impl OpenWaits {
     ) -> bool {
         let mut waits = self.waits();
         let id = (line, key.clone(), owner);
-        if waits.get(&id).map(|w| w.registration) != Some(registration) {
+        let Some(wait) = waits.open.get(&id).copied() else {
+            return false;
+        };
+        if wait.registration != registration {
             return false;
         }
-        waits.remove(&id).is_some_and(|w| w.in_line)
+        waits.set_in_line(&id, false);
+        waits.open.remove(&id);
+        wait.in_line
     }
 
     /// How many waits are open.
     pub fn len(&self) -> usize {
-        self.waits().len()
+        self.waits().open.len()
     }
 
     /// Whether no wait is open.
@@ -148,5 +218,50 @@ mod tests {
         assert!(waits.joins(WaitLine::Lock, &key, a));
         assert!(waits.ended(WaitLine::Lock, &key, a, third));
         assert!(waits.is_empty());
+    }
+
+    #[test]
+    fn a_first_attempt_is_behind_others_while_another_wait_may_be_in_line() {
+        let behind = |waits: &OpenWaits, line, key, owner| {
+            waits.place(line, key, owner)
+                == WaitPlace::Joining {
+                    behind_others: true,
+                }
+        };
+        let waits = OpenWaits::default();
+        let (key, other) = (LockKey::new("k").unwrap(), LockKey::new("other").unwrap());
+        let (a, b) = (OwnerToken::random(), OwnerToken::random());
+        let of_a = waits.register(WaitLine::Lock, &key, a);
+        waits.register(WaitLine::Lock, &key, b);
+        assert!(
+            !behind(&waits, WaitLine::Lock, &key, b),
+            "nobody is in line"
+        );
+        assert!(waits.joins(WaitLine::Lock, &key, a));
+        assert!(behind(&waits, WaitLine::Lock, &key, b));
+        // Not another key's line, nor the semaphore's, nor no open wait.
+        waits.register(WaitLine::Lock, &other, b);
+        assert!(!behind(&waits, WaitLine::Lock, &other, b));
+        assert!(!behind(&waits, WaitLine::Permits, &key, b));
+        let stranger = OwnerToken::random();
+        assert_eq!(
+            waits.place(WaitLine::Lock, &key, stranger),
+            WaitPlace::NotWaiting
+        );
+        // Its own place does not count, nor does a second join.
+        assert!(waits.joins(WaitLine::Lock, &key, b));
+        assert!(waits.joins(WaitLine::Lock, &key, b));
+        assert!(!behind(&waits, WaitLine::Lock, &key, b), "in line itself");
+        waits.granted(WaitLine::Lock, &key, b);
+        assert!(
+            behind(&waits, WaitLine::Lock, &key, b),
+            "a is still in line"
+        );
+        // a registered again keeps its place; when its wait ends, it is gone.
+        let again = waits.register(WaitLine::Lock, &key, a);
+        assert!(!waits.ended(WaitLine::Lock, &key, a, of_a));
+        assert!(behind(&waits, WaitLine::Lock, &key, b));
+        assert!(waits.ended(WaitLine::Lock, &key, a, again));
+        assert!(!behind(&waits, WaitLine::Lock, &key, b), "a left");
     }
 }

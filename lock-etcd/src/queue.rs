@@ -82,10 +82,11 @@ mod waiter;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use distlock_core::{
-    Departure, Listener, LockError, LockKey, OwnerToken, ReleaseNotifier, ReleaseWatch,
+    ContendedKeys, Departure, Listener, LockError, LockKey, OwnerToken, ReleaseNotifier,
+    ReleaseWatch,
 };
 use etcd_client::{GetOptions, KeyValue};
 use tokio::sync::oneshot;
@@ -101,15 +102,6 @@ use crate::txn::Turn;
 use entries::{delete_later, is_foreign, put_entry};
 pub(crate) use line::Line;
 use waiter::Waiter;
-
-/// How long after an attempt of a client found a key taken its attempts
-/// not in line read first (a refused transaction that could write is a
-/// Raft proposal; a read is not). A key free by then costs one read more
-/// per attempt until this runs out.
-const CONTENDED_FOR: Duration = Duration::from_secs(10);
-
-/// The most keys a client remembers as contended.
-const CONTENDED_KEYS: usize = 1024;
 
 /// Pauses between retries of a failed look-up or entry delete.
 const RETRY_MIN: Duration = Duration::from_millis(100);
@@ -131,9 +123,10 @@ pub(crate) struct Queues {
     /// Queue entries go on the client's session lease of [`MIN_TTL`].
     sessions: Arc<Sessions>,
     /// Lock keys an attempt of this client found taken (held, or a line
-    /// ahead of it), and when: for [`CONTENDED_FOR`] after, an attempt not
-    /// in line reads before it writes. At most [`CONTENDED_KEYS`].
-    contended: Mutex<HashMap<LockKey, Instant>>,
+    /// ahead of it), and when: for [`CONTENDED_FOR`](distlock_core::CONTENDED_FOR) after, an attempt not
+    /// in line reads before it writes (a refused transaction that could
+    /// write is a Raft proposal; a read is not).
+    contended: ContendedKeys,
     etcd: Etcd,
 }
 
@@ -149,7 +142,7 @@ impl Queues {
             next_waiter: AtomicU64::new(0),
             seats: Mutex::new(HashMap::new()),
             sessions,
-            contended: Mutex::new(HashMap::new()),
+            contended: ContendedKeys::default(),
             etcd,
         }
     }
@@ -242,27 +235,12 @@ impl Queues {
 
     /// An attempt of this client found `key` taken (see the field).
     pub(crate) fn taken(&self, key: &LockKey) {
-        let mut contended = self.contended.lock().unwrap_or_else(|e| e.into_inner());
-        if contended.len() >= CONTENDED_KEYS && !contended.contains_key(key) {
-            let now = Instant::now();
-            contended.retain(|_, at| now.duration_since(*at) < CONTENDED_FOR);
-            if contended.len() >= CONTENDED_KEYS {
-                // Many keys contended at once: forget them all (the cost is
-                // one write more per key, as without this memory).
-                contended.clear();
-            }
-        }
-        contended.insert(key.clone(), Instant::now());
+        self.contended.found_taken(key);
     }
 
-    /// Whether an attempt of this client found `key` taken in the last
-    /// [`CONTENDED_FOR`].
+    /// Whether an attempt of this client found `key` taken lately.
     pub(crate) fn contended(&self, key: &LockKey) -> bool {
-        self.contended
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(key)
-            .is_some_and(|at| at.elapsed() < CONTENDED_FOR)
+        self.contended.is_contended(key)
     }
 
     fn seat(&self, owner: OwnerToken, seat: &Arc<Seat>) {

@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use distlock_core::{
-    AcquireReply, AcquireRequest, Capabilities, ExtendReply, FencingToken, Grant, HeldLock,
-    Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, OpenWaits, OwnerToken,
-    ReleaseReply, ReleaseWatch, SemaphoreBackend, WaitLine, IN_LOCK_CALL,
+    AcquireReply, AcquireRequest, Capabilities, ContendedKeys, ExtendReply, FencingToken, Grant,
+    HeldLock, Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, OpenWaits,
+    OwnerToken, ReleaseReply, ReleaseWatch, SemaphoreBackend, WaitLine, WaitPlace, IN_LOCK_CALL,
 };
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use tokio::sync::OnceCell;
@@ -91,6 +91,8 @@ pub struct PostgresLock {
     holder_ready: AtomicBool,
     /// The open waits of this client (see [`OpenWaits`]).
     waits: Arc<OpenWaits>,
+    /// The keys this client found taken lately (see `acquire`).
+    contended: ContendedKeys,
     /// `None` when nothing can `LISTEN` (a transaction pooler without
     /// `listen_url`): waiters then poll.
     listener: Option<Listener<Releases>>,
@@ -233,6 +235,7 @@ impl PostgresLock {
             line_ready: AtomicBool::new(false),
             holder_ready: AtomicBool::new(false),
             waits: Arc::default(),
+            contended: ContendedKeys::default(),
             listen_apart: config.listen_options().is_some(),
             listener,
             observers: holder_channel(&channel),
@@ -365,6 +368,39 @@ impl PostgresLock {
             .and_then(|l| l.source().pid())
             .filter(|_| !settling && self.waits.joins(line, key, owner));
         Some([Arg::text(table), Arg::Int(pid.unwrap_or(0).into())])
+    }
+
+    /// The attempt of a waiter (listener pid `pid`) that joins the line of
+    /// a lock another owner holds ([`Statements::join_held`]): the refusal,
+    /// or `None` when the lock is not held that way (nothing was written;
+    /// the full attempt follows). Nothing is ever granted here, so a
+    /// caller that leaves before the reply has nothing to give back; a
+    /// line it may have joined is left when its wait ends, as after any
+    /// refused attempt.
+    async fn join_held(
+        &self,
+        key: &LockKey,
+        owner: &str,
+        pid: i64,
+    ) -> Result<Option<AcquireReply>, LockError> {
+        let call = self.call(
+            &self.sql.join_held,
+            vec![
+                Arg::text(self.namespace()),
+                Arg::text(key.as_str()),
+                Arg::text(owner),
+                Arg::text(self.config.table()),
+                Arg::Int(pid),
+            ],
+        );
+        let Some(row) = self.fetch(IN_LOCK_CALL, call, None).await?.row else {
+            return Ok(None);
+        };
+        self.contended.found_taken(key);
+        let ms: i64 = self.column(&row, "expires_in_ms")?;
+        Ok(Some(AcquireReply::Held {
+            expires_in: Some(Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
+        }))
     }
 
     /// `owner`'s attempt on `key` was granted: it left its line.
@@ -562,8 +598,25 @@ impl LockBackend for PostgresLock {
         ];
         let waiting = (key, request.owner, request.settling);
         let line = self.listener.as_ref();
+        // Asked before `line_args` puts this wait in line. A wait's first
+        // attempt that is most likely refused only joins the line behind
+        // the holder if there is one (`join_held`): behind another wait of
+        // this client, or on a key this client found taken lately.
+        let expects_refusal = match self.waits.place(WaitLine::Lock, key, request.owner) {
+            WaitPlace::Joining { behind_others } => {
+                behind_others || self.contended.is_contended(key)
+            }
+            WaitPlace::NotWaiting | WaitPlace::InLine => false,
+        };
         let queued = self.line_args(WaitLine::Lock, line, self.config.table(), waiting);
         let queued_line = queued.is_some();
+        if let (true, Some([_, Arg::Int(pid)])) = (expects_refusal, &queued) {
+            if *pid != 0 {
+                if let Some(held) = self.join_held(key, &owner, *pid).await? {
+                    return Ok(held);
+                }
+            }
+        }
         let statement = match (queued, labelled) {
             (Some(line), labelled) => {
                 args.extend(line);
@@ -627,6 +680,7 @@ impl LockBackend for PostgresLock {
                 ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)))
             }
         };
+        self.contended.found_taken(key);
         Ok(AcquireReply::Held { expires_in })
     }
 
@@ -754,6 +808,10 @@ impl LockBackend for PostgresLock {
         }
         let call = self.call(statement, args);
         let reply = self.fetch_one(call).await?;
+        if line && self.column::<i64>(&reply.row, "woken").unwrap_or(0) > 0 {
+            // Handed to a waiter: this client's next wait on it queues.
+            self.contended.found_taken(key);
+        }
         // A resent release whose earlier attempt freed the row (its reply
         // was lost) finds it given up with this lock's fencing token.
         let released = (reply.resent && self.freed_with(&lock, &reply.row)?)

@@ -94,7 +94,18 @@
 //!   (keeping its place if it has one). Attempts that do not wait
 //!   (`try_acquire`) are refused the same way while a waiter stands;
 //! - an attempt by the owner who holds the lock (a retry whose earlier
-//!   reply was lost) is granted again whatever the line says.
+//!   reply was lost) is granted again whatever the line says;
+//! - a wait's first attempt that is most likely refused — another wait of
+//!   the same client is in line for the key, or this client found the key
+//!   taken in the last 10 s ([`CONTENDED_FOR`](distlock_core::CONTENDED_FOR):
+//!   refused, or its release woke a waiter) — first sends a short statement
+//!   that only joins the line when another owner holds the lock (the lock
+//!   row locked and read, the waiter row written): a fraction of the full
+//!   attempt's work, which the server otherwise sets up for a refusal. It
+//!   never grants, so nothing is given back if its reply is lost; sent
+//!   again, it keeps the place it took. With the lock free (or held by this
+//!   owner, or anything unusual in the row) it writes nothing, and the full
+//!   attempt follows.
 //!
 //! A turn's end is noticed by the next attempt on the key: a waiter
 //! refused during a turn retries when it is over, and a waiter refused

@@ -236,6 +236,29 @@ pub(super) fn join_or_leave(table: &str, pid: &str, examined: bool) -> String {
     )
 }
 
+/// A lock waiter's attempt that only joins the line of a held lock (see
+/// `Statements::join_held`): the lock row is locked first (`FOR UPDATE`),
+/// as every statement on the line does, and read in its newest version,
+/// so a release that committed meanwhile leaves no row to join behind.
+pub(super) const JOIN_HELD: &str = "WITH held AS MATERIALIZED (
+        SELECT h.owner, h.fencing, h.expires_at
+        FROM {t} AS h
+        WHERE h.namespace = $1 AND h.key = $2 AND h.owner ~ '^[0-9a-f]{32}$' AND h.owner <> $3
+          AND h.fencing >= 0 AND h.expires_at > clock_timestamp()
+        FOR UPDATE
+    ),
+    joined AS (
+        INSERT INTO {w} AS w (lock_table, namespace, key, member, pid, arrival)
+        SELECT $4, $1, $2, $3, $5::integer, clock_timestamp()
+        WHERE EXISTS (SELECT 1 FROM held)
+        ON CONFLICT (lock_table, namespace, key, member) DO UPDATE SET pid = excluded.pid
+        RETURNING 1
+    )
+    SELECT h.owner, h.fencing,
+           greatest(0, ceil(extract(epoch FROM (h.expires_at - clock_timestamp())) * 1000))::bigint AS expires_in_ms,
+           (SELECT count(*) FROM joined) AS joined
+    FROM held AS h";
+
 /// What a wake-up does with the waiter it wakes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Wake {

@@ -128,6 +128,17 @@ pub(crate) struct Statements {
     /// `turn_ms`, the time left of the head's turn (NULL when the key is
     /// held).
     pub acquire_queued: Arc<Sql>,
+    /// `$1` namespace, `$2` key, `$3` owner, `$4` the lock table's name,
+    /// `$5` the backend pid of the client's listener connection -> `owner
+    /// text, fencing bigint, expires_in_ms bigint`: when another owner holds
+    /// the lock (live, in a format distlock writes), `$3` joins its waiter
+    /// line (keeping its place) and the holder is answered, as
+    /// [`acquire_queued`](Self::acquire_queued) refusing it would; else no
+    /// row and nothing written (the full attempt follows). A wait's first
+    /// attempt that is most likely refused sends this first (see the crate
+    /// docs, "Waiting"): its refusal here is a fraction of the full
+    /// statement's work (see `line::JOIN_HELD`).
+    pub join_held: Arc<Sql>,
     /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` TTL in ms ->
     /// `done bigint, owner text, fencing bigint` (the row as it was before).
     pub extend: Arc<Sql>,
@@ -408,6 +419,7 @@ impl Statements {
             ),
             acquire: sql(&format!("WITH {} {plain}", taken(Some((6, 7)), false))),
             acquire_queued: sql(&queued_acquire(&taken(Some((8, 9)), true), &derived_next)),
+            join_held: sql(line::JOIN_HELD),
             unlabelled: Unlabelled {
                 acquire: sql(&format!("WITH {} {plain}", taken(None, false))),
                 acquire_queued: sql(&queued_acquire(&taken(None, true), "$8")),

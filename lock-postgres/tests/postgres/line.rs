@@ -8,6 +8,7 @@
 
 use std::time::{Duration, Instant};
 
+use distlock_conformance::fault::Direction;
 use distlock_core::{Lease, LockError, LockKey, OwnerToken};
 use distlock_postgres::{channel_name, PgPool, DEFAULT_TABLE, WAITER_INDEX, WAITER_TABLE};
 use tokio::task::JoinHandle;
@@ -82,6 +83,19 @@ impl Scene {
                 Instant::now() < deadline,
                 "{why}: the line is {rows:?}, not {expected:?}"
             );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Waits until the line has `n` rows (within [`BOUND`]): them.
+    async fn until_line_len(&self, n: usize, why: &str) -> Vec<Row> {
+        let deadline = Instant::now() + BOUND;
+        loop {
+            let rows = self.line().await;
+            if rows.len() == n {
+                return rows;
+            }
+            assert!(Instant::now() < deadline, "{why}: the line is {rows:?}");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
@@ -743,4 +757,185 @@ async fn a_refusal_that_waited_for_a_grant_answers_the_new_holder() {
         expires_in_ms > 30_000,
         "the refusal answers the new holder's 60 s, not {expires_in_ms} ms"
     );
+}
+
+/// The statement a backend of `app` runs while it waits for a row lock.
+async fn waiting_statement(admin: &Pg, app: &str) -> String {
+    let pid = backend(admin, app, "wait_event_type = 'Lock'").await;
+    sqlx::query_scalar("SELECT query FROM pg_stat_activity WHERE pid = $1")
+        .bind(pid)
+        .fetch_one(admin.pool())
+        .await
+        .unwrap()
+}
+
+/// The start of the statement that only joins a held lock's line: a
+/// waiter's first attempt sends it while another waiter of its client is
+/// in line (in a crowd of one process, the holder that released and asks
+/// again), instead of the full acquire, which costs the server several
+/// times as much to set up and is refused there nearly always.
+const JOIN_HELD: &str = "WITH held AS MATERIALIZED";
+
+/// `waiter` (named `app`) waits for the scene's key on a task of its own
+/// while its first waiter is in line: its first attempt runs into a lock
+/// of the key's row (taken here) and must be the short join. Returns the
+/// first waiter's task and row, the second's task, and the row lock.
+async fn second_waiter_stalled(
+    scene: &Scene,
+    waiter: &Pg,
+    app: &str,
+) -> (
+    Waiting,
+    Row,
+    Waiting,
+    sqlx::Transaction<'static, sqlx::Postgres>,
+) {
+    let (first, rows) = scene.queue(waiter, 1, "the first waiter").await;
+    let blocker = lock_row(&scene.admin, &scene.holder, &scene.k).await;
+    let (task_waiter, k) = (waiter.clone(), scene.k.clone());
+    let second =
+        tokio::spawn(async move { task_waiter.acquire(&k, LONG, Instant::now() + LONG).await });
+    let statement = waiting_statement(&scene.admin, app).await;
+    assert!(
+        statement.trim_start().starts_with(JOIN_HELD),
+        "the second waiter's first attempt is the short join, not: {}",
+        &statement[..statement.len().min(200)]
+    );
+    (first, rows[0].clone(), second, blocker)
+}
+
+#[tokio::test]
+async fn a_second_waiter_of_a_client_joins_a_held_locks_line_behind_the_first() {
+    let ns = unique_name("joinheld");
+    let scene = Scene::new(ns.clone(), None).await;
+    let (waiter, app) = named_client(&ns, "").await;
+    let (first, first_row, second, blocker) = second_waiter_stalled(&scene, &waiter, &app).await;
+    blocker.commit().await.unwrap();
+    let rows = scene.until_line_len(2, "the second waiter joined").await;
+    assert_eq!(rows[0], first_row, "the first waiter keeps the head");
+    assert_eq!(rows[1].2, first_row.2, "under the same listener pid");
+    // Served in order, each woken by the release before it.
+    scene.holder.release(&scene.lease).await.unwrap();
+    served_then_released(first, &waiter, "the first waiter").await;
+    served_then_released(second, &waiter, "the second waiter").await;
+    assert!(scene.line().await.is_empty());
+}
+
+/// The lock expires while the short join waits for its row: the join finds
+/// nothing to queue behind and the full attempt follows. It finds the key
+/// free on the first waiter's turn and wakes it (nothing else would: no
+/// release notified anyone), then waits for its own.
+#[tokio::test]
+async fn a_second_waiter_whose_join_finds_the_lock_expired_sends_the_full_attempt() {
+    let ns = unique_name("joinfree");
+    let scene = Scene::new(ns.clone(), None).await;
+    let (waiter, app) = named_client(&ns, "").await;
+    let (first, _, second, mut blocker) = second_waiter_stalled(&scene, &waiter, &app).await;
+    sqlx::query(&format!(
+        "UPDATE {} SET expires_at = clock_timestamp() - interval '1 second'
+         WHERE namespace = $1 AND key = $2",
+        scene.holder.table()
+    ))
+    .bind(&scene.ns)
+    .bind(scene.k.as_str())
+    .execute(&mut *blocker)
+    .await
+    .unwrap();
+    blocker.commit().await.unwrap();
+    served_then_released(
+        first,
+        &waiter,
+        "the first waiter, woken by the full attempt",
+    )
+    .await;
+    served_then_released(second, &waiter, "the second waiter").await;
+    assert!(scene.line().await.is_empty());
+}
+
+/// The short join is applied but its connection is lost before the reply:
+/// the client sends it again under the same owner token (one row in line,
+/// not two), and the waits are served in order.
+#[tokio::test]
+async fn a_join_applied_whose_reply_was_lost_is_sent_again_under_the_same_owner() {
+    let ns = unique_name("joinlost");
+    let scene = Scene::new(ns.clone(), None).await;
+    let (proxy, proxied) = proxied().await;
+    let app = unique_name("app");
+    // The listener connects directly: only the statements' connection is cut.
+    let waiter = Pg::connect(&format!(
+        "{proxied}?namespace={ns}&application_name={app}&listen_url={}",
+        distlock_conformance::url::percent_encode(&server().url())
+    ))
+    .await;
+    let (first, first_row, second, blocker) = second_waiter_stalled(&scene, &waiter, &app).await;
+    proxy.hold(Direction::ToClient);
+    blocker.commit().await.unwrap();
+    let deadline = Instant::now() + BOUND;
+    let applied = loop {
+        let rows = scene.line().await;
+        if rows.len() == 2 {
+            break rows;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the join was never applied: {rows:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let cut_at: f64 = sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
+        .fetch_one(scene.admin.pool())
+        .await
+        .unwrap();
+    proxy.drop_all();
+    proxy.pass(Direction::ToClient);
+    // Sent again on a new connection, which then idles with it as its last
+    // statement.
+    let resent = format!(
+        "state = 'idle' AND backend_start > to_timestamp({cut_at}) AND query LIKE '{JOIN_HELD}%'"
+    );
+    backend(&scene.admin, &app, &resent).await;
+    let rows = scene.line().await;
+    assert_eq!(
+        rows, applied,
+        "sent again under the same owner, it joined once"
+    );
+    assert_eq!(rows[0], first_row);
+    scene.holder.release(&scene.lease).await.unwrap();
+    served_then_released(first, &waiter, "the first waiter").await;
+    served_then_released(second, &waiter, "the second waiter").await;
+    assert!(scene.line().await.is_empty());
+}
+
+/// A client whose release handed the key to a waiter of another client
+/// (a crowd of many processes: the holder that asks again) sends the short
+/// join first when it waits for the key again.
+#[tokio::test]
+async fn a_holder_whose_release_woke_a_waiter_joins_the_line_with_the_short_statement() {
+    let ns = unique_name("joinagain");
+    let (holder, app) = named_client(&ns, "").await;
+    let scene = Scene::new(ns.clone(), Some(holder)).await;
+    let other = client(&ns).await;
+    let (waiting, _) = scene.queue(&other, 1, "the other client's waiter").await;
+    scene.holder.release(&scene.lease).await.unwrap();
+    let lease = tokio::time::timeout(BOUND, waiting)
+        .await
+        .expect("the waiter was woken")
+        .unwrap()
+        .unwrap()
+        .expect("served");
+    let blocker = lock_row(&scene.admin, &scene.holder, &scene.k).await;
+    let (task_holder, k) = (scene.holder.clone(), scene.k.clone());
+    let again =
+        tokio::spawn(async move { task_holder.acquire(&k, LONG, Instant::now() + LONG).await });
+    let statement = waiting_statement(&scene.admin, &app).await;
+    assert!(
+        statement.trim_start().starts_with(JOIN_HELD),
+        "the holder's new wait starts with the short join, not: {}",
+        &statement[..statement.len().min(200)]
+    );
+    blocker.commit().await.unwrap();
+    scene.until_line_len(1, "the holder queued again").await;
+    other.release(&lease).await.unwrap();
+    served_then_released(again, &scene.holder, "the holder's new wait").await;
+    assert!(scene.line().await.is_empty());
 }
