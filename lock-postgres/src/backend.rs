@@ -11,7 +11,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ContendedKeys, ExtendReply, FencingToken, Grant,
-    HeldLock, Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, OpenWaits,
+    HeldLock, HolderId, Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, OpenWaits,
     OwnerToken, ReleaseReply, ReleaseWatch, SemaphoreBackend, WaitLine, WaitPlace, IN_LOCK_CALL,
 };
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -403,6 +403,43 @@ impl PostgresLock {
         }))
     }
 
+    /// The grant of a waiter woken at the head of `key`'s line, on its
+    /// running turn ([`Statements::take_turn`]): its fencing token, or
+    /// `None` when it has no running turn or the key is not free (nothing
+    /// was written; the full attempt follows). A grant whose caller left
+    /// before the reply is given back (`give_back`), as the full
+    /// attempt's is; sent again after a lost reply, it finds the key held
+    /// by its own owner and the full attempt adopts it.
+    async fn take_turn(
+        &self,
+        key: &LockKey,
+        turn: Turn<'_>,
+        give_back: GiveBack,
+    ) -> Result<Option<FencingToken>, LockError> {
+        let mut args = vec![
+            Arg::text(self.namespace()),
+            Arg::text(key.as_str()),
+            Arg::text(turn.owner),
+            Arg::Int(turn.ttl_ms),
+            Arg::Int(turn.send),
+            Arg::text(self.config.table()),
+        ];
+        let statement = match turn.labelled {
+            true => {
+                args.push(Arg::text(turn.holder.map_or("", |h| h.as_str())));
+                args.push(Arg::text(&self.observers));
+                &self.sql.take_turn
+            }
+            false => &self.sql.unlabelled.take_turn,
+        };
+        let call = self.call(statement, args);
+        let Some(row) = self.fetch(IN_LOCK_CALL, call, Some(give_back)).await?.row else {
+            return Ok(None);
+        };
+        let fencing: Option<i64> = self.column(&row, "fencing")?;
+        self.granted(fencing).map(Some)
+    }
+
     /// `owner`'s attempt on `key` was granted: it left its line.
     pub(crate) fn line_granted(&self, line: WaitLine, key: &LockKey, owner: OwnerToken) {
         self.waits.granted(line, key, owner);
@@ -540,6 +577,17 @@ pub(crate) fn ttl_millis(ttl: Duration) -> i64 {
     i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)
 }
 
+/// What a woken waiter's [`PostgresLock::take_turn`] sends besides the
+/// key: as its acquire's.
+struct Turn<'a> {
+    owner: &'a str,
+    ttl_ms: i64,
+    send: i64,
+    /// The table has the holder columns (the labelled statement).
+    labelled: bool,
+    holder: Option<&'a HolderId>,
+}
+
 #[async_trait]
 impl LockBackend for PostgresLock {
     fn name(&self) -> &'static str {
@@ -602,7 +650,11 @@ impl LockBackend for PostgresLock {
         // attempt that is most likely refused only joins the line behind
         // the holder if there is one (`join_held`): behind another wait of
         // this client, or on a key this client found taken lately.
-        let expects_refusal = match self.waits.place(WaitLine::Lock, key, request.owner) {
+        // One already in line was most likely woken at its head (a
+        // timer's retry is the other case): it takes its turn first
+        // (`take_turn`).
+        let place = self.waits.place(WaitLine::Lock, key, request.owner);
+        let expects_refusal = match place {
             WaitPlace::Joining { behind_others } => {
                 behind_others || self.contended.is_contended(key)
             }
@@ -610,10 +662,24 @@ impl LockBackend for PostgresLock {
         };
         let queued = self.line_args(WaitLine::Lock, line, self.config.table(), waiting);
         let queued_line = queued.is_some();
-        if let (true, Some([_, Arg::Int(pid)])) = (expects_refusal, &queued) {
-            if *pid != 0 {
+        if let Some([_, Arg::Int(pid)]) = &queued {
+            if *pid != 0 && expects_refusal {
                 if let Some(held) = self.join_held(key, &owner, *pid).await? {
                     return Ok(held);
+                }
+            }
+            if *pid != 0 && place == WaitPlace::InLine {
+                let turn = Turn {
+                    owner: &owner,
+                    ttl_ms,
+                    send,
+                    labelled,
+                    holder: request.holder,
+                };
+                if let Some(fencing) = self.take_turn(key, turn, give_back.clone()).await? {
+                    self.line_granted(WaitLine::Lock, key, request.owner);
+                    let grant = Grant::new(fencing, request.ttl);
+                    return Ok(AcquireReply::Granted(grant.with_handle(send as u64)));
                 }
             }
         }

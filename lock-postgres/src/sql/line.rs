@@ -259,6 +259,28 @@ pub(super) const JOIN_HELD: &str = "WITH held AS MATERIALIZED (
            (SELECT count(*) FROM joined) AS joined
     FROM held AS h";
 
+/// CTE `turn` of a lock's `take_turn`: the requester `$3`'s row in the
+/// line of table `$6`, if its turn runs (it was woken at the head: a
+/// release, or a leave or attempt that found the key free, gave it the
+/// turn, and no other waiter of the line holds one then). The statement's
+/// snapshot may predate a change of the line, but not one that would
+/// make another waiter the head: only an ended turn moves it on.
+pub(super) const TURN: &str = "turn AS MATERIALIZED (
+        SELECT w.arrival FROM {w} AS w
+        WHERE w.lock_table = $6 AND w.namespace = $1 AND w.key = $2 AND w.member = $3
+          AND w.turn_until > clock_timestamp()
+    )";
+
+/// CTE `left_line` of a lock's `take_turn`: the head leaves the line as it
+/// takes the key (found by member and arrival, see [`picked`]).
+pub(super) const LEFT_ON_TURN: &str = "left_line AS (
+        DELETE FROM {w} AS w
+        WHERE w.lock_table = $6 AND w.namespace = $1 AND w.key = $2 AND w.member = $3
+          AND w.arrival = (SELECT arrival FROM turn)
+          AND EXISTS (SELECT 1 FROM taken)
+        RETURNING 1
+    )";
+
 /// What a wake-up does with the waiter it wakes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Wake {

@@ -63,12 +63,25 @@ pub(crate) struct Unlabelled {
     /// [`Statements::acquire_queued`] without `$8` and `$9`, but with `$8`
     /// the channel of single wake-ups.
     pub acquire_queued: Arc<Sql>,
+    /// [`Statements::take_turn`] without `$7` and `$8`.
+    pub take_turn: Arc<Sql>,
     /// [`Statements::release`] without `$7`.
     pub release: Arc<Sql>,
     /// [`Statements::release_next`] without `$9`.
     pub release_next: Arc<Sql>,
     /// [`Statements::inspect`], `holder` NULL.
     pub inspect: Arc<Sql>,
+}
+
+/// Whom an acquire's `taken` grants a free key to.
+#[derive(Debug, Clone, Copy)]
+enum Takes {
+    /// Anyone (a statement without the waiter line).
+    Anyone,
+    /// The line's head, or anyone on an empty line (`line::fair_turn`).
+    Line,
+    /// The requester on its running turn only (`line::TURN`).
+    Turn,
 }
 
 /// The statements for one lock table.
@@ -139,6 +152,17 @@ pub(crate) struct Statements {
     /// docs, "Waiting"): its refusal here is a fraction of the full
     /// statement's work (see `line::JOIN_HELD`).
     pub join_held: Arc<Sql>,
+    /// `$1` namespace, `$2` key, `$3` owner, `$4` TTL in ms, `$5` send
+    /// number, `$6` the lock table's name, `$7` the holder label (`''` for
+    /// none), `$8` the observers' channel -> `acquired bool, fencing bigint,
+    /// version text`: one row when `$3` took the free key on its running
+    /// turn (the woken head of the line, which leaves it), as
+    /// [`acquire_queued`](Self::acquire_queued) would grant it; else no row
+    /// and nothing written (the full attempt follows). A wait's attempt
+    /// after it joined the line sends this first: woken, it holds the turn,
+    /// and this grant skips what the full statement sets up to judge the
+    /// line (see `line::TURN`).
+    pub take_turn: Arc<Sql>,
     /// `$1` namespace, `$2` key, `$3` owner, `$4` fencing, `$5` TTL in ms ->
     /// `done bigint, owner text, fencing bigint` (the row as it was before).
     pub extend: Arc<Sql>,
@@ -246,15 +270,23 @@ impl Statements {
         // `line::fair_line`), a free key is taken only on the line's turn
         // (`line::fair_turn`); a live lock of the same owner is adopted
         // whatever the line.
-        let taken = |label: Option<(u32, u32)>, fair: bool| {
+        // With `Takes::Turn` (after `line::TURN`), a free key is taken only
+        // on the requester's running turn, and nothing else is granted.
+        let taken = |label: Option<(u32, u32)>, takes: Takes| {
             let free = "(t.owner IS NULL OR t.expires_at <= clock_timestamp())";
-            let takeable = match fair {
-                true => format!(
+            let takeable = match takes {
+                Takes::Line => format!(
                     "((t.owner = excluded.owner AND t.expires_at > clock_timestamp())
                       OR ({free} AND {}))",
                     line::fair_turn()
                 ),
-                false => format!("({free} OR t.owner = excluded.owner)"),
+                Takes::Anyone => format!("({free} OR t.owner = excluded.owner)"),
+                Takes::Turn => format!("({free} AND EXISTS (SELECT 1 FROM turn))"),
+            };
+            // A key never locked has no row (and so no turn).
+            let (source, only) = match takes {
+                Takes::Turn => ("SELECT", " WHERE EXISTS (SELECT 1 FROM turn)"),
+                Takes::Anyone | Takes::Line => ("VALUES (", ")"),
             };
             let (columns, values, set, observed) = match label {
                 Some((n, channel)) => (
@@ -269,7 +301,7 @@ impl Statements {
             };
             format!("taken AS (
                     INSERT INTO {{t}} AS t (namespace, key, owner, fencing, expires_at{columns})
-                    VALUES ($1, $2, $3, {clock}, clock_timestamp() + $4::bigint * interval '1 millisecond'{values})
+                    {source} $1, $2, $3, {clock}, clock_timestamp() + $4::bigint * interval '1 millisecond'{values}{only}
                     ON CONFLICT (namespace, key) DO UPDATE
                         SET owner = excluded.owner,
                             fencing = CASE WHEN t.owner = excluded.owner AND t.expires_at > clock_timestamp()
@@ -320,6 +352,14 @@ impl Statements {
                 "WITH {}, {taken}, {after}, {queued} {}",
                 line::fair_line("$6"),
                 answer(&turn_ms, "held AS h WHERE")
+            )
+        };
+        // The woken head's grant on its turn: only the grant, or no row.
+        let take_turn = |taken: &str| {
+            format!(
+                "WITH {}, {taken}, {} SELECT true AS acquired, taken.fencing AS fencing, taken.version AS version FROM taken",
+                line::TURN,
+                line::LEFT_ON_TURN
             )
         };
         let derived_next = format!(
@@ -417,12 +457,14 @@ impl Statements {
                     PRIMARY KEY (namespace, key)
                 )",
             ),
-            acquire: sql(&format!("WITH {} {plain}", taken(Some((6, 7)), false))),
-            acquire_queued: sql(&queued_acquire(&taken(Some((8, 9)), true), &derived_next)),
+            acquire: sql(&format!("WITH {} {plain}", taken(Some((6, 7)), Takes::Anyone))),
+            acquire_queued: sql(&queued_acquire(&taken(Some((8, 9)), Takes::Line), &derived_next)),
             join_held: sql(line::JOIN_HELD),
+            take_turn: sql(&take_turn(&taken(Some((7, 8)), Takes::Turn))),
             unlabelled: Unlabelled {
-                acquire: sql(&format!("WITH {} {plain}", taken(None, false))),
-                acquire_queued: sql(&queued_acquire(&taken(None, true), "$8")),
+                acquire: sql(&format!("WITH {} {plain}", taken(None, Takes::Anyone))),
+                acquire_queued: sql(&queued_acquire(&taken(None, Takes::Line), "$8")),
+                take_turn: sql(&take_turn(&taken(None, Takes::Turn))),
                 release: sql(&release("", release_all, None)),
                 release_next: sql(&release(&wake, &release_one, None)),
                 inspect: inspect("NULL::text"),

@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use distlock_conformance::fault::Direction;
-use distlock_core::{Lease, LockError, LockKey, OwnerToken};
+use distlock_core::{Lease, LockError, LockKey, LockState, OwnerToken};
 use distlock_postgres::{channel_name, PgPool, DEFAULT_TABLE, WAITER_INDEX, WAITER_TABLE};
 use tokio::task::JoinHandle;
 
@@ -799,7 +799,7 @@ async fn second_waiter_stalled(
     assert!(
         statement.trim_start().starts_with(JOIN_HELD),
         "the second waiter's first attempt is the short join, not: {}",
-        &statement[..statement.len().min(200)]
+        start_of(&statement)
     );
     (first, rows[0].clone(), second, blocker)
 }
@@ -931,11 +931,225 @@ async fn a_holder_whose_release_woke_a_waiter_joins_the_line_with_the_short_stat
     assert!(
         statement.trim_start().starts_with(JOIN_HELD),
         "the holder's new wait starts with the short join, not: {}",
-        &statement[..statement.len().min(200)]
+        start_of(&statement)
     );
     blocker.commit().await.unwrap();
     scene.until_line_len(1, "the holder queued again").await;
     other.release(&lease).await.unwrap();
     served_then_released(again, &scene.holder, "the holder's new wait").await;
     assert!(scene.line().await.is_empty());
+}
+
+/// The start of the woken head's grant on its turn, sent before the full
+/// acquire by a wait already in line.
+const TAKE_TURN: &str = "WITH turn AS MATERIALIZED";
+
+/// A schema of its own whose waiter table records the statement that
+/// deletes each of its rows, a holder of key `k` with `ttl`, and a waiter
+/// queued behind it on a task of its own.
+struct Recorded {
+    admin: Pg,
+    schema: String,
+    waiter: Pg,
+    holder: Pg,
+    lease: Lease,
+    waiting: Waiting,
+}
+
+impl Recorded {
+    async fn new(ttl: Duration) -> Self {
+        let admin_client = client("turn_admin").await;
+        let schema = unique_name("turn");
+        admin(&admin_client, &format!("CREATE SCHEMA {schema}")).await;
+        let url = format!("{}?schema={schema}&namespace=turn", server().url());
+        let (holder, waiter) = (Pg::connect(&url).await, Pg::connect(&url).await);
+        for sql in [
+            format!("CREATE TABLE {schema}.left (query text NOT NULL)"),
+            format!(
+                "CREATE FUNCTION {schema}.record_left() RETURNS trigger LANGUAGE plpgsql AS $f$
+                 BEGIN INSERT INTO {schema}.left VALUES (current_query()); RETURN OLD; END $f$"
+            ),
+            format!(
+                "CREATE TRIGGER record_left BEFORE DELETE ON {schema}.{WAITER_TABLE}
+                 FOR EACH ROW EXECUTE FUNCTION {schema}.record_left()"
+            ),
+        ] {
+            admin(&admin_client, &sql).await;
+        }
+        let k = key("k");
+        let lease = take(&holder, &k, ttl, "free").await;
+        let (task_waiter, task_k) = (waiter.clone(), k.clone());
+        let waiting = tokio::spawn(async move {
+            task_waiter
+                .acquire(&task_k, LONG, Instant::now() + LONG)
+                .await
+        });
+        let scene = Self {
+            admin: admin_client,
+            schema,
+            waiter,
+            holder,
+            lease,
+            waiting,
+        };
+        let deadline = Instant::now() + BOUND;
+        while scene.in_line().await == 0 {
+            assert!(Instant::now() < deadline, "the waiter never queued");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        scene
+    }
+
+    async fn in_line(&self) -> i64 {
+        in_schema_line(&self.admin, &self.schema).await
+    }
+
+    /// Once the waiter was served (and released), the statement that took
+    /// it out of the line, which it left once.
+    async fn served_then_left_with(self, why: &str) -> String {
+        let Self {
+            admin,
+            schema,
+            waiter,
+            waiting,
+            ..
+        } = self;
+        served_then_released(waiting, &waiter, why).await;
+        assert_eq!(in_schema_line(&admin, &schema).await, 0);
+        let mut left: Vec<String> = sqlx::query_scalar(&format!("SELECT query FROM {schema}.left"))
+            .fetch_all(admin.pool())
+            .await
+            .unwrap();
+        assert_eq!(left.len(), 1, "{why}: it left the line once: {left:?}");
+        left.remove(0)
+    }
+}
+
+/// How many rows the waiter table of `schema` has.
+async fn in_schema_line(admin: &Pg, schema: &str) -> i64 {
+    sqlx::query_scalar(&format!("SELECT count(*) FROM {schema}.{WAITER_TABLE}"))
+        .fetch_one(admin.pool())
+        .await
+        .unwrap()
+}
+
+/// The start of a text, to show in a message.
+fn start_of(text: &str) -> &str {
+    &text[..text.len().min(200)]
+}
+
+/// A waiter woken at the head of the line takes the key on its turn with
+/// the short grant, not the full acquire, which sets up every step of
+/// judging the line (dropping dead waiters, waking a head) for a grant
+/// the turn already settles.
+#[tokio::test]
+async fn a_woken_head_takes_its_turn_with_the_short_grant() {
+    let scene = Recorded::new(LONG).await;
+    scene.holder.release(&scene.lease).await.unwrap();
+    let left = scene.served_then_left_with("the woken head").await;
+    assert!(
+        left.trim_start().starts_with(TAKE_TURN),
+        "the head left the line with the short grant, not: {}",
+        start_of(&left)
+    );
+}
+
+/// A waiter in line without a turn (its holder expired: no release woke
+/// anyone, and its timer's retry comes first) finds no turn to take; the
+/// full attempt follows and grants it the free key as the line's head.
+#[tokio::test]
+async fn a_waiter_in_line_without_a_turn_is_granted_by_the_full_attempt() {
+    // Short, so that the waiter's timer (the holder's expiry) comes soon.
+    let scene = Recorded::new(Duration::from_secs(1)).await;
+    let left = scene
+        .served_then_left_with("the waiter, at the holder's expiry")
+        .await;
+    assert!(
+        left.trim_start().starts_with("WITH clock AS MATERIALIZED"),
+        "the full acquire granted it: {}",
+        start_of(&left)
+    );
+}
+
+/// The woken head's grant on its turn is applied but its connection is
+/// lost before the reply: sent again, it finds the key held by its own
+/// owner, and the full attempt that follows adopts it (same fencing token,
+/// nothing granted twice, the line left once).
+#[tokio::test]
+async fn a_turn_taken_whose_reply_was_lost_is_adopted_under_the_same_owner() {
+    let ns = unique_name("turnlost");
+    let scene = Scene::new(ns.clone(), None).await;
+    // Statements and the listener each through a proxy of their own.
+    let (notifications, listener_url) = proxied().await;
+    let (statements, proxied) = proxied().await;
+    let app = unique_name("app");
+    let waiter = Pg::connect(&format!(
+        "{proxied}?namespace={ns}&application_name={app}&listen_url={}",
+        distlock_conformance::url::percent_encode(&listener_url)
+    ))
+    .await;
+    let (waiting, queued) = scene.queue(&waiter, 1, "the waiter").await;
+    let member = queued[0].1.clone();
+    // The release gives the waiter its turn; its wake-up is held back
+    // until the waiter's row is locked, so that its grant, once sent,
+    // waits for that row (leaving the line) after it took the key.
+    notifications.hold(Direction::ToClient);
+    scene.holder.release(&scene.lease).await.unwrap();
+    let mut blocker = scene.admin.pool().begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM public.{WAITER_TABLE} WHERE namespace = $1 AND member = $2 FOR UPDATE"
+    ))
+    .bind(&ns)
+    .bind(&member)
+    .execute(&mut *blocker)
+    .await
+    .unwrap();
+    notifications.pass(Direction::ToClient);
+    let statement = waiting_statement(&scene.admin, &app).await;
+    assert!(
+        statement.trim_start().starts_with(TAKE_TURN),
+        "the woken head's grant on its turn: {}",
+        start_of(&statement)
+    );
+    statements.hold(Direction::ToClient);
+    blocker.commit().await.unwrap();
+    let row = format!(
+        "SELECT fencing FROM {} WHERE namespace = $1 AND key = $2 AND owner = $3
+           AND expires_at > clock_timestamp()",
+        scene.holder.table()
+    );
+    let deadline = Instant::now() + BOUND;
+    let fencing: i64 = loop {
+        let taken: Option<i64> = sqlx::query_scalar(&row)
+            .bind(&ns)
+            .bind(scene.k.as_str())
+            .bind(&member)
+            .fetch_optional(scene.admin.pool())
+            .await
+            .unwrap();
+        if let Some(fencing) = taken {
+            break fencing;
+        }
+        assert!(Instant::now() < deadline, "the grant was never applied");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    statements.drop_all();
+    statements.pass(Direction::ToClient);
+    let lease = tokio::time::timeout(BOUND, waiting)
+        .await
+        .expect("served")
+        .unwrap()
+        .unwrap()
+        .expect("granted");
+    assert_eq!(
+        lease.fencing_token().get(),
+        fencing as u64,
+        "the grant it was sent again for, adopted"
+    );
+    assert!(scene.line().await.is_empty(), "it left the line");
+    waiter.release(&lease).await.unwrap();
+    assert_eq!(
+        scene.holder.inspect(&scene.k).await.unwrap(),
+        LockState::Free
+    );
 }
