@@ -371,8 +371,16 @@ impl LockBackend for EtcdLock {
         // again; the entry read is that waiter's), or on a key this client
         // found taken lately (a crowd of many: the line's first key is
         // read).
-        let deadline = self.etcd().requests.deadline();
         let queues = &self.inner.queues;
+        // The attempt right after the waiter joined, which found someone
+        // ahead or the lock held: refused without a request.
+        if let Some(seat) = seat.as_deref().filter(|_| !request.settling) {
+            if seat.refused_at_join() {
+                queues.taken(request.key);
+                return Ok(AcquireReply::Held { expires_in: None });
+            }
+        }
+        let deadline = self.etcd().requests.deadline();
         let probe_ahead = match seat.as_deref() {
             Some(seat) => seat
                 .expects_refusal()

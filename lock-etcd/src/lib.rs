@@ -75,7 +75,9 @@
 //! died loses its entry, and its place, when etcd expires that lease, and
 //! the next waiter is woken then. A waiter that expects to be refused
 //! reads first (one read-only request: no lease granted, nothing written
-//! through Raft). Semaphore permits
+//! through Raft); right after it joined the line behind someone (or
+//! behind the holder), it is refused without a request, from what its
+//! entry's own transaction read. Semaphore permits
 //! are served in their line's order among waiters, but a permit attempt
 //! does not look at the line.
 //!

@@ -72,7 +72,11 @@
 //! ([`crate::txn::probe`]), so a refused attempt costs one read: no lease
 //! (a plain lock's) and no write through Raft (a lock on the session
 //! lease: etcd logs and commits a transaction that could write even when
-//! its compare fails). Semaphore lines keep first-come order only among
+//! its compare fails). The attempt right after a waiter joined costs not
+//! even that when the entry's own transaction found someone ahead or the
+//! lock held: it read what the probe would, and the task watches from its
+//! revision on, so that attempt is refused without a request
+//! ([`Seat::refused_at_join`]). Semaphore lines keep first-come order only among
 //! waiters: a permit attempt does not look at the line.
 
 mod entries;
@@ -277,6 +281,11 @@ pub(crate) struct Seat {
     /// The task's last look found someone ahead, or the lock held: an
     /// attempt now is likely refused, so it reads first.
     expects_refusal: AtomicBool,
+    /// The seat was just taken with someone ahead or the lock held, by the
+    /// transaction that put the entry, and no attempt has been answered
+    /// since: the attempt that follows the join is answered from that (see
+    /// [`Seat::refused_at_join`]).
+    refused_at_join: AtomicBool,
     /// The queue entry ahead of the waiter that its task watches, if any:
     /// while it exists, someone is ahead, which a read of that one key
     /// tells (a look at the whole line reads every entry in it).
@@ -289,6 +298,17 @@ impl Seat {
     /// Whether an attempt now is likely refused (see the field).
     pub(crate) fn expects_refusal(&self) -> bool {
         self.expects_refusal.load(Ordering::Acquire)
+    }
+
+    /// Whether the attempt that follows the join is refused without a
+    /// request: the entry's own transaction found someone ahead or the lock
+    /// held, and nothing woke the waiter since (a wake-up clears
+    /// `expects_refusal`). Asked once: later attempts go to the server.
+    /// Safe as a refusal read from the server is: the waiter's task watches
+    /// from that transaction's revision on, and wakes the caller, who is
+    /// subscribed already, when it is first and the lock free.
+    pub(crate) fn refused_at_join(&self) -> bool {
+        self.refused_at_join.swap(false, Ordering::AcqRel) && self.expects_refusal()
     }
 
     /// The entry ahead of the waiter, by its task's last look (see the
@@ -430,6 +450,7 @@ async fn join(
                 place: AtomicI64::new(place),
                 first_at: AtomicI64::new(position.first_at(place)),
                 expects_refusal: AtomicBool::new(position.predecessor.is_some() || position.held),
+                refused_at_join: AtomicBool::new(position.predecessor.is_some() || position.held),
                 ahead: Mutex::new(position.predecessor.clone()),
                 taken: AtomicBool::new(false),
             });

@@ -269,6 +269,72 @@ async fn a_refused_clients_next_attempt_on_the_key_reads_first() {
     guard.release().await.expect("release");
 }
 
+/// A waiter whose queue entry's own transaction found someone ahead (here
+/// the lock held) is refused at its next attempt without a request: that
+/// transaction read what a probe would, and the waiter's task watches from
+/// its revision on. Its requests: the first attempt (not in line yet) and
+/// the entry's transaction; not a third, read-only one. Woken by the
+/// release, it then takes the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_refused_by_its_entrys_look_up_sends_no_probe() {
+    // A server of its own: every request counted is this test's.
+    let server = own_server();
+    let holder = connect(&server.url()).await;
+    let (attempts, client) = observed(&server.url()).await;
+    let ttl = Duration::from_secs(30);
+    // Warm-up: the client's session leases (the lock's and the queue's).
+    let warm = unique_key("joined-refusal-warm");
+    let held_warm = acquire(&holder, &warm, ttl).await;
+    let gave_up = client
+        .acquire(&warm, ttl, Instant::now() + Duration::from_millis(300))
+        .await
+        .expect("warm-up wait");
+    assert!(gave_up.is_none(), "the warm-up key is held");
+    holder.release(&held_warm).await.expect("warm-up release");
+    let mut raw = raw_client(&server.url()).await;
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while keys_under(&mut raw, "")
+        .await
+        .iter()
+        .any(|k| k.contains("/waiters/"))
+    {
+        assert!(Instant::now() < give_up, "the warm-up queue entry stayed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let k = unique_key("joined-refusal");
+    let held = acquire(&holder, &k, ttl).await;
+    let before_attempts = attempts.attempts_in_line();
+    let before = grpc_started(server.addr()).await;
+    let waiter = {
+        let (client, k) = (client.clone(), k.clone());
+        tokio::spawn(async move {
+            client
+                .acquire(&k, ttl, Instant::now() + Duration::from_secs(60))
+                .await
+        })
+    };
+    while attempts.attempts_in_line() == before_attempts {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let counted = requests_between(&before, &grpc_started(server.addr()).await);
+    let kv: u64 = ["Txn", "Range", "Put", "DeleteRange"]
+        .iter()
+        .map(|m| counted.get(*m).copied().unwrap_or(0))
+        .sum();
+    assert_eq!(
+        kv, 2,
+        "requests while a waiter tried, queued and was refused (its first try and its entry): {counted:?}"
+    );
+    holder.release(&held).await.expect("release the holder");
+    let lease = waiter
+        .await
+        .expect("waiter task")
+        .expect("acquire")
+        .expect("acquired once the holder released");
+    client.release(&lease).await.expect("release");
+}
+
 /// The proposals etcd committed, once two readings 300 ms apart agree
 /// (what was in flight is done); panics if they still move after 20 s.
 async fn settled_proposals(addr: std::net::SocketAddr) -> f64 {
