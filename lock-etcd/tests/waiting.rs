@@ -167,17 +167,7 @@ async fn a_renewing_waiters_refused_attempt_writes_nothing() {
         .expect("warm-up wait");
     assert!(gave_up.is_none(), "the warm-up key is held");
     holder.release(&held_warm).await.expect("warm-up release");
-    // The warm-up waiter's entry is deleted in the background.
-    let mut raw = raw_client(&server.url()).await;
-    let give_up = Instant::now() + Duration::from_secs(10);
-    while keys_under(&mut raw, "")
-        .await
-        .iter()
-        .any(|k| k.contains("/waiters/"))
-    {
-        assert!(Instant::now() < give_up, "the warm-up queue entry stayed");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_no_waiter_entries(&server).await;
 
     let k = unique_key("renewing-refusal");
     let held = acquire(&holder, &k, ttl).await;
@@ -291,16 +281,7 @@ async fn a_waiter_refused_by_its_entrys_look_up_sends_no_probe() {
         .expect("warm-up wait");
     assert!(gave_up.is_none(), "the warm-up key is held");
     holder.release(&held_warm).await.expect("warm-up release");
-    let mut raw = raw_client(&server.url()).await;
-    let give_up = Instant::now() + Duration::from_secs(10);
-    while keys_under(&mut raw, "")
-        .await
-        .iter()
-        .any(|k| k.contains("/waiters/"))
-    {
-        assert!(Instant::now() < give_up, "the warm-up queue entry stayed");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_no_waiter_entries(&server).await;
 
     let k = unique_key("joined-refusal");
     let held = acquire(&holder, &k, ttl).await;
@@ -333,6 +314,21 @@ async fn a_waiter_refused_by_its_entrys_look_up_sends_no_probe() {
         .expect("acquire")
         .expect("acquired once the holder released");
     client.release(&lease).await.expect("release");
+}
+
+/// Waits until `server` holds no queue entry (a warm-up waiter's is
+/// deleted in the background).
+async fn until_no_waiter_entries(server: &ServerProcess) {
+    let mut raw = raw_client(&server.url()).await;
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while keys_under(&mut raw, "")
+        .await
+        .iter()
+        .any(|k| k.contains("/waiters/"))
+    {
+        assert!(Instant::now() < give_up, "the warm-up queue entry stayed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// The proposals etcd committed, once two readings 300 ms apart agree
