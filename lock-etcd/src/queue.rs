@@ -98,7 +98,7 @@ use tokio::sync::oneshot;
 use crate::config::MIN_TTL;
 use crate::connection::Etcd;
 use crate::fence::Fence;
-use crate::keys::KeyLayout;
+use crate::keys::{decode_value, KeyLayout};
 use crate::listener::{EtcdWatches, Topic};
 use crate::requests::Repeat;
 use crate::session::Sessions;
@@ -346,6 +346,9 @@ struct Position {
     held: bool,
     /// Whether our own entry exists.
     queued: bool,
+    /// The owner of the lock key, if a lock's line read one in a form
+    /// distlock writes.
+    holder: Option<OwnerToken>,
     /// What the reads saw of the target the waiter watches (that
     /// predecessor, else the lock key or the permits): each key and its
     /// create revision.
@@ -353,6 +356,20 @@ struct Position {
 }
 
 impl Position {
+    /// Whether an attempt of `owner` is refused by what this look read:
+    /// someone ahead, or the lock held by another owner. A lock held by
+    /// `owner` itself is an earlier attempt of its acquisition whose reply
+    /// was lost (applied late, before the entry was put: after, its compare
+    /// over the line fails), which the attempt must adopt; a value distlock
+    /// did not write is the attempt's to report.
+    fn refuses(&self, owner: OwnerToken) -> bool {
+        match (self.held, self.holder) {
+            (false, _) => self.predecessor.is_some(),
+            (true, Some(holder)) => holder != owner,
+            (true, None) => false,
+        }
+    }
+
     /// What a seat at `place` records as [`Seat::first_at`] from this
     /// look: `place` if nobody was ahead, else 0.
     fn first_at(&self, place: i64) -> i64 {
@@ -383,12 +400,19 @@ impl Position {
                 .map(|kv| (kv.key().to_vec(), kv.create_revision()))
                 .collect(),
         };
+        let holder = match line {
+            Line::Lock(_) => held
+                .and_then(|kvs| kvs.first())
+                .and_then(|kv| decode_value(kv.value())),
+            Line::Permits(..) => None,
+        };
         Position {
             revision,
             predecessor,
             held: line.held(held),
             queued,
             seen,
+            holder,
         }
     }
 }
@@ -450,7 +474,7 @@ async fn join(
                 place: AtomicI64::new(place),
                 first_at: AtomicI64::new(position.first_at(place)),
                 expects_refusal: AtomicBool::new(position.predecessor.is_some() || position.held),
-                refused_at_join: AtomicBool::new(position.predecessor.is_some() || position.held),
+                refused_at_join: AtomicBool::new(position.refuses(owner)),
                 ahead: Mutex::new(position.predecessor.clone()),
                 taken: AtomicBool::new(false),
             });

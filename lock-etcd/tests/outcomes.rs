@@ -130,3 +130,54 @@ async fn a_release_answered_after_its_resend_is_reported_done() {
         .expect("a release whose first send was applied unanswered");
     assert_freed(&b, &k, "the released lock").await;
 }
+
+/// An attempt applied late — after the refusal that made its acquisition
+/// queue, before its queue entry was put — leaves the lock held by that
+/// acquisition's owner token, which the entry's own transaction reads. The
+/// attempt right after the join adopts it: it must not be refused there
+/// and wait for a release that never comes (a renewing lock lives on the
+/// client's session lease, kept alive as long as the client).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_grant_the_join_finds_is_adopted_not_waited_for() {
+    use distlock_core::{AcquireReply, AcquireRequest, HeldLock, LockBackend, OwnerToken};
+    let server = any_server();
+    let url = format!("{}?namespace={}", server.url(), unique_name("latejoin"));
+    let backend = distlock_etcd::EtcdLock::connect(&url)
+        .await
+        .expect("connect");
+    let k = unique_key("late-join");
+    let owner = OwnerToken::random();
+    let request = AcquireRequest {
+        key: &k,
+        owner,
+        ttl: Duration::from_secs(30),
+        renewing: true,
+        settling: false,
+        holder: None,
+    };
+    // The grant of an earlier attempt of this acquisition, whose reply its
+    // caller never saw.
+    let AcquireReply::Granted(late) = backend.acquire(request).await.expect("acquire") else {
+        panic!("the key is free");
+    };
+    // The acquisition queues (after a refusal, as a waiting acquire does)
+    // and tries again at once.
+    let watch = backend
+        .watch(&k, owner)
+        .await
+        .expect("watch")
+        .expect("etcd queues waiters");
+    let reply = backend.acquire(request).await.expect("acquire in line");
+    let AcquireReply::Granted(adopted) = reply else {
+        panic!("the lock its own late attempt took was refused, not adopted: {reply:?}");
+    };
+    assert_eq!(adopted.fencing, late.fencing, "the same lock, adopted");
+    drop(watch);
+    let held = HeldLock {
+        key: &k,
+        owner,
+        fencing: adopted.fencing,
+        handle: adopted.handle,
+    };
+    backend.release(held).await.expect("release");
+}

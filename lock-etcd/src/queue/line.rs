@@ -71,13 +71,11 @@ impl Line {
         self.held_target(layout) == target
     }
 
-    /// The read that tells whether what the line waits for is taken.
+    /// The read that tells whether what the line waits for is taken (a
+    /// lock key with its value: by whom).
     pub(super) fn read_held(&self, layout: &KeyLayout) -> TxnOp {
         match self {
-            Line::Lock(key) => TxnOp::get(
-                layout.lock_key(key),
-                Some(GetOptions::new().with_keys_only()),
-            ),
+            Line::Lock(key) => TxnOp::get(layout.lock_key(key), None),
             Line::Permits(key, _) => TxnOp::get(
                 layout.permits_prefix(key),
                 Some(GetOptions::new().with_prefix()),
