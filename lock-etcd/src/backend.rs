@@ -372,8 +372,9 @@ impl LockBackend for EtcdLock {
         // found taken lately (a crowd of many: the line's first key is
         // read).
         let queues = &self.inner.queues;
-        // The attempt right after the waiter joined, which found someone
-        // ahead or the lock held: refused without a request.
+        // The attempt right after the waiter joined, whose entry's own
+        // transaction found someone ahead or another owner's lock: refused
+        // without a request (see `Seat::refused_at_join`).
         if let Some(seat) = seat.as_deref().filter(|_| !request.settling) {
             if seat.refused_at_join() {
                 queues.taken(request.key);

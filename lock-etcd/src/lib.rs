@@ -76,8 +76,8 @@
 //! the next waiter is woken then. A waiter that expects to be refused
 //! reads first (one read-only request: no lease granted, nothing written
 //! through Raft); right after it joined the line behind someone (or
-//! behind the holder), it is refused without a request, from what its
-//! entry's own transaction read. Semaphore permits
+//! behind another owner's lock), it is refused without a request, from
+//! what its entry's own transaction read. Semaphore permits
 //! are served in their line's order among waiters, but a permit attempt
 //! does not look at the line.
 //!

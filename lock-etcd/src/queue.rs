@@ -74,10 +74,10 @@
 //! lease: etcd logs and commits a transaction that could write even when
 //! its compare fails). The attempt right after a waiter joined costs not
 //! even that when the entry's own transaction found someone ahead or the
-//! lock held: it read what the probe would, and the task watches from its
-//! revision on, so that attempt is refused without a request
-//! ([`Seat::refused_at_join`]). Semaphore lines keep first-come order only among
-//! waiters: a permit attempt does not look at the line.
+//! lock held by another owner: it read what the probe would, and the task
+//! watches from its revision on, so that attempt is refused without a
+//! request ([`Seat::refused_at_join`]). Semaphore lines keep first-come
+//! order only among waiters: a permit attempt does not look at the line.
 
 mod entries;
 mod line;
@@ -281,9 +281,9 @@ pub(crate) struct Seat {
     /// The task's last look found someone ahead, or the lock held: an
     /// attempt now is likely refused, so it reads first.
     expects_refusal: AtomicBool,
-    /// The seat was just taken with someone ahead or the lock held, by the
-    /// transaction that put the entry, and no attempt has been answered
-    /// since: the attempt that follows the join is answered from that (see
+    /// The transaction that put the entry found someone ahead or another
+    /// owner's lock, and no attempt has been answered since: the attempt
+    /// that follows the join is answered from that (see
     /// [`Seat::refused_at_join`]).
     refused_at_join: AtomicBool,
     /// The queue entry ahead of the waiter that its task watches, if any:
@@ -301,9 +301,9 @@ impl Seat {
     }
 
     /// Whether the attempt that follows the join is refused without a
-    /// request: the entry's own transaction found someone ahead or the lock
-    /// held, and nothing woke the waiter since (a wake-up clears
-    /// `expects_refusal`). Asked once: later attempts go to the server.
+    /// request: the entry's own transaction found someone ahead or another
+    /// owner's lock ([`Position::refuses`]), and nothing woke the waiter
+    /// since (a wake-up clears `expects_refusal`). Asked once: later attempts go to the server.
     /// Safe as a refusal read from the server is: the waiter's task watches
     /// from that transaction's revision on, and wakes the caller, who is
     /// subscribed already, when it is first and the lock free.
