@@ -27,7 +27,13 @@ pub enum WaitPlace {
     /// No open wait: the attempt does not join a line.
     NotWaiting,
     /// An earlier attempt of the wait joined its line (it may be there).
-    InLine,
+    /// `refused`: the last attempt was refused (it is in line, and a
+    /// wake-up since most likely made it the head); not after an attempt
+    /// whose outcome is unknown, which may have taken the key.
+    InLine {
+        /// The wait's last attempt was refused.
+        refused: bool,
+    },
     /// The attempt is the wait's first that joins the line. `behind_others`:
     /// another wait of this client may be in that line, so the attempt is
     /// most likely refused (a crowd in one process: a holder that released
@@ -38,11 +44,13 @@ pub enum WaitPlace {
     },
 }
 
-/// One open wait: its registration and whether it may be in its line.
+/// One open wait: its registration, whether it may be in its line, and
+/// whether its last attempt was refused.
 #[derive(Debug, Clone, Copy)]
 struct Open {
     registration: u64,
     in_line: bool,
+    refused: bool,
 }
 
 /// The open waits of one client of a server that keeps waiter lines
@@ -120,6 +128,7 @@ impl OpenWaits {
             .or_insert(Open {
                 registration,
                 in_line: false,
+                refused: false,
             });
         wait.registration = registration;
         registration
@@ -130,11 +139,20 @@ impl OpenWaits {
     pub fn joins(&self, line: WaitLine, key: &LockKey, owner: OwnerToken) -> bool {
         let mut waits = self.waits();
         let id = (line, key.clone(), owner);
-        if !waits.open.contains_key(&id) {
+        let Some(wait) = waits.open.get_mut(&id) else {
             return false;
-        }
+        };
+        // Until its outcome is known.
+        wait.refused = false;
         waits.set_in_line(&id, true);
         true
+    }
+
+    /// `owner`'s attempt (one that [`joins`](Self::joins)) was refused.
+    pub fn refused(&self, line: WaitLine, key: &LockKey, owner: OwnerToken) {
+        if let Some(wait) = self.waits().open.get_mut(&(line, key.clone(), owner)) {
+            wait.refused = true;
+        }
     }
 
     /// Where `owner`'s wait on `key` stands before its next attempt (ask
@@ -143,7 +161,9 @@ impl OpenWaits {
         let waits = self.waits();
         match waits.open.get(&(line, key.clone(), owner)) {
             None => WaitPlace::NotWaiting,
-            Some(wait) if wait.in_line => WaitPlace::InLine,
+            Some(wait) if wait.in_line => WaitPlace::InLine {
+                refused: wait.refused,
+            },
             // Counts of 0 are removed.
             Some(_) => WaitPlace::Joining {
                 behind_others: waits.in_line.contains_key(&(line, key.clone())),
@@ -251,7 +271,22 @@ mod tests {
         // Its own place does not count, nor does a second join.
         assert!(waits.joins(WaitLine::Lock, &key, b));
         assert!(waits.joins(WaitLine::Lock, &key, b));
-        assert!(!behind(&waits, WaitLine::Lock, &key, b), "in line itself");
+        assert_eq!(
+            waits.place(WaitLine::Lock, &key, b),
+            WaitPlace::InLine { refused: false },
+            "in line itself, its outcome unknown yet"
+        );
+        waits.refused(WaitLine::Lock, &key, b);
+        assert_eq!(
+            waits.place(WaitLine::Lock, &key, b),
+            WaitPlace::InLine { refused: true }
+        );
+        assert!(waits.joins(WaitLine::Lock, &key, b));
+        assert_eq!(
+            waits.place(WaitLine::Lock, &key, b),
+            WaitPlace::InLine { refused: false },
+            "the next attempt's outcome is unknown until it is told"
+        );
         waits.granted(WaitLine::Lock, &key, b);
         assert!(
             behind(&waits, WaitLine::Lock, &key, b),

@@ -650,25 +650,28 @@ impl LockBackend for PostgresLock {
         // attempt that is most likely refused only joins the line behind
         // the holder if there is one (`join_held`): behind another wait of
         // this client, or on a key this client found taken lately.
-        // One already in line was most likely woken at its head (a
-        // timer's retry is the other case): it takes its turn first
-        // (`take_turn`).
+        // One already in line whose last attempt was refused was most
+        // likely woken at its head (a timer's retry is the other case): it
+        // takes its turn first (`take_turn`). After an attempt whose
+        // outcome is unknown (which may have taken the key), the full
+        // attempt goes at once: it adopts.
         let place = self.waits.place(WaitLine::Lock, key, request.owner);
         let expects_refusal = match place {
             WaitPlace::Joining { behind_others } => {
                 behind_others || self.contended.is_contended(key)
             }
-            WaitPlace::NotWaiting | WaitPlace::InLine => false,
+            WaitPlace::NotWaiting | WaitPlace::InLine { .. } => false,
         };
         let queued = self.line_args(WaitLine::Lock, line, self.config.table(), waiting);
         let queued_line = queued.is_some();
         if let Some([_, Arg::Int(pid)]) = &queued {
             if *pid != 0 && expects_refusal {
                 if let Some(held) = self.join_held(key, &owner, *pid).await? {
+                    self.waits.refused(WaitLine::Lock, key, request.owner);
                     return Ok(held);
                 }
             }
-            if *pid != 0 && place == WaitPlace::InLine {
+            if *pid != 0 && place == (WaitPlace::InLine { refused: true }) {
                 let turn = Turn {
                     owner: &owner,
                     ttl_ms,
@@ -747,6 +750,7 @@ impl LockBackend for PostgresLock {
             }
         };
         self.contended.found_taken(key);
+        self.waits.refused(WaitLine::Lock, key, request.owner);
         Ok(AcquireReply::Held { expires_in })
     }
 

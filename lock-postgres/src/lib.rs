@@ -106,8 +106,8 @@
 //!   again, it keeps the place it took. With the lock free (or held by this
 //!   owner, or anything unusual in the row) it writes nothing, and the full
 //!   attempt follows;
-//! - a wait's attempt after it joined the line (woken at the head, most
-//!   likely) first sends a short grant that takes the free key only on the
+//! - a wait's attempt after it was refused in line (woken at the head,
+//!   most likely) first sends a short grant that takes the free key only on the
 //!   requester's running turn, and leaves the line: a running turn already
 //!   makes it the head (only the head is given one, and only an ended turn
 //!   moves the head on), so the full attempt's judging of the line is not
@@ -115,7 +115,9 @@
 //!   as any grant; sent again after a lost reply it finds the key held by
 //!   its own owner and writes nothing, and the full attempt adopts it.
 //!   Without a running turn (a retry at its timer) or on a key not free,
-//!   the full attempt follows.
+//!   the full attempt follows; after an attempt whose outcome is unknown
+//!   (which may have taken the key) the full attempt goes at once, and
+//!   adopts.
 //!
 //! A turn's end is noticed by the next attempt on the key: a waiter
 //! refused during a turn retries when it is over, and a waiter refused

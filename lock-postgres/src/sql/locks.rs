@@ -159,7 +159,7 @@ pub(crate) struct Statements {
     /// turn (the woken head of the line, which leaves it), as
     /// [`acquire_queued`](Self::acquire_queued) would grant it; else no row
     /// and nothing written (the full attempt follows). A wait's attempt
-    /// after it joined the line sends this first: woken, it holds the turn,
+    /// after it was refused in line sends this first: woken, it holds the turn,
     /// and this grant skips what the full statement sets up to judge the
     /// line (see `line::TURN`).
     pub take_turn: Arc<Sql>,
