@@ -396,7 +396,6 @@ impl PostgresLock {
         let Some(row) = self.fetch(IN_LOCK_CALL, call, None).await?.row else {
             return Ok(None);
         };
-        self.contended.found_taken(key);
         let ms: i64 = self.column(&row, "expires_in_ms")?;
         Ok(Some(AcquireReply::Held {
             expires_in: Some(Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
@@ -438,6 +437,13 @@ impl PostgresLock {
         };
         let fencing: Option<i64> = self.column(&row, "fencing")?;
         self.granted(fencing).map(Some)
+    }
+
+    /// `owner`'s attempt on `key` was refused: the key counts as contended
+    /// for this client, and the wait (if any) was refused in line.
+    fn was_refused(&self, key: &LockKey, owner: OwnerToken) {
+        self.contended.found_taken(key);
+        self.waits.refused(WaitLine::Lock, key, owner);
     }
 
     /// `owner`'s attempt on `key` was granted: it left its line.
@@ -667,7 +673,7 @@ impl LockBackend for PostgresLock {
         if let Some([_, Arg::Int(pid)]) = &queued {
             if *pid != 0 && expects_refusal {
                 if let Some(held) = self.join_held(key, &owner, *pid).await? {
-                    self.waits.refused(WaitLine::Lock, key, request.owner);
+                    self.was_refused(key, request.owner);
                     return Ok(held);
                 }
             }
@@ -749,8 +755,7 @@ impl LockBackend for PostgresLock {
                 ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)))
             }
         };
-        self.contended.found_taken(key);
-        self.waits.refused(WaitLine::Lock, key, request.owner);
+        self.was_refused(key, request.owner);
         Ok(AcquireReply::Held { expires_in })
     }
 

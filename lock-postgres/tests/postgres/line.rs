@@ -106,15 +106,8 @@ impl Scene {
         let (task_waiter, k) = (waiter.clone(), self.k.clone());
         let waiting =
             tokio::spawn(async move { task_waiter.acquire(&k, LONG, Instant::now() + LONG).await });
-        let deadline = Instant::now() + BOUND;
-        loop {
-            let rows = self.line().await;
-            if rows.len() == n {
-                return (waiting, rows);
-            }
-            assert!(Instant::now() < deadline, "{why} never queued: {rows:?}");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let rows = self.until_line_len(n, &format!("{why} never queued")).await;
+        (waiting, rows)
     }
 
     /// Puts `member` with listener `pid` in the line of `k`, arriving at
