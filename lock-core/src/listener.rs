@@ -30,6 +30,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 use crate::{with_timeout, ClientOptions, LockError, ReleaseNotifier, ReleaseWatch};
@@ -116,6 +117,10 @@ pub trait NotificationSource: Send + Sync + 'static {
 /// topics without waiters are unsubscribed.
 const HEALTH_CHECK_AFTER: Duration = Duration::from_secs(10);
 
+/// How long a sweep on leave ([`Listener::unsubscribe_on_leave`]) waits
+/// for more waiters to leave.
+const SWEEP_GATHERS: Duration = Duration::from_millis(10);
+
 /// The notification listener of one client: connects on the first waiter,
 /// subscribes a topic when its first waiter arrives (returning once the
 /// server confirmed), wakes a topic's waiters on each release notification,
@@ -177,6 +182,9 @@ struct Inner<S: NotificationSource> {
     /// The generation whose reader is running (0: none). Its reader clears
     /// it when it ends without the lost path (see [`ReaderExit`]).
     reading: AtomicU64,
+    /// Told when a channel's last waiter leaves, if topics are unsubscribed
+    /// then ([`Listener::unsubscribe_on_leave`]).
+    emptied: Option<Arc<Notify>>,
 }
 
 struct Live<S: NotificationSource> {
@@ -186,6 +194,18 @@ struct Live<S: NotificationSource> {
     /// connection, for the sweep to unsubscribe once idle.
     subscribed: HashMap<String, S::Topic>,
     reader: JoinHandle<()>,
+    /// Unsubscribes topics whose last waiter left, if the listener does
+    /// that at once ([`Listener::unsubscribe_on_leave`]).
+    sweeper: Option<JoinHandle<()>>,
+}
+
+impl<S: NotificationSource> Drop for Live<S> {
+    fn drop(&mut self) {
+        self.reader.abort();
+        if let Some(sweeper) = &self.sweeper {
+            sweeper.abort();
+        }
+    }
 }
 
 impl<S: NotificationSource> Drop for Inner<S> {
@@ -209,6 +229,7 @@ impl<S: NotificationSource> Listener<S> {
                 live: tokio::sync::Mutex::new(None),
                 generation: AtomicU64::new(0),
                 reading: AtomicU64::new(0),
+                emptied: None,
             }),
         }
     }
@@ -218,6 +239,22 @@ impl<S: NotificationSource> Listener<S> {
     pub fn health_check_after(mut self, after: Duration) -> Self {
         if let Some(inner) = Arc::get_mut(&mut self.inner) {
             inner.health_check_after = after.max(Duration::from_millis(10));
+        }
+        self
+    }
+
+    /// Unsubscribes a topic on the server as soon as its last waiter
+    /// leaves, not at the next sweep. For a source whose every waiter has
+    /// a topic of its own (etcd's queue: a watch per waiter): there, idle
+    /// topics pile up at the rate waiters come and go, and the server
+    /// sends each of them every event of its key until it is swept. Call
+    /// before the first [`watch`](Self::watch) and
+    /// [`notifier`](Self::notifier).
+    pub fn unsubscribe_on_leave(mut self) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            let emptied = Arc::new(Notify::new());
+            inner.notifier = ReleaseNotifier::telling_emptied(emptied.clone());
+            inner.emptied = Some(emptied);
         }
         self
     }
@@ -323,12 +360,17 @@ impl<S: NotificationSource> Inner<S> {
             self.health_check_after,
             self.options.operation_timeout(),
         ));
+        let sweeper = self
+            .emptied
+            .clone()
+            .map(|emptied| tokio::spawn(sweep_on_leave(Arc::downgrade(self), emptied, generation)));
         tracing::debug!(generation, "release-notification connection established");
         Ok(Live {
             sink,
             generation,
             subscribed: HashMap::new(),
             reader,
+            sweeper,
         })
     }
 
@@ -351,6 +393,11 @@ impl<S: NotificationSource> Inner<S> {
         let Ok(mut live) = self.live.try_lock() else {
             return;
         };
+        self.sweep_idle(&mut live, generation).await;
+    }
+
+    /// [`sweep`](Self::sweep) with the live connection locked.
+    async fn sweep_idle(&self, live: &mut Option<Live<S>>, generation: u64) {
         let Some(current) = live.as_mut().filter(|l| l.generation == generation) else {
             return;
         };
@@ -376,8 +423,29 @@ impl<S: NotificationSource> Inner<S> {
                     current.subscribed.remove(channel);
                 }
             }
-            Err(e) => self.lost(&mut live, generation, &e),
+            Err(e) => self.lost(live, generation, &e),
         }
+    }
+}
+
+/// Sweeps connection `generation` each time a channel's last waiter
+/// leaves ([`Listener::unsubscribe_on_leave`]). A task of its own, not the
+/// reader's: a subscribe in flight holds the connection until the reader
+/// delivers its confirmation, so this waits for it instead of skipping.
+async fn sweep_on_leave<S: NotificationSource>(
+    inner: Weak<Inner<S>>,
+    emptied: Arc<Notify>,
+    generation: u64,
+) {
+    loop {
+        emptied.notified().await;
+        // The leaves of the next moments go in the same sweep: under a
+        // crowd a waiter leaves at every handoff, and each sweep takes the
+        // connection from the subscribes.
+        tokio::time::sleep(SWEEP_GATHERS).await;
+        let Some(inner) = inner.upgrade() else { return };
+        let mut live = inner.live.lock().await;
+        inner.sweep_idle(&mut live, generation).await;
     }
 }
 
@@ -585,6 +653,78 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+
+    /// Whether `source` unsubscribed `topic`.
+    fn unsubscribed(source: &Toy, topic: &str) -> bool {
+        source
+            .unsubscribed
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|t| t == topic)
+    }
+
+    /// Waits (up to 10 s) until `topic` was unsubscribed.
+    async fn until_unsubscribed(source: &Toy, topic: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !unsubscribed(source, topic) {
+            assert!(
+                Instant::now() < deadline,
+                "{topic:?} was not unsubscribed when its last waiter left: {:?}",
+                source.unsubscribed.lock().unwrap()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// With `unsubscribe_on_leave`, a topic is unsubscribed when its last
+    /// waiter leaves, not at the sweep (an hour away here); a subscribe in
+    /// flight holds that up.
+    #[tokio::test]
+    async fn a_topic_is_unsubscribed_when_its_last_waiter_leaves() {
+        let listener = Arc::new(
+            Listener::new(Toy::default(), &ClientOptions::default())
+                .health_check_after(Duration::from_secs(3600))
+                .unsubscribe_on_leave(),
+        );
+        let source = listener.source();
+        let first = listener.watch("a".to_owned()).await.unwrap();
+        let second = listener.watch("a".to_owned()).await.unwrap();
+        drop(first);
+        let b = listener.watch("b".to_owned()).await.unwrap();
+        drop(b);
+        until_unsubscribed(source, "b").await;
+        assert!(
+            !unsubscribed(source, "a"),
+            "a topic with a waiter left was unsubscribed"
+        );
+        drop(second);
+        until_unsubscribed(source, "a").await;
+
+        // A subscribe hangs, holding the connection, while "c" is left.
+        let c = listener.watch("c".to_owned()).await.unwrap();
+        source.hang.store(true, Ordering::SeqCst);
+        let hanging = {
+            let listener = listener.clone();
+            tokio::spawn(async move {
+                tokio::time::timeout(Duration::from_millis(300), listener.watch("d".to_owned()))
+                    .await
+                    .is_err()
+            })
+        };
+        while listener.inner.live.try_lock().is_ok() {
+            tokio::task::yield_now().await;
+        }
+        drop(c);
+        tokio::task::yield_now().await;
+        assert!(
+            !unsubscribed(source, "c"),
+            "unsubscribed while a subscribe held the connection"
+        );
+        assert!(hanging.await.unwrap(), "the subscribe hung");
+        source.hang.store(false, Ordering::SeqCst);
+        until_unsubscribed(source, "c").await;
     }
 
     /// The topics the listener keeps (to unsubscribe them later).

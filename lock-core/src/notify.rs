@@ -12,7 +12,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use tokio::sync::{oneshot, watch, OnceCell};
+use tokio::sync::{oneshot, watch, Notify, OnceCell};
 
 use crate::LockError;
 
@@ -55,12 +55,24 @@ type Registry = Mutex<HashMap<String, Channel>>;
 #[derive(Debug, Clone, Default)]
 pub struct ReleaseNotifier {
     channels: Arc<Registry>,
+    /// Told when a channel's last waiter leaves (see
+    /// [`Listener::unsubscribe_on_leave`](crate::Listener::unsubscribe_on_leave)).
+    emptied: Option<Arc<Notify>>,
 }
 
 impl ReleaseNotifier {
     /// An empty registry.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty registry that tells `emptied` each time a channel's last
+    /// waiter leaves.
+    pub(crate) fn telling_emptied(emptied: Arc<Notify>) -> Self {
+        Self {
+            channels: Arc::default(),
+            emptied: Some(emptied),
+        }
     }
 
     /// Registers a waiter on `channel`. The first waiter of a channel runs
@@ -123,6 +135,7 @@ impl ReleaseNotifier {
                 channel: channel.to_owned(),
                 waiter: waiter.map(str::to_owned),
                 registry: Arc::downgrade(&self.channels),
+                emptied: self.emptied.clone(),
                 departures: Vec::new(),
                 dropped: Vec::new(),
             };
@@ -245,6 +258,9 @@ pub struct ReleaseWatch {
     /// The name it was registered under, if any.
     waiter: Option<String>,
     registry: Weak<Registry>,
+    /// Told if this watch was its channel's last (see
+    /// [`ReleaseNotifier::telling_emptied`]).
+    emptied: Option<Arc<Notify>>,
     /// Ends of the backend's work after the drop (see [`Departure`]).
     departures: Vec<oneshot::Receiver<()>>,
     /// Dropped with the watch: starts the work given to
@@ -271,6 +287,7 @@ impl ReleaseWatch {
             channel: String::new(),
             waiter: None,
             registry: Weak::new(),
+            emptied: None,
             departures: Vec::new(),
             dropped: Vec::new(),
         }
@@ -395,6 +412,9 @@ impl Drop for ReleaseWatch {
             entry.subscribers -= 1;
             if entry.subscribers == 0 {
                 channels.remove(&self.channel);
+                if let Some(emptied) = &self.emptied {
+                    emptied.notify_one();
+                }
             }
         }
     }

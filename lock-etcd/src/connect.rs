@@ -27,7 +27,8 @@ use crate::session::Sessions;
 /// only sent while a stream is open).
 const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
 
-/// How often the watch listener cancels watches whose waiters left.
+/// How often the watch listener pings a quiet watch stream, and cancels
+/// watches whose waiters left that it could not cancel when they left.
 const WATCH_SWEEP: Duration = Duration::from_secs(1);
 
 impl EtcdLock {
@@ -107,7 +108,9 @@ impl EtcdLock {
         config.client().validate()?;
         let layout = KeyLayout::new(config.client().namespace());
         let watches = EtcdWatches::new(client.watch_client(), layout.prefix().as_bytes().to_vec());
-        let listener = Listener::new(watches, config.client()).health_check_after(WATCH_SWEEP);
+        let listener = Listener::new(watches, config.client())
+            .health_check_after(WATCH_SWEEP)
+            .unsubscribe_on_leave();
         let requests = Requests::new(config.client().clone(), config.endpoints().len(), health);
         let etcd = Etcd {
             kv: client.kv_client(),

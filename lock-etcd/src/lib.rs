@@ -77,7 +77,10 @@
 //! reads first (one read-only request: no lease granted, nothing written
 //! through Raft); right after it joined the line behind someone (or
 //! behind another owner's lock), it is refused without a request, from
-//! what its entry's own transaction read. Semaphore permits
+//! what its entry's own transaction read. Each waiter's watch is
+//! cancelled as soon as it moves up or leaves (gathered over 10 ms), so a
+//! release is sent to the watches of waiters that wait, not to every
+//! waiter that came and went lately. Semaphore permits
 //! are served in their line's order among waiters, but a permit attempt
 //! does not look at the line.
 //!

@@ -36,6 +36,11 @@
 //! and a successor whose predecessor took the lock knows it is first from
 //! the lock key's create revision (`entries::look_up`).
 //!
+//! Each watch has a channel of its own, so the listener cancels it on the
+//! server as soon as the task drops it (moved up, or left): a deletion of
+//! the lock key is sent to its first waiter's watch, not also to the
+//! watches of the heads before it ([`distlock_core::Listener::unsubscribe_on_leave`]).
+//!
 //! The caller's channel lives in a [`ReleaseNotifier`] of the queue's own,
 //! not in the watch listener's: when the watch stream is lost, the listener
 //! fails the *task's* watch, and the task looks its place up again (one
