@@ -60,7 +60,8 @@ use crate::txn::{self, AcquireOutcome};
 ///   lease is revoked in the background (not waited for). A waiter that
 ///   expects a refusal (someone ahead of it, or the lock held, by its queue
 ///   task's last look) sends a read-only transaction first: 1 if refused,
-///   3 if not.
+///   3 if not. An attempt not in line while one of the client's own
+///   waiters is in the key's line is refused without a request.
 /// - `extend` of a lock on its own lease, or with another TTL (max hold,
 ///   hold-at-least): 2 (grant a lease with the new TTL, then one
 ///   transaction that moves the key to it only if the value and create
@@ -366,11 +367,12 @@ impl LockBackend for EtcdLock {
         // that could write is logged and committed even when its compare
         // fails) nor a lease.
         // The probe and the acquire share one operation timeout.
-        // So does an attempt not in line while one of this client's waiters
-        // is (a crowd of one process: a holder that released and asks
-        // again; the entry read is that waiter's), or on a key this client
-        // found taken lately (a crowd of many: the line's first key is
-        // read).
+        // So does a settling attempt not in line while one of this
+        // client's waiters is (the entry read is that waiter's; any other
+        // attempt is refused without a request then: a crowd of one
+        // process, where the holder that released asks again), and an
+        // attempt on a key this client found taken lately (a crowd of
+        // many: the line's first key is read).
         let queues = &self.inner.queues;
         // The attempt right after the waiter joined, whose entry's own
         // transaction found someone ahead or another owner's lock: refused
@@ -387,6 +389,16 @@ impl LockBackend for EtcdLock {
                 .expects_refusal()
                 .then(|| seat.ahead().map_or(txn::Ahead::Nobody, txn::Ahead::Entry)),
             None => match queues.entry_in_line(request.key) {
+                // One of this client's waiters is in the key's line (its
+                // entry is put, and not deleted while its seat is
+                // registered), so an attempt not in line is refused, as a
+                // read of that entry would say: no request. Not a settling
+                // attempt, which must find a lock an earlier attempt may
+                // have taken, to give it back.
+                Some(_) if !request.settling => {
+                    queues.taken(request.key);
+                    return Ok(AcquireReply::Held { expires_in: None });
+                }
                 Some(entry) => Some(txn::Ahead::Entry(entry)),
                 None => queues
                     .contended(request.key)

@@ -77,7 +77,9 @@
 //! reads first (one read-only request: no lease granted, nothing written
 //! through Raft); right after it joined the line behind someone (or
 //! behind another owner's lock), it is refused without a request, from
-//! what its entry's own transaction read. Each waiter's watch is
+//! what its entry's own transaction read, and so is an attempt not in
+//! line while one of its client's own waiters is in the line (a crowd in
+//! one process: the holder that released and asks again). Each waiter's watch is
 //! cancelled as soon as it moves up or leaves (gathered over 10 ms), so a
 //! release is sent to the watches of waiters that wait, not to every
 //! waiter that came and went lately. Semaphore permits

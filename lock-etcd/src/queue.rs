@@ -232,7 +232,10 @@ impl Queues {
     /// The queue entry of one of this client's waiters in `key`'s lock
     /// line, if any: while it exists, an attempt that is not in line (a
     /// `try_lock`, a waiting acquire's first attempt before it queues) is
-    /// refused, which a read of that one key tells.
+    /// refused. The entry exists while the waiter's seat is registered
+    /// (put before, deleted after), so that needs no request; a settling
+    /// attempt reads the entry and the lock key (it may find its own lock
+    /// to give back).
     pub(crate) fn entry_in_line(&self, key: &LockKey) -> Option<Vec<u8>> {
         self.seats
             .lock()

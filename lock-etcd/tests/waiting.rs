@@ -316,6 +316,56 @@ async fn a_waiter_refused_by_its_entrys_look_up_sends_no_probe() {
     client.release(&lease).await.expect("release");
 }
 
+/// An attempt not in line (here a `try_lock`) while one of its own
+/// client's waiters is in the key's line is refused without a request:
+/// that waiter's entry is there while its seat is registered. Once the
+/// waiter took the lock and let it go, the client's next try goes to the
+/// server and takes the free key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_try_behind_its_own_clients_waiter_is_refused_without_a_request() {
+    // A server of its own: every request counted is this test's.
+    let server = own_server();
+    let holder = connect(&server.url()).await;
+    let (attempts, client) = observed(&server.url()).await;
+    let ttl = Duration::from_secs(30);
+    let k = unique_key("own-waiter-ahead");
+    let held = acquire(&holder, &k, ttl).await;
+    let waiter = {
+        let (client, k) = (client.clone(), k.clone());
+        tokio::spawn(async move {
+            client
+                .acquire(&k, ttl, Instant::now() + Duration::from_secs(60))
+                .await
+        })
+    };
+    // In line once an attempt claimed its seat.
+    while attempts.attempts_in_line() == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let before = grpc_started(server.addr()).await;
+    let tried = client.try_acquire(&k, ttl).await.expect("try_acquire");
+    assert!(
+        matches!(tried, AcquireAttempt::Held { .. }),
+        "a try behind the client's own waiter: {tried:?}"
+    );
+    let counted = requests_between(&before, &grpc_started(server.addr()).await);
+    let kv: u64 = ["Txn", "Range", "Put", "DeleteRange", "LeaseGrant"]
+        .iter()
+        .map(|m| counted.get(*m).copied().unwrap_or(0))
+        .sum();
+    assert_eq!(kv, 0, "requests of the refused try: {counted:?}");
+
+    holder.release(&held).await.expect("release the holder");
+    let lease = waiter
+        .await
+        .expect("waiter task")
+        .expect("acquire")
+        .expect("acquired once the holder released");
+    client.release(&lease).await.expect("release");
+    let again = acquire(&client, &k, ttl).await;
+    client.release(&again).await.expect("release");
+}
+
 /// Waits until `server` holds no queue entry (a warm-up waiter's is
 /// deleted in the background).
 async fn until_no_waiter_entries(server: &ServerProcess) {
