@@ -25,7 +25,10 @@
 //!
 //! A background task per waiter moves it up the line: when its predecessor
 //! leaves, one transaction finds the next predecessor (or none: it is first
-//! now) and reads the lock key. The waiter's [`ReleaseWatch`] — on a channel
+//! now) and reads the lock key. A lock waiter watches the lock key before
+//! that transaction (a predecessor that left most likely took the lock),
+//! so when it finds itself first the watch covers everything after its
+//! read, and it reads nothing again. The waiter's [`ReleaseWatch`] — on a channel
 //! of its own, so exactly one waiter is woken — fires only when it is first
 //! and the lock key was deleted, or when it just became first and the lock
 //! is free. A handoff therefore costs a constant number of requests however
@@ -344,7 +347,7 @@ pub(crate) fn check_entry(line: &[u8], kv: &KeyValue) -> Result<(), LockError> {
 }
 
 /// What one queue transaction read, at revision `revision`.
-struct Position {
+pub(crate) struct Position {
     /// The header revision: the state the reads saw.
     revision: i64,
     /// The queue entry to watch before ours, if any (see [`Line::to_watch`]).
@@ -528,30 +531,72 @@ async fn watch_target(
     target: &[u8],
     position: &Position,
 ) -> Result<(ReleaseWatch, Arc<AtomicI64>), LockError> {
-    let prefix =
-        matches!(line, Line::Permits(..)) && line.is_held_target(&queues.etcd.layout, target);
-    let topic = Topic {
-        channel: channel.clone(),
-        key: target.to_vec(),
-        prefix,
-        confirmed_at: Default::default(),
-        creations: false,
-        deleted_at: Default::default(),
-    };
-    let confirmed_at = topic.confirmed_at.clone();
-    let deleted_at = topic.deleted_at.clone();
-    let watch = queues.listener.watch(topic).await?;
+    let watched = TargetWatch::subscribe(queues, line, channel, target).await?;
     // The watch reports what happens after the revision etcd confirmed it
     // at; if the store moved on since the look-up, see whether what it saw
     // is still there.
-    let from = confirmed_at.load(Ordering::Acquire);
-    if !position.seen.is_empty()
-        && (from == 0 || from > position.revision)
-        && !still_there(queues, target, prefix, &position.seen).await
+    if !watched.covers(position)
+        && !still_there(queues, target, watched.prefix, &position.seen).await
     {
-        queues.listener.notifier().notify(&channel);
+        queues.listener.notifier().notify(&watched.channel);
     }
-    Ok((watch, deleted_at))
+    Ok((watched.watch, watched.deleted_at))
+}
+
+/// A confirmed watch of deletions of a waiter's target.
+pub(crate) struct TargetWatch {
+    pub(crate) watch: ReleaseWatch,
+    channel: String,
+    /// The key watched.
+    pub(crate) target: Vec<u8>,
+    /// Every key below `target` is watched (a semaphore's permits).
+    prefix: bool,
+    /// The revision etcd confirmed it at: it reports what happens after.
+    confirmed_at: i64,
+    /// See [`crate::listener::Topic::deleted_at`].
+    pub(crate) deleted_at: Arc<AtomicI64>,
+}
+
+impl TargetWatch {
+    /// Watches deletions of `target` (every key below it if it is the
+    /// permits prefix the first in a semaphore's line watches) on
+    /// `channel`; confirmed when this returns.
+    pub(crate) async fn subscribe(
+        queues: &Queues,
+        line: &Line,
+        channel: String,
+        target: &[u8],
+    ) -> Result<Self, LockError> {
+        let prefix =
+            matches!(line, Line::Permits(..)) && line.is_held_target(&queues.etcd.layout, target);
+        let topic = Topic {
+            channel: channel.clone(),
+            key: target.to_vec(),
+            prefix,
+            confirmed_at: Default::default(),
+            creations: false,
+            deleted_at: Default::default(),
+        };
+        let confirmed_at = topic.confirmed_at.clone();
+        let deleted_at = topic.deleted_at.clone();
+        let watch = queues.listener.watch(topic).await?;
+        Ok(Self {
+            watch,
+            channel,
+            target: target.to_vec(),
+            prefix,
+            confirmed_at: confirmed_at.load(Ordering::Acquire),
+            deleted_at,
+        })
+    }
+
+    /// Whether the watch reports every deletion after `position` was read
+    /// (it was confirmed at or before that revision), or `position` saw
+    /// nothing of its target to be deleted.
+    pub(crate) fn covers(&self, position: &Position) -> bool {
+        position.seen.is_empty()
+            || (self.confirmed_at != 0 && self.confirmed_at <= position.revision)
+    }
 }
 
 /// Whether every key of `seen` still exists with its create revision: a

@@ -15,8 +15,8 @@ use common::{
 use distlock_conformance::fault::Direction;
 use distlock_conformance::naming::unique_name;
 use distlock_conformance::server::ServerProcess;
-use distlock_conformance::Call;
-use distlock_core::{AcquireAttempt, LockKey, LockOptions, Locker};
+use distlock_conformance::{Call, ObservedLock};
+use distlock_core::{AcquireAttempt, LockClient, LockKey, LockOptions, Locker};
 
 /// A waiter blocked for 2 s makes at most 2 attempts: it is woken by the
 /// watch, not by polling. The operation timeout is shorter than the wait,
@@ -267,10 +267,7 @@ async fn a_refused_clients_next_attempt_on_the_key_reads_first() {
 /// release, it then takes the lock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_refused_by_its_entrys_look_up_sends_no_probe() {
-    // A server of its own: every request counted is this test's.
-    let server = own_server();
-    let holder = connect(&server.url()).await;
-    let (attempts, client) = observed(&server.url()).await;
+    let (server, holder, attempts, client) = counted_scene().await;
     let ttl = Duration::from_secs(30);
     // Warm-up: the client's session leases (the lock's and the queue's).
     let warm = unique_key("joined-refusal-warm");
@@ -323,10 +320,7 @@ async fn a_waiter_refused_by_its_entrys_look_up_sends_no_probe() {
 /// server and takes the free key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_try_behind_its_own_clients_waiter_is_refused_without_a_request() {
-    // A server of its own: every request counted is this test's.
-    let server = own_server();
-    let holder = connect(&server.url()).await;
-    let (attempts, client) = observed(&server.url()).await;
+    let (server, holder, attempts, client) = counted_scene().await;
     let ttl = Duration::from_secs(30);
     let k = unique_key("own-waiter-ahead");
     let held = acquire(&holder, &k, ttl).await;
@@ -364,6 +358,81 @@ async fn a_try_behind_its_own_clients_waiter_is_refused_without_a_request() {
     client.release(&lease).await.expect("release");
     let again = acquire(&client, &k, ttl).await;
     client.release(&again).await.expect("release");
+}
+
+/// A waiter whose predecessor took the lock watches the lock key before
+/// its look-up, so the look-up that finds it first covers the time up to
+/// the watch: no read after the watch is confirmed, even while the store
+/// moves on all the time (here writers put other keys without pause).
+/// A line of twelve handed along sends no `Range` (the watch check).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_successor_whose_predecessor_took_the_lock_sends_no_watch_check() {
+    let (server, holder, attempts, client) = counted_scene().await;
+    let ttl = Duration::from_secs(30);
+    let k = unique_key("successors");
+    let held = acquire(&holder, &k, ttl).await;
+    let mut line = Vec::new();
+    for _ in 0..12 {
+        let before = attempts.attempts_in_line();
+        let (client, k) = (client.clone(), k.clone());
+        line.push(tokio::spawn(async move {
+            let lease = client
+                .acquire(&k, ttl, Instant::now() + Duration::from_secs(60))
+                .await
+                .expect("acquire")
+                .expect("acquired in turn");
+            client.release(&lease).await.expect("release");
+            lease.fencing_token()
+        }));
+        // In line (entry put, watch confirmed) before the next one joins.
+        while attempts.attempts_in_line() == before {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    let writing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let mut writers = Vec::new();
+    for _ in 0..4 {
+        let (mut raw, writing) = (raw_client(&server.url()).await, writing.clone());
+        let other = unique_name("moves-the-store");
+        writers.push(tokio::spawn(async move {
+            while writing.load(std::sync::atomic::Ordering::Relaxed) {
+                raw.put(other.as_str(), "x", None).await.expect("raw put");
+            }
+        }));
+    }
+    let before = grpc_started(server.addr()).await;
+    holder.release(&held).await.expect("release the holder");
+    let mut tokens = Vec::new();
+    for waiter in line {
+        tokens.push(waiter.await.expect("waiter task"));
+    }
+    let counted = requests_between(&before, &grpc_started(server.addr()).await);
+    writing.store(false, std::sync::atomic::Ordering::Relaxed);
+    for writer in writers {
+        writer.await.expect("writer");
+    }
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "served in line order: {tokens:?}"
+    );
+    assert!(
+        counted.get("Put").copied().unwrap_or(0) > 0,
+        "the writers moved the store on: {counted:?}"
+    );
+    assert_eq!(
+        counted.get("Range").copied().unwrap_or(0),
+        0,
+        "watch checks in twelve handoffs: {counted:?}"
+    );
+}
+
+/// A server of its own (every request counted is the test's), a holder's
+/// client, and a client whose attempts are observed.
+async fn counted_scene() -> (ServerProcess, LockClient, Arc<ObservedLock>, LockClient) {
+    let server = own_server();
+    let holder = connect(&server.url()).await;
+    let (attempts, client) = observed(&server.url()).await;
+    (server, holder, attempts, client)
 }
 
 /// Waits until `server` holds no queue entry (a warm-up waiter's is

@@ -9,7 +9,9 @@ use std::time::Duration;
 use distlock_core::{Departure, ErrorKind, LockError, OwnerToken, ReleaseWatch};
 
 use super::entries::{delete_entry, look_up, looked_up, put_entry};
-use super::{target_of, watch_target, Line, Position, Queues, Seat, RETRY_MAX, RETRY_MIN};
+use super::{
+    target_of, watch_target, Line, Position, Queues, Seat, TargetWatch, RETRY_MAX, RETRY_MIN,
+};
 use crate::config::MIN_TTL;
 use crate::fence::Fence;
 use crate::requests::Repeat;
@@ -171,6 +173,22 @@ impl Waiter {
             && deleted_at > 0
             && !self.is_first(queues))
         .then_some(deleted_at);
+        // A predecessor that left most likely took the lock, which makes
+        // this waiter first: the lock key is watched before the look-up, so
+        // a look-up that finds it first needs no read after it to cover
+        // the time between the two (see `moved_up`). Without it (the
+        // subscribe failed: the stream is lost, and every watch with it),
+        // the look-up goes on as ever.
+        let early = match predecessor_gone_at {
+            Some(_) => {
+                let target = self.line.held_target(&etcd.layout);
+                let channel = self.next_channel();
+                TargetWatch::subscribe(queues, &self.line, channel, &target)
+                    .await
+                    .ok()
+            }
+            None => None,
+        };
         let txn = look_up(
             &etcd.layout,
             &self.line,
@@ -213,19 +231,36 @@ impl Waiter {
             }
             position = again;
         }
-        self.moved_up(queues, position).await
+        self.moved_up(queues, position, early).await
+    }
+
+    /// The channel of the waiter's next watch.
+    fn next_channel(&mut self) -> String {
+        let channel = format!("{}#{}", self.channel, self.watches);
+        self.watches += 1;
+        channel
     }
 
     /// Watches what `position` says to watch and tells the seat and the
-    /// caller.
-    async fn moved_up(&mut self, queues: &Queues, position: Position) -> Result<(), LockError> {
+    /// caller. `early`, a watch made before `position` was read, is kept
+    /// if it watches that target and covers everything after the read.
+    async fn moved_up(
+        &mut self,
+        queues: &Queues,
+        position: Position,
+        early: Option<TargetWatch>,
+    ) -> Result<(), LockError> {
         let etcd = &queues.etcd;
         let target = target_of(&etcd.layout, &self.line, &position);
         if self.stale || target != self.target {
-            let channel = format!("{}#{}", self.channel, self.watches);
-            self.watches += 1;
-            (self.watch, self.deleted_at) =
-                watch_target(queues, &self.line, channel, &target, &position).await?;
+            match early.filter(|early| early.target == target && early.covers(&position)) {
+                Some(early) => (self.watch, self.deleted_at) = (early.watch, early.deleted_at),
+                None => {
+                    let channel = self.next_channel();
+                    (self.watch, self.deleted_at) =
+                        watch_target(queues, &self.line, channel, &target, &position).await?;
+                }
+            }
             self.target = target;
             self.stale = false;
         }
