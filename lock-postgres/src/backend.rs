@@ -100,7 +100,9 @@ pub struct PostgresLock {
     semaphores: Semaphores,
     /// When the sweep of idle rows runs; it ends with the client.
     sweeper: Sweeper,
-    /// The TLS files of the pool's options, read by the sweep's connect.
+    /// The TLS files of the pool's options (if they came from the
+    /// config's URL), read by distlock: at connect, and at each sweep for
+    /// the sweep's connection and the pool's new ones.
     pool_tls: TlsSettings,
     /// The lock table, as the sweep deletes from it.
     swept: SweptTable,
@@ -146,6 +148,10 @@ impl PostgresLock {
         };
         let timeout = config.client().connect_timeout();
         config.check_tls_files().await?;
+        // The pool gets the TLS files as read here, and again at each
+        // sweep: given paths, sqlx would read them on a blocking thread
+        // inside a lock call and panic if the runtime shut down meanwhile.
+        let connect = config.tls().loaded(connect).await?;
         let pool = distlock_core::with_timeout(timeout, "connecting to PostgreSQL", async {
             PgPoolOptions::new()
                 .max_connections(config.max_connections())
@@ -317,6 +323,7 @@ impl PostgresLock {
         self.sweeper.maybe_start(|| SweepJob {
             connect: (*self.pool.connect_options()).clone(),
             tls: self.pool_tls.clone(),
+            pool: (!self.pool_tls.is_empty()).then(|| self.pool.clone()),
             simple: self.simple.clone(),
             namespace: self.namespace().to_owned(),
             retention: self.config.fence_retention(),

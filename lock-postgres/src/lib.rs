@@ -511,13 +511,14 @@
 //! 0.8.6 with rustls 0.23.24+, launchbadge/sqlx#3793), so it behaves as
 //! `verify-full`. With the feature on, the default `sslmode=prefer` asks
 //! every server for TLS first (one extra round trip per new connection to
-//! a server without it; `sslmode=disable` skips it). The files are read
-//! again for every new connection, so renewed certificates are picked up;
-//! the sweep and the listener, which connect from tasks of their own, read
-//! them themselves first (sqlx reads a file on a blocking thread and
-//! panics if the runtime shuts down meanwhile; read by distlock, that is an
-//! error). The pool's connections, opened inside lock calls, still leave
-//! the reading to sqlx.
+//! a server without it; `sslmode=disable` skips it). distlock reads the
+//! files itself and gives the driver their contents: the listener's and
+//! the sweep's connections read them at every connect, the pool's new
+//! connections get them as read at connect and then at each sweep (at most
+//! one sweep interval old: half the fencing retention, 1 to 60 s, while
+//! the client takes locks), so renewed certificates are picked up. (Given
+//! a path, sqlx reads the file on a blocking thread and panics if the
+//! runtime shuts down meanwhile; read by distlock, that is an error.)
 //!
 //! # Topologies
 //!

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgConnection};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool};
 use sqlx::Connection;
 use sqlx::Row;
 use tokio::task::JoinHandle;
@@ -58,6 +58,10 @@ pub(crate) struct SweepJob {
     pub(crate) connect: PgConnectOptions,
     /// The TLS files `connect` names, read by the sweep itself.
     pub(crate) tls: TlsSettings,
+    /// The client's pool, if `tls` are its files: its new connections get
+    /// them as this sweep read them (renewed certificates are picked up
+    /// within a sweep interval).
+    pub(crate) pool: Option<PgPool>,
     /// The client's protocol switch (see `PostgresLock::protocol`).
     pub(crate) simple: Arc<AtomicBool>,
     pub(crate) namespace: String,
@@ -142,6 +146,9 @@ impl SweepJob {
     async fn run(self) {
         let connected = tokio::time::timeout(self.timeout, async {
             let connect = self.tls.loaded(self.connect.clone()).await?;
+            if let Some(pool) = &self.pool {
+                pool.set_connect_options(connect.clone());
+            }
             PgConnection::connect_with(&connect)
                 .await
                 .map_err(|e| errors::map(e, "connecting the sweep"))

@@ -226,19 +226,20 @@ impl TlsSettings {
 
     /// Reads every file named, so a missing, unreadable or non-PEM one is
     /// a configuration error naming its parameter and path before any
-    /// connection is tried. The driver reads them again for each new
-    /// connection (so renewed certificates are picked up).
+    /// connection is tried. They are read again at every connect of
+    /// distlock's own tasks and at each sweep for the pool (see
+    /// [`loaded`](Self::loaded)), so renewed certificates are picked up.
     pub(crate) async fn check_files(&self) -> Result<(), LockError> {
         // The same reads and checks as a connect of distlock's own.
         self.loaded(PgConnectOptions::new()).await.map(drop)
     }
 
-    /// `options` with these settings' files read now, held in memory, for a
-    /// connection one of distlock's own tasks opens (the sweep, the
-    /// listener). Given a path, sqlx reads the file on a blocking thread
-    /// and panics if the runtime shuts down meanwhile (its join handle
-    /// `expect`s); read here, that is an error. Read at every connect, so
-    /// renewed certificates are still picked up.
+    /// `options` with these settings' files read now, held in memory: for
+    /// a connection one of distlock's own tasks opens (the sweep, the
+    /// listener), and for the pool's (at connect, then at each sweep).
+    /// Given a path, sqlx reads the file on a blocking thread and panics
+    /// if the runtime shuts down meanwhile (its join handle `expect`s);
+    /// read here, that is an error.
     pub(crate) async fn loaded(
         &self,
         mut options: PgConnectOptions,

@@ -242,3 +242,60 @@ async fn missing_unreadable_and_non_pem_files_are_named() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The pool's connections get the TLS files as distlock read them, never
+/// a path for sqlx to read inside a lock call (it reads on a blocking
+/// thread and panics if the runtime shuts down meanwhile). A renewed file
+/// reaches the pool at the next sweep.
+#[tokio::test]
+async fn the_pool_gets_the_tls_files_as_read_and_renewed_ones_at_a_sweep() {
+    let (kind, server) = started().await;
+    let pki = kind.pki();
+    let ca = std::env::temp_dir().join(format!("{}.pem", unique_name("renewed_ca")));
+    std::fs::copy(&pki.ca, &ca).expect("copy the CA");
+    // A sweep is due at most every second with a two-second retention.
+    let url = format!(
+        "{}&namespace={}&fence_retention_ms=2000",
+        kind.url_with_ca(server.addr(), &ca),
+        unique_name("tls_pool")
+    );
+    let lock = Pg::connect(&url).await;
+    let options = || format!("{:?}", lock.pool().connect_options());
+    let path = ca.to_string_lossy().into_owned();
+    assert!(
+        !options().contains(&path),
+        "the pool's options name the CA file for sqlx to read: {}",
+        options()
+    );
+    let inline =
+        |file: &std::path::Path| format!("Inline({:?})", std::fs::read(file).expect("read the CA"));
+    assert!(options().contains(&inline(&pki.ca)), "{}", options());
+
+    // Renewed: the same CA in other bytes (new connections still work).
+    let renewed = format!(
+        "{}\n",
+        std::fs::read_to_string(&pki.ca).expect("read the CA")
+    );
+    std::fs::write(&ca, &renewed).expect("renew the CA file");
+    let renewed = format!("Inline({:?})", renewed.as_bytes());
+    let k = key("renewed");
+    let give_up = std::time::Instant::now() + Duration::from_secs(30);
+    // Acquisitions start sweeps (one a second at most), each reading the
+    // files again for the pool.
+    while !options().contains(&renewed) {
+        assert!(
+            std::time::Instant::now() < give_up,
+            "the renewed CA never reached the pool"
+        );
+        let lease = take(
+            &lock,
+            &k,
+            Duration::from_secs(30),
+            "nobody else uses the key",
+        )
+        .await;
+        lock.release(&lease).await.expect("release");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _ = std::fs::remove_file(&ca);
+}
