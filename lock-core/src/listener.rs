@@ -208,14 +208,6 @@ impl<S: NotificationSource> Drop for Live<S> {
     }
 }
 
-impl<S: NotificationSource> Drop for Inner<S> {
-    fn drop(&mut self) {
-        if let Some(live) = self.live.get_mut().take() {
-            live.reader.abort();
-        }
-    }
-}
-
 impl<S: NotificationSource> Listener<S> {
     /// A listener over `source`, with the client's timeouts. Connects on
     /// the first [`watch`](Self::watch).
@@ -308,9 +300,8 @@ impl<S: NotificationSource> Inner<S> {
             .as_ref()
             .is_none_or(|l| l.reader.is_finished() || l.generation != reading)
         {
-            if let Some(dead) = live.take() {
-                dead.reader.abort();
-            }
+            // Dropped, the dead connection's tasks are aborted.
+            *live = None;
             *live = Some(self.connect().await?);
         }
         let Some(current) = live.as_mut() else {
@@ -381,7 +372,8 @@ impl<S: NotificationSource> Inner<S> {
             let _ =
                 self.reading
                     .compare_exchange(generation, 0, Ordering::SeqCst, Ordering::SeqCst);
-            current.reader.abort();
+            // Its reader and sweeper are aborted.
+            drop(current);
             tracing::debug!(generation, error = %why, "release-notification connection lost; waiters subscribe again");
             self.notifier.reset();
         }
