@@ -147,11 +147,12 @@ impl PostgresLock {
             ));
         };
         let timeout = config.client().connect_timeout();
-        config.check_tls_files().await?;
-        // The pool gets the TLS files as read here, and again at each
-        // sweep: given paths, sqlx would read them on a blocking thread
-        // inside a lock call and panic if the runtime shut down meanwhile.
+        // The pool gets the TLS files as read here (which checks them), and
+        // again at each sweep: given paths, sqlx would read them on a
+        // blocking thread inside a lock call and panic if the runtime shut
+        // down meanwhile. `listen_url`'s are read at each listener connect.
         let connect = config.tls().loaded(connect).await?;
+        config.listen_tls().check_files().await?;
         let pool = distlock_core::with_timeout(timeout, "connecting to PostgreSQL", async {
             PgPoolOptions::new()
                 .max_connections(config.max_connections())

@@ -432,13 +432,6 @@ impl PostgresConfig {
         &self.semaphore_table
     }
 
-    /// Checks the TLS files of the main URL and of `listen_url` (they are
-    /// read when the client connects).
-    pub(crate) async fn check_tls_files(&self) -> Result<(), LockError> {
-        self.tls.check_files().await?;
-        self.listen_tls.check_files().await
-    }
-
     /// Checks namespace, timeouts, retry interval, fencing-counter
     /// retention (more than zero, at most [`MAX_FENCE_RETENTION`]), schema
     /// and table names.
