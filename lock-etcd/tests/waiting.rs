@@ -16,7 +16,8 @@ use distlock_conformance::fault::Direction;
 use distlock_conformance::naming::unique_name;
 use distlock_conformance::server::ServerProcess;
 use distlock_conformance::{Call, ObservedLock};
-use distlock_core::{AcquireAttempt, LockClient, LockKey, LockOptions, Locker};
+use distlock_core::{AcquireAttempt, Lease, LockClient, LockError, LockKey, LockOptions, Locker};
+use tokio::task::JoinHandle;
 
 /// A waiter blocked for 2 s makes at most 2 attempts: it is woken by the
 /// watch, not by polling. The operation timeout is shorter than the wait,
@@ -186,9 +187,7 @@ async fn a_renewing_waiters_refused_attempt_writes_nothing() {
                 .await
         })
     };
-    while attempts.attempts_in_line() == before_attempts {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_in_line(&attempts, before_attempts).await;
     let after = settled_proposals(server.addr()).await;
     // etcd declares `attempt_before_watch`: the waiter's first attempt,
     // not yet in line, is a transaction etcd commits through Raft although
@@ -210,11 +209,7 @@ async fn a_renewing_waiters_refused_attempt_writes_nothing() {
         "proposals of a try_lock refused while the same client's waiter is in line"
     );
     holder.release(&held).await.expect("release the holder");
-    let guard = waiter
-        .await
-        .expect("waiter task")
-        .expect("acquire")
-        .expect("acquired once the holder released");
+    let guard = served(waiter).await;
     guard.release().await.expect("release");
 }
 
@@ -284,32 +279,16 @@ async fn a_waiter_refused_by_its_entrys_look_up_sends_no_probe() {
     let held = acquire(&holder, &k, ttl).await;
     let before_attempts = attempts.attempts_in_line();
     let before = grpc_started(server.addr()).await;
-    let waiter = {
-        let (client, k) = (client.clone(), k.clone());
-        tokio::spawn(async move {
-            client
-                .acquire(&k, ttl, Instant::now() + Duration::from_secs(60))
-                .await
-        })
-    };
-    while attempts.attempts_in_line() == before_attempts {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let waiter = waiting_for(&client, &k, ttl);
+    until_in_line(&attempts, before_attempts).await;
     let counted = requests_between(&before, &grpc_started(server.addr()).await);
-    let kv: u64 = ["Txn", "Range", "Put", "DeleteRange"]
-        .iter()
-        .map(|m| counted.get(*m).copied().unwrap_or(0))
-        .sum();
+    let kv = requests_of(&counted, &["Txn", "Range", "Put", "DeleteRange"]);
     assert_eq!(
         kv, 2,
         "requests while a waiter tried, queued and was refused (its first try and its entry): {counted:?}"
     );
     holder.release(&held).await.expect("release the holder");
-    let lease = waiter
-        .await
-        .expect("waiter task")
-        .expect("acquire")
-        .expect("acquired once the holder released");
+    let lease = served(waiter).await;
     client.release(&lease).await.expect("release");
 }
 
@@ -324,18 +303,9 @@ async fn a_try_behind_its_own_clients_waiter_is_refused_without_a_request() {
     let ttl = Duration::from_secs(30);
     let k = unique_key("own-waiter-ahead");
     let held = acquire(&holder, &k, ttl).await;
-    let waiter = {
-        let (client, k) = (client.clone(), k.clone());
-        tokio::spawn(async move {
-            client
-                .acquire(&k, ttl, Instant::now() + Duration::from_secs(60))
-                .await
-        })
-    };
+    let waiter = waiting_for(&client, &k, ttl);
     // In line once an attempt claimed its seat.
-    while attempts.attempts_in_line() == 0 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_in_line(&attempts, 0).await;
     let before = grpc_started(server.addr()).await;
     let tried = client.try_acquire(&k, ttl).await.expect("try_acquire");
     assert!(
@@ -343,18 +313,14 @@ async fn a_try_behind_its_own_clients_waiter_is_refused_without_a_request() {
         "a try behind the client's own waiter: {tried:?}"
     );
     let counted = requests_between(&before, &grpc_started(server.addr()).await);
-    let kv: u64 = ["Txn", "Range", "Put", "DeleteRange", "LeaseGrant"]
-        .iter()
-        .map(|m| counted.get(*m).copied().unwrap_or(0))
-        .sum();
+    let kv = requests_of(
+        &counted,
+        &["Txn", "Range", "Put", "DeleteRange", "LeaseGrant"],
+    );
     assert_eq!(kv, 0, "requests of the refused try: {counted:?}");
 
     holder.release(&held).await.expect("release the holder");
-    let lease = waiter
-        .await
-        .expect("waiter task")
-        .expect("acquire")
-        .expect("acquired once the holder released");
+    let lease = served(waiter).await;
     client.release(&lease).await.expect("release");
     let again = acquire(&client, &k, ttl).await;
     client.release(&again).await.expect("release");
@@ -385,9 +351,7 @@ async fn a_successor_whose_predecessor_took_the_lock_sends_no_watch_check() {
             lease.fencing_token()
         }));
         // In line (entry put, watch confirmed) before the next one joins.
-        while attempts.attempts_in_line() == before {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        until_in_line(&attempts, before).await;
     }
     let writing = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let mut writers = Vec::new();
@@ -424,6 +388,45 @@ async fn a_successor_whose_predecessor_took_the_lock_sends_no_watch_check() {
         0,
         "watch checks in twelve handoffs: {counted:?}"
     );
+}
+
+/// Waits until `attempts` counted an attempt in line past `before` (its
+/// waiter queued and claimed its seat).
+async fn until_in_line(attempts: &ObservedLock, before: u64) {
+    while attempts.attempts_in_line() == before {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// `client` waits for `k` (up to 60 s) on a task of its own.
+fn waiting_for(
+    client: &LockClient,
+    k: &LockKey,
+    ttl: Duration,
+) -> JoinHandle<Result<Option<Lease>, LockError>> {
+    let (client, k) = (client.clone(), k.clone());
+    tokio::spawn(async move {
+        client
+            .acquire(&k, ttl, Instant::now() + Duration::from_secs(60))
+            .await
+    })
+}
+
+/// What `waiter` ([`waiting_for`]) acquired once the holder released.
+async fn served<T>(waiter: JoinHandle<Result<Option<T>, LockError>>) -> T {
+    waiter
+        .await
+        .expect("waiter task")
+        .expect("acquire")
+        .expect("acquired once the holder released")
+}
+
+/// How many requests of `methods` the server counted.
+fn requests_of(counted: &BTreeMap<String, u64>, methods: &[&str]) -> u64 {
+    methods
+        .iter()
+        .map(|m| counted.get(*m).copied().unwrap_or(0))
+        .sum()
 }
 
 /// A server of its own (every request counted is the test's), a holder's
@@ -533,9 +536,7 @@ async fn waiters_acquire_in_fifo_order_and_leave_no_queue_entries() {
             })
         };
         // Queued (its first attempt made) before the next one starts.
-        while attempts.attempts_in_line() == 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        until_in_line(&attempts, 0).await;
         tasks.push(task);
     }
     assert_eq!(
@@ -594,9 +595,7 @@ async fn waiters_on_look_alike_keys_are_independent() {
                         .await
                 })
             };
-            while attempts.attempts_in_line() == 0 {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
+            until_in_line(&attempts, 0).await;
             (attempts, client, task)
         }
     };
@@ -720,9 +719,7 @@ async fn a_predecessor_that_leaves_before_the_watch_starts_still_moves_the_waite
     );
     proxy.pass(Direction::ToClient);
     // In line now, its first attempt refused (the holder still holds).
-    while attempts.attempts_in_line() == tried {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_in_line(&attempts, tried).await;
     holder.release(&held).await.expect("release");
     let lease = second
         .await
@@ -786,9 +783,7 @@ async fn a_waiter_that_moves_into_a_semaphores_first_limit_watches_its_permits()
         tokio::spawn(async move { waiter.acquire_permit(&k, 2, ttl, deadline).await })
     };
     // Queued, two ahead (it watches the second), its first attempt refused.
-    while attempts.attempts_in_line() == 0 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_in_line(&attempts, 0).await;
     raw.delete(format!("{queue}1-2"), None)
         .await
         .expect("the second leaves");
