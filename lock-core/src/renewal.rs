@@ -6,8 +6,10 @@
 //! One driver task per client sleeps until the earliest of them, takes
 //! every guard due and has each one step ([`Shared::step`]): renew, or be
 //! lost by the clock. The driver starts with the first queued guard (on
-//! the runtime of the guard that queues it) and ends when the queue is
-//! empty, so no task outlives the guards it serves.
+//! the runtime of the guard that queues it) and ends once the queue has
+//! stayed empty for [`LINGER`], so a client that takes short locks one
+//! after another (each released before the next) starts no task per
+//! lock, and no task outlives the guards it serves by more than that.
 //!
 //! Renewals due together are sent together where the backend batches
 //! extends (its [`Capabilities::extend_batch`](crate::Capabilities::extend_batch)
@@ -34,6 +36,10 @@ use crate::Lease;
 /// tokio's timer.
 const GATHER: Duration = Duration::from_millis(1);
 
+/// How long the driver waits, its queue empty, for another guard before
+/// it ends. It holds no client meanwhile (only the queue).
+const LINGER: Duration = Duration::from_secs(1);
+
 /// Grid steps per renewal period: a guard renews at most this fraction of
 /// its period early.
 const GRID_STEPS: u32 = 8;
@@ -59,6 +65,8 @@ struct Queue {
     drivers: u64,
     /// When the running driver sleeps until; `None` while it is awake.
     planned: Option<Instant>,
+    /// Since when the queue has been empty, while the driver lingers.
+    empty_since: Option<Instant>,
     next_id: u64,
 }
 
@@ -120,8 +128,9 @@ impl Renewals {
     }
 
     /// The guards due by `now` (taken out of the queue), and the next
-    /// wake-up; `None` (and the driver marked stopped) if the queue is
-    /// empty.
+    /// wake-up (while the queue is empty, the end of the driver's
+    /// [`LINGER`]); `None` (and the driver marked stopped) once the queue
+    /// has been empty that long.
     fn take_due(&self, now: Instant) -> Option<(Vec<Arc<Shared>>, Option<Instant>)> {
         let mut queue = self.queue();
         let mut due = Vec::new();
@@ -131,11 +140,19 @@ impl Renewals {
             }
             due.push(entry.remove());
         }
-        let next = queue.guards.first_key_value().map(|(slot, _)| slot.0);
+        let mut next = queue.guards.first_key_value().map(|(slot, _)| slot.0);
         if due.is_empty() && next.is_none() {
-            queue.running = None;
-            queue.planned = None;
-            return None;
+            let since = *queue.empty_since.get_or_insert(now);
+            let until = later(since, LINGER);
+            if now >= until {
+                queue.running = None;
+                queue.planned = None;
+                queue.empty_since = None;
+                return None;
+            }
+            next = Some(until);
+        } else {
+            queue.empty_since = None;
         }
         queue.planned = if due.is_empty() { next } else { None };
         Some((due, next))
@@ -154,6 +171,7 @@ impl Drop for Running {
         if queue.running == Some(self.1) {
             queue.running = None;
             queue.planned = None;
+            queue.empty_since = None;
         }
     }
 }
@@ -253,6 +271,58 @@ pub(crate) fn on_grid(at: Instant, period: Duration) -> Instant {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{LockKey, LockOptions, Locker, MemoryLock};
+
+    /// How many drivers `locker`'s client has started so far.
+    fn drivers(locker: &Locker) -> u64 {
+        locker.client().renewals().queue().drivers
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn short_locks_one_after_another_share_one_driver() {
+        let locker = Locker::new(MemoryLock::new());
+        let options = LockOptions::new(Duration::from_secs(30));
+        for i in 0..20 {
+            let key = LockKey::new(format!("one-after-another-{i}")).expect("a valid key");
+            let guard = locker.try_lock(&key, &options).await.expect("no error");
+            let guard = guard.expect("a fresh key is free");
+            guard.release().await.expect("released");
+            // The driver runs, finding the queue empty, before the next
+            // guard (as when a release waits for its reply).
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            drivers(&locker),
+            1,
+            "twenty locks taken and released one after another started a renewal driver each"
+        );
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_idle_driver_ends_after_its_linger() {
+        let locker = Locker::new(MemoryLock::new());
+        let options = LockOptions::new(Duration::from_secs(30));
+        let key = LockKey::new("idle-driver").expect("a valid key");
+        let guard = locker.try_lock(&key, &options).await.expect("no error");
+        guard.expect("free").release().await.expect("released");
+        tokio::task::yield_now().await;
+        let running = || locker.client().renewals().queue().running.is_some();
+        assert!(running(), "the driver lingers for the next guard");
+        // Ends after its linger; the bound is for a loaded machine.
+        let started = Instant::now();
+        while running() {
+            assert!(
+                started.elapsed() < LINGER * 30,
+                "a driver with nothing queued ran on for {:?}",
+                started.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // The next guard starts another.
+        let guard = locker.try_lock(&key, &options).await.expect("no error");
+        assert_eq!(drivers(&locker), 2);
+        guard.expect("free").release().await.expect("released");
+    }
 
     #[test]
     fn grid_moments_are_shared_and_never_late() {
