@@ -449,8 +449,8 @@ impl Shared {
 
 /// A held lock.
 ///
-/// While it lives, its client's renewal driver (one task per client, not
-/// one per guard) renews the lease (by default every third
+/// While it lives, its client's renewal driver (one task per client and
+/// runtime, not one per guard) renews the lease (by default every third
 /// of the TTL) until the optional max hold time. [`lost`](Self::lost)
 /// resolves as soon as the guard knows or must assume it no longer holds the
 /// lock — renewal refused — and at the latest at the stop moment: the stop

@@ -3,13 +3,16 @@
 //! A held guard is no task of its own: its small schedule lives in the
 //! guard, and its client's [`Renewals`] queue holds it by its next wake-up
 //! (its renewal moment, or its stop moment while a renewal is in flight).
-//! One driver task per client sleeps until the earliest of them, takes
-//! every guard due and has each one step ([`Shared::step`]): renew, or be
-//! lost by the clock. The driver starts with the first queued guard (on
-//! the runtime of the guard that queues it) and ends once the queue has
-//! stayed empty for [`LINGER`], so a client that takes short locks one
-//! after another (each released before the next) starts no task per
-//! lock, and no task outlives the guards it serves by more than that.
+//! A driver task sleeps until the earliest of them, takes every guard due
+//! and has each one step ([`Shared::step`]): renew, or be lost by the
+//! clock. A guard queued on a runtime where the client has no driver
+//! starts one there, so a client used from several runtimes has one
+//! driver on each, all serving the one queue: a runtime that is not being
+//! driven (a current-thread runtime between two `block_on`s) holds up no
+//! other runtime's guards. A driver ends once the queue has stayed empty
+//! for [`LINGER`], so a client that takes short locks one after another
+//! (each released before the next) starts no task per lock, and no task
+//! outlives the guards it serves by more than that.
 //!
 //! Renewals due together are sent together where the backend batches
 //! extends (its [`Capabilities::extend_batch`](crate::Capabilities::extend_batch)
@@ -25,6 +28,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+use tokio::runtime::{Handle, Id as RuntimeId};
 use tokio::sync::Notify;
 
 use crate::guard::Shared;
@@ -36,8 +40,8 @@ use crate::Lease;
 /// tokio's timer.
 const GATHER: Duration = Duration::from_millis(1);
 
-/// How long the driver waits, its queue empty, for another guard before
-/// it ends. It holds no client meanwhile (only the queue).
+/// How long a driver waits, its queue empty, for another guard before it
+/// ends. It holds no client meanwhile (only the queue).
 const LINGER: Duration = Duration::from_secs(1);
 
 /// Grid steps per renewal period: a guard renews at most this fraction of
@@ -47,27 +51,32 @@ const GRID_STEPS: u32 = 8;
 /// One queued guard: its wake-up moment and its number (unique per client).
 type Slot = (Instant, u64);
 
-/// A client's held guards, by next wake-up, and its driver.
+/// A client's held guards, by next wake-up, and its drivers.
 #[derive(Default)]
 pub(crate) struct Renewals {
     queue: Mutex<Queue>,
-    /// Wakes the driver when a guard is queued before its planned wake-up.
-    wake: Notify,
 }
 
 #[derive(Default)]
 struct Queue {
     guards: BTreeMap<Slot, Arc<Shared>>,
-    /// The number of the driver task that runs (or is about to), if one
-    /// does.
-    running: Option<u64>,
-    /// Drivers started so far.
-    drivers: u64,
-    /// When the running driver sleeps until; `None` while it is awake.
-    planned: Option<Instant>,
-    /// Since when the queue has been empty, while the driver lingers.
+    /// The drivers that run (or are about to), at most one per runtime.
+    drivers: Vec<Driver>,
+    /// Drivers started so far (each one's number).
+    started: u64,
+    /// Since when the queue has been empty, while drivers linger.
     empty_since: Option<Instant>,
     next_id: u64,
+}
+
+/// One driver task, on one runtime.
+struct Driver {
+    number: u64,
+    runtime: RuntimeId,
+    /// Wakes it when a guard is queued before its planned wake-up.
+    wake: Arc<Notify>,
+    /// When it sleeps until; `None` while it is awake.
+    planned: Option<Instant>,
 }
 
 /// A renewal the driver sends: the guard, its lease and the TTL asked.
@@ -89,33 +98,45 @@ impl Renewals {
         queue.next_id
     }
 
-    /// Queues `guard` (number `id`) to step at `at`, starting the driver on
-    /// the current runtime if none runs (outside a runtime nothing runs:
-    /// the guard is then lost by the clock alone). Called with the
+    /// Queues `guard` (number `id`) to step at `at`, starting a driver on
+    /// the current runtime if the client has none there (outside a
+    /// runtime nothing starts: the guard is then stepped by a driver on
+    /// another runtime, or lost by the clock alone). Called with the
     /// guard's schedule locked (locks are taken guard first, queue
     /// second, never the other way).
     pub(crate) fn insert(self: &Arc<Self>, guard: &Arc<Shared>, id: u64, at: Instant) {
         let start = {
             let mut queue = self.queue();
             queue.guards.insert((at, id), guard.clone());
-            if queue.running.is_none() {
-                let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-                    return;
-                };
-                queue.drivers += 1;
-                queue.running = Some(queue.drivers);
-                queue.planned = None;
-                Some((runtime, queue.drivers))
-            } else {
-                if queue.planned.is_some_and(|planned| at < planned) {
-                    self.wake.notify_one();
+            let Ok(runtime) = Handle::try_current() else {
+                return;
+            };
+            let here = runtime.id();
+            match queue.drivers.iter().find(|d| d.runtime == here) {
+                // The driver on this runtime, which runs: this guard is
+                // queued from it.
+                Some(driver) => {
+                    if driver.planned.is_some_and(|planned| at < planned) {
+                        driver.wake.notify_one();
+                    }
+                    None
                 }
-                None
+                None => {
+                    queue.started += 1;
+                    let (number, wake) = (queue.started, Arc::new(Notify::new()));
+                    queue.drivers.push(Driver {
+                        number,
+                        runtime: here,
+                        wake: wake.clone(),
+                        planned: None,
+                    });
+                    Some((runtime, number, wake))
+                }
             }
         };
         // Outside the lock: a runtime shutting down drops the task at once.
-        if let Some((runtime, number)) = start {
-            runtime.spawn(drive(Running(self.clone(), number)));
+        if let Some((runtime, number, wake)) = start {
+            runtime.spawn(drive(Running(self.clone(), number), wake));
         }
     }
 
@@ -127,11 +148,11 @@ impl Renewals {
         drop(removed);
     }
 
-    /// The guards due by `now` (taken out of the queue), and the next
-    /// wake-up (while the queue is empty, the end of the driver's
-    /// [`LINGER`]); `None` (and the driver marked stopped) once the queue
+    /// For driver `number`: the guards due by `now` (taken out of the
+    /// queue), and the next wake-up (while the queue is empty, the end of
+    /// the [`LINGER`]); `None` (and the driver struck off) once the queue
     /// has been empty that long.
-    fn take_due(&self, now: Instant) -> Option<(Vec<Arc<Shared>>, Option<Instant>)> {
+    fn take_due(&self, number: u64, now: Instant) -> Option<(Vec<Arc<Shared>>, Option<Instant>)> {
         let mut queue = self.queue();
         let mut due = Vec::new();
         while let Some(entry) = queue.guards.first_entry() {
@@ -145,34 +166,30 @@ impl Renewals {
             let since = *queue.empty_since.get_or_insert(now);
             let until = later(since, LINGER);
             if now >= until {
-                queue.running = None;
-                queue.planned = None;
-                queue.empty_since = None;
+                queue.drivers.retain(|d| d.number != number);
                 return None;
             }
             next = Some(until);
         } else {
             queue.empty_since = None;
         }
-        queue.planned = if due.is_empty() { next } else { None };
+        let planned = if due.is_empty() { next } else { None };
+        if let Some(driver) = queue.drivers.iter_mut().find(|d| d.number == number) {
+            driver.planned = planned;
+        }
         Some((due, next))
     }
 }
 
-/// The running driver (and its number); marks the queue driverless when
-/// the task ends, also when it is dropped with its runtime (the next
-/// queued guard then starts another).
+/// A running driver (by its number); strikes it off the queue's drivers
+/// when the task ends, also when it is dropped with its runtime (the next
+/// guard queued on that runtime then starts another).
 struct Running(Arc<Renewals>, u64);
 
 impl Drop for Running {
     fn drop(&mut self) {
         let mut queue = self.0.queue();
-        // Unless a driver started since this one found the queue empty.
-        if queue.running == Some(self.1) {
-            queue.running = None;
-            queue.planned = None;
-            queue.empty_since = None;
-        }
+        queue.drivers.retain(|d| d.number != self.1);
     }
 }
 
@@ -180,15 +197,15 @@ impl Drop for Running {
 /// Renewals that fall due are gathered for one timer tick after the
 /// first, for the others due about then (guards whose lease arrived at
 /// slightly different moments), and sent together.
-async fn drive(running: Running) {
-    let renewals = &running.0;
+async fn drive(running: Running, wake: Arc<Notify>) {
+    let (renewals, number) = (&running.0, running.1);
     let sleep = tokio::time::sleep_until(Instant::now().into());
     tokio::pin!(sleep);
     let mut gathered: Vec<Due> = Vec::new();
     let mut send_at: Option<Instant> = None;
     loop {
         let now = Instant::now();
-        let Some((due, next)) = renewals.take_due(now) else {
+        let Some((due, next)) = renewals.take_due(number, now) else {
             send(gathered);
             return;
         };
@@ -205,13 +222,13 @@ async fn drive(running: Running) {
             send_at = None;
             continue;
         }
-        let Some(wake) = [next, send_at].into_iter().flatten().min() else {
+        let Some(until) = [next, send_at].into_iter().flatten().min() else {
             return;
         };
-        sleep.as_mut().reset(wake.into());
+        sleep.as_mut().reset(until.into());
         tokio::select! {
             () = &mut sleep => {}
-            () = renewals.wake.notified() => {}
+            () = wake.notified() => {}
         }
     }
 }
@@ -275,7 +292,7 @@ mod tests {
 
     /// How many drivers `locker`'s client has started so far.
     fn drivers(locker: &Locker) -> u64 {
-        locker.client().renewals().queue().drivers
+        locker.client().renewals().queue().started
     }
 
     #[tokio::test(flavor = "current_thread")]
@@ -306,7 +323,7 @@ mod tests {
         let guard = locker.try_lock(&key, &options).await.expect("no error");
         guard.expect("free").release().await.expect("released");
         tokio::task::yield_now().await;
-        let running = || locker.client().renewals().queue().running.is_some();
+        let running = || !locker.client().renewals().queue().drivers.is_empty();
         assert!(running(), "the driver lingers for the next guard");
         // Ends after its linger; the bound is for a loaded machine.
         let started = Instant::now();
@@ -322,6 +339,44 @@ mod tests {
         let guard = locker.try_lock(&key, &options).await.expect("no error");
         assert_eq!(drivers(&locker), 2);
         guard.expect("free").release().await.expect("released");
+    }
+
+    /// A guard taken on one runtime while the client's driver lingers on
+    /// another that nobody drives (a current-thread runtime between two
+    /// `block_on`s) is renewed all the same.
+    #[test]
+    fn a_driver_on_an_idle_runtime_holds_up_no_other_runtimes_guards() {
+        let current = || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime")
+        };
+        let (idle, busy) = (current(), current());
+        let locker = Locker::new(MemoryLock::new());
+        let short = LockOptions::new(Duration::from_secs(2));
+        idle.block_on(async {
+            let key = LockKey::new("on-the-idle-runtime").expect("a valid key");
+            let guard = locker.try_lock(&key, &short).await.expect("no error");
+            guard.expect("free").release().await.expect("released");
+            // Its driver runs, finds the queue empty, and lingers.
+            tokio::task::yield_now().await;
+        });
+        assert_eq!(drivers(&locker), 1);
+        // `idle` is not driven from here on, and not dropped.
+        busy.block_on(async {
+            let key = LockKey::new("on-the-busy-runtime").expect("a valid key");
+            let guard = locker.try_lock(&key, &short).await.expect("no error");
+            let guard = guard.expect("free");
+            // Two and a half TTLs: still held only if renewed.
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            assert!(!guard.is_lost(), "the guard was lost");
+            guard.release().await.expect(
+                "a guard queued while the driver lingered on an idle runtime was not renewed",
+            );
+        });
+        assert_eq!(drivers(&locker), 2, "one driver on each runtime");
+        drop(idle);
     }
 
     #[test]
