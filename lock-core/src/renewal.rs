@@ -108,6 +108,8 @@ impl Renewals {
         let start = {
             let mut queue = self.queue();
             queue.guards.insert((at, id), guard.clone());
+            // The linger counts from the queue's last guard.
+            queue.empty_since = None;
             let Ok(runtime) = Handle::try_current() else {
                 return;
             };
