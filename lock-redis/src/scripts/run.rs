@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use redis::aio::ConnectionLike;
-use redis::{ErrorKind, RedisResult, ServerErrorKind, Value};
+use redis::{Cmd, ErrorKind, RedisResult, ServerErrorKind, Value};
 
 use super::LuaScript;
 
@@ -41,11 +41,7 @@ impl LuaScript {
         let pipeline = |eval: bool| {
             let mut pipe = redis::pipe();
             pipe.ignore_errors();
-            pipe.cmd(if eval { "EVAL" } else { "EVALSHA" })
-                .arg(if eval { &self.body } else { &self.sha })
-                .arg(keys.len())
-                .arg(keys)
-                .arg(args);
+            pipe.add_command(self.command(eval, keys, args));
             pipe.cmd("WAIT")
                 .arg(replicas)
                 .arg(wait_millis(timeout.min(WAIT_SLICE)));
@@ -92,25 +88,32 @@ impl LuaScript {
         keys: &[&str],
         args: &[String],
     ) -> RedisResult<Value> {
-        let result = redis::cmd("EVALSHA")
-            .arg(&self.sha)
-            .arg(keys.len())
-            .arg(keys)
-            .arg(args)
-            .query_async(conn)
-            .await;
+        let result = self.command(false, keys, args).query_async(conn).await;
         match result {
             Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                redis::cmd("EVAL")
-                    .arg(&self.body)
-                    .arg(keys.len())
-                    .arg(keys)
-                    .arg(args)
-                    .query_async(conn)
-                    .await
+                self.command(true, keys, args).query_async(conn).await
             }
             other => other,
         }
+    }
+
+    /// `EVALSHA` (or `EVAL` with the text) of `keys` and `args`, its
+    /// buffers sized once (built argument by argument they grew about
+    /// eight times a lock operation).
+    fn command(&self, eval: bool, keys: &[&str], args: &[String]) -> Cmd {
+        let (name, script) = match eval {
+            true => ("EVAL", &self.body),
+            false => ("EVALSHA", &self.sha),
+        };
+        let count = keys.len().to_string();
+        let bytes = name.len()
+            + script.len()
+            + count.len()
+            + keys.iter().map(|k| k.len()).sum::<usize>()
+            + args.iter().map(String::len).sum::<usize>();
+        let mut command = Cmd::with_capacity(3 + keys.len() + args.len(), bytes);
+        command.arg(name).arg(script).arg(count).arg(keys).arg(args);
+        command
     }
 }
 
