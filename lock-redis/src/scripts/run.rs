@@ -105,14 +105,19 @@ impl LuaScript {
             true => ("EVAL", &self.body),
             false => ("EVALSHA", &self.sha),
         };
-        let count = keys.len().to_string();
+        // The key count's digits: at most 20.
         let bytes = name.len()
             + script.len()
-            + count.len()
+            + 20
             + keys.iter().map(|k| k.len()).sum::<usize>()
             + args.iter().map(String::len).sum::<usize>();
         let mut command = Cmd::with_capacity(3 + keys.len() + args.len(), bytes);
-        command.arg(name).arg(script).arg(count).arg(keys).arg(args);
+        command
+            .arg(name)
+            .arg(script)
+            .arg(keys.len())
+            .arg(keys)
+            .arg(args);
         command
     }
 }
