@@ -7,9 +7,13 @@
 //! and has each one step ([`Shared::step`]): renew, or be lost by the
 //! clock. A guard queued on a runtime where the client has no driver
 //! starts one there, so a client used from several runtimes has one
-//! driver on each, all serving the one queue: a runtime that is not being
-//! driven (a current-thread runtime between two `block_on`s) holds up no
-//! other runtime's guards. A driver ends once the queue has stayed empty
+//! driver on each, all serving the one queue. A guard belongs to the
+//! runtime it was last queued from, and its renewals are sent from there:
+//! a driver takes another runtime's guard only once it is [`STEAL_AFTER`]
+//! overdue (that runtime is not being driven: a current-thread runtime
+//! between two `block_on`s), so an idle runtime holds up no other
+//! runtime's guards, and a runtime driven only for a moment does not take
+//! a renewal that would then sit there unsent. A driver ends once the queue has stayed empty
 //! for [`LINGER`], so a client that takes short locks one after another
 //! (each released before the next) starts no task per lock, and no task
 //! outlives the guards it serves by more than that.
@@ -44,6 +48,11 @@ const GATHER: Duration = Duration::from_millis(1);
 /// ends. It holds no client meanwhile (only the queue).
 const LINGER: Duration = Duration::from_secs(1);
 
+/// How long a guard may be overdue, its own runtime's driver not taking
+/// it, before another runtime's driver does. Longer than a driven
+/// runtime's timer is late under load, short against a renewal period.
+const STEAL_AFTER: Duration = Duration::from_millis(50);
+
 /// Grid steps per renewal period: a guard renews at most this fraction of
 /// its period early.
 const GRID_STEPS: u32 = 8;
@@ -59,7 +68,7 @@ pub(crate) struct Renewals {
 
 #[derive(Default)]
 struct Queue {
-    guards: BTreeMap<Slot, Arc<Shared>>,
+    guards: BTreeMap<Slot, Queued>,
     /// The drivers that run (or are about to), at most one per runtime.
     drivers: Vec<Driver>,
     /// Drivers started so far (each one's number).
@@ -67,6 +76,13 @@ struct Queue {
     /// Since when the queue has been empty, while drivers linger.
     empty_since: Option<Instant>,
     next_id: u64,
+}
+
+/// A queued guard and the runtime it was queued from (none: outside a
+/// runtime, any driver takes it when due).
+struct Queued {
+    guard: Arc<Shared>,
+    home: Option<RuntimeId>,
 }
 
 /// One driver task, on one runtime.
@@ -105,15 +121,24 @@ impl Renewals {
     /// guard's schedule locked (locks are taken guard first, queue
     /// second, never the other way).
     pub(crate) fn insert(self: &Arc<Self>, guard: &Arc<Shared>, id: u64, at: Instant) {
+        let runtime = Handle::try_current().ok();
+        let home = runtime.as_ref().map(Handle::id);
         let start = {
             let mut queue = self.queue();
-            queue.guards.insert((at, id), guard.clone());
+            let guard = guard.clone();
+            queue.guards.insert((at, id), Queued { guard, home });
             // The linger counts from the queue's last guard.
             queue.empty_since = None;
-            let Ok(runtime) = Handle::try_current() else {
+            // The others step in if this runtime stops being driven.
+            let stolen_at = later(at, STEAL_AFTER);
+            for driver in queue.drivers.iter().filter(|d| Some(d.runtime) != home) {
+                if driver.planned.is_some_and(|planned| stolen_at < planned) {
+                    driver.wake.notify_one();
+                }
+            }
+            let (Some(runtime), Some(here)) = (runtime, home) else {
                 return;
             };
-            let here = runtime.id();
             match queue.drivers.iter().find(|d| d.runtime == here) {
                 // The driver on this runtime, which runs: this guard is
                 // queued from it.
@@ -142,28 +167,61 @@ impl Renewals {
         }
     }
 
+    /// The earliest wake-up queued.
+    #[cfg(test)]
+    pub(crate) fn first_wake(&self) -> Option<Instant> {
+        self.queue()
+            .guards
+            .first_key_value()
+            .map(|(slot, _)| slot.0)
+    }
+
     /// Takes guard `id`'s slot at `at` out of the queue.
     pub(crate) fn remove(&self, id: u64, at: Instant) {
         // Dropped once the queue is unlocked, as every guard state the
         // queue lets go of.
-        let removed = self.queue().guards.remove(&(at, id));
+        let removed = self
+            .queue()
+            .guards
+            .remove(&(at, id))
+            .map(|queued| queued.guard);
         drop(removed);
     }
 
     /// For driver `number`: the guards due by `now` (taken out of the
-    /// queue), and the next wake-up (while the queue is empty, the end of
-    /// the [`LINGER`]); `None` (and the driver struck off) once the queue
-    /// has been empty that long.
+    /// queue; another runtime's only once [`STEAL_AFTER`] overdue), and
+    /// the next wake-up (while the queue is empty, the end of the
+    /// [`LINGER`]); `None` (and the driver struck off) once the queue has
+    /// been empty that long.
     fn take_due(&self, number: u64, now: Instant) -> Option<(Vec<Arc<Shared>>, Option<Instant>)> {
         let mut queue = self.queue();
-        let mut due = Vec::new();
-        while let Some(entry) = queue.guards.first_entry() {
-            if entry.key().0 > now {
+        let here = queue
+            .drivers
+            .iter()
+            .find(|d| d.number == number)
+            .map(|d| d.runtime);
+        let mut taken = Vec::new();
+        let mut next: Option<Instant> = None;
+        for (slot, queued) in &queue.guards {
+            // Sorted by wake-up, and nothing is taken before its own.
+            if next.is_some_and(|next| slot.0 >= next) {
                 break;
             }
-            due.push(entry.remove());
+            let at = match queued.home {
+                Some(home) if Some(home) != here => later(slot.0, STEAL_AFTER),
+                _ => slot.0,
+            };
+            if at <= now {
+                taken.push(*slot);
+            } else {
+                next = Some(next.map_or(at, |next| next.min(at)));
+            }
         }
-        let mut next = queue.guards.first_key_value().map(|(slot, _)| slot.0);
+        let due: Vec<Arc<Shared>> = taken
+            .iter()
+            .filter_map(|slot| queue.guards.remove(slot))
+            .map(|queued| queued.guard)
+            .collect();
         if due.is_empty() && next.is_none() {
             let since = *queue.empty_since.get_or_insert(now);
             let until = later(since, LINGER);
@@ -172,8 +230,6 @@ impl Renewals {
                 return None;
             }
             next = Some(until);
-        } else {
-            queue.empty_since = None;
         }
         let planned = if due.is_empty() { next } else { None };
         if let Some(driver) = queue.drivers.iter_mut().find(|d| d.number == number) {
@@ -379,6 +435,54 @@ mod tests {
         });
         assert_eq!(drivers(&locker), 2, "one driver on each runtime");
         drop(idle);
+    }
+
+    /// A guard whose runtime stops being driven right after it was taken
+    /// is renewed by the client's driver on another runtime, even one
+    /// asleep until a far later renewal of its own.
+    #[test]
+    fn a_guard_whose_runtime_stops_is_renewed_from_another() {
+        let locker = Locker::new(MemoryLock::new());
+        let driven = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        let stopped = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        // A driver on `driven`, asleep until this guard's renewal, about
+        // half a minute from now.
+        let long = driven.block_on(async {
+            let key = LockKey::new("long").expect("a valid key");
+            let options = LockOptions::new(Duration::from_secs(60));
+            let guard = locker.try_lock(&key, &options).await;
+            let guard = guard.expect("no error").expect("free");
+            // Until its driver has planned that.
+            while locker.client().renewals().queue().drivers[0]
+                .planned
+                .is_none()
+            {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            guard
+        });
+        let guard = stopped.block_on(async {
+            let key = LockKey::new("on-a-runtime-that-stops").expect("a valid key");
+            let options = LockOptions::new(Duration::from_secs(2));
+            let guard = locker.try_lock(&key, &options).await;
+            guard.expect("no error").expect("free")
+        });
+        // `stopped` is not driven from here on, and not dropped.
+        driven.block_on(async {
+            // Two and a half TTLs: still held only if renewed.
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            assert!(!guard.is_lost(), "the guard was lost");
+            guard.release().await.expect("held, so released");
+            long.release().await.expect("held, so released");
+        });
+        drop(stopped);
     }
 
     #[test]

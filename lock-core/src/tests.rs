@@ -24,7 +24,9 @@ use crate::{
 /// send's reply was lost, and the resend found the lock gone). With
 /// `attempt_before_watch` it declares that capability, and a registration
 /// first releases `released_on_watch` (a release landing between a refused
-/// attempt and the waiter's registration).
+/// attempt and the waiter's registration). With `slow_extends` every
+/// extend signals `extend_called`, then takes that long before it is
+/// applied.
 #[derive(Debug, Default)]
 struct Faulty {
     server: MemoryLock,
@@ -39,6 +41,8 @@ struct Faulty {
     attempt_before_watch: bool,
     watches: AtomicUsize,
     released_on_watch: std::sync::Mutex<Option<(LockClient, crate::Lease)>>,
+    slow_extends: Option<Duration>,
+    extend_called: tokio::sync::Notify,
 }
 
 #[async_trait]
@@ -75,6 +79,10 @@ impl LockBackend for Faulty {
     }
 
     async fn extend(&self, lock: HeldLock<'_>, ttl: Duration) -> Result<ExtendReply, LockError> {
+        if let Some(slow) = self.slow_extends {
+            self.extend_called.notify_one();
+            tokio::time::sleep(slow).await;
+        }
         if self.corrupt_extends {
             return Err(LockError::corrupted(
                 "the key holds a value distlock did not write",
@@ -408,4 +416,73 @@ async fn a_release_before_the_watch_of_a_refused_first_attempt_is_not_missed() {
         2,
         "refused, then granted after registering"
     );
+}
+
+/// A guard's renewal is sent from its own runtime while that runtime
+/// runs: a driver on a runtime driven only now and then, awake when the
+/// guard fell due while the guard's runtime was busy for a moment, used to
+/// take the renewal and then stop being driven with it in flight (the
+/// guard was then lost by the clock). Here the guard's runtime is held up
+/// for 20 ms at its renewal moment while the other runtime runs, and that
+/// one is then left undriven (not dropped) as soon as an extend starts.
+#[test]
+fn a_renewal_is_not_taken_by_a_runtime_driven_only_for_a_moment() {
+    let current = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime")
+    };
+    let backend = Arc::new(Faulty {
+        slow_extends: Some(Duration::from_millis(300)),
+        ..Faulty::default()
+    });
+    let locker = Locker::new(LockClient::new(backend.clone()));
+    // Its first renewal comes after the other driver's linger ended.
+    let options = LockOptions::new(Duration::from_secs(6));
+    let (now_and_then, own) = (current(), current());
+    // A driver on `now_and_then`, lingering.
+    now_and_then.block_on(async {
+        let key = LockKey::new("now-and-then").unwrap();
+        let guard = locker.try_lock(&key, &options).await.unwrap();
+        guard.expect("free").release().await.unwrap();
+        tokio::task::yield_now().await;
+    });
+    let guard = own.block_on(async {
+        let guard = locker.try_lock(&key(), &options).await.unwrap();
+        guard.expect("free")
+    });
+    let renew_at = locker
+        .client()
+        .renewals()
+        .first_wake()
+        .expect("the guard is queued");
+    let held_up_until = renew_at + Duration::from_millis(20);
+    std::thread::scope(|scope| {
+        // Driven until the renewal moment is 20 ms past, or an extend
+        // started; then not driven at all until the guard is done.
+        let (done, done_rx) = std::sync::mpsc::channel::<()>();
+        let (now_and_then, backend) = (&now_and_then, &backend);
+        let other = scope.spawn(move || {
+            now_and_then.block_on(async {
+                tokio::select! {
+                    () = backend.extend_called.notified() => {}
+                    () = tokio::time::sleep_until(held_up_until.into()) => {}
+                }
+            });
+            let _ = done_rx.recv();
+        });
+        // `own` is not driven until then (its thread busy elsewhere).
+        std::thread::sleep(held_up_until.saturating_duration_since(Instant::now()));
+        own.block_on(async {
+            tokio::time::sleep_until((guard.stop_moment() + Duration::from_secs(1)).into()).await;
+            assert!(
+                !guard.is_lost(),
+                "the guard was lost: its renewal was taken by a runtime that then stopped"
+            );
+            guard.release().await.expect("held, so released");
+        });
+        let _ = done.send(());
+        other.join().expect("no panic");
+    });
 }

@@ -336,7 +336,7 @@ async fn a_try_behind_its_own_clients_waiter_is_refused_without_a_request() {
 /// loaded CI run (a waiter moved up without its predecessor's deletion
 /// in hand, which still reads as before: one read more, nothing wrong).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_successor_whose_predecessor_took_the_lock_sends_no_watch_check() {
+async fn a_successor_whose_predecessor_took_the_lock_sends_at_most_one_watch_check() {
     let (server, holder, attempts, client) = counted_scene().await;
     let ttl = Duration::from_secs(30);
     let k = unique_key("successors");
@@ -394,7 +394,7 @@ async fn a_successor_whose_predecessor_took_the_lock_sends_no_watch_check() {
     );
 }
 
-/// The line of `a_successor_whose_predecessor_took_the_lock_sends_no_watch_check`.
+/// The line of `a_successor_whose_predecessor_took_the_lock_sends_at_most_one_watch_check`.
 const LINE: usize = 18;
 
 /// Waits until `attempts` counted an attempt in line past `before` (its
