@@ -458,6 +458,12 @@ impl Shared {
 /// the earliest moment the server may expire a lease that was not renewed.
 /// [`release`](Self::release) releases and reports; dropping the guard
 /// releases in the background on the current tokio runtime.
+///
+/// Renewals are sent from the runtime the guard was taken on. If that
+/// runtime stops being driven (a current-thread runtime between two
+/// `block_on`s), the client's driver on another runtime it is used from
+/// takes over within 50 ms; with no other, nothing renews the guard until
+/// its runtime runs again, and `lost` says so at the stop moment.
 pub struct LockGuard {
     shared: Arc<Shared>,
     released: bool,
