@@ -11,6 +11,8 @@ const PERMISSION_DENIED: i32 = 7;
 const UNAUTHENTICATED: i32 = 16;
 /// gRPC status code `INVALID_ARGUMENT`.
 const INVALID_ARGUMENT: i32 = 3;
+/// gRPC status code `RESOURCE_EXHAUSTED`.
+const RESOURCE_EXHAUSTED: i32 = 8;
 
 /// Whether `error` says the user name or password was refused.
 pub(crate) fn is_auth_failure(error: &etcd_client::Error) -> bool {
@@ -175,6 +177,14 @@ pub(crate) fn map(error: etcd_client::Error, what: &str) -> LockError {
     if let Some(diagnosed) = diagnosis(what, &error) {
         return diagnosed.with_source(error);
     }
+    if is_out_of_space(&error) {
+        // Unavailable: waits go on, and succeed once an operator freed
+        // space (releases, which only delete, still go through).
+        let message = format!(
+            "etcd's database is full (it reached its space quota, --quota-backend-bytes, and raised the NOSPACE alarm), so it refuses every write that adds data until an operator frees space: compact its history (etcdctl compact <revision>), defragment it (etcdctl defrag) and disarm the alarm (etcdctl alarm disarm); run etcd with --auto-compaction-retention so the old revisions every lock and wait leaves are reclaimed ({error})"
+        );
+        return LockError::unavailable(request_message(what, message)).with_source(error);
+    }
     if is_too_many_ops(&error) {
         // Final, not transient: the same transaction is refused again.
         let message = format!(
@@ -215,6 +225,14 @@ pub(crate) fn is_too_many_ops(error: &etcd_client::Error) -> bool {
             && status.message().contains("too many operations in txn request"))
 }
 
+/// Whether `error` is etcd refusing a write because its database is
+/// full (the `NOSPACE` alarm: "mvcc: database space exceeded").
+pub(crate) fn is_out_of_space(error: &etcd_client::Error) -> bool {
+    matches!(error, etcd_client::Error::GRpcStatus(status)
+        if status.code() as i32 == RESOURCE_EXHAUSTED
+            && status.message().contains("database space exceeded"))
+}
+
 /// A closure for `map_err` that maps errors of the request `what`.
 pub(crate) fn mapper(what: &'static str) -> impl Fn(etcd_client::Error) -> LockError {
     move |error| map(error, what)
@@ -243,6 +261,33 @@ mod tests {
             "etcdserver: key is not provided",
         ));
         assert!(!is_too_many_ops(&other));
+    }
+
+    /// A full database (etcd's `NOSPACE` alarm) says what an operator
+    /// does about it; the request was refused, not applied.
+    #[test]
+    fn a_full_database_names_what_frees_space() {
+        let full = etcd_client::Error::GRpcStatus(tonic::Status::new(
+            tonic::Code::ResourceExhausted,
+            "etcdserver: mvcc: database space exceeded",
+        ));
+        assert!(is_out_of_space(&full));
+        assert_eq!(failure(&full), Failure::Final);
+        let mapped = map(full, IN_LOCK_CALL);
+        assert_eq!(mapped.kind(), ErrorKind::Unavailable);
+        for needed in [
+            "--quota-backend-bytes",
+            "compact",
+            "alarm disarm",
+            "--auto-compaction-retention",
+        ] {
+            assert!(mapped.message().contains(needed), "{needed}: {mapped}");
+        }
+        let other = etcd_client::Error::GRpcStatus(tonic::Status::new(
+            tonic::Code::ResourceExhausted,
+            "grpc: received message larger than max",
+        ));
+        assert!(!is_out_of_space(&other));
     }
 
     /// Inside a lock call the message is the failure alone (the client

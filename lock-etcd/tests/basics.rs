@@ -239,3 +239,87 @@ async fn authentication_through_the_url() {
     let err = EtcdLock::connect(&outside).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Config, "{err}");
 }
+
+/// A server whose database is full (etcd's `NOSPACE` alarm): a new
+/// acquisition fails with a message that says how an operator frees space,
+/// a holder still releases (a release only deletes), and once the
+/// operator did what the message says (compact, defragment, disarm) locks
+/// are taken again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_database_says_how_to_free_space() {
+    use etcd_client::{AlarmAction, AlarmOptions, AlarmType, CompactionOptions};
+    let server = distlock_conformance::server::ServerProcess::start(std::sync::Arc::new(
+        distlock_conformance::server::EtcdSpaceQuota(1 << 20),
+    ))
+    .expect("etcd must start");
+    let client = connect(&server.url()).await;
+    let held = acquire(&client, &unique_key("held-before"), Duration::from_secs(30)).await;
+    // Fill it: values of 64 KiB until etcd refuses one.
+    let mut raw = raw_client(&server.url()).await;
+    let value = vec![b'x'; 64 << 10];
+    let mut filled = false;
+    for i in 0..200 {
+        match raw.put(format!("filler/{i}"), value.clone(), None).await {
+            Ok(_) => {}
+            Err(e) => {
+                assert!(e.to_string().contains("database space exceeded"), "{e}");
+                filled = true;
+                break;
+            }
+        }
+    }
+    assert!(filled, "a 1 MiB quota took 200 values of 64 KiB");
+
+    let error = client
+        .try_acquire(&unique_key("on-a-full-database"), Duration::from_secs(10))
+        .await
+        .expect_err("etcd refuses every write that adds data");
+    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+    for needed in [
+        "--quota-backend-bytes",
+        "etcdctl compact",
+        "etcdctl defrag",
+        "alarm disarm",
+        "--auto-compaction-retention",
+    ] {
+        assert!(error.to_string().contains(needed), "{needed}: {error}");
+    }
+    client.release(&held).await.expect("a release only deletes");
+
+    // What the message says.
+    raw.delete(
+        "filler/",
+        Some(etcd_client::DeleteOptions::new().with_prefix()),
+    )
+    .await
+    .expect("deleted");
+    let revision = raw
+        .get("filler/", None)
+        .await
+        .expect("read")
+        .header()
+        .expect("a header")
+        .revision();
+    raw.compact(revision, Some(CompactionOptions::new().with_physical()))
+        .await
+        .expect("compacted");
+    raw.defragment().await.expect("defragmented");
+    let alarms = raw
+        .alarm(AlarmAction::Get, AlarmType::None, None)
+        .await
+        .expect("alarms");
+    for alarm in alarms.alarms() {
+        let mut options = AlarmOptions::new();
+        options.with_member(alarm.member_id());
+        raw.alarm(AlarmAction::Deactivate, AlarmType::Nospace, Some(options))
+            .await
+            .expect("disarmed");
+    }
+    let again = acquire(
+        &client,
+        &unique_key("after-the-operator"),
+        Duration::from_secs(10),
+    )
+    .await;
+    client.release(&again).await.expect("released");
+}

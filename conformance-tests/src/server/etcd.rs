@@ -183,6 +183,42 @@ impl ServerKind for EtcdMaxTxnOps {
     }
 }
 
+/// `etcd` as [`Etcd`] with a backend space quota of this many bytes
+/// (`--quota-backend-bytes`; etcd's default is 2 GiB): for a backend's
+/// handling of a server whose database is full (etcd then raises its
+/// `NOSPACE` alarm and refuses every write that adds data).
+#[derive(Debug, Clone, Copy)]
+pub struct EtcdSpaceQuota(pub u64);
+
+impl ServerKind for EtcdSpaceQuota {
+    fn name(&self) -> &'static str {
+        "etcd-space-quota"
+    }
+
+    fn url_env_var(&self) -> &'static str {
+        // Never an external server: the quota is this server's.
+        "DISTLOCK_ETCD_SPACE_QUOTA_URL"
+    }
+
+    fn prepare(&self, dir: &Path) -> io::Result<()> {
+        Etcd.prepare(dir)
+    }
+
+    fn command(&self, dir: &Path, port: u16) -> Command {
+        let mut command = Etcd.command(dir, port);
+        command.arg("--quota-backend-bytes").arg(self.0.to_string());
+        command
+    }
+
+    fn url(&self, addr: SocketAddr) -> String {
+        Etcd.url(addr)
+    }
+
+    fn wait_ready(&self, dir: &Path, port: u16) -> io::Result<()> {
+        Etcd.wait_ready(dir, port)
+    }
+}
+
 /// Raft timing of a member, in milliseconds.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Timing {
