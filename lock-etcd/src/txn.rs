@@ -189,6 +189,9 @@ pub(crate) struct Turn {
     /// the serial apply of every write (a crowd of 256: 256 entries read
     /// in each handoff's grant).
     pub(crate) known_first: bool,
+    /// The key naming the line's newest waiter (see [`crate::keys`]): a
+    /// waiter that takes the lock deletes it while it names its entry.
+    pub(crate) tail: Vec<u8>,
 }
 
 impl Turn {
@@ -211,10 +214,14 @@ impl Turn {
 
     /// A waiter that takes the key leaves the line with it: its successor
     /// moves up at once, and nobody finds a holder's entry ahead of them.
-    fn leave(&self) -> Option<TxnOp> {
-        self.place
-            .as_ref()
-            .map(|(entry, _)| TxnOp::delete(entry.clone(), None))
+    fn leave(&self) -> Vec<TxnOp> {
+        match &self.place {
+            Some((entry, _)) => vec![
+                TxnOp::delete(entry.clone(), None),
+                untail(&self.tail, entry),
+            ],
+            None => Vec::new(),
+        }
     }
 
     /// The line's first entry (the oldest), read where the attempt is
@@ -387,11 +394,23 @@ pub(crate) fn enqueue(
 }
 
 /// Deletes a queue entry and puts up `fences` (of its puts whose outcome
-/// is unknown), in one transaction.
-pub(crate) fn dequeue(entry: &[u8], fences: &[Fence]) -> Txn {
+/// is unknown), in one transaction; the line's `tail` goes with the entry
+/// if it names it.
+pub(crate) fn dequeue(entry: &[u8], tail: Option<&[u8]>, fences: &[Fence]) -> Txn {
     let mut ops = vec![TxnOp::delete(entry, None)];
+    ops.extend(tail.map(|tail| untail(tail, entry)));
     ops.extend(fences.iter().map(Fence::raise));
     Txn::new().and_then(ops)
+}
+
+/// Deletes `tail` if it names `entry`, which is leaving the line: a tail
+/// names an entry that exists, or none (see [`crate::keys`]).
+pub(crate) fn untail(tail: &[u8], entry: &[u8]) -> TxnOp {
+    TxnOp::txn(
+        Txn::new()
+            .when([Compare::value(tail, CompareOp::Equal, entry)])
+            .and_then([TxnOp::delete(tail, None)]),
+    )
 }
 
 /// The comparisons that prove the lock is still this acquisition's.
@@ -825,6 +844,7 @@ mod tests {
             line: b"ns/lock/unlabelled/waiters/".to_vec(),
             place: None,
             known_first: false,
+            tail: b"ns/lock/unlabelled/tail".to_vec(),
         }
     }
 
@@ -951,6 +971,7 @@ mod tests {
             line: line.clone(),
             place,
             known_first: false,
+            tail: layout.queue_tail(&lock_key),
         };
         let owner = OwnerToken::random();
         let value = crate::keys::encode_value(owner);
@@ -1075,7 +1096,7 @@ mod tests {
         };
         let late = enqueue(&entry, b"dl1-waiter", session, &fence, reads());
         client
-            .txn(dequeue(&entry, std::slice::from_ref(&fence)))
+            .txn(dequeue(&entry, None, std::slice::from_ref(&fence)))
             .await
             .expect("dequeue");
         let reply = client.txn(late).await.expect("late put");
