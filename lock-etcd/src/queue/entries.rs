@@ -395,6 +395,19 @@ mod tests {
 
     use super::*;
 
+    /// A server, a raw client with a lease of 60 s, and the lock line of
+    /// `name` in namespace `ns`.
+    async fn scene(name: &str) -> (ServerProcess, Client, i64, KeyLayout, LockKey, Line) {
+        let server = ServerProcess::start(Arc::new(EtcdServer)).expect("an etcd server must start");
+        let mut client = Client::connect([server.addr().to_string()], None)
+            .await
+            .expect("connect");
+        let lease = client.lease_grant(60, None).await.expect("lease").id();
+        let key = LockKey::new(name).unwrap();
+        let line = Line::Lock(key.clone());
+        (server, client, lease, KeyLayout::new("ns"), key, line)
+    }
+
     /// A waiter whose predecessor took the lock (its entry deleted in the
     /// revision that created the lock key) finds itself first from the
     /// lock key and its own entry: here, in a state the line never reaches
@@ -404,14 +417,7 @@ mod tests {
     /// line and finds who is still ahead.
     #[tokio::test]
     async fn a_waiter_whose_predecessor_took_the_lock_is_first_without_reading_the_line() {
-        let server = ServerProcess::start(Arc::new(EtcdServer)).expect("an etcd server must start");
-        let mut client = Client::connect([server.addr().to_string()], None)
-            .await
-            .expect("connect");
-        let lease = client.lease_grant(60, None).await.expect("lease").id();
-        let layout = KeyLayout::new("ns");
-        let key = LockKey::new("moved").unwrap();
-        let line = Line::Lock(key.clone());
+        let (_server, mut client, lease, layout, key, line) = scene("moved").await;
         let put = |id: &str| {
             let entry = layout.queue_entry(&key, id);
             let mut client = client.clone();
@@ -472,14 +478,7 @@ mod tests {
     /// no tail it reads the line and finds the newest entry.
     #[tokio::test]
     async fn a_joiner_reads_the_tail_not_the_line() {
-        let server = ServerProcess::start(Arc::new(EtcdServer)).expect("an etcd server must start");
-        let mut client = Client::connect([server.addr().to_string()], None)
-            .await
-            .expect("connect");
-        let lease = client.lease_grant(60, None).await.expect("lease").id();
-        let layout = KeyLayout::new("ns");
-        let key = LockKey::new("tailed").unwrap();
-        let line = Line::Lock(key.clone());
+        let (_server, mut client, lease, layout, key, line) = scene("tailed").await;
         let tail = layout.queue_tail(&key);
         let on_lease = || Some(PutOptions::new().with_lease(lease));
         let (older, newer) = (
