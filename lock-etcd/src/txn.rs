@@ -146,6 +146,7 @@ pub(crate) fn acquire(
     when.extend(fence.map(Fence::down));
     let mut then = vec![put(), label.write(lease_id)];
     then.extend(turn.leave());
+    then.extend(turn.untail());
     // Adoption: a key that holds this acquisition's value was taken by an
     // earlier attempt whose reply was lost. Putting it again on this
     // attempt's lease resets its TTL from now (a put keeps the key's
@@ -164,6 +165,7 @@ pub(crate) fn acquire(
         .and_then(adopted)
         .or_else([TxnOp::get(key, None)]);
     let mut otherwise = vec![TxnOp::txn(adopt), turn.read_head()];
+    otherwise.extend(turn.untail());
     then.extend(raise.iter().map(Fence::raise));
     otherwise.extend(raise.iter().map(Fence::raise));
     Txn::new().when(when).and_then(then).or_else(otherwise)
@@ -214,14 +216,23 @@ impl Turn {
 
     /// A waiter that takes the key leaves the line with it: its successor
     /// moves up at once, and nobody finds a holder's entry ahead of them.
-    fn leave(&self) -> Vec<TxnOp> {
-        match &self.place {
-            Some((entry, _)) => vec![
-                TxnOp::delete(entry.clone(), None),
-                untail(&self.tail, entry),
-            ],
-            None => Vec::new(),
-        }
+    fn leave(&self) -> Option<TxnOp> {
+        self.place
+            .as_ref()
+            .map(|(entry, _)| TxnOp::delete(entry.clone(), None))
+    }
+
+    /// The line's tail goes if it names the waiter's entry: with the grant
+    /// that takes it out of line, and with a refused attempt (the entry
+    /// stays, and the next waiter to join reads the line once: see
+    /// [`crate::queue`]). Not in the adoption step, nested one level
+    /// deeper, so that a grant fits a server's `--max-txn-ops`
+    /// ([`crate::errors::MIN_TXN_OPS`]); an adopting waiter's tail goes at
+    /// its next refusal, its leave, or with its lease.
+    fn untail(&self) -> Option<TxnOp> {
+        self.place
+            .as_ref()
+            .map(|(entry, _)| untail(&self.tail, entry))
     }
 
     /// The line's first entry (the oldest), read where the attempt is

@@ -18,6 +18,7 @@ use distlock_core::{
     AcquireAttempt, AcquireReply, AcquireRequest, ErrorKind, ExtendReply, FencingToken, HeldLock,
     LockBackend, LockKey, OwnerToken, PermitReply, PermitRequest, ReleaseReply, SemaphoreBackend,
 };
+use distlock_core::{LockOptions, Locker};
 use distlock_etcd::EtcdLock;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -431,4 +432,43 @@ async fn too_few_txn_ops_is_a_configuration_error() {
         .expect_err("a transaction above the server's limit");
     assert_eq!(error.kind(), ErrorKind::Config, "{error}");
     assert!(error.to_string().contains("--max-txn-ops"), "{error}");
+}
+
+/// A waiter's grant (its entry and the line's tail leave with it, and an
+/// adoption step nests beside it) fits a server that takes 8 operations a
+/// transaction, on its own lease and on the session lease. (A grant that
+/// also took the tail in its adoption step needed 10.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiters_grant_fits_a_server_with_eight_txn_ops() {
+    let server = ServerProcess::start(Arc::new(server::EtcdMaxTxnOps(8))).expect("etcd must start");
+    let holder = connect(&server.url()).await;
+    for renewing in [false, true] {
+        let key = unique_key("eight-ops");
+        let held = acquire(&holder, &key, Duration::from_secs(30)).await;
+        let waiter = connect(&server.url()).await;
+        let waiting = {
+            let (waiter, key) = (waiter.clone(), key.clone());
+            tokio::spawn(async move {
+                let ttl = Duration::from_secs(10);
+                if renewing {
+                    let options = LockOptions::new(ttl).with_wait(Duration::from_secs(20));
+                    let guard = Locker::new(waiter).acquire(&key, &options).await?;
+                    guard.expect("acquired before the deadline").release().await
+                } else {
+                    let deadline = Instant::now() + Duration::from_secs(20);
+                    let lease = waiter.acquire(&key, ttl, deadline).await?;
+                    waiter
+                        .release(&lease.expect("acquired before the deadline"))
+                        .await
+                }
+            })
+        };
+        // Queued behind the holder, then handed the lock.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        holder.release(&held).await.expect("release");
+        waiting
+            .await
+            .expect("task")
+            .unwrap_or_else(|e| panic!("renewing {renewing}: {e}"));
+    }
 }
