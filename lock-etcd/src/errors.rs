@@ -214,10 +214,8 @@ pub(crate) fn map(error: etcd_client::Error, what: &str) -> LockError {
 }
 
 /// The fewest operations per transaction (etcd's `--max-txn-ops`) that
-/// every distlock request fits in: a waiter's grant needs 8, and one more
-/// for each earlier request of its acquisition whose outcome is unknown
-/// (their fences go up with it), so 10 holds two.
-pub(crate) const MIN_TXN_OPS: usize = 10;
+/// every distlock request fits in.
+pub(crate) const MIN_TXN_OPS: usize = 8;
 
 /// Whether `error` is etcd refusing a transaction of more operations than
 /// its `--max-txn-ops`.

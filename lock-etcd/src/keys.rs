@@ -16,13 +16,6 @@
 //! range. Every key the backend touches starts with `NS/lock/`, so one
 //! readwrite permission on that prefix covers locks and queues.
 //!
-//! The newest waiter of `k` is named at `NS/lock/<escape(k)>/tail` (its
-//! queue entry's key as the value, on that entry's lease, put in the
-//! entry's own transaction and deleted with the entry while it names it),
-//! so a waiter joining the line finds its predecessor with one point read
-//! instead of a read of the whole queue. `/tail` is outside the queue and
-//! fence ranges, and no lock key.
-//!
 //! A request whose outcome is unknown is fenced off under
 //! `NS/lock/<escape(k)>/fences/` (see [`crate::fence`]): no lock key and no
 //! queue range lies there.
@@ -86,8 +79,6 @@ const WAITERS: &[u8] = b"/waiters/";
 
 /// Under a lock key: its holder's label.
 const HOLDER: &[u8] = b"/holder";
-/// Under a lock key: the name of its line's newest waiter.
-const TAIL: &[u8] = b"/tail";
 
 /// Under a semaphore's base: its permits' holder labels.
 const HOLDERS: &[u8] = b"/holders/";
@@ -140,14 +131,6 @@ impl KeyLayout {
     pub(crate) fn holder_key(&self, key: &LockKey) -> Vec<u8> {
         let mut out = self.lock_key(key);
         out.extend_from_slice(HOLDER);
-        out
-    }
-
-    /// The key naming the newest waiter in `key`'s lock line
-    /// (`<lock key>/tail`).
-    pub(crate) fn queue_tail(&self, key: &LockKey) -> Vec<u8> {
-        let mut out = self.lock_key(key);
-        out.extend_from_slice(TAIL);
         out
     }
 
@@ -408,22 +391,12 @@ mod tests {
     }
 
     #[test]
-    fn holder_and_tail_keys_lie_outside_every_range() {
+    fn holder_keys_lie_outside_every_range() {
         let layout = KeyLayout::new("distlock");
-        let keys = [
-            "a",
-            "a/holder",
-            "a%2Fholder",
-            "holder",
-            "%sem",
-            "/",
-            "%",
-            "a/tail",
-            "tail",
-        ];
+        let keys = ["a", "a/holder", "a%2Fholder", "holder", "%sem", "/", "%"];
         let keys: Vec<LockKey> = keys.iter().map(|k| LockKey::new(*k).unwrap()).collect();
-        let named = |k: &LockKey| [layout.holder_key(k), layout.queue_tail(k)];
-        for (k, label) in keys.iter().flat_map(|k| named(k).map(|label| (k, label))) {
+        for k in &keys {
+            let label = layout.holder_key(k);
             assert!(label.starts_with(&layout.lock_key(k)));
             assert!(label.starts_with(layout.prefix().as_bytes()));
             for other in &keys {
@@ -434,7 +407,7 @@ mod tests {
                 fences.extend_from_slice(b"/fences/");
                 assert!(!label.starts_with(&fences));
                 if other != k {
-                    assert!(!named(other).contains(&label));
+                    assert_ne!(label, layout.holder_key(other));
                 }
             }
         }

@@ -103,8 +103,8 @@
 //! one transaction reads up to 1,024 of their keys as at most 128 range
 //! reads over runs of the sorted keys (etcd's default `--max-txn-ops`; a
 //! server that refuses that many gets fewer ranges from then on; distlock
-//! needs at least 10: a waiter's grant takes 8, one more for each earlier
-//! request of its acquisition whose outcome is unknown), each checked on its own (created at its
+//! needs at least 8, and the conformance suite passes against a server
+//! with 8), each checked on its own (created at its
 //! fencing token, holding its owner's value, still on the session lease); locks
 //! without renewal get a lease of their own, two round trips, so their TTL
 //! is exact. See [`EtcdLock`] for the costs of each operation.

@@ -13,16 +13,7 @@
 //! lease, so a crashed client's entries vanish with its lease. Its
 //! `create_revision` is its place in line. In the same transaction it reads
 //! the entry with the greatest create revision below its own — its
-//! predecessor — and whether the lock key exists. A lock's line names its
-//! newest entry at its tail key (see [`crate::keys`]), so that read is one
-//! key, not the whole line (etcd reads every entry of a range it sorts by
-//! create revision): the join reads the tail and names its own entry
-//! there; the tail goes with the entry it names (its lease, its delete,
-//! the grant that takes it out of line), and with no tail the join reads
-//! the line. A predecessor the tail named is read once more when the
-//! waiter's watch is live (the tail says it was the newest, not that it is
-//! still there), so no tail, however stale, makes a waiter watch a key
-//! that is gone. A waiter with a
+//! predecessor — and whether the lock key exists. A waiter with a
 //! predecessor watches only that entry's deletion; the first in line
 //! watches the lock key's deletion (a release, a force release, or the
 //! holder's lease expiring). Every watch starts at the store's current
@@ -237,7 +228,6 @@ impl Queues {
             line: self.etcd.layout.queue_prefix(key),
             place,
             known_first,
-            tail: self.etcd.layout.queue_tail(key),
         };
         (turn, seat)
     }
@@ -374,10 +364,6 @@ pub(crate) struct Position {
     /// predecessor, else the lock key or the permits): each key and its
     /// create revision.
     seen: Vec<(Vec<u8>, i64)>,
-    /// `seen` is what the line's tail named, not a read of the entry:
-    /// whether it is still there is read once the watch is live, however
-    /// early the watch.
-    verify: bool,
 }
 
 impl Position {
@@ -411,14 +397,14 @@ impl Position {
     fn read(
         line: &Line,
         revision: i64,
-        before: Option<(&[u8], i64)>,
+        before: Option<&KeyValue>,
         ahead: Option<i64>,
         held: Option<&Vec<KeyValue>>,
         queued: bool,
     ) -> Self {
-        let predecessor = line.to_watch(before.map(|(key, _)| key.to_vec()), ahead, held);
+        let predecessor = line.to_watch(before.map(|kv| kv.key().to_vec()), ahead, held);
         let seen = match (&predecessor, before) {
-            (Some(_), Some((key, created))) => vec![(key.to_vec(), created)],
+            (Some(_), Some(kv)) => vec![(kv.key().to_vec(), kv.create_revision())],
             _ => held
                 .into_iter()
                 .flatten()
@@ -438,7 +424,6 @@ impl Position {
             queued,
             seen,
             holder,
-            verify: false,
         }
     }
 }
@@ -474,12 +459,7 @@ async fn join(
         Err(e) => {
             // The put may have happened, or may still happen: take it out
             // again with its fence up, so a late put writes nothing.
-            delete_later(
-                Arc::downgrade(&queues),
-                entry,
-                line.tail(&etcd.layout),
-                vec![fence],
-            );
+            delete_later(Arc::downgrade(&queues), entry, vec![fence]);
             let _ = joined.send(Err(e));
             return;
         }
@@ -491,12 +471,7 @@ async fn join(
         match watch_target(&queues, &line, first_watch, &target, &position).await {
             Ok(watched) => watched,
             Err(e) => {
-                delete_later(
-                    Arc::downgrade(&queues),
-                    entry,
-                    line.tail(&etcd.layout),
-                    Vec::new(),
-                );
+                delete_later(Arc::downgrade(&queues), entry, Vec::new());
                 let _ = joined.send(Err(e));
                 return;
             }
@@ -560,7 +535,7 @@ async fn watch_target(
     // The watch reports what happens after the revision etcd confirmed it
     // at; if the store moved on since the look-up, see whether what it saw
     // is still there.
-    if (position.verify || !watched.covers(position))
+    if !watched.covers(position)
         && !still_there(queues, target, watched.prefix, &position.seen).await
     {
         queues.listener.notifier().notify(&watched.channel);

@@ -146,7 +146,6 @@ pub(crate) fn acquire(
     when.extend(fence.map(Fence::down));
     let mut then = vec![put(), label.write(lease_id)];
     then.extend(turn.leave());
-    then.extend(turn.untail());
     // Adoption: a key that holds this acquisition's value was taken by an
     // earlier attempt whose reply was lost. Putting it again on this
     // attempt's lease resets its TTL from now (a put keeps the key's
@@ -165,7 +164,6 @@ pub(crate) fn acquire(
         .and_then(adopted)
         .or_else([TxnOp::get(key, None)]);
     let mut otherwise = vec![TxnOp::txn(adopt), turn.read_head()];
-    otherwise.extend(turn.untail());
     then.extend(raise.iter().map(Fence::raise));
     otherwise.extend(raise.iter().map(Fence::raise));
     Txn::new().when(when).and_then(then).or_else(otherwise)
@@ -191,9 +189,6 @@ pub(crate) struct Turn {
     /// the serial apply of every write (a crowd of 256: 256 entries read
     /// in each handoff's grant).
     pub(crate) known_first: bool,
-    /// The key naming the line's newest waiter (see [`crate::keys`]): a
-    /// waiter that takes the lock deletes it while it names its entry.
-    pub(crate) tail: Vec<u8>,
 }
 
 impl Turn {
@@ -220,19 +215,6 @@ impl Turn {
         self.place
             .as_ref()
             .map(|(entry, _)| TxnOp::delete(entry.clone(), None))
-    }
-
-    /// The line's tail goes if it names the waiter's entry: with the grant
-    /// that takes it out of line, and with a refused attempt (the entry
-    /// stays, and the next waiter to join reads the line once: see
-    /// [`crate::queue`]). Not in the adoption step, nested one level
-    /// deeper, so that a grant fits a server's `--max-txn-ops`
-    /// ([`crate::errors::MIN_TXN_OPS`]); an adopting waiter's tail goes at
-    /// its next refusal, its leave, or with its lease.
-    fn untail(&self) -> Option<TxnOp> {
-        self.place
-            .as_ref()
-            .map(|(entry, _)| untail(&self.tail, entry))
     }
 
     /// The line's first entry (the oldest), read where the attempt is
@@ -405,23 +387,11 @@ pub(crate) fn enqueue(
 }
 
 /// Deletes a queue entry and puts up `fences` (of its puts whose outcome
-/// is unknown), in one transaction; the line's `tail` goes with the entry
-/// if it names it.
-pub(crate) fn dequeue(entry: &[u8], tail: Option<&[u8]>, fences: &[Fence]) -> Txn {
+/// is unknown), in one transaction.
+pub(crate) fn dequeue(entry: &[u8], fences: &[Fence]) -> Txn {
     let mut ops = vec![TxnOp::delete(entry, None)];
-    ops.extend(tail.map(|tail| untail(tail, entry)));
     ops.extend(fences.iter().map(Fence::raise));
     Txn::new().and_then(ops)
-}
-
-/// Deletes `tail` if it names `entry`, which is leaving the line: a tail
-/// names an entry that exists, or none (see [`crate::keys`]).
-pub(crate) fn untail(tail: &[u8], entry: &[u8]) -> TxnOp {
-    TxnOp::txn(
-        Txn::new()
-            .when([Compare::value(tail, CompareOp::Equal, entry)])
-            .and_then([TxnOp::delete(tail, None)]),
-    )
 }
 
 /// The comparisons that prove the lock is still this acquisition's.
@@ -855,7 +825,6 @@ mod tests {
             line: b"ns/lock/unlabelled/waiters/".to_vec(),
             place: None,
             known_first: false,
-            tail: b"ns/lock/unlabelled/tail".to_vec(),
         }
     }
 
@@ -982,7 +951,6 @@ mod tests {
             line: line.clone(),
             place,
             known_first: false,
-            tail: layout.queue_tail(&lock_key),
         };
         let owner = OwnerToken::random();
         let value = crate::keys::encode_value(owner);
@@ -1107,7 +1075,7 @@ mod tests {
         };
         let late = enqueue(&entry, b"dl1-waiter", session, &fence, reads());
         client
-            .txn(dequeue(&entry, None, std::slice::from_ref(&fence)))
+            .txn(dequeue(&entry, std::slice::from_ref(&fence)))
             .await
             .expect("dequeue");
         let reply = client.txn(late).await.expect("late put");

@@ -434,10 +434,9 @@ async fn too_few_txn_ops_is_a_configuration_error() {
     assert!(error.to_string().contains("--max-txn-ops"), "{error}");
 }
 
-/// A waiter's grant (its entry and the line's tail leave with it, and an
-/// adoption step nests beside it) fits a server that takes 8 operations a
-/// transaction, on its own lease and on the session lease. (A grant that
-/// also took the tail in its adoption step needed 10.)
+/// A waiter's grant (its entry leaves with it, and an adoption step nests
+/// beside it) fits a server that takes 8 operations a transaction (the
+/// least distlock asks for), on its own lease and on the session lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiters_grant_fits_a_server_with_eight_txn_ops() {
     let server = ServerProcess::start(Arc::new(server::EtcdMaxTxnOps(8))).expect("etcd must start");

@@ -17,7 +17,6 @@ use distlock_conformance::naming::unique_name;
 use distlock_conformance::server::ServerProcess;
 use distlock_conformance::{Call, ObservedLock};
 use distlock_core::{AcquireAttempt, Lease, LockClient, LockError, LockKey, LockOptions, Locker};
-use distlock_etcd::etcd_client::{self, Client};
 use tokio::task::JoinHandle;
 
 /// A waiter blocked for 2 s makes at most 2 attempts: it is woken by the
@@ -609,12 +608,16 @@ async fn waiters_on_look_alike_keys_are_independent() {
     };
     let (_, on_a, task_a) = wait_on(a.clone()).await;
     let (ab_attempts, on_ab, task_ab) = wait_on(ab.clone()).await;
-    // One entry in each line, and each line's tail.
-    for escaped in ["a", "a%2Fb"] {
-        let keys = keys_under(&mut raw, &format!("{ns}/lock/{escaped}/")).await;
-        assert_eq!(keys.len(), 2, "{keys:?}");
-        assert!(keys.iter().any(|k| k.ends_with("/tail")), "{keys:?}");
-    }
+    assert_eq!(
+        keys_under(&mut raw, &format!("{ns}/lock/a/")).await.len(),
+        1
+    );
+    assert_eq!(
+        keys_under(&mut raw, &format!("{ns}/lock/a%2Fb/"))
+            .await
+            .len(),
+        1
+    );
 
     // Releasing `a` wakes its waiter only.
     holder.release(&held_a).await.expect("release a");
@@ -806,120 +809,4 @@ async fn a_waiter_that_moves_into_a_semaphores_first_limit_watches_its_permits()
     waiter.release(&permit).await.expect("release");
     holders.release(&held[1]).await.expect("release");
     raw.lease_revoke(lease).await.expect("revoke");
-}
-
-/// The line's tail (`NS/lock/<key>/tail`) names its newest waiter while it
-/// waits, and goes with it: with the waiter that leaves (here, out of
-/// time), and with the one whose acquire takes the lock (in the grant's own
-/// transaction). Nothing is left under the key once the line is done.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_line_tail_names_the_newest_waiter_and_goes_with_it() {
-    let server = any_server();
-    let ns = unique_name("tail");
-    let url = format!("{}?namespace={ns}", server.url());
-    let mut raw = raw_client(&server.url()).await;
-    let holder = connect(&url).await;
-    let key = LockKey::new("tailed").unwrap();
-    let tail = format!("{ns}/lock/tailed/tail");
-    let read_tail = |raw: &Client| {
-        let (mut raw, tail) = (raw.clone(), tail.clone());
-        async move {
-            let reply = raw.get(tail, None).await.expect("read the tail");
-            reply.kvs().first().map(|kv| kv.value().to_vec())
-        }
-    };
-    let held = acquire(&holder, &key, Duration::from_secs(30)).await;
-    let (first_attempts, first_client) = observed(&url).await;
-    let first = common::Waiting::start(&first_attempts, &first_client, &key).await;
-    let first_entry = read_tail(&raw).await.expect("the first waiter is the tail");
-    // A second waiter, whose wait runs out: it is the tail until it leaves.
-    let (second_attempts, second_client) = observed(&url).await;
-    let second = {
-        let (client, key) = (second_client.clone(), key.clone());
-        tokio::spawn(async move {
-            client
-                .acquire(
-                    &key,
-                    Duration::from_secs(30),
-                    Instant::now() + Duration::from_secs(2),
-                )
-                .await
-        })
-    };
-    until_in_line(&second_attempts, 0).await;
-    let second_entry = read_tail(&raw)
-        .await
-        .expect("the second waiter is the tail");
-    assert_ne!(first_entry, second_entry);
-    assert!(second.await.expect("task").expect("no error").is_none());
-    // Its entry and the tail go in one transaction, in the background.
-    let started = Instant::now();
-    while read_tail(&raw).await.is_some() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the tail outlived its waiter"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    // The first waiter names no tail now (the newest left); a third joins.
-    let (third_attempts, third_client) = observed(&url).await;
-    let third = common::Waiting::start(&third_attempts, &third_client, &key).await;
-    assert!(read_tail(&raw).await.is_some());
-    holder.release(&held).await.expect("release");
-    let got_first = first.acquired().await;
-    assert!(
-        read_tail(&raw).await.is_some(),
-        "the third still waits: it is the tail"
-    );
-    first_client.release(&got_first).await.expect("release");
-    let got_third = third.acquired().await;
-    assert_eq!(
-        read_tail(&raw).await,
-        None,
-        "the grant took the tail with its entry"
-    );
-    third_client.release(&got_third).await.expect("release");
-    let started = Instant::now();
-    while !keys_under(&mut raw, &format!("{ns}/lock/tailed/"))
-        .await
-        .is_empty()
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "keys left under the lock"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    common::delete_prefix(&mut raw, &ns).await;
-}
-
-/// A tail naming a waiter that is gone (here, written by hand: no distlock
-/// client leaves one) does not stall the waiter that joins behind it: the
-/// joiner reads whether its predecessor is still there once its watch is
-/// live, finds it gone, and is first. Without that read the joiner waited
-/// for the deletion of a key that no longer existed, until its deadline.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tail_naming_a_gone_waiter_stalls_nobody() {
-    let server = any_server();
-    let ns = unique_name("stale-tail");
-    let url = format!("{}?namespace={ns}", server.url());
-    let mut raw = raw_client(&server.url()).await;
-    let holder = connect(&url).await;
-    let key = LockKey::new("stale").unwrap();
-    let held = acquire(&holder, &key, Duration::from_secs(30)).await;
-    let lease = raw.lease_grant(60, None).await.expect("lease").id();
-    raw.put(
-        format!("{ns}/lock/stale/tail"),
-        format!("{ns}/lock/stale/waiters/ff-1"),
-        Some(etcd_client::PutOptions::new().with_lease(lease)),
-    )
-    .await
-    .expect("a tail naming nobody");
-    let (attempts, client) = observed(&url).await;
-    let waiting = common::Waiting::start(&attempts, &client, &key).await;
-    holder.release(&held).await.expect("release");
-    let got = waiting.acquired().await;
-    client.release(&got).await.expect("release");
-    raw.lease_revoke(lease).await.expect("revoke");
-    common::delete_prefix(&mut raw, &ns).await;
 }

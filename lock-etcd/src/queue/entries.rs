@@ -5,9 +5,7 @@
 use std::sync::Weak;
 
 use distlock_core::LockError;
-use etcd_client::{
-    Compare, CompareOp, GetOptions, KeyValue, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
-};
+use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, SortOrder, SortTarget, Txn, TxnOp};
 use etcd_client::{TxnOpResponse, TxnResponse};
 
 use super::{Line, Position, Queues, RETRY_MAX, RETRY_MIN};
@@ -130,18 +128,13 @@ pub(super) fn looked_up(
     Ok(Position::read(
         line,
         revision,
-        ranges
-            .first()
-            .and_then(|kvs| kvs.first())
-            .map(|kv| (kv.key(), kv.create_revision())),
+        ranges.first().and_then(|kvs| kvs.first()),
         ahead(line, ranges.first(), entry, place),
         ranges.get(1),
         ranges.get(2).is_some_and(|kvs| !kvs.is_empty()),
     ))
 }
 
-/// The reads of a transaction's branch that ran, in order (not those of
-/// transactions nested in it).
 pub(super) fn ranges(reply: &TxnResponse) -> Vec<Vec<KeyValue>> {
     reply
         .op_responses()
@@ -173,9 +166,13 @@ pub(super) async fn put_entry(
     fence: &Fence,
     deadline: std::time::Instant,
 ) -> Result<(i64, Position), LockError> {
-    let lease = session.lease_id();
-    let ops = join_ops(&etcd.layout, line, entry, lease);
-    let txn = txn::enqueue(entry, ENTRY_VALUE, lease, fence, ops);
+    let txn = txn::enqueue(
+        entry,
+        ENTRY_VALUE,
+        session.lease_id(),
+        fence,
+        reads(&etcd.layout, line, 0, 2),
+    );
     let reply = etcd
         .run_txn_until(deadline, "etcd queue waiter", Repeat::IfUnapplied, txn)
         .await?;
@@ -184,112 +181,21 @@ pub(super) async fn put_entry(
             "etcd refused a queue entry whose request was given up",
         ));
     }
-    joined(&etcd.layout, line, entry, &reply)
-}
-
-/// What a joining waiter's transaction does besides putting its entry
-/// `entry` (on `lease`): reads its predecessor and what the line waits
-/// for. A lock's line reads its tail (see [`crate::keys`]), the newest
-/// entry's name, and names the new entry there; only with no tail (an
-/// empty line, or its newest waiter gone) does it read the line, which
-/// etcd does by reading every entry in it. A semaphore's line reads the
-/// line (it counts the waiters ahead).
-pub(super) fn join_ops(layout: &KeyLayout, line: &Line, entry: &[u8], lease: i64) -> Vec<TxnOp> {
-    let mut ops = reads(layout, line, 0, 2);
-    let Some(tail) = line.tail(layout) else {
-        return ops;
-    };
-    let held = ops.pop().expect("reads: the line, then what it waits for");
-    let predecessor = Txn::new()
-        .when([Compare::create_revision(
-            tail.clone(),
-            CompareOp::Greater,
-            0,
-        )])
-        .and_then([TxnOp::get(tail.clone(), None)])
-        .or_else(ops);
-    vec![
-        TxnOp::txn(predecessor),
-        TxnOp::put(tail, entry, Some(PutOptions::new().with_lease(lease))),
-        held,
-    ]
-}
-
-/// Where a joining waiter stands, from the reply to its transaction
-/// ([`join_ops`]): its place (the entry's create revision) and position.
-pub(super) fn joined(
-    layout: &KeyLayout,
-    line: &Line,
-    entry: &[u8],
-    reply: &TxnResponse,
-) -> Result<(i64, Position), LockError> {
-    let revision = revision_of(reply)?;
-    // The transaction's writes share its revision: the entry's is ours.
+    let revision = revision_of(&reply)?;
+    // The put is the transaction's only write: its revision is ours.
     let place = revision;
-    let reads = ranges(reply);
-    let nested = reply.op_responses().into_iter().find_map(|op| match op {
-        TxnOpResponse::Txn(nested) => Some(nested),
-        _ => None,
-    });
-    let (found, held) = match nested {
-        // A lock's line: its tail or the whole line, then the lock key.
-        Some(nested) => {
-            let found = ranges(&nested).into_iter().next();
-            if nested.succeeded() {
-                let tail = found.and_then(|kvs| kvs.into_iter().next());
-                let predecessor = tail_entry(layout, line, tail)?;
-                let before = Some((predecessor.0.as_slice(), predecessor.1));
-                let mut position =
-                    Position::read(line, revision, before, None, reads.first(), true);
-                // The tail named it as the newest entry: whether it is
-                // still there is checked once its watch is live.
-                position.verify = true;
-                return Ok((place, position));
-            }
-            (found, reads.first().cloned())
-        }
-        None => (reads.first().cloned(), reads.get(1).cloned()),
-    };
-    check_entries(layout, line, found.as_ref())?;
+    let ranges = ranges(&reply);
+    check_entries(&etcd.layout, line, ranges.first())?;
     // Newest first; skip our own entry (whether or not the read saw it).
-    let before = found.as_ref().and_then(|kvs| {
+    let before = ranges.first().and_then(|kvs| {
         kvs.iter()
             .find(|kv| kv.key() != entry && kv.create_revision() < place)
-            .map(|kv| (kv.key(), kv.create_revision()))
     });
-    let ahead = ahead(line, found.as_ref(), entry, place);
+    let ahead = ahead(line, ranges.first(), entry, place);
     Ok((
         place,
-        Position::read(line, revision, before, ahead, held.as_ref(), true),
+        Position::read(line, revision, before, ahead, ranges.get(1), true),
     ))
-}
-
-/// The entry a line's tail names, with its create revision (the tail's
-/// mod revision: it is put in the entry's own transaction). A tail
-/// distlock did not write (not an entry of this line, or on no lease) is
-/// reported.
-fn tail_entry(
-    layout: &KeyLayout,
-    line: &Line,
-    tail: Option<KeyValue>,
-) -> Result<(Vec<u8>, i64), LockError> {
-    let prefix = line.queue_prefix(layout);
-    match tail {
-        Some(kv)
-            if kv.lease() != 0
-                && kv
-                    .value()
-                    .strip_prefix(prefix.as_slice())
-                    .is_some_and(is_waiter_id) =>
-        {
-            Ok((kv.value().to_vec(), kv.mod_revision()))
-        }
-        other => Err(LockError::corrupted(format!(
-            "the {}'s etcd waiter queue tail holds a value distlock did not write ({:?}); it was left untouched — remove it or use another namespace",
-            line.what(),
-            other.map(|kv| String::from_utf8_lossy(kv.value()).into_owned())
-        ))),
-    }
 }
 
 /// Refuses queue entries distlock did not write (a key not named
@@ -336,28 +242,17 @@ fn is_waiter_id(id: &[u8]) -> bool {
 /// Deletes a queue entry in the background, retrying (each attempt under
 /// the operation timeout) while the client lives; a dropped client's
 /// entries go with its session lease.
-pub(super) fn delete_later(
-    client: Weak<Queues>,
-    entry: Vec<u8>,
-    tail: Option<Vec<u8>>,
-    fences: Vec<Fence>,
-) {
+pub(super) fn delete_later(client: Weak<Queues>, entry: Vec<u8>, fences: Vec<Fence>) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;
     };
-    runtime.spawn(delete_entry(client, entry, tail, fences));
+    runtime.spawn(delete_entry(client, entry, fences));
 }
 
 /// Deletes a queue entry and puts up `fences` (of its puts whose outcome
-/// is unknown) in one transaction, retrying while the client lives; the
-/// line's `tail` goes with it if it names it.
-pub(super) async fn delete_entry(
-    client: Weak<Queues>,
-    entry: Vec<u8>,
-    tail: Option<Vec<u8>>,
-    fences: Vec<Fence>,
-) {
-    let txn = txn::dequeue(&entry, tail.as_deref(), &fences);
+/// is unknown) in one transaction, retrying while the client lives.
+pub(super) async fn delete_entry(client: Weak<Queues>, entry: Vec<u8>, fences: Vec<Fence>) {
+    let txn = txn::dequeue(&entry, &fences);
     let mut pause = RETRY_MIN;
     loop {
         let Some(queues) = client.upgrade() else {
@@ -395,19 +290,6 @@ mod tests {
 
     use super::*;
 
-    /// A server, a raw client with a lease of 60 s, and the lock line of
-    /// `name` in namespace `ns`.
-    async fn scene(name: &str) -> (ServerProcess, Client, i64, KeyLayout, LockKey, Line) {
-        let server = ServerProcess::start(Arc::new(EtcdServer)).expect("an etcd server must start");
-        let mut client = Client::connect([server.addr().to_string()], None)
-            .await
-            .expect("connect");
-        let lease = client.lease_grant(60, None).await.expect("lease").id();
-        let key = LockKey::new(name).unwrap();
-        let line = Line::Lock(key.clone());
-        (server, client, lease, KeyLayout::new("ns"), key, line)
-    }
-
     /// A waiter whose predecessor took the lock (its entry deleted in the
     /// revision that created the lock key) finds itself first from the
     /// lock key and its own entry: here, in a state the line never reaches
@@ -417,7 +299,14 @@ mod tests {
     /// line and finds who is still ahead.
     #[tokio::test]
     async fn a_waiter_whose_predecessor_took_the_lock_is_first_without_reading_the_line() {
-        let (_server, mut client, lease, layout, key, line) = scene("moved").await;
+        let server = ServerProcess::start(Arc::new(EtcdServer)).expect("an etcd server must start");
+        let mut client = Client::connect([server.addr().to_string()], None)
+            .await
+            .expect("connect");
+        let lease = client.lease_grant(60, None).await.expect("lease").id();
+        let layout = KeyLayout::new("ns");
+        let key = LockKey::new("moved").unwrap();
+        let line = Line::Lock(key.clone());
         let put = |id: &str| {
             let entry = layout.queue_entry(&key, id);
             let mut client = client.clone();
@@ -469,85 +358,5 @@ mod tests {
             );
             assert!(full.held && full.queued);
         }
-    }
-
-    /// A joining waiter finds its predecessor from the line's tail alone:
-    /// here, in a state the line never reaches (the tail naming an older
-    /// entry than the newest), it reports the one the tail names, which
-    /// shows the line is not read; it names itself as the tail; and with
-    /// no tail it reads the line and finds the newest entry.
-    #[tokio::test]
-    async fn a_joiner_reads_the_tail_not_the_line() {
-        let (_server, mut client, lease, layout, key, line) = scene("tailed").await;
-        let tail = layout.queue_tail(&key);
-        let on_lease = || Some(PutOptions::new().with_lease(lease));
-        let (older, newer) = (
-            layout.queue_entry(&key, "1-0"),
-            layout.queue_entry(&key, "1-1"),
-        );
-        // The older entry names itself as the tail in its own transaction,
-        // as a join does; the newer one does not.
-        let older_at = client
-            .txn(Txn::new().and_then([
-                TxnOp::put(older.clone(), ENTRY_VALUE.to_vec(), on_lease()),
-                TxnOp::put(tail.clone(), older.clone(), on_lease()),
-            ]))
-            .await
-            .expect("put")
-            .header()
-            .expect("header")
-            .revision();
-        client
-            .put(newer.clone(), ENTRY_VALUE.to_vec(), on_lease())
-            .await
-            .expect("put");
-        let joining = client.clone();
-        let join = |id: &str| {
-            let entry = layout.queue_entry(&key, id);
-            let (mut client, layout, line) = (joining.clone(), layout.clone(), line.clone());
-            async move {
-                let ops = join_ops(&layout, &line, &entry, lease);
-                let txn = Txn::new().and_then(
-                    [TxnOp::put(
-                        entry.clone(),
-                        ENTRY_VALUE.to_vec(),
-                        Some(PutOptions::new().with_lease(lease)),
-                    )]
-                    .into_iter()
-                    .chain(ops)
-                    .collect::<Vec<_>>(),
-                );
-                let reply = client.txn(txn).await.expect("join");
-                let (_, position) = joined(&layout, &line, &entry, &reply).expect("position");
-                (entry, position)
-            }
-        };
-        let (joiner, position) = join("1-2").await;
-        assert_eq!(
-            position.predecessor.as_deref(),
-            Some(older.as_slice()),
-            "the line was read"
-        );
-        assert_eq!(position.seen, vec![(older.clone(), older_at)]);
-        assert!(
-            position.verify,
-            "a predecessor named by the tail is checked"
-        );
-        let named = client.get(tail.clone(), None).await.expect("get");
-        assert_eq!(
-            named.kvs().first().map(|kv| kv.value()),
-            Some(joiner.as_slice())
-        );
-        client
-            .delete(tail.clone(), None)
-            .await
-            .expect("delete tail");
-        let (_, position) = join("1-3").await;
-        assert_eq!(
-            position.predecessor.as_deref(),
-            Some(joiner.as_slice()),
-            "the newest entry"
-        );
-        assert!(!position.verify);
     }
 }

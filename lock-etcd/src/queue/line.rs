@@ -60,15 +60,6 @@ impl Line {
 
     /// What the first in line watches: the lock key, or the prefix of the
     /// semaphore's permits.
-    /// The key naming the line's newest waiter (a lock's line; a
-    /// semaphore's counts its waiters ahead, so it reads the line).
-    pub(super) fn tail(&self, layout: &KeyLayout) -> Option<Vec<u8>> {
-        match self {
-            Line::Lock(key) => Some(layout.queue_tail(key)),
-            Line::Permits(..) => None,
-        }
-    }
-
     pub(super) fn held_target(&self, layout: &KeyLayout) -> Vec<u8> {
         match self {
             Line::Lock(key) => layout.lock_key(key),

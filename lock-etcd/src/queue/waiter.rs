@@ -158,10 +158,7 @@ impl Waiter {
             // The acquire that took the lock deleted the entry.
             return;
         }
-        let tail = self
-            .queues()
-            .and_then(|queues| self.line.tail(&queues.etcd.layout));
-        delete_entry(self.client.clone(), self.entry.clone(), tail, self.fences).await;
+        delete_entry(self.client.clone(), self.entry.clone(), self.fences).await;
     }
 
     /// Reads our predecessor and the lock key; watches the new predecessor,
