@@ -332,10 +332,7 @@ mod tests {
 
         /// Runs `test` on a current-thread runtime with this recorder.
         fn run<F: Future<Output = ()>>(&self, test: F) {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
+            let runtime = crate::tests::current_thread_runtime();
             metrics::with_local_recorder(self, || runtime.block_on(test));
         }
     }

@@ -578,16 +578,9 @@ mod tests {
     fn a_reader_whose_runtime_shut_down_wakes_its_waiters_and_is_replaced() {
         let listener = Arc::new(Listener::new(Toy::default(), &ClientOptions::default()));
         // The reader starts on a runtime that will shut down.
-        let first = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
+        let first = crate::tests::current_thread_runtime();
         first.block_on(async { drop(listener.watch("k".to_owned()).await.unwrap()) });
-        let second = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
+        let second = crate::tests::one_worker_runtime();
         let waiting = {
             let listener = listener.clone();
             second.spawn(async move {

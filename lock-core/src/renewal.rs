@@ -13,10 +13,10 @@
 //! overdue (that runtime is not being driven: a current-thread runtime
 //! between two `block_on`s), so an idle runtime holds up no other
 //! runtime's guards, and a runtime driven only for a moment does not take
-//! a renewal that would then sit there unsent. A driver ends once the queue has stayed empty
-//! for [`LINGER`], so a client that takes short locks one after another
-//! (each released before the next) starts no task per lock, and no task
-//! outlives the guards it serves by more than that.
+//! a renewal that would then sit there unsent. A driver ends once the
+//! queue has stayed empty for [`LINGER`], so a client that takes short
+//! locks one after another (each released before the next) starts no task
+//! per lock, and no task outlives the guards it serves by more than that.
 //!
 //! Renewals due together are sent together where the backend batches
 //! extends (its [`Capabilities::extend_batch`](crate::Capabilities::extend_batch)
@@ -346,6 +346,7 @@ pub(crate) fn on_grid(at: Instant, period: Duration) -> Instant {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tests::{current_thread_runtime, one_worker_runtime};
     use crate::{LockKey, LockOptions, Locker, MemoryLock};
 
     /// How many drivers `locker`'s client has started so far.
@@ -404,13 +405,7 @@ mod tests {
     /// `block_on`s) is renewed all the same.
     #[test]
     fn a_driver_on_an_idle_runtime_holds_up_no_other_runtimes_guards() {
-        let current = || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("a runtime")
-        };
-        let (idle, busy) = (current(), current());
+        let (idle, busy) = (current_thread_runtime(), current_thread_runtime());
         let locker = Locker::new(MemoryLock::new());
         let short = LockOptions::new(Duration::from_secs(2));
         idle.block_on(async {
@@ -443,15 +438,7 @@ mod tests {
     #[test]
     fn a_guard_whose_runtime_stops_is_renewed_from_another() {
         let locker = Locker::new(MemoryLock::new());
-        let driven = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .expect("a runtime");
-        let stopped = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime");
+        let (driven, stopped) = (one_worker_runtime(), current_thread_runtime());
         // A driver on `driven`, asleep until this guard's renewal, about
         // half a minute from now.
         let long = driven.block_on(async {

@@ -113,6 +113,25 @@ impl LockBackend for Faulty {
     }
 }
 
+/// A current-thread runtime with time and I/O, for tests that drive
+/// runtimes themselves.
+pub(crate) fn current_thread_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime")
+}
+
+/// A multi-thread runtime of one worker, with time and I/O: driven all
+/// along, beside runtimes a test drives itself.
+pub(crate) fn one_worker_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("a runtime")
+}
+
 fn faulty(lost_replies: usize, corrupt_extends: bool) -> (Arc<Faulty>, LockClient) {
     let backend = Arc::new(Faulty {
         lost_replies: AtomicUsize::new(lost_replies),
@@ -427,12 +446,6 @@ async fn a_release_before_the_watch_of_a_refused_first_attempt_is_not_missed() {
 /// one is then left undriven (not dropped) as soon as an extend starts.
 #[test]
 fn a_renewal_is_not_taken_by_a_runtime_driven_only_for_a_moment() {
-    let current = || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime")
-    };
     let backend = Arc::new(Faulty {
         slow_extends: Some(Duration::from_millis(300)),
         ..Faulty::default()
@@ -440,7 +453,7 @@ fn a_renewal_is_not_taken_by_a_runtime_driven_only_for_a_moment() {
     let locker = Locker::new(LockClient::new(backend.clone()));
     // Its first renewal comes after the other driver's linger ended.
     let options = LockOptions::new(Duration::from_secs(6));
-    let (now_and_then, own) = (current(), current());
+    let (now_and_then, own) = (current_thread_runtime(), current_thread_runtime());
     // A driver on `now_and_then`, lingering.
     now_and_then.block_on(async {
         let key = LockKey::new("now-and-then").unwrap();

@@ -6,12 +6,14 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{
     acquire, any_server, connect, endpoint, observed, own_server, raw_client, unique_key,
 };
 use distlock_conformance::naming::unique_name;
+use distlock_conformance::server::{self, ServerProcess};
 use distlock_core::{AcquireAttempt, ErrorKind, LockClient, LockKey};
 use distlock_etcd::etcd_client::{self, Permission};
 use distlock_etcd::EtcdLock;
@@ -248,10 +250,8 @@ async fn authentication_through_the_url() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_database_says_how_to_free_space() {
     use etcd_client::{AlarmAction, AlarmOptions, AlarmType, CompactionOptions};
-    let server = distlock_conformance::server::ServerProcess::start(std::sync::Arc::new(
-        distlock_conformance::server::EtcdSpaceQuota(1 << 20),
-    ))
-    .expect("etcd must start");
+    let server =
+        ServerProcess::start(Arc::new(server::EtcdSpaceQuota(1 << 20))).expect("etcd must start");
     let client = connect(&server.url()).await;
     let held = acquire(&client, &unique_key("held-before"), Duration::from_secs(30)).await;
     // Fill it: values of 64 KiB until etcd refuses one.

@@ -16,9 +16,9 @@ use distlock_conformance::naming::unique_name;
 use distlock_conformance::server::{self, ServerProcess};
 use distlock_core::{
     AcquireAttempt, AcquireReply, AcquireRequest, ErrorKind, ExtendReply, FencingToken, HeldLock,
-    LockBackend, LockKey, OwnerToken, PermitReply, PermitRequest, ReleaseReply, SemaphoreBackend,
+    LockBackend, LockKey, LockOptions, Locker, OwnerToken, PermitReply, PermitRequest,
+    ReleaseReply, SemaphoreBackend,
 };
-use distlock_core::{LockOptions, Locker};
 use distlock_etcd::EtcdLock;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

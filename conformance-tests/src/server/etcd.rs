@@ -148,40 +148,53 @@ impl ServerKind for Etcd {
     }
 }
 
+/// `ServerKind` for `$kind`: [`Etcd`] with the command-line setting
+/// `$flag` at the kind's value. Its URL variable `$env` is one nobody
+/// sets: the setting is this server's, so the harness always starts it.
+macro_rules! etcd_with_setting {
+    ($kind:ty, $name:literal, $env:literal, $flag:literal) => {
+        impl ServerKind for $kind {
+            fn name(&self) -> &'static str {
+                $name
+            }
+
+            fn url_env_var(&self) -> &'static str {
+                $env
+            }
+
+            fn prepare(&self, dir: &Path) -> io::Result<()> {
+                Etcd.prepare(dir)
+            }
+
+            fn command(&self, dir: &Path, port: u16) -> Command {
+                let mut command = Etcd.command(dir, port);
+                command.arg($flag).arg(self.0.to_string());
+                command
+            }
+
+            fn url(&self, addr: SocketAddr) -> String {
+                Etcd.url(addr)
+            }
+
+            fn wait_ready(&self, dir: &Path, port: u16) -> io::Result<()> {
+                Etcd.wait_ready(dir, port)
+            }
+        }
+    };
+}
+
 /// `etcd` as [`Etcd`], taking at most this many operations in one
 /// transaction (`--max-txn-ops`; etcd's default is 128): for a backend's
 /// handling of a server configured below the default.
 #[derive(Debug, Clone, Copy)]
 pub struct EtcdMaxTxnOps(pub u32);
 
-impl ServerKind for EtcdMaxTxnOps {
-    fn name(&self) -> &'static str {
-        "etcd-max-txn-ops"
-    }
-
-    fn url_env_var(&self) -> &'static str {
-        // Never an external server: the limit is this server's.
-        "DISTLOCK_ETCD_MAX_TXN_OPS_URL"
-    }
-
-    fn prepare(&self, dir: &Path) -> io::Result<()> {
-        Etcd.prepare(dir)
-    }
-
-    fn command(&self, dir: &Path, port: u16) -> Command {
-        let mut command = Etcd.command(dir, port);
-        command.arg("--max-txn-ops").arg(self.0.to_string());
-        command
-    }
-
-    fn url(&self, addr: SocketAddr) -> String {
-        Etcd.url(addr)
-    }
-
-    fn wait_ready(&self, dir: &Path, port: u16) -> io::Result<()> {
-        Etcd.wait_ready(dir, port)
-    }
-}
+etcd_with_setting!(
+    EtcdMaxTxnOps,
+    "etcd-max-txn-ops",
+    "DISTLOCK_ETCD_MAX_TXN_OPS_URL",
+    "--max-txn-ops"
+);
 
 /// `etcd` as [`Etcd`] with a backend space quota of this many bytes
 /// (`--quota-backend-bytes`; etcd's default is 2 GiB): for a backend's
@@ -190,34 +203,12 @@ impl ServerKind for EtcdMaxTxnOps {
 #[derive(Debug, Clone, Copy)]
 pub struct EtcdSpaceQuota(pub u64);
 
-impl ServerKind for EtcdSpaceQuota {
-    fn name(&self) -> &'static str {
-        "etcd-space-quota"
-    }
-
-    fn url_env_var(&self) -> &'static str {
-        // Never an external server: the quota is this server's.
-        "DISTLOCK_ETCD_SPACE_QUOTA_URL"
-    }
-
-    fn prepare(&self, dir: &Path) -> io::Result<()> {
-        Etcd.prepare(dir)
-    }
-
-    fn command(&self, dir: &Path, port: u16) -> Command {
-        let mut command = Etcd.command(dir, port);
-        command.arg("--quota-backend-bytes").arg(self.0.to_string());
-        command
-    }
-
-    fn url(&self, addr: SocketAddr) -> String {
-        Etcd.url(addr)
-    }
-
-    fn wait_ready(&self, dir: &Path, port: u16) -> io::Result<()> {
-        Etcd.wait_ready(dir, port)
-    }
-}
+etcd_with_setting!(
+    EtcdSpaceQuota,
+    "etcd-space-quota",
+    "DISTLOCK_ETCD_SPACE_QUOTA_URL",
+    "--quota-backend-bytes"
+);
 
 /// Raft timing of a member, in milliseconds.
 #[derive(Debug, Clone, Copy)]
