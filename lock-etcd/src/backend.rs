@@ -361,7 +361,7 @@ impl LockBackend for EtcdLock {
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<AcquireReply, LockError> {
         // The line the attempt must not cut into, and its place in it if it
         // waits (see `crate::queue`).
-        let (turn, seat) = self.inner.queues.turn(request.key, request.owner);
+        let (turn, mut seat) = self.inner.queues.turn(request.key, request.owner);
         // A waiter whose seat expects a refusal reads first: a refusal then
         // costs one read, not a write through Raft (an etcd transaction
         // that could write is logged and committed even when its compare
@@ -416,11 +416,17 @@ impl LockBackend for EtcdLock {
                 return Ok(refused);
             }
         }
+        if let Some(seat) = &mut seat {
+            seat.sending();
+        }
         let reply = if request.renewing {
             self.inner.sessions.acquire(request, turn, deadline).await
         } else {
             self.acquire_on_own_lease(request, turn, deadline).await
         };
+        if let Some(seat) = &mut seat {
+            seat.answered(reply.is_ok());
+        }
         if let (Ok(AcquireReply::Granted(_)), Some(seat)) = (&reply, &seat) {
             // Its entry went with the grant (or was gone already).
             seat.took();
@@ -560,5 +566,80 @@ mod tests {
         assert_eq!(own_lease_of(42), Some(42));
         assert_eq!(own_lease_of(session::session_handle(42)), None);
         assert_eq!(own_lease_of(0), None);
+    }
+
+    /// A waiter's entry name is reused by the client's next wait only once
+    /// no attempt that claimed its place can still be applied (one that
+    /// takes the lock deletes the entry by its name): not while an attempt
+    /// that sent its transaction is unanswered when the wait ends.
+    #[tokio::test]
+    async fn an_entry_name_is_not_reused_while_an_attempt_on_it_is_unanswered() {
+        use distlock_conformance::server::{Etcd as EtcdServer, ServerProcess};
+        let server = ServerProcess::start(Arc::new(EtcdServer)).expect("an etcd server must start");
+        let lock = EtcdLock::connect(&server.url()).await.expect("connect");
+        let raw = etcd_client::Client::connect([server.addr().to_string()], None)
+            .await
+            .expect("raw client");
+        let key = LockKey::new("named").expect("key");
+        let line = lock.etcd().layout.queue_prefix(&key);
+        let bound = Duration::from_secs(10);
+        // Waits on `key` and returns its entry's name, with its watch.
+        let wait = |owner| {
+            let (lock, key, line, mut raw) = (lock.clone(), key.clone(), line.clone(), raw.clone());
+            async move {
+                let watch = lock
+                    .watch(&key, owner)
+                    .await
+                    .expect("watch")
+                    .expect("queued");
+                let entries = raw
+                    .get(
+                        line.clone(),
+                        Some(etcd_client::GetOptions::new().with_prefix()),
+                    )
+                    .await
+                    .expect("read the line");
+                let names: Vec<_> = entries
+                    .kvs()
+                    .iter()
+                    .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+                    .collect();
+                assert_eq!(names.len(), 1, "one entry");
+                (names[0].clone(), watch)
+            }
+        };
+        // What an attempt of `owner` claims as it starts.
+        let claim_seat = |owner| {
+            lock.inner
+                .queues
+                .turn(&key, owner)
+                .1
+                .expect("the waiter's seat")
+        };
+        // Answered: the next wait takes the name again.
+        let owner = OwnerToken::random();
+        let (first, watch) = wait(owner).await;
+        let mut claim = claim_seat(owner);
+        claim.sending();
+        claim.answered(true);
+        drop(claim);
+        watch.close(bound).await;
+        let (again, watch) = wait(OwnerToken::random()).await;
+        assert_eq!(again, first, "an entry name was not reused");
+        watch.close(bound).await;
+        // Unanswered when its wait ends: the name is retired.
+        let owner = OwnerToken::random();
+        let (named, watch) = wait(owner).await;
+        assert_eq!(named, first);
+        let mut claim = claim_seat(owner);
+        claim.sending();
+        watch.close(bound).await;
+        let (next, watch) = wait(OwnerToken::random()).await;
+        assert_ne!(next, first, "the name of an unanswered attempt was reused");
+        watch.close(bound).await;
+        drop(claim);
+        let (last, watch) = wait(OwnerToken::random()).await;
+        assert_ne!(last, first, "a retired name came back");
+        watch.close(bound).await;
     }
 }

@@ -8,7 +8,8 @@
 //! another.
 //!
 //! The waiters of `k` queue (FIFO) under `NS/lock/<escape(k)>/waiters/`,
-//! one key per waiting call: `NS/lock/<escape(k)>/waiters/<waiter id>`. The
+//! one key per waiting call: `NS/lock/<escape(k)>/waiters/<waiter id>`
+//! (a client reuses its waiter ids once free: see `queue::slots`). The
 //! only range the backend reads is such a queue prefix. It ends with `/` and
 //! the escaped key in it contains none, so the queue prefix of `k` is never
 //! a prefix of another key's lock key or queue entries (`a` vs `a/b`, whose

@@ -89,10 +89,11 @@
 
 mod entries;
 mod line;
+mod slots;
 mod waiter;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -113,6 +114,7 @@ use crate::session::Sessions;
 use crate::txn::Turn;
 use entries::{delete_later, is_foreign, put_entry};
 pub(crate) use line::Line;
+use slots::Slots;
 use waiter::Waiter;
 
 /// Pauses between retries of a failed look-up or entry delete.
@@ -130,6 +132,8 @@ pub(crate) struct Queues {
     pub(crate) waiting: ReleaseNotifier,
     /// Numbers this client's waiting calls.
     next_waiter: AtomicU64,
+    /// The numbers in its queue entries' names, reused ([`slots`]).
+    slots: Arc<Slots>,
     /// The places of this client's lock waiters, by their owner tokens.
     seats: Mutex<HashMap<OwnerToken, Arc<Seat>>>,
     /// Queue entries go on the client's session lease of [`MIN_TTL`].
@@ -152,6 +156,7 @@ impl Queues {
             listener,
             waiting: ReleaseNotifier::new(),
             next_waiter: AtomicU64::new(0),
+            slots: Arc::default(),
             seats: Mutex::new(HashMap::new()),
             sessions,
             contended: ContendedKeys::default(),
@@ -187,15 +192,7 @@ impl Queues {
         // Held by the waiter's task until its entry is deleted.
         let departure = caller.departure();
         let (joined, on_joined) = oneshot::channel();
-        tokio::spawn(join(
-            self.clone(),
-            line,
-            channel,
-            waiter,
-            owner,
-            joined,
-            departure,
-        ));
+        tokio::spawn(join(self.clone(), line, channel, owner, joined, departure));
         match on_joined.await {
             Ok(result) => result.map(|()| caller),
             Err(_) => Err(LockError::unavailable(
@@ -206,9 +203,9 @@ impl Queues {
 
     /// What an acquire attempt of `owner` on `key` claims: the key's line,
     /// and the place of `owner`'s waiting call in it if it waits; with
-    /// that waiter's seat.
-    pub(crate) fn turn(&self, key: &LockKey, owner: OwnerToken) -> (Turn, Option<Arc<Seat>>) {
-        let seat = self
+    /// that waiter's seat, claimed until the attempt ends ([`Claim`]).
+    pub(crate) fn turn(&self, key: &LockKey, owner: OwnerToken) -> (Turn, Option<Claim>) {
+        let claim = self
             .seats
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -216,11 +213,13 @@ impl Queues {
             // A waiter whose grant took its entry (and gave the lock back,
             // too late to use) is no longer in line.
             .filter(|seat| seat.key == *key && !seat.taken.load(Ordering::Acquire))
-            .cloned();
-        let place = seat
+            // Claimed under the seats' lock: a waiter that unseats itself
+            // then sees every attempt that found its seat.
+            .map(Claim::new);
+        let place = claim
             .as_ref()
             .map(|seat| (seat.entry.clone(), seat.place.load(Ordering::Acquire)));
-        let known_first = match (&seat, &place) {
+        let known_first = match (&claim, &place) {
             (Some(seat), Some((_, place))) => seat.first_at.load(Ordering::Acquire) == *place,
             _ => false,
         };
@@ -229,7 +228,7 @@ impl Queues {
             place,
             known_first,
         };
-        (turn, seat)
+        (turn, claim)
     }
 
     /// The queue entry of one of this client's waiters in `key`'s lock
@@ -303,6 +302,11 @@ pub(crate) struct Seat {
     ahead: Mutex<Option<Vec<u8>>>,
     /// An acquire took the lock and deleted the entry with it.
     taken: AtomicBool,
+    /// Attempts that claimed this seat and have not ended ([`Claim`]).
+    in_flight: AtomicUsize,
+    /// An attempt that claimed this seat sent its transaction and got no
+    /// answer (an error, or it was dropped): it may still be applied.
+    unsettled: AtomicBool,
 }
 
 impl Seat {
@@ -331,6 +335,67 @@ impl Seat {
     /// An attempt that claimed this seat took the lock (and left the line).
     pub(crate) fn took(&self) {
         self.taken.store(true, Ordering::Release);
+    }
+
+    /// Whether no attempt that claimed this seat can still be applied:
+    /// none is in flight, and each that sent its transaction was answered.
+    /// An attempt that takes the lock deletes the waiter's entry, by its
+    /// name: one applied later would delete a newer entry of that name, so
+    /// the name is reused only if this holds ([`slots`]). Asked once the
+    /// seat is unregistered, when no new attempt can claim it.
+    fn settled(&self) -> bool {
+        self.in_flight.load(Ordering::Acquire) == 0 && !self.unsettled.load(Ordering::Acquire)
+    }
+}
+
+/// An acquire attempt's claim on a waiter's [`Seat`], from the moment it
+/// found the seat until the attempt ends: counted in the seat's attempts in
+/// flight, and, if its transaction was sent and no answer came, marking
+/// the seat unsettled ([`Seat::settled`]).
+#[derive(Debug)]
+pub(crate) struct Claim {
+    seat: Arc<Seat>,
+    /// The transaction was sent and not yet answered.
+    sent: bool,
+}
+
+impl Claim {
+    fn new(seat: &Arc<Seat>) -> Self {
+        seat.in_flight.fetch_add(1, Ordering::AcqRel);
+        Self {
+            seat: seat.clone(),
+            sent: false,
+        }
+    }
+
+    /// The attempt's transaction goes out now.
+    pub(crate) fn sending(&mut self) {
+        self.sent = true;
+    }
+
+    /// It was answered: `applied` (or refused: its outcome known), or an
+    /// error (its outcome may be unknown).
+    pub(crate) fn answered(&mut self, known: bool) {
+        if known {
+            self.sent = false;
+        }
+    }
+}
+
+impl std::ops::Deref for Claim {
+    type Target = Seat;
+
+    fn deref(&self) -> &Seat {
+        &self.seat
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if self.sent {
+            self.seat.unsettled.store(true, Ordering::Release);
+        }
+        self.seat.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -434,15 +499,15 @@ async fn join(
     queues: Arc<Queues>,
     line: Line,
     channel: String,
-    waiter: u64,
     owner: Option<OwnerToken>,
     joined: oneshot::Sender<Result<(), LockError>>,
     departure: Departure,
 ) {
     let etcd = &queues.etcd;
-    // Unique in the cluster: the entry lives on this session lease, whose
-    // id etcd never hands out twice, and the number is unique per client.
-    // Session and entry share one operation timeout.
+    // Unique in the cluster: the entry's name has this session lease's id,
+    // which etcd never hands out twice, and a slot number no other waiter
+    // of this client holds (reused once free: see `slots`). Session and
+    // entry share one operation timeout.
     let deadline = etcd.requests.deadline();
     let session = match queues.sessions.session(MIN_TTL, deadline).await {
         Ok(session) => session,
@@ -451,15 +516,20 @@ async fn join(
             return;
         }
     };
-    let waiter_id = format!("{:x}-{waiter:x}", session.lease_id());
+    let slot = queues.slots.take();
+    let waiter_id = format!("{:x}-{:x}", session.lease_id(), slot.number());
     let entry = line.entry(&etcd.layout, &waiter_id);
     let fence = Fence::new(&line.base(&etcd.layout), session.lease_id());
     let placed = match put_entry(etcd, &line, &entry, &session, &fence, deadline).await {
         Ok(placed) => placed,
         Err(e) => {
             // The put may have happened, or may still happen: take it out
-            // again with its fence up, so a late put writes nothing.
-            delete_later(Arc::downgrade(&queues), entry, vec![fence]);
+            // again with its fence up, so a late put writes nothing. Its
+            // place unknown, the delete is not conditional on it, and the
+            // name is retired (a late attempt of that delete could take
+            // a new entry of the same name).
+            delete_later(Arc::downgrade(&queues), entry, None, vec![fence], None);
+            drop(slot);
             let _ = joined.send(Err(e));
             return;
         }
@@ -471,7 +541,13 @@ async fn join(
         match watch_target(&queues, &line, first_watch, &target, &position).await {
             Ok(watched) => watched,
             Err(e) => {
-                delete_later(Arc::downgrade(&queues), entry, Vec::new());
+                delete_later(
+                    Arc::downgrade(&queues),
+                    entry,
+                    Some(place),
+                    Vec::new(),
+                    Some(slot),
+                );
                 let _ = joined.send(Err(e));
                 return;
             }
@@ -488,6 +564,8 @@ async fn join(
                 refused_at_join: AtomicBool::new(position.refuses(owner)),
                 ahead: Mutex::new(position.predecessor.clone()),
                 taken: AtomicBool::new(false),
+                in_flight: AtomicUsize::new(0),
+                unsettled: AtomicBool::new(false),
             });
             queues.seat(owner, &seat);
             Some((owner, seat))
@@ -509,6 +587,7 @@ async fn join(
         fences: Vec::new(),
         seat,
         requeued: false,
+        slot,
         _departure: departure,
     };
     drop(queues);

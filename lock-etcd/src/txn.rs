@@ -369,7 +369,9 @@ pub(crate) fn undo_session_lock(
 
 /// A waiter's queue entry `entry` on `lease`, with `reads` in the same
 /// transaction; fenced by `fence`: applied after the entry's undo (see
-/// [`dequeue`]), it writes nothing.
+/// [`dequeue`]), it writes nothing. Nor does it where the entry exists:
+/// a put keeps a key's create revision, so it would take over an older
+/// entry's place (names are reused, see `queue::slots`).
 pub(crate) fn enqueue(
     entry: &[u8],
     value: &[u8],
@@ -383,15 +385,29 @@ pub(crate) fn enqueue(
         Some(PutOptions::new().with_lease(lease)),
     )];
     ops.extend(reads);
-    Txn::new().when([fence.down()]).and_then(ops)
+    Txn::new()
+        .when([
+            fence.down(),
+            Compare::create_revision(entry, CompareOp::Equal, 0),
+        ])
+        .and_then(ops)
 }
 
 /// Deletes a queue entry and puts up `fences` (of its puts whose outcome
-/// is unknown), in one transaction.
-pub(crate) fn dequeue(entry: &[u8], fences: &[Fence]) -> Txn {
-    let mut ops = vec![TxnOp::delete(entry, None)];
-    ops.extend(fences.iter().map(Fence::raise));
-    Txn::new().and_then(ops)
+/// is unknown), in one transaction. Given its `place` (its create
+/// revision), it deletes only the entry created there: entry names are
+/// reused (see `queue::slots`), and a dequeue applied late must not take
+/// a newer entry of the same name.
+pub(crate) fn dequeue(entry: &[u8], place: Option<i64>, fences: &[Fence]) -> Txn {
+    let mut then = vec![TxnOp::delete(entry, None)];
+    then.extend(fences.iter().map(Fence::raise));
+    match place {
+        Some(place) => Txn::new()
+            .when([Compare::create_revision(entry, CompareOp::Equal, place)])
+            .and_then(then)
+            .or_else(fences.iter().map(Fence::raise).collect::<Vec<_>>()),
+        None => Txn::new().and_then(then),
+    }
 }
 
 /// The comparisons that prove the lock is still this acquisition's.
@@ -1075,7 +1091,7 @@ mod tests {
         };
         let late = enqueue(&entry, b"dl1-waiter", session, &fence, reads());
         client
-            .txn(dequeue(&entry, std::slice::from_ref(&fence)))
+            .txn(dequeue(&entry, None, std::slice::from_ref(&fence)))
             .await
             .expect("dequeue");
         let reply = client.txn(late).await.expect("late put");
@@ -1092,5 +1108,57 @@ mod tests {
             client.txn(unfenced).await.expect("control").succeeded(),
             "control: a put with a fence that is down writes the entry"
         );
+    }
+
+    /// Entry names are reused (`queue::slots`): a dequeue of an earlier
+    /// entry of the name, applied late, leaves the newer one alone, and a
+    /// put of a name whose entry exists does not take over its place.
+    #[tokio::test]
+    async fn a_late_dequeue_or_put_leaves_a_newer_entry_of_its_name_alone() {
+        let (_server, mut client, session) = etcd().await;
+        let lock = b"ns/lock/reused".to_vec();
+        let entry = b"ns/lock/reused/waiters/1-0".to_vec();
+        let put = |fence: &Fence| enqueue(&entry, b"dl1-waiter", session, fence, []);
+        let placed = |reply: &TxnResponse| reply.header().expect("header").revision();
+        let first = client
+            .txn(put(&Fence::new(&lock, session)))
+            .await
+            .expect("put");
+        let earlier = placed(&first);
+        let late = dequeue(&entry, Some(earlier), &[]);
+        client
+            .txn(dequeue(&entry, Some(earlier), &[]))
+            .await
+            .expect("dequeue");
+        let second = client
+            .txn(put(&Fence::new(&lock, session)))
+            .await
+            .expect("put again");
+        assert!(second.succeeded(), "the name's new entry was refused");
+        let newer = placed(&second);
+        client.txn(late).await.expect("late dequeue");
+        let kvs = client
+            .get(entry.clone(), None)
+            .await
+            .expect("read")
+            .kvs()
+            .to_vec();
+        assert_eq!(
+            kvs.iter()
+                .map(|kv| kv.create_revision())
+                .collect::<Vec<_>>(),
+            vec![newer],
+            "a late dequeue of the earlier entry took the newer one"
+        );
+        let over = client
+            .txn(put(&Fence::new(&lock, session)))
+            .await
+            .expect("put over");
+        assert!(!over.succeeded(), "a put over an existing entry went");
+        client
+            .txn(dequeue(&entry, Some(newer), &[]))
+            .await
+            .expect("dequeue the newer");
+        assert!(!exists(&mut client, &entry).await, "control: not deleted");
     }
 }

@@ -810,3 +810,86 @@ async fn a_waiter_that_moves_into_a_semaphores_first_limit_watches_its_permits()
     holders.release(&held[1]).await.expect("release");
     raw.lease_revoke(lease).await.expect("revoke");
 }
+
+/// A client's queue entries reuse their names: etcd keeps a deleted key in
+/// its index until it compacts, and every read of the line walks them all,
+/// so a line whose entries all had new names slowed each join by every
+/// wait before it. Five rounds of three waiting calls on one client: the
+/// line sees at most six names (three at once, and a round's names may
+/// not be free yet when the next begins), where each of its 15 waits had
+/// a new one before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_queue_entries_reuse_their_names() {
+    use distlock_etcd::etcd_client::{EventType, WatchOptions};
+    let server = any_server();
+    let ns = unique_name("names");
+    let url = format!("{}?namespace={ns}", server.url());
+    let mut raw = raw_client(&server.url()).await;
+    let queue = format!("{ns}/lock/reused/waiters/");
+    let end_marker = format!("{ns}/end of test");
+    let mut events = raw
+        .watch(format!("{ns}/"), Some(WatchOptions::new().with_prefix()))
+        .await
+        .expect("watch the namespace");
+    let seen = tokio::spawn({
+        let (queue, end_marker) = (queue.clone(), end_marker.clone());
+        async move {
+            let mut names = Vec::new();
+            while let Some(reply) = events.message().await.expect("watch stream") {
+                for event in reply.events() {
+                    let key = event
+                        .kv()
+                        .map(|kv| String::from_utf8_lossy(kv.key()).into_owned());
+                    match (event.event_type(), key) {
+                        (_, Some(key)) if key == end_marker => return names,
+                        (EventType::Put, Some(key)) => {
+                            names.extend(key.strip_prefix(&queue).map(str::to_owned))
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            names
+        }
+    });
+    let holder = connect(&url).await;
+    let waiters = connect(&url).await;
+    let k = LockKey::new("reused").unwrap();
+    for _ in 0..5 {
+        let held = acquire(&holder, &k, Duration::from_secs(30)).await;
+        let mut tasks = Vec::new();
+        for _ in 0..3 {
+            let (client, k) = (waiters.clone(), k.clone());
+            tasks.push(tokio::spawn(async move {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                let lease = client
+                    .acquire(&k, Duration::from_secs(30), deadline)
+                    .await
+                    .expect("acquire")
+                    .expect("acquired");
+                client.release(&lease).await.expect("release");
+            }));
+        }
+        until_queued(&mut raw, &queue, 3).await;
+        holder.release(&held).await.expect("release");
+        for task in tasks {
+            task.await.expect("waiter");
+        }
+        assert_queue_empties(&mut raw, &queue).await;
+    }
+    raw.put(end_marker.as_str(), "", None)
+        .await
+        .expect("end marker");
+    let names = seen.await.expect("watch task");
+    raw.delete(end_marker.as_str(), None)
+        .await
+        .expect("delete end marker");
+    let distinct: std::collections::BTreeSet<&String> = names.iter().collect();
+    assert!(names.len() >= 15, "fewer entries than waits: {names:?}");
+    assert!(
+        distinct.len() <= 6,
+        "{} entry names for {} entries: {distinct:?}",
+        distinct.len(),
+        names.len()
+    );
+}

@@ -8,6 +8,7 @@ use distlock_core::LockError;
 use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, SortOrder, SortTarget, Txn, TxnOp};
 use etcd_client::{TxnOpResponse, TxnResponse};
 
+use super::slots::Slot;
 use super::{Line, Position, Queues, RETRY_MAX, RETRY_MIN};
 use crate::connection::Etcd;
 use crate::fence::Fence;
@@ -178,7 +179,7 @@ pub(super) async fn put_entry(
         .await?;
     if !reply.succeeded() {
         return Err(LockError::unavailable(
-            "etcd refused a queue entry whose request was given up",
+            "etcd refused a queue entry: its request was given up, or its name is in use",
         ));
     }
     let revision = revision_of(&reply)?;
@@ -242,17 +243,32 @@ fn is_waiter_id(id: &[u8]) -> bool {
 /// Deletes a queue entry in the background, retrying (each attempt under
 /// the operation timeout) while the client lives; a dropped client's
 /// entries go with its session lease.
-pub(super) fn delete_later(client: Weak<Queues>, entry: Vec<u8>, fences: Vec<Fence>) {
+pub(super) fn delete_later(
+    client: Weak<Queues>,
+    entry: Vec<u8>,
+    place: Option<i64>,
+    fences: Vec<Fence>,
+    slot: Option<Slot>,
+) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;
     };
-    runtime.spawn(delete_entry(client, entry, fences));
+    runtime.spawn(delete_entry(client, entry, place, fences, slot));
 }
 
 /// Deletes a queue entry and puts up `fences` (of its puts whose outcome
-/// is unknown) in one transaction, retrying while the client lives.
-pub(super) async fn delete_entry(client: Weak<Queues>, entry: Vec<u8>, fences: Vec<Fence>) {
-    let txn = txn::dequeue(&entry, &fences);
+/// is unknown) in one transaction, retrying while the client lives. With
+/// its `place` known, only the entry created there is deleted, and once
+/// that is answered the entry's name is free again (`slot`); otherwise
+/// the slot is retired (see [`super::slots`]).
+pub(super) async fn delete_entry(
+    client: Weak<Queues>,
+    entry: Vec<u8>,
+    place: Option<i64>,
+    fences: Vec<Fence>,
+    slot: Option<Slot>,
+) {
+    let txn = txn::dequeue(&entry, place, &fences);
     let mut pause = RETRY_MIN;
     loop {
         let Some(queues) = client.upgrade() else {
@@ -270,7 +286,12 @@ pub(super) async fn delete_entry(client: Weak<Queues>, entry: Vec<u8>, fences: V
             .await;
         drop(queues);
         match result {
-            Ok(_) => return,
+            Ok(_) => {
+                if let Some(slot) = slot.filter(|_| place.is_some()) {
+                    slot.free();
+                }
+                return;
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "could not delete an etcd queue entry; retrying");
                 tokio::time::sleep(pause).await;

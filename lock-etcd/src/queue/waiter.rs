@@ -9,6 +9,7 @@ use std::time::Duration;
 use distlock_core::{Departure, ErrorKind, LockError, OwnerToken, ReleaseWatch};
 
 use super::entries::{delete_entry, look_up, looked_up, put_entry};
+use super::slots::Slot;
 use super::{
     target_of, watch_target, Line, Position, Queues, Seat, TargetWatch, RETRY_MAX, RETRY_MIN,
 };
@@ -47,6 +48,9 @@ pub(super) struct Waiter {
     /// The entry was put again (its first one lost): it is deleted at the
     /// end even if an acquire took the lock out of line.
     pub(super) requeued: bool,
+    /// The number in the entry's name: freed for another waiter once the
+    /// entry is known deleted, else retired (see [`super::slots`]).
+    pub(super) slot: Slot,
     /// Dropped with the task, once the entry is deleted: the caller's
     /// [`ReleaseWatch::close`] waits for it.
     pub(super) _departure: Departure,
@@ -154,11 +158,21 @@ impl Waiter {
         if let (Some((owner, seat)), Some(queues)) = (&self.seat, self.queues()) {
             queues.unseat(*owner, seat);
         }
+        // An attempt still in flight, or unanswered, may yet delete the
+        // entry by its name: the name is retired then (see `slots`).
+        let settled = self.seat.as_ref().is_none_or(|(_, seat)| seat.settled());
         if self.taken() && !self.requeued && self.fences.is_empty() {
             // The acquire that took the lock deleted the entry.
+            if settled {
+                self.slot.free();
+            }
             return;
         }
-        delete_entry(self.client.clone(), self.entry.clone(), self.fences).await;
+        // A put of the entry whose outcome is unknown may have moved its
+        // place: the delete then takes whatever entry has the name.
+        let place = self.fences.is_empty().then_some(self.place);
+        let slot = settled.then_some(self.slot);
+        delete_entry(self.client.clone(), self.entry, place, self.fences, slot).await;
     }
 
     /// Reads our predecessor and the lock key; watches the new predecessor,
