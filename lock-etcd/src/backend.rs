@@ -419,13 +419,16 @@ impl LockBackend for EtcdLock {
         if let Some(seat) = &mut seat {
             seat.sending();
         }
+        let sent_again = self.etcd().requests.sent_again();
         let reply = if request.renewing {
             self.inner.sessions.acquire(request, turn, deadline).await
         } else {
             self.acquire_on_own_lease(request, turn, deadline).await
         };
         if let Some(seat) = &mut seat {
-            seat.answered(reply.is_ok());
+            // A try of it that went unanswered (this client sent some
+            // request again meanwhile) may still be applied after it.
+            seat.answered(reply.is_ok() && self.etcd().requests.sent_again() == sent_again);
         }
         if let (Ok(AcquireReply::Granted(_)), Some(seat)) = (&reply, &seat) {
             // Its entry went with the grant (or was gone already).

@@ -338,7 +338,8 @@ impl Seat {
     }
 
     /// Whether no attempt that claimed this seat can still be applied:
-    /// none is in flight, and each that sent its transaction was answered.
+    /// none is in flight, and each that sent its transaction was answered
+    /// (by its only try: see [`Claim::answered`]).
     /// An attempt that takes the lock deletes the waiter's entry, by its
     /// name: one applied later would delete a newer entry of that name, so
     /// the name is reused only if this holds ([`slots`]). Asked once the
@@ -373,8 +374,9 @@ impl Claim {
         self.sent = true;
     }
 
-    /// It was answered: `applied` (or refused: its outcome known), or an
-    /// error (its outcome may be unknown).
+    /// It was answered, its outcome `known` (applied or refused, and no
+    /// earlier try of it can still be applied: the client sent no request
+    /// again after a try that got no answer meanwhile), or not (an error).
     pub(crate) fn answered(&mut self, known: bool) {
         if known {
             self.sent = false;

@@ -3,6 +3,7 @@
 //! [`crate::errors`]' business).
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -47,6 +48,9 @@ pub(crate) struct Requests {
     /// Told when a member may be at fault (clients with several endpoints
     /// that [`EtcdLock`](crate::EtcdLock) connected itself).
     health: Option<Arc<Health>>,
+    /// Requests sent again after a try whose outcome was unknown, which
+    /// may still be applied after the one that answered.
+    sent_again: Arc<AtomicU64>,
 }
 
 impl Requests {
@@ -60,7 +64,15 @@ impl Requests {
             options,
             failover: endpoints > 1,
             health,
+            sent_again: Arc::default(),
         }
+    }
+
+    /// How many requests this client sent again after a try whose outcome
+    /// was unknown, so far: a call that saw this move may have a request
+    /// that is still applied after its answer.
+    pub(crate) fn sent_again(&self) -> u64 {
+        self.sent_again.load(Ordering::Acquire)
     }
 
     /// Something failed that may be a member's fault: check the members.
@@ -190,6 +202,9 @@ impl Requests {
                         None => error,
                     });
                 }
+                if last.as_ref().is_none_or(|e| failure(e) == Failure::Unknown) {
+                    self.sent_again.fetch_add(1, Ordering::AcqRel);
+                }
                 tracing::debug!(request = what, error = %error, "etcd request failed on the way; sending it again");
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(MAX_PAUSE);
@@ -202,4 +217,40 @@ impl Requests {
 /// `duration` to whole milliseconds, for messages.
 fn millis(duration: Duration) -> Duration {
     Duration::from_millis(u64::try_from(duration.as_millis()).unwrap_or(u64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A try that got no answer may still be applied: sending the request
+    /// again is counted, so a caller can tell its answer may not be the
+    /// last word.
+    #[tokio::test]
+    async fn a_request_sent_again_after_no_answer_is_counted() {
+        let requests = Requests::new(ClientOptions::default(), 1, None);
+        let mut tries = 0;
+        let reply = requests
+            .send_within(
+                Duration::from_secs(3),
+                "test request",
+                Repeat::Safe,
+                || {
+                    tries += 1;
+                    let first = tries == 1;
+                    async move {
+                        if first {
+                            // Past the try's share of the time (1 s).
+                            tokio::time::sleep(Duration::from_secs(5)).await;
+                        }
+                        Ok::<_, etcd_client::Error>(tries)
+                    }
+                },
+                |_| false,
+            )
+            .await
+            .expect("the second try answers");
+        assert_eq!(reply, 2);
+        assert_eq!(requests.sent_again(), 1);
+    }
 }
