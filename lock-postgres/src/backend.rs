@@ -26,6 +26,10 @@ use crate::semaphore::Semaphores;
 use crate::sql::{self, Arg, Call, GiveBack, Protocol, Sql, Statements};
 use crate::sweep::{SweepJob, Sweeper, SweptTable};
 
+/// How much later than the connect timeout the bound around connecting
+/// ends (see `PostgresLock::with_config`).
+const CONNECT_BOUND_SLACK: Duration = Duration::from_millis(250);
+
 /// A lock backend on a PostgreSQL lock table.
 ///
 /// Each lock is one row `(namespace, key, owner, fencing, expires_at,
@@ -153,7 +157,13 @@ impl PostgresLock {
         // down meanwhile. `listen_url`'s are read at each listener connect.
         let connect = config.tls().loaded(connect).await?;
         config.listen_tls().check_files().await?;
-        let pool = distlock_core::with_timeout(timeout, "connecting to PostgreSQL", async {
+        // sqlx retries a refused connection until its acquire timeout, then
+        // says so (`PoolTimedOut`: unavailable, nothing answers there). The
+        // bound for a connect that hangs ends a little later: at the same
+        // moment it raced sqlx's own answer, and a server that is not
+        // running was reported as a timeout about one time in three.
+        let bound = timeout + CONNECT_BOUND_SLACK;
+        let pool = distlock_core::with_timeout(bound, "connecting to PostgreSQL", async {
             PgPoolOptions::new()
                 .max_connections(config.max_connections())
                 .min_connections(0)
