@@ -645,4 +645,91 @@ mod tests {
         assert_ne!(last, first, "a retired name came back");
         watch.close(bound).await;
     }
+
+    /// A renewing acquire answered only after the client sent some request
+    /// again (a try of it that went unanswered may still be applied) keeps
+    /// its fence due: once the lock is released, the session's undo puts
+    /// the fence up, and a copy of the acquire that the server applies only
+    /// then writes nothing. Were the fence settled by the answer, that copy
+    /// would put the lock back on the session lease: held by nobody, kept
+    /// alive by the client's keep-alives, taken by nobody while it lives.
+    #[tokio::test]
+    async fn an_acquire_sent_again_is_fenced_once_released() {
+        use distlock_conformance::server::{Etcd as EtcdServer, ServerProcess};
+        use etcd_client::{Compare, CompareOp, PutOptions, TxnOp};
+        let server = ServerProcess::start(Arc::new(EtcdServer)).expect("an etcd server must start");
+        let lock = EtcdLock::connect(&server.url()).await.expect("connect");
+        let mut raw = etcd_client::Client::connect([server.addr().to_string()], None)
+            .await
+            .expect("raw client");
+        let key = LockKey::new("sent-again").expect("key");
+        let owner = OwnerToken::random();
+        let attached = Attached::lock(&lock.etcd().layout, &key, owner);
+        let value = encode_value(owner);
+        let sessions = &lock.inner.sessions;
+        let deadline = lock.etcd().requests.deadline();
+        let session = sessions
+            .session(Duration::from_secs(3), deadline)
+            .await
+            .expect("a session");
+        let lease = session.lease_id();
+        let mut late = None;
+        let mut fence_key = Vec::new();
+        let (reply, tracked_from) = sessions
+            .attach(&session, &attached, deadline, |fence, raise| {
+                assert!(raise.is_empty(), "no earlier request to fence");
+                fence_key = fence.key().to_vec();
+                // The acquire's write, fenced, on the session lease.
+                let put = etcd_client::Txn::new()
+                    .when([
+                        fence.down(),
+                        Compare::create_revision(attached.key(), CompareOp::Equal, 0),
+                    ])
+                    .and_then([TxnOp::put(
+                        attached.key(),
+                        value.clone(),
+                        Some(PutOptions::new().with_lease(lease)),
+                    )]);
+                late = Some(put.clone());
+                // Its first try went unanswered: sent again.
+                lock.etcd().requests.count_sent_again();
+                put
+            })
+            .await
+            .expect("the acquire");
+        assert!(reply.succeeded(), "the acquire took the free lock");
+        let created = reply.header().expect("a header").revision();
+        let fencing = FencingToken::new(u64::try_from(created).expect("a revision"));
+        let grant = Sessions::granted(&session, &attached, fencing, tracked_from).expect("granted");
+        let released = lock
+            .release(HeldLock {
+                key: &key,
+                owner,
+                fencing,
+                handle: grant.handle,
+            })
+            .await
+            .expect("release");
+        assert_eq!(released, ReleaseReply::Released);
+        // The undo runs in the session's task (within a keep-alive period).
+        let until = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < until {
+            let fence = raw
+                .get(fence_key.clone(), None)
+                .await
+                .expect("read the fence");
+            if !fence.kvs().is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        raw.txn(late.expect("the acquire was sent"))
+            .await
+            .expect("the late copy");
+        let left = raw.get(attached.key(), None).await.expect("read the lock");
+        assert!(
+            left.kvs().is_empty(),
+            "a late copy of a released acquire put the lock back on the session lease"
+        );
+    }
 }

@@ -75,6 +75,12 @@ impl Requests {
         self.sent_again.load(Ordering::Acquire)
     }
 
+    /// Counts a request sent again, as a try that went unanswered does.
+    #[cfg(test)]
+    pub(crate) fn count_sent_again(&self) {
+        self.sent_again.fetch_add(1, Ordering::AcqRel);
+    }
+
     /// Something failed that may be a member's fault: check the members.
     pub(crate) fn suspect(&self) {
         if let Some(health) = &self.health {

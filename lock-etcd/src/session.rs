@@ -285,7 +285,9 @@ impl Sessions {
     /// and putting up `raise` (the fences of the owner's earlier requests
     /// whose outcome is unknown). Returns its reply and the instant the key
     /// is tracked from. On an error (unknown outcome) the key is still
-    /// tracked; the caller has it undone.
+    /// tracked; the caller has it undone. Answered after the client sent
+    /// some request again, the fence stays pending (a try of this one may
+    /// be applied later): releasing the key then undoes it too.
     pub(crate) async fn attach(
         &self,
         session: &Session,
@@ -301,11 +303,18 @@ impl Sessions {
         // so the client's lease ends before that undo.
         let tracked_from = Instant::now();
         let raise = session.begin(attached, &fence, tracked_from);
+        let sent_again = self.etcd.requests.sent_again();
         let reply = self
             .etcd
             .run_txn_until(deadline, IN_LOCK_CALL, Repeat::Safe, write(&fence, &raise))
             .await?;
-        session.settled(attached.id(), &raise, &fence);
+        // A try that went unanswered before the one that answered (this
+        // client sent some request again meanwhile) may still be applied
+        // after it, even after a release: its fence stays pending, so the
+        // release leaves the key due for an undo that puts the fence up.
+        if self.etcd.requests.sent_again() == sent_again {
+            session.settled(attached.id(), &raise, &fence);
+        }
         Ok((reply, tracked_from))
     }
 
