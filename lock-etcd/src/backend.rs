@@ -18,6 +18,7 @@ use crate::config::{EtcdConfig, MAX_TTL, MIN_TTL};
 use crate::connection::Etcd;
 use crate::errors;
 use crate::keys::encode_value;
+use crate::permit_names::PermitNames;
 use crate::queue::{Line, Queues};
 use crate::requests::Repeat;
 use crate::session::{self, Attached, Session, Sessions};
@@ -132,6 +133,8 @@ pub(crate) struct Inner {
     pub(crate) sessions: Arc<Sessions>,
     /// The waiter queues, woken through the watch stream.
     pub(crate) queues: Arc<Queues>,
+    /// The names of this client's permits, reused.
+    pub(crate) permit_names: PermitNames,
     /// The most reads a batched confirm puts in one transaction: etcd's
     /// default `--max-txn-ops`, lowered if the server refuses that many.
     pub(crate) txn_ops: AtomicUsize,

@@ -17,6 +17,7 @@ use crate::errors;
 use crate::health::Health;
 use crate::keys::KeyLayout;
 use crate::listener::EtcdWatches;
+use crate::permit_names::PermitNames;
 use crate::queue::Queues;
 use crate::requests::{self, Repeat, Requests};
 use crate::session::Sessions;
@@ -126,6 +127,7 @@ impl EtcdLock {
                 config,
                 sessions,
                 queues,
+                permit_names: PermitNames::default(),
                 txn_ops: AtomicUsize::new(crate::txn::MAX_TXN_OPS),
             }),
         })

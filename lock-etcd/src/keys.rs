@@ -36,10 +36,13 @@
 //! A counting semaphore on user key `k` lives under its own base
 //! `NS/lock/%sem/<escape(k)>` (see [`crate::semaphore`]):
 //!
-//! - `<base>/permits/<32 hex digits of the owner token>`: one permit, on
-//!   an etcd lease of its own (or its client's session lease), value
+//! - `<base>/permits/<client>-<slot>`: one permit, on an etcd lease of
+//!   its own (or its client's session lease), value
 //!   `dl1:<owner hex>/<limit>` (the limit it was granted under; all live
-//!   permits carry the same one);
+//!   permits carry the same one). The name is a random id of the client
+//!   and a number it reuses (see [`crate::permit_names`]); permits named by
+//!   their owner's 32 hex digits, as clients before 0.1.0 wrote them, are
+//!   read as well;
 //! - `<base>/holders/<32 hex digits of the owner token>`: the holder label
 //!   of that owner's permit, valued `dl1:<owner hex>/<label>` as a lock's,
 //!   on the permit's lease, written in the transaction that puts the
@@ -148,10 +151,10 @@ impl KeyLayout {
         out
     }
 
-    /// The permit of `owner` in the semaphore `key`.
-    pub(crate) fn permit_key(&self, key: &LockKey, owner: OwnerToken) -> Vec<u8> {
+    /// The permit named `name` in the semaphore `key`.
+    pub(crate) fn permit_key(&self, key: &LockKey, name: &[u8]) -> Vec<u8> {
         let mut out = self.permits_prefix(key);
-        out.extend_from_slice(owner.to_hex().as_bytes());
+        out.extend_from_slice(name);
         out
     }
 
@@ -324,13 +327,13 @@ mod tests {
             "ключ",
         ];
         let keys: Vec<LockKey> = keys.iter().map(|k| LockKey::new(*k).unwrap()).collect();
-        let owner = OwnerToken::random();
+        let name = b"0123456789abcdef-0";
         for k in &keys {
             let base = layout.semaphore_base(k);
             assert!(base.starts_with(layout.prefix().as_bytes()));
             let mine = [
                 layout.permits_prefix(k),
-                layout.permit_key(k, owner),
+                layout.permit_key(k, name),
                 layout.permit_queue_prefix(k),
             ];
             for m in &mine {
@@ -350,7 +353,7 @@ mod tests {
                 if other != k {
                     let mut theirs = layout.semaphore_base(other);
                     theirs.push(b'/');
-                    assert!(!layout.permit_key(k, owner).starts_with(&theirs));
+                    assert!(!layout.permit_key(k, name).starts_with(&theirs));
                     assert!(!layout.permit_queue_prefix(k).starts_with(&theirs));
                 }
             }
@@ -367,7 +370,7 @@ mod tests {
         let marker = layout.format();
         assert_eq!(marker, "distlock/lock/%format");
         let marker = marker.as_bytes();
-        let owner = OwnerToken::random();
+        let name = b"0123456789abcdef-0";
         for k in ["%format", "format", "%", "%f", "a", "%sem", "%25format"] {
             let k = LockKey::new(k).unwrap();
             for base in [layout.lock_key(&k), layout.semaphore_base(&k)] {
@@ -376,7 +379,7 @@ mod tests {
                 below.push(b'/');
                 assert!(!marker.starts_with(&below));
             }
-            assert_ne!(layout.permit_key(&k, owner).as_slice(), marker);
+            assert_ne!(layout.permit_key(&k, name).as_slice(), marker);
         }
     }
 

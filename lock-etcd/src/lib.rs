@@ -113,9 +113,11 @@
 //!
 //! [`EtcdLock`] is also a [`SemaphoreBackend`](distlock_core::SemaphoreBackend)
 //! (at most N holders of a key: [`LockOptions::with_permits`](distlock_core::LockOptions::with_permits)).
-//! A permit is the key `NS/lock/%sem/<escaped key>/permits/<owner token
-//! in hex>`, valued `dl1:<owner token in hex>/<limit>`, on an etcd lease of
-//! its own with the permit's TTL. A permit whose guard renews it goes on
+//! A permit is the key `NS/lock/%sem/<escaped key>/permits/<client>-<slot>`
+//! (a name its client reuses once the acquisition that had it ended: every
+//! attempt reads the whole range, and etcd walks each key it ever had until
+//! it compacts), valued `dl1:<owner token in hex>/<limit>`, on an etcd
+//! lease of its own with the permit's TTL. A permit whose guard renews it goes on
 //! the client's session lease of that TTL instead, as a renewed lock: a
 //! holder that stops renewing it (or dies) frees it within that TTL, and
 //! renewing it is one confirming request. The
@@ -253,10 +255,12 @@ mod fence;
 mod health;
 mod keys;
 mod listener;
+mod permit_names;
 mod queue;
 mod requests;
 mod semaphore;
 mod session;
+mod slots;
 #[cfg(feature = "tls")]
 mod tls;
 mod txn;

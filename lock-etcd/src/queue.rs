@@ -89,7 +89,6 @@
 
 mod entries;
 mod line;
-mod slots;
 mod waiter;
 
 use std::collections::HashMap;
@@ -111,10 +110,10 @@ use crate::keys::{decode_value, KeyLayout};
 use crate::listener::{EtcdWatches, Topic};
 use crate::requests::Repeat;
 use crate::session::Sessions;
+use crate::slots::Slots;
 use crate::txn::Turn;
 use entries::{delete_later, is_foreign, put_entry};
 pub(crate) use line::Line;
-use slots::Slots;
 use waiter::Waiter;
 
 /// Pauses between retries of a failed look-up or entry delete.
@@ -132,7 +131,13 @@ pub(crate) struct Queues {
     pub(crate) waiting: ReleaseNotifier,
     /// Numbers this client's waiting calls.
     next_waiter: AtomicU64,
-    /// The numbers in its queue entries' names, reused ([`slots`]).
+    /// The numbers in its queue entries' names, reused ([`crate::slots`]).
+    /// A name is reused only once its entry is known deleted and no
+    /// request that names it can still be applied: a late put would come
+    /// back under someone else's wait, and a late delete would take the new
+    /// entry (each delete names the place it deletes, see
+    /// [`crate::txn::dequeue`], and attempts whose outcome is unknown
+    /// retire the name).
     slots: Arc<Slots>,
     /// The places of this client's lock waiters, by their owner tokens.
     seats: Mutex<HashMap<OwnerToken, Arc<Seat>>>,
@@ -342,7 +347,7 @@ impl Seat {
     /// (by its only try: see [`Claim::answered`]).
     /// An attempt that takes the lock deletes the waiter's entry, by its
     /// name: one applied later would delete a newer entry of that name, so
-    /// the name is reused only if this holds ([`slots`]). Asked once the
+    /// the name is reused only if this holds ([`crate::slots`]). Asked once the
     /// seat is unregistered, when no new attempt can claim it.
     fn settled(&self) -> bool {
         self.in_flight.load(Ordering::Acquire) == 0 && !self.unsettled.load(Ordering::Acquire)
@@ -508,8 +513,8 @@ async fn join(
     let etcd = &queues.etcd;
     // Unique in the cluster: the entry's name has this session lease's id,
     // which etcd never hands out twice, and a slot number no other waiter
-    // of this client holds (reused once free: see `slots`). Session and
-    // entry share one operation timeout.
+    // of this client holds (reused once free: see `Queues::slots`). Session
+    // and entry share one operation timeout.
     let deadline = etcd.requests.deadline();
     let session = match queues.sessions.session(MIN_TTL, deadline).await {
         Ok(session) => session,

@@ -3,8 +3,9 @@
 //! renews it.
 //!
 //! The permits of semaphore `k` are the keys below
-//! `NS/lock/%sem/<escaped k>/permits/`, one per holder, named by its owner
-//! token (see [`crate::keys`]) and valued `dl1:<owner>/<limit>`. etcd
+//! `NS/lock/%sem/<escaped k>/permits/`, one per holder, named by its client
+//! with a name the client reuses (see [`crate::permit_names`] and
+//! [`crate::keys`]) and valued `dl1:<owner>/<limit>`. etcd
 //! deletes a permit when its lease runs out, by its own clock, so the keys
 //! present are exactly the live permits; their create revisions order them
 //! and are their fencing tokens (etcd's global revision: strictly greater
@@ -74,15 +75,18 @@ use distlock_core::{
 use etcd_client::{GetOptions, KeyValue, SortOrder, SortTarget, TxnResponse};
 
 use crate::backend::EtcdLock;
-use crate::keys::{decode_holder, decode_permit, encode_permit};
+use crate::keys::{decode_holder, decode_permit};
 use crate::queue::Line;
 use crate::requests::Repeat;
 use crate::session::{Attached, Session, Sessions};
+use crate::slots::is_slot_name;
 use crate::txn;
 
 /// A live permit, as read.
 #[derive(Debug)]
 struct Permit {
+    /// Its key below the permits prefix.
+    name: Vec<u8>,
     owner: OwnerToken,
     limit: u32,
     /// Its fencing token.
@@ -98,8 +102,13 @@ fn parse(lock: &EtcdLock, key: &LockKey, kvs: &[KeyValue]) -> Result<Vec<Permit>
         .map(|kv| {
             let name = kv.key().strip_prefix(prefix.as_slice()).unwrap_or_default();
             match decode_permit(kv.value()) {
-                Some((owner, limit)) if kv.lease() != 0 && name == owner.to_hex().as_bytes() => {
+                // Named by a client (or, before 0.1.0, by its owner).
+                Some((owner, limit))
+                    if kv.lease() != 0
+                        && (is_slot_name(name) || name == owner.to_hex().as_bytes()) =>
+                {
                     Ok(Permit {
+                        name: name.to_vec(),
                         owner,
                         limit,
                         created: kv.create_revision(),
@@ -145,6 +154,29 @@ impl EtcdLock {
             })
             .await?;
         parse(self, key, reply.kvs())
+    }
+}
+
+impl EtcdLock {
+    /// What `permit` is attached as: its name from this client's
+    /// [`crate::permit_names`], or, if the client has none for it (lost
+    /// track after an extend found it gone), from a read of the permits;
+    /// `None` if no permit of its owner and fencing token is there.
+    async fn held_permit(&self, permit: &HeldLock<'_>) -> Result<Option<Attached>, LockError> {
+        let layout = &self.etcd().layout;
+        let named = match self.inner.permit_names.of(permit.owner, permit.fencing) {
+            Some(named) => Some(named),
+            None => {
+                let deadline = self.etcd().requests.deadline();
+                self.read_permits(permit.key, deadline)
+                    .await?
+                    .into_iter()
+                    .find(|p| p.owner == permit.owner && token(p.created) == permit.fencing)
+                    .map(|p| (p.name, p.limit))
+            }
+        };
+        Ok(named
+            .map(|(name, limit)| Attached::permit(layout, permit.key, permit.owner, &name, limit)))
     }
 }
 
@@ -311,8 +343,7 @@ impl EtcdLock {
 impl SemaphoreBackend for EtcdLock {
     async fn acquire_permit(&self, request: PermitRequest<'_>) -> Result<PermitReply, LockError> {
         let key = request.key;
-        let attached = Attached::permit(&self.etcd().layout, key, request.owner);
-        let value = encode_permit(request.owner, request.limit);
+        let names = &self.inner.permit_names;
         // The read, the grant (of a lease, or of the session's first) and
         // the transaction share one operation timeout.
         let deadline = self.etcd().requests.deadline();
@@ -320,31 +351,61 @@ impl SemaphoreBackend for EtcdLock {
         let earlier = before.iter().find(|p| p.owner == request.owner);
         if earlier.is_none() {
             if let Some(refusal) = decide(&before, before.len(), request.limit) {
+                names.done(request.owner);
                 return Ok(refusal);
             }
         }
-        let (reply, on) = self.join(&request, &attached, &value, deadline).await?;
+        let name = names.for_attempt(
+            request.owner,
+            request.limit,
+            earlier.map(|p| p.name.as_slice()),
+        );
+        let attached = Attached::permit(
+            &self.etcd().layout,
+            key,
+            request.owner,
+            &name,
+            request.limit,
+        );
+        let value = attached.value().to_vec();
+        let (reply, on) = match self.join(&request, &attached, &value, deadline).await {
+            Ok(joined) => joined,
+            Err(e) => {
+                // Undone by `join`; a late copy can touch no other
+                // acquisition's permit under the name (see
+                // `crate::permit_names`).
+                names.done(request.owner);
+                return Err(e);
+            }
+        };
         let (put, kvs) = txn::joined_permits(&reply);
         let now = match parse(self, key, &kvs) {
             Ok(now) => now,
             Err(e) => {
                 self.give_back(&on, &attached, None);
+                names.done(request.owner);
                 return Err(e);
             }
         };
-        let place = match (now.iter().position(|p| p.owner == request.owner), put) {
+        let mine = now
+            .iter()
+            .position(|p| p.owner == request.owner && p.name == name);
+        let place = match (mine, put) {
             (Some(place), true) => place,
             (None, false) => {
-                // Nothing put and no permit there: only the fence of a
-                // renewing attempt does that, put up by the session's undo
-                // of this attempt once it ran a TTL late. Try again at once.
+                // Nothing put: the name holds another acquisition's permit
+                // (one put late, before its undo), or this attempt's fence
+                // is up (the session's undo of it ran a TTL late). Try again
+                // at once, under another name.
                 self.unused(&on, &attached);
+                names.taken(request.owner);
                 return Ok(PermitReply::Full {
                     expires_in: Some(Duration::ZERO),
                 });
             }
             _ => {
                 self.unused(&on, &attached);
+                names.done(request.owner);
                 return Err(LockError::corrupted(
                     "the semaphore's etcd permit for this owner holds a value distlock did not write; it was left untouched — remove it or use another namespace",
                 ));
@@ -365,6 +426,7 @@ impl SemaphoreBackend for EtcdLock {
         if let Some(refusal) = decide(&now, place, request.limit) {
             // Out of the line again: giving it back deletes the entry.
             self.give_back(&on, &attached, Some(fencing));
+            names.done(request.owner);
             return Ok(refusal);
         }
         let grant = match on {
@@ -372,9 +434,16 @@ impl SemaphoreBackend for EtcdLock {
                 Grant::new(fencing, granted).with_handle(handle(lease_id))
             }
             OnLease::Session(session, tracked_from) => {
-                Sessions::granted(&session, &attached, fencing, tracked_from)?
+                match Sessions::granted(&session, &attached, fencing, tracked_from) {
+                    Ok(grant) => grant,
+                    Err(e) => {
+                        names.done(request.owner);
+                        return Err(e);
+                    }
+                }
             }
         };
+        names.granted(request.owner, fencing);
         Ok(PermitReply::Granted(grant))
     }
 
@@ -383,20 +452,30 @@ impl SemaphoreBackend for EtcdLock {
         permit: HeldLock<'_>,
         ttl: Duration,
     ) -> Result<ExtendReply, LockError> {
-        let attached = Attached::permit(&self.etcd().layout, permit.key, permit.owner);
+        let Some(attached) = self.held_permit(&permit).await? else {
+            return Ok(ExtendReply::NotHeld);
+        };
         let label = self
             .etcd()
             .layout
             .permit_holder_key(permit.key, permit.owner);
         let fencing = i64::try_from(permit.fencing.get()).unwrap_or(i64::MAX);
-        self.renew(&attached, permit, ttl, |new_lease| {
-            txn::move_permit(attached.key(), &label, fencing, new_lease)
-        })
-        .await
+        let reply = self
+            .renew(&attached, permit, ttl, |new_lease| {
+                txn::move_permit(attached.key(), &label, fencing, new_lease)
+            })
+            .await;
+        if matches!(reply, Ok(ExtendReply::NotHeld)) {
+            // Lost: its acquisition is over.
+            self.inner.permit_names.ended(permit.owner, permit.fencing);
+        }
+        reply
     }
 
     async fn release_permit(&self, permit: HeldLock<'_>) -> Result<ReleaseReply, LockError> {
-        let attached = Attached::permit(&self.etcd().layout, permit.key, permit.owner);
+        let Some(attached) = self.held_permit(&permit).await? else {
+            return Ok(ReleaseReply::NotHeld);
+        };
         let label = self
             .etcd()
             .layout
@@ -404,7 +483,11 @@ impl SemaphoreBackend for EtcdLock {
         let fencing = i64::try_from(permit.fencing.get()).unwrap_or(i64::MAX);
         // The deletion wakes the first waiters (their watch).
         let release = txn::release_permit(attached.key(), &label, fencing);
-        self.release_with(&attached, permit.handle, release).await
+        let reply = self.release_with(&attached, permit.handle, release).await;
+        // Whatever the answer, a copy of the release applied later deletes
+        // only the permit created at `fencing`: the name may be reused.
+        self.inner.permit_names.ended(permit.owner, permit.fencing);
+        reply
     }
 
     async fn watch_permits(
@@ -430,9 +513,11 @@ mod tests {
     use etcd_client::Client;
 
     use super::*;
+    use crate::keys::encode_permit;
 
     fn permit(limit: u32) -> Permit {
         Permit {
+            name: b"0123456789abcdef-0".to_vec(),
             owner: OwnerToken::random(),
             limit,
             created: 1,
@@ -489,11 +574,14 @@ mod tests {
         txn::Label { key, value: None }
     }
 
-    /// The permits prefix of semaphore `name`, and `owner`'s permit key.
-    fn permit_of(name: &str, owner: OwnerToken) -> (Vec<u8>, Vec<u8>) {
+    /// The permits prefix of semaphore `name`, and a permit key in it.
+    fn permit_of(name: &str) -> (Vec<u8>, Vec<u8>) {
         let layout = crate::keys::KeyLayout::new("ns");
         let key = LockKey::new(name).expect("a valid key");
-        (layout.permits_prefix(&key), layout.permit_key(&key, owner))
+        (
+            layout.permits_prefix(&key),
+            layout.permit_key(&key, b"0123456789abcdef-0"),
+        )
     }
 
     /// A permit attempt whose outcome was unknown is undone by revoking its
@@ -504,7 +592,7 @@ mod tests {
     async fn a_permit_attempt_applied_after_its_undo_takes_nothing() {
         let (_server, mut client) = etcd().await;
         let owner = OwnerToken::random();
-        let (permits, key) = permit_of("late", owner);
+        let (permits, key) = permit_of("late");
         let value = encode_permit(owner, 1);
         let lease = client.lease_grant(60, None).await.expect("lease").id();
         let late = txn::join_permits(&key, &value, &unlabelled(&key), lease, &permits, None, &[]);
@@ -547,7 +635,7 @@ mod tests {
         let layout = crate::keys::KeyLayout::new("ns");
         let key = LockKey::new("late-session").expect("a valid key");
         let owner = OwnerToken::random();
-        let attached = Attached::permit(&layout, &key, owner);
+        let attached = Attached::permit(&layout, &key, owner, b"0123456789abcdef-0", 1);
         let permits = layout.permits_prefix(&key);
         let value = encode_permit(owner, 1);
         let session = client.lease_grant(60, None).await.expect("lease").id();
@@ -566,7 +654,7 @@ mod tests {
         let late = join(Some(&fence));
         let undo = txn::undo_session_lock(
             attached.key(),
-            None,
+            attached.value(),
             None,
             session,
             None,
@@ -593,7 +681,7 @@ mod tests {
     async fn joining_again_adopts_the_permit() {
         let (_server, mut client) = etcd().await;
         let owner = OwnerToken::random();
-        let (permits, key) = permit_of("adopt", owner);
+        let (permits, key) = permit_of("adopt");
         let value = encode_permit(owner, 2);
         let first = client.lease_grant(60, None).await.expect("lease").id();
         let second = client.lease_grant(60, None).await.expect("lease").id();
@@ -643,5 +731,65 @@ mod tests {
         let (put, found) = txn::joined_permits(&reply);
         assert!(!put, "a value that is not the attempt's was overwritten");
         assert_eq!(found[0].value(), value.as_slice());
+    }
+
+    /// A permit's name is reused by a later acquisition of its client, and
+    /// requests of the earlier one may still be applied after: the
+    /// session's undo of the earlier permit (its outcome unknown, so no
+    /// fencing token to compare) leaves the newer permit under the name
+    /// alone, and so does a late copy of the earlier attempt. The control:
+    /// the same undo deletes the earlier permit itself.
+    #[tokio::test]
+    async fn a_late_request_of_an_earlier_permit_leaves_its_names_next_permit_alone() {
+        let (_server, mut client) = etcd().await;
+        let layout = crate::keys::KeyLayout::new("ns");
+        let key = LockKey::new("reused").expect("a valid key");
+        let name = b"0123456789abcdef-0";
+        let permits = layout.permits_prefix(&key);
+        let session = client.lease_grant(60, None).await.expect("lease").id();
+        let (earlier, later) = (OwnerToken::random(), OwnerToken::random());
+        let earlier = Attached::permit(&layout, &key, earlier, name, 2);
+        let later = Attached::permit(&layout, &key, later, name, 2);
+        let join = |attached: &Attached| {
+            let fence = attached.fence(session);
+            txn::join_permits(
+                attached.key(),
+                attached.value(),
+                &unlabelled(attached.key()),
+                session,
+                &permits,
+                Some(&fence),
+                &[],
+            )
+        };
+        let undo = |attached: &Attached| {
+            txn::undo_session_lock(
+                attached.key(),
+                attached.value(),
+                None,
+                session,
+                None,
+                &attached.fence(session),
+                &[],
+            )
+        };
+        let late = join(&earlier);
+        client.txn(join(&later)).await.expect("the later permit");
+        client.txn(undo(&earlier)).await.expect("the earlier undo");
+        let reply = client.txn(late).await.expect("the earlier attempt");
+        let (put, _) = txn::joined_permits(&reply);
+        assert!(!put, "a late attempt wrote over the name's next permit");
+        let left = client.get(later.key(), None).await.expect("read");
+        assert_eq!(
+            left.kvs().first().map(KeyValue::value),
+            Some(later.value()),
+            "the name's next permit is gone"
+        );
+        client.txn(undo(&later)).await.expect("control undo");
+        let left = client.get(later.key(), None).await.expect("read");
+        assert!(
+            left.kvs().is_empty(),
+            "control: the undo deletes its own permit"
+        );
     }
 }

@@ -36,7 +36,7 @@ use tokio::sync::watch;
 
 use crate::connection::Etcd;
 use crate::fence::Fence;
-use crate::keys::{encode_value, KeyLayout};
+use crate::keys::{encode_permit, encode_value, KeyLayout};
 use crate::requests::Repeat;
 use crate::txn::{self, AcquireOutcome};
 use keepalive::Task;
@@ -76,15 +76,15 @@ fn answer_count(sent: usize, got: usize) -> LockError {
 #[derive(Debug, Clone)]
 pub(crate) struct Attached {
     bytes: Arc<[u8]>,
-    /// What the session tracks it by, unique per acquisition: a lock's
-    /// value, a permit's key (each names the owner token).
+    /// What the session tracks it by, unique per acquisition: its value
+    /// (each names the owner token; a permit's holds its limit too).
     id: Span,
     /// Its etcd key.
     key: Span,
-    /// The value a confirm or undo compares: a lock's; none for a permit,
-    /// whose key names its owner (its value holds the limit, which extend
-    /// and release are not told).
-    value: Option<Span>,
+    /// The value a confirm or undo compares: a permit's name is reused
+    /// by later acquisitions (see [`crate::permit_names`]), whose permits
+    /// hold other owners.
+    value: Span,
     /// Its holder-label key, which goes with it.
     label_key: Option<Span>,
     /// The key its requests' fences go below (see [`crate::keys`]): never
@@ -134,24 +134,33 @@ impl Attached {
             bytes,
             id: value,
             key,
-            value: Some(value),
+            value,
             label_key: Some(label_key),
             fence_base: key,
             what: "lock",
         }
     }
 
-    /// `owner`'s permit of the semaphore `key`.
-    pub(crate) fn permit(layout: &KeyLayout, key: &LockKey, owner: OwnerToken) -> Self {
-        let etcd_key = layout.permit_key(key, owner);
+    /// `owner`'s permit of the semaphore `key`, named `name` (see
+    /// [`crate::permit_names`]), granted under `limit`.
+    pub(crate) fn permit(
+        layout: &KeyLayout,
+        key: &LockKey,
+        owner: OwnerToken,
+        name: &[u8],
+        limit: u32,
+    ) -> Self {
+        let etcd_key = layout.permit_key(key, name);
+        let value = encode_permit(owner, limit);
         let label_key = layout.permit_holder_key(key, owner);
         let base = layout.semaphore_base(key);
-        let (bytes, [key, label_key, fence_base]) = pack([&etcd_key, &label_key, &base]);
+        let (bytes, [key, value, label_key, fence_base]) =
+            pack([&etcd_key, &value, &label_key, &base]);
         Self {
             bytes,
-            id: key,
+            id: value,
             key,
-            value: None,
+            value,
             label_key: Some(label_key),
             fence_base,
             what: "permit",
@@ -172,9 +181,9 @@ impl Attached {
         self.get(self.key)
     }
 
-    /// The value a confirm or undo compares, if it has one.
-    pub(crate) fn value(&self) -> Option<&[u8]> {
-        self.value.map(|span| self.get(span))
+    /// The value a confirm or undo compares.
+    pub(crate) fn value(&self) -> &[u8] {
+        self.get(self.value)
     }
 
     /// Its holder-label key, if it has one.
@@ -544,7 +553,7 @@ impl Sessions {
             let ours = entry.flatten().is_some_and(|kv| {
                 u64::try_from(kv.create_revision()).ok() == Some(fencing.get())
                     && kv.lease() == session.lease_id()
-                    && attached.value().is_none_or(|value| kv.value() == value)
+                    && kv.value() == attached.value()
             });
             if !ours {
                 session.untrack(attached.id());
@@ -593,12 +602,14 @@ mod tests {
         let layout = KeyLayout::new("ns");
         let key = LockKey::new("sem").expect("a valid key");
         let owner = OwnerToken::random();
-        let permit = Attached::permit(&layout, &key, owner);
+        let permit = Attached::permit(&layout, &key, owner, b"0123456789abcdef-0", 3);
         let fence = permit.fence(42);
         assert!(fence.key().starts_with(&layout.semaphore_base(&key)));
         assert!(!fence.key().starts_with(&layout.permits_prefix(&key)));
         assert!(!fence.key().starts_with(&layout.permit_queue_prefix(&key)));
-        assert_eq!(permit.id(), layout.permit_key(&key, owner));
+        assert_eq!(permit.key(), layout.permit_key(&key, b"0123456789abcdef-0"));
+        assert_eq!(permit.id(), encode_permit(owner, 3));
+        assert_eq!(permit.value(), encode_permit(owner, 3));
         let lock = Attached::lock(&layout, &key, owner);
         assert!(lock.fence(42).key().starts_with(&layout.lock_key(&key)));
         assert_ne!(lock.id(), permit.id(), "a lock and a permit of one owner");

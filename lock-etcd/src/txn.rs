@@ -329,8 +329,8 @@ fn behind(key: &LockKey, turn: &Turn, head: &KeyValue) -> Result<AcquireReply, L
 
 /// The session's undo of a lock or permit attached to `session_lease`
 /// whose holder stopped renewing it (or whose acquire's outcome is
-/// unknown): deletes it if it is still `value`'s (a lock's; a permit's key
-/// names its owner, so it has none to compare) and, if known, still the
+/// unknown): deletes it if it is still `value`'s (its owner's: a permit's
+/// name is reused by later acquisitions) and, if known, still the
 /// acquisition of `fencing`, and in either branch puts up `raise`, the
 /// fences of the owner's requests whose outcome is unknown, so none of
 /// them takes the key after this. The undo is itself fenced by `fence`:
@@ -338,18 +338,17 @@ fn behind(key: &LockKey, turn: &Turn, head: &KeyValue) -> Result<AcquireReply, L
 /// does nothing. A lock's `label_key` goes with it.
 pub(crate) fn undo_session_lock(
     key: &[u8],
-    value: Option<&[u8]>,
+    value: &[u8],
     label_key: Option<&[u8]>,
     session_lease: i64,
     fencing: Option<FencingToken>,
     fence: &Fence,
     raise: &[Fence],
 ) -> Txn {
-    let mut when: Vec<Compare> = value
-        .map(|value| Compare::value(key, CompareOp::Equal, value))
-        .into_iter()
-        .collect();
-    when.push(Compare::lease(key, CompareOp::Equal, session_lease));
+    let mut when = vec![
+        Compare::value(key, CompareOp::Equal, value),
+        Compare::lease(key, CompareOp::Equal, session_lease),
+    ];
     when.push(fence.down());
     if let Some(fencing) = fencing {
         when.push(Compare::create_revision(
@@ -552,14 +551,11 @@ pub(crate) fn read_many<'a>(keys: impl IntoIterator<Item = &'a [u8]>) -> Txn {
 /// client.
 pub(crate) fn confirm(
     key: &[u8],
-    value: Option<&[u8]>,
+    value: &[u8],
     fencing: FencingToken,
     session_lease_id: i64,
 ) -> Txn {
-    let mut when = match value {
-        Some(value) => ours(key, value, fencing),
-        None => vec![created_at(key, fencing)],
-    };
+    let mut when = ours(key, value, fencing);
     when.push(Compare::lease(key, CompareOp::Equal, session_lease_id));
     let linearizable = || TxnOp::get(key, Some(GetOptions::new().with_count_only()));
     Txn::new()
@@ -866,7 +862,7 @@ mod tests {
         let undo_fence = Fence::new(&key, session);
         let undo = undo_session_lock(
             &key,
-            Some(&value),
+            &value,
             None,
             session,
             None,
@@ -908,12 +904,10 @@ mod tests {
         let fencing = FencingToken::new(created.header().expect("header").revision() as u64);
         let other = FencingToken::new(fencing.get() - 1);
         for (value, fencing, lease, held) in [
-            (Some(&value[..]), fencing, session, true),
-            (Some(&value[..]), fencing, session + 1, false),
-            (Some(&b"another"[..]), fencing, session, false),
-            (None, fencing, session, true),
-            (None, other, session, false),
-            (None, fencing, session + 1, false),
+            (&value[..], fencing, session, true),
+            (&value[..], fencing, session + 1, false),
+            (&b"another"[..], fencing, session, false),
+            (&value[..], other, session, false),
         ] {
             let reply = client
                 .txn(confirm(&key, value, fencing, lease))

@@ -392,13 +392,17 @@ async fn a_permits_label_goes_with_its_lease() {
     let k = unique_key("permit-lease");
     let base = format!("{ns}/lock/%sem/{}", k.as_str());
     let label_of = |owner: OwnerToken| format!("{base}/holders/{}", owner.to_hex());
-    let permit_of = |owner: OwnerToken| format!("{base}/permits/{}", owner.to_hex());
+    let permits = format!("{base}/permits/");
 
     for renewing in [false, true] {
         let owner = OwnerToken::random();
         let grant = take_permit(&lock, &k, owner, renewing, Some(&id("p"))).await;
         assert_eq!(permit_labels(&lock, &k).await, vec![Some(id("p"))]);
-        let permit_lease = lease_of(&mut raw, &permit_of(owner)).await;
+        // The permit's name is its client's, not its owner's.
+        let [permit] = &keys_under(&mut raw, &permits).await[..] else {
+            panic!("one permit");
+        };
+        let permit_lease = lease_of(&mut raw, &permit).await;
         assert!(permit_lease.is_some());
         assert_eq!(lease_of(&mut raw, &label_of(owner)).await, permit_lease);
         // An extend with another TTL moves both to a new lease.
@@ -409,7 +413,7 @@ async fn a_permits_label_goes_with_its_lease() {
         else {
             panic!("the permit is held");
         };
-        let permit_lease = lease_of(&mut raw, &permit_of(owner)).await;
+        let permit_lease = lease_of(&mut raw, &permit).await;
         assert_eq!(lease_of(&mut raw, &label_of(owner)).await, permit_lease);
         let released = lock.release_permit(held(&k, owner, &moved)).await.unwrap();
         assert_eq!(released, ReleaseReply::Released);
@@ -432,7 +436,5 @@ async fn a_permits_label_goes_with_its_lease() {
     }
     let released = lock.release_permit(held(&k, owner, &grant)).await.unwrap();
     assert_eq!(released, ReleaseReply::Released);
-    assert!(keys_under(&mut raw, &format!("{base}/permits/"))
-        .await
-        .is_empty());
+    assert!(keys_under(&mut raw, &permits).await.is_empty());
 }

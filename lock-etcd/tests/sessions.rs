@@ -238,11 +238,22 @@ async fn renewing_permit_renewal_is_one_confirming_request() {
     }
 
     // Deleted behind its holder's back (as a force release does): not held.
-    let permit_key = format!(
-        "{}%sem/{key}/permits/{}",
-        lock.key_prefix(),
-        deleted.owner.to_hex()
-    );
+    // Named by the client: found by the owner in its value.
+    let permits = raw
+        .get(
+            format!("{}%sem/{key}/permits/", lock.key_prefix()),
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await
+        .expect("read the permits");
+    let owner_value = format!("dl1:{}/", deleted.owner.to_hex());
+    let permit_key = permits
+        .kvs()
+        .iter()
+        .find(|kv| kv.value().starts_with(owner_value.as_bytes()))
+        .expect("the permit to delete")
+        .key()
+        .to_vec();
     let gone = raw.delete(permit_key, None).await.expect("raw delete");
     assert_eq!(gone.deleted(), 1, "the permit's etcd key");
     let reply = lock.extend_permit(deleted, long).await.expect("extend");

@@ -811,6 +811,59 @@ async fn a_waiter_that_moves_into_a_semaphores_first_limit_watches_its_permits()
     raw.lease_revoke(lease).await.expect("revoke");
 }
 
+/// The names put below a prefix, recorded by a raw watch of the namespace
+/// until [`PutNames::stop`].
+struct PutNames {
+    task: JoinHandle<Vec<String>>,
+    end_marker: String,
+}
+
+impl PutNames {
+    /// Starts recording the names put below `prefix`, in namespace `ns`.
+    async fn record(raw: &mut distlock_etcd::etcd_client::Client, ns: &str, prefix: &str) -> Self {
+        use distlock_etcd::etcd_client::{EventType, WatchOptions};
+        let end_marker = format!("{ns}/end of test");
+        let mut events = raw
+            .watch(format!("{ns}/"), Some(WatchOptions::new().with_prefix()))
+            .await
+            .expect("watch the namespace");
+        let task = tokio::spawn({
+            let (prefix, end_marker) = (prefix.to_owned(), end_marker.clone());
+            async move {
+                let mut names = Vec::new();
+                while let Some(reply) = events.message().await.expect("watch stream") {
+                    for event in reply.events() {
+                        let key = event
+                            .kv()
+                            .map(|kv| String::from_utf8_lossy(kv.key()).into_owned());
+                        match (event.event_type(), key) {
+                            (_, Some(key)) if key == end_marker => return names,
+                            (EventType::Put, Some(key)) => {
+                                names.extend(key.strip_prefix(&prefix).map(str::to_owned))
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                names
+            }
+        });
+        Self { task, end_marker }
+    }
+
+    /// Every name put so far (once per put), in order.
+    async fn stop(self, raw: &mut distlock_etcd::etcd_client::Client) -> Vec<String> {
+        raw.put(self.end_marker.as_str(), "", None)
+            .await
+            .expect("end marker");
+        let names = self.task.await.expect("watch task");
+        raw.delete(self.end_marker.as_str(), None)
+            .await
+            .expect("delete end marker");
+        names
+    }
+}
+
 /// A client's queue entries reuse their names: etcd keeps a deleted key in
 /// its index until it compacts, and every read of the line walks them all,
 /// so a line whose entries all had new names slowed each join by every
@@ -820,38 +873,12 @@ async fn a_waiter_that_moves_into_a_semaphores_first_limit_watches_its_permits()
 /// a new one before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clients_queue_entries_reuse_their_names() {
-    use distlock_etcd::etcd_client::{EventType, WatchOptions};
     let server = any_server();
     let ns = unique_name("names");
     let url = format!("{}?namespace={ns}", server.url());
     let mut raw = raw_client(&server.url()).await;
     let queue = format!("{ns}/lock/reused/waiters/");
-    let end_marker = format!("{ns}/end of test");
-    let mut events = raw
-        .watch(format!("{ns}/"), Some(WatchOptions::new().with_prefix()))
-        .await
-        .expect("watch the namespace");
-    let seen = tokio::spawn({
-        let (queue, end_marker) = (queue.clone(), end_marker.clone());
-        async move {
-            let mut names = Vec::new();
-            while let Some(reply) = events.message().await.expect("watch stream") {
-                for event in reply.events() {
-                    let key = event
-                        .kv()
-                        .map(|kv| String::from_utf8_lossy(kv.key()).into_owned());
-                    match (event.event_type(), key) {
-                        (_, Some(key)) if key == end_marker => return names,
-                        (EventType::Put, Some(key)) => {
-                            names.extend(key.strip_prefix(&queue).map(str::to_owned))
-                        }
-                        _ => {}
-                    }
-                }
-            }
-            names
-        }
-    });
+    let seen = PutNames::record(&mut raw, &ns, &queue).await;
     let holder = connect(&url).await;
     let waiters = connect(&url).await;
     let k = LockKey::new("reused").unwrap();
@@ -877,18 +904,59 @@ async fn a_clients_queue_entries_reuse_their_names() {
         }
         assert_queue_empties(&mut raw, &queue).await;
     }
-    raw.put(end_marker.as_str(), "", None)
-        .await
-        .expect("end marker");
-    let names = seen.await.expect("watch task");
-    raw.delete(end_marker.as_str(), None)
-        .await
-        .expect("delete end marker");
+    let names = seen.stop(&mut raw).await;
     let distinct: std::collections::BTreeSet<&String> = names.iter().collect();
     assert!(names.len() >= 15, "fewer entries than waits: {names:?}");
     assert!(
         distinct.len() <= 6,
         "{} entry names for {} entries: {distinct:?}",
+        distinct.len(),
+        names.len()
+    );
+}
+
+/// A client's permits reuse their names, as its queue entries do: every
+/// permit attempt reads the semaphore's whole permits range, which etcd
+/// walks with every key it had since it last compacted, so permits named
+/// by their owner tokens (a new name each) slowed every attempt by each
+/// acquisition before it. Five rounds of a renewing permit (a guard, on
+/// the session lease) and a plain one (a lease of its own) held together
+/// and released: the semaphore sees two names for its ten permits, where
+/// each had a new one before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_permits_reuse_their_names() {
+    let server = any_server();
+    let ns = unique_name("permit-names");
+    let url = format!("{}?namespace={ns}", server.url());
+    let mut raw = raw_client(&server.url()).await;
+    let permits = format!("{ns}/lock/%sem/reused/permits/");
+    let seen = PutNames::record(&mut raw, &ns, &permits).await;
+    let client = connect(&url).await;
+    let locker = Locker::new(client.clone());
+    let k = LockKey::new("reused").unwrap();
+    let ttl = Duration::from_secs(30);
+    for _ in 0..5 {
+        let guard = locker
+            .try_lock(&k, &LockOptions::new(ttl).with_permits(2))
+            .await
+            .expect("a renewing permit")
+            .expect("a free permit");
+        let plain = match client.try_acquire_permit(&k, 2, ttl).await {
+            Ok(AcquireAttempt::Acquired(lease)) => lease,
+            other => panic!("a plain permit of a semaphore with room: {other:?}"),
+        };
+        client.release(&plain).await.expect("release");
+        guard.release().await.expect("release the guard");
+    }
+    let names = seen.stop(&mut raw).await;
+    let distinct: std::collections::BTreeSet<&String> = names.iter().collect();
+    assert!(
+        names.len() >= 10,
+        "fewer permits than acquisitions: {names:?}"
+    );
+    assert!(
+        distinct.len() <= 2,
+        "{} permit names for {} permits: {distinct:?}",
         distinct.len(),
         names.len()
     );

@@ -8,13 +8,13 @@ use distlock_core::LockError;
 use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, SortOrder, SortTarget, Txn, TxnOp};
 use etcd_client::{TxnOpResponse, TxnResponse};
 
-use super::slots::Slot;
 use super::{Line, Position, Queues, RETRY_MAX, RETRY_MIN};
 use crate::connection::Etcd;
 use crate::fence::Fence;
 use crate::keys::KeyLayout;
 use crate::requests::Repeat;
 use crate::session::Session;
+use crate::slots::Slot;
 use crate::txn;
 
 /// The value of a queue entry (only its key and revisions matter).
@@ -225,19 +225,7 @@ pub(super) fn check_entries(
 /// distlock wrote.
 pub(super) fn is_foreign(prefix: &[u8], kv: &KeyValue) -> bool {
     let id = kv.key().strip_prefix(prefix).unwrap_or_default();
-    kv.value() != ENTRY_VALUE || kv.lease() == 0 || !is_waiter_id(id)
-}
-
-/// Whether `id` is `<hex>-<hex>`, as the waiter ids distlock writes.
-fn is_waiter_id(id: &[u8]) -> bool {
-    let hex = |part: &[u8]| {
-        !part.is_empty()
-            && part
-                .iter()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b))
-    };
-    let mut parts = id.split(|b| *b == b'-');
-    matches!((parts.next(), parts.next(), parts.next()), (Some(a), Some(b), None) if hex(a) && hex(b))
+    kv.value() != ENTRY_VALUE || kv.lease() == 0 || !crate::slots::is_slot_name(id)
 }
 
 /// Deletes a queue entry in the background, retrying (each attempt under
@@ -260,7 +248,7 @@ pub(super) fn delete_later(
 /// is unknown) in one transaction, retrying while the client lives. With
 /// its `place` known, only the entry created there is deleted, and once
 /// that is answered the entry's name is free again (`slot`); otherwise
-/// the slot is retired (see [`super::slots`]).
+/// the slot is retired (see [`crate::slots`]).
 pub(super) async fn delete_entry(
     client: Weak<Queues>,
     entry: Vec<u8>,

@@ -9,13 +9,13 @@ use std::time::Duration;
 use distlock_core::{Departure, ErrorKind, LockError, OwnerToken, ReleaseWatch};
 
 use super::entries::{delete_entry, look_up, looked_up, put_entry};
-use super::slots::Slot;
 use super::{
     target_of, watch_target, Line, Position, Queues, Seat, TargetWatch, RETRY_MAX, RETRY_MIN,
 };
 use crate::config::MIN_TTL;
 use crate::fence::Fence;
 use crate::requests::Repeat;
+use crate::slots::Slot;
 
 /// One waiting call's place in the queue of one lock key.
 pub(super) struct Waiter {
@@ -49,7 +49,7 @@ pub(super) struct Waiter {
     /// end even if an acquire took the lock out of line.
     pub(super) requeued: bool,
     /// The number in the entry's name: freed for another waiter once the
-    /// entry is known deleted, else retired (see [`super::slots`]).
+    /// entry is known deleted, else retired (see [`crate::slots`]).
     pub(super) slot: Slot,
     /// Dropped with the task, once the entry is deleted: the caller's
     /// [`ReleaseWatch::close`] waits for it.
@@ -159,7 +159,7 @@ impl Waiter {
             queues.unseat(*owner, seat);
         }
         // An attempt still in flight, or unanswered, may yet delete the
-        // entry by its name: the name is retired then (see `slots`).
+        // entry by its name: the name is retired then (see `crate::slots`).
         let settled = self.seat.as_ref().is_none_or(|(_, seat)| seat.settled());
         if self.taken() && !self.requeued && self.fences.is_empty() {
             // The acquire that took the lock deleted the entry.

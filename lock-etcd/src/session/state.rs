@@ -345,7 +345,7 @@ mod tests {
                 bytes,
                 id: span,
                 key: span,
-                value: None,
+                value: span,
                 label_key: None,
                 fence_base: span,
                 what: "lock",

@@ -1,29 +1,28 @@
-//! The numbers in a client's queue entry names, reused.
+//! The numbers in a client's key names, reused: its queue entries'
+//! (`<session lease>-<slot>`, see [`crate::queue`]) and its permits'
+//! (`<client>-<slot>`, see [`crate::permit_names`]).
 //!
 //! etcd keeps a deleted key in its index until the next compaction, and a
 //! read of a range walks every key the range had since: a waiter's join
-//! reads its line's range, so a line whose entries all had new names slowed
-//! every join by each wait since the last compaction (256 waiters on one
-//! key handed off 230 times a second on a fresh line, 63 to 80 with 100,000
-//! earlier waits behind it; etcd does not compact by default). A client
-//! names its entries `<session lease>-<slot>` and takes the lowest free
-//! slot, so a line has at most as many names as waiters at once, for as
-//! long as the session lives.
+//! reads its line's range, and a permit attempt its semaphore's permits, so
+//! a range whose keys all had new names slowed every such read by each key
+//! it had since the last compaction (256 waiters on one key handed off 230
+//! times a second on a fresh line, 63 to 80 with 100,000 earlier waits
+//! behind it; 64 tasks on a semaphore of 3 went from 473 to 195
+//! acquisitions a second within a minute; etcd does not compact by
+//! default). A client takes the lowest free slot for each name, so a range
+//! has at most as many of its names as it had keys at once.
 //!
-//! A name is reused only once its entry is known deleted and no request
-//! that names it can still be applied: a late put would come back under
-//! someone else's wait, and a late delete would take the new entry (each
-//! delete names the place it deletes, see [`crate::txn::dequeue`], and
-//! attempts whose outcome is unknown retire the name). So a [`Slot`] is
-//! given back only by [`Slot::free`], which the waiter calls once its
-//! entry's delete was answered; a slot dropped otherwise is retired, its
-//! number never used again by this client.
+//! A name is reused only once no request that names it can still do harm
+//! (see the modules that name keys this way); a [`Slot`] is given back only
+//! by [`Slot::free`], and a slot dropped otherwise is retired, its number
+//! never used again by this client.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::{Arc, Mutex};
 
-/// A client's entry numbers: the free ones, and the next never used.
+/// A client's name numbers: the free ones, and the next never used.
 #[derive(Debug, Default)]
 pub(crate) struct Slots {
     state: Mutex<State>,
@@ -54,15 +53,16 @@ impl Slots {
         }
     }
 
-    /// How many numbers were ever handed out (the most entry names a
-    /// client's lines have had).
+    /// How many numbers were ever handed out (the most names of this kind
+    /// the client's ranges have had).
     #[cfg(test)]
     pub(crate) fn handed_out(&self) -> u64 {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).next
     }
 }
 
-/// One entry number, held by one waiter. Dropped, it is retired.
+/// One name number, held by one queue entry or permit acquisition.
+/// Dropped, it is retired.
 #[derive(Debug)]
 pub(crate) struct Slot {
     number: u64,
@@ -74,8 +74,8 @@ impl Slot {
         self.number
     }
 
-    /// Gives the number back for another entry: its entry is known deleted
-    /// and nothing sent that names it can be applied any more.
+    /// Gives the number back for another name: nothing sent that names it
+    /// can do harm any more.
     pub(crate) fn free(self) {
         if let Some(slots) = self.slots.upgrade() {
             slots
@@ -86,6 +86,19 @@ impl Slot {
                 .push(Reverse(self.number));
         }
     }
+}
+
+/// Whether `name` is `<hex>-<hex>` (lower case), as the slot names
+/// distlock writes.
+pub(crate) fn is_slot_name(name: &[u8]) -> bool {
+    let hex = |part: &[u8]| {
+        !part.is_empty()
+            && part
+                .iter()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b))
+    };
+    let mut parts = name.split(|b| *b == b'-');
+    matches!((parts.next(), parts.next(), parts.next()), (Some(a), Some(b), None) if hex(a) && hex(b))
 }
 
 #[cfg(test)]
