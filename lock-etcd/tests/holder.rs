@@ -402,7 +402,7 @@ async fn a_permits_label_goes_with_its_lease() {
         let [permit] = &keys_under(&mut raw, &permits).await[..] else {
             panic!("one permit");
         };
-        let permit_lease = lease_of(&mut raw, &permit).await;
+        let permit_lease = lease_of(&mut raw, permit).await;
         assert!(permit_lease.is_some());
         assert_eq!(lease_of(&mut raw, &label_of(owner)).await, permit_lease);
         // An extend with another TTL moves both to a new lease.
@@ -413,7 +413,7 @@ async fn a_permits_label_goes_with_its_lease() {
         else {
             panic!("the permit is held");
         };
-        let permit_lease = lease_of(&mut raw, &permit).await;
+        let permit_lease = lease_of(&mut raw, permit).await;
         assert_eq!(lease_of(&mut raw, &label_of(owner)).await, permit_lease);
         let released = lock.release_permit(held(&k, owner, &moved)).await.unwrap();
         assert_eq!(released, ReleaseReply::Released);
