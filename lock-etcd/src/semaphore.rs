@@ -296,7 +296,7 @@ impl EtcdLock {
                 Err(e) => {
                     // Unknown outcome: the session's undo, fence first, is
                     // one no late put outlives (see `crate::fence`).
-                    sessions.undo_now(&session, attached, None);
+                    drop(sessions.undo_now(&session, attached, None));
                     Err(e)
                 }
             };
@@ -320,12 +320,18 @@ impl EtcdLock {
     }
 
     /// Gives back the permit `attached` (created at `fencing`, if known)
-    /// that an attempt put on `on`, in the background.
-    fn give_back(&self, on: &OnLease, attached: &Attached, fencing: Option<FencingToken>) {
+    /// that an attempt put on `on`. One on the session lease is deleted by
+    /// the session's undo, which this waits for (it runs on if this is
+    /// dropped): a retry of the same owner sent while it is in flight
+    /// would have to put its fence up, a key that stays for as long as the
+    /// session lives.
+    async fn give_back(&self, on: &OnLease, attached: &Attached, fencing: Option<FencingToken>) {
         match on {
             OnLease::Own(lease_id, _) => self.etcd().revoke_later(*lease_id),
             OnLease::Session(session, _) => {
-                self.inner.sessions.undo_now(session, attached, fencing);
+                if let Some(undone) = self.inner.sessions.undo_now(session, attached, fencing) {
+                    let _ = undone.await;
+                }
             }
         }
     }
@@ -382,7 +388,7 @@ impl SemaphoreBackend for EtcdLock {
         let now = match parse(self, key, &kvs) {
             Ok(now) => now,
             Err(e) => {
-                self.give_back(&on, &attached, None);
+                self.give_back(&on, &attached, None).await;
                 names.done(request.owner);
                 return Err(e);
             }
@@ -425,7 +431,7 @@ impl SemaphoreBackend for EtcdLock {
         let fencing = token(now[place].created);
         if let Some(refusal) = decide(&now, place, request.limit) {
             // Out of the line again: giving it back deletes the entry.
-            self.give_back(&on, &attached, Some(fencing));
+            self.give_back(&on, &attached, Some(fencing)).await;
             names.done(request.owner);
             return Ok(refusal);
         }

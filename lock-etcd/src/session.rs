@@ -427,16 +427,17 @@ impl Sessions {
     /// background: a key a renewing acquire put on `session` but must give
     /// back. The undo is the session's fenced one, as for a key its holder
     /// stopped renewing, so a later request of the same owner that adopts
-    /// the key is never undone by it.
+    /// the key is never undone by it. The handle ends once the undo was
+    /// answered (dropping it leaves the undo running).
     pub(crate) fn undo_now(
         &self,
         session: &Arc<Session>,
         attached: &Attached,
         fencing: Option<FencingToken>,
-    ) {
-        if let Some(undo) = session.take(attached, fencing) {
-            keepalive::undo_later(&self.etcd, session, undo);
-        }
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        session
+            .take(attached, fencing)
+            .map(|undo| keepalive::undo_later(&self.etcd, session, undo))
     }
 
     /// Renews a lock or permit attached to the live `session` with the

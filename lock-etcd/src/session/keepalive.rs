@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use etcd_client::{LeaseKeepAliveStream, LeaseKeeper};
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 use super::state::{Session, Undo};
 use crate::connection::{self, Etcd};
@@ -214,15 +215,16 @@ impl Task {
     fn sweep(&self, now: Instant) -> Option<Instant> {
         let (expired, next) = self.session.take_expired(now);
         for undo in expired {
-            undo_later(&self.etcd, &self.session, undo);
+            drop(undo_later(&self.etcd, &self.session, undo));
         }
         next
     }
 }
 
 /// Runs `undo` of a lock or permit attached to `session` in the
-/// background; if it fails, the key is put back to be undone again.
-pub(crate) fn undo_later(etcd: &Etcd, session: &Arc<Session>, undo: Undo) {
+/// background; if it fails, the key is put back to be undone again. The
+/// handle ends once it was answered (or put back).
+pub(crate) fn undo_later(etcd: &Etcd, session: &Arc<Session>, undo: Undo) -> JoinHandle<()> {
     let session = session.clone();
     let kv = etcd.kv.clone();
     let requests = etcd.requests.clone();
@@ -263,5 +265,5 @@ pub(crate) fn undo_later(etcd: &Etcd, session: &Arc<Session>, undo: Undo) {
                 session.put_back(tracked);
             }
         }
-    });
+    })
 }
