@@ -365,7 +365,8 @@
 //! acquisition does not wait for, which ends with the client, over one
 //! connection of its own (closed after the sweep: a lock call never waits
 //! for a connection the sweep holds). It deletes
-//! up to 100 rows per statement and up to 50 statements per sweep, only in
+//! up to 100 rows per statement, statement after statement until one
+//! deletes fewer (every idle row goes in one sweep), only in
 //! its client's namespace (whose clients should share one retention),
 //! picking rows `FOR UPDATE SKIP LOCKED` through the `_fencing` index
 //! above, with no table lock; the `DELETE` checks the conditions again on

@@ -25,10 +25,6 @@ use crate::sql::{self, Arg, Call, Protocol, Sql, BATCH};
 /// The shortest and longest pause between two sweeps of one client.
 const INTERVAL: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(60));
 
-/// How many batches one sweep deletes from a table at most (it stops at the
-/// first that is not full): 5,000 rows per interval and client.
-const BATCHES: u32 = 50;
-
 /// One table the sweep deletes from.
 #[derive(Debug, Clone)]
 pub(crate) struct SweptTable {
@@ -174,8 +170,13 @@ impl SweepJob {
             if table.refused.load(Ordering::Relaxed) {
                 continue;
             }
+            // Batch after batch until one is not full: every row idle for
+            // the retention goes in one sweep (at most 5,000 did before, and
+            // a namespace whose keys went idle faster than that grew
+            // without bound). Each batch is a short statement of its own,
+            // on the sweep's own connection.
             let mut deleted = 0;
-            for _ in 0..BATCHES {
+            loop {
                 match self.batch(conn, table).await {
                     Ok(done) => {
                         deleted += done;

@@ -98,6 +98,49 @@ async fn rows_nobody_holds_are_reclaimed_after_the_retention() {
     .await;
 }
 
+/// One sweep deletes every row idle for the retention, however many: a
+/// namespace whose keys go idle faster than a capped sweep deletes them
+/// (5,000 rows an interval and client, before) grew without bound. 6,000
+/// keys are fired by a client whose sweeps keep rows an hour; then one
+/// acquisition of a client keeping them 200 ms starts its first sweep, and
+/// no acquisition after it starts another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_sweep_deletes_every_idle_row() {
+    const KEYS: usize = 6_000;
+    let ns = unique_name("reclaim");
+    let url = |ms: u64| format!("{}?namespace={ns}&fence_retention_ms={ms}", server().url());
+    let firing = Pg::connect(&url(3_600_000)).await;
+    let ttl = Duration::from_secs(30);
+    let mut tasks = Vec::new();
+    for t in 0..16 {
+        let firing = firing.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in (t..KEYS).step_by(16) {
+                let k = key(&format!("fired-{i}"));
+                let lease = take(&firing, &k, ttl, "a new key is free").await;
+                firing.release(&lease).await.unwrap();
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let table = firing.table();
+    assert_eq!(rows(&firing, &table, "fired-").await, KEYS as i64);
+    // Past the sweeping client's retention.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let sweeping = Pg::connect(&url(200)).await;
+    let lease = take(&sweeping, &key("poke"), ttl, "poke is free").await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut left = rows(&sweeping, &table, "fired-").await;
+    while left > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        left = rows(&sweeping, &table, "fired-").await;
+    }
+    assert_eq!(left, 0, "idle rows left after the sweep");
+    sweeping.release(&lease).await.unwrap();
+}
+
 #[tokio::test]
 async fn a_reclaimed_key_gets_a_greater_token_than_its_last() {
     let lock = retaining(200).await;
