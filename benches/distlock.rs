@@ -50,6 +50,8 @@ mod plan;
 mod probe;
 #[path = "distlock/raw.rs"]
 mod raw;
+#[path = "distlock/raw_crowd.rs"]
+mod raw_crowd;
 #[path = "distlock/raw_handoff.rs"]
 mod raw_handoff;
 #[path = "distlock/renewal.rs"]

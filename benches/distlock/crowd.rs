@@ -28,6 +28,7 @@ use serde_json::json;
 use crate::plan::{BenchResult, Plan, TTL};
 use crate::probe::{self, Probe, ServerCount};
 use crate::raw::Raw;
+use crate::raw_crowd;
 use crate::report::{Row, Samples};
 use crate::servers::{self, Backend, Server};
 
@@ -121,6 +122,9 @@ async fn crowd_rows(plan: &Plan, server: &Server) -> BenchResult<Vec<Row>> {
         ));
         rows.push(row);
     }
+    if backend == Backend::Etcd {
+        rows.push(raw_crowd_row(plan, server, baseline.as_ref()).await?);
+    }
     let memory = MemoryLock::new();
     let mut probe = Probe::new(backend, &server.url, server.port().unwrap_or(0)).await?;
     for scenario in SCENARIOS {
@@ -151,6 +155,55 @@ async fn crowd_rows(plan: &Plan, server: &Server) -> BenchResult<Vec<Row>> {
         eprintln!("[{}] crowd {} done", backend.name(), scenario.param);
     }
     Ok(rows)
+}
+
+/// The raw driver's one-key crowd ([`raw_crowd`]), judged by the rate
+/// target as the library's.
+async fn raw_crowd_row(
+    plan: &Plan,
+    server: &Server,
+    baseline: Option<&Baseline>,
+) -> BenchResult<Row> {
+    let scenario = SCENARIOS[0];
+    let server0 = server.cpu_ns().unwrap_or(0);
+    let busy_from = server.cpu.and_then(servers::cpu_ticks);
+    let outcome =
+        raw_crowd::etcd(server, scenario.tasks, scenario.hold, plan.crowd_duration).await?;
+    let busy = busy_from
+        .zip(server.cpu.and_then(servers::cpu_ticks))
+        .and_then(|((b0, t0), (b1, t1))| {
+            (t1 > t0).then(|| b1.saturating_sub(b0) as f64 / (t1 - t0) as f64)
+        });
+    let server_s = server.cpu_ns().unwrap_or(0).saturating_sub(server0) as f64 / 1e9;
+    let rate = outcome.handoffs as f64 / plan.crowd_duration.as_secs_f64();
+    let target = baseline
+        .and_then(|b| b.rate_bound(scenario.hold))
+        .map(|b| RATE_SHARE * b);
+    let mut row = Row::new(server.backend, "crowd_raw", scenario.param);
+    row.ops_per_s = Some(rate);
+    row.note = Some(format!(
+        "etcd's FIFO lock recipe, raw: {} tasks on 1 key, hold {:?}, {:?}; {} handoffs, overlaps {}; server CPU {:.1} s, busy {} (drain included); rate target {}: {}",
+        scenario.tasks,
+        scenario.hold,
+        plan.crowd_duration,
+        outcome.handoffs,
+        outcome.overlaps,
+        server_s,
+        busy.map(|b| format!("{:.0}%", b * 100.0))
+            .unwrap_or_else(|| "-".to_owned()),
+        target.map_or_else(|| "-".to_owned(), |t| format!("{t:.0}/s")),
+        target.map_or("-", |t| met(rate >= t)),
+    ));
+    row.extra = vec![
+        ("tasks", json!(scenario.tasks)),
+        ("handoffs", json!(outcome.handoffs)),
+        ("overlaps", json!(outcome.overlaps)),
+        ("server_cpu_s", json!(server_s)),
+        ("server_cpu_busy", json!(busy)),
+        ("handoff_rate_target_per_s", json!(target.map(f64::round))),
+    ];
+    eprintln!("[{}] raw crowd done", server.backend.name());
+    Ok(row)
 }
 
 /// The raw acquire write alone and a plain round trip, 1 task.
@@ -360,7 +413,7 @@ async fn crowd(
 /// hold), so the thread wakes that much early: the mean of that lateness
 /// over the run so far. The row reports the hold measured either way.
 #[derive(Debug, Default)]
-struct HoldClock {
+pub struct HoldClock {
     /// How late the task resumed after its thread's deadline, a running
     /// mean (each new lateness weighs 1/8), in ns.
     late_ns: AtomicU64,
@@ -368,7 +421,7 @@ struct HoldClock {
 
 impl HoldClock {
     /// Holds from `from` (the acquire's return) for `hold`.
-    async fn hold(&self, from: Instant, hold: Duration) {
+    pub async fn hold(&self, from: Instant, hold: Duration) {
         let until = from + hold;
         // Never more than half the hold early: a stalled machine's lateness
         // must not turn into no hold at all.

@@ -28,6 +28,12 @@
 //! undo lands; an attempt of another acquisition that finds that name
 //! taken gives the name up (retired, see [`PermitNames::taken`]) and tries
 //! again under another.
+//!
+//! An acquisition's entry here goes when its permit is released or found
+//! lost by an extend; a permit that is neither (a raw lease left to
+//! expire) keeps its entry, and its name, until the client is dropped.
+//! Holder labels stay named by the owner (`holders/<owner>`): only a
+//! status listing reads their range.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
