@@ -83,7 +83,7 @@ pub async fn rows(server: &Server, raw: Option<&Raw>) -> BenchResult<Vec<Row>> {
         tokio::time::sleep(Duration::from_millis(RETENTION_MS) + RETENTION_SLACK).await;
         after_retention = Some(count().await?);
         // A backend that reclaims from acquisitions in the background
-        // (PostgreSQL: at most 5,000 rows per sweep and interval) needs
+        // (PostgreSQL: one sweep per interval and client) needs
         // some: one key a second, as a scheduler fires, until the count
         // stops falling (at most 10).
         let mut last = count().await?;
