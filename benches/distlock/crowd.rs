@@ -169,11 +169,7 @@ async fn raw_crowd_row(
     let busy_from = server.cpu.and_then(servers::cpu_ticks);
     let outcome =
         raw_crowd::etcd(server, scenario.tasks, scenario.hold, plan.crowd_duration).await?;
-    let busy = busy_from
-        .zip(server.cpu.and_then(servers::cpu_ticks))
-        .and_then(|((b0, t0), (b1, t1))| {
-            (t1 > t0).then(|| b1.saturating_sub(b0) as f64 / (t1 - t0) as f64)
-        });
+    let busy = servers::busy_share(busy_from, server.cpu.and_then(servers::cpu_ticks));
     let server_s = server.cpu_ns().unwrap_or(0).saturating_sub(server0) as f64 / 1e9;
     let rate = outcome.handoffs as f64 / plan.crowd_duration.as_secs_f64();
     let target = baseline
@@ -399,9 +395,7 @@ async fn crowd(
         all.merge(h.await.map_err(|e| e.to_string())?);
     }
     let busy_until = busy_until.await.map_err(|e| e.to_string())?;
-    all.server_busy = busy_from.zip(busy_until).and_then(|((b0, t0), (b1, t1))| {
-        (t1 > t0).then(|| b1.saturating_sub(b0) as f64 / (t1 - t0) as f64)
-    });
+    all.server_busy = servers::busy_share(busy_from, busy_until);
     Ok(all)
 }
 

@@ -290,6 +290,12 @@ pub fn cpu_ticks(cpu: usize) -> Option<(u64, u64)> {
     Some((busy, busy + field(3) + field(4)))
 }
 
+/// The busy share of a CPU between two [`cpu_ticks`] readings.
+pub fn busy_share(from: Option<(u64, u64)>, until: Option<(u64, u64)>) -> Option<f64> {
+    let ((b0, t0), (b1, t1)) = from.zip(until)?;
+    (t1 > t0).then(|| b1.saturating_sub(b0) as f64 / (t1 - t0) as f64)
+}
+
 /// `Cpus_allowed_list` of this process.
 pub fn own_cpus() -> String {
     std::fs::read_to_string("/proc/self/status")

@@ -262,15 +262,14 @@ enum OnLease {
 }
 
 impl EtcdLock {
-    /// Sends the permit attempt's transaction, putting `attached` (valued
-    /// `value`) on a lease of the request's TTL: the session lease for a
+    /// Sends the permit attempt's transaction, putting `attached` (with
+    /// its value) on a lease of the request's TTL: the session lease for a
     /// renewing attempt (as a renewing lock's), else a lease of its own.
     /// On an error (unknown outcome) that lease is given back.
     async fn join(
         &self,
         request: &PermitRequest<'_>,
         attached: &Attached,
-        value: &[u8],
         deadline: Instant,
     ) -> Result<(TxnResponse, OnLease), LockError> {
         let prefix = self.etcd().layout.permits_prefix(request.key);
@@ -283,7 +282,7 @@ impl EtcdLock {
                 let fence = Some(fence);
                 txn::join_permits(
                     attached.key(),
-                    value,
+                    attached.value(),
                     &label,
                     lease_id,
                     &prefix,
@@ -302,7 +301,15 @@ impl EtcdLock {
             };
         }
         let (lease_id, granted) = self.etcd().grant(request.ttl, deadline).await?;
-        let join = txn::join_permits(attached.key(), value, &label, lease_id, &prefix, None, &[]);
+        let join = txn::join_permits(
+            attached.key(),
+            attached.value(),
+            &label,
+            lease_id,
+            &prefix,
+            None,
+            &[],
+        );
         match self
             .etcd()
             .run_txn_until(deadline, IN_LOCK_CALL, Repeat::Safe, join)
@@ -373,8 +380,7 @@ impl SemaphoreBackend for EtcdLock {
             &name,
             request.limit,
         );
-        let value = attached.value().to_vec();
-        let (reply, on) = match self.join(&request, &attached, &value, deadline).await {
+        let (reply, on) = match self.join(&request, &attached, deadline).await {
             Ok(joined) => joined,
             Err(e) => {
                 // Undone by `join`; a late copy can touch no other

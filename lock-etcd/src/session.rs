@@ -76,14 +76,13 @@ fn answer_count(sent: usize, got: usize) -> LockError {
 #[derive(Debug, Clone)]
 pub(crate) struct Attached {
     bytes: Arc<[u8]>,
-    /// What the session tracks it by, unique per acquisition: its value
-    /// (each names the owner token; a permit's holds its limit too).
-    id: Span,
     /// Its etcd key.
     key: Span,
-    /// The value a confirm or undo compares: a permit's name is reused
-    /// by later acquisitions (see [`crate::permit_names`]), whose permits
-    /// hold other owners.
+    /// The value a confirm or undo compares (a permit's name is reused by
+    /// later acquisitions, see [`crate::permit_names`], whose permits hold
+    /// other owners), and what the session tracks it by: unique per
+    /// acquisition (it names the owner token; a permit's holds its limit
+    /// too).
     value: Span,
     /// Its holder-label key, which goes with it.
     label_key: Option<Span>,
@@ -132,7 +131,6 @@ impl Attached {
         let (bytes, [key, value, label_key]) = pack([&etcd_key, &value, &label_key]);
         Self {
             bytes,
-            id: value,
             key,
             value,
             label_key: Some(label_key),
@@ -158,7 +156,6 @@ impl Attached {
             pack([&etcd_key, &value, &label_key, &base]);
         Self {
             bytes,
-            id: value,
             key,
             value,
             label_key: Some(label_key),
@@ -171,9 +168,9 @@ impl Attached {
         &self.bytes[span.0 as usize..span.1 as usize]
     }
 
-    /// What the session tracks it by (see [`Attached`]).
+    /// What the session tracks it by: its value (see [`Attached`]).
     pub(crate) fn id(&self) -> &[u8] {
-        self.get(self.id)
+        self.value()
     }
 
     /// Its etcd key.

@@ -343,7 +343,6 @@ mod tests {
             let (bytes, [span]) = super::super::pack([id]);
             Attached {
                 bytes,
-                id: span,
                 key: span,
                 value: span,
                 label_key: None,
