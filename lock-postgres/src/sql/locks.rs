@@ -557,6 +557,9 @@ pub struct StatementTexts {
     /// channel of single wake-ups, `$9` the observers' channel -> `done
     /// bigint, ...`.
     pub release: String,
+    /// The sweep's delete: `$1` namespace, `$2` retention in ms, `$3`
+    /// batch size -> `done bigint`.
+    pub sweep: String,
 }
 
 impl StatementTexts {
@@ -566,6 +569,7 @@ impl StatementTexts {
         Self {
             acquire: statements.acquire_queued.text.clone(),
             release: statements.release_next.text.clone(),
+            sweep: statements.sweep.delete.text.clone(),
         }
     }
 }

@@ -17,7 +17,9 @@
 //! left for the next sweep, and no sweep waits for another), and the
 //! `DELETE` checks the conditions again on the row it deletes: under `READ
 //! COMMITTED` a row changed after the statement's snapshot is re-read, so a
-//! row acquired meanwhile is never deleted. An acquire that meets a row the
+//! row acquired meanwhile is never deleted. That check is one opaque
+//! condition, so whatever the table's statistics say, the delete finds the
+//! batch's rows by their primary key and reads no others. An acquire that meets a row the
 //! sweep is deleting waits for it, then inserts a new row. The clock is
 //! read once, when the statement starts (`statement_timestamp()`, not
 //! `clock_timestamp()`, whose volatility would keep the index out of the
@@ -96,11 +98,19 @@ impl Sweep {
                     ),
                     gone AS (
                         DELETE FROM {{t}} AS d USING doomed
-                        WHERE d.namespace = doomed.namespace AND d.key = doomed.key AND {recheck}
+                        WHERE d.namespace = doomed.namespace AND d.key = doomed.key
+                          AND CASE WHEN {recheck} THEN true ELSE false END
                         RETURNING 1
                     )
                     SELECT count(*) AS done FROM gone",
                     candidate = reclaimable("c"),
+                    // One opaque condition, not conditions the planner can
+                    // find rows by: written plainly, statistics taken while
+                    // the namespace had no rows made it scan every idle row
+                    // of the namespace for each row of the batch (a nested
+                    // loop over the `_fencing` index), and a sweep of
+                    // 10,000 rows took seconds. So the batch's rows drive
+                    // the delete, each found by its primary key.
                     recheck = reclaimable("d"),
                 ),
                 &t,

@@ -141,6 +141,91 @@ async fn one_sweep_deletes_every_idle_row() {
     sweeping.release(&lease).await.unwrap();
 }
 
+/// Rows one plan read: the rows each scan returned (times its loops) and
+/// those its filters removed, from `EXPLAIN (ANALYZE)` text.
+fn rows_read(plan: &[String]) -> u64 {
+    let number = |line: &str, after: &str| -> Option<u64> {
+        let rest = &line[line.find(after)? + after.len()..];
+        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        digits.parse().ok()
+    };
+    plan.iter()
+        .map(|line| {
+            let scanned = if line.contains(" Scan ") {
+                number(line, " rows=").unwrap_or(0) * number(line, " loops=").unwrap_or(1)
+            } else {
+                0
+            };
+            scanned
+                + number(line, "Rows Removed by Join Filter: ").unwrap_or(0)
+                + number(line, "Rows Removed by Filter: ").unwrap_or(0)
+        })
+        .sum()
+}
+
+/// A sweep batch reads about the rows it deletes, whatever the table's
+/// statistics say. Taken while the namespace had no rows (a table analyzed
+/// before a scheduler fired its keys), they put it at a row, and the
+/// planner scanned every idle row of the namespace for each row of the
+/// batch: 100 batches over 10,000 idle rows made a sweep take seconds, and
+/// the bench's state row ended with thousands of rows left.
+#[tokio::test]
+async fn a_sweep_batch_reads_about_the_rows_it_deletes_whatever_the_statistics() {
+    const IDLE: u64 = 2_000;
+    let (table, ns) = (unique_name("stale"), unique_name("reclaim"));
+    let lock = Pg::connect(&format!("{}?table={table}&namespace={ns}", server().url())).await;
+    let qualified = format!("public.{table}");
+    // Statistics of the empty namespace, kept (no autovacuum on this table).
+    admin(
+        &lock,
+        &format!("ALTER TABLE {qualified} SET (autovacuum_enabled = false)"),
+    )
+    .await;
+    admin(&lock, &format!("ANALYZE {qualified}")).await;
+    // Idle rows as distlock leaves them: released an hour ago.
+    admin(
+        &lock,
+        &format!(
+            "INSERT INTO {qualified} (namespace, key, owner, fencing, expires_at)
+             SELECT '{ns}', 'fired-' || g, NULL,
+                    floor(extract(epoch FROM now() - interval '1 hour') * 1000000)::bigint + g,
+                    now() - interval '1 hour'
+             FROM generate_series(1, {IDLE}) AS g"
+        ),
+    )
+    .await;
+    let sweep = distlock_postgres::StatementTexts::new("public", &table).sweep;
+    let mut conn = lock.pool().acquire().await.unwrap();
+    // Prepared, the statement is planned for its values at first and may
+    // later get one plan for any values: both.
+    for (done, plans) in [(100, "force_custom_plan"), (200, "force_generic_plan")] {
+        sqlx::query(&format!("SET plan_cache_mode = {plans}"))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        let plan: Vec<String> =
+            sqlx::query_scalar(&format!("EXPLAIN (ANALYZE, COSTS OFF) {sweep}"))
+                .bind(&ns)
+                .bind(2_000_i64)
+                .bind(100_i64)
+                .fetch_all(&mut *conn)
+                .await
+                .unwrap();
+        let left = rows(&lock, &qualified, "fired-").await;
+        assert_eq!(left, (IDLE - done) as i64, "each batch deletes 100 rows");
+        let read = rows_read(&plan);
+        assert!(
+            read <= 1_000,
+            "one batch ({plans}) read {read} rows to delete 100 of {IDLE}:\n{}",
+            plan.join("\n")
+        );
+    }
+    sqlx::query("RESET plan_cache_mode")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn a_reclaimed_key_gets_a_greater_token_than_its_last() {
     let lock = retaining(200).await;
