@@ -585,10 +585,10 @@ pub(crate) fn send_param(lock: &HeldLock<'_>) -> Arg {
     Arg::Int(i64::try_from(lock.handle).unwrap_or(0))
 }
 
-/// `lock`'s fencing token as a bigint (every token this backend grants is one).
 /// The most locks one batched extend statement renews.
 const EXTEND_BATCH: usize = 500;
 
+/// `lock`'s fencing token as a bigint (every token this backend grants is one).
 pub(crate) fn fencing_param(lock: &HeldLock<'_>) -> Result<i64, LockError> {
     i64::try_from(lock.fencing.get()).map_err(|_| {
         LockError::invalid_input("the lease's fencing token is out of PostgreSQL's bigint range")

@@ -141,28 +141,6 @@ async fn one_sweep_deletes_every_idle_row() {
     sweeping.release(&lease).await.unwrap();
 }
 
-/// Rows one plan read: the rows each scan returned (times its loops) and
-/// those its filters removed, from `EXPLAIN (ANALYZE)` text.
-fn rows_read(plan: &[String]) -> u64 {
-    let number = |line: &str, after: &str| -> Option<u64> {
-        let rest = &line[line.find(after)? + after.len()..];
-        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-        digits.parse().ok()
-    };
-    plan.iter()
-        .map(|line| {
-            let scanned = if line.contains(" Scan ") {
-                number(line, " rows=").unwrap_or(0) * number(line, " loops=").unwrap_or(1)
-            } else {
-                0
-            };
-            scanned
-                + number(line, "Rows Removed by Join Filter: ").unwrap_or(0)
-                + number(line, "Rows Removed by Filter: ").unwrap_or(0)
-        })
-        .sum()
-}
-
 /// A sweep batch reads about the rows it deletes, whatever the table's
 /// statistics say. Taken while the namespace had no rows (a table analyzed
 /// before a scheduler fired its keys), they put it at a row, and the

@@ -377,3 +377,28 @@ pub async fn lock_row(
     .unwrap();
     blocker
 }
+
+/// Rows one plan read, from its `EXPLAIN (ANALYZE)` text: the rows each
+/// scan returned and those its filters removed, times the node's loops
+/// (`EXPLAIN` shows both per loop).
+pub fn rows_read(plan: &[String]) -> u64 {
+    let number = |line: &str, after: &str| -> Option<u64> {
+        let rest = &line[line.find(after)? + after.len()..];
+        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        digits.parse().ok()
+    };
+    let mut loops = 1;
+    let mut read = 0;
+    for line in plan {
+        if line.contains("(actual time=") {
+            loops = number(line, " loops=").unwrap_or(1);
+            if line.contains(" Scan ") {
+                read += number(line, " rows=").unwrap_or(0) * loops;
+            }
+        }
+        for removed in ["Rows Removed by Join Filter: ", "Rows Removed by Filter: "] {
+            read += number(line, removed).unwrap_or(0) * loops;
+        }
+    }
+    read
+}
