@@ -826,12 +826,14 @@ impl LockBackend for PostgresLock {
             Vec::new()
         } else {
             self.ensure_table().await?;
+            let length = i64::try_from(batch.len()).unwrap_or(i64::MAX);
             let call = self.call(
                 &self.sql.extend_many,
                 vec![
                     Arg::text(self.namespace()),
                     Arg::Text(serde_json::Value::Array(batch).to_string()),
                     Arg::Int(ttl_millis(ttl)),
+                    Arg::Int(length),
                 ],
             );
             let row = self.fetch_one(call).await?.row;

@@ -167,8 +167,9 @@ pub(crate) struct Statements {
     /// `done bigint, owner text, fencing bigint` (the row as it was before).
     pub extend: Arc<Sql>,
     /// `$1` namespace, `$2` the locks as a JSON array of `{"n": <place>,
-    /// "key": text, "owner": text, "fencing": bigint}`, `$3` TTL in ms ->
-    /// one row of arrays in the order of `n`: `done bigint[], owner
+    /// "key": text, "owner": text, "fencing": bigint}`, `$3` TTL in ms,
+    /// `$4` how many locks `$2` has -> one row of arrays in the order of
+    /// `n`: `done bigint[], owner
     /// text[], fencing bigint[]`, each item as [`extend`](Self::extend)
     /// answers for its lock.
     pub extend_many: Arc<Sql>,
@@ -488,8 +489,13 @@ impl Statements {
             // count per lock read the updated rows once for each lock,
             // 250,000 rows for a batch of 500 (a key is updated at most
             // once, so the count was 0 or 1 anyway).
+            // `LIMIT $4` (the batch's length) is the planner's count of
+            // the batch, which it otherwise takes for 100 rows: a batch of
+            // one then read the whole table twice, by two sequential scans,
+            // wherever that looked cheaper than 100 index look-ups.
             extend_many: sql("WITH b AS (
                     SELECT * FROM jsonb_to_recordset($2::jsonb) AS b (n bigint, key text, owner text, fencing bigint)
+                    LIMIT $4::bigint
                 ), done AS (
                     UPDATE {t} AS t
                     SET expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond'
@@ -563,7 +569,8 @@ pub struct StatementTexts {
     /// bigint, ...`.
     pub release: String,
     /// The batched extend: `$1` namespace, `$2` the locks (a JSON array
-    /// of `{n, key, owner, fencing}`), `$3` TTL in ms -> `done bigint[],
+    /// of `{n, key, owner, fencing}`), `$3` TTL in ms, `$4` how many locks
+    /// `$2` has -> `done bigint[],
     /// owner text[], fencing bigint[]`, in the order of `n`.
     pub extend_many: String,
     /// The sweep's delete: `$1` namespace, `$2` retention in ms, `$3`
