@@ -649,6 +649,79 @@ mod tests {
         watch.close(bound).await;
     }
 
+    /// A waiting call joins a key's line only once no acquire attempt of
+    /// another waiter of its client on that key is in flight: the two
+    /// writes sent together go into separate Raft rounds, the grant often
+    /// behind the join's put (a holder that releases and asks again while
+    /// the next waiter, in its own process, takes the lock).
+    #[tokio::test]
+    async fn a_join_waits_for_its_clients_attempt_in_flight_on_the_key() {
+        use distlock_conformance::server::{Etcd as EtcdServer, ServerProcess};
+        let server = ServerProcess::start(Arc::new(EtcdServer)).expect("an etcd server must start");
+        let lock = EtcdLock::connect(&server.url()).await.expect("connect");
+        let mut raw = etcd_client::Client::connect([server.addr().to_string()], None)
+            .await
+            .expect("raw client");
+        let key = LockKey::new("joined-behind").expect("key");
+        let line = lock.etcd().layout.queue_prefix(&key);
+        let entries = |mut raw: etcd_client::Client| {
+            let line = line.clone();
+            async move {
+                raw.get(line, Some(etcd_client::GetOptions::new().with_prefix()))
+                    .await
+                    .expect("read the line")
+                    .kvs()
+                    .len()
+            }
+        };
+        // Another client holds the key; a waiter of ours is in line.
+        raw.put(
+            lock.etcd().layout.lock_key(&key),
+            encode_value(OwnerToken::random()),
+            None,
+        )
+        .await
+        .expect("hold the key");
+        let first = OwnerToken::random();
+        let first_watch = lock
+            .watch(&key, first)
+            .await
+            .expect("watch")
+            .expect("queued");
+        let mut claim = lock
+            .inner
+            .queues
+            .turn(&key, first)
+            .1
+            .expect("the first waiter's seat");
+        claim.sending();
+        let join = tokio::spawn({
+            let lock = lock.clone();
+            let key = key.clone();
+            async move { lock.watch(&key, OwnerToken::random()).await }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !join.is_finished(),
+            "a waiting call joined while its client's attempt on the key was in flight"
+        );
+        assert_eq!(
+            entries(raw.clone()).await,
+            1,
+            "only the first waiter is in line"
+        );
+        drop(claim);
+        let second_watch = join
+            .await
+            .expect("the join")
+            .expect("watch")
+            .expect("queued");
+        assert_eq!(entries(raw.clone()).await, 2, "the second waiter joined");
+        let bound = Duration::from_secs(10);
+        first_watch.close(bound).await;
+        second_watch.close(bound).await;
+    }
+
     /// A renewing acquire answered only after the client sent some request
     /// again (a try of it that went unanswered may still be applied) keeps
     /// its fence due: once the lock is released, the session's undo puts

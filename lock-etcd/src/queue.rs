@@ -86,6 +86,14 @@
 //! watches from its revision on, so that attempt is refused without a
 //! request ([`Seat::refused_at_join`]). Semaphore lines keep first-come
 //! order only among waiters: a permit attempt does not look at the line.
+//!
+//! A waiting call joins a lock's line only once no acquire attempt of
+//! another waiter of its client on that key is in flight (or woken and
+//! about to be sent: at most a few milliseconds), bounded by an operation
+//! timeout ([`Queues::behind_own_attempts`]). etcd commits writes in
+//! rounds, so a put sent in the same moment as that attempt's grant often
+//! made the grant wait for the next round: a holder that releases and asks
+//! again while the next waiter of its own process takes the lock.
 
 mod entries;
 mod line;
@@ -115,6 +123,10 @@ use crate::txn::Turn;
 use entries::{delete_later, is_foreign, put_entry};
 pub(crate) use line::Line;
 use waiter::Waiter;
+
+/// How long a join waits for an attempt of a waiter of its client that
+/// was woken and has not yet sent it ([`Queues::behind_own_attempts`]).
+const WOKEN_ATTEMPT_WAIT: Duration = Duration::from_millis(5);
 
 /// Pauses between retries of a failed look-up or entry delete.
 const RETRY_MIN: Duration = Duration::from_millis(100);
@@ -274,6 +286,52 @@ impl Queues {
         if seats.get(&owner).is_some_and(|s| Arc::ptr_eq(s, seat)) {
             seats.remove(&owner);
         }
+        drop(seats);
+        seat.attempt_ended.notify_waiters();
+    }
+
+    /// Waits while an acquire attempt of one of this client's waiters on
+    /// `key` is in flight, or (for at most [`WOKEN_ATTEMPT_WAIT`]) while
+    /// one was woken to attempt and has not yet: a queue entry put beside
+    /// that attempt's grant is a second write in the same moment, and etcd
+    /// commits writes in rounds, so the grant often waited for the put's
+    /// round (a holder that releases and asks again, with the next waiter
+    /// in its own process: 0.5 ms more a handoff). The entry goes behind
+    /// that waiter anyway. Bounded: an attempt ends within its operation
+    /// timeout (its claim is dropped then, or with its future), and a
+    /// waiter that leaves says so.
+    async fn behind_own_attempts(&self, key: &LockKey) {
+        let woken_until = tokio::time::Instant::now() + WOKEN_ATTEMPT_WAIT;
+        loop {
+            let woken_counts = tokio::time::Instant::now() < woken_until;
+            let busy = |seat: &Seat| {
+                seat.in_flight.load(Ordering::Acquire) > 0
+                    || (woken_counts && seat.woken.load(Ordering::Acquire))
+            };
+            let seat = self
+                .seats
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .values()
+                .find(|seat| seat.key == *key && !seat.taken.load(Ordering::Acquire) && busy(seat))
+                .cloned();
+            let Some(seat) = seat else {
+                return;
+            };
+            let ended = seat.attempt_ended.notified();
+            tokio::pin!(ended);
+            // Registered before the second look: an end between the two
+            // is not missed.
+            ended.as_mut().enable();
+            if !busy(&seat) {
+                continue;
+            }
+            if seat.in_flight.load(Ordering::Acquire) > 0 {
+                ended.await;
+            } else {
+                let _ = tokio::time::timeout_at(woken_until, ended).await;
+            }
+        }
     }
 }
 
@@ -312,6 +370,12 @@ pub(crate) struct Seat {
     /// An attempt that claimed this seat sent its transaction and got no
     /// answer (an error, or it was dropped): it may still be applied.
     unsettled: AtomicBool,
+    /// Its task woke the caller (first, the lock free), and no attempt has
+    /// claimed the seat since: an attempt is coming.
+    woken: AtomicBool,
+    /// Told when an attempt's claim ends and when the waiter leaves (see
+    /// [`Queues::behind_own_attempts`]).
+    attempt_ended: tokio::sync::Notify,
 }
 
 impl Seat {
@@ -368,6 +432,7 @@ pub(crate) struct Claim {
 impl Claim {
     fn new(seat: &Arc<Seat>) -> Self {
         seat.in_flight.fetch_add(1, Ordering::AcqRel);
+        seat.woken.store(false, Ordering::Release);
         Self {
             seat: seat.clone(),
             sent: false,
@@ -403,6 +468,7 @@ impl Drop for Claim {
             self.seat.unsettled.store(true, Ordering::Release);
         }
         self.seat.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.seat.attempt_ended.notify_waiters();
     }
 }
 
@@ -511,6 +577,11 @@ async fn join(
     departure: Departure,
 ) {
     let etcd = &queues.etcd;
+    if let Line::Lock(key) = &line {
+        // At most an operation timeout, whatever the attempts do.
+        let wait = etcd.requests.deadline();
+        let _ = tokio::time::timeout_at(wait.into(), queues.behind_own_attempts(key)).await;
+    }
     // Unique in the cluster: the entry's name has this session lease's id,
     // which etcd never hands out twice, and a slot number no other waiter
     // of this client holds (reused once free: see `Queues::slots`). Session
@@ -573,6 +644,8 @@ async fn join(
                 taken: AtomicBool::new(false),
                 in_flight: AtomicUsize::new(0),
                 unsettled: AtomicBool::new(false),
+                woken: AtomicBool::new(false),
+                attempt_ended: tokio::sync::Notify::new(),
             });
             queues.seat(owner, &seat);
             Some((owner, seat))

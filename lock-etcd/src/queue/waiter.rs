@@ -74,6 +74,9 @@ impl Waiter {
 
     fn wake_caller(&self, queues: &Queues) {
         self.expect_refusal(false);
+        if let Some((_, seat)) = &self.seat {
+            seat.woken.store(true, Ordering::Release);
+        }
         queues.waiting.notify(&self.channel);
     }
 
