@@ -574,18 +574,29 @@ mod tests {
         assert_eq!(own_lease_of(0), None);
     }
 
-    /// A waiter's entry name is reused by the client's next wait only once
-    /// no attempt that claimed its place can still be applied (one that
-    /// takes the lock deletes the entry by its name): not while an attempt
-    /// that sent its transaction is unanswered when the wait ends.
-    #[tokio::test]
-    async fn an_entry_name_is_not_reused_while_an_attempt_on_it_is_unanswered() {
+    /// A fresh etcd server (stopped when dropped), a client of it, and a
+    /// raw driver client.
+    async fn etcd_with_clients() -> (
+        distlock_conformance::server::ServerProcess,
+        EtcdLock,
+        etcd_client::Client,
+    ) {
         use distlock_conformance::server::{Etcd as EtcdServer, ServerProcess};
         let server = ServerProcess::start(Arc::new(EtcdServer)).expect("an etcd server must start");
         let lock = EtcdLock::connect(&server.url()).await.expect("connect");
         let raw = etcd_client::Client::connect([server.addr().to_string()], None)
             .await
             .expect("raw client");
+        (server, lock, raw)
+    }
+
+    /// A waiter's entry name is reused by the client's next wait only once
+    /// no attempt that claimed its place can still be applied (one that
+    /// takes the lock deletes the entry by its name): not while an attempt
+    /// that sent its transaction is unanswered when the wait ends.
+    #[tokio::test]
+    async fn an_entry_name_is_not_reused_while_an_attempt_on_it_is_unanswered() {
+        let (_server, lock, raw) = etcd_with_clients().await;
         let key = LockKey::new("named").expect("key");
         let line = lock.etcd().layout.queue_prefix(&key);
         let bound = Duration::from_secs(10);
@@ -656,12 +667,7 @@ mod tests {
     /// the next waiter, in its own process, takes the lock).
     #[tokio::test]
     async fn a_join_waits_for_its_clients_attempt_in_flight_on_the_key() {
-        use distlock_conformance::server::{Etcd as EtcdServer, ServerProcess};
-        let server = ServerProcess::start(Arc::new(EtcdServer)).expect("an etcd server must start");
-        let lock = EtcdLock::connect(&server.url()).await.expect("connect");
-        let mut raw = etcd_client::Client::connect([server.addr().to_string()], None)
-            .await
-            .expect("raw client");
+        let (_server, lock, mut raw) = etcd_with_clients().await;
         let key = LockKey::new("joined-behind").expect("key");
         let line = lock.etcd().layout.queue_prefix(&key);
         let entries = |mut raw: etcd_client::Client| {
@@ -731,13 +737,8 @@ mod tests {
     /// alive by the client's keep-alives, taken by nobody while it lives.
     #[tokio::test]
     async fn an_acquire_sent_again_is_fenced_once_released() {
-        use distlock_conformance::server::{Etcd as EtcdServer, ServerProcess};
         use etcd_client::{Compare, CompareOp, PutOptions, TxnOp};
-        let server = ServerProcess::start(Arc::new(EtcdServer)).expect("an etcd server must start");
-        let lock = EtcdLock::connect(&server.url()).await.expect("connect");
-        let mut raw = etcd_client::Client::connect([server.addr().to_string()], None)
-            .await
-            .expect("raw client");
+        let (_server, lock, mut raw) = etcd_with_clients().await;
         let key = LockKey::new("sent-again").expect("key");
         let owner = OwnerToken::random();
         let attached = Attached::lock(&lock.etcd().layout, &key, owner);
