@@ -420,9 +420,6 @@ pub struct PermitStatementTexts {
     /// `$6` the acquire's send number, `$7` the semaphore table's name,
     /// `$8` the channel of single wake-ups -> `done bigint, ...`.
     pub release: String,
-    /// The sweep's delete: `$1` namespace, `$2` retention in ms, `$3`
-    /// batch size -> `done bigint`.
-    pub sweep: String,
 }
 
 impl PermitStatementTexts {
@@ -433,7 +430,6 @@ impl PermitStatementTexts {
         Self {
             acquire: statements.acquire_queued.text.clone(),
             release: statements.release_next.text.clone(),
-            sweep: statements.sweep.delete.text.clone(),
         }
     }
 }

@@ -19,11 +19,12 @@
 //! COMMITTED` a row changed after the statement's snapshot is re-read, so a
 //! row acquired meanwhile is never deleted. That check is one opaque
 //! condition, so whatever the table's statistics say, the delete finds the
-//! batch's rows by their primary key and reads no others. An acquire that meets a row the
-//! sweep is deleting waits for it, then inserts a new row. The clock is
-//! read once, when the statement starts (`statement_timestamp()`, not
-//! `clock_timestamp()`, whose volatility would keep the index out of the
-//! plan): a moment too early only keeps rows longer.
+//! batch's rows by their primary key and reads no others. An acquire that
+//! meets a row the sweep is deleting waits for it, then inserts a new row.
+//! The clock is read once, when the statement starts
+//! (`statement_timestamp()`, not `clock_timestamp()`, whose volatility
+//! would keep the index out of the plan): a moment too early only keeps
+//! rows longer.
 
 use std::sync::Arc;
 
