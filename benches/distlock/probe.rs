@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use distlock::postgres::DEFAULT_SEMAPHORE_TABLE;
 use distlock_conformance::fault::Link;
-use distlock_conformance::server::etcd_grpc_started;
+use distlock_conformance::server::etcd_grpc_received;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
 use crate::plan::BenchResult;
@@ -78,7 +78,10 @@ pub fn source(backend: Backend, count: &ServerCount, per: f64) -> String {
             "redis commands sent (INFO commandstats minus those run inside the scripts); {:.2} incl. inside scripts",
             all as f64 / per
         ),
-        (Backend::Etcd, _) => "etcd gRPC requests (grpc_server_started_total)".to_owned(),
+        (Backend::Etcd, _) => {
+            "etcd gRPC requests (grpc_server_msg_received_total: each watch created or cancelled and each lease keep-alive counts)"
+                .to_owned()
+        }
         (Backend::Postgres, _) => {
             "postgres statements (pg_stat_statements calls, top level)".to_owned()
         }
@@ -138,7 +141,9 @@ impl Probe {
 
     /// Redis: `INFO commandstats` calls (excluding the INFO calls of this
     /// probe; commands run inside scripts are counted too). etcd: gRPC
-    /// requests started (`grpc_server_started_total`). PostgreSQL: calls of
+    /// request messages (`grpc_server_msg_received_total`: a stream's
+    /// watch creates and cancels and lease keep-alives one each; counting
+    /// streams started hid them). PostgreSQL: calls of
     /// every statement in `pg_stat_statements` but this probe's. Memory, or
     /// a server without the counters: none.
     pub async fn count(&mut self) -> BenchResult<ServerCount> {
@@ -176,7 +181,7 @@ impl Probe {
             }
             Backend::Etcd => {
                 let port = self.port;
-                let detail = tokio::task::spawn_blocking(move || etcd_grpc_started(port))
+                let detail = tokio::task::spawn_blocking(move || etcd_grpc_received(port))
                     .await
                     .map_err(|e| e.to_string())?
                     .map_err(|e| e.to_string())?;

@@ -660,6 +660,47 @@ mod tests {
         watch.close(bound).await;
     }
 
+    /// Another client holds `key`; a waiter of `lock`'s client is in
+    /// line, and an acquire attempt of it has claimed its place and been
+    /// sent (unanswered while the claim lives).
+    async fn first_waiter_sending(
+        lock: &EtcdLock,
+        raw: &mut etcd_client::Client,
+        key: &LockKey,
+    ) -> (ReleaseWatch, crate::queue::Claim) {
+        raw.put(
+            lock.etcd().layout.lock_key(key),
+            encode_value(OwnerToken::random()),
+            None,
+        )
+        .await
+        .expect("hold the key");
+        let first = OwnerToken::random();
+        let watch = lock
+            .watch(key, first)
+            .await
+            .expect("watch")
+            .expect("queued");
+        let mut claim = lock
+            .inner
+            .queues
+            .turn(key, first)
+            .1
+            .expect("the first waiter's seat");
+        claim.sending();
+        (watch, claim)
+    }
+
+    /// How many entries `key`'s line has.
+    async fn line_entries(lock: &EtcdLock, mut raw: etcd_client::Client, key: &LockKey) -> usize {
+        let line = lock.etcd().layout.queue_prefix(key);
+        raw.get(line, Some(etcd_client::GetOptions::new().with_prefix()))
+            .await
+            .expect("read the line")
+            .kvs()
+            .len()
+    }
+
     /// A waiting call joins a key's line only once no acquire attempt of
     /// another waiter of its client on that key is in flight: the two
     /// writes sent together go into separate Raft rounds, the grant often
@@ -669,38 +710,7 @@ mod tests {
     async fn a_join_waits_for_its_clients_attempt_in_flight_on_the_key() {
         let (_server, lock, mut raw) = etcd_with_clients().await;
         let key = LockKey::new("joined-behind").expect("key");
-        let line = lock.etcd().layout.queue_prefix(&key);
-        let entries = |mut raw: etcd_client::Client| {
-            let line = line.clone();
-            async move {
-                raw.get(line, Some(etcd_client::GetOptions::new().with_prefix()))
-                    .await
-                    .expect("read the line")
-                    .kvs()
-                    .len()
-            }
-        };
-        // Another client holds the key; a waiter of ours is in line.
-        raw.put(
-            lock.etcd().layout.lock_key(&key),
-            encode_value(OwnerToken::random()),
-            None,
-        )
-        .await
-        .expect("hold the key");
-        let first = OwnerToken::random();
-        let first_watch = lock
-            .watch(&key, first)
-            .await
-            .expect("watch")
-            .expect("queued");
-        let mut claim = lock
-            .inner
-            .queues
-            .turn(&key, first)
-            .1
-            .expect("the first waiter's seat");
-        claim.sending();
+        let (first_watch, claim) = first_waiter_sending(&lock, &mut raw, &key).await;
         let join = tokio::spawn({
             let lock = lock.clone();
             let key = key.clone();
@@ -712,7 +722,7 @@ mod tests {
             "a waiting call joined while its client's attempt on the key was in flight"
         );
         assert_eq!(
-            entries(raw.clone()).await,
+            line_entries(&lock, raw.clone(), &key).await,
             1,
             "only the first waiter is in line"
         );
@@ -722,10 +732,54 @@ mod tests {
             .expect("the join")
             .expect("watch")
             .expect("queued");
-        assert_eq!(entries(raw.clone()).await, 2, "the second waiter joined");
+        assert_eq!(
+            line_entries(&lock, raw.clone(), &key).await,
+            2,
+            "the second waiter joined"
+        );
         let bound = Duration::from_secs(10);
         first_watch.close(bound).await;
         second_watch.close(bound).await;
+    }
+
+    /// The join's wait for its client's attempt in flight is capped at an
+    /// operation timeout: an attempt that never ends (a stalled member
+    /// holding its request, a claim leaked by a bug) must not keep every
+    /// later waiter of the client out of the line.
+    #[tokio::test]
+    async fn a_join_goes_on_after_an_operation_timeout_of_an_attempt_in_flight() {
+        let (server, _, mut raw) = etcd_with_clients().await;
+        let config = EtcdConfig::from_url(&server.url())
+            .expect("config")
+            .with_client(
+                distlock_core::ClientOptions::default()
+                    .with_operation_timeout(Duration::from_secs(1)),
+            );
+        let lock = EtcdLock::with_config(config).await.expect("connect");
+        let key = LockKey::new("joined-after-cap").expect("key");
+        // Sent and never answered: the claim lives until the test ends.
+        let (first_watch, claim) = first_waiter_sending(&lock, &mut raw, &key).await;
+        // Without the cap this join waits as long as the claim lives; the
+        // bound only keeps a broken build from hanging the suite.
+        let second_watch = tokio::time::timeout(
+            Duration::from_secs(60),
+            lock.watch(&key, OwnerToken::random()),
+        )
+        .await
+        .expect(
+            "a join behind an attempt in flight stayed out of the line past an operation timeout",
+        )
+        .expect("watch")
+        .expect("queued");
+        assert_eq!(
+            line_entries(&lock, raw.clone(), &key).await,
+            2,
+            "the second waiter joined"
+        );
+        let bound = Duration::from_secs(10);
+        second_watch.close(bound).await;
+        drop(claim);
+        first_watch.close(bound).await;
     }
 
     /// A renewing acquire answered only after the client sent some request

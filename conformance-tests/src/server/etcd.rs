@@ -71,12 +71,29 @@ pub(super) fn http_get(port: u16, path: &str) -> io::Result<String> {
 /// `port`, by method (`Range`, `Txn`, `LeaseGrant`, ...): its
 /// `grpc_server_started_total` counters, read from the Prometheus endpoint
 /// `/metrics` on the client port. Tests count a call's requests as the
-/// difference of two readings.
+/// difference of two readings. A stream (`Watch`, `LeaseKeepAlive`)
+/// counts once however many requests it carries: see
+/// [`etcd_grpc_received`].
 pub fn etcd_grpc_started(port: u16) -> io::Result<BTreeMap<String, u64>> {
+    grpc_counters(port, "grpc_server_started_total")
+}
+
+/// etcd's gRPC request messages received so far on the member whose client
+/// port is `port`, by method: its `grpc_server_msg_received_total`
+/// counters. A unary call is one message; a stream counts each request it
+/// carries (a watch created or cancelled, a lease keep-alive), which
+/// [`etcd_grpc_started`] counts once per stream.
+pub fn etcd_grpc_received(port: u16) -> io::Result<BTreeMap<String, u64>> {
+    grpc_counters(port, "grpc_server_msg_received_total")
+}
+
+/// The per-method counters `metric` in etcd's `/metrics`.
+fn grpc_counters(port: u16, metric: &str) -> io::Result<BTreeMap<String, u64>> {
     let body = http_get(port, "/metrics")?;
     let mut by_method = BTreeMap::new();
+    let prefix = format!("{metric}{{");
     for line in body.lines() {
-        let Some(rest) = line.strip_prefix("grpc_server_started_total{") else {
+        let Some(rest) = line.strip_prefix(prefix.as_str()) else {
             continue;
         };
         let Some((labels, value)) = rest.split_once("} ") else {

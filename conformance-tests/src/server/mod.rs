@@ -25,7 +25,9 @@ mod redis_node;
 mod redis_sentinel;
 mod redis_tls;
 
-pub use self::etcd::{etcd_grpc_started, etcd_metric, Etcd, EtcdMaxTxnOps, EtcdSpaceQuota};
+pub use self::etcd::{
+    etcd_grpc_received, etcd_grpc_started, etcd_metric, Etcd, EtcdMaxTxnOps, EtcdSpaceQuota,
+};
 pub use self::etcd_cluster::EtcdCluster;
 pub use self::etcd_tls::EtcdTls;
 pub use self::pgbouncer::{PgBouncer, PoolMode};
