@@ -406,7 +406,8 @@ impl PermitStatements {
 
 /// The text of the permit statements for the semaphore table
 /// `schema.table`, as [`StatementTexts`] gives the lock's: for the
-/// workspace benchmark's raw permit baseline. Not a stable API.
+/// workspace benchmark's raw permit baseline, and the sweep's for the
+/// tests that read its plan. Not a stable API.
 #[doc(hidden)]
 #[derive(Debug, Clone)]
 pub struct PermitStatementTexts {
@@ -420,6 +421,9 @@ pub struct PermitStatementTexts {
     /// `$6` the acquire's send number, `$7` the semaphore table's name,
     /// `$8` the channel of single wake-ups -> `done bigint, ...`.
     pub release: String,
+    /// The sweep's delete: `$1` namespace, `$2` retention in ms, `$3`
+    /// batch size -> `done bigint`.
+    pub sweep: String,
 }
 
 impl PermitStatementTexts {
@@ -430,6 +434,7 @@ impl PermitStatementTexts {
         Self {
             acquire: statements.acquire_queued.text.clone(),
             release: statements.release_next.text.clone(),
+            sweep: statements.sweep.delete.text.clone(),
         }
     }
 }

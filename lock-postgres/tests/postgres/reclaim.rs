@@ -149,10 +149,57 @@ async fn one_sweep_deletes_every_idle_row() {
 /// the bench's state row ended with thousands of rows left.
 #[tokio::test]
 async fn a_sweep_batch_reads_about_the_rows_it_deletes_whatever_the_statistics() {
+    sweep_batch_reads_about_what_it_deletes(Swept::Locks).await;
+}
+
+/// The same for the semaphore table, whose sweep has its own idle test
+/// (no permit live or expired within the retention).
+#[tokio::test]
+async fn a_permit_sweep_batch_reads_about_the_rows_it_deletes_whatever_the_statistics() {
+    sweep_batch_reads_about_what_it_deletes(Swept::Semaphores).await;
+}
+
+/// Which table a sweep test sweeps.
+#[derive(Clone, Copy)]
+enum Swept {
+    Locks,
+    Semaphores,
+}
+
+async fn sweep_batch_reads_about_what_it_deletes(swept: Swept) {
     const IDLE: u64 = 2_000;
-    let (table, ns) = (unique_name("stale"), unique_name("reclaim"));
-    let lock = Pg::connect(&format!("{}?table={table}&namespace={ns}", server().url())).await;
-    let qualified = format!("public.{table}");
+    let (table, semaphores, ns) = (
+        unique_name("stale"),
+        unique_name("stale_sem"),
+        unique_name("reclaim"),
+    );
+    let lock = Pg::connect(&format!(
+        "{}?table={table}&semaphore_table={semaphores}&namespace={ns}",
+        server().url()
+    ))
+    .await;
+    // Idle rows as distlock leaves them: released an hour ago.
+    let old = "floor(extract(epoch FROM now() - interval '1 hour') * 1000000)::bigint + g";
+    let (swept_table, sweep, insert) = match swept {
+        Swept::Locks => (
+            table.clone(),
+            distlock_postgres::StatementTexts::new("public", &table).sweep,
+            format!(
+                "(namespace, key, owner, fencing, expires_at)
+                 SELECT '{ns}', 'fired-' || g, NULL, {old}, now() - interval '1 hour'"
+            ),
+        ),
+        Swept::Semaphores => (
+            semaphores.clone(),
+            distlock_postgres::PermitStatementTexts::new("public", &semaphores).sweep,
+            format!(
+                "(namespace, key, permit_limit, fencing, owners, fencings, expires, updated_at)
+                 SELECT '{ns}', 'fired-' || g, 2, {old}, '{{}}', '{{}}', '{{}}',
+                        now() - interval '1 hour'"
+            ),
+        ),
+    };
+    let qualified = format!("public.{swept_table}");
     // Statistics of the empty namespace, kept (no autovacuum on this table).
     admin(
         &lock,
@@ -160,19 +207,11 @@ async fn a_sweep_batch_reads_about_the_rows_it_deletes_whatever_the_statistics()
     )
     .await;
     admin(&lock, &format!("ANALYZE {qualified}")).await;
-    // Idle rows as distlock leaves them: released an hour ago.
     admin(
         &lock,
-        &format!(
-            "INSERT INTO {qualified} (namespace, key, owner, fencing, expires_at)
-             SELECT '{ns}', 'fired-' || g, NULL,
-                    floor(extract(epoch FROM now() - interval '1 hour') * 1000000)::bigint + g,
-                    now() - interval '1 hour'
-             FROM generate_series(1, {IDLE}) AS g"
-        ),
+        &format!("INSERT INTO {qualified} {insert} FROM generate_series(1, {IDLE}) AS g"),
     )
     .await;
-    let sweep = distlock_postgres::StatementTexts::new("public", &table).sweep;
     let mut conn = lock.pool().acquire().await.unwrap();
     // Prepared, the statement is planned for its values at first and may
     // later get one plan for any values: both.
@@ -194,7 +233,7 @@ async fn a_sweep_batch_reads_about_the_rows_it_deletes_whatever_the_statistics()
         let read = rows_read(&plan);
         assert!(
             read <= 1_000,
-            "one batch ({plans}) read {read} rows to delete 100 of {IDLE}:\n{}",
+            "one batch ({plans}) of {qualified} read {read} rows to delete 100 of {IDLE}:\n{}",
             plan.join("\n")
         );
     }
