@@ -325,7 +325,7 @@ pub(crate) fn try_again() -> AcquireReply {
 
 /// The lock's own etcd lease in a handle; `None` for a session lease (shared,
 /// never revoked for one lock) or no lease.
-fn own_lease_of(handle: u64) -> Option<i64> {
+pub(crate) fn own_lease_of(handle: u64) -> Option<i64> {
     if session::session_lease_of(handle).is_some() {
         return None;
     }

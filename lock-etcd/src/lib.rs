@@ -114,7 +114,8 @@
 //! [`EtcdLock`] is also a [`SemaphoreBackend`](distlock_core::SemaphoreBackend)
 //! (at most N holders of a key: [`LockOptions::with_permits`](distlock_core::LockOptions::with_permits)).
 //! A permit is the key `NS/lock/%sem/<escaped key>/permits/<client>-<slot>`
-//! (a name its client reuses once the acquisition that had it ended: every
+//! (a name its client reuses once the acquisition that had it ended, or
+//! its own lease's TTL passed unreleased: every
 //! attempt reads the whole range, and etcd walks each key it ever had until
 //! it compacts), valued `dl1:<owner token in hex>/<limit>`, on an etcd
 //! lease of its own with the permit's TTL. A permit whose guard renews it goes on

@@ -30,17 +30,28 @@
 //! again under another.
 //!
 //! An acquisition's entry here goes when its permit is released or found
-//! lost by an extend; a permit that is neither (a raw lease left to
-//! expire) keeps its entry, and its name, until the client is dropped.
+//! lost by an extend, or, for a permit on a lease of its own, once that
+//! lease's TTL is past (a raw lease left to expire: kept, a client that
+//! takes such permits for ever would name ever more of them). Freeing a
+//! name early is safe, only slower: a permit still under it is found by
+//! the next attempt that takes the name, which retires it, as above; and
+//! the permit's own extend or release, finding no name here, reads the
+//! permits for it. A permit on the session lease lives as long as the
+//! client renews it, and keeps its name until it ends.
 //! Holder labels stay named by the owner (`holders/<owner>`): only a
 //! status listing reads their range.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use distlock_core::{FencingToken, OwnerToken};
 
 use crate::slots::{Slot, Slots};
+
+/// Added to a permit's TTL before its name is freed unreleased: a lease
+/// that etcd's clock started a little after the client's.
+const EXPIRY_SLACK: Duration = Duration::from_secs(1);
 
 /// A client's permit names, by the acquisition (owner token) using each.
 #[derive(Debug)]
@@ -48,7 +59,14 @@ pub(crate) struct PermitNames {
     /// Random per client: its names are nobody else's.
     client: String,
     slots: Arc<Slots>,
-    in_use: Mutex<HashMap<OwnerToken, Named>>,
+    in_use: Mutex<InUse>,
+}
+
+#[derive(Debug, Default)]
+struct InUse {
+    by_owner: HashMap<OwnerToken, Named>,
+    /// The earliest `until` of a name, if any: no sweep before it.
+    next_expiry: Option<Instant>,
 }
 
 /// An acquisition's permit name and the limit it asked for.
@@ -61,6 +79,10 @@ struct Named {
     /// `None` for a name the client found on the server (an earlier
     /// attempt's, adopted): nothing to give back.
     slot: Option<Slot>,
+    /// When its permit, granted on a lease of its own, has expired for
+    /// sure (its TTL from the grant's reply, and a slack); `None` before
+    /// the grant and on the session lease.
+    until: Option<Instant>,
 }
 
 impl Default for PermitNames {
@@ -74,8 +96,51 @@ impl Default for PermitNames {
     }
 }
 
+impl InUse {
+    fn get(&self, owner: &OwnerToken) -> Option<&Named> {
+        self.by_owner.get(owner)
+    }
+
+    fn remove(&mut self, owner: &OwnerToken) -> Option<Named> {
+        self.by_owner.remove(owner)
+    }
+
+    /// Frees the names of permits whose own lease has expired unreleased.
+    fn sweep(&mut self, now: Instant) {
+        if self.next_expiry.is_none_or(|next| next > now) {
+            return;
+        }
+        self.next_expiry = None;
+        let mut next = None;
+        self.by_owner.retain(|_, named| match named.until {
+            Some(until) if until <= now => {
+                if let Some(slot) = named.slot.take() {
+                    slot.free();
+                }
+                false
+            }
+            Some(until) => {
+                next = Some(next.map_or(until, |next: Instant| next.min(until)));
+                true
+            }
+            None => true,
+        });
+        self.next_expiry = next;
+    }
+
+    /// Dates `owner`'s name to be freed at `until` (see [`Named::until`]).
+    fn expire_at(&mut self, owner: OwnerToken, until: Option<Instant>) {
+        if let Some(named) = self.by_owner.get_mut(&owner) {
+            named.until = until;
+            if let Some(until) = until {
+                self.next_expiry = Some(self.next_expiry.map_or(until, |next| next.min(until)));
+            }
+        }
+    }
+}
+
 impl PermitNames {
-    fn in_use(&self) -> std::sync::MutexGuard<'_, HashMap<OwnerToken, Named>> {
+    fn in_use(&self) -> std::sync::MutexGuard<'_, InUse> {
         self.in_use.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -100,27 +165,45 @@ impl PermitNames {
                 limit,
                 fencing: None,
                 slot: None,
+                until: None,
             },
             None => {
+                in_use.sweep(Instant::now());
                 let slot = self.slots.take();
                 Named {
                     name: format!("{}-{:x}", self.client, slot.number()).into_bytes(),
                     limit,
                     fencing: None,
                     slot: Some(slot),
+                    until: None,
                 }
             }
         };
         let name = named.name.clone();
         // A name it had before (not its permit's) is retired.
-        in_use.insert(owner, named);
+        in_use.by_owner.insert(owner, named);
         name
     }
 
-    /// `owner`'s attempt was granted the permit created at `fencing`.
-    pub(crate) fn granted(&self, owner: OwnerToken, fencing: FencingToken) {
-        if let Some(named) = self.in_use().get_mut(&owner) {
+    /// `owner`'s attempt was granted the permit created at `fencing`, for
+    /// `ttl` on a lease of its own (`None`: on the session lease).
+    pub(crate) fn granted(&self, owner: OwnerToken, fencing: FencingToken, ttl: Option<Duration>) {
+        let mut in_use = self.in_use();
+        if let Some(named) = in_use.by_owner.get_mut(&owner) {
             named.fencing = Some(fencing);
+        }
+        in_use.expire_at(owner, ttl.map(expiry));
+    }
+
+    /// The permit `owner` was granted at `fencing` was extended by `ttl`
+    /// on a lease of its own (`None`: confirmed on the session lease).
+    pub(crate) fn extended(&self, owner: OwnerToken, fencing: FencingToken, ttl: Option<Duration>) {
+        let mut in_use = self.in_use();
+        if in_use
+            .get(&owner)
+            .is_some_and(|named| named.fencing == Some(fencing))
+        {
+            in_use.expire_at(owner, ttl.map(expiry));
         }
     }
 
@@ -162,8 +245,13 @@ impl PermitNames {
     /// How many acquisitions have a name.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.in_use().len()
+        self.in_use().by_owner.len()
     }
+}
+
+/// When a permit granted or extended now for `ttl` has expired for sure.
+fn expiry(ttl: Duration) -> Instant {
+    Instant::now() + ttl + EXPIRY_SLACK
 }
 
 #[cfg(test)]
@@ -179,7 +267,7 @@ mod tests {
         assert_eq!(names.for_attempt(a, 3, None), first, "a retry moved");
         let token = FencingToken::new(7);
         assert_eq!(names.of(a, token), None, "named before its grant");
-        names.granted(a, token);
+        names.granted(a, token, None);
         assert_eq!(names.of(a, token), Some((first.clone(), 3)));
         let second = names.for_attempt(b, 3, None);
         assert_ne!(second, first, "two acquisitions share a name");
@@ -215,6 +303,51 @@ mod tests {
             names.done(owner);
         }
         assert_eq!(names.len(), 0);
+    }
+
+    /// A permit on a lease of its own frees its name once its TTL (and
+    /// the slack) is past, unreleased; an extend postpones that, and a
+    /// permit on the session lease keeps its name.
+    #[test]
+    fn a_permit_left_to_expire_frees_its_name() {
+        let names = PermitNames::default();
+        let (own, session, extended) = (
+            OwnerToken::random(),
+            OwnerToken::random(),
+            OwnerToken::random(),
+        );
+        let tokens = [
+            FencingToken::new(5),
+            FencingToken::new(6),
+            FencingToken::new(7),
+        ];
+        let ttl = Some(Duration::from_secs(2));
+        let first = names.for_attempt(own, 1, None);
+        names.granted(own, tokens[0], ttl);
+        names.for_attempt(session, 1, None);
+        names.granted(session, tokens[1], None);
+        names.for_attempt(extended, 1, None);
+        names.granted(extended, tokens[2], ttl);
+        names.extended(extended, tokens[2], Some(Duration::from_secs(60)));
+        names.in_use().sweep(Instant::now());
+        assert!(names.of(own, tokens[0]).is_some(), "freed before its TTL");
+        names
+            .in_use()
+            .sweep(Instant::now() + Duration::from_secs(4));
+        assert_eq!(names.of(own, tokens[0]), None, "kept past its TTL");
+        assert!(
+            names.of(session, tokens[1]).is_some(),
+            "a session permit's name went"
+        );
+        assert!(
+            names.of(extended, tokens[2]).is_some(),
+            "an extended permit's name went"
+        );
+        assert_eq!(
+            names.for_attempt(OwnerToken::random(), 1, None),
+            first,
+            "an expired permit's name was not reused"
+        );
     }
 
     #[test]

@@ -441,6 +441,10 @@ impl SemaphoreBackend for EtcdLock {
             names.done(request.owner);
             return Ok(refusal);
         }
+        let own_ttl = match &on {
+            OnLease::Own(_, granted) => Some(*granted),
+            OnLease::Session(..) => None,
+        };
         let grant = match on {
             OnLease::Own(lease_id, granted) => {
                 Grant::new(fencing, granted).with_handle(handle(lease_id))
@@ -455,7 +459,7 @@ impl SemaphoreBackend for EtcdLock {
                 }
             }
         };
-        names.granted(request.owner, fencing);
+        names.granted(request.owner, fencing, own_ttl);
         Ok(PermitReply::Granted(grant))
     }
 
@@ -477,9 +481,15 @@ impl SemaphoreBackend for EtcdLock {
                 txn::move_permit(attached.key(), &label, fencing, new_lease)
             })
             .await;
-        if matches!(reply, Ok(ExtendReply::NotHeld)) {
+        let names = &self.inner.permit_names;
+        match &reply {
             // Lost: its acquisition is over.
-            self.inner.permit_names.ended(permit.owner, permit.fencing);
+            Ok(ExtendReply::NotHeld) => names.ended(permit.owner, permit.fencing),
+            Ok(ExtendReply::Extended(grant)) => {
+                let own_ttl = crate::backend::own_lease_of(grant.handle).map(|_| grant.ttl);
+                names.extended(permit.owner, permit.fencing, own_ttl);
+            }
+            Err(_) => {}
         }
         reply
     }

@@ -961,3 +961,59 @@ async fn a_clients_permits_reuse_their_names() {
         names.len()
     );
 }
+
+/// A permit on a lease of its own that is never released (a raw lease
+/// left to expire) gives its name back once its TTL is past: a client that
+/// takes permits so, for ever, names no more of them than it holds at once.
+#[tokio::test]
+async fn a_permit_left_to_expire_gives_its_name_back() {
+    let server = any_server();
+    let ns = unique_name("permit-expired");
+    let url = format!("{}?namespace={ns}", server.url());
+    let mut raw = raw_client(&server.url()).await;
+    let permits = format!("{ns}/lock/%sem/expiring/permits/");
+    let seen = PutNames::record(&mut raw, &ns, &permits).await;
+    let client = connect(&url).await;
+    let k = LockKey::new("expiring").unwrap();
+    for _ in 0..3 {
+        let lease = match client
+            .try_acquire_permit(&k, 2, Duration::from_secs(1))
+            .await
+        {
+            Ok(AcquireAttempt::Acquired(lease)) => lease,
+            other => panic!("a plain permit of a semaphore with room: {other:?}"),
+        };
+        let returned = Instant::now();
+        // Gone on the server (its lease expired), and past the TTL the
+        // client counts from the grant's reply, with its second of slack.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let left = raw
+                .get(
+                    permits.as_str(),
+                    Some(distlock_etcd::etcd_client::GetOptions::new().with_prefix()),
+                )
+                .await
+                .expect("read the permits")
+                .kvs()
+                .len();
+            if left == 0 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the permit outlived its lease");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        tokio::time::sleep_until((returned + lease.ttl() + Duration::from_millis(1_100)).into())
+            .await;
+    }
+    let names = seen.stop(&mut raw).await;
+    let distinct: std::collections::BTreeSet<&String> = names.iter().collect();
+    assert_eq!(names.len(), 3, "one put per permit: {names:?}");
+    assert_eq!(
+        distinct.len(),
+        1,
+        "{} permit names for {} permits, each expired before the next: {distinct:?}",
+        distinct.len(),
+        names.len()
+    );
+}
