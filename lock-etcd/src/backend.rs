@@ -753,7 +753,7 @@ mod tests {
             .expect("config")
             .with_client(
                 distlock_core::ClientOptions::default()
-                    .with_operation_timeout(Duration::from_secs(1)),
+                    .with_operation_timeout(Duration::from_secs(3)),
             );
         let lock = EtcdLock::with_config(config).await.expect("connect");
         let key = LockKey::new("joined-after-cap").expect("key");
