@@ -18,7 +18,7 @@ use crate::servers::{self, Backend, Server};
 /// Server-side counters, as far as the server offers them.
 #[derive(Debug, Clone, Default)]
 pub struct ServerCount {
-    /// Commands/RPCs/statements the server executed (None: no server-side
+    /// Commands/requests/statements the server executed (None: no server-side
     /// count).
     pub total: Option<u64>,
     /// Redis: every command including those run inside scripts.

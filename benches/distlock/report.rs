@@ -156,7 +156,7 @@ pub fn render(rows: &[Row]) -> String {
     let _ = writeln!(
         out,
         "\nratio = library p50 ÷ raw p50 (1.00 = as fast as the raw commands; the note gives raw ops/s ÷ library ops/s). \
-         RTs = p50 ÷ the 1-task round-trip p50 (latency rows), or server commands/RPCs/statements per handoff or per renewal period. \
+         RTs = p50 ÷ the 1-task round-trip p50 (latency rows), or server commands/requests/statements per handoff or per renewal period. \
          crowd rows: p50/p99 = wait from calling acquire to its return, ops/s = handoffs (acquisitions) per second."
     );
     out
