@@ -1008,7 +1008,8 @@ async fn a_permit_left_to_expire_gives_its_name_back() {
     }
     let names = seen.stop(&mut raw).await;
     let distinct: std::collections::BTreeSet<&String> = names.iter().collect();
-    assert_eq!(names.len(), 3, "one put per permit: {names:?}");
+    // An attempt sent again (no answer in time) puts its name again.
+    assert!(names.len() >= 3, "fewer puts than permits: {names:?}");
     assert_eq!(
         distinct.len(),
         1,
