@@ -73,7 +73,7 @@ use crate::txn::{self, AcquireOutcome};
 ///
 /// Waiting is FIFO and woken by the server, as etcd's Go
 /// `concurrency.Mutex`: each waiting call puts a queue entry
-/// `NS/lock/<escaped key>/waiters/<id>` on a short session lease of its
+/// `NS/lock/<escaped key>/waiters/<id>` on a session lease of 5 s of its
 /// client, and watches only the entry just before it; the first in line
 /// watches the lock key, whose deletion (release, or the holder's lease
 /// expiring) wakes exactly that waiter. A handoff costs the same few

@@ -22,6 +22,15 @@ pub const DEFAULT_PORT: u16 = 2379;
 /// to whole seconds, and use the TTL the server reports.
 pub(crate) const MIN_TTL: Duration = Duration::from_secs(1);
 
+/// The TTL of the session lease a client's queue entries (its waiting
+/// calls' places in line) go on. A client that froze or died keeps its
+/// places this long at most, as a woken waiter's turn on the other backends
+/// (5 s). The lease is kept alive every third of it whatever the handoff
+/// rate, so each waiting client costs etcd 0.6 keep-alives a second (3
+/// with a 1 s lease, which also needs an etcd tuned for short election
+/// timeouts: a default one grants 2 s at least).
+pub(crate) const WAITER_TTL: Duration = Duration::from_secs(5);
+
 /// etcd's largest lease TTL (`MaxLeaseTTL`, 9 000 000 000 s); we cap lower,
 /// at distlock-core's default of a year.
 pub(crate) const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);

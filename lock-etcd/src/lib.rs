@@ -70,10 +70,11 @@
 //! (leaving the line in the same transaction) or its wait ends (its entry
 //! is deleted at once, and the next waiter moves up). Its turn has no
 //! timer of its own: the queue entry lives on its client's session lease
-//! of the shortest TTL (one second, or the server's minimum lease TTL if
-//! larger; kept alive every third of it), so a client that froze or
-//! died loses its entry, and its place, when etcd expires that lease, and
-//! the next waiter is woken then. A waiter that expects to be refused
+//! of 5 s (kept alive every third of it: 0.6 keep-alives a second per
+//! waiting client, whatever the handoff rate), so a client that froze or
+//! died loses its entry, and its place, within 5 s, when etcd expires that
+//! lease, and the next waiter is woken then (as a woken waiter's turn on
+//! the other backends). A waiter that expects to be refused
 //! reads first (one read-only request: no lease granted, nothing written
 //! through Raft); right after it joined the line behind someone (or
 //! behind another owner's lock), it is refused without a request, from

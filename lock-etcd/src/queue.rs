@@ -71,9 +71,9 @@
 //! empty. A refused attempt on a free key gets no expiry to wait for: the
 //! head is woken by its own watch of the lock key, and every other waiter
 //! by its own when it becomes first. The head's turn needs no timer of its
-//! own: its entry lives on its client's session lease of [`MIN_TTL`], so
-//! the entry of a client that froze or died vanishes with that lease and
-//! the next waiter moves up; an entry whose wait ended is deleted at once.
+//! own: its entry lives on its client's session lease of [`WAITER_TTL`]
+//! (5 s), so the entry of a client that froze or died vanishes with that
+//! lease and the next waiter moves up; an entry whose wait ended is deleted at once.
 //! A waiter that expects to be refused (someone ahead, or the lock held,
 //! by its task's last look) checks first with a read-only transaction of
 //! two point reads, the lock key and the entry ahead that its task watches
@@ -111,7 +111,7 @@ use distlock_core::{
 use etcd_client::{GetOptions, KeyValue};
 use tokio::sync::oneshot;
 
-use crate::config::MIN_TTL;
+use crate::config::WAITER_TTL;
 use crate::connection::Etcd;
 use crate::fence::Fence;
 use crate::keys::{decode_value, KeyLayout};
@@ -153,7 +153,7 @@ pub(crate) struct Queues {
     slots: Arc<Slots>,
     /// The places of this client's lock waiters, by their owner tokens.
     seats: Mutex<HashMap<OwnerToken, Arc<Seat>>>,
-    /// Queue entries go on the client's session lease of [`MIN_TTL`].
+    /// Queue entries go on the client's session lease of [`WAITER_TTL`].
     sessions: Arc<Sessions>,
     /// Lock keys an attempt of this client found taken (held, or a line
     /// ahead of it), and when: for [`CONTENDED_FOR`](distlock_core::CONTENDED_FOR) after, an attempt not
@@ -587,7 +587,7 @@ async fn join(
     // of this client holds (reused once free: see `Queues::slots`). Session
     // and entry share one operation timeout.
     let deadline = etcd.requests.deadline();
-    let session = match queues.sessions.session(MIN_TTL, deadline).await {
+    let session = match queues.sessions.session(WAITER_TTL, deadline).await {
         Ok(session) => session,
         Err(e) => {
             let _ = joined.send(Err(e));

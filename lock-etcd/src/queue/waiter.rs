@@ -12,7 +12,7 @@ use super::entries::{delete_entry, look_up, looked_up, put_entry};
 use super::{
     target_of, watch_target, Line, Position, Queues, Seat, TargetWatch, RETRY_MAX, RETRY_MIN,
 };
-use crate::config::MIN_TTL;
+use crate::config::WAITER_TTL;
 use crate::fence::Fence;
 use crate::requests::Repeat;
 use crate::slots::Slot;
@@ -228,7 +228,7 @@ impl Waiter {
             // Our entry is gone (our session lease was lost): queue again,
             // at the end of the line.
             let deadline = etcd.requests.deadline();
-            let session = queues.sessions.session(MIN_TTL, deadline).await?;
+            let session = queues.sessions.session(WAITER_TTL, deadline).await?;
             let fence = Fence::new(&self.line.base(&etcd.layout), session.lease_id());
             self.requeued = true;
             let (place, again) =
