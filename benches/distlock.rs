@@ -33,11 +33,14 @@
 //!
 //! Modules: `plan` (run sizes), `servers` (start, pin, /proc readings),
 //! `probe` (server counters and versions), `raw` (the driver baselines),
+//! `baseline` (the raw write and round trip targets 3 and 7 are held to),
 //! `raw_handoff` (the driver's handoff floor),
 //! `uncontended`, `handoff`, `renewal`, `peer`, `state`, `crowd` (the
 //! scenarios),
 //! `report` (table and JSON).
 
+#[path = "distlock/baseline.rs"]
+mod baseline;
 #[path = "distlock/crowd.rs"]
 mod crowd;
 #[path = "distlock/handoff.rs"]

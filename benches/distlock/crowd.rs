@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use distlock::{ErrorKind, LockClient, LockKey, LockOptions, Locker, MemoryLock};
 use serde_json::json;
 
+use crate::baseline::Baseline;
 use crate::plan::{BenchResult, Plan, TTL};
 use crate::probe::{self, Probe, ServerCount};
 use crate::raw::Raw;
@@ -101,7 +102,7 @@ async fn crowd_rows(plan: &Plan, server: &Server) -> BenchResult<Vec<Row>> {
         Backend::Memory => None,
         _ => {
             let raw = Raw::connect(backend, &server.url, server.port().unwrap_or(0)).await?;
-            Some(baseline(&raw, plan).await?)
+            Some(Baseline::measure(&raw, plan.batch_1, BASELINE_ROUNDS).await?)
         }
     };
     if let Some(b) = &baseline {
@@ -200,48 +201,6 @@ async fn raw_crowd_row(
     ];
     eprintln!("[{}] raw crowd done", server.backend.name());
     Ok(row)
-}
-
-/// The raw acquire write alone and a plain round trip, 1 task.
-struct Baseline {
-    acquire: Samples,
-    ping: Samples,
-}
-
-impl Baseline {
-    fn ping_p50(&self) -> Option<f64> {
-        self.ping.pct(0.5)
-    }
-
-    /// `1 / (hold + raw acquire write p50 + round trip p50)`, per second.
-    fn rate_bound(&self, hold: Duration) -> Option<f64> {
-        let (acquire, ping) = self.acquire.pct(0.5).zip(self.ping_p50())?;
-        Some(1.0 / (hold.as_secs_f64() + (acquire + ping) / 1e6))
-    }
-}
-
-async fn baseline(raw: &Raw, plan: &Plan) -> BenchResult<Baseline> {
-    static SEQ: AtomicU64 = AtomicU64::new(0);
-    let (mut acquire, mut ping) = (Samples::default(), Samples::default());
-    // Round 0 warms the connections up and is not recorded.
-    for round in 0..=BASELINE_ROUNDS {
-        for _ in 0..plan.batch_1 {
-            let t = Instant::now();
-            raw.ping().await?;
-            if round > 0 {
-                ping.push(t.elapsed());
-            }
-        }
-        for _ in 0..plan.batch_1 {
-            let n = SEQ.fetch_add(1, Ordering::Relaxed);
-            let (held, took) = raw.acquire(&format!("crowd-raw-{n}"), n, TTL).await?;
-            raw.release(held).await?;
-            if round > 0 {
-                acquire.push(took);
-            }
-        }
-    }
-    Ok(Baseline { acquire, ping })
 }
 
 /// What one crowd measured.

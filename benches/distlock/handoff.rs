@@ -14,12 +14,15 @@ use distlock::{
     HolderId, Leadership, LockClient, LockGuard, LockKey, LockOptions, Locker, Renewal,
 };
 use distlock_conformance::fault::Link;
+use serde_json::json;
 use tokio::sync::{mpsc, oneshot, watch};
 
+use crate::baseline::Baseline;
 use crate::plan::{warmup_handoffs, BenchResult, Plan, TTL};
 use crate::probe::{self, Calls, Probe, ServerCount};
+use crate::raw::Raw;
 use crate::raw_handoff;
-use crate::report::{Row, Samples};
+use crate::report::{round1, Row, Samples};
 use crate::servers::{Backend, Server};
 
 /// A call through the counting link that has not answered in this long
@@ -59,6 +62,16 @@ pub async fn rows(
         rows.push(row);
     }
     let raw_p50 = raw.as_ref().and_then(|r| r.pct(0.5));
+    // Target 3's floor (the raw write and a round trip), a round before
+    // the first W and one after each, so that it sees the same machine.
+    let floor_driver = match backend {
+        Backend::Memory => None,
+        _ => Some(Raw::connect(backend, &server.url, server.port().unwrap_or(0)).await?),
+    };
+    let mut floor = match &floor_driver {
+        Some(raw) => Some(Baseline::measure(raw, plan.batch_1, 1).await?),
+        None => None,
+    };
     for &w in &plan.waiters {
         let mut kinds = vec![Through::Lock, Through::Permit];
         if w == 1 {
@@ -72,9 +85,53 @@ pub async fn rows(
             }
             rows.extend(w_rows);
         }
+        if let (Some(raw), Some(floor)) = (&floor_driver, floor.as_mut()) {
+            floor.add_round(raw, plan.batch_1).await?;
+        }
         eprintln!("[{}] handoff W={w} done", backend.name());
     }
+    if let Some(floor) = &floor {
+        judge_target(backend, floor, &mut rows);
+    }
     Ok(rows)
+}
+
+/// Target 3: a lock handoff's p50 at most the raw acquire write plus one
+/// round trip (`floor`, measured between the W rows). Adds the floor's
+/// row, and the verdict to each lock handoff row's note and JSON.
+fn judge_target(backend: Backend, floor: &Baseline, rows: &mut Vec<Row>) {
+    let Some(target) = floor.write_plus_round_trip() else {
+        return;
+    };
+    for row in rows.iter_mut().filter(|r| r.scenario == "handoff") {
+        let Some(p50) = row.p50_us else { continue };
+        let met = p50 <= target;
+        if let Some(note) = row.note.as_mut() {
+            note.push_str(&format!(
+                "; target 3: p50 {p50:.1} <= {target:.1} µs (raw write + 1 round trip, measured between the W rows): {}",
+                if met { "met" } else { "NOT met" }
+            ));
+        }
+        row.extra.push(("handoff_target_us", json!(round1(target))));
+        row.extra.push((
+            "targets",
+            json!({ "handoff_within_write_plus_round_trip": met }),
+        ));
+    }
+    let mut row = Row::new(backend, "handoff_floor", "1 task");
+    row.p50_us = floor.acquire.pct(0.5);
+    row.p99_us = floor.acquire.pct(0.99);
+    row.round_trips = floor
+        .acquire
+        .pct(0.5)
+        .zip(floor.ping_p50())
+        .map(|(a, p)| a / p);
+    row.note = Some(format!(
+        "raw acquire write alone, {} samples; round trip p50 {:.1} µs; in rounds before and between the handoff rows' W; target 3 = write p50 + round trip p50 = {target:.1} µs",
+        floor.acquire.us.len(),
+        floor.ping_p50().unwrap_or(0.0),
+    ));
+    rows.push(row);
 }
 
 /// What the holders hand off.

@@ -55,7 +55,7 @@ impl Row {
     }
 }
 
-fn round1(x: f64) -> f64 {
+pub fn round1(x: f64) -> f64 {
     (x * 10.0).round() / 10.0
 }
 
