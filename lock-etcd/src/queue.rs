@@ -9,7 +9,7 @@
 //! those waiters only, never the whole line.
 //!
 //! [`Queues::enqueue`] (the backend's `watch`) puts a queue entry
-//! `NS/lock/<escaped key>/waiters/<waiter id>` on the client's short session
+//! `NS/lock/<escaped key>/waiters/<waiter id>` on the client's 5 s session
 //! lease, so a crashed client's entries vanish with its lease. Its
 //! `create_revision` is its place in line. In the same transaction it reads
 //! the entry with the greatest create revision below its own — its
