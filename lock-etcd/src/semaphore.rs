@@ -251,6 +251,14 @@ fn decide(held: &[Permit], place: usize, limit: u32) -> Option<PermitReply> {
         .then_some(PermitReply::Full { expires_in: None })
 }
 
+/// The TTL a granted or extended permit expires by if nobody releases it:
+/// its lease's, when the lease is its own; `None` on a session lease (it
+/// ends with its holder or its session). One rule for grants and extends,
+/// read from the grant's handle, for `PermitNames` to free its name once past.
+fn own_lease_ttl(grant: &Grant) -> Option<Duration> {
+    crate::backend::own_lease_of(grant.handle).map(|_| grant.ttl)
+}
+
 /// The lease a permit attempt put its permit on.
 enum OnLease {
     /// A lease of its own, granted this TTL: revoking it gives the permit
@@ -441,10 +449,6 @@ impl SemaphoreBackend for EtcdLock {
             names.done(request.owner);
             return Ok(refusal);
         }
-        let own_ttl = match &on {
-            OnLease::Own(_, granted) => Some(*granted),
-            OnLease::Session(..) => None,
-        };
         let grant = match on {
             OnLease::Own(lease_id, granted) => {
                 Grant::new(fencing, granted).with_handle(handle(lease_id))
@@ -459,7 +463,7 @@ impl SemaphoreBackend for EtcdLock {
                 }
             }
         };
-        names.granted(request.owner, fencing, own_ttl);
+        names.granted(request.owner, fencing, own_lease_ttl(&grant));
         Ok(PermitReply::Granted(grant))
     }
 
@@ -486,8 +490,7 @@ impl SemaphoreBackend for EtcdLock {
             // Lost: its acquisition is over.
             Ok(ExtendReply::NotHeld) => names.ended(permit.owner, permit.fencing),
             Ok(ExtendReply::Extended(grant)) => {
-                let own_ttl = crate::backend::own_lease_of(grant.handle).map(|_| grant.ttl);
-                names.extended(permit.owner, permit.fencing, own_ttl);
+                names.extended(permit.owner, permit.fencing, own_lease_ttl(grant));
             }
             Err(_) => {}
         }
