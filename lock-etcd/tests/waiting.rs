@@ -1018,3 +1018,52 @@ async fn a_permit_left_to_expire_gives_its_name_back() {
         names.len()
     );
 }
+
+/// A waiting client's places in line live on a session lease of 5 s: a
+/// frozen or crashed client's entries go within 5 s (a woken waiter's
+/// turn on the other backends), and each waiting client keeps its lease
+/// alive 0.6 times a second. Its entries went on the shortest lease (1 s
+/// on this etcd), which every waiting client kept alive three times a
+/// second whatever the handoff rate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_clients_queue_entries_live_on_a_five_second_lease() {
+    let server = any_server();
+    let ns = unique_name("waiter-lease");
+    let url = format!("{}?namespace={ns}", server.url());
+    let mut raw = raw_client(&server.url()).await;
+    let holder = connect(&url).await;
+    let k = LockKey::new("waiter-lease").unwrap();
+    let queue = format!("{ns}/lock/waiter-lease/waiters/");
+    let held = acquire(&holder, &k, Duration::from_secs(30)).await;
+    let waiter = connect(&url).await;
+    let waiting = {
+        let (waiter, k) = (waiter.clone(), k.clone());
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            waiter.acquire(&k, Duration::from_secs(30), deadline).await
+        })
+    };
+    until_queued(&mut raw, &queue, 1).await;
+    let entries = raw
+        .get(
+            queue.as_str(),
+            Some(distlock_etcd::etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await
+        .expect("read the queue");
+    let lease = entries.kvs()[0].lease();
+    assert_ne!(lease, 0, "a queue entry must live on a lease");
+    let granted = raw
+        .lease_time_to_live(lease, None)
+        .await
+        .expect("read the entry's lease")
+        .granted_ttl();
+    assert_eq!(
+        granted, 5,
+        "a waiting client's queue entry lives on a lease of {granted} s, not 5 s"
+    );
+    holder.release(&held).await.expect("release");
+    let lease = served(waiting).await;
+    waiter.release(&lease).await.expect("release");
+    common::delete_prefix(&mut raw, &ns).await;
+}
