@@ -564,7 +564,7 @@ fn scenario_row(
             "server_work_per_handoff",
             json!(work.total.map(|t| t as f64 / per_handoff)),
         ),
-        ("targets", serde_json::Value::Object(targets)),
     ];
+    row.targets = targets;
     row
 }

@@ -151,6 +151,13 @@ pub async fn rows(
                 json!("bench process on CPU 0, redis-server on CPU 1 (see the header)"),
             ),
         ];
+        if let (Contender::Locker, Some(ratio)) = (c, row.ratio_vs_raw) {
+            row.judge(
+                "peer_within_1_05x_raw_fenced",
+                ratio <= 1.05,
+                format_args!("6, p50 {ratio:.2}x <= 1.05x the raw fenced pair"),
+            );
+        }
         rows.push(row);
     }
     Ok(rows)

@@ -15,6 +15,10 @@ use crate::probe::{self, Calls, Probe};
 use crate::report::Row;
 use crate::servers::{self, Backend, Server};
 
+/// The guard count target 4 is judged at (a full run's largest): at most
+/// 50 requests a renewal period in all, at most 2 KB a held guard.
+const TARGET_GUARDS: usize = 10_000;
+
 /// The environment variable that makes the bench a renewal child; its value
 /// is the child's spec.
 pub const CHILD_ENV: &str = "DISTLOCK_BENCH_RENEWAL_CHILD";
@@ -48,13 +52,28 @@ pub fn rows(plan: &Plan, server: &Server) -> BenchResult<Vec<Row>> {
         };
         let mut row = Row::new(backend, "renewal_server_rt_per_period", format!("H={h}"));
         row.round_trips = Some(r.server_per_period);
+        let judged = h == TARGET_GUARDS;
         row.note = Some(format!(
             "{} per renewal period {:?} (TTL {:?}) = {:.2} per guard; client extends/period {:.1}; {} of {h} guards lost; rss/guard {:.0} B; acquiring all took {:.1} s",
             r.source, plan.renewal_ttl / 3, plan.renewal_ttl, r.server_per_period / h as f64, r.extends_per_period, r.lost, r.rss_per_guard, r.acquire_secs
         ));
+        if judged {
+            row.judge(
+                "renewal_at_most_50_per_period",
+                r.server_per_period <= 50.0,
+                format_args!("4, {:.1} <= 50 a period", r.server_per_period),
+            );
+        }
         rows.push(row);
         let mut row = Row::new(backend, "renewal_rss_per_guard_bytes", format!("H={h}"));
         row.note = Some(format!("{:.0}", r.rss_per_guard));
+        if judged {
+            row.judge(
+                "memory_at_most_2_kb_per_guard",
+                r.rss_per_guard <= 2048.0,
+                format_args!("4, {:.0} <= 2048 B a guard", r.rss_per_guard),
+            );
+        }
         rows.push(row);
         eprintln!("[{}] renewal H={h} done", backend.name());
     }

@@ -22,6 +22,9 @@ pub struct Row {
     /// Fields of this row's own, added to its JSON object (the peer row's
     /// mean, the state row's key counts).
     pub extra: Vec<(&'static str, Value)>,
+    /// Issue 28's targets judged on this row, by name: met or not (the
+    /// JSON's `targets`).
+    pub targets: serde_json::Map<String, Value>,
 }
 
 impl Row {
@@ -32,6 +35,18 @@ impl Row {
             param: param.into(),
             ..Row::default()
         }
+    }
+
+    /// Judges one of issue 28's targets on this row: `what` (the target's
+    /// number and the figures compared) goes to the note with the verdict,
+    /// and `name` to the JSON's `targets`.
+    pub fn judge(&mut self, name: &'static str, met: bool, what: impl std::fmt::Display) {
+        let verdict = format!("target {what}: {}", if met { "met" } else { "NOT met" });
+        self.note = Some(match self.note.take() {
+            Some(note) => format!("{note}; {verdict}"),
+            None => verdict,
+        });
+        self.targets.insert(name.to_owned(), json!(met));
     }
 
     pub fn json(&self) -> Value {
@@ -49,6 +64,9 @@ impl Row {
         if let Value::Object(fields) = &mut value {
             for (name, extra) in &self.extra {
                 fields.insert((*name).to_owned(), extra.clone());
+            }
+            if !self.targets.is_empty() {
+                fields.insert("targets".to_owned(), Value::Object(self.targets.clone()));
             }
         }
         value

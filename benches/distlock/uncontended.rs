@@ -109,6 +109,14 @@ fn beside_raw(
         Some(r) => format!("{note}ops/s ratio {r:.2}; {}", lib_s.cpu_note(true)),
         None => format!("{note}{}", lib_s.cpu_note(false)),
     });
+    // Target 1 is the lock's pair; the permit rows are shown beside it.
+    if let (true, Some(ratio)) = (names[0] == "uncontended_library", row.ratio_vs_raw) {
+        row.judge(
+            "uncontended_within_1_10x_raw",
+            ratio <= 1.10,
+            format_args!("1, p50 {ratio:.2}x <= 1.10x raw"),
+        );
+    }
     rows.push(row);
     if let Some(raw_s) = raw_s {
         let mut row = Row::new(backend, names[1], param);
