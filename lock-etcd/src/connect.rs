@@ -120,7 +120,11 @@ impl EtcdLock {
             requests,
         };
         let sessions = Arc::new(Sessions::new(etcd.clone()));
-        let queues = Arc::new(Queues::new(etcd.clone(), sessions.clone(), listener));
+        let queues = Arc::new(Queues::new(
+            etcd.clone(),
+            Arc::new(Sessions::for_queue_entries(etcd.clone())),
+            listener,
+        ));
         Ok(Self {
             inner: Arc::new(Inner {
                 etcd,

@@ -153,7 +153,9 @@ pub(crate) struct Queues {
     slots: Arc<Slots>,
     /// The places of this client's lock waiters, by their owner tokens.
     seats: Mutex<HashMap<OwnerToken, Arc<Seat>>>,
-    /// Queue entries go on the client's session lease of [`WAITER_TTL`].
+    /// Queue entries go on the client's session lease of [`WAITER_TTL`],
+    /// a session of their own (no lock or permit goes on it), revoked when
+    /// the client is dropped.
     sessions: Arc<Sessions>,
     /// Lock keys an attempt of this client found taken (held, or a line
     /// ahead of it), and when: for [`CONTENDED_FOR`](distlock_core::CONTENDED_FOR) after, an attempt not

@@ -201,13 +201,19 @@ pub(crate) struct Sessions {
     /// TTL grant one lease.
     creating: tokio::sync::Mutex<()>,
     /// Dropped with the client: closes the channel, which stops every
-    /// session task (the leases then expire on the server).
+    /// session task (the leases then expire on the server, or are revoked:
+    /// `revoke_at_shutdown`).
     _shutdown: watch::Sender<()>,
     shutdown: watch::Receiver<()>,
+    /// The session tasks revoke their leases when the client is dropped.
+    revoke_at_shutdown: bool,
     etcd: Etcd,
 }
 
 impl Sessions {
+    /// The sessions of locks and permits: left to expire when the client
+    /// is dropped, since a raw renewing lease taken on one (its holder
+    /// counts it valid until its TTL) may outlive the client.
     pub(crate) fn new(etcd: Etcd) -> Self {
         let (tx, rx) = watch::channel(());
         Self {
@@ -215,7 +221,19 @@ impl Sessions {
             creating: tokio::sync::Mutex::new(()),
             _shutdown: tx,
             shutdown: rx,
+            revoke_at_shutdown: false,
             etcd,
+        }
+    }
+
+    /// The sessions of queue entries alone, revoked when the client is
+    /// dropped: a wait that ended with its client (its task holds the
+    /// client weakly, so it cannot delete its entry then) leaves no entry
+    /// holding up the line until the lease expires.
+    pub(crate) fn for_queue_entries(etcd: Etcd) -> Self {
+        Self {
+            revoke_at_shutdown: true,
+            ..Self::new(etcd)
         }
     }
 
@@ -249,6 +267,7 @@ impl Sessions {
             session: session.clone(),
             etcd: self.etcd.clone(),
             shutdown: self.shutdown.clone(),
+            revoke_at_shutdown: self.revoke_at_shutdown,
         };
         tokio::spawn(task.run());
         tracing::debug!(lease_id, ttl = ?ttl, "etcd session lease started");

@@ -1067,3 +1067,48 @@ async fn a_waiting_clients_queue_entries_live_on_a_five_second_lease() {
     waiter.release(&lease).await.expect("release");
     common::delete_prefix(&mut raw, &ns).await;
 }
+
+/// A client dropped as its wait is cancelled takes its queue entries with
+/// it: their session lease (queue entries alone go on it) is revoked,
+/// rather than left to hold up the line until it expires (the waiter's
+/// task holds the client weakly, so it may not get to delete its entry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_clients_queue_entry_lease_is_revoked() {
+    let server = own_server();
+    let mut raw = raw_client(&server.url()).await;
+    let holder = connect(&server.url()).await;
+    let k = unique_key("dropped-waiter");
+    let _held = acquire(&holder, &k, Duration::from_secs(60)).await;
+    let waiter = connect(&server.url()).await;
+    let waiting = {
+        let (locker, k) = (Locker::new(waiter.clone()), k.clone());
+        tokio::spawn(async move {
+            let options =
+                LockOptions::new(Duration::from_secs(30)).with_wait(Duration::from_secs(60));
+            locker.acquire(&k, &options).await
+        })
+    };
+    let give_up = Instant::now() + Duration::from_secs(30);
+    while !keys_under(&mut raw, "")
+        .await
+        .iter()
+        .any(|k| k.contains("/waiters/"))
+    {
+        assert!(Instant::now() < give_up, "the waiter never queued");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let revoked = |counts: &BTreeMap<String, u64>| counts.get("LeaseRevoke").copied().unwrap_or(0);
+    let before = revoked(&grpc_started(server.addr()).await);
+    waiting.abort();
+    let _ = waiting.await;
+    drop(waiter);
+    let give_up = Instant::now() + Duration::from_secs(30);
+    while revoked(&grpc_started(server.addr()).await) == before {
+        assert!(
+            Instant::now() < give_up,
+            "a client dropped with its wait cancelled left its queue entries' lease to expire"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    until_no_waiter_entries(&server).await;
+}

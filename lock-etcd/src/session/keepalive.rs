@@ -32,6 +32,9 @@ pub(crate) struct Task {
     /// undos).
     pub(crate) etcd: Etcd,
     pub(crate) shutdown: watch::Receiver<()>,
+    /// Revoke the lease when the client is dropped (a session of queue
+    /// entries alone; see [`Sessions::for_queue_entries`](super::Sessions::for_queue_entries)).
+    pub(crate) revoke_at_shutdown: bool,
 }
 
 enum Opened {
@@ -56,6 +59,11 @@ impl Task {
         match stop {
             Stop::Shutdown => {
                 tracing::debug!(lease_id, "etcd session stopped with its client");
+                if self.revoke_at_shutdown {
+                    let _ =
+                        connection::revoke(self.etcd.leases.clone(), &self.etcd.requests, lease_id)
+                            .await;
+                }
             }
             Stop::Lost(why) => {
                 tracing::warn!(
