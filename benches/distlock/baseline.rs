@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use crate::plan::{BenchResult, TTL};
 use crate::raw::Raw;
-use crate::report::Samples;
+use crate::report::{Row, Samples};
+use crate::servers::Backend;
 
 /// The raw acquire write alone and a plain round trip, 1 task.
 #[derive(Default)]
@@ -47,6 +48,20 @@ impl Baseline {
             .pct(0.5)
             .zip(self.ping_p50())
             .map(|(a, p)| a + p)
+    }
+
+    /// The row showing it: the write's p50 and p99, in round trips; the
+    /// caller writes its note.
+    pub fn row(&self, backend: Backend, scenario: &'static str) -> Row {
+        let mut row = Row::new(backend, scenario, "1 task");
+        row.p50_us = self.acquire.pct(0.5);
+        row.p99_us = self.acquire.pct(0.99);
+        row.round_trips = self
+            .acquire
+            .pct(0.5)
+            .zip(self.ping_p50())
+            .map(|(a, p)| a / p);
+        row
     }
 
     /// `1 / (hold + raw acquire write p50 + round trip p50)`, per second.

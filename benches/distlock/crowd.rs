@@ -106,10 +106,7 @@ async fn crowd_rows(plan: &Plan, server: &Server) -> BenchResult<Vec<Row>> {
         }
     };
     if let Some(b) = &baseline {
-        let mut row = Row::new(backend, "crowd_baseline", "1 task");
-        row.p50_us = b.acquire.pct(0.5);
-        row.p99_us = b.acquire.pct(0.99);
-        row.round_trips = b.acquire.pct(0.5).zip(b.ping_p50()).map(|(a, p)| a / p);
+        let mut row = b.row(backend, "crowd_baseline");
         row.note = Some(format!(
             "raw acquire write alone ({}), {} samples; round trip p50 {:.1} µs, p99 {:.1} µs; interleaved, on the crowd runtime",
             match backend {

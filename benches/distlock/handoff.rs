@@ -64,13 +64,13 @@ pub async fn rows(
     let raw_p50 = raw.as_ref().and_then(|r| r.pct(0.5));
     // Target 3's floor (the raw write and a round trip), a round before
     // the first W and one after each, so that it sees the same machine.
-    let floor_driver = match backend {
+    let mut floor = match backend {
         Backend::Memory => None,
-        _ => Some(Raw::connect(backend, &server.url, server.port().unwrap_or(0)).await?),
-    };
-    let mut floor = match &floor_driver {
-        Some(raw) => Some(Baseline::measure(raw, plan.batch_1, 1).await?),
-        None => None,
+        _ => {
+            let raw = Raw::connect(backend, &server.url, server.port().unwrap_or(0)).await?;
+            let measured = Baseline::measure(&raw, plan.batch_1, 1).await?;
+            Some((raw, measured))
+        }
     };
     for &w in &plan.waiters {
         let mut kinds = vec![Through::Lock, Through::Permit];
@@ -85,47 +85,42 @@ pub async fn rows(
             }
             rows.extend(w_rows);
         }
-        if let (Some(raw), Some(floor)) = (&floor_driver, floor.as_mut()) {
+        if let Some((raw, floor)) = floor.as_mut() {
             floor.add_round(raw, plan.batch_1).await?;
         }
         eprintln!("[{}] handoff W={w} done", backend.name());
     }
-    if let Some(floor) = &floor {
+    if let Some((_, floor)) = &floor {
         judge_target(backend, floor, &mut rows);
     }
-    judge_server_work(&mut rows);
+    if let Some(&most) = plan.waiters.iter().max() {
+        judge_server_work(&mut rows, most);
+    }
     Ok(rows)
 }
 
-/// Target 2: a lock handoff's server work at the largest W at most 1.5x
-/// W = 1's (judged on the largest W's row).
-fn judge_server_work(rows: &mut [Row]) {
-    let work_at = |rows: &[Row], w: usize| {
+/// Target 2: a lock handoff's server work at the largest W (`most`) at
+/// most 1.5x W = 1's (judged on the largest W's row).
+fn judge_server_work(rows: &mut [Row], most: usize) {
+    let at = |w: usize| {
+        let param = format!("W={w}");
         rows.iter()
-            .find(|r| r.scenario == "server_work_per_handoff" && r.param == format!("W={w}"))
-            .and_then(|r| r.round_trips)
+            .position(|r| r.scenario == "server_work_per_handoff" && r.param == param)
     };
-    let Some(most) = rows
-        .iter()
-        .filter(|r| r.scenario == "server_work_per_handoff")
-        .filter_map(|r| r.param.strip_prefix("W=")?.parse::<usize>().ok())
-        .max()
-        .filter(|w| *w > 1)
-    else {
+    let (Some(one), Some(many)) = (at(1), at(most)) else {
         return;
     };
-    let (Some(one), Some(many)) = (work_at(rows, 1), work_at(rows, most)) else {
+    let (Some(one_work), Some(many_work)) = (rows[one].round_trips, rows[many].round_trips) else {
         return;
     };
-    let param = format!("W={most}");
-    if let Some(row) = rows
-        .iter_mut()
-        .find(|r| r.scenario == "server_work_per_handoff" && r.param == param)
-    {
-        row.judge(
+    if one != many {
+        rows[many].judge(
             "server_work_at_most_1_5x_one_waiter",
-            many <= 1.5 * one,
-            format_args!("2, {many:.2} <= 1.5 x {one:.2} (W = 1) = {:.2}", 1.5 * one),
+            many_work <= 1.5 * one_work,
+            format_args!(
+                "2, {many_work:.2} <= 1.5 x {one_work:.2} (W = 1) = {:.2}",
+                1.5 * one_work
+            ),
         );
     }
 }
@@ -148,14 +143,7 @@ fn judge_target(backend: Backend, floor: &Baseline, rows: &mut Vec<Row>) {
         );
         row.extra.push(("handoff_target_us", json!(round1(target))));
     }
-    let mut row = Row::new(backend, "handoff_floor", "1 task");
-    row.p50_us = floor.acquire.pct(0.5);
-    row.p99_us = floor.acquire.pct(0.99);
-    row.round_trips = floor
-        .acquire
-        .pct(0.5)
-        .zip(floor.ping_p50())
-        .map(|(a, p)| a / p);
+    let mut row = floor.row(backend, "handoff_floor");
     row.note = Some(format!(
         "raw acquire write alone, {} samples; round trip p50 {:.1} µs; in rounds before and between the handoff rows' W; target 3 = write p50 + round trip p50 = {target:.1} µs",
         floor.acquire.us.len(),

@@ -1075,11 +1075,14 @@ async fn a_waiting_clients_queue_entries_live_on_a_five_second_lease() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_clients_queue_entry_lease_is_revoked() {
     let server = own_server();
+    let ns = unique_name("dropped-waiter");
+    let url = format!("{}?namespace={ns}", server.url());
     let mut raw = raw_client(&server.url()).await;
-    let holder = connect(&server.url()).await;
-    let k = unique_key("dropped-waiter");
+    let holder = connect(&url).await;
+    let k = LockKey::new("dropped-waiter").unwrap();
+    let queue = format!("{ns}/lock/dropped-waiter/waiters/");
     let _held = acquire(&holder, &k, Duration::from_secs(60)).await;
-    let waiter = connect(&server.url()).await;
+    let waiter = connect(&url).await;
     let waiting = {
         let (locker, k) = (Locker::new(waiter.clone()), k.clone());
         tokio::spawn(async move {
@@ -1088,15 +1091,7 @@ async fn a_dropped_clients_queue_entry_lease_is_revoked() {
             locker.acquire(&k, &options).await
         })
     };
-    let give_up = Instant::now() + Duration::from_secs(30);
-    while !keys_under(&mut raw, "")
-        .await
-        .iter()
-        .any(|k| k.contains("/waiters/"))
-    {
-        assert!(Instant::now() < give_up, "the waiter never queued");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_queued(&mut raw, &queue, 1).await;
     let revoked = |counts: &BTreeMap<String, u64>| counts.get("LeaseRevoke").copied().unwrap_or(0);
     let before = revoked(&grpc_started(server.addr()).await);
     waiting.abort();
@@ -1110,5 +1105,5 @@ async fn a_dropped_clients_queue_entry_lease_is_revoked() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    until_no_waiter_entries(&server).await;
+    until_queued(&mut raw, &queue, 0).await;
 }

@@ -56,14 +56,10 @@ impl Task {
         let stop = self.keep_alive().await;
         let lease_id = self.session.lease_id();
         self.session.kill();
-        match stop {
+        let revoke = match stop {
             Stop::Shutdown => {
                 tracing::debug!(lease_id, "etcd session stopped with its client");
-                if self.revoke_at_shutdown {
-                    let _ =
-                        connection::revoke(self.etcd.leases.clone(), &self.etcd.requests, lease_id)
-                            .await;
-                }
+                self.revoke_at_shutdown
             }
             Stop::Lost(why) => {
                 tracing::warn!(
@@ -72,9 +68,12 @@ impl Task {
                     "etcd session lease lost; its locks are gone"
                 );
                 // Make the server agree at once if it still has the lease.
-                let _ = connection::revoke(self.etcd.leases.clone(), &self.etcd.requests, lease_id)
-                    .await;
+                true
             }
+        };
+        if revoke {
+            let _ =
+                connection::revoke(self.etcd.leases.clone(), &self.etcd.requests, lease_id).await;
         }
     }
 
