@@ -7,11 +7,12 @@ use async_trait::async_trait;
 use distlock_core::{
     FencingToken, HolderId, LockAdmin, LockError, LockKey, LockState, ReleaseWatch, IN_LOCK_CALL,
 };
-use etcd_client::{Compare, CompareOp, KeyValue, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, Txn, TxnOp, TxnOpResponse};
 
 use crate::backend::EtcdLock;
 use crate::keys::decode_holder;
 use crate::listener::Topic;
+use crate::marker;
 use crate::requests::Repeat;
 use crate::txn;
 
@@ -71,6 +72,31 @@ impl EtcdLock {
     }
 }
 
+impl EtcdLock {
+    /// The holders' markers in `key`'s line on `lease` (the lock's): the
+    /// marker of the lock on it, and any a client left with the lock
+    /// gone.
+    async fn markers_on(&self, key: &LockKey, lease: i64) -> Result<Vec<Vec<u8>>, LockError> {
+        let line = self.etcd().layout.queue_prefix(key);
+        let kv = &self.etcd().kv;
+        let reply = self
+            .etcd()
+            .requests
+            .send("reading the lock's waiter line", Repeat::Safe, || {
+                let mut kv = kv.clone();
+                let line = line.clone();
+                async move { kv.get(line, Some(GetOptions::new().with_prefix())).await }
+            })
+            .await?;
+        Ok(reply
+            .kvs()
+            .iter()
+            .filter(|kv| marker::is_marker(kv) && kv.lease() == lease)
+            .map(|kv| kv.key().to_vec())
+            .collect())
+    }
+}
+
 #[async_trait]
 impl LockAdmin for EtcdLock {
     async fn inspect(&self, key: &LockKey) -> Result<LockState, LockError> {
@@ -93,16 +119,21 @@ impl LockAdmin for EtcdLock {
         // goes with it.
         let layout = &self.etcd().layout;
         let etcd_key = layout.lock_key(key);
+        // Its holder's marker (see `crate::marker`), if a waiter took it,
+        // goes with it: its successor waits on it.
+        let markers = self.markers_on(key, found.lease()).await?;
+        let mut then = vec![
+            TxnOp::delete(etcd_key.clone(), None),
+            TxnOp::delete(layout.holder_key(key), None),
+        ];
+        then.extend(markers.iter().map(|m| marker::delete(m)));
         let delete = Txn::new()
             .when([Compare::mod_revision(
-                etcd_key.clone(),
+                etcd_key,
                 CompareOp::Equal,
                 found.mod_revision(),
             )])
-            .and_then([
-                TxnOp::delete(etcd_key, None),
-                TxnOp::delete(layout.holder_key(key), None),
-            ]);
+            .and_then(then);
         let reply = self
             .etcd()
             .run_txn(IN_LOCK_CALL, Repeat::IfUnapplied, delete)
@@ -131,6 +162,7 @@ impl LockAdmin for EtcdLock {
             confirmed_at: Default::default(),
             creations: true,
             deleted_at: Default::default(),
+            rewritten_at: None,
         };
         self.inner.queues.listener.watch(topic).await.map(Some)
     }

@@ -18,6 +18,7 @@ use crate::config::{EtcdConfig, MAX_TTL, MIN_TTL};
 use crate::connection::Etcd;
 use crate::errors;
 use crate::keys::encode_value;
+use crate::marker;
 use crate::permit_names::PermitNames;
 use crate::queue::{Line, Queues};
 use crate::requests::Repeat;
@@ -316,6 +317,39 @@ impl EtcdLock {
     }
 }
 
+impl EtcdLock {
+    /// A renewal found `lock` gone (deleted by a request that knows no
+    /// markers: a force release of an older client, a hand): its marker,
+    /// if it has one, goes in the background, or its successor would wait
+    /// for it as long as the marker's lease lives (a session's: as long as
+    /// this client).
+    fn drop_marker(&self, lock: &HeldLock<'_>) {
+        let queues = self.inner.queues.clone();
+        let Some(entry) = queues.markers.of(lock.key, lock.owner) else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let etcd = self.etcd().clone();
+        let (key, owner) = (lock.key.clone(), lock.owner);
+        runtime.spawn(async move {
+            let delete = etcd_client::Txn::new().and_then([marker::delete_unless_held(
+                &etcd.layout.lock_key(&key),
+                &encode_value(owner),
+                &entry,
+            )]);
+            let deleted = etcd
+                .run_txn("etcd marker of a lost lock", Repeat::Safe, delete)
+                .await;
+            if let Err(e) = &deleted {
+                tracing::debug!(key = %key, error = %e, "could not delete the marker of a lost etcd lock; it goes with its lease");
+            }
+            queues.markers.ended(&key, owner, deleted.is_ok());
+        });
+    }
+}
+
 /// An attempt refused for a reason gone by now: try again at once.
 pub(crate) fn try_again() -> AcquireReply {
     AcquireReply::Held {
@@ -423,6 +457,7 @@ impl LockBackend for EtcdLock {
             seat.sending();
         }
         let sent_again = self.etcd().requests.sent_again();
+        let turn_place = turn.place.clone();
         let reply = if request.renewing {
             self.inner.sessions.acquire(request, turn, deadline).await
         } else {
@@ -434,11 +469,19 @@ impl LockBackend for EtcdLock {
             seat.answered(reply.is_ok() && self.etcd().requests.sent_again() == sent_again);
         }
         if let (Ok(AcquireReply::Granted(_)), Some(seat)) = (&reply, &seat) {
-            // Its entry went with the grant (or was gone already).
+            // Its entry is the holder's marker now (or was gone already).
             seat.took();
+            if let Some((entry, _)) = &turn_place {
+                queues.markers.granted(request.key, request.owner, entry);
+            }
         }
         if let Ok(AcquireReply::Held { .. }) = &reply {
             queues.taken(request.key);
+            if let Some(seat) = &seat {
+                // A first waiter woken for the end of the marker ahead
+                // of it, refused: it looks its place up again.
+                seat.refused();
+            }
         }
         reply
     }
@@ -447,10 +490,23 @@ impl LockBackend for EtcdLock {
         let attached = Attached::lock(&self.etcd().layout, lock.key, lock.owner);
         let value = encode_value(lock.owner);
         let label_key = self.etcd().layout.holder_key(lock.key);
-        self.renew(&attached, lock, ttl, |new_lease| {
-            txn::extend(attached.key(), &value, &label_key, lock.fencing, new_lease)
-        })
-        .await
+        let marker = self.inner.queues.markers.of(lock.key, lock.owner);
+        let reply = self
+            .renew(&attached, lock, ttl, |new_lease| {
+                txn::extend(
+                    attached.key(),
+                    &value,
+                    &label_key,
+                    lock.fencing,
+                    new_lease,
+                    marker.as_deref(),
+                )
+            })
+            .await;
+        if let Ok(ExtendReply::NotHeld) = reply {
+            self.drop_marker(&lock);
+        }
+        reply
     }
 
     /// Locks on a live session lease of this TTL (renewing guards') are
@@ -523,6 +579,11 @@ impl LockBackend for EtcdLock {
             }
         }
         replies.sort_by_key(|(at, _)| *at);
+        for (at, reply) in &replies {
+            if let Ok(ExtendReply::NotHeld) = reply {
+                self.drop_marker(&locks[*at]);
+            }
+        }
         Ok(replies.into_iter().map(|(_, reply)| reply).collect())
     }
 
@@ -530,8 +591,21 @@ impl LockBackend for EtcdLock {
         let attached = Attached::lock(&self.etcd().layout, lock.key, lock.owner);
         let value = encode_value(lock.owner);
         let label_key = self.etcd().layout.holder_key(lock.key);
-        let release = txn::release(attached.key(), &value, &label_key, lock.fencing);
-        self.release_with(&attached, lock.handle, release).await
+        let markers = &self.inner.queues.markers;
+        let marker = markers.of(lock.key, lock.owner);
+        let release = txn::release(
+            attached.key(),
+            &value,
+            &label_key,
+            lock.fencing,
+            marker.as_deref(),
+        );
+        let reply = self.release_with(&attached, lock.handle, release).await;
+        if reply.is_ok() {
+            // The marker went with the lock, or after it.
+            markers.ended(lock.key, lock.owner, true);
+        }
+        reply
     }
 
     async fn watch(

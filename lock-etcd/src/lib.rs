@@ -257,6 +257,7 @@ mod fence;
 mod health;
 mod keys;
 mod listener;
+mod marker;
 mod permit_names;
 mod queue;
 mod requests;

@@ -22,7 +22,8 @@
 //! - A `DELETE` event wakes the watch's channel; other events (a value
 //!   renewed under the same key) do not, except, for a topic that asks
 //!   ([`Topic::creations`]: an observer of who holds a lock), a `PUT` that
-//!   created its key.
+//!   created its key, and ([`Topic::rewritten_at`]: a waiter watching the
+//!   queue entry ahead of it) a `PUT` that rewrote it.
 //! - etcd cancelling a live watch (the revision it lagged behind at was
 //!   compacted) is reported as a lost stream: the kit's one lost path
 //!   makes every waiter look up its place again and watch from a fresh
@@ -68,6 +69,10 @@ pub(crate) struct Topic {
     /// waiter whose predecessor's entry went in the revision that created
     /// the lock key knows that predecessor took the lock.
     pub(crate) deleted_at: Arc<AtomicI64>,
+    /// Wake on a put that rewrites the existing key too (a queue entry
+    /// put again as its holder's marker, see [`crate::marker`]), and keep
+    /// the revision of the last one here (0: none).
+    pub(crate) rewritten_at: Option<Arc<AtomicI64>>,
 }
 
 /// How the listener talks to etcd's watch service.
@@ -107,6 +112,8 @@ struct Watch {
     creations: bool,
     /// See [`Topic::deleted_at`].
     deleted_at: Arc<AtomicI64>,
+    /// See [`Topic::rewritten_at`].
+    rewritten_at: Option<Arc<AtomicI64>>,
     /// The subscribe waiting for etcd's `created` (and the revision it
     /// reports); `None` once confirmed.
     confirm: Option<oneshot::Sender<Result<i64, LockError>>>,
@@ -163,17 +170,30 @@ impl Conn {
                 let _ = confirm.send(Ok(revision));
             }
         }
+        let rewrite = |event: &etcd_client::Event| {
+            matches!(event.event_type(), EventType::Put)
+                && event
+                    .kv()
+                    .is_some_and(|kv| kv.create_revision() != kv.mod_revision())
+        };
         let wakes = |event: &etcd_client::Event| match event.event_type() {
             EventType::Delete => true,
             // A put that created the key (its create revision is this
             // put's); a renewal's put rewrites an existing key.
-            EventType::Put => {
-                watch.creations
-                    && event
-                        .kv()
-                        .is_some_and(|kv| kv.create_revision() == kv.mod_revision())
-            }
+            EventType::Put if rewrite(event) => watch.rewritten_at.is_some(),
+            EventType::Put => watch.creations,
         };
+        if let Some(rewritten_at) = &watch.rewritten_at {
+            let rewritten = response
+                .events()
+                .iter()
+                .filter(|event| rewrite(event))
+                .filter_map(|event| event.kv().map(|kv| kv.mod_revision()))
+                .max();
+            if let Some(revision) = rewritten {
+                rewritten_at.fetch_max(revision, Ordering::AcqRel);
+            }
+        }
         let deleted = response
             .events()
             .iter()
@@ -260,6 +280,7 @@ impl NotificationSource for EtcdWatches {
                         channel: topic.channel.clone(),
                         creations: topic.creations,
                         deleted_at: topic.deleted_at.clone(),
+                        rewritten_at: topic.rewritten_at.clone(),
                         confirm: Some(confirm),
                     },
                 );

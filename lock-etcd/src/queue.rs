@@ -23,21 +23,31 @@
 //! its target again and, if what it saw was deleted meanwhile, fires its
 //! own watch: nothing in between is missed.
 //!
+//! A lock waiter that takes the lock leaves its entry in the line as the
+//! holder's marker, on the lock's lease, until the lock ends (see
+//! [`crate::marker`]): its successor's watch sees the entry put again and
+//! knows it is first now, with no request, and the marker's deletion (with
+//! the lock's) wakes it. A waiter whose predecessor is a marker when it
+//! looks is first too, and watches the marker.
+//!
 //! A background task per waiter moves it up the line: when its predecessor
-//! leaves, one transaction finds the next predecessor (or none: it is first
-//! now) and reads the lock key. A lock waiter watches the lock key before
-//! that transaction (a predecessor that left most likely took the lock),
-//! so when it finds itself first the watch covers everything after its
-//! read, and it reads nothing again. The waiter's [`ReleaseWatch`] — on a channel
-//! of its own, so exactly one waiter is woken — fires only when it is first
-//! and the lock key was deleted, or when it just became first and the lock
-//! is free. A handoff therefore costs a constant number of requests however
-//! many wait: the release, the next waiter's acquire, the leaving waiter's
-//! queue-entry delete and its successor's look-up. Nor do their reads grow
-//! with the line where it is long: a waiter known first claims its place
-//! without the acquire's compare over the line ([`Turn::known_first`]),
-//! and a successor whose predecessor took the lock knows it is first from
-//! the lock key's create revision (`entries::look_up`).
+//! leaves without the lock, one transaction finds the next predecessor (or
+//! none: it is first now) and reads the lock key. A lock waiter watches the
+//! lock key before that transaction (a predecessor whose client knows no
+//! markers deleted its entry as it took the lock), so when it finds itself
+//! first the watch covers everything after its read, and it reads nothing
+//! again. The waiter's [`ReleaseWatch`] — on a channel of its own, so
+//! exactly one waiter is woken — fires only when it is first and the lock
+//! key (or the marker ahead) was deleted, or when it just became first and
+//! the lock is free. A handoff therefore costs the same requests however
+//! many wait: the release, the next waiter's acquire, and the end of its
+//! watch. Nor do their reads grow with the line where it is long: a waiter
+//! known first claims its place without the acquire's compare over the
+//! line ([`Turn::known_first`]), and a successor whose predecessor took the
+//! lock without a marker knows it is first from the lock key's create
+//! revision (`entries::look_up`). A waiter woken for the end of the marker
+//! ahead whose attempt is refused (the marker went without its lock) looks
+//! its place up again.
 //!
 //! Each watch has a channel of its own, so the listener cancels it on the
 //! server as soon as the task drops it (moved up, or left): a deletion of
@@ -56,8 +66,9 @@
 //! its [`ReleaseWatch`] is dropped; the task learns it at once
 //! ([`ReleaseNotifier::closed`]) and deletes the queue entry in the
 //! background, so the successor moves up. A waiter that takes the lock
-//! leaves the line in the acquire transaction itself (its task then sends
-//! no delete). A woken first waiter that finds the lock taken (an earlier
+//! turns its entry into the marker in the acquire transaction itself (its
+//! task then sends no delete, and the client keeps the name's number until
+//! the lock ends). A woken first waiter that finds the lock taken (an earlier
 //! attempt of its holder's acquisition adopted it) stays first and keeps
 //! watching the lock key.
 //!
@@ -116,6 +127,7 @@ use crate::connection::Etcd;
 use crate::fence::Fence;
 use crate::keys::{decode_value, KeyLayout};
 use crate::listener::{EtcdWatches, Topic};
+use crate::marker::HolderMarkers;
 use crate::requests::Repeat;
 use crate::session::Sessions;
 use crate::slots::Slots;
@@ -127,6 +139,10 @@ use waiter::Waiter;
 /// How long a join waits for an attempt of a waiter of its client that
 /// was woken and has not yet sent it ([`Queues::behind_own_attempts`]).
 const WOKEN_ATTEMPT_WAIT: Duration = Duration::from_millis(5);
+
+/// A watch's [`TargetWatch::deleted_at`] when its target was found
+/// deleted before the watch began: no grant's revision.
+const DELETED_UNSEEN: i64 = i64::MAX;
 
 /// Pauses between retries of a failed look-up or entry delete.
 const RETRY_MIN: Duration = Duration::from_millis(100);
@@ -153,6 +169,8 @@ pub(crate) struct Queues {
     slots: Arc<Slots>,
     /// The places of this client's lock waiters, by their owner tokens.
     seats: Mutex<HashMap<OwnerToken, Arc<Seat>>>,
+    /// The markers of the locks this client's waiters took.
+    pub(crate) markers: HolderMarkers,
     /// Queue entries go on the client's session lease of [`WAITER_TTL`],
     /// a session of their own (no lock or permit goes on it), revoked when
     /// the client is dropped.
@@ -177,6 +195,7 @@ impl Queues {
             next_waiter: AtomicU64::new(0),
             slots: Arc::default(),
             seats: Mutex::new(HashMap::new()),
+            markers: HolderMarkers::default(),
             sessions,
             contended: ContendedKeys::default(),
             etcd,
@@ -378,6 +397,10 @@ pub(crate) struct Seat {
     /// Told when an attempt's claim ends and when the waiter leaves (see
     /// [`Queues::behind_own_attempts`]).
     attempt_ended: tokio::sync::Notify,
+    /// Counts the attempts that claimed this seat and were refused: one
+    /// woken for the end of the holder's marker ahead and refused tells
+    /// the task to look its place up again (see [`crate::marker`]).
+    refusals: tokio::sync::watch::Sender<u64>,
 }
 
 impl Seat {
@@ -406,6 +429,11 @@ impl Seat {
     /// An attempt that claimed this seat took the lock (and left the line).
     pub(crate) fn took(&self) {
         self.taken.store(true, Ordering::Release);
+    }
+
+    /// An attempt that claimed this seat was refused.
+    pub(crate) fn refused(&self) {
+        self.refusals.send_modify(|n| *n += 1);
     }
 
     /// Whether no attempt that claimed this seat can still be applied:
@@ -504,6 +532,9 @@ pub(crate) struct Position {
     /// predecessor, else the lock key or the permits): each key and its
     /// create revision.
     seen: Vec<(Vec<u8>, i64)>,
+    /// The predecessor is the marker of the lock's holder (see
+    /// [`crate::marker`]): the waiter is first, and watches it.
+    holder_ahead: bool,
 }
 
 impl Position {
@@ -515,20 +546,33 @@ impl Position {
     /// did not write is the attempt's to report.
     fn refuses(&self, owner: OwnerToken) -> bool {
         match (self.held, self.holder) {
-            (false, _) => self.predecessor.is_some(),
+            (false, _) => self.predecessor.is_some() && !self.holder_ahead,
             (true, Some(holder)) => holder != owner,
             (true, None) => false,
         }
     }
 
+    /// Whether nobody waits ahead: no predecessor, or only the holder's
+    /// marker.
+    fn first(&self) -> bool {
+        self.predecessor.is_none() || self.holder_ahead
+    }
+
     /// What a seat at `place` records as [`Seat::first_at`] from this
     /// look: `place` if nobody was ahead, else 0.
     fn first_at(&self, place: i64) -> i64 {
-        if self.predecessor.is_none() {
+        if self.first() {
             place
         } else {
             0
         }
+    }
+
+    /// The entry ahead that an attempt's probe reads ([`Seat::ahead`]):
+    /// the predecessor, unless it is the holder's marker (the lock key
+    /// says as much, and a stray marker must not refuse the waiter).
+    fn waiting_behind(&self) -> Option<Vec<u8>> {
+        self.predecessor.clone().filter(|_| !self.holder_ahead)
     }
 
     /// A position from the reads of one transaction at `revision`: the
@@ -543,6 +587,9 @@ impl Position {
         queued: bool,
     ) -> Self {
         let predecessor = line.to_watch(before.map(|kv| kv.key().to_vec()), ahead, held);
+        let holder_ahead = matches!(line, Line::Lock(_))
+            && predecessor.is_some()
+            && before.is_some_and(crate::marker::is_marker);
         let seen = match (&predecessor, before) {
             (Some(_), Some(kv)) => vec![(kv.key().to_vec(), kv.create_revision())],
             _ => held
@@ -564,6 +611,7 @@ impl Position {
             queued,
             seen,
             holder,
+            holder_ahead,
         }
     }
 }
@@ -617,21 +665,20 @@ async fn join(
     let (place, position) = placed;
     let target = target_of(&etcd.layout, &line, &position);
     let first_watch = format!("{channel}#0");
-    let (watch, deleted_at) =
-        match watch_target(&queues, &line, first_watch, &target, &position).await {
-            Ok(watched) => watched,
-            Err(e) => {
-                delete_later(
-                    Arc::downgrade(&queues),
-                    entry,
-                    Some(place),
-                    Vec::new(),
-                    Some(slot),
-                );
-                let _ = joined.send(Err(e));
-                return;
-            }
-        };
+    let watched = match watch_target(&queues, &line, first_watch, &target, &position).await {
+        Ok(watched) => watched,
+        Err(e) => {
+            delete_later(
+                Arc::downgrade(&queues),
+                entry,
+                Some(place),
+                Vec::new(),
+                Some(slot),
+            );
+            let _ = joined.send(Err(e));
+            return;
+        }
+    };
     // A lock waiter's attempts claim its place from now on.
     let seat = match (&line, owner) {
         (Line::Lock(key), Some(owner)) => {
@@ -640,21 +687,23 @@ async fn join(
                 entry: entry.clone(),
                 place: AtomicI64::new(place),
                 first_at: AtomicI64::new(position.first_at(place)),
-                expects_refusal: AtomicBool::new(position.predecessor.is_some() || position.held),
+                expects_refusal: AtomicBool::new(!position.first() || position.held),
                 refused_at_join: AtomicBool::new(position.refuses(owner)),
-                ahead: Mutex::new(position.predecessor.clone()),
+                ahead: Mutex::new(position.waiting_behind()),
                 taken: AtomicBool::new(false),
                 in_flight: AtomicUsize::new(0),
                 unsettled: AtomicBool::new(false),
                 woken: AtomicBool::new(false),
                 attempt_ended: tokio::sync::Notify::new(),
+                refusals: tokio::sync::watch::Sender::new(0),
             });
             queues.seat(owner, &seat);
             Some((owner, seat))
         }
         _ => None,
     };
-    tracing::trace!(key = %line.key(), place, first = position.predecessor.is_none(), "etcd waiter queued");
+    tracing::trace!(key = %line.key(), place, first = position.first(), "etcd waiter queued");
+    let refusals = seat.as_ref().map(|(_, seat)| seat.refusals.subscribe());
     let waiter = Waiter {
         client: Arc::downgrade(&queues),
         line,
@@ -662,9 +711,10 @@ async fn join(
         place,
         channel,
         watches: 1,
-        target,
-        watch,
-        deleted_at,
+        watched,
+        holder_ahead: position.holder_ahead,
+        ahead_ended: false,
+        refusals,
         stale: false,
         fences: Vec::new(),
         seat,
@@ -691,7 +741,7 @@ async fn watch_target(
     channel: String,
     target: &[u8],
     position: &Position,
-) -> Result<(ReleaseWatch, Arc<AtomicI64>), LockError> {
+) -> Result<TargetWatch, LockError> {
     let watched = TargetWatch::subscribe(queues, line, channel, target).await?;
     // The watch reports what happens after the revision etcd confirmed it
     // at; if the store moved on since the look-up, see whether what it saw
@@ -699,9 +749,13 @@ async fn watch_target(
     if !watched.covers(position)
         && !still_there(queues, target, watched.prefix, &position.seen).await
     {
+        // Deleted, at a revision the watch did not see: as a deletion no
+        // grant made (a waiter behind a marker takes it for its lock's
+        // end; one behind an entry looks its place up).
+        watched.deleted_at.store(DELETED_UNSEEN, Ordering::Release);
         queues.listener.notifier().notify(&watched.channel);
     }
-    Ok((watched.watch, watched.deleted_at))
+    Ok(watched)
 }
 
 /// A confirmed watch of deletions of a waiter's target.
@@ -716,6 +770,9 @@ pub(crate) struct TargetWatch {
     confirmed_at: i64,
     /// See [`crate::listener::Topic::deleted_at`].
     pub(crate) deleted_at: Arc<AtomicI64>,
+    /// See [`crate::listener::Topic::rewritten_at`]: set for the entry
+    /// ahead in a lock's line.
+    pub(crate) rewritten_at: Option<Arc<AtomicI64>>,
 }
 
 impl TargetWatch {
@@ -728,8 +785,11 @@ impl TargetWatch {
         channel: String,
         target: &[u8],
     ) -> Result<Self, LockError> {
-        let prefix =
-            matches!(line, Line::Permits(..)) && line.is_held_target(&queues.etcd.layout, target);
+        let held_target = line.is_held_target(&queues.etcd.layout, target);
+        let prefix = matches!(line, Line::Permits(..)) && held_target;
+        // The entry ahead in a lock's line may become its holder's marker.
+        let rewritten_at =
+            (matches!(line, Line::Lock(_)) && !held_target).then(|| Arc::new(AtomicI64::new(0)));
         let topic = Topic {
             channel: channel.clone(),
             key: target.to_vec(),
@@ -737,6 +797,7 @@ impl TargetWatch {
             confirmed_at: Default::default(),
             creations: false,
             deleted_at: Default::default(),
+            rewritten_at: rewritten_at.clone(),
         };
         let confirmed_at = topic.confirmed_at.clone();
         let deleted_at = topic.deleted_at.clone();
@@ -748,6 +809,7 @@ impl TargetWatch {
             prefix,
             confirmed_at: confirmed_at.load(Ordering::Acquire),
             deleted_at,
+            rewritten_at,
         })
     }
 

@@ -685,6 +685,7 @@ mod tests {
             None,
             &attached.fence(session),
             std::slice::from_ref(&fence),
+            None,
         );
         client.txn(undo).await.expect("undo");
         let reply = client.txn(late).await.expect("late attempt");
@@ -796,6 +797,7 @@ mod tests {
                 None,
                 &attached.fence(session),
                 &[],
+                None,
             )
         };
         let late = join(&earlier);

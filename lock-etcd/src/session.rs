@@ -86,6 +86,9 @@ pub(crate) struct Attached {
     value: Span,
     /// Its holder-label key, which goes with it.
     label_key: Option<Span>,
+    /// Its holder's marker, if an attempt in line took it (see
+    /// [`crate::marker`]), which goes with it too.
+    marker: Option<Span>,
     /// The key its requests' fences go below (see [`crate::keys`]): never
     /// in the range of a semaphore's permits.
     fence_base: Span,
@@ -134,6 +137,31 @@ impl Attached {
             key,
             value,
             label_key: Some(label_key),
+            marker: None,
+            fence_base: key,
+            what: "lock",
+        }
+    }
+
+    /// `owner`'s lock on `key` taken by an attempt in line at the queue
+    /// entry `marker`, which becomes its holder's marker.
+    pub(crate) fn lock_in_line(
+        layout: &KeyLayout,
+        key: &LockKey,
+        owner: OwnerToken,
+        marker: &[u8],
+    ) -> Self {
+        let etcd_key = layout.lock_key(key);
+        let value = encode_value(owner);
+        let label_key = layout.holder_key(key);
+        let (bytes, [key, value, label_key, marker]) =
+            pack([&etcd_key, &value, &label_key, marker]);
+        Self {
+            bytes,
+            key,
+            value,
+            label_key: Some(label_key),
+            marker: Some(marker),
             fence_base: key,
             what: "lock",
         }
@@ -159,6 +187,7 @@ impl Attached {
             key,
             value,
             label_key: Some(label_key),
+            marker: None,
             fence_base,
             what: "permit",
         }
@@ -186,6 +215,11 @@ impl Attached {
     /// Its holder-label key, if it has one.
     pub(crate) fn label_key(&self) -> Option<&[u8]> {
         self.label_key.map(|span| self.get(span))
+    }
+
+    /// Its holder's marker, if it has one.
+    pub(crate) fn marker(&self) -> Option<&[u8]> {
+        self.marker.map(|span| self.get(span))
     }
 
     /// A fresh fence for a request on this key attached to `lease_id`.
@@ -381,7 +415,12 @@ impl Sessions {
         let key = request.key;
         // A first acquire grants the session lease: both by `deadline`.
         let session = self.session(request.ttl, deadline).await?;
-        let attached = Attached::lock(&self.etcd.layout, key, request.owner);
+        let attached = match &turn.place {
+            Some((entry, _)) => {
+                Attached::lock_in_line(&self.etcd.layout, key, request.owner, entry)
+            }
+            None => Attached::lock(&self.etcd.layout, key, request.owner),
+        };
         let value = encode_value(request.owner);
         let label = txn::Label::of(&self.etcd.layout, &request);
         loop {

@@ -4,9 +4,10 @@
 //! atomically on the server:
 //!
 //! - acquire: `if create_revision(key) == 0 and <no waiter ahead> then
-//!   put(key, value, lease); delete(own queue entry) else (if value(key) ==
-//!   ours then put(key, value, lease); get(key) else get(key)); get(line's
-//!   head)` (a renewing one also only while its fence is down, see
+//!   put(key, value, lease); hold(own queue entry) else (if value(key) ==
+//!   ours then put(key, value, lease); hold(own queue entry); get(key) else
+//!   get(key)); get(line's head)` (a renewing one also only while its
+//!   fence is down, see
 //!   [`crate::fence`]). "No waiter ahead" ([`Turn`]) is one compare over the
 //!   key's waiter queue prefix: for an attempt without a queue entry (a
 //!   `try_lock`), `create_revision == 0` over the whole range, which etcd
@@ -20,6 +21,8 @@
 //!   `create_revision` and becomes the fencing token. The nested branch
 //!   adopts a lock an earlier attempt of the same acquisition took: its TTL
 //!   starts again on this attempt's lease, its fencing token is unchanged.
+//!   `hold`: a waiter's entry becomes the holder's marker, on the lock's
+//!   lease (see [`crate::marker`]).
 //! - extend: `if value(key) == ours and create_revision(key) == fencing then
 //!   put(key, value, new_lease)`; a missing key fails the comparison, so an
 //!   expired lock is never recreated.
@@ -34,7 +37,9 @@
 //! adoption) puts it on the lock's lease, or deletes whatever an earlier
 //! holder left there when it has none; an extend moves it with the key to
 //! the new lease; a release, the session's undo and a force release
-//! delete it with the key.
+//! delete it with the key. So does the holder's marker, when a waiter took
+//! the lock: an extend moves it, a release, the session's undo and a force
+//! release delete it.
 //!
 //! Permits (see [`crate::semaphore`]), whose key names their owner:
 //!
@@ -66,6 +71,7 @@ use distlock_core::{
 
 use crate::fence::Fence;
 use crate::keys::{decode_value, encode_holder, KeyLayout};
+use crate::marker;
 
 /// A lock's holder-label key, and the label value an acquisition stores
 /// there (`None`: it has no label).
@@ -145,7 +151,7 @@ pub(crate) fn acquire(
     when.extend(turn.no_one_ahead());
     when.extend(fence.map(Fence::down));
     let mut then = vec![put(), label.write(lease_id)];
-    then.extend(turn.leave());
+    then.extend(turn.leave(lease_id));
     // Adoption: a key that holds this acquisition's value was taken by an
     // earlier attempt whose reply was lost. Putting it again on this
     // attempt's lease resets its TTL from now (a put keeps the key's
@@ -158,7 +164,7 @@ pub(crate) fn acquire(
     // A waiter leaves its line here too (its entry may be a newer one than
     // the attempt that took the key claimed).
     let mut adopted = vec![put(), label.write(lease_id), TxnOp::get(key, None)];
-    adopted.extend(turn.leave());
+    adopted.extend(turn.leave(lease_id));
     let adopt = Txn::new()
         .when(adopt_when)
         .and_then(adopted)
@@ -209,12 +215,13 @@ impl Turn {
         Some(Compare::create_revision(self.line.clone(), op, revision).with_prefix())
     }
 
-    /// A waiter that takes the key leaves the line with it: its successor
-    /// moves up at once, and nobody finds a holder's entry ahead of them.
-    fn leave(&self) -> Option<TxnOp> {
+    /// A waiter that takes the key leaves the line with it: its entry
+    /// stays as the holder's marker, on the lock's lease, which tells its
+    /// successor's watch it is first now (see [`crate::marker`]).
+    fn leave(&self, lease_id: i64) -> Option<TxnOp> {
         self.place
             .as_ref()
-            .map(|(entry, _)| TxnOp::delete(entry.clone(), None))
+            .map(|(entry, place)| marker::hold(entry, *place, lease_id))
     }
 
     /// The line's first entry (the oldest), read where the attempt is
@@ -335,7 +342,10 @@ fn behind(key: &LockKey, turn: &Turn, head: &KeyValue) -> Result<AcquireReply, L
 /// fences of the owner's requests whose outcome is unknown, so none of
 /// them takes the key after this. The undo is itself fenced by `fence`:
 /// applied after a later undo or acquire of the same owner put it up, it
-/// does nothing. A lock's `label_key` goes with it.
+/// does nothing. A lock's `label_key` goes with it, and its holder's
+/// `marker` if it has one; so does the marker of a lock no longer
+/// `value`'s (see [`release`]).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn undo_session_lock(
     key: &[u8],
     value: &[u8],
@@ -344,6 +354,7 @@ pub(crate) fn undo_session_lock(
     fencing: Option<FencingToken>,
     fence: &Fence,
     raise: &[Fence],
+    marker: Option<&[u8]>,
 ) -> Txn {
     let mut when = vec![
         Compare::value(key, CompareOp::Equal, value),
@@ -360,10 +371,10 @@ pub(crate) fn undo_session_lock(
     let mut then = vec![TxnOp::delete(key, None)];
     then.extend(label_key.map(|label| TxnOp::delete(label, None)));
     then.extend(raise.iter().map(Fence::raise));
-    Txn::new()
-        .when(when)
-        .and_then(then)
-        .or_else(raise.iter().map(Fence::raise).collect::<Vec<_>>())
+    then.extend(marker.map(marker::delete));
+    let mut otherwise: Vec<TxnOp> = raise.iter().map(Fence::raise).collect();
+    otherwise.extend(marker.map(|m| marker::delete_unless_held(key, value, m)));
+    Txn::new().when(when).and_then(then).or_else(otherwise)
 }
 
 /// A waiter's queue entry `entry` on `lease`, with `reads` in the same
@@ -426,22 +437,25 @@ fn created_at(key: &[u8], fencing: FencingToken) -> Compare {
     )
 }
 
-/// The extend transaction: moves the key, and its label key if there is
-/// one, to `new_lease_id` (the old lease is revoked after, which would
-/// take a label left on it).
+/// The extend transaction: moves the key, and its label key and its
+/// holder's `marker` if there are, to `new_lease_id` (the old lease is
+/// revoked after, which would take a label or marker left on it).
 pub(crate) fn extend(
     key: &[u8],
     value: &[u8],
     label_key: &[u8],
     fencing: FencingToken,
     new_lease_id: i64,
+    marker: Option<&[u8]>,
 ) -> Txn {
     // The label may be an earlier holder's, left by a client that did not
     // remove it: moved, it just goes with our lease.
-    Txn::new().when(ours(key, value, fencing)).and_then([
+    let mut then = vec![
         TxnOp::put(key, value, Some(PutOptions::new().with_lease(new_lease_id))),
         move_label(label_key, new_lease_id),
-    ])
+    ];
+    then.extend(marker.map(|m| marker::move_to(m, new_lease_id)));
+    Txn::new().when(ours(key, value, fencing)).and_then(then)
 }
 
 /// Moves `label_key`, if there is one, to `new_lease_id`, its value kept.
@@ -564,11 +578,28 @@ pub(crate) fn confirm(
         .or_else([linearizable()])
 }
 
-/// The release transaction; the label key goes with the lock.
-pub(crate) fn release(key: &[u8], value: &[u8], label_key: &[u8], fencing: FencingToken) -> Txn {
+/// The release transaction; the label key goes with the lock, and so
+/// does its holder's `marker` if it has one (see [`crate::marker`]),
+/// which also goes if the lock no longer holds our value: its successor
+/// waits on it.
+pub(crate) fn release(
+    key: &[u8],
+    value: &[u8],
+    label_key: &[u8],
+    fencing: FencingToken,
+    marker: Option<&[u8]>,
+) -> Txn {
+    let mut then = vec![TxnOp::delete(key, None), TxnOp::delete(label_key, None)];
+    then.extend(marker.map(marker::delete));
     Txn::new()
         .when(ours(key, value, fencing))
-        .and_then([TxnOp::delete(key, None), TxnOp::delete(label_key, None)])
+        .and_then(then)
+        .or_else(
+            marker
+                .map(|m| marker::delete_unless_held(key, value, m))
+                .into_iter()
+                .collect::<Vec<_>>(),
+        )
 }
 
 /// A permit is still the one granted with `fencing` (its key names its
@@ -844,6 +875,14 @@ mod tests {
         !client.get(key, None).await.expect("get").kvs().is_empty()
     }
 
+    /// The place (create revision) and lease of the holder's marker at
+    /// `entry`, if it is one.
+    async fn marker_of(client: &mut Client, entry: &[u8]) -> Option<(i64, i64)> {
+        let reply = client.get(entry, None).await.expect("get");
+        let kv = reply.kvs().first()?;
+        marker::is_marker(kv).then(|| (kv.create_revision(), kv.lease()))
+    }
+
     /// A renewing acquire on a session lease whose undo ran first.
     #[tokio::test]
     async fn a_renewing_acquire_applied_after_its_undo_takes_nothing() {
@@ -868,6 +907,7 @@ mod tests {
             None,
             &undo_fence,
             std::slice::from_ref(&fence),
+            None,
         );
         client.txn(undo).await.expect("undo");
         let reply = client.txn(late).await.expect("late acquire");
@@ -982,11 +1022,19 @@ mod tests {
             reply.succeeded(),
             "a waiter known first was compared with the line"
         );
+        assert_eq!(
+            marker_of(&mut other, &second.0).await,
+            Some((second.1, lease)),
+            "the entry of the waiter that took the lock is not its marker"
+        );
+        // The release takes the marker with the lock.
+        let fencing = FencingToken::new(reply.header().expect("header").revision() as u64);
+        let released = release(&key, &value, &label.key, fencing, Some(&second.0));
+        assert!(other.txn(released).await.expect("release").succeeded());
         assert!(
             !exists(&mut other, &second.0).await,
-            "the waiter known first stayed in line"
+            "the marker outlived its lock's release"
         );
-        other.delete(key.clone(), None).await.expect("release");
         let second = place("1-2").await;
         for claim in [None, Some(second.clone())] {
             let reply = client.txn(attempt(turn(claim.clone()))).await.expect("txn");
@@ -1039,11 +1087,14 @@ mod tests {
             .is_none());
         let reply = client.txn(attempt(head.clone())).await.expect("txn");
         assert!(reply.succeeded(), "the head is refused");
-        assert!(
-            !exists(&mut client, &first.0).await,
-            "the head stayed in line"
+        assert_eq!(
+            marker_of(&mut client, &first.0).await,
+            Some((first.1, lease)),
+            "the head's entry is not its marker"
         );
-        client.delete(key.clone(), None).await.expect("release");
+        let fencing = FencingToken::new(reply.header().expect("header").revision() as u64);
+        let released = release(&key, &value, &label.key, fencing, Some(&first.0));
+        assert!(client.txn(released).await.expect("release").succeeded());
         // The second is first now: a waiter whose entry (after it) is gone
         // is refused behind it, then out of line once the line is empty.
         let gone = turn(Some((layout.queue_entry(&lock_key, "1-0"), second.1 + 1)));

@@ -17,8 +17,7 @@ use crate::session::Session;
 use crate::slots::Slot;
 use crate::txn;
 
-/// The value of a queue entry (only its key and revisions matter).
-const ENTRY_VALUE: &[u8] = b"dl1-waiter";
+use crate::marker::ENTRY_VALUE;
 
 /// Reads of the waiters before a waiter at create revision below `below`
 /// (0: any), newest first, and of what the line waits for. The first

@@ -2,11 +2,11 @@
 //! before it leave, wakes the caller when it is first and what the line
 //! waits for is free, and deletes its entry when the call ends.
 
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use distlock_core::{Departure, ErrorKind, LockError, OwnerToken, ReleaseWatch};
+use distlock_core::{Departure, ErrorKind, LockError, OwnerToken};
 
 use super::entries::{delete_entry, look_up, looked_up, put_entry};
 use super::{
@@ -30,13 +30,19 @@ pub(super) struct Waiter {
     pub(super) channel: String,
     /// Numbers the channels of our own watches (one per watched target).
     pub(super) watches: u64,
-    /// The etcd key watched now (predecessor entry or lock key) and the
-    /// subscription.
-    pub(super) target: Vec<u8>,
-    pub(super) watch: ReleaseWatch,
-    /// The revision of the last deletion of `target` the watch reported
-    /// (0: none yet; see [`crate::listener::Topic::deleted_at`]).
-    pub(super) deleted_at: Arc<AtomicI64>,
+    /// The watch of the etcd key watched now (predecessor entry, holder's
+    /// marker or lock key).
+    pub(super) watched: TargetWatch,
+    /// The watched entry ahead is the marker of the lock's holder (see
+    /// [`crate::marker`]): the waiter is first, and the marker's deletion
+    /// is the lock's end.
+    pub(super) holder_ahead: bool,
+    /// The caller was woken for the end of that marker: if its attempt is
+    /// refused (`refusals` moves), the marker went without the lock, and
+    /// the task looks its place up again.
+    pub(super) ahead_ended: bool,
+    /// The seat's refusals (see [`Seat::refused`]); a lock waiter's only.
+    pub(super) refusals: Option<tokio::sync::watch::Receiver<u64>>,
     /// The watch was lost with its stream: replace it at the next look-up.
     pub(super) stale: bool,
     /// Fences of re-queueing puts whose outcome is unknown: put up with
@@ -69,7 +75,32 @@ impl Waiter {
     }
 
     fn is_first(&self, queues: &Queues) -> bool {
-        self.line.is_held_target(&queues.etcd.layout, &self.target)
+        self.holder_ahead
+            || self
+                .line
+                .is_held_target(&queues.etcd.layout, &self.watched.target)
+    }
+
+    /// The watched entry ahead was put again as its holder's marker (and
+    /// maybe deleted after: that lock ended too).
+    fn marked_ahead(&self) -> bool {
+        let Some(rewritten_at) = &self.watched.rewritten_at else {
+            return false;
+        };
+        let rewritten = rewritten_at.load(Ordering::Acquire);
+        let deleted = self.watched.deleted_at.load(Ordering::Acquire);
+        rewritten > 0 && (deleted == 0 || deleted > rewritten)
+    }
+
+    /// The waiter is first, behind its holder's marker: no request (the
+    /// watch already covers the marker's end).
+    fn behind_holder(&mut self) {
+        self.holder_ahead = true;
+        if let Some((_, seat)) = &self.seat {
+            *seat.ahead.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            seat.first_at.store(self.place, Ordering::Release);
+        }
+        self.expect_refusal(true);
     }
 
     fn wake_caller(&self, queues: &Queues) {
@@ -112,8 +143,16 @@ impl Waiter {
                     None => std::future::pending().await,
                 }
             };
+            let refusals = self.refusals.as_mut().filter(|_| self.ahead_ended);
+            let refused = async move {
+                match refusals {
+                    Some(refusals) => refusals.changed().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let mut recheck = false;
             tokio::select! {
-                woke = self.watch.released() => {
+                woke = self.watched.watch.released() => {
                     if let Err(e) = woke {
                         // The watch stream was lost: a deletion may have
                         // been missed, and this watch is gone.
@@ -123,6 +162,11 @@ impl Waiter {
                 }
                 _ = &mut departed => break,
                 _ = retry_sleep => {}
+                changed = refused => {
+                    // Woken for the marker's end and refused: the marker
+                    // went without the lock.
+                    recheck = changed.is_ok();
+                }
             }
             if !self.waiting() {
                 break;
@@ -130,11 +174,31 @@ impl Waiter {
             let Some(queues) = self.queues() else {
                 return;
             };
+            let clean = retry.is_none() && !self.stale && !recheck;
+            if clean && !self.is_first(&queues) && self.marked_ahead() {
+                // The waiter ahead took the lock and left its entry as the
+                // holder's marker: first now.
+                tracing::trace!(key = %self.line.key(), place = self.place, "etcd waiter's predecessor holds the lock: first");
+                self.behind_holder();
+                if self.watched.deleted_at.load(Ordering::Acquire) == 0 {
+                    continue;
+                }
+            }
             // A waiter whose grant took its entry out of line, yet still
             // waits (it gave a grant back, too late to use), queues again.
-            if retry.is_none() && !self.stale && self.is_first(&queues) && !self.taken() {
-                // The lock key was deleted: try now.
+            if clean && self.is_first(&queues) && !self.taken() {
+                if self.holder_ahead && self.watched.deleted_at.load(Ordering::Acquire) == 0 {
+                    // The marker moved with its lock to a new lease.
+                    continue;
+                }
+                // The lock key, or the holder's marker, was deleted: try now.
                 tracing::trace!(key = %self.line.key(), place = self.place, "etcd lock released; waking the first waiter");
+                if self.holder_ahead {
+                    self.ahead_ended = true;
+                    if let Some(refusals) = self.refusals.as_mut() {
+                        refusals.borrow_and_update();
+                    }
+                }
                 self.wake_caller(&queues);
                 continue;
             }
@@ -164,6 +228,32 @@ impl Waiter {
         // An attempt still in flight, or unanswered, may yet delete the
         // entry by its name: the name is retired then (see `crate::slots`).
         let settled = self.seat.as_ref().is_none_or(|(_, seat)| seat.settled());
+        let marker_of = match (&self.seat, self.queues()) {
+            (Some((owner, _)), Some(queues))
+                if self.taken() && queues.markers.holds(*owner, &self.entry) =>
+            {
+                Some((*owner, queues))
+            }
+            _ => None,
+        };
+        if let Some((owner, queues)) = marker_of {
+            // The entry is its lock's marker, deleted with the lock (see
+            // `crate::marker`), which keeps the name's number till then.
+            let slot = match settled {
+                true => queues.markers.keep(owner, &self.entry, self.slot).err(),
+                false => None,
+            };
+            if !self.fences.is_empty() {
+                // Re-queueing puts whose outcome is unknown are fenced off
+                // (place 0: an existing entry, the marker, is left alone).
+                drop(queues);
+                delete_entry(self.client.clone(), self.entry, Some(0), self.fences, slot).await;
+            } else if let Some(slot) = slot {
+                // Its lock ended already, marker and all.
+                slot.free();
+            }
+            return;
+        }
         if self.taken() && !self.requeued && self.fences.is_empty() {
             // The acquire that took the lock deleted the entry.
             if settled {
@@ -184,7 +274,7 @@ impl Waiter {
     /// One read-only transaction ([`look_up`]).
     async fn move_up(&mut self, queues: &Queues) -> Result<(), LockError> {
         let etcd = &queues.etcd;
-        let deleted_at = self.deleted_at.load(Ordering::Acquire);
+        let deleted_at = self.watched.deleted_at.load(Ordering::Acquire);
         let predecessor_gone_at = (matches!(self.line, Line::Lock(_))
             && !self.stale
             && deleted_at > 0
@@ -269,26 +359,37 @@ impl Waiter {
     ) -> Result<(), LockError> {
         let etcd = &queues.etcd;
         let target = target_of(&etcd.layout, &self.line, &position);
-        if self.stale || target != self.target {
-            match early.filter(|early| early.target == target && early.covers(&position)) {
-                Some(early) => (self.watch, self.deleted_at) = (early.watch, early.deleted_at),
-                None => {
-                    let channel = self.next_channel();
-                    (self.watch, self.deleted_at) =
-                        watch_target(queues, &self.line, channel, &target, &position).await?;
-                }
-            }
-            self.target = target;
+        // A marker seen again is watched again: the one watched may have
+        // been deleted, and its name reused (see `crate::marker`).
+        if self.stale || target != self.watched.target || self.ahead_ended {
+            self.watched =
+                match early.filter(|early| early.target == target && early.covers(&position)) {
+                    Some(early) => early,
+                    None => {
+                        let channel = self.next_channel();
+                        watch_target(queues, &self.line, channel, &target, &position).await?
+                    }
+                };
             self.stale = false;
         }
+        self.holder_ahead = position.holder_ahead;
+        self.ahead_ended = false;
         if let Some((_, seat)) = &self.seat {
-            *seat.ahead.lock().unwrap_or_else(|e| e.into_inner()) = position.predecessor.clone();
+            *seat.ahead.lock().unwrap_or_else(|e| e.into_inner()) = position.waiting_behind();
             seat.first_at
                 .store(position.first_at(self.place), Ordering::Release);
         }
-        let first = position.predecessor.is_none();
-        tracing::trace!(key = %self.line.key(), place = self.place, first, "etcd waiter moved up");
+        let first = position.first();
+        tracing::trace!(key = %self.line.key(), place = self.place, first, holder_ahead = self.holder_ahead, "etcd waiter moved up");
         if first && !position.held {
+            if self.holder_ahead {
+                // A marker without its lock: the caller takes the lock
+                // past it; a refusal looks again.
+                self.ahead_ended = true;
+                if let Some(refusals) = self.refusals.as_mut() {
+                    refusals.borrow_and_update();
+                }
+            }
             self.wake_caller(queues);
         } else {
             self.expect_refusal(true);

@@ -250,6 +250,7 @@ pub(crate) fn undo_later(etcd: &Etcd, session: &Arc<Session>, undo: Undo) -> Joi
             tracked.fencing,
             &fence,
             &raise,
+            attached.marker(),
         );
         let result = requests
             .send("etcd expire session lock", Repeat::Safe, || {

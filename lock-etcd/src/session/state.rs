@@ -346,6 +346,7 @@ mod tests {
                 key: span,
                 value: span,
                 label_key: None,
+                marker: None,
                 fence_base: span,
                 what: "lock",
             }

@@ -212,6 +212,21 @@ pub async fn grpc_started(addr: SocketAddr) -> BTreeMap<String, u64> {
     counts
 }
 
+/// etcd's per-method gRPC message counters (`grpc_server_msg_received_total`,
+/// [`server::etcd_grpc_received`]): a stream's requests (each watch
+/// created or cancelled) count one each.
+pub async fn grpc_received(addr: SocketAddr) -> BTreeMap<String, u64> {
+    let counts = tokio::task::spawn_blocking(move || server::etcd_grpc_received(addr.port()))
+        .await
+        .expect("the metrics reader ran")
+        .expect("etcd's metrics endpoint answers");
+    assert!(
+        counts.contains_key("Range") || counts.contains_key("Txn"),
+        "etcd's /metrics has no grpc_server_msg_received_total counters: {counts:?}"
+    );
+    counts
+}
+
 /// The Raft proposals etcd committed so far (`etcd_server_proposals_committed_total`):
 /// every write, and every transaction that could write, even one whose
 /// compare failed; reads and lease keep-alives are none.
