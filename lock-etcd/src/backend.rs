@@ -559,6 +559,11 @@ impl LockBackend for EtcdLock {
                     .collect();
                 match sessions.confirm_many(&items, &session, ranges).await {
                     Ok(answers) => {
+                        for (&at, answer) in chunk.iter().zip(&answers) {
+                            if let ExtendReply::NotHeld = answer {
+                                self.drop_marker(&locks[at]);
+                            }
+                        }
                         replies.extend(chunk.iter().zip(answers).map(|(&at, a)| (at, Ok(a))));
                         rest = after;
                     }
@@ -579,11 +584,6 @@ impl LockBackend for EtcdLock {
             }
         }
         replies.sort_by_key(|(at, _)| *at);
-        for (at, reply) in &replies {
-            if let Ok(ExtendReply::NotHeld) = reply {
-                self.drop_marker(&locks[*at]);
-            }
-        }
         Ok(replies.into_iter().map(|(_, reply)| reply).collect())
     }
 
@@ -732,6 +732,95 @@ mod tests {
         let (last, watch) = wait(OwnerToken::random()).await;
         assert_ne!(last, first, "a retired name came back");
         watch.close(bound).await;
+    }
+
+    /// A waiter that takes the lock leaves its entry as the lock's marker
+    /// (see `crate::marker`): the entry's name is not reused by the
+    /// client's next wait while the marker may exist (its put would be
+    /// refused: the name is in use), and is reused once the release
+    /// deleted it.
+    #[tokio::test]
+    async fn a_markers_name_is_reused_only_once_its_lock_is_released() {
+        let (_server, lock, mut raw) = etcd_with_clients().await;
+        let key = LockKey::new("marked").expect("key");
+        let line = lock.etcd().layout.queue_prefix(&key);
+        let bound = Duration::from_secs(10);
+        let names = |raw: &mut etcd_client::Client| {
+            let (mut raw, line) = (raw.clone(), line.clone());
+            async move {
+                let entries = raw
+                    .get(line, Some(etcd_client::GetOptions::new().with_prefix()))
+                    .await
+                    .expect("read the line");
+                entries
+                    .kvs()
+                    .iter()
+                    .map(|kv| (String::from_utf8_lossy(kv.key()).into_owned(), kv.version()))
+                    .collect::<Vec<_>>()
+            }
+        };
+        let request = |owner| AcquireRequest {
+            key: &key,
+            owner,
+            ttl: Duration::from_secs(30),
+            renewing: false,
+            settling: false,
+            holder: None,
+        };
+        // A waiter, first in line, takes the free lock.
+        let owner = OwnerToken::random();
+        let watch = lock
+            .watch(&key, owner)
+            .await
+            .expect("watch")
+            .expect("queued");
+        let AcquireReply::Granted(grant) = lock.acquire(request(owner)).await.expect("acquire")
+        else {
+            panic!("the first in line was refused a free lock");
+        };
+        watch.close(bound).await;
+        let marked = names(&mut raw).await;
+        assert_eq!(marked.len(), 1, "{marked:?}");
+        assert!(
+            marked[0].1 > 1,
+            "the taker's entry is not its marker: {marked:?}"
+        );
+        // The client's next wait takes another name.
+        let next = lock
+            .watch(&key, OwnerToken::random())
+            .await
+            .expect("watch while the marker lives")
+            .expect("queued");
+        let both = names(&mut raw).await;
+        assert_eq!(both.len(), 2, "{both:?}");
+        next.close(bound).await;
+        let released = HeldLock {
+            key: &key,
+            owner,
+            fencing: grant.fencing,
+            handle: grant.handle,
+        };
+        assert!(matches!(
+            lock.release(released).await.expect("release"),
+            ReleaseReply::Released
+        ));
+        assert!(
+            names(&mut raw).await.is_empty(),
+            "the marker outlived its release"
+        );
+        // Now the marker's name is free again (the lowest).
+        let again = lock
+            .watch(&key, OwnerToken::random())
+            .await
+            .expect("watch")
+            .expect("queued");
+        let reused = names(&mut raw).await;
+        assert_eq!(reused.len(), 1, "{reused:?}");
+        assert_eq!(
+            reused[0].0, marked[0].0,
+            "the marker's name was not given back"
+        );
+        again.close(bound).await;
     }
 
     /// Another client holds `key`; a waiter of `lock`'s client is in

@@ -183,7 +183,7 @@ impl HolderMarkers {
     /// unknown) it is retired.
     pub(crate) fn ended(&self, key: &LockKey, owner: OwnerToken, deleted: bool) {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        if !held.get(&owner).is_some_and(|h| h.key == *key) {
+        if held.get(&owner).is_none_or(|h| h.key != *key) {
             return;
         }
         let gone = held.remove(&owner);
@@ -193,11 +193,5 @@ impl HolderMarkers {
                 slot.free();
             }
         }
-    }
-
-    /// How many locks' markers the client knows.
-    #[cfg(test)]
-    pub(crate) fn len(&self) -> usize {
-        self.held.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 }

@@ -713,7 +713,9 @@ async fn join(
         watches: 1,
         watched,
         holder_ahead: position.holder_ahead,
-        ahead_ended: false,
+        // A marker without its lock: the caller's next attempt takes the
+        // lock past it, and a refusal makes the task look again.
+        ahead_ended: position.holder_ahead && !position.held,
         refusals,
         stale: false,
         fences: Vec::new(),

@@ -26,7 +26,7 @@ pub(super) struct Waiter {
     pub(super) entry: Vec<u8>,
     /// Its create revision: our place in line.
     pub(super) place: i64,
-    /// The channel of the caller's [`ReleaseWatch`].
+    /// The channel of the caller's [`ReleaseWatch`](distlock_core::ReleaseWatch).
     pub(super) channel: String,
     /// Numbers the channels of our own watches (one per watched target).
     pub(super) watches: u64,
@@ -58,7 +58,7 @@ pub(super) struct Waiter {
     /// entry is known deleted, else retired (see [`crate::slots`]).
     pub(super) slot: Slot,
     /// Dropped with the task, once the entry is deleted: the caller's
-    /// [`ReleaseWatch::close`] waits for it.
+    /// [`ReleaseWatch::close`](distlock_core::ReleaseWatch::close) waits for it.
     pub(super) _departure: Departure,
 }
 
@@ -239,10 +239,10 @@ impl Waiter {
         if let Some((owner, queues)) = marker_of {
             // The entry is its lock's marker, deleted with the lock (see
             // `crate::marker`), which keeps the name's number till then.
-            let slot = match settled {
-                true => queues.markers.keep(owner, &self.entry, self.slot).err(),
-                false => None,
-            };
+            // Unsettled, the number is retired (see `crate::slots`).
+            let slot = settled
+                .then(|| queues.markers.keep(owner, &self.entry, self.slot).err())
+                .flatten();
             if !self.fences.is_empty() {
                 // Re-queueing puts whose outcome is unknown are fenced off
                 // (place 0: an existing entry, the marker, is left alone).
