@@ -339,13 +339,17 @@ impl EtcdLock {
                 &encode_value(owner),
                 &entry,
             )]);
+            let sent_again = etcd.requests.sent_again();
             let deleted = etcd
                 .run_txn("etcd marker of a lost lock", Repeat::Safe, delete)
                 .await;
             if let Err(e) = &deleted {
                 tracing::debug!(key = %key, error = %e, "could not delete the marker of a lost etcd lock; it goes with its lease");
             }
-            queues.markers.ended(&key, owner, deleted.is_ok());
+            // As for a release: the name is reused only if no earlier try
+            // can still be applied.
+            let known = deleted.is_ok() && etcd.requests.sent_again() == sent_again;
+            queues.markers.ended(&key, owner, known);
         });
     }
 }
@@ -600,10 +604,14 @@ impl LockBackend for EtcdLock {
             lock.fencing,
             marker.as_deref(),
         );
+        let sent_again = self.etcd().requests.sent_again();
         let reply = self.release_with(&attached, lock.handle, release).await;
         if reply.is_ok() {
-            // The marker went with the lock, or after it.
-            markers.ended(lock.key, lock.owner, true);
+            // The marker went with the lock, or after it. Its name is
+            // reused only if no earlier try of the release can still be
+            // applied (one applied later deletes a marker of that name).
+            let known = self.etcd().requests.sent_again() == sent_again;
+            markers.ended(lock.key, lock.owner, known);
         }
         reply
     }

@@ -178,9 +178,10 @@ impl HolderMarkers {
         }
     }
 
-    /// `owner`'s lock on `key` ended, and its marker with it: `deleted`,
-    /// its name's number is free again; else (the request's outcome
-    /// unknown) it is retired.
+    /// `owner`'s lock on `key` ended, and its marker with it: `deleted`
+    /// (known deleted, and no earlier try of the request that deleted it
+    /// can still be applied), its name's number is free again; else it is
+    /// retired.
     pub(crate) fn ended(&self, key: &LockKey, owner: OwnerToken, deleted: bool) {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         if held.get(&owner).is_none_or(|h| h.key != *key) {

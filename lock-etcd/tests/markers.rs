@@ -11,7 +11,10 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{acquire, any_server, connect, observed, raw_client, unique_key, Waiting};
+use common::{
+    acquire, any_server, connect, observed, proxy_for, raw_client, release_resent, through,
+    unique_key, Waiting,
+};
 use distlock_conformance::naming::unique_name;
 use distlock_conformance::server::ServerHandle;
 use distlock_conformance::ObservedLock;
@@ -346,4 +349,75 @@ async fn a_waiter_refused_after_its_markers_end_looks_again() {
         .expect("delete the lock");
     let lease = waiter.acquired().await;
     connect(&url).await.release(&lease).await.ok();
+}
+
+/// A release whose first send went unanswered and was sent again may have
+/// that first send applied later, which would delete a marker of the same
+/// name: the client then never reuses the marker's name (its number is
+/// retired). Here the release's reply is held past its first send's share
+/// of the operation timeout; the client's next wait on the key takes
+/// another name. (A release answered at once gives the name back: see
+/// `a_markers_name_is_reused_only_once_its_lock_is_released`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_release_retires_its_markers_name() {
+    let key = unique_key("resent");
+    let (server, _url, mut raw, line) = scene("marker-resent", &key).await;
+    let proxy = proxy_for(&server).await;
+    let ns = line.split('/').next().expect("namespace").to_string();
+    // Each send gets a third of the 6 s: a reply held 2.5 s misses the
+    // first send's share and still arrives within the operation.
+    let url = format!(
+        "{}&namespace={ns}",
+        through(&proxy, "operation_timeout_ms=6000")
+    );
+    let (lease, holder) = taken_in_line(&url, &key).await;
+    let marker = the_marker(&mut raw, &line).await;
+    release_resent(&proxy, &holder, lease)
+        .await
+        .expect("a release whose first send was applied unanswered");
+    assert!(
+        markers(&mut raw, &line).await.is_empty(),
+        "the marker outlived its release"
+    );
+    // The holder's client waits on the key again: its entry takes a new
+    // name.
+    let other = connect(&url).await;
+    let held = acquire(&other, &key, Duration::from_secs(30)).await;
+    let client = holder;
+    let waiting = {
+        let client = client.clone();
+        let key = key.clone();
+        tokio::spawn(async move {
+            client
+                .acquire(
+                    &key,
+                    Duration::from_secs(30),
+                    Instant::now() + Duration::from_secs(20),
+                )
+                .await
+        })
+    };
+    let give_up = Instant::now() + Duration::from_secs(10);
+    let entry = loop {
+        let entries = raw
+            .get(line.as_str(), Some(GetOptions::new().with_prefix()))
+            .await
+            .expect("read the line");
+        if let Some(kv) = entries.kvs().first() {
+            break String::from_utf8_lossy(kv.key()).into_owned();
+        }
+        assert!(Instant::now() < give_up, "the second wait never queued");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_ne!(
+        entry, marker,
+        "the name of a marker deleted by a resent release was reused"
+    );
+    other.release(&held).await.expect("release");
+    let lease = waiting
+        .await
+        .expect("waiting task")
+        .expect("acquire")
+        .expect("acquired");
+    client.release(&lease).await.ok();
 }

@@ -9,7 +9,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    acquire, any_server, assert_freed, connect, proxy_for, raw_client, through, unique_key,
+    acquire, any_server, assert_freed, connect, proxy_for, raw_client, release_resent, through,
+    unique_key,
 };
 use distlock_conformance::fault::Direction;
 use distlock_conformance::naming::unique_name;
@@ -115,18 +116,8 @@ async fn a_release_answered_after_its_resend_is_reported_done() {
     let b = connect(&server.url()).await;
     let k = unique_key("resent-release");
     let held = acquire(&a, &k, Duration::from_secs(60)).await;
-    proxy.delay(Direction::ToClient, Duration::from_millis(2500));
-    let release = {
-        let a = a.clone();
-        tokio::spawn(async move { a.release(&held).await })
-    };
-    // Only the first send's reply is held: bytes keep their order, so the
-    // second's reply follows it at once.
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    proxy.delay(Direction::ToClient, Duration::ZERO);
-    release
+    release_resent(&proxy, &a, held)
         .await
-        .expect("release task")
         .expect("a release whose first send was applied unanswered");
     assert_freed(&b, &k, "the released lock").await;
 }

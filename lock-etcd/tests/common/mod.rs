@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use distlock_conformance::fault::Proxy;
+use distlock_conformance::fault::{Direction, Proxy};
 use distlock_conformance::server::{self, ServerHandle, ServerProcess};
 use distlock_conformance::ObservedLock;
 use distlock_core::{AcquireAttempt, Lease, LockClient, LockError, LockKey};
@@ -94,6 +94,25 @@ pub async fn proxy_for(server: &ServerHandle) -> Proxy {
 /// The URL of `proxy`'s server as seen through it, with `query`.
 pub fn through(proxy: &Proxy, query: &str) -> String {
     format!("etcd://{}?{query}", proxy.addr())
+}
+
+/// Releases `lease` with `client` (behind `proxy`, whose operation timeout
+/// is 6 s) while its first send's reply is held 2.5 s: past that send's
+/// third of the timeout, so the release is sent again, and the second
+/// send's reply follows the first at once (bytes keep their order).
+pub async fn release_resent(
+    proxy: &Proxy,
+    client: &LockClient,
+    lease: Lease,
+) -> Result<(), LockError> {
+    proxy.delay(Direction::ToClient, Duration::from_millis(2500));
+    let release = {
+        let client = client.clone();
+        tokio::spawn(async move { client.release(&lease).await })
+    };
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    proxy.delay(Direction::ToClient, Duration::ZERO);
+    release.await.expect("release task")
 }
 
 /// Short timeouts for a client behind a fault, so it notices quickly.
