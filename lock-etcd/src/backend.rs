@@ -494,9 +494,10 @@ impl LockBackend for EtcdLock {
         let attached = Attached::lock(&self.etcd().layout, lock.key, lock.owner);
         let value = encode_value(lock.owner);
         let label_key = self.etcd().layout.holder_key(lock.key);
-        let marker = self.inner.queues.markers.of(lock.key, lock.owner);
         let reply = self
             .renew(&attached, lock, ttl, |new_lease| {
+                // Looked up only for a move: a confirm writes nothing.
+                let marker = self.inner.queues.markers.of(lock.key, lock.owner);
                 txn::extend(
                     attached.key(),
                     &value,

@@ -184,30 +184,35 @@ impl Conn {
             EventType::Put => watch.creations,
         };
         if let Some(rewritten_at) = &watch.rewritten_at {
-            let rewritten = response
-                .events()
-                .iter()
-                .filter(|event| rewrite(event))
-                .filter_map(|event| event.kv().map(|kv| kv.mod_revision()))
-                .max();
-            if let Some(revision) = rewritten {
-                rewritten_at.fetch_max(revision, Ordering::AcqRel);
-            }
+            keep_latest(response.events(), rewrite, rewritten_at);
         }
-        let deleted = response
-            .events()
-            .iter()
-            .filter(|event| matches!(event.event_type(), EventType::Delete))
-            .filter_map(|event| event.kv().map(|kv| kv.mod_revision()))
-            .max();
-        if let Some(revision) = deleted {
-            watch.deleted_at.fetch_max(revision, Ordering::AcqRel);
-        }
+        keep_latest(
+            response.events(),
+            |event| matches!(event.event_type(), EventType::Delete),
+            &watch.deleted_at,
+        );
         response
             .events()
             .iter()
             .any(wakes)
             .then(|| Ok(watch.channel.clone()))
+    }
+}
+
+/// Keeps in `at` the revision of the newest of `events` that `which`
+/// picks, if it is newer.
+fn keep_latest(
+    events: &[etcd_client::Event],
+    which: impl Fn(&etcd_client::Event) -> bool,
+    at: &AtomicI64,
+) {
+    let newest = events
+        .iter()
+        .filter(|event| which(event))
+        .filter_map(|event| event.kv().map(|kv| kv.mod_revision()))
+        .max();
+    if let Some(revision) = newest {
+        at.fetch_max(revision, Ordering::AcqRel);
     }
 }
 

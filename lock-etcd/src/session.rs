@@ -128,40 +128,29 @@ fn pack<const N: usize>(parts: [&[u8]; N]) -> (Arc<[u8]>, [Span; N]) {
 impl Attached {
     /// `owner`'s lock on `key`.
     pub(crate) fn lock(layout: &KeyLayout, key: &LockKey, owner: OwnerToken) -> Self {
-        let etcd_key = layout.lock_key(key);
-        let value = encode_value(owner);
-        let label_key = layout.holder_key(key);
-        let (bytes, [key, value, label_key]) = pack([&etcd_key, &value, &label_key]);
-        Self {
-            bytes,
-            key,
-            value,
-            label_key: Some(label_key),
-            marker: None,
-            fence_base: key,
-            what: "lock",
-        }
+        Self::lock_in_line(layout, key, owner, None)
     }
 
-    /// `owner`'s lock on `key` taken by an attempt in line at the queue
-    /// entry `marker`, which becomes its holder's marker.
+    /// `owner`'s lock on `key`, taken by an attempt in line at the queue
+    /// entry `marker` if it has one, which becomes its holder's marker.
     pub(crate) fn lock_in_line(
         layout: &KeyLayout,
         key: &LockKey,
         owner: OwnerToken,
-        marker: &[u8],
+        marker: Option<&[u8]>,
     ) -> Self {
         let etcd_key = layout.lock_key(key);
         let value = encode_value(owner);
         let label_key = layout.holder_key(key);
-        let (bytes, [key, value, label_key, marker]) =
-            pack([&etcd_key, &value, &label_key, marker]);
+        // No marker: an empty part, which takes no byte.
+        let (bytes, [key, value, label_key, marker_span]) =
+            pack([&etcd_key, &value, &label_key, marker.unwrap_or_default()]);
         Self {
             bytes,
             key,
             value,
             label_key: Some(label_key),
-            marker: Some(marker),
+            marker: marker.map(|_| marker_span),
             fence_base: key,
             what: "lock",
         }
@@ -415,12 +404,8 @@ impl Sessions {
         let key = request.key;
         // A first acquire grants the session lease: both by `deadline`.
         let session = self.session(request.ttl, deadline).await?;
-        let attached = match &turn.place {
-            Some((entry, _)) => {
-                Attached::lock_in_line(&self.etcd.layout, key, request.owner, entry)
-            }
-            None => Attached::lock(&self.etcd.layout, key, request.owner),
-        };
+        let marker = turn.place.as_ref().map(|(entry, _)| entry.as_slice());
+        let attached = Attached::lock_in_line(&self.etcd.layout, key, request.owner, marker);
         let value = encode_value(request.owner);
         let label = txn::Label::of(&self.etcd.layout, &request);
         loop {

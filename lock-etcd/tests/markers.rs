@@ -9,11 +9,12 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{
-    acquire, any_server, connect, observed, proxy_for, raw_client, release_resent, through,
-    unique_key, Waiting,
+    acquire, any_server, connect, keys_under, observed, proxy_for, raw_client, release_resent,
+    through, unique_key, Waiting,
 };
 use distlock_conformance::naming::unique_name;
 use distlock_conformance::server::ServerHandle;
@@ -75,10 +76,14 @@ async fn until_gone(raw: &mut Client, line: &str, marker: &str, bound: Duration,
     }
 }
 
-/// The lease of the lock key `key` in namespace line `line`'s lock.
+/// The lock key of the line `line`.
+fn lock_of(line: &str) -> String {
+    line.trim_end_matches("/waiters/").to_string()
+}
+
+/// The lease of the lock of the line `line`, if it is held.
 async fn lock_lease(raw: &mut Client, line: &str) -> Option<i64> {
-    let lock = line.trim_end_matches("/waiters/");
-    raw.get(lock, None)
+    raw.get(lock_of(line), None)
         .await
         .expect("read the lock")
         .kvs()
@@ -88,14 +93,15 @@ async fn lock_lease(raw: &mut Client, line: &str) -> Option<i64> {
 
 /// `holder` takes `key` as a waiter (so its entry becomes the lock's
 /// marker): another client holds it first, `holder` waits, the other
-/// releases. Returns the holder's lease.
-async fn taken_in_line(url: &str, key: &LockKey) -> (Lease, LockClient) {
+/// releases. Returns the holder's lease, client and the count of its
+/// attempts.
+async fn taken_in_line(url: &str, key: &LockKey) -> (Lease, LockClient, Arc<ObservedLock>) {
     let first = connect(url).await;
     let held = acquire(&first, key, Duration::from_secs(30)).await;
     let (attempts, holder) = observed(url).await;
     let waiting = Waiting::start(&attempts, &holder, key).await;
     first.release(&held).await.expect("release");
-    (waiting.acquired().await, holder)
+    (waiting.acquired().await, holder, attempts)
 }
 
 /// A renewing lock of `ttl` on `key` (on the holder's session lease)
@@ -152,7 +158,7 @@ async fn put_marker(raw: &mut Client, line: &str, lease: i64) -> String {
 }
 
 /// A second waiter behind the holder's marker.
-async fn behind(url: &str, key: &LockKey) -> (std::sync::Arc<ObservedLock>, Waiting) {
+async fn behind(url: &str, key: &LockKey) -> (Arc<ObservedLock>, Waiting) {
     let (attempts, client) = observed(url).await;
     let waiting = Waiting::start(&attempts, &client, key).await;
     (attempts, waiting)
@@ -166,15 +172,19 @@ async fn behind(url: &str, key: &LockKey) -> (std::sync::Arc<ObservedLock>, Wait
 async fn a_force_release_deletes_the_holders_marker() {
     let key = unique_key("forced");
     let (_server, url, mut raw, line) = scene("marker-forced", &key).await;
-    let (_lease, holder) = taken_in_line(&url, &key).await;
+    let (_lease, holder, _) = taken_in_line(&url, &key).await;
     let (_, next) = behind(&url, &key).await;
     let marker = the_marker(&mut raw, &line).await;
     assert!(holder.force_release(&key).await.expect("force release"));
-    let left = markers(&mut raw, &line).await;
-    assert!(
-        left.iter().all(|(name, _)| *name != marker),
-        "the force release left the holder's marker: {left:?}"
-    );
+    // Gone at once: no wait.
+    until_gone(
+        &mut raw,
+        &line,
+        &marker,
+        Duration::ZERO,
+        "the force release left the holder's marker",
+    )
+    .await;
     let lease = next.acquired().await;
     connect(&url).await.release(&lease).await.ok();
 }
@@ -187,7 +197,7 @@ async fn a_force_release_deletes_the_holders_marker() {
 async fn an_extend_moves_the_holders_marker_with_the_lock() {
     let key = unique_key("moved");
     let (_server, url, mut raw, line) = scene("marker-moved", &key).await;
-    let (lease, holder) = taken_in_line(&url, &key).await;
+    let (lease, holder, _) = taken_in_line(&url, &key).await;
     let (attempts, next) = behind(&url, &key).await;
     let tried = attempts.attempts_in_line();
     let before = lock_lease(&mut raw, &line).await.expect("held");
@@ -232,8 +242,7 @@ async fn a_renewal_that_finds_the_lock_gone_deletes_its_marker() {
         let other = connect(&url).await;
         let (_, next) = behind(&url, &key).await;
         let marker = the_marker(&mut raw, &line).await;
-        let lock = line.trim_end_matches("/waiters/").to_string();
-        raw.delete(lock, None).await.expect("raw delete");
+        raw.delete(lock_of(&line), None).await.expect("raw delete");
         let held = HeldLock {
             key: &key,
             owner,
@@ -318,7 +327,7 @@ async fn a_marker_without_its_lock_is_passed() {
 async fn a_waiter_refused_after_its_markers_end_looks_again() {
     let key = unique_key("refused");
     let (_server, url, mut raw, line) = scene("marker-refused", &key).await;
-    let lock = line.trim_end_matches("/waiters/").to_string();
+    let lock = lock_of(&line);
     let lease = raw.lease_grant(60, None).await.expect("lease").id();
     // A lock and its marker, as a client that took it in line leaves them.
     let value = format!("dl1:{}", OwnerToken::random().to_hex());
@@ -370,7 +379,7 @@ async fn a_resent_release_retires_its_markers_name() {
         "{}&namespace={ns}",
         through(&proxy, "operation_timeout_ms=6000")
     );
-    let (lease, holder) = taken_in_line(&url, &key).await;
+    let (lease, holder, attempts) = taken_in_line(&url, &key).await;
     let marker = the_marker(&mut raw, &line).await;
     release_resent(&proxy, &holder, lease)
         .await
@@ -383,41 +392,14 @@ async fn a_resent_release_retires_its_markers_name() {
     // name.
     let other = connect(&url).await;
     let held = acquire(&other, &key, Duration::from_secs(30)).await;
-    let client = holder;
-    let waiting = {
-        let client = client.clone();
-        let key = key.clone();
-        tokio::spawn(async move {
-            client
-                .acquire(
-                    &key,
-                    Duration::from_secs(30),
-                    Instant::now() + Duration::from_secs(20),
-                )
-                .await
-        })
-    };
-    let give_up = Instant::now() + Duration::from_secs(10);
-    let entry = loop {
-        let entries = raw
-            .get(line.as_str(), Some(GetOptions::new().with_prefix()))
-            .await
-            .expect("read the line");
-        if let Some(kv) = entries.kvs().first() {
-            break String::from_utf8_lossy(kv.key()).into_owned();
-        }
-        assert!(Instant::now() < give_up, "the second wait never queued");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let waiting = Waiting::start(&attempts, &holder, &key).await;
+    let names = keys_under(&mut raw, &line).await;
+    assert_eq!(names.len(), 1, "the second wait's entry alone: {names:?}");
     assert_ne!(
-        entry, marker,
+        names[0], marker,
         "the name of a marker deleted by a resent release was reused"
     );
     other.release(&held).await.expect("release");
-    let lease = waiting
-        .await
-        .expect("waiting task")
-        .expect("acquire")
-        .expect("acquired");
-    client.release(&lease).await.ok();
+    let lease = waiting.acquired().await;
+    holder.release(&lease).await.ok();
 }

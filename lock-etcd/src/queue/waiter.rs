@@ -103,6 +103,16 @@ impl Waiter {
         self.expect_refusal(true);
     }
 
+    /// The caller is woken past the marker ahead (it ended, or its lock
+    /// is gone): a refusal from now on (not one before) means the marker
+    /// went without its lock, and the task looks its place up again.
+    fn past_marker(&mut self) {
+        self.ahead_ended = true;
+        if let Some(refusals) = self.refusals.as_mut() {
+            refusals.borrow_and_update();
+        }
+    }
+
     fn wake_caller(&self, queues: &Queues) {
         self.expect_refusal(false);
         if let Some((_, seat)) = &self.seat {
@@ -194,10 +204,7 @@ impl Waiter {
                 // The lock key, or the holder's marker, was deleted: try now.
                 tracing::trace!(key = %self.line.key(), place = self.place, "etcd lock released; waking the first waiter");
                 if self.holder_ahead {
-                    self.ahead_ended = true;
-                    if let Some(refusals) = self.refusals.as_mut() {
-                        refusals.borrow_and_update();
-                    }
+                    self.past_marker();
                 }
                 self.wake_caller(&queues);
                 continue;
@@ -384,11 +391,8 @@ impl Waiter {
         if first && !position.held {
             if self.holder_ahead {
                 // A marker without its lock: the caller takes the lock
-                // past it; a refusal looks again.
-                self.ahead_ended = true;
-                if let Some(refusals) = self.refusals.as_mut() {
-                    refusals.borrow_and_update();
-                }
+                // past it.
+                self.past_marker();
             }
             self.wake_caller(queues);
         } else {

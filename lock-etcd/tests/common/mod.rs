@@ -220,28 +220,35 @@ pub async fn delete_prefix(raw: &mut Client, prefix: &str) {
 /// etcd's per-method gRPC request counters (`grpc_server_started_total`,
 /// [`server::etcd_grpc_started`]).
 pub async fn grpc_started(addr: SocketAddr) -> BTreeMap<String, u64> {
-    let counts = tokio::task::spawn_blocking(move || server::etcd_grpc_started(addr.port()))
-        .await
-        .expect("the metrics reader ran")
-        .expect("etcd's metrics endpoint answers");
-    assert!(
-        counts.contains_key("Range") || counts.contains_key("Txn"),
-        "etcd's /metrics has no grpc_server_started_total counters: {counts:?}"
-    );
-    counts
+    grpc_counters(addr, server::etcd_grpc_started, "grpc_server_started_total").await
 }
 
 /// etcd's per-method gRPC message counters (`grpc_server_msg_received_total`,
 /// [`server::etcd_grpc_received`]): a stream's requests (each watch
 /// created or cancelled) count one each.
 pub async fn grpc_received(addr: SocketAddr) -> BTreeMap<String, u64> {
-    let counts = tokio::task::spawn_blocking(move || server::etcd_grpc_received(addr.port()))
+    grpc_counters(
+        addr,
+        server::etcd_grpc_received,
+        "grpc_server_msg_received_total",
+    )
+    .await
+}
+
+/// The per-method counters `read` takes from etcd's `/metrics` (named
+/// `metric` there), which must have the key-value methods.
+async fn grpc_counters(
+    addr: SocketAddr,
+    read: fn(u16) -> std::io::Result<BTreeMap<String, u64>>,
+    metric: &'static str,
+) -> BTreeMap<String, u64> {
+    let counts = tokio::task::spawn_blocking(move || read(addr.port()))
         .await
         .expect("the metrics reader ran")
         .expect("etcd's metrics endpoint answers");
     assert!(
         counts.contains_key("Range") || counts.contains_key("Txn"),
-        "etcd's /metrics has no grpc_server_msg_received_total counters: {counts:?}"
+        "etcd's /metrics has no {metric} counters: {counts:?}"
     );
     counts
 }
