@@ -43,6 +43,10 @@ struct Faulty {
     released_on_watch: std::sync::Mutex<Option<(LockClient, crate::Lease)>>,
     slow_extends: Option<Duration>,
     extend_called: tokio::sync::Notify,
+    /// With `slow_leaves`, each watch's leave takes that long, then counts
+    /// itself in `left`.
+    slow_leaves: Option<Duration>,
+    left: Arc<AtomicUsize>,
 }
 
 #[async_trait]
@@ -109,7 +113,15 @@ impl LockBackend for Faulty {
         if let Some((client, lease)) = release {
             client.release(&lease).await?;
         }
-        self.server.watch(key, waiter).await
+        let mut watch = self.server.watch(key, waiter).await?;
+        if let (Some(watch), Some(slow)) = (&mut watch, self.slow_leaves) {
+            let left = self.left.clone();
+            watch.leave_with(async move {
+                tokio::time::sleep(slow).await;
+                left.fetch_add(1, Ordering::SeqCst);
+            });
+        }
+        Ok(watch)
     }
 }
 
@@ -163,6 +175,40 @@ async fn waiting_acquire_adopts_what_a_lost_reply_took() {
     assert_eq!(backend.server.held_count(), 1, "one lock, not two");
     client.release(&lease).await.unwrap();
     assert_eq!(backend.server.held_count(), 0);
+}
+
+/// A waiting acquire cancelled while it waits leaves its line before its
+/// task ends: the client's `idle` covers the leave (a caller that awaits
+/// it finds nobody in line after the wait).
+#[tokio::test]
+async fn idle_covers_the_leave_of_a_cancelled_wait() {
+    let backend = Arc::new(Faulty {
+        slow_leaves: Some(Duration::from_millis(200)),
+        ..Faulty::default()
+    });
+    let client = LockClient::new(backend.clone());
+    let held = client
+        .try_acquire(&key(), TTL)
+        .await
+        .unwrap()
+        .lease()
+        .unwrap();
+    let (k, deadline) = (key(), Instant::now() + TTL);
+    let mut waiting = Box::pin(client.acquire(&k, TTL, deadline));
+    while backend.watches.load(Ordering::SeqCst) == 0 {
+        tokio::select! {
+            result = &mut waiting => panic!("the wait ended: {result:?}"),
+            () = tokio::time::sleep(Duration::from_millis(5)) => {}
+        }
+    }
+    drop(waiting);
+    client.idle().await;
+    assert_eq!(
+        backend.left.load(Ordering::SeqCst),
+        1,
+        "idle returned before the cancelled wait left its line"
+    );
+    client.release(&held).await.unwrap();
 }
 
 /// A single try whose reply is lost ends with the error, and the lock it

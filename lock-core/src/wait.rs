@@ -240,7 +240,13 @@ pub(crate) async fn acquire_until_cancelled(
         let watch_ref = watch.as_mut().unwrap_or(&mut never);
         tokio::select! {
             _ = cancel.cancelled() => {
-                return Ok(settle(client, key, ttl, attempt, owner, unknown).await);
+                let settled = settle(client, key, ttl, attempt, owner, unknown).await;
+                // Out of the line before the task ends, so that the
+                // client's `idle` covers the leave.
+                if let Some(watch) = watch.take() {
+                    watch.close(DEPARTURE_MAX).await;
+                }
+                return Ok(settled);
             }
             woke = watch_ref.released() => {
                 if let Err(e) = woke {

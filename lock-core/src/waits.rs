@@ -172,8 +172,17 @@ impl OpenWaits {
     }
 
     /// `owner`'s attempt was granted: its statement left the line.
-    pub fn granted(&self, line: WaitLine, key: &LockKey, owner: OwnerToken) {
-        self.waits().set_in_line(&(line, key.clone(), owner), false);
+    ///
+    /// Unless it was `settling`: a settling attempt runs beside the wait's
+    /// own attempt, still in flight, which may join the line after this
+    /// grant took the wait out of it (it goes on, is refused once the key
+    /// changed hands, and joins). The wait then still leaves its line when
+    /// it ends; a row left there would be a live client's, woken by every
+    /// release and waited out for its whole turn.
+    pub fn granted(&self, line: WaitLine, key: &LockKey, owner: OwnerToken, settling: bool) {
+        if !settling {
+            self.waits().set_in_line(&(line, key.clone(), owner), false);
+        }
     }
 
     /// The watch of `registration` dropped: the wait is over unless it
@@ -232,12 +241,33 @@ mod tests {
         // leaves nothing, and the wait stays in line.
         let second = waits.register(WaitLine::Lock, &key, a);
         assert!(!waits.ended(WaitLine::Lock, &key, a, first));
-        waits.granted(WaitLine::Lock, &key, a);
+        waits.granted(WaitLine::Lock, &key, a, false);
         assert!(!waits.ended(WaitLine::Lock, &key, a, second));
         let third = waits.register(WaitLine::Lock, &key, a);
         assert!(waits.joins(WaitLine::Lock, &key, a));
         assert!(waits.ended(WaitLine::Lock, &key, a, third));
         assert!(waits.is_empty());
+    }
+
+    #[test]
+    fn a_settling_grant_leaves_the_wait_in_line() {
+        // The wait's own attempt joins; its caller leaves, and a settling
+        // attempt beside it is granted. The wait's attempt may still join
+        // after that grant: the wait must leave the line when it ends.
+        let waits = OpenWaits::default();
+        let (key, owner) = (LockKey::new("k").unwrap(), OwnerToken::random());
+        let registration = waits.register(WaitLine::Lock, &key, owner);
+        assert!(waits.joins(WaitLine::Lock, &key, owner));
+        waits.granted(WaitLine::Lock, &key, owner, true);
+        assert!(
+            waits.ended(WaitLine::Lock, &key, owner, registration),
+            "after a settling grant, the ended wait must still leave"
+        );
+        // The wait's own grant takes it out of line.
+        let registration = waits.register(WaitLine::Lock, &key, owner);
+        assert!(waits.joins(WaitLine::Lock, &key, owner));
+        waits.granted(WaitLine::Lock, &key, owner, false);
+        assert!(!waits.ended(WaitLine::Lock, &key, owner, registration));
     }
 
     #[test]
@@ -287,7 +317,7 @@ mod tests {
             WaitPlace::InLine { refused: false },
             "the next attempt's outcome is unknown until it is told"
         );
-        waits.granted(WaitLine::Lock, &key, b);
+        waits.granted(WaitLine::Lock, &key, b, false);
         assert!(
             behind(&waits, WaitLine::Lock, &key, b),
             "a is still in line"

@@ -464,9 +464,16 @@ impl PostgresLock {
         self.waits.refused(WaitLine::Lock, key, owner);
     }
 
-    /// `owner`'s attempt on `key` was granted: it left its line.
-    pub(crate) fn line_granted(&self, line: WaitLine, key: &LockKey, owner: OwnerToken) {
-        self.waits.granted(line, key, owner);
+    /// `owner`'s attempt on `key` was granted: it left its line, unless
+    /// it was `settling` (see [`OpenWaits::granted`]).
+    pub(crate) fn line_granted(
+        &self,
+        line: WaitLine,
+        key: &LockKey,
+        owner: OwnerToken,
+        settling: bool,
+    ) {
+        self.waits.granted(line, key, owner, settling);
     }
 
     /// Opens `waiter`'s wait on `key` in `of`'s line: registers it under
@@ -704,7 +711,7 @@ impl LockBackend for PostgresLock {
                     holder: request.holder,
                 };
                 if let Some(fencing) = self.take_turn(key, turn, give_back.clone()).await? {
-                    self.line_granted(WaitLine::Lock, key, request.owner);
+                    self.line_granted(WaitLine::Lock, key, request.owner, request.settling);
                     let grant = Grant::new(fencing, request.ttl);
                     return Ok(AcquireReply::Granted(grant.with_handle(send as u64)));
                 }
@@ -742,7 +749,7 @@ impl LockBackend for PostgresLock {
         let acquired: bool = self.column(&row, "acquired")?;
         let fencing: Option<i64> = self.column(&row, "fencing")?;
         if acquired {
-            self.line_granted(WaitLine::Lock, key, request.owner);
+            self.line_granted(WaitLine::Lock, key, request.owner, request.settling);
             // Taken, or adopted from an earlier attempt with this owner
             // token whose reply was lost (same fencing token, TTL reset).
             let grant = Grant::new(self.granted(fencing)?, request.ttl);

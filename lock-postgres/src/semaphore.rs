@@ -269,7 +269,7 @@ impl SemaphoreBackend for PostgresLock {
         };
         let fencing: Option<i64> = self.column(&row, "fencing")?;
         if self.column::<bool>(&row, "granted")? {
-            self.line_granted(WaitLine::Permits, key, request.owner);
+            self.line_granted(WaitLine::Permits, key, request.owner, request.settling);
             // New, or adopted from an earlier attempt of this owner token.
             // The send number goes with the lease, for its release.
             let grant = Grant::new(self.granted(fencing)?, request.ttl);

@@ -258,9 +258,17 @@ impl RedisLock {
         self.waiters.attempting(line, key, owner)
     }
 
-    /// An attempt of `owner` was granted: its wait (if any) left the line.
-    pub(crate) fn line_granted(&self, line: Line, key: &LockKey, owner: OwnerToken) {
-        self.waiters.granted(line, key, owner);
+    /// An attempt of `owner` was granted: its wait (if any) left the line,
+    /// unless the attempt was `settling` (see
+    /// [`OpenWaits::granted`](distlock_core::OpenWaits::granted)).
+    pub(crate) fn line_granted(
+        &self,
+        line: Line,
+        key: &LockKey,
+        owner: OwnerToken,
+        settling: bool,
+    ) {
+        self.waiters.granted(line, key, owner, settling);
     }
 
     /// How long the fencing counter is kept after an acquisition for `ttl`.
@@ -760,7 +768,7 @@ impl LockBackend for RedisLock {
             return Ok(reply);
         };
         grant.handle = Labels::of(request.holder).handle();
-        self.waiters.granted(Line::Lock, key, request.owner);
+        self.line_granted(Line::Lock, key, request.owner, request.settling);
         let value = scripts::lock_value(&owner, grant.fencing.get());
         let Some(shortfall) = replicated.shortfall("it was released again") else {
             return Ok(reply);

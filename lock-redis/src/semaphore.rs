@@ -100,7 +100,7 @@ impl SemaphoreBackend for RedisLock {
         let PermitReply::Granted(grant) = &reply else {
             return Ok(reply);
         };
-        self.line_granted(Line::Permits, key, request.owner);
+        self.line_granted(Line::Permits, key, request.owner, request.settling);
         let Some(shortfall) = replicated.shortfall("it was released again") else {
             return Ok(reply);
         };

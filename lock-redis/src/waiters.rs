@@ -83,9 +83,10 @@ impl Waiters {
         }
     }
 
-    /// An open wait's attempt was granted: it left the line.
-    pub(crate) fn granted(&self, line: Line, key: &LockKey, owner: OwnerToken) {
-        self.open.granted(line, key, owner);
+    /// An open wait's attempt was granted: it left the line (unless
+    /// `settling`, see [`OpenWaits::granted`]).
+    pub(crate) fn granted(&self, line: Line, key: &LockKey, owner: OwnerToken, settling: bool) {
+        self.open.granted(line, key, owner, settling);
     }
 
     /// The watch of `registration` dropped: whether the wait may still be
@@ -133,7 +134,7 @@ mod tests {
         let second = waiters.opened(Line::Lock, &key, a);
         assert!(!waiters.closed(Line::Lock, &key, a, first));
         assert_eq!(waiters.attempting(Line::Lock, &key, a), member);
-        waiters.granted(Line::Lock, &key, a);
+        waiters.granted(Line::Lock, &key, a, false);
         assert!(!waiters.closed(Line::Lock, &key, a, second));
         let third = waiters.opened(Line::Lock, &key, a);
         waiters.attempting(Line::Lock, &key, a);

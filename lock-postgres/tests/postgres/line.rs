@@ -405,6 +405,45 @@ async fn a_woken_waiter_that_never_comes_loses_its_turn() {
     drop(silent);
 }
 
+/// A wait is dropped while its attempt waits on the server for the key's
+/// row (and the client's settling attempt behind it). Its leave must
+/// follow the attempt: sent before the attempt committed, it reads the line
+/// without the attempt's row (its snapshot is older) and leaves the row of
+/// a live listener behind, a head that every later release wakes and
+/// whose turn (5 s) the line then waits out.
+#[tokio::test]
+async fn a_wait_dropped_while_its_attempt_runs_leaves_no_row_behind() {
+    let ns = unique_name("leftlate");
+    let scene = Scene::new(ns.clone(), None).await;
+    let (waiter, app) = named_client(&ns, "").await;
+    let blocker = lock_row(&scene.admin, &scene.holder, &scene.k).await;
+    let (task_waiter, k) = (waiter.clone(), scene.k.clone());
+    let waiting =
+        tokio::spawn(async move { task_waiter.acquire(&k, LONG, Instant::now() + LONG).await });
+    let blocked = "wait_event_type = 'Lock'";
+    backend(&scene.admin, &app, blocked).await;
+    waiting.abort();
+    assert!(waiting.await.unwrap_err().is_cancelled());
+    // The settling attempt blocks on the row too, and a leave sent too
+    // early would; give them a second to get there.
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while backends(&scene.admin, &app, blocked).await.len() < 3 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    blocker.commit().await.unwrap();
+    scene
+        .until_line(&[], "the dropped wait left the line")
+        .await;
+    scene.holder.release(&scene.lease).await.unwrap();
+    take(
+        &waiter,
+        &scene.k,
+        LONG,
+        "free after the release, nobody in line",
+    )
+    .await;
+}
+
 /// A waiter table of an earlier version (no `turn_until`) gets the turn
 /// column when a client starts, and its lines hand the key over fairly.
 #[tokio::test]

@@ -512,3 +512,105 @@ async fn a_first_permit_send_applied_after_its_caller_left_takes_nothing() {
         .finish("the first send, applied after the give-back, took a permit for nobody")
         .await;
 }
+
+/// The waiter rows of namespace `ns` (every key and table).
+async fn waiter_rows(direct: &Pg, ns: &str) -> i64 {
+    sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM public.{} WHERE namespace = $1",
+        distlock_postgres::WAITER_TABLE
+    ))
+    .bind(ns)
+    .fetch_one(direct.pool())
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_wait_whose_settling_attempt_was_granted_still_leaves_the_line() {
+    // A wait's attempt is in flight (stalled on the server before it locks
+    // the key's row) when its caller leaves: the client settles it with one
+    // more attempt of the same owner token, which is granted on the wait's
+    // turn (taking the wait's row out of the line) and given back, and
+    // another client takes the key. Only then does the wait's own attempt
+    // go on: refused, it joins the line again. When the wait ends it must
+    // still leave: its row names a live listener, a head every later
+    // release wakes and whose turn (5 s) the line then waits out (two such
+    // rows failed the conformance case `dropped_waiters_leave_nothing_held`
+    // in CI, where a holder waited 10 s for a free key).
+    let ns = unique_name("settled_in_line");
+    let (lock, direct, app) = on_own_table(&server().url(), &ns).await;
+    let ttl = Duration::from_secs(60);
+    let k = key("k");
+    let holder = take(&direct, &k, ttl, "free").await;
+    let owner = OwnerToken::random();
+    let watch = lock
+        .backend
+        .watch(&k, owner)
+        .await
+        .unwrap()
+        .expect("a client with a listener watches");
+    let attempt = |settling| AcquireRequest {
+        settling,
+        ..request(&k, owner, ttl)
+    };
+    let first = lock.backend.acquire(attempt(false)).await.unwrap();
+    assert!(matches!(first, AcquireReply::Held { .. }), "{first:?}");
+    assert_eq!(
+        waiter_rows(&direct, &ns).await,
+        1,
+        "the wait joined the line"
+    );
+    let gate_id = rand::random::<i32>();
+    let mut gate = stall_inserts(&direct, &direct.table(), &[gate_id]).await;
+    let in_flight = {
+        let (lock, k) = (lock.clone(), k.clone());
+        tokio::spawn(async move {
+            lock.backend
+                .acquire(AcquireRequest {
+                    settling: false,
+                    ..request(&k, owner, ttl)
+                })
+                .await
+        })
+    };
+    backend(&direct, &app, STALLED).await;
+    // The release gives the wait its turn; the settling attempt takes it.
+    direct.release(&holder).await.unwrap();
+    let settled = granted(
+        lock.backend.acquire(attempt(true)).await.unwrap(),
+        "the settling attempt on the wait's turn",
+    );
+    let given_back = lock
+        .backend
+        .release(HeldLock {
+            key: &k,
+            owner,
+            fencing: settled.fencing,
+            handle: settled.handle,
+        })
+        .await
+        .unwrap();
+    assert_eq!(given_back, ReleaseReply::Released);
+    let other = take(&direct, &k, ttl, "free once given back").await;
+    open(&mut gate, gate_id).await;
+    let late = in_flight.await.unwrap().unwrap();
+    assert!(
+        matches!(late, AcquireReply::Held { .. }),
+        "the wait's own attempt, applied last, is refused: {late:?}"
+    );
+    assert_eq!(
+        waiter_rows(&direct, &ns).await,
+        1,
+        "it joined the line again"
+    );
+    drop(watch);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while waiter_rows(&direct, &ns).await > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the wait ended and left its row in the line"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    direct.release(&other).await.unwrap();
+}

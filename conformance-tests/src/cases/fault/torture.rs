@@ -10,7 +10,7 @@ use distlock_core::{LockClient, LockError, LockGuard, LockKey, LockOptions, Lock
 
 use super::{fault_ttl, join, measure, ErrorTally, EXPIRY_SLACK};
 use crate::cases::semaphore::every_permit_within;
-use crate::cases::support::{background_bound, eventually_acquire, every_key_free_within, within};
+use crate::cases::support::{background_bound, every_key_free_within, within};
 use crate::checker::{ExclusionChecker, SectionHandle};
 use crate::context::{CaseError, CaseResult, TestContext};
 use crate::fault::FaultPath;
@@ -24,8 +24,11 @@ pub const TORTURE_SECS_ENV: &str = "DISTLOCK_TORTURE_SECS";
 pub const DEFAULT_TORTURE_SECS: u64 = 30;
 
 /// Waiting futures are dropped at random points under contention, hundreds
-/// of times: afterwards nothing is held and a fresh client acquires at once
-/// (far sooner than the waiters' 60 s TTL could explain).
+/// of times: afterwards, once every client's background work is done
+/// ([`LockClient::idle`]: the waits' leaves, the releases of what they were
+/// granted), nothing is held and nobody is in line: a fresh client's single
+/// attempt takes the key. (A waiter left in a server's line after its wait
+/// ended holds up every later handoff: a fair line waits out its turn.)
 pub async fn dropped_waiters_leave_nothing_held(ctx: TestContext) -> CaseResult {
     const ROUNDS: usize = 40;
     const WAITERS: usize = 8;
@@ -81,17 +84,26 @@ pub async fn dropped_waiters_leave_nothing_held(ctx: TestContext) -> CaseResult 
                 .map_err(|e| format!("waiter task panicked: {e}"))??;
         }
     }
-    let fresh = ctx.client().await?;
     let started = Instant::now();
-    let lease = eventually_acquire(
-        &fresh,
-        &key,
-        ctx.long_ttl(),
-        background_bound(),
-        "a fresh client after all the dropped waiters",
-    )
-    .await?;
-    let took = started.elapsed();
+    for locker in lockers.iter().chain([&holder]) {
+        within(
+            background_bound(),
+            locker.client().idle(),
+            "a client's background work",
+        )
+        .await?;
+    }
+    let idle_after = started.elapsed();
+    let fresh = ctx.client().await?;
+    let lease = fresh
+        .try_acquire(&key, ctx.long_ttl())
+        .await?
+        .lease()
+        .ok_or_else(|| {
+            "a fresh client's attempt was refused once every waiter's client was idle: \
+             a wait that ended left its place in line (or a lock held)"
+                .to_owned()
+        })?;
     fresh.release(&lease).await?;
     let dropped = dropped.load(Ordering::SeqCst);
     check!(
@@ -102,7 +114,7 @@ pub async fn dropped_waiters_leave_nothing_held(ctx: TestContext) -> CaseResult 
         &ctx,
         "dropped_waiters_leave_nothing_held",
         format_args!(
-            "{} waiting futures: {dropped} dropped, {} granted; fresh client acquired after {took:?}",
+            "{} waiting futures: {dropped} dropped, {} granted; clients idle after {idle_after:?}",
             ROUNDS * WAITERS,
             granted.load(Ordering::SeqCst)
         ),
