@@ -412,7 +412,10 @@
 //!   acquire this process starts). Such a row is free for everyone, but an
 //!   acquire of that owner token with a send number up to it is refused, so
 //!   an earlier send that the server applies late — after the release, or
-//!   after the give-back — never takes the lock for nobody. A later
+//!   after the give-back — never takes the lock for nobody. Nor does such
+//!   a send of a waiting acquisition join the waiter line: its wait is over,
+//!   and its row would name the client's live listener, a head woken by
+//!   every release and waited out for its whole turn. A later
 //!   acquisition with the same owner token has a greater number and is not
 //!   refused. Older versions of this crate read such a row as expired.
 //! - **Permits**: an attempt by the owner token that holds a live permit

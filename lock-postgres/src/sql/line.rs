@@ -207,7 +207,14 @@ pub(super) fn fair_after_taken(table: &str, one: &str) -> (String, String) {
 /// turn) is found by member and arrival (see [`picked`]); one beyond them
 /// (an adoption) by member alone, among every arrival. One statement
 /// without `line` looks it up by member.
-pub(super) fn join_or_leave(table: &str, pid: &str, examined: bool) -> String {
+///
+/// `may_join`: the condition (SQL) under which a refused attempt joins.
+/// A lock's late send of an acquisition its owner already gave up
+/// (released, or given back) never joins: its wait is over (granted
+/// through a later send, or left), and its row would name the client's
+/// live listener, a head woken by every release and waited out for its
+/// whole turn.
+pub(super) fn join_or_leave(table: &str, pid: &str, examined: bool, may_join: &str) -> String {
     // The requester's arrival as `line` read it, or every arrival: a range
     // (not an equality) so that the leave stays one write, which the
     // executor sets up at every call, run or not.
@@ -222,7 +229,7 @@ pub(super) fn join_or_leave(table: &str, pid: &str, examined: bool) -> String {
         "joined AS (
             INSERT INTO {{w}} AS w (lock_table, namespace, key, member, pid, arrival)
             SELECT {table}, $1, $2, $3, {pid}::integer, clock_timestamp()
-            WHERE NOT EXISTS (SELECT 1 FROM taken) AND {pid}::integer <> 0
+            WHERE NOT EXISTS (SELECT 1 FROM taken) AND {pid}::integer <> 0 AND {may_join}
             ON CONFLICT (lock_table, namespace, key, member) DO UPDATE SET pid = excluded.pid
             RETURNING 1
         ),

@@ -338,7 +338,15 @@ impl Statements {
             "NULL::bigint",
             "{t} AS h WHERE h.namespace = $1 AND h.key = $2 AND",
         );
-        let queued = line::join_or_leave("$6", "$7", true);
+        // A refusal joins the line unless it is a late send (of `held`, in
+        // `fair_after_taken`: the refusing row's newest version). Nor does
+        // one whose snapshot misses the row (inserted since; no `held`):
+        // it answers no row, and the client's next attempt joins.
+        let may_join = format!(
+            "EXISTS (SELECT 1 FROM held AS h WHERE NOT coalesce({}, false))",
+            late_send("h.owner = $3", "h.expires_at", 5)
+        );
+        let queued = line::join_or_leave("$6", "$7", true, &may_join);
         // The channel of single wake-ups: `$8` where the acquire has no
         // label parameters, else made of the observers' channel `$9`
         // (`<channel>_holder` -> `<channel>_next`, see `listener`), so that

@@ -317,7 +317,7 @@ impl PermitStatements {
                 answer = answer,
             )
         };
-        let queued = format!(", {}", line::join_or_leave("$7", "$8", false));
+        let queued = format!(", {}", line::join_or_leave("$7", "$8", false, "true"));
         let notify =
             "(SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done";
         let (wake, answer) = line::release_next("$7", "$8", line::Wake::Pop);

@@ -300,6 +300,11 @@ async fn open(gate_holder: &mut PgConnection, gate: i32) {
 /// a trigger can stall their inserts), with its `application_name`, and a
 /// direct client on the same rows.
 async fn on_own_table(proxied: &str, ns: &str) -> (Pg, Pg, String) {
+    on_own_table_with(proxied, ns, "").await
+}
+
+/// As [`on_own_table`], the client's URL ending with `extra`.
+async fn on_own_table_with(proxied: &str, ns: &str, extra: &str) -> (Pg, Pg, String) {
     let tables = format!(
         "table={}&semaphore_table={}",
         unique_name("stalled"),
@@ -307,7 +312,7 @@ async fn on_own_table(proxied: &str, ns: &str) -> (Pg, Pg, String) {
     );
     let app = unique_name("app");
     let lock = Pg::connect(&format!(
-        "{proxied}?namespace={ns}&{tables}&application_name={app}&operation_timeout_ms=20000"
+        "{proxied}?namespace={ns}&{tables}&application_name={app}&operation_timeout_ms=20000{extra}"
     ))
     .await;
     let direct = Pg::connect(&format!("{}?namespace={ns}&{tables}", server().url())).await;
@@ -613,4 +618,83 @@ async fn a_wait_whose_settling_attempt_was_granted_still_leaves_the_line() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     direct.release(&other).await.unwrap();
+}
+
+/// A wait's first send stalls on the server and its connection is cut;
+/// the resend takes the lock, which is released (the wait is over). Only
+/// then does the first send go on: refused as a late send, it must not
+/// join the line either. Its row would name the client's live listener
+/// (connected directly here, so it outlives the cut), a head every later
+/// release wakes and whose turn (5 s) the line then waits out.
+/// `earlier_row`: the key's row exists before (an earlier holder's), so
+/// the first send's snapshot shows it; else its snapshot misses the row
+/// the resend inserted.
+async fn late_waiting_send_stays_out_of_line(earlier_row: bool) {
+    let (proxy, proxied) = proxied().await;
+    let ns = unique_name("late_waiter");
+    let listen = format!(
+        "&listen_url={}",
+        distlock_conformance::url::percent_encode(&server().url())
+    );
+    let (lock, direct, app) = on_own_table_with(&proxied, &ns, &listen).await;
+    let first_send = rand::random::<i32>();
+    let k = key("late");
+    if earlier_row {
+        let earlier = take(&direct, &k, Duration::from_secs(5), "free").await;
+        direct.release(&earlier).await.unwrap();
+    }
+    let mut gate = stall_inserts(&direct, &direct.table(), &[first_send]).await;
+    let owner = OwnerToken::random();
+    let watch = lock
+        .backend
+        .watch(&k, owner)
+        .await
+        .unwrap()
+        .expect("a client with a listener watches");
+    let call = {
+        let (lock, k) = (lock.clone(), k.clone());
+        tokio::spawn(async move {
+            lock.backend
+                .acquire(request(&k, owner, Duration::from_secs(60)))
+                .await
+        })
+    };
+    let first = backend(&direct, &app, STALLED).await;
+    proxy.drop_all();
+    let grant = granted(
+        call.await
+            .unwrap()
+            .expect("sent again after the lost connection"),
+        "the resend on a free key",
+    );
+    let released = lock
+        .backend
+        .release(HeldLock {
+            key: &k,
+            owner,
+            fencing: grant.fencing,
+            handle: grant.handle,
+        })
+        .await
+        .unwrap();
+    assert_eq!(released, ReleaseReply::Released);
+    drop(watch);
+    open(&mut gate, first_send).await;
+    ended(&direct, &app, first).await;
+    assert_eq!(
+        waiter_rows(&direct, &ns).await,
+        0,
+        "the first send, applied after the release, joined the line (earlier row: {earlier_row})"
+    );
+    take(&direct, &k, Duration::from_secs(5), "free").await;
+}
+
+#[tokio::test]
+async fn a_waiting_first_send_applied_after_its_lease_was_released_does_not_join_the_line() {
+    late_waiting_send_stays_out_of_line(true).await;
+}
+
+#[tokio::test]
+async fn a_waiting_first_send_that_missed_the_row_it_met_does_not_join_the_line() {
+    late_waiting_send_stays_out_of_line(false).await;
 }
