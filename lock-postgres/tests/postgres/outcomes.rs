@@ -34,6 +34,19 @@ fn granted(reply: AcquireReply, why: &str) -> Grant {
     }
 }
 
+/// Releases, through `lock`'s backend, the lock `grant` gave `owner` on `k`.
+async fn release_grant(lock: &Pg, k: &LockKey, owner: OwnerToken, grant: &Grant) -> ReleaseReply {
+    lock.backend
+        .release(HeldLock {
+            key: k,
+            owner,
+            fencing: grant.fencing,
+            handle: grant.handle,
+        })
+        .await
+        .unwrap()
+}
+
 #[tokio::test]
 async fn an_attempt_whose_reply_was_lost_is_adopted_by_the_next_with_its_owner_token() {
     let (proxy, proxied) = proxied().await;
@@ -101,17 +114,10 @@ async fn an_attempt_whose_reply_was_lost_is_adopted_by_the_next_with_its_owner_t
         left > 20_000,
         "the timed-out attempt's client gave up the lock the next attempt adopted: {left} ms left"
     );
-    let released = direct
-        .backend
-        .release(HeldLock {
-            key: &k,
-            owner,
-            fencing: grant.fencing,
-            handle: grant.handle,
-        })
-        .await
-        .unwrap();
-    assert_eq!(released, ReleaseReply::Released);
+    assert_eq!(
+        release_grant(&direct, &k, owner, &grant).await,
+        ReleaseReply::Released
+    );
 }
 
 #[tokio::test]
@@ -585,17 +591,10 @@ async fn a_wait_whose_settling_attempt_was_granted_still_leaves_the_line() {
         lock.backend.acquire(attempt(true)).await.unwrap(),
         "the settling attempt on the wait's turn",
     );
-    let given_back = lock
-        .backend
-        .release(HeldLock {
-            key: &k,
-            owner,
-            fencing: settled.fencing,
-            handle: settled.handle,
-        })
-        .await
-        .unwrap();
-    assert_eq!(given_back, ReleaseReply::Released);
+    assert_eq!(
+        release_grant(&lock, &k, owner, &settled).await,
+        ReleaseReply::Released
+    );
     let other = take(&direct, &k, ttl, "free once given back").await;
     open(&mut gate, gate_id).await;
     let late = in_flight.await.unwrap().unwrap();
@@ -667,17 +666,10 @@ async fn late_waiting_send_stays_out_of_line(earlier_row: bool) {
             .expect("sent again after the lost connection"),
         "the resend on a free key",
     );
-    let released = lock
-        .backend
-        .release(HeldLock {
-            key: &k,
-            owner,
-            fencing: grant.fencing,
-            handle: grant.handle,
-        })
-        .await
-        .unwrap();
-    assert_eq!(released, ReleaseReply::Released);
+    assert_eq!(
+        release_grant(&lock, &k, owner, &grant).await,
+        ReleaseReply::Released
+    );
     drop(watch);
     open(&mut gate, first_send).await;
     ended(&direct, &app, first).await;
