@@ -202,9 +202,7 @@ pub(crate) async fn acquire_until_cancelled(
                     tracing::debug!(key = %key, attempts, "lock still held at deadline");
                     // Out of the line before returning: the caller's next
                     // attempt must not meet this wait's turn.
-                    if let Some(watch) = watch.take() {
-                        watch.close(DEPARTURE_MAX).await;
-                    }
+                    leave_line(watch.take()).await;
                     return Ok(None);
                 }
                 backoff = BACKOFF_MIN;
@@ -243,9 +241,7 @@ pub(crate) async fn acquire_until_cancelled(
                 let settled = settle(client, key, ttl, attempt, owner, unknown).await;
                 // Out of the line before the task ends, so that the
                 // client's `idle` covers the leave.
-                if let Some(watch) = watch.take() {
-                    watch.close(DEPARTURE_MAX).await;
-                }
+                leave_line(watch.take()).await;
                 return Ok(settled);
             }
             woke = watch_ref.released() => {
@@ -256,6 +252,14 @@ pub(crate) async fn acquire_until_cancelled(
             }
             _ = tokio::time::sleep_until(wake_at.into()) => {}
         }
+    }
+}
+
+/// Closes a wait's watch, if it has one, and waits (at most
+/// [`DEPARTURE_MAX`]) until the backend took the wait out of its line.
+async fn leave_line(watch: Option<ReleaseWatch>) {
+    if let Some(watch) = watch {
+        watch.close(DEPARTURE_MAX).await;
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use distlock_conformance::fault::{Direction, Proxy};
 use distlock_core::{
     AcquireReply, AcquireRequest, ErrorKind, Grant, HeldLock, Lease, LockBackend, LockError,
-    LockKey, LockState, OwnerToken, ReleaseReply,
+    LockKey, LockState, OwnerToken, ReleaseReply, ReleaseWatch,
 };
 use sqlx::{Connection, PgConnection};
 use tokio::task::JoinHandle;
@@ -32,6 +32,28 @@ fn granted(reply: AcquireReply, why: &str) -> Grant {
         AcquireReply::Granted(grant) => grant,
         held => panic!("{why}: {held:?}"),
     }
+}
+
+/// `lock`'s backend acquires `k` for `owner` (not settling) on a task of
+/// its own.
+fn spawn_acquire(
+    lock: &Pg,
+    k: &LockKey,
+    owner: OwnerToken,
+    ttl: Duration,
+) -> JoinHandle<Result<AcquireReply, LockError>> {
+    let (lock, k) = (lock.clone(), k.clone());
+    tokio::spawn(async move { lock.backend.acquire(request(&k, owner, ttl)).await })
+}
+
+/// `owner`'s wait on `k` registered with `lock`'s backend (its attempts
+/// join the line from now on).
+async fn watch(lock: &Pg, k: &LockKey, owner: OwnerToken) -> ReleaseWatch {
+    lock.backend
+        .watch(k, owner)
+        .await
+        .unwrap()
+        .expect("a client with a listener watches")
 }
 
 /// Releases, through `lock`'s backend, the lock `grant` gave `owner` on `k`.
@@ -135,15 +157,7 @@ async fn a_first_send_applied_after_the_give_back_leaves_nothing_held() {
     let mut gate = stall_inserts(&direct, &direct.table(), &[first_send, second_send]).await;
     let k = key("late");
     let owner = OwnerToken::random();
-    let call = {
-        let lock = lock.clone();
-        let k = k.clone();
-        tokio::spawn(async move {
-            lock.backend
-                .acquire(request(&k, owner, Duration::from_secs(60)))
-                .await
-        })
-    };
+    let call = spawn_acquire(&lock, &k, owner, Duration::from_secs(60));
     let first = backend(&direct, &app, STALLED).await;
     // The connection of the first send is cut; the server goes on with it.
     proxy.drop_all();
@@ -554,12 +568,7 @@ async fn a_wait_whose_settling_attempt_was_granted_still_leaves_the_line() {
     let k = key("k");
     let holder = take(&direct, &k, ttl, "free").await;
     let owner = OwnerToken::random();
-    let watch = lock
-        .backend
-        .watch(&k, owner)
-        .await
-        .unwrap()
-        .expect("a client with a listener watches");
+    let watch = watch(&lock, &k, owner).await;
     let attempt = |settling| AcquireRequest {
         settling,
         ..request(&k, owner, ttl)
@@ -573,17 +582,7 @@ async fn a_wait_whose_settling_attempt_was_granted_still_leaves_the_line() {
     );
     let gate_id = rand::random::<i32>();
     let mut gate = stall_inserts(&direct, &direct.table(), &[gate_id]).await;
-    let in_flight = {
-        let (lock, k) = (lock.clone(), k.clone());
-        tokio::spawn(async move {
-            lock.backend
-                .acquire(AcquireRequest {
-                    settling: false,
-                    ..request(&k, owner, ttl)
-                })
-                .await
-        })
-    };
+    let in_flight = spawn_acquire(&lock, &k, owner, ttl);
     backend(&direct, &app, STALLED).await;
     // The release gives the wait its turn; the settling attempt takes it.
     direct.release(&holder).await.unwrap();
@@ -644,20 +643,8 @@ async fn late_waiting_send_stays_out_of_line(earlier_row: bool) {
     }
     let mut gate = stall_inserts(&direct, &direct.table(), &[first_send]).await;
     let owner = OwnerToken::random();
-    let watch = lock
-        .backend
-        .watch(&k, owner)
-        .await
-        .unwrap()
-        .expect("a client with a listener watches");
-    let call = {
-        let (lock, k) = (lock.clone(), k.clone());
-        tokio::spawn(async move {
-            lock.backend
-                .acquire(request(&k, owner, Duration::from_secs(60)))
-                .await
-        })
-    };
+    let watch = watch(&lock, &k, owner).await;
+    let call = spawn_acquire(&lock, &k, owner, Duration::from_secs(60));
     let first = backend(&direct, &app, STALLED).await;
     proxy.drop_all();
     let grant = granted(
