@@ -209,11 +209,12 @@ pub(super) fn fair_after_taken(table: &str, one: &str) -> (String, String) {
 /// without `line` looks it up by member.
 ///
 /// `may_join`: the condition (SQL) under which a refused attempt joins.
-/// A lock's late send of an acquisition its owner already gave up
-/// (released, or given back) never joins: its wait is over (granted
+/// A late send of an acquisition whose owner already gave up the lock or
+/// permit (released, or given back) never joins: its wait is over (granted
 /// through a later send, or left), and its row would name the client's
-/// live listener, a head woken by every release and waited out for its
-/// whole turn.
+/// live listener: on a lock, a head woken by every release and waited out
+/// for its whole turn; on a semaphore, a waiter a release wakes (and takes
+/// off the line) instead of one who waits.
 pub(super) fn join_or_leave(table: &str, pid: &str, examined: bool, may_join: &str) -> String {
     // The requester's arrival as `line` read it, or every arrival: a range
     // (not an equality) so that the leave stays one write, which the

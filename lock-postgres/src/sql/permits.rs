@@ -69,12 +69,40 @@ fn permits_of_t(keep: &str) -> String {
     )
 }
 
-/// Whether row `t` holds a permit `$3` gave up from a send numbered `$n`
+/// Whether row `{a}` holds a permit `$3` gave up from a send numbered `$n`
 /// or later: an acquire numbered `$n` is then a late send.
-fn late_permit_send(n: u32) -> String {
+fn late_permit_send(a: &str, n: u32) -> String {
     format!(
-        "EXISTS (SELECT 1 FROM unnest(t.owners, t.expires) AS g (o, e) WHERE {})",
+        "EXISTS (SELECT 1 FROM unnest({a}.owners, {a}.expires) AS g (o, e) WHERE {})",
         late_send("g.o = $3::text", "g.e", n)
+    )
+}
+
+/// The waiter line's CTEs of a permit acquire, after its `taken`: a
+/// refused attempt joins the line of table `$7` with listener pid `$8`
+/// (see [`line::join_or_leave`]), a granted one leaves it. `held` reads
+/// the semaphore's row when refused, in its newest version (locked by the
+/// refusing `taken`, so final): a late send (`$3` gave the permit up from
+/// a send numbered `$6` or later) does not join, its wait being over; nor
+/// does a refusal whose snapshot misses the row (inserted since: no
+/// `held`), which answers no row, and the client's next attempt joins.
+fn permit_line() -> String {
+    format!(
+        ", held AS MATERIALIZED (
+            SELECT h.owners, h.expires FROM {{t}} AS h
+            WHERE h.namespace = $1 AND h.key = $2 AND NOT EXISTS (SELECT 1 FROM taken)
+            FOR UPDATE
+        ),
+        {}",
+        line::join_or_leave(
+            "$7",
+            "$8",
+            false,
+            &format!(
+                "EXISTS (SELECT 1 FROM held AS h WHERE NOT {})",
+                late_permit_send("h", 6)
+            )
+        )
     )
 }
 
@@ -280,7 +308,7 @@ impl PermitStatements {
                 live_h = live_permits("h", "clock_timestamp()"),
                 well_formed_t = well_formed("t"),
                 well_formed_h = well_formed("h"),
-                late = late_permit_send(6),
+                late = late_permit_send("t", 6),
                 line = line,
             )
         };
@@ -317,7 +345,7 @@ impl PermitStatements {
                 answer = answer,
             )
         };
-        let queued = format!(", {}", line::join_or_leave("$7", "$8", false, "true"));
+        let queued = permit_line();
         let notify =
             "(SELECT count(*) FROM (SELECT pg_notify($5, done.key) FROM done) AS n) AS done";
         let (wake, answer) = line::release_next("$7", "$8", line::Wake::Pop);

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use distlock_conformance::fault::{Direction, Proxy};
 use distlock_core::{
     AcquireReply, AcquireRequest, ErrorKind, Grant, HeldLock, Lease, LockBackend, LockError,
-    LockKey, LockState, OwnerToken, ReleaseReply, ReleaseWatch,
+    LockKey, LockState, OwnerToken, PermitReply, PermitRequest, ReleaseReply, ReleaseWatch,
+    SemaphoreBackend,
 };
 use sqlx::{Connection, PgConnection};
 use tokio::task::JoinHandle;
@@ -618,16 +619,117 @@ async fn a_wait_whose_settling_attempt_was_granted_still_leaves_the_line() {
     direct.release(&other).await.unwrap();
 }
 
+/// What a wait waits for: a lock, or a permit of a semaphore of one.
+#[derive(Debug, Clone, Copy)]
+enum WaitFor {
+    Lock,
+    Permit,
+}
+
+impl WaitFor {
+    /// The table whose inserts hold this wait's acquisitions.
+    fn table(self, lock: &Pg) -> String {
+        match self {
+            Self::Lock => lock.table(),
+            Self::Permit => lock.semaphore_table(),
+        }
+    }
+
+    /// Takes `k` (a free lock, or a free permit), through the client.
+    async fn take(self, lock: &Pg, k: &LockKey) -> Lease {
+        let ttl = Duration::from_secs(5);
+        match self {
+            Self::Lock => take(lock, k, ttl, "free").await,
+            Self::Permit => {
+                let attempt = lock.try_acquire_permit(k, 1, ttl).await.unwrap();
+                attempt.lease().expect("a free permit")
+            }
+        }
+    }
+
+    /// `owner`'s wait on `k` registered with `lock`'s backend.
+    async fn watch(self, lock: &Pg, k: &LockKey, owner: OwnerToken) -> ReleaseWatch {
+        match self {
+            Self::Lock => watch(lock, k, owner).await,
+            Self::Permit => lock
+                .backend
+                .watch_permits(k, 1, owner)
+                .await
+                .unwrap()
+                .expect("a client with a listener watches"),
+        }
+    }
+
+    /// `lock`'s backend acquires `k` for `owner` on a task of its own: the
+    /// grant, or `None` if refused.
+    fn spawn(
+        self,
+        lock: &Pg,
+        k: &LockKey,
+        owner: OwnerToken,
+        ttl: Duration,
+    ) -> JoinHandle<Result<Option<Grant>, LockError>> {
+        let (lock, k) = (lock.clone(), k.clone());
+        tokio::spawn(async move {
+            Ok(match self {
+                Self::Lock => match lock.backend.acquire(request(&k, owner, ttl)).await? {
+                    AcquireReply::Granted(grant) => Some(grant),
+                    _ => None,
+                },
+                Self::Permit => {
+                    let permit = PermitRequest {
+                        key: &k,
+                        owner,
+                        ttl,
+                        limit: 1,
+                        renewing: false,
+                        settling: false,
+                        holder: None,
+                    };
+                    match lock.backend.acquire_permit(permit).await? {
+                        PermitReply::Granted(grant) => Some(grant),
+                        _ => None,
+                    }
+                }
+            })
+        })
+    }
+
+    /// Releases, through `lock`'s backend, what `grant` gave `owner` on `k`.
+    async fn release(
+        self,
+        lock: &Pg,
+        k: &LockKey,
+        owner: OwnerToken,
+        grant: &Grant,
+    ) -> ReleaseReply {
+        match self {
+            Self::Lock => release_grant(lock, k, owner, grant).await,
+            Self::Permit => {
+                let permit = HeldLock {
+                    key: k,
+                    owner,
+                    fencing: grant.fencing,
+                    handle: grant.handle,
+                };
+                lock.backend.release_permit(permit).await.unwrap()
+            }
+        }
+    }
+}
+
 /// A wait's first send stalls on the server and its connection is cut;
-/// the resend takes the lock, which is released (the wait is over). Only
-/// then does the first send go on: refused as a late send, it must not
-/// join the line either. Its row would name the client's live listener
-/// (connected directly here, so it outlives the cut), a head every later
-/// release wakes and whose turn (5 s) the line then waits out.
+/// the resend takes the lock (or permit), which is released (the wait is
+/// over). Only then does the first send go on: refused as a late send, it
+/// must not join the line either. Its row would name the client's live
+/// listener (connected directly here, so it outlives the cut): on a lock,
+/// a head every later release wakes and whose turn (5 s) the line then
+/// waits out; on a semaphore, where a release takes the waiter it wakes
+/// off the line, a release that wakes nobody who waits.
 /// `earlier_row`: the key's row exists before (an earlier holder's), so
 /// the first send's snapshot shows it; else its snapshot misses the row
 /// the resend inserted.
-async fn late_waiting_send_stays_out_of_line(earlier_row: bool) {
+async fn late_waiting_send_stays_out_of_line(wait_for: WaitFor, earlier_row: bool) {
     let (proxy, proxied) = proxied().await;
     let ns = unique_name("late_waiter");
     let listen = format!(
@@ -638,23 +740,22 @@ async fn late_waiting_send_stays_out_of_line(earlier_row: bool) {
     let first_send = rand::random::<i32>();
     let k = key("late");
     if earlier_row {
-        let earlier = take(&direct, &k, Duration::from_secs(5), "free").await;
+        let earlier = wait_for.take(&direct, &k).await;
         direct.release(&earlier).await.unwrap();
     }
-    let mut gate = stall_inserts(&direct, &direct.table(), &[first_send]).await;
+    let mut gate = stall_inserts(&direct, &wait_for.table(&direct), &[first_send]).await;
     let owner = OwnerToken::random();
-    let watch = watch(&lock, &k, owner).await;
-    let call = spawn_acquire(&lock, &k, owner, Duration::from_secs(60));
+    let watch = wait_for.watch(&lock, &k, owner).await;
+    let call = wait_for.spawn(&lock, &k, owner, Duration::from_secs(60));
     let first = backend(&direct, &app, STALLED).await;
     proxy.drop_all();
-    let grant = granted(
-        call.await
-            .unwrap()
-            .expect("sent again after the lost connection"),
-        "the resend on a free key",
-    );
+    let grant = call
+        .await
+        .unwrap()
+        .expect("sent again after the lost connection")
+        .expect("the resend on a free key is granted");
     assert_eq!(
-        release_grant(&lock, &k, owner, &grant).await,
+        wait_for.release(&lock, &k, owner, &grant).await,
         ReleaseReply::Released
     );
     drop(watch);
@@ -663,17 +764,28 @@ async fn late_waiting_send_stays_out_of_line(earlier_row: bool) {
     assert_eq!(
         waiter_rows(&direct, &ns).await,
         0,
-        "the first send, applied after the release, joined the line (earlier row: {earlier_row})"
+        "the first send ({wait_for:?}), applied after the release, joined the line (earlier row: {earlier_row})"
     );
-    take(&direct, &k, Duration::from_secs(5), "free").await;
+    wait_for.take(&direct, &k).await;
 }
 
 #[tokio::test]
 async fn a_waiting_first_send_applied_after_its_lease_was_released_does_not_join_the_line() {
-    late_waiting_send_stays_out_of_line(true).await;
+    late_waiting_send_stays_out_of_line(WaitFor::Lock, true).await;
 }
 
 #[tokio::test]
 async fn a_waiting_first_send_that_missed_the_row_it_met_does_not_join_the_line() {
-    late_waiting_send_stays_out_of_line(false).await;
+    late_waiting_send_stays_out_of_line(WaitFor::Lock, false).await;
+}
+
+#[tokio::test]
+async fn a_waiting_first_permit_send_applied_after_its_permit_was_released_does_not_join_the_line()
+{
+    late_waiting_send_stays_out_of_line(WaitFor::Permit, true).await;
+}
+
+#[tokio::test]
+async fn a_waiting_first_permit_send_that_missed_the_row_it_met_does_not_join_the_line() {
+    late_waiting_send_stays_out_of_line(WaitFor::Permit, false).await;
 }
