@@ -370,6 +370,15 @@ pub(crate) fn own_lease_of(handle: u64) -> Option<i64> {
     i64::try_from(handle).ok().filter(|id| *id > 0)
 }
 
+/// The TTL a granted or extended lock or permit expires by if nobody
+/// releases it: its lease's, when the lease is its own; `None` on a
+/// session lease (it ends with its holder or its session). One rule for
+/// grants and extends, read from the grant's handle, for the client's
+/// records of it to go once past (see [`crate::by_owner`]).
+pub(crate) fn own_lease_ttl(grant: &Grant) -> Option<Duration> {
+    own_lease_of(grant.handle).map(|_| grant.ttl)
+}
+
 #[async_trait]
 impl LockBackend for EtcdLock {
     fn name(&self) -> &'static str {
@@ -472,11 +481,14 @@ impl LockBackend for EtcdLock {
             // request again meanwhile) may still be applied after it.
             seat.answered(reply.is_ok() && self.etcd().requests.sent_again() == sent_again);
         }
-        if let (Ok(AcquireReply::Granted(_)), Some(seat)) = (&reply, &seat) {
+        if let (Ok(AcquireReply::Granted(grant)), Some(seat)) = (&reply, &seat) {
             // Its entry is the holder's marker now (or was gone already).
             seat.took();
             if let Some((entry, _)) = &turn_place {
-                queues.markers.granted(request.key, request.owner, entry);
+                let ttl = own_lease_ttl(grant);
+                queues
+                    .markers
+                    .granted(request.key, request.owner, entry, ttl);
             }
         }
         if let Ok(AcquireReply::Held { .. }) = &reply {
@@ -508,8 +520,13 @@ impl LockBackend for EtcdLock {
                 )
             })
             .await;
-        if let Ok(ExtendReply::NotHeld) = reply {
-            self.drop_marker(&lock);
+        match &reply {
+            Ok(ExtendReply::NotHeld) => self.drop_marker(&lock),
+            Ok(ExtendReply::Extended(grant)) => {
+                let markers = &self.inner.queues.markers;
+                markers.extended(lock.key, lock.owner, own_lease_ttl(grant));
+            }
+            Err(_) => {}
         }
         reply
     }

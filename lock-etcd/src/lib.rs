@@ -249,6 +249,7 @@
 
 mod admin;
 mod backend;
+mod by_owner;
 mod config;
 mod connect;
 mod connection;

@@ -33,15 +33,24 @@
 //! The marker's name is the holder's queue entry name, whose number (see
 //! [`crate::slots`]) another waiter of the client would reuse: the client
 //! keeps the number until the marker is known deleted ([`HolderMarkers`]),
-//! and every request that deletes or moves a marker checks its version, so
-//! it never touches a plain entry of that name.
+//! or, for a lock on a lease of its own, until that lease's TTL is past
+//! (a lock left to expire, see [`crate::by_owner`]), and every request
+//! that deletes or moves a marker checks its version, so it never touches
+//! a plain entry of that name. Freeing a number early (etcd may keep a
+//! lease past its TTL across a leader change) is safe, only slower: a
+//! waiter of this client whose entry would take a name a marker still has
+//! is refused its put (an entry is put only where no key is), retires the
+//! number and tries again under another; the delete that undoes its put
+//! may take the marker, which delays its successor (a stray marker's end,
+//! above), never stalls it.
 
-use std::collections::HashMap;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use distlock_core::{LockKey, OwnerToken};
 use etcd_client::{Compare, CompareOp, KeyValue, PutOptions, Txn, TxnOp};
 
+use crate::by_owner::{expiry, ByOwner};
 use crate::slots::Slot;
 
 /// The value of every queue entry, marker or not (a client that knows no
@@ -108,10 +117,11 @@ pub(crate) fn move_to(entry: &[u8], lease: i64) -> TxnOp {
 
 /// The markers of this client's held locks, by owner token: which entry
 /// each release, extend and undo must delete or move, and the number in
-/// its name, kept until the marker is known deleted.
+/// its name, kept until the marker is known deleted (or its lock's own
+/// lease has expired).
 #[derive(Debug, Default)]
 pub(crate) struct HolderMarkers {
-    held: Mutex<HashMap<OwnerToken, Held>>,
+    held: Mutex<ByOwner<Held>>,
 }
 
 #[derive(Debug)]
@@ -122,33 +132,70 @@ struct Held {
     slot: Option<Slot>,
 }
 
+impl Held {
+    /// Its lock's own lease expired: the marker went with it, and its
+    /// name's number is free again.
+    fn expired(self) {
+        if let Some(slot) = self.slot {
+            slot.free();
+        }
+    }
+}
+
 impl HolderMarkers {
-    /// An attempt of `owner` in line at `entry` was granted `key`: its
+    fn held(&self) -> std::sync::MutexGuard<'_, ByOwner<Held>> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// An attempt of `owner` in line at `entry` was granted `key`, for
+    /// `ttl` on a lease of its own (`None`: on the session lease): its
     /// entry is the lock's marker (or was deleted, if it was not at the
     /// place the attempt claimed).
-    pub(crate) fn granted(&self, key: &LockKey, owner: OwnerToken, entry: &[u8]) {
-        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        match held.get_mut(&owner) {
+    pub(crate) fn granted(
+        &self,
+        key: &LockKey,
+        owner: OwnerToken,
+        entry: &[u8],
+        ttl: Option<Duration>,
+    ) {
+        let mut held = self.held();
+        match held.get(&owner) {
             // An adoption, by a later attempt of the same acquisition.
             Some(h) if h.entry == entry => {}
             _ => {
+                let key = key.clone();
+                let entry = entry.to_vec();
                 held.insert(
                     owner,
                     Held {
-                        key: key.clone(),
-                        entry: entry.to_vec(),
+                        key,
+                        entry,
                         slot: None,
                     },
                 );
             }
         }
+        held.expire_at(owner, ttl.map(expiry));
+    }
+
+    /// `owner`'s lock on `key` was extended by `ttl` on a lease of its own
+    /// (`None`: on the session lease), its marker with it.
+    pub(crate) fn extended(&self, key: &LockKey, owner: OwnerToken, ttl: Option<Duration>) {
+        let mut held = self.held();
+        if held.get(&owner).is_some_and(|h| h.key == *key) {
+            held.expire_at(owner, ttl.map(expiry));
+        }
+    }
+
+    /// Frees the numbers of markers whose lock's own lease has expired
+    /// unreleased: before a waiter of this client takes a number.
+    pub(crate) fn sweep(&self) {
+        self.held().sweep(Instant::now(), Held::expired);
     }
 
     /// The marker of `owner`'s lock on `key`, if its grant made one.
     pub(crate) fn of(&self, key: &LockKey, owner: OwnerToken) -> Option<Vec<u8>> {
-        self.held
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        self.held()
             .get(&owner)
             .filter(|h| h.key == *key)
             .map(|h| h.entry.clone())
@@ -156,11 +203,7 @@ impl HolderMarkers {
 
     /// Whether `entry` is the marker of `owner`'s lock.
     pub(crate) fn holds(&self, owner: OwnerToken, entry: &[u8]) -> bool {
-        self.held
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&owner)
-            .is_some_and(|h| h.entry == entry)
+        self.held().get(&owner).is_some_and(|h| h.entry == entry)
     }
 
     /// The task of `owner`'s wait ends, its entry `entry` taken by a
@@ -168,7 +211,7 @@ impl HolderMarkers {
     /// exist. `Err` gives it back if no marker of that name is known (it
     /// was deleted already, or the grant made none).
     pub(crate) fn keep(&self, owner: OwnerToken, entry: &[u8], slot: Slot) -> Result<(), Slot> {
-        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let mut held = self.held();
         match held.get_mut(&owner) {
             Some(h) if h.entry == entry => {
                 h.slot = Some(slot);
@@ -183,7 +226,7 @@ impl HolderMarkers {
     /// can still be applied), its name's number is free again; else it is
     /// retired.
     pub(crate) fn ended(&self, key: &LockKey, owner: OwnerToken, deleted: bool) {
-        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let mut held = self.held();
         if held.get(&owner).is_none_or(|h| h.key != *key) {
             return;
         }
@@ -194,5 +237,55 @@ impl HolderMarkers {
                 slot.free();
             }
         }
+    }
+
+    /// How many markers are known.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.held().len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::slots::Slots;
+
+    /// The marker of a lock on a lease of its own, left to expire, frees
+    /// its name's number once the lease's TTL (and the slack) is past; an
+    /// extend postpones that, and a lock on the session lease keeps it.
+    #[test]
+    fn the_marker_of_a_lock_left_to_expire_frees_its_number() {
+        let slots = Arc::new(Slots::default());
+        let markers = HolderMarkers::default();
+        let key = LockKey::new("k").unwrap();
+        let ttl = Some(Duration::from_secs(2));
+        let mut held = Vec::new();
+        for (n, ttl, extended) in [(0, ttl, None), (1, None, None), (2, ttl, Some(60))] {
+            let owner = OwnerToken::random();
+            let entry = format!("entry-{n}").into_bytes();
+            markers.granted(&key, owner, &entry, ttl);
+            let slot = slots.take();
+            assert_eq!(slot.number(), n);
+            markers.keep(owner, &entry, slot).expect("a marker to keep");
+            if let Some(secs) = extended {
+                markers.extended(&key, owner, Some(Duration::from_secs(secs)));
+            }
+            held.push(owner);
+        }
+        markers.sweep();
+        assert_eq!(markers.len(), 3, "a marker went before its TTL");
+        markers
+            .held()
+            .sweep(Instant::now() + Duration::from_secs(4), Held::expired);
+        assert_eq!(markers.of(&key, held[0]), None, "kept past its TTL");
+        assert!(markers.of(&key, held[1]).is_some(), "a session lock's went");
+        assert!(
+            markers.of(&key, held[2]).is_some(),
+            "an extended lock's went"
+        );
+        assert_eq!(slots.take().number(), 0, "the expired marker's number");
     }
 }

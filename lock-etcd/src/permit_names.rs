@@ -31,9 +31,8 @@
 //!
 //! An acquisition's entry here goes when its permit is released or found
 //! lost by an extend, or, for a permit on a lease of its own, once that
-//! lease's TTL is past (a raw lease left to expire: kept, a client that
-//! takes such permits for ever would name ever more of them). Freeing a
-//! name early is safe, only slower: a permit still under it is found by
+//! lease's TTL is past (see [`crate::by_owner`]). Freeing a name early is
+//! safe, only slower: a permit still under it is found by
 //! the next attempt that takes the name, which retires it, as above; and
 //! the permit's own extend or release, finding no name here, reads the
 //! permits for it. A permit on the session lease lives as long as the
@@ -41,17 +40,13 @@
 //! Holder labels stay named by the owner (`holders/<owner>`): only a
 //! status listing reads their range.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use distlock_core::{FencingToken, OwnerToken};
 
+use crate::by_owner::{expiry, ByOwner};
 use crate::slots::{Slot, Slots};
-
-/// Added to a permit's TTL before its name is freed unreleased: a lease
-/// that etcd's clock started a little after the client's.
-const EXPIRY_SLACK: Duration = Duration::from_secs(1);
 
 /// A client's permit names, by the acquisition (owner token) using each.
 #[derive(Debug)]
@@ -59,14 +54,7 @@ pub(crate) struct PermitNames {
     /// Random per client: its names are nobody else's.
     client: String,
     slots: Arc<Slots>,
-    in_use: Mutex<InUse>,
-}
-
-#[derive(Debug, Default)]
-struct InUse {
-    by_owner: HashMap<OwnerToken, Named>,
-    /// The earliest `until` of a name, if any: no sweep before it.
-    next_expiry: Option<Instant>,
+    in_use: Mutex<ByOwner<Named>>,
 }
 
 /// An acquisition's permit name and the limit it asked for.
@@ -79,10 +67,15 @@ struct Named {
     /// `None` for a name the client found on the server (an earlier
     /// attempt's, adopted): nothing to give back.
     slot: Option<Slot>,
-    /// When its permit, granted on a lease of its own, has expired for
-    /// sure (its TTL from the grant's reply, and a slack); `None` before
-    /// the grant and on the session lease.
-    until: Option<Instant>,
+}
+
+impl Named {
+    /// Its permit expired unreleased: the name is free again.
+    fn expired(self) {
+        if let Some(slot) = self.slot {
+            slot.free();
+        }
+    }
 }
 
 impl Default for PermitNames {
@@ -96,51 +89,8 @@ impl Default for PermitNames {
     }
 }
 
-impl InUse {
-    fn get(&self, owner: &OwnerToken) -> Option<&Named> {
-        self.by_owner.get(owner)
-    }
-
-    fn remove(&mut self, owner: &OwnerToken) -> Option<Named> {
-        self.by_owner.remove(owner)
-    }
-
-    /// Frees the names of permits whose own lease has expired unreleased.
-    fn sweep(&mut self, now: Instant) {
-        if self.next_expiry.is_none_or(|next| next > now) {
-            return;
-        }
-        self.next_expiry = None;
-        let mut next = None;
-        self.by_owner.retain(|_, named| match named.until {
-            Some(until) if until <= now => {
-                if let Some(slot) = named.slot.take() {
-                    slot.free();
-                }
-                false
-            }
-            Some(until) => {
-                next = Some(next.map_or(until, |next: Instant| next.min(until)));
-                true
-            }
-            None => true,
-        });
-        self.next_expiry = next;
-    }
-
-    /// Dates `owner`'s name to be freed at `until` (see [`Named::until`]).
-    fn expire_at(&mut self, owner: OwnerToken, until: Option<Instant>) {
-        if let Some(named) = self.by_owner.get_mut(&owner) {
-            named.until = until;
-            if let Some(until) = until {
-                self.next_expiry = Some(self.next_expiry.map_or(until, |next| next.min(until)));
-            }
-        }
-    }
-}
-
 impl PermitNames {
-    fn in_use(&self) -> std::sync::MutexGuard<'_, InUse> {
+    fn in_use(&self) -> std::sync::MutexGuard<'_, ByOwner<Named>> {
         self.in_use.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -165,23 +115,21 @@ impl PermitNames {
                 limit,
                 fencing: None,
                 slot: None,
-                until: None,
             },
             None => {
-                in_use.sweep(Instant::now());
+                in_use.sweep(Instant::now(), Named::expired);
                 let slot = self.slots.take();
                 Named {
                     name: format!("{}-{:x}", self.client, slot.number()).into_bytes(),
                     limit,
                     fencing: None,
                     slot: Some(slot),
-                    until: None,
                 }
             }
         };
         let name = named.name.clone();
         // A name it had before (not its permit's) is retired.
-        in_use.by_owner.insert(owner, named);
+        in_use.insert(owner, named);
         name
     }
 
@@ -189,7 +137,7 @@ impl PermitNames {
     /// `ttl` on a lease of its own (`None`: on the session lease).
     pub(crate) fn granted(&self, owner: OwnerToken, fencing: FencingToken, ttl: Option<Duration>) {
         let mut in_use = self.in_use();
-        if let Some(named) = in_use.by_owner.get_mut(&owner) {
+        if let Some(named) = in_use.get_mut(&owner) {
             named.fencing = Some(fencing);
         }
         in_use.expire_at(owner, ttl.map(expiry));
@@ -245,13 +193,8 @@ impl PermitNames {
     /// How many acquisitions have a name.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.in_use().by_owner.len()
+        self.in_use().len()
     }
-}
-
-/// When a permit granted or extended now for `ttl` has expired for sure.
-fn expiry(ttl: Duration) -> Instant {
-    Instant::now() + ttl + EXPIRY_SLACK
 }
 
 #[cfg(test)]
@@ -329,11 +272,11 @@ mod tests {
         names.for_attempt(extended, 1, None);
         names.granted(extended, tokens[2], ttl);
         names.extended(extended, tokens[2], Some(Duration::from_secs(60)));
-        names.in_use().sweep(Instant::now());
+        names.in_use().sweep(Instant::now(), Named::expired);
         assert!(names.of(own, tokens[0]).is_some(), "freed before its TTL");
         names
             .in_use()
-            .sweep(Instant::now() + Duration::from_secs(4));
+            .sweep(Instant::now() + Duration::from_secs(4), Named::expired);
         assert_eq!(names.of(own, tokens[0]), None, "kept past its TTL");
         assert!(
             names.of(session, tokens[1]).is_some(),

@@ -644,6 +644,8 @@ async fn join(
             return;
         }
     };
+    // Markers of locks left to expire give their numbers back first.
+    queues.markers.sweep();
     let slot = queues.slots.take();
     let waiter_id = format!("{:x}-{:x}", session.lease_id(), slot.number());
     let entry = line.entry(&etcd.layout, &waiter_id);

@@ -74,7 +74,7 @@ use distlock_core::{
 };
 use etcd_client::{GetOptions, KeyValue, SortOrder, SortTarget, TxnResponse};
 
-use crate::backend::EtcdLock;
+use crate::backend::{own_lease_ttl, EtcdLock};
 use crate::keys::{decode_holder, decode_permit};
 use crate::queue::Line;
 use crate::requests::Repeat;
@@ -249,14 +249,6 @@ fn decide(held: &[Permit], place: usize, limit: u32) -> Option<PermitReply> {
     // expiry to predict (a waiter's watch sees it go).
     (ahead.len() >= usize::try_from(limit).unwrap_or(usize::MAX))
         .then_some(PermitReply::Full { expires_in: None })
-}
-
-/// The TTL a granted or extended permit expires by if nobody releases it:
-/// its lease's, when the lease is its own; `None` on a session lease (it
-/// ends with its holder or its session). One rule for grants and extends,
-/// read from the grant's handle, for `PermitNames` to free its name once past.
-fn own_lease_ttl(grant: &Grant) -> Option<Duration> {
-    crate::backend::own_lease_of(grant.handle).map(|_| grant.ttl)
 }
 
 /// The lease a permit attempt put its permit on.

@@ -980,6 +980,25 @@ async fn a_clients_permits_reuse_their_names() {
     );
 }
 
+/// Waits until `lease` (just returned, on a lease of its own, left to
+/// expire) is gone on the server, nothing left under `prefix`, and past
+/// the TTL its client counts from the grant's reply, with its second of
+/// slack. `what` names what outlived the lease otherwise.
+async fn expired(
+    raw: &mut distlock_etcd::etcd_client::Client,
+    prefix: &str,
+    lease: &Lease,
+    what: &str,
+) {
+    let returned = Instant::now();
+    let deadline = returned + Duration::from_secs(60);
+    while !keys_under(raw, prefix).await.is_empty() {
+        assert!(Instant::now() < deadline, "{what} outlived its lease");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep_until((returned + lease.ttl() + Duration::from_millis(1_100)).into()).await;
+}
+
 /// A permit on a lease of its own that is never released (a raw lease
 /// left to expire) gives its name back once its TTL is past: a client that
 /// takes permits so, for ever, names no more of them than it holds at once.
@@ -1001,28 +1020,7 @@ async fn a_permit_left_to_expire_gives_its_name_back() {
             Ok(AcquireAttempt::Acquired(lease)) => lease,
             other => panic!("a plain permit of a semaphore with room: {other:?}"),
         };
-        let returned = Instant::now();
-        // Gone on the server (its lease expired), and past the TTL the
-        // client counts from the grant's reply, with its second of slack.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let left = raw
-                .get(
-                    permits.as_str(),
-                    Some(distlock_etcd::etcd_client::GetOptions::new().with_prefix()),
-                )
-                .await
-                .expect("read the permits")
-                .kvs()
-                .len();
-            if left == 0 {
-                break;
-            }
-            assert!(Instant::now() < deadline, "the permit outlived its lease");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        tokio::time::sleep_until((returned + lease.ttl() + Duration::from_millis(1_100)).into())
-            .await;
+        expired(&mut raw, &permits, &lease, "the permit").await;
     }
     let names = seen.stop(&mut raw).await;
     let distinct: std::collections::BTreeSet<&String> = names.iter().collect();
@@ -1034,6 +1032,57 @@ async fn a_permit_left_to_expire_gives_its_name_back() {
         "{} permit names for {} permits, each expired before the next: {distinct:?}",
         distinct.len(),
         names.len()
+    );
+}
+
+/// The holder's marker of a lock on a lease of its own that is never
+/// released (a raw lease left to expire, a guard's hold-at-least) gives
+/// the number in its name back once the lease's TTL is past: a client
+/// whose waits end in such locks names no more queue entries than it has
+/// at once, and keeps no record of each lock for ever.
+#[tokio::test]
+async fn the_marker_of_a_lock_left_to_expire_gives_its_number_back() {
+    let server = any_server();
+    let ns = unique_name("marker-expired");
+    let url = format!("{}?namespace={ns}", server.url());
+    let mut raw = raw_client(&server.url()).await;
+    let queue = format!("{ns}/lock/expiring/waiters/");
+    let seen = PutNames::record(&mut raw, &ns, &queue).await;
+    let (holder, waiter) = (connect(&url).await, connect(&url).await);
+    let k = LockKey::new("expiring").unwrap();
+    for round in 1..=3 {
+        // Free by now: the waiter's lock of the round before expired.
+        let held = acquire(&holder, &k, Duration::from_secs(30)).await;
+        let waiting = {
+            let (waiter, k) = (waiter.clone(), k.clone());
+            tokio::spawn(async move {
+                let deadline = Instant::now() + Duration::from_secs(60);
+                waiter.acquire(&k, Duration::from_secs(1), deadline).await
+            })
+        };
+        until_queued(&mut raw, &queue, 1).await;
+        holder.release(&held).await.expect("release");
+        let lease = waiting
+            .await
+            .unwrap()
+            .expect("the wait")
+            .unwrap_or_else(|| panic!("round {round}: the waiter never took the released lock"));
+        // The marker is on the lock's lease.
+        expired(&mut raw, &queue, &lease, "the marker").await;
+    }
+    let names = seen.stop(&mut raw).await;
+    // `<session lease>-<number>`, both hex; a marker is its entry put
+    // again, under the same name.
+    let numbers: std::collections::BTreeSet<&str> = names
+        .iter()
+        .filter_map(|name| name.rsplit_once('-').map(|(_, number)| number))
+        .collect();
+    assert!(names.len() >= 3, "fewer puts than waits: {names:?}");
+    assert_eq!(
+        numbers.len(),
+        1,
+        "{} entry numbers for 3 waits, each lock expired before the next wait: {names:?}",
+        numbers.len()
     );
 }
 
