@@ -92,7 +92,7 @@ pub use lease::{FencingToken, Lease, OwnerToken};
 pub use listener::{Listener, Notification, NotificationSource};
 pub use locker::Locker;
 pub use memory::MemoryLock;
-pub use notify::{Departure, ReleaseNotifier, ReleaseWatch};
+pub use notify::{Departure, ReleaseNotifier, ReleaseWatch, Unclaimed};
 pub use options::{LockOptions, Renewal};
 pub use run::{run_exclusive, JobContext, OnLost, RunOptions, RunOutcome};
 pub use schedule::{Fire, ScheduledJob, ScheduledOutcome, SkipReason};

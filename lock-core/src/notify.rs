@@ -246,6 +246,80 @@ impl ReleaseNotifier {
     }
 }
 
+/// What becomes of a wake-up that names one waiter who no longer waits
+/// here (its watch dropped: the wait ended, or the waiter never was this
+/// client's): a backend's notification source hands each one it receives
+/// to [`pass_on_if_unclaimed`](Self::pass_on_if_unclaimed).
+///
+/// A server line that keeps the woken waiter first, with a turn, waits
+/// for that waiter until the turn runs out; one that takes the waiter off
+/// the line as it wakes it has lost the wake-up. The wait's own leave
+/// usually prevents both, but not when it failed, nor when a request of
+/// the wait whose outcome was unknown reached the server after it and put
+/// the waiter back in line. So the client that receives such a wake-up
+/// leaves the line for the waiter (`pass_on`, called with the channel and
+/// the waiter's name): a second leave changes nothing, and a leave wakes
+/// the next waiter if the lock or a permit is free.
+///
+/// ```
+/// use std::sync::atomic::{AtomicUsize, Ordering};
+/// use std::sync::Arc;
+/// use distlock_core::{ReleaseNotifier, Unclaimed};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), distlock_core::LockError> {
+/// let notifier = ReleaseNotifier::new();
+/// let passed = Arc::new(AtomicUsize::new(0));
+/// let unclaimed = {
+///     let passed = passed.clone();
+///     // A backend sends its leave statement here, on a task of its own.
+///     Unclaimed::new(notifier.clone(), move |_channel: &str, _waiter: &str| {
+///         passed.fetch_add(1, Ordering::SeqCst);
+///     })
+/// };
+/// let watch = notifier.subscribe_as("jobs:report", Some("a"), || async { Ok(()) }).await?;
+/// assert!(!unclaimed.pass_on_if_unclaimed("jobs:report", "a"), "a waits");
+/// drop(watch);
+/// assert!(unclaimed.pass_on_if_unclaimed("jobs:report", "a"), "a's wait ended");
+/// assert_eq!(passed.load(Ordering::SeqCst), 1);
+/// # Ok(()) }
+/// ```
+pub struct Unclaimed {
+    notifier: ReleaseNotifier,
+    pass_on: Box<PassOn>,
+}
+
+/// What passes a wake-up on: called with its channel and the waiter's name.
+type PassOn = dyn Fn(&str, &str) + Send + Sync;
+
+impl Unclaimed {
+    /// Wake-ups for waiters not registered with `notifier` go to `pass_on`.
+    pub fn new(
+        notifier: ReleaseNotifier,
+        pass_on: impl Fn(&str, &str) + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            notifier,
+            pass_on: Box::new(pass_on),
+        }
+    }
+
+    /// Passes the wake-up of `waiter` on `channel` on if no such waiter
+    /// waits here; whether it did.
+    pub fn pass_on_if_unclaimed(&self, channel: &str, waiter: &str) -> bool {
+        let unclaimed = !self.notifier.is_waiting(channel, waiter);
+        if unclaimed {
+            (self.pass_on)(channel, waiter);
+        }
+        unclaimed
+    }
+}
+
+impl std::fmt::Debug for Unclaimed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Unclaimed").finish_non_exhaustive()
+    }
+}
+
 /// One waiter's subscription to release notifications for a key; see
 /// [`LockBackend::watch`](crate::LockBackend::watch).
 ///

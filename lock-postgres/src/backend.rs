@@ -12,7 +12,8 @@ use async_trait::async_trait;
 use distlock_core::{
     AcquireReply, AcquireRequest, Capabilities, ContendedKeys, ExtendReply, FencingToken, Grant,
     HeldLock, HolderId, Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, OpenWaits,
-    OwnerToken, ReleaseReply, ReleaseWatch, SemaphoreBackend, WaitLine, WaitPlace, IN_LOCK_CALL,
+    OwnerToken, ReleaseReply, ReleaseWatch, SemaphoreBackend, Unclaimed, WaitLine, WaitPlace,
+    IN_LOCK_CALL,
 };
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use tokio::sync::OnceCell;
@@ -239,7 +240,7 @@ impl PostgresLock {
             Listener::new(releases, config.client())
         });
         let sql = Arc::new(Statements::new(config.schema(), config.table()));
-        Self {
+        let backend = Self {
             semaphores,
             sweeper: Sweeper::new(config.fence_retention()),
             pool_tls,
@@ -260,7 +261,14 @@ impl PostgresLock {
             pool,
             config,
             table_ready: OnceCell::new(),
+        };
+        if let Some(lines) = backend.lock_lines() {
+            backend.pass_on_unclaimed(lines);
         }
+        if let Some(lines) = backend.permit_lines() {
+            backend.pass_on_unclaimed(lines);
+        }
+        backend
     }
 
     /// How the main URL's connections are pooled, as this client works
@@ -511,19 +519,95 @@ impl PostgresLock {
             waiter,
             registration,
             leave: leave.clone(),
-            args: vec![
-                Arg::text(self.namespace()),
-                Arg::text(key.as_str()),
-                Arg::Text(name),
-                Arg::text(table),
-                Arg::text(channel),
-                Arg::text(listener.source().next()),
-                Arg::Int(listener.source().pid().unwrap_or(0).into()),
-            ],
+            args: leave_args(
+                self.namespace(),
+                key.as_str(),
+                name,
+                table,
+                channel,
+                listener.source().next(),
+                listener.source().pid().unwrap_or(0),
+            ),
         };
         watch.leave_with(leaving.leave());
         Ok(watch)
     }
+
+    /// The lines of locks, if this client has a listener.
+    fn lock_lines(&self) -> Option<Lines<'_>> {
+        Some(Lines {
+            line: WaitLine::Lock,
+            listener: self.listener.as_ref()?,
+            leave: &self.sql.leave,
+            table: self.config.table(),
+            channel: &self.channel,
+        })
+    }
+
+    /// Has `of`'s listener leave the line for a waiter a release woke
+    /// after its wait ended (see `Releases::pass_on_unclaimed`): the
+    /// wait's own leave came first, or failed, and a request of the wait
+    /// whose outcome was unknown (a statement stalled on the server past
+    /// its connection) joined again after it.
+    pub(crate) fn pass_on_unclaimed(&self, of: Lines<'_>) {
+        let source = of.listener.source();
+        let pass_on = {
+            let (pool, simple) = (self.pool.clone(), self.simple.clone());
+            let timeout = self.config.client().operation_timeout();
+            let namespace = self.namespace().to_owned();
+            let (leave, table) = (of.leave.clone(), of.table.to_owned());
+            let (channel, next) = (of.channel.to_owned(), source.next().to_owned());
+            let pid = source.shared_pid();
+            move |key: &str, waiter: &str| {
+                let pid = pid.load(Ordering::SeqCst);
+                let args = leave_args(
+                    &namespace,
+                    key,
+                    waiter.to_owned(),
+                    &table,
+                    &channel,
+                    &next,
+                    pid,
+                );
+                let call = Call::new(Protocol::of(&simple), &leave, args);
+                let (pool, key) = (pool.clone(), key.to_owned());
+                tokio::spawn(async move {
+                    match sql::send_alone(&pool, call, timeout).await {
+                        Ok(_) => {
+                            tracing::debug!(key = %key, "a wake-up for a waiter that no longer waits: passed on")
+                        }
+                        Err(error) => {
+                            tracing::debug!(key = %key, %error, "passing on a wake-up for a waiter that no longer waits failed; a later release drops its row")
+                        }
+                    }
+                });
+            }
+        };
+        source.pass_on_unclaimed(Unclaimed::new(of.listener.notifier().clone(), pass_on));
+    }
+}
+
+/// The leave statement's arguments (see `Statements::leave`): `waiter`'s
+/// row on `key` in the line of `table`, woken on `channel` and `next`,
+/// deleted only while it names the listener pid `pid`.
+fn leave_args(
+    namespace: &str,
+    key: &str,
+    waiter: String,
+    table: &str,
+    channel: &str,
+    next: &str,
+    pid: i32,
+) -> Vec<Arg> {
+    vec![
+        Arg::text(namespace),
+        Arg::text(key),
+        Arg::Text(waiter),
+        Arg::text(table),
+        Arg::text(channel),
+        Arg::text(next),
+        Arg::Int(pid.into()),
+    ]
 }
 
 /// The lines of locks, or of permits, as a wait sees them.
@@ -930,23 +1014,10 @@ impl LockBackend for PostgresLock {
         key: &LockKey,
         waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
-        match &self.listener {
+        match self.lock_lines() {
             // Nothing to hear through a transaction pooler found since
             // connect: waiters poll.
-            Some(listener) if self.can_listen() => self
-                .watch_line(
-                    Lines {
-                        line: WaitLine::Lock,
-                        listener,
-                        leave: &self.sql.leave,
-                        table: self.config.table(),
-                        channel: &self.channel,
-                    },
-                    key,
-                    waiter,
-                )
-                .await
-                .map(Some),
+            Some(lines) if self.can_listen() => self.watch_line(lines, key, waiter).await.map(Some),
             _ => Ok(None),
         }
     }

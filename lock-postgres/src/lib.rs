@@ -138,6 +138,16 @@
 //! when granted, left, woken or found dead; nothing stays once the waits
 //! are over, their turn's end kept with them.
 //!
+//! A release wakes a waiter on its client's listener connection alone
+//! (the row names its pid). A wake-up there for a waiter that no longer
+//! waits (its wait ended, and a request of it whose outcome was unknown
+//! joined the line again after its leave) is passed on: the listener's
+//! client sends the leave for it, which deletes the row and wakes the next
+//! waiter if the lock or a permit is free. Without that, a lock's line
+//! waited out that waiter's turn and the waiters behind it, never woken,
+//! their timers (the released holder's expiry); a permit's lost the
+//! wake-up.
+//!
 //! Limits: an attempt's statement reads the line as it was when the
 //! statement started; one that waited for the key's row while a release
 //! went by is refused and sent again at once (its lock row changed), but
@@ -413,9 +423,10 @@
 //!   acquire of that owner token with a send number up to it is refused, so
 //!   an earlier send that the server applies late — after the release, or
 //!   after the give-back — never takes the lock for nobody. Nor does such
-//!   a send of a waiting acquisition join the waiter line: its wait is over,
-//!   and its row would name the client's live listener, a head woken by
-//!   every release and waited out for its whole turn. A later
+//!   a send of a waiting acquisition (lock or permit) join the waiter
+//!   line: its wait is over, and its row would name the client's live
+//!   listener (a wake-up for it is passed on, see "Waiting", at the cost
+//!   of a round trip). A later
 //!   acquisition with the same owner token has a greater number and is not
 //!   refused. Older versions of this crate read such a row as expired.
 //! - **Permits**: an attempt by the owner token that holds a live permit

@@ -34,10 +34,10 @@
 //! remaining lease (and the observers' reads at its expiry).
 
 use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use distlock_core::{async_trait, LockError, LockKey, Notification, NotificationSource};
+use distlock_core::{async_trait, LockError, LockKey, Notification, NotificationSource, Unclaimed};
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::{Executor, Row};
 
@@ -79,6 +79,9 @@ pub(crate) struct Releases {
     connect_timeout: Duration,
     /// The backend pid of the current connection (0: not connected yet).
     pid: Arc<AtomicI32>,
+    /// What becomes of a wake-up on this connection's own channel for a
+    /// waiter that no longer waits here, once set.
+    unclaimed: OnceLock<Unclaimed>,
 }
 
 impl Releases {
@@ -96,7 +99,18 @@ impl Releases {
             channel,
             connect_timeout,
             pid: Arc::new(AtomicI32::new(0)),
+            unclaimed: OnceLock::new(),
         }
+    }
+
+    /// Passes on a wake-up for a waiter that no longer waits here (see
+    /// [`Unclaimed`]): a release woke it on this connection's own channel,
+    /// because its row in the line names this connection's pid, and a
+    /// lock's line then waits out its turn (a permit's lost the wake-up).
+    /// Wake-ups on the shared channel are left alone: they may be another
+    /// client's waiters'.
+    pub(crate) fn pass_on_unclaimed(&self, unclaimed: Unclaimed) {
+        let _ = self.unclaimed.set(unclaimed);
     }
 
     /// The backend pid of the listening connection, once it connected: a
@@ -104,6 +118,12 @@ impl Releases {
     /// waiters subscribe again and their next attempt stores it).
     pub(crate) fn pid(&self) -> Option<i32> {
         Some(self.pid.load(Ordering::SeqCst)).filter(|pid| *pid != 0)
+    }
+
+    /// The backend pid of the listening connection as it changes (0: not
+    /// connected yet), for what runs apart from the listener.
+    pub(crate) fn shared_pid(&self) -> Arc<AtomicI32> {
+        self.pid.clone()
     }
 
     /// Also listens on the channel that wakes observers.
@@ -260,6 +280,12 @@ impl NotificationSource for Releases {
             // A payload in another form names no waiter (no client writes
             // one): it wakes nobody.
             if let Some(one) = one_waiter(payload) {
+                let own = self.pid().map(|pid| own_next_channel(&self.next, pid));
+                if let (Some(unclaimed), Some(waiter)) = (self.unclaimed.get(), &one.waiter) {
+                    if own.as_deref() == Some(channel) {
+                        unclaimed.pass_on_if_unclaimed(&one.channel, waiter);
+                    }
+                }
                 return Some(Ok(one));
             }
         }

@@ -103,6 +103,18 @@ impl Semaphores {
 }
 
 impl PostgresLock {
+    /// The lines of permits, if this client has a listener.
+    pub(crate) fn permit_lines(&self) -> Option<Lines<'_>> {
+        let semaphores = self.semaphores();
+        Some(Lines {
+            line: WaitLine::Permits,
+            listener: semaphores.listener.as_ref()?,
+            leave: &semaphores.sql.leave,
+            table: &semaphores.name,
+            channel: &semaphores.channel,
+        })
+    }
+
     /// Creates the semaphore table at connect. A failure (a role that may
     /// not create tables, where a DBA created only the lock table) leaves
     /// locks working: semaphore calls try again and report it.
@@ -344,24 +356,10 @@ impl SemaphoreBackend for PostgresLock {
         _limit: u32,
         waiter: OwnerToken,
     ) -> Result<Option<ReleaseWatch>, LockError> {
-        let semaphores = self.semaphores();
-        match &semaphores.listener {
+        match self.permit_lines() {
             // As for locks: nothing to hear through a transaction pooler
             // found since connect, so waiters poll.
-            Some(listener) if self.can_listen() => self
-                .watch_line(
-                    Lines {
-                        line: WaitLine::Permits,
-                        listener,
-                        leave: &semaphores.sql.leave,
-                        table: &semaphores.name,
-                        channel: &semaphores.channel,
-                    },
-                    key,
-                    waiter,
-                )
-                .await
-                .map(Some),
+            Some(lines) if self.can_listen() => self.watch_line(lines, key, waiter).await.map(Some),
             _ => Ok(None),
         }
     }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use distlock_core::{
     async_trait, with_timeout, AcquireReply, AcquireRequest, Capabilities, ExtendReply, HeldLock,
     HolderId, Listener, LockAdmin, LockBackend, LockError, LockKey, LockState, OwnerToken,
-    ReleaseReply, ReleaseWatch, SemaphoreBackend, IN_LOCK_CALL,
+    ReleaseReply, ReleaseWatch, SemaphoreBackend, Unclaimed, IN_LOCK_CALL,
 };
 use redis::aio::ConnectionManager;
 use redis::{Client, Value};
@@ -17,7 +17,7 @@ use crate::connect::replaceable_manager;
 use crate::connection::{connect_budget, Commands};
 use crate::errors;
 use crate::keys::RedisKeys;
-use crate::listener::{PubSub, Source, Unclaimed};
+use crate::listener::{PubSub, Source};
 use crate::replies;
 use crate::scripts::{
     self, LuaScript, ACQUIRE_SCRIPT, EXTEND_MANY_SCRIPT, EXTEND_SCRIPT, FORCE_RELEASE_SCRIPT,

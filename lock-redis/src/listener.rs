@@ -25,7 +25,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use distlock_core::{
-    async_trait, ClientOptions, LockError, Notification, NotificationSource, ReleaseNotifier,
+    async_trait, ClientOptions, LockError, Notification, NotificationSource, Unclaimed,
 };
 use futures_util::StreamExt;
 use redis::aio::{PubSubSink, PubSubStream};
@@ -133,40 +133,12 @@ impl ClusterPubSub {
 }
 
 /// The client's notification source: its pub/sub connections, and what
-/// becomes of a wake-up that reaches no waiter here.
+/// becomes of a wake-up that reaches no waiter here: a lock's line keeps
+/// the woken waiter first with a turn, so the listener leaves the line for
+/// a waiter that no longer waits (see [`Unclaimed`]).
 pub(crate) struct Source {
     pubsub: PubSub,
     unclaimed: Arc<OnceLock<Unclaimed>>,
-}
-
-/// A wake-up named a lock waiter of this client that no longer waits (its
-/// watch dropped: the wait ended, or the waiter never was this client's
-/// now). The release kept it first in the line with a turn, so unless
-/// something takes it off, every other waiter waits for that turn to run
-/// out. The wait's own leave script usually does (see
-/// `crate::backend`), but not if it failed, or if the waiter's attempt
-/// reached the server after it (a request whose outcome was unknown): so
-/// the listener leaves the line for it too (a second leave changes
-/// nothing).
-pub(crate) struct Unclaimed {
-    notifier: ReleaseNotifier,
-    /// Leaves the line for the waiter.
-    pass_on: Box<PassOn>,
-}
-
-/// What passes a wake-up on: called with its channel and owner hex.
-type PassOn = dyn Fn(&str, &str) + Send + Sync;
-
-impl Unclaimed {
-    pub(crate) fn new(
-        notifier: ReleaseNotifier,
-        pass_on: impl Fn(&str, &str) + Send + Sync + 'static,
-    ) -> Self {
-        Self {
-            notifier,
-            pass_on: Box::new(pass_on),
-        }
-    }
 }
 
 impl Source {
@@ -262,9 +234,7 @@ impl NotificationSource for Source {
         })) = &received
         {
             if let Some(unclaimed) = self.unclaimed.get() {
-                if !unclaimed.notifier.is_waiting(channel, waiter) {
-                    (unclaimed.pass_on)(channel, waiter);
-                }
+                unclaimed.pass_on_if_unclaimed(channel, waiter);
             }
         }
         received

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use distlock_conformance::fault::Direction;
 use distlock_core::{Lease, LockError, LockKey, LockState, OwnerToken};
-use distlock_postgres::{channel_name, PgPool, DEFAULT_TABLE, WAITER_INDEX, WAITER_TABLE};
+use distlock_postgres::{
+    channel_name, PgPool, DEFAULT_SEMAPHORE_TABLE, DEFAULT_TABLE, WAITER_INDEX, WAITER_TABLE,
+};
 use tokio::task::JoinHandle;
 
 use super::support::*;
@@ -119,17 +121,8 @@ impl Scene {
         pid: i32,
         arrival: &str,
     ) {
-        sqlx::query(&format!(
-            "INSERT INTO public.{WAITER_TABLE} (lock_table, namespace, key, member, pid, arrival)
-             VALUES ('distlock_locks', $1, $2, $3, $4, {arrival})"
-        ))
-        .bind(&self.ns)
-        .bind(self.k.as_str())
-        .bind(member)
-        .bind(pid)
-        .execute(db)
-        .await
-        .unwrap();
+        let line = (DEFAULT_TABLE, self.ns.as_str(), &self.k);
+        put_in_line(db, line, member, pid, arrival).await;
     }
 
     /// The holder releases; once `waiting` of `waiter` was served, it
@@ -142,6 +135,30 @@ impl Scene {
             "{why}: the line is left empty"
         );
     }
+}
+
+/// Puts `member` with listener `pid` in the line of (table, namespace,
+/// key) `line`, arriving at `arrival` (SQL), as a waiting attempt would.
+async fn put_in_line(
+    db: impl sqlx::PgExecutor<'_>,
+    line: (&str, &str, &LockKey),
+    member: &str,
+    pid: i32,
+    arrival: &str,
+) {
+    let (table, ns, k) = line;
+    sqlx::query(&format!(
+        "INSERT INTO public.{WAITER_TABLE} (lock_table, namespace, key, member, pid, arrival)
+         VALUES ($1, $2, $3, $4, $5, {arrival})"
+    ))
+    .bind(table)
+    .bind(ns)
+    .bind(k.as_str())
+    .bind(member)
+    .bind(pid)
+    .execute(db)
+    .await
+    .unwrap();
 }
 
 /// Waits (within [`BOUND`]) for `waiting` to be served, then `waiter`
@@ -223,40 +240,69 @@ async fn a_waiter_whose_listener_reconnected_keeps_its_place_under_the_new_pid()
     assert!(scene.line().await.is_empty());
 }
 
+/// A fresh namespace whose semaphore `k` (of one permit) `holder` holds
+/// for [`LONG`], and `waiter` waits for a permit, on a task of its own, in
+/// line: `queued` (the line rows).
+struct PermitScene {
+    ns: String,
+    holder: Pg,
+    waiter: Pg,
+    k: LockKey,
+    permit: Lease,
+    waiting: Waiting,
+    queued: Vec<Row>,
+}
+
+impl PermitScene {
+    async fn new() -> Self {
+        let ns = unique_name("line");
+        let holder = client(&ns).await;
+        let waiter = client(&ns).await;
+        let k = key("k");
+        let attempt = holder.try_acquire_permit(&k, 1, LONG).await.unwrap();
+        let permit = attempt.lease().expect("a free permit");
+        let waiting = {
+            let (waiter, k) = (waiter.clone(), k.clone());
+            tokio::spawn(async move {
+                let deadline = Instant::now() + LONG;
+                waiter.acquire_permit(&k, 1, LONG, deadline).await
+            })
+        };
+        let deadline = Instant::now() + BOUND;
+        let queued = loop {
+            let rows = line(holder.pool(), &ns).await;
+            if !rows.is_empty() {
+                break rows;
+            }
+            assert!(Instant::now() < deadline, "the permit waiter never queued");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        Self {
+            ns,
+            holder,
+            waiter,
+            k,
+            permit,
+            waiting,
+            queued,
+        }
+    }
+
+    /// The holder releases; the waiter must be served (`why` names it),
+    /// and releases, and the line is left empty.
+    async fn hand_over(self, why: &str) {
+        self.holder.release(&self.permit).await.unwrap();
+        served_then_released(self.waiting, &self.waiter, why).await;
+        assert!(line(self.holder.pool(), &self.ns).await.is_empty());
+    }
+}
+
 #[tokio::test]
 async fn permit_waits_queue_and_leave_nothing_behind() {
-    let ns = unique_name("line");
-    let holder = client(&ns).await;
-    let waiter = client(&ns).await;
-    let k = key("k");
-    let permit = holder
-        .try_acquire_permit(&k, 1, LONG)
-        .await
-        .unwrap()
-        .lease()
-        .expect("a free permit");
-    let waiting = {
-        let (waiter, k) = (waiter.clone(), k.clone());
-        tokio::spawn(async move {
-            waiter
-                .acquire_permit(&k, 1, LONG, Instant::now() + LONG)
-                .await
-        })
-    };
-    let deadline = Instant::now() + BOUND;
-    let queued = loop {
-        let rows = line(holder.pool(), &ns).await;
-        if !rows.is_empty() {
-            break rows;
-        }
-        assert!(Instant::now() < deadline, "the permit waiter never queued");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
-    assert_eq!(queued.len(), 1);
-    assert_eq!(queued[0].0, k.as_str());
-    holder.release(&permit).await.unwrap();
-    served_then_released(waiting, &waiter, "the permit waiter").await;
-    assert!(line(holder.pool(), &ns).await.is_empty());
+    let scene = PermitScene::new().await;
+    assert_eq!(scene.queued.len(), 1);
+    assert_eq!(scene.queued[0].0, scene.k.as_str());
+    scene.hand_over("the permit waiter").await;
 }
 
 /// The race one statement cannot see: a waiter that joins the line while
@@ -349,6 +395,48 @@ async fn a_release_names_its_waiter_and_otherwise_wakes_the_key() {
 /// (`HANDOFF_TURN`, by the database's clock): a waiter that queued behind
 /// it while its turn ran is refused until the turn is over, then its next
 /// attempt drops that head and takes the key.
+/// A wait's row left in the line after the wait ended, naming its
+/// client's live listener: what a request of the wait whose outcome was
+/// unknown leaves when the server applies it after the wait's leave (a
+/// statement stalled on the server past twice the operation timeout).
+const ENDED: &str = "clock_timestamp() - interval '1 hour'";
+
+/// A release wakes a head whose wait ended (see [`ENDED`]). Its client's
+/// listener, where no such waiter waits, leaves the line for it, which
+/// wakes the waiter behind. Before, the line waited out the head's turn,
+/// and the waiter behind, never woken, its timer (the holder's expiry).
+#[tokio::test]
+async fn a_wake_up_for_a_wait_that_ended_is_passed_on() {
+    let scene = Scene::new(unique_name("line"), None).await;
+    let waiter = client(&scene.ns).await;
+    let (waiting, queued) = scene.queue(&waiter, 1, "the waiter").await;
+    let ended = OwnerToken::random().to_hex();
+    let db = scene.admin.pool();
+    scene.put_in_line(db, &ended, queued[0].2, ENDED).await;
+    scene
+        .hand_over(
+            waiting,
+            &waiter,
+            "the waiter behind a head whose wait ended",
+        )
+        .await;
+}
+
+/// As [`a_wake_up_for_a_wait_that_ended_is_passed_on`], on a semaphore:
+/// its release takes the woken waiter off the line, so the wake-up was
+/// lost, and the waiter behind waited for its timer (the permit's expiry).
+#[tokio::test]
+async fn a_permit_wake_up_for_a_wait_that_ended_is_passed_on() {
+    let scene = PermitScene::new().await;
+    let ended = OwnerToken::random().to_hex();
+    let line_of_k = (DEFAULT_SEMAPHORE_TABLE, scene.ns.as_str(), &scene.k);
+    let db = scene.holder.pool();
+    put_in_line(db, line_of_k, &ended, scene.queued[0].2, ENDED).await;
+    scene
+        .hand_over("the permit waiter behind a wait that ended")
+        .await;
+}
+
 #[tokio::test]
 async fn a_woken_waiter_that_never_comes_loses_its_turn() {
     use sqlx::Connection;
