@@ -184,19 +184,19 @@ impl RedisLock {
             let (commands, publish) = (commands.clone(), channels.publish);
             let timeout = config.client().operation_timeout();
             move |channel: &str, owner: &str| {
-                let Some((keys, client)) = RedisKeys::of_lock_channel(channel) else {
+                let Some((line, keys, client)) = RedisKeys::of_waiter_channel(channel) else {
                     return;
                 };
                 let member = format!("{client}:{owner}");
                 let commands = commands.clone();
                 tokio::spawn(async move {
-                    let left = leave_line(&commands, publish, timeout, Line::Lock, &keys, member);
+                    let left = leave_line(&commands, publish, timeout, line, &keys, member);
                     match left.await {
                         Ok(_) => {
                             tracing::debug!(line = %keys.waiters, "a wake-up for a waiter that no longer waits: passed on")
                         }
                         Err(e) => {
-                            tracing::debug!(line = %keys.waiters, error = %e, "passing on a wake-up for a waiter that no longer waits failed; its turn runs out")
+                            tracing::debug!(line = %keys.waiters, error = %e, "passing on a wake-up for a waiter that no longer waits failed; the waiters behind it fall back to their timers")
                         }
                     }
                 });

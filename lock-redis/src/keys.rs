@@ -51,6 +51,8 @@
 
 use distlock_core::LockKey;
 
+use crate::waiters::Line;
+
 /// The Redis names one lock, or one semaphore, touches.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RedisKeys {
@@ -101,10 +103,12 @@ impl RedisKeys {
         format!("{namespace}:format")
     }
 
-    /// The lock's names, and the client id, of a lock waiter's channel
-    /// (`NS:{E}:released:<client hex>`, see [`client_channel`](Self::client_channel));
-    /// `None` for any other channel (a semaphore's, the observers').
-    pub(crate) fn of_lock_channel(channel: &str) -> Option<(Self, &str)> {
+    /// The line, the lock's or semaphore's names, and the client id, of a
+    /// waiter's channel (`NS:{E}:released:<client hex>` or
+    /// `NS:{E}:sem:returned:<client hex>`, see
+    /// [`client_channel`](Self::client_channel)); `None` for any other
+    /// channel (the observers', a base channel).
+    pub(crate) fn of_waiter_channel(channel: &str) -> Option<(Line, Self, &str)> {
         let (base, client) = channel.rsplit_once(':')?;
         if client.is_empty() || !client.bytes().all(|b| b.is_ascii_hexdigit()) {
             return None;
@@ -112,7 +116,12 @@ impl RedisKeys {
         let (namespace, rest) = base.split_once(":{")?;
         // The escaped key holds no brace: the first `}:` closes the tag.
         let (tag, role) = rest.split_once("}:")?;
-        (role == LOCK[4]).then(|| (Self::tagged(namespace, tag, LOCK), client))
+        let (line, names) = match role {
+            role if role == LOCK[4] => (Line::Lock, LOCK),
+            role if role == SEMAPHORE[4] => (Line::Permits, SEMAPHORE),
+            _ => return None,
+        };
+        Some((line, Self::tagged(namespace, tag, names), client))
     }
 
     /// The channel of `client`'s waiters: the base channel and its id.
@@ -313,20 +322,23 @@ mod tests {
     }
 
     #[test]
-    fn a_lock_waiter_channel_names_its_lock() {
+    fn a_waiter_channel_names_its_lock_or_semaphore() {
         for key in LOOKALIKES {
             let [lock, semaphore] = both(key);
-            let channel = lock.client_channel("0a1b");
             assert_eq!(
-                RedisKeys::of_lock_channel(&channel),
-                Some((lock.clone(), "0a1b"))
+                RedisKeys::of_waiter_channel(&lock.client_channel("0a1b")),
+                Some((Line::Lock, lock.clone(), "0a1b"))
+            );
+            assert_eq!(
+                RedisKeys::of_waiter_channel(&semaphore.client_channel("0a1b")),
+                Some((Line::Permits, semaphore.clone(), "0a1b"))
             );
             for other in [
-                semaphore.client_channel("0a1b"),
                 lock.observers_channel(),
                 lock.channel.clone(),
+                semaphore.channel.clone(),
             ] {
-                assert_eq!(RedisKeys::of_lock_channel(&other), None, "{other}");
+                assert_eq!(RedisKeys::of_waiter_channel(&other), None, "{other}");
             }
         }
     }

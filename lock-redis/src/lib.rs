@@ -190,7 +190,9 @@
 //!   it back in the line). An attempt of an owner that already holds the
 //!   lock (an earlier attempt's reply was lost) adopts it whatever the
 //!   line holds. A semaphore's line wakes its waiters as before: taken off
-//!   the line as they are woken, without a turn.
+//!   the line as they are woken, without a turn; a wake-up for a waiter
+//!   that no longer waits is passed on there too (its leave script wakes
+//!   the next waiter if a permit is free).
 //!   The line expires with the last wait that joined it. One pub/sub
 //!   connection per client, shared by all waiters and run by
 //!   [`distlock_core::Listener`], subscribes the client's channel of a key

@@ -134,8 +134,9 @@ impl ClusterPubSub {
 
 /// The client's notification source: its pub/sub connections, and what
 /// becomes of a wake-up that reaches no waiter here: a lock's line keeps
-/// the woken waiter first with a turn, so the listener leaves the line for
-/// a waiter that no longer waits (see [`Unclaimed`]).
+/// the woken waiter first with a turn, a semaphore's took it off the line
+/// (the wake-up lost), so the listener leaves the line for a waiter that
+/// no longer waits (see [`Unclaimed`]).
 pub(crate) struct Source {
     pubsub: PubSub,
     unclaimed: Arc<OnceLock<Unclaimed>>,

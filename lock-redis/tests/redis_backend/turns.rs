@@ -139,6 +139,19 @@ async fn a_woken_waiter_that_never_comes_loses_its_turn() {
     assert_eq!(turn, None);
 }
 
+/// The lease `task` waited for, within 60 s: only a wake-up serves it
+/// before the holder's 120 s.
+async fn served_by_a_wake_up(
+    task: tokio::task::JoinHandle<Result<Option<distlock_core::Lease>, distlock_core::LockError>>,
+) -> distlock_core::Lease {
+    tokio::time::timeout(Duration::from_secs(60), task)
+        .await
+        .expect("the wake-up for the waiter that left was passed on")
+        .unwrap()
+        .unwrap()
+        .expect("the waiter is served")
+}
+
 /// A wake-up for a waiter of this client that no longer waits (here a
 /// member of the line the client does not know, as a waiter's attempt that
 /// reached the server after its wait ended leaves) is passed on by the
@@ -171,15 +184,51 @@ async fn a_wake_up_for_a_waiter_that_left_is_passed_on() {
         .unwrap();
 
     held.holder.release(&held.lease).await.unwrap();
-    // Only a wake-up serves the waiter before the holder's 120 s: the
-    // release woke the member that left, whose client passed it on.
-    let got = tokio::time::timeout(Duration::from_secs(60), task)
-        .await
-        .expect("the wake-up for the waiter that left was passed on")
-        .unwrap()
-        .unwrap()
-        .expect("the waiter is served");
+    // The release woke the member that left, whose client passed it on.
+    let got = served_by_a_wake_up(task).await;
     assert!(got.fencing_token() > held.lease.fencing_token());
     assert_eq!(line(&mut held.conn, &key).await, Vec::<String>::new());
+    waiter.release(&got).await.unwrap();
+}
+
+/// As [`a_wake_up_for_a_waiter_that_left_is_passed_on`], on a semaphore:
+/// its release takes the woken waiter off the line, so a wake-up for a
+/// member that waits no more was lost, and the next waiter waited for its
+/// timer (the holder's permit expiry).
+#[tokio::test]
+async fn a_permit_wake_up_for_a_waiter_that_left_is_passed_on() {
+    let server = start(server::Redis::default());
+    let mut conn = raw(&server.url()).await;
+    let holder = connect(&server.url()).await.unwrap();
+    let key = unique_key("permit-passon");
+    let ttl = Duration::from_secs(120);
+    let attempt = holder.try_acquire_permit(&key, 1, ttl).await.unwrap();
+    let permit = attempt.lease().expect("a free permit");
+    let waiter = connect(&server.url()).await.unwrap();
+    let task = {
+        let (waiter, key) = (waiter.clone(), key.clone());
+        tokio::spawn(async move {
+            let deadline = Instant::now() + ttl;
+            waiter.acquire_permit(&key, 1, ttl, deadline).await
+        })
+    };
+    let permit_line = format!("distlock:{{{}}}:sem:waiters", key.as_str());
+    let queued: Vec<String> = eventually("the waiter joins the line", || {
+        let (mut conn, permit_line) = (conn.clone(), permit_line.clone());
+        async move {
+            let queued: Vec<String> = conn.zrange(&permit_line, 0, -1).await.unwrap();
+            (queued.len() == 1).then_some(queued)
+        }
+    })
+    .await;
+    // A member of the same client, ahead of the waiter, that waits no more.
+    let client = queued[0].split_once(':').unwrap().0;
+    let left = format!("{client}:{}", OwnerToken::random().to_hex());
+    let _: i64 = conn.zadd(&permit_line, &left, 1).await.unwrap();
+
+    holder.release(&permit).await.unwrap();
+    let got = served_by_a_wake_up(task).await;
+    let members: Vec<String> = conn.zrange(&permit_line, 0, -1).await.unwrap();
+    assert_eq!(members, Vec::<String>::new());
     waiter.release(&got).await.unwrap();
 }
