@@ -154,8 +154,10 @@
 //! one that started before a waiter joined may take a key that came free
 //! by its holder's expiry (it asked before that waiter). A waiter row of a client that died, whose listener pid another
 //! backend took meanwhile (a session pooler on `listen_url` keeps server
-//! sessions and hands them on), takes one wake-up with it; the next waiter
-//! then waits for its timer (the released holder's expiry). Behind a
+//! sessions and hands them on), takes one wake-up with it, unless that
+//! backend listens for another client of the same table (which passes it
+//! on); the next waiter then waits for its timer (the released holder's
+//! expiry). Behind a
 //! transaction pooler without `listen_url` waiters poll and never queue;
 //! their client's releases still wake queued waiters of other clients. A
 //! role that may not create `distlock_waiters`, or may not read, insert,

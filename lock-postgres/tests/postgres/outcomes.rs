@@ -326,6 +326,16 @@ async fn on_own_table(proxied: &str, ns: &str) -> (Pg, Pg, String) {
 
 /// As [`on_own_table`], the client's URL ending with `extra`.
 async fn on_own_table_with(proxied: &str, ns: &str, extra: &str) -> (Pg, Pg, String) {
+    on_own_table_timed(proxied, ns, 20_000, extra).await
+}
+
+/// As [`on_own_table_with`], the client's operation timeout `timeout_ms`.
+async fn on_own_table_timed(
+    proxied: &str,
+    ns: &str,
+    timeout_ms: u64,
+    extra: &str,
+) -> (Pg, Pg, String) {
     let tables = format!(
         "table={}&semaphore_table={}",
         unique_name("stalled"),
@@ -333,7 +343,7 @@ async fn on_own_table_with(proxied: &str, ns: &str, extra: &str) -> (Pg, Pg, Str
     );
     let app = unique_name("app");
     let lock = Pg::connect(&format!(
-        "{proxied}?namespace={ns}&{tables}&application_name={app}&operation_timeout_ms=20000{extra}"
+        "{proxied}?namespace={ns}&{tables}&application_name={app}&operation_timeout_ms={timeout_ms}{extra}"
     ))
     .await;
     let direct = Pg::connect(&format!("{}?namespace={ns}&{tables}", server().url())).await;
@@ -788,4 +798,70 @@ async fn a_waiting_first_permit_send_applied_after_its_permit_was_released_does_
 #[tokio::test]
 async fn a_waiting_first_permit_send_that_missed_the_row_it_met_does_not_join_the_line() {
     late_waiting_send_stays_out_of_line(WaitFor::Permit, false).await;
+}
+
+/// A wait's first send stalls on the server (before it locks the key's
+/// row) past twice the client's operation timeout: the client gives it up
+/// (its connection closed; PostgreSQL runs the statement on), sends the
+/// attempt again, which joins the line, and the wait ends (its deadline),
+/// leaving the line. Only then does the first send go on: refused, it
+/// joins the line after the wait's leave, under the client's live
+/// listener. The next release wakes that row; its client passes the
+/// wake-up on, and the waiter behind it is served. Before, the line
+/// waited out the row's turn, and the waiter behind, never woken, its
+/// timer (the holder's expiry).
+#[tokio::test]
+async fn a_waiting_send_applied_after_its_wait_left_the_line_costs_a_pass_on() {
+    let ns = unique_name("stalled_past_wait");
+    let (lock, direct, app) = on_own_table_timed(&server().url(), &ns, 1_000, "").await;
+    let (long, k) = (Duration::from_secs(120), key("k"));
+    let holder = take(&direct, &k, long, "free").await;
+    let first_send = rand::random::<i32>();
+    let mut gate = stall_inserts(&direct, &direct.table(), &[first_send]).await;
+    let wait = {
+        let (lock, k) = (lock.clone(), k.clone());
+        tokio::spawn(async move {
+            lock.acquire(&k, long, Instant::now() + Duration::from_secs(5))
+                .await
+        })
+    };
+    let first = backend(&direct, &app, STALLED).await;
+    let ended_wait = wait.await.unwrap();
+    assert!(
+        !matches!(ended_wait, Ok(Some(_))),
+        "the wait ends without the held lock: {ended_wait:?}"
+    );
+    // Its leave is awaited (at most 2 s) before the wait returns; on a
+    // loaded machine it may end after that.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while waiter_rows(&direct, &ns).await > 0 {
+        assert!(Instant::now() < deadline, "the wait never left the line");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    open(&mut gate, first_send).await;
+    ended(&direct, &app, first).await;
+    assert_eq!(
+        waiter_rows(&direct, &ns).await,
+        1,
+        "the first send, applied after the wait left, joined the line"
+    );
+    // A waiter of another client, behind that row.
+    let waiting = {
+        let (direct, k) = (direct.clone(), k.clone());
+        tokio::spawn(async move { direct.acquire(&k, long, Instant::now() + long).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while waiter_rows(&direct, &ns).await < 2 {
+        assert!(Instant::now() < deadline, "the next waiter never queued");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    direct.release(&holder).await.unwrap();
+    let lease = tokio::time::timeout(Duration::from_secs(30), waiting)
+        .await
+        .expect("the waiter behind the row of the ended wait was woken")
+        .unwrap()
+        .unwrap()
+        .expect("the waiter is served");
+    direct.release(&lease).await.unwrap();
+    assert_eq!(waiter_rows(&direct, &ns).await, 0, "nothing left in line");
 }
