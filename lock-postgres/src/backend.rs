@@ -510,15 +510,12 @@ impl PostgresLock {
         }
         let registration = self.waits.register(line, key, waiter);
         let leaving = Leaving {
-            pool: self.pool.clone(),
-            simple: self.simple.clone(),
+            statement: self.leave_statement(leave),
             waits: self.waits.clone(),
-            timeout: self.config.client().operation_timeout(),
             line,
             key: key.clone(),
             waiter,
             registration,
-            leave: leave.clone(),
             args: leave_args(
                 self.namespace(),
                 key.as_str(),
@@ -544,18 +541,28 @@ impl PostgresLock {
         })
     }
 
+    /// The statement `leave` (of a line), as a wait's end or a pass-on
+    /// sends it.
+    fn leave_statement(&self, leave: &Arc<Sql>) -> LeaveStatement {
+        LeaveStatement {
+            pool: self.pool.clone(),
+            simple: self.simple.clone(),
+            timeout: self.config.client().operation_timeout(),
+            leave: leave.clone(),
+        }
+    }
+
     /// Has `of`'s listener leave the line for a waiter a release woke
     /// after its wait ended (see `Releases::pass_on_unclaimed`): the
     /// wait's own leave came first, or failed, and a request of the wait
     /// whose outcome was unknown (a statement stalled on the server past
     /// its connection) joined again after it.
-    pub(crate) fn pass_on_unclaimed(&self, of: Lines<'_>) {
+    fn pass_on_unclaimed(&self, of: Lines<'_>) {
         let source = of.listener.source();
         let pass_on = {
-            let (pool, simple) = (self.pool.clone(), self.simple.clone());
-            let timeout = self.config.client().operation_timeout();
+            let statement = self.leave_statement(of.leave);
             let namespace = self.namespace().to_owned();
-            let (leave, table) = (of.leave.clone(), of.table.to_owned());
+            let table = of.table.to_owned();
             let (channel, next) = (of.channel.to_owned(), source.next().to_owned());
             let pid = source.shared_pid();
             move |key: &str, waiter: &str| {
@@ -569,10 +576,9 @@ impl PostgresLock {
                     &next,
                     pid,
                 );
-                let call = Call::new(Protocol::of(&simple), &leave, args);
-                let (pool, key) = (pool.clone(), key.to_owned());
+                let (statement, key) = (statement.clone(), key.to_owned());
                 tokio::spawn(async move {
-                    match sql::send_alone(&pool, call, timeout).await {
+                    match statement.send(args).await {
                         Ok(_) => {
                             tracing::debug!(key = %key, "a wake-up for a waiter that no longer waits: passed on")
                         }
@@ -625,16 +631,31 @@ pub(crate) struct Lines<'a> {
 
 /// A wait that ended: leaves its line on the server if it may be in it.
 struct Leaving {
-    pool: PgPool,
-    simple: Arc<AtomicBool>,
+    statement: LeaveStatement,
     waits: Arc<OpenWaits>,
-    timeout: Duration,
     line: WaitLine,
     key: LockKey,
     waiter: OwnerToken,
     registration: u64,
-    leave: Arc<Sql>,
     args: Vec<Arg>,
+}
+
+/// A line's leave statement, ready to send (see `PostgresLock::leave_statement`).
+#[derive(Clone)]
+struct LeaveStatement {
+    pool: PgPool,
+    simple: Arc<AtomicBool>,
+    timeout: Duration,
+    leave: Arc<Sql>,
+}
+
+impl LeaveStatement {
+    /// Sends it with `args` (see [`leave_args`]) on a task of its own, as
+    /// every statement (see `sql::send`).
+    async fn send(&self, args: Vec<Arg>) -> Result<sql::Reply, sql::Missed> {
+        let call = Call::new(Protocol::of(&self.simple), &self.leave, args);
+        sql::send_alone(&self.pool, call, self.timeout).await
+    }
 }
 
 impl Leaving {
@@ -646,12 +667,11 @@ impl Leaving {
         {
             return;
         }
-        let call = Call::new(Protocol::of(&self.simple), &self.leave, self.args);
-        // On a task of its own, as every statement (see `sql::send`). Best
-        // effort: a row left behind is taken off the line (to no avail) by
-        // a later release, which costs the other waiters that wake-up:
-        // they fall back to their timers.
-        match sql::send_alone(&self.pool, call, self.timeout).await {
+        // Best effort: a row left behind is taken off the line (to no
+        // avail) by a later release, which costs the other waiters that
+        // wake-up: they fall back to their timers (or, if the release wakes
+        // it, the listener passes the wake-up on).
+        match self.statement.send(self.args).await {
             Ok(_) => tracing::trace!(key = %key, "a wait that ended left its waiter line"),
             Err(error) => {
                 tracing::debug!(key = %key, %error, "leaving the waiter line failed; a later release drops the row");

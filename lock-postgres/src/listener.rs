@@ -280,8 +280,8 @@ impl NotificationSource for Releases {
             // A payload in another form names no waiter (no client writes
             // one): it wakes nobody.
             if let Some(one) = one_waiter(payload) {
-                let own = self.pid().map(|pid| own_next_channel(&self.next, pid));
                 if let (Some(unclaimed), Some(waiter)) = (self.unclaimed.get(), &one.waiter) {
+                    let own = self.pid().map(|pid| own_next_channel(&self.next, pid));
                     if own.as_deref() == Some(channel) {
                         unclaimed.pass_on_if_unclaimed(&one.channel, waiter);
                     }

@@ -66,7 +66,7 @@ pub use locks::StatementTexts;
 pub(crate) use locks::Statements;
 pub use permits::PermitStatementTexts;
 pub(crate) use permits::PermitStatements;
-pub(crate) use run::{send, send_alone, GiveBack, Reply};
+pub(crate) use run::{send, send_alone, GiveBack, Missed, Reply};
 pub(crate) use sweep::{Sweep, BATCH};
 
 /// How statements and their values are sent to the server.

@@ -561,6 +561,16 @@ async fn waiter_rows(direct: &Pg, ns: &str) -> i64 {
     .unwrap()
 }
 
+/// Waits (at most 30 s) until namespace `ns` has waiter rows `done`
+/// accepts; `why` names what never happened otherwise.
+async fn until_waiter_rows(direct: &Pg, ns: &str, done: impl Fn(i64) -> bool, why: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !done(waiter_rows(direct, ns).await) {
+        assert!(Instant::now() < deadline, "{why}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 #[tokio::test]
 async fn a_wait_whose_settling_attempt_was_granted_still_leaves_the_line() {
     // A wait's attempt is in flight (stalled on the server before it locks
@@ -618,14 +628,8 @@ async fn a_wait_whose_settling_attempt_was_granted_still_leaves_the_line() {
         "it joined the line again"
     );
     drop(watch);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while waiter_rows(&direct, &ns).await > 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the wait ended and left its row in the line"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let why = "the wait ended and left its row in the line";
+    until_waiter_rows(&direct, &ns, |rows| rows == 0, why).await;
     direct.release(&other).await.unwrap();
 }
 
@@ -833,11 +837,13 @@ async fn a_waiting_send_applied_after_its_wait_left_the_line_costs_a_pass_on() {
     );
     // Its leave is awaited (at most 2 s) before the wait returns; on a
     // loaded machine it may end after that.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while waiter_rows(&direct, &ns).await > 0 {
-        assert!(Instant::now() < deadline, "the wait never left the line");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_waiter_rows(
+        &direct,
+        &ns,
+        |rows| rows == 0,
+        "the wait never left the line",
+    )
+    .await;
     open(&mut gate, first_send).await;
     ended(&direct, &app, first).await;
     assert_eq!(
@@ -850,11 +856,13 @@ async fn a_waiting_send_applied_after_its_wait_left_the_line_costs_a_pass_on() {
         let (direct, k) = (direct.clone(), k.clone());
         tokio::spawn(async move { direct.acquire(&k, long, Instant::now() + long).await })
     };
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while waiter_rows(&direct, &ns).await < 2 {
-        assert!(Instant::now() < deadline, "the next waiter never queued");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_waiter_rows(
+        &direct,
+        &ns,
+        |rows| rows >= 2,
+        "the next waiter never queued",
+    )
+    .await;
     direct.release(&holder).await.unwrap();
     let lease = tokio::time::timeout(Duration::from_secs(30), waiting)
         .await
