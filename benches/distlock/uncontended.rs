@@ -21,6 +21,9 @@ enum Kind {
     Ping,
     LibPermit,
     RawPermit,
+    /// Redis: the raw pair with a fencing token (`SET NX PX` and `INCR` in
+    /// one script, then compare-and-delete), the least a fenced lock sends.
+    RawFenced,
 }
 
 /// The uncontended rows (library, raw, round trip per task count) and the
@@ -39,14 +42,27 @@ pub async fn rows(
         let mut take = |kind: Kind| samples.remove(&(kind as u8));
         let (lib_s, raw_s, ping_s) = (take(Kind::Lib), take(Kind::Raw), take(Kind::Ping));
         let (permit_s, raw_permit_s) = (take(Kind::LibPermit), take(Kind::RawPermit));
+        let fenced_s = take(Kind::RawFenced);
         if tasks == 1 {
             ping_p50 = ping_s.as_ref().and_then(|p| p.pct(0.5));
         }
         let param = format!("tasks={tasks}");
+        let raw_p50 = raw_s.as_ref().and_then(|r| r.pct(0.5));
         let lock = ["uncontended_library", "uncontended_raw"];
-        rows.extend(beside_raw(
-            backend, lock, &param, lib_s, raw_s, ping_p50, "",
-        ));
+        let mut lock_rows = beside_raw(backend, lock, &param, lib_s, raw_s, ping_p50, "");
+        if let Some(fenced_s) = fenced_s {
+            let row = fenced_row(backend, &param, &fenced_s, raw_p50, ping_p50);
+            if let (Some(library), Some(ratio)) = (lock_rows.first_mut(), row.ratio_vs_raw) {
+                // What a fenced lock cannot go below, beside target 1's verdict.
+                if let Some(note) = library.note.as_mut() {
+                    note.push_str(&format!(
+                        "; the raw fenced pair of the same batches: {ratio:.2}x raw"
+                    ));
+                }
+            }
+            lock_rows.push(row);
+        }
+        rows.extend(lock_rows);
         if let Some(ping_s) = ping_s {
             let mut row = Row::new(backend, "round_trip", param.clone());
             row.p50_us = ping_s.pct(0.5);
@@ -77,6 +93,28 @@ pub async fn rows(
         ));
     }
     Ok((rows, ping_p50))
+}
+
+/// The raw fenced pair's row: its p50 as a ratio to the raw (unfenced)
+/// pair's, which shows how much of target 1 a fencing token alone costs.
+fn fenced_row(
+    backend: Backend,
+    param: &str,
+    fenced_s: &Samples,
+    raw_p50: Option<f64>,
+    ping_p50: Option<f64>,
+) -> Row {
+    let mut row = Row::new(backend, "uncontended_raw_fenced", param);
+    row.p50_us = fenced_s.pct(0.5);
+    row.p99_us = fenced_s.pct(0.99);
+    row.ops_per_s = fenced_s.ops_per_s();
+    row.ratio_vs_raw = raw_p50.zip(fenced_s.pct(0.5)).map(|(r, f)| f / r);
+    row.round_trips = ping_p50.zip(fenced_s.pct(0.5)).map(|(p, l)| l / p);
+    row.note = Some(format!(
+        "SET NX PX and INCR in one script, then compare-and-delete: the least a lock with fencing tokens sends; {}",
+        fenced_s.cpu_note(true)
+    ));
+    row
 }
 
 /// The library's row (its p50 as a ratio to the raw one's) and the raw
@@ -144,6 +182,9 @@ async fn uncontended(
     let mut kinds = vec![Kind::Lib, Kind::LibPermit];
     if raw.is_some() {
         kinds.extend([Kind::Raw, Kind::Ping, Kind::RawPermit]);
+        if backend == Backend::Redis {
+            kinds.push(Kind::RawFenced);
+        }
     }
     let mut out: BTreeMap<u8, Samples> = BTreeMap::new();
     static SEQ: AtomicU64 = AtomicU64::new(0);
@@ -215,6 +256,11 @@ async fn run_batch(
                         if let Some(raw) = &raw {
                             raw.permit_acquire_release(&key, n, PERMIT_LIMIT, TTL)
                                 .await?;
+                        }
+                    }
+                    Kind::RawFenced => {
+                        if let Some(raw) = &raw {
+                            raw.fenced_acquire_release(&key, n, TTL).await?;
                         }
                     }
                     Kind::Ping => {
