@@ -72,8 +72,8 @@ impl ServerCount {
 /// What a server-side total counts, for the notes; `per` is the unit of
 /// work (a handoff, a renewal period) its "incl. inside scripts" and
 /// script-time figures are divided by. The script time shows what a
-/// script costs where it runs (after other work, its commands' data and
-/// the interpreter's code out of the CPU's caches), not in a loop.
+/// script costs where it runs, after other work (about twice what it
+/// costs back to back in a loop; README, "Where the time goes").
 pub fn source(backend: Backend, count: &ServerCount, per: f64) -> String {
     match (backend, count.all_calls) {
         (Backend::Redis, Some(all)) => format!(
