@@ -104,16 +104,35 @@ fn fenced_row(
     raw_p50: Option<f64>,
     ping_p50: Option<f64>,
 ) -> Row {
-    let mut row = Row::new(backend, "uncontended_raw_fenced", param);
-    row.p50_us = fenced_s.pct(0.5);
-    row.p99_us = fenced_s.pct(0.99);
-    row.ops_per_s = fenced_s.ops_per_s();
+    let note = "SET NX PX and INCR in one script, then compare-and-delete: the least a lock with fencing tokens sends; ";
+    let mut row = raw_row(
+        backend,
+        "uncontended_raw_fenced",
+        param,
+        fenced_s,
+        ping_p50,
+        note,
+    );
     row.ratio_vs_raw = raw_p50.zip(fenced_s.pct(0.5)).map(|(r, f)| f / r);
-    row.round_trips = ping_p50.zip(fenced_s.pct(0.5)).map(|(p, l)| l / p);
-    row.note = Some(format!(
-        "SET NX PX and INCR in one script, then compare-and-delete: the least a lock with fencing tokens sends; {}",
-        fenced_s.cpu_note(true)
-    ));
+    row
+}
+
+/// A raw driver's row of `raw_s`: its latencies, rate and round trips,
+/// and its CPU per operation after `note`.
+fn raw_row(
+    backend: Backend,
+    name: &'static str,
+    param: &str,
+    raw_s: &Samples,
+    ping_p50: Option<f64>,
+    note: &str,
+) -> Row {
+    let mut row = Row::new(backend, name, param);
+    row.p50_us = raw_s.pct(0.5);
+    row.p99_us = raw_s.pct(0.99);
+    row.ops_per_s = raw_s.ops_per_s();
+    row.round_trips = ping_p50.zip(raw_s.pct(0.5)).map(|(p, l)| l / p);
+    row.note = Some(format!("{note}{}", raw_s.cpu_note(true)));
     row
 }
 
@@ -157,13 +176,7 @@ fn beside_raw(
     }
     rows.push(row);
     if let Some(raw_s) = raw_s {
-        let mut row = Row::new(backend, names[1], param);
-        row.p50_us = raw_s.pct(0.5);
-        row.p99_us = raw_s.pct(0.99);
-        row.ops_per_s = raw_ops;
-        row.round_trips = ping_p50.zip(raw_s.pct(0.5)).map(|(p, l)| l / p);
-        row.note = Some(format!("{note}{}", raw_s.cpu_note(true)));
-        rows.push(row);
+        rows.push(raw_row(backend, names[1], param, &raw_s, ping_p50, note));
     }
     rows
 }
